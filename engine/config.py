@@ -57,6 +57,7 @@ class ArchConfig:
             )
         heads = int(d["num_attention_heads"])
         hidden = int(d["hidden_size"])
+        rope_theta, rope_scaling = _rope_fields(d)
         eos = d.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
         return cls(
@@ -68,8 +69,8 @@ class ArchConfig:
             num_key_value_heads=int(d.get("num_key_value_heads") or heads),
             head_dim=int(d.get("head_dim") or hidden // heads),
             rms_norm_eps=float(d.get("rms_norm_eps", 1e-5)),
-            rope_theta=float(d.get("rope_theta", 10000.0)),
-            rope_scaling=d.get("rope_scaling"),
+            rope_theta=rope_theta,
+            rope_scaling=rope_scaling,
             max_position_embeddings=int(d.get("max_position_embeddings", 2048)),
             tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
             attention_bias=bool(d.get("attention_bias", model_type == "qwen2")),
@@ -93,3 +94,13 @@ class ArchConfig:
     @classmethod
     def from_json_file(cls, path: str | Path) -> ArchConfig:
         return cls.from_hf_dict(json.loads(Path(path).read_text()))
+
+
+def _rope_fields(d: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
+    """(rope_theta, rope_scaling) from either the classic keys or transformers 5's `rope_parameters`."""
+    params = d.get("rope_parameters")
+    if isinstance(params, dict):
+        theta = float(params.get("rope_theta", d.get("rope_theta", 10000.0)))
+        kind = params.get("rope_type", params.get("type", "default"))
+        return theta, (None if kind == "default" else dict(params))
+    return float(d.get("rope_theta", 10000.0)), d.get("rope_scaling")

@@ -1,0 +1,99 @@
+"""Attention over the paged KV cache: the backend interface and the pure-torch reference.
+
+A step's tokens arrive flattened ([T, heads, head_dim]). `AttentionMetadata` says where each
+token's K/V goes in the cache (`slot_mapping`), its position in its sequence, and which
+request row and column of a padded [rows, max_q] layout it occupies. A query at position p
+attends to every cached key of its request at positions <= p (so a verify block of k+1
+tokens is causal inside itself, and prefill chunks see the earlier chunks).
+
+Cache layout per layer: one tensor [2, num_blocks, block_size, num_kv_heads, head_dim]
+(index 0 = K, 1 = V). Block 0 is the trash block: padding and masked rows write there.
+Nothing here syncs with the device; all shapes come from host-known integers.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+
+import torch
+
+TRASH_BLOCK = 0
+
+
+@dataclass
+class AttentionMetadata:
+    slot_mapping: torch.Tensor  # [T] int64: block_id * block_size + offset
+    positions: torch.Tensor  # [T] int64: position of each token in its sequence
+    block_tables: torch.Tensor  # [R, max_blocks] int64: rows' block ids (pad: TRASH_BLOCK)
+    token_row: torch.Tensor  # [T] int64: which row each token belongs to
+    token_col: torch.Tensor  # [T] int64: column of the token in the padded [R, max_q] layout
+    max_q: int  # host-known: the longest query of any row
+    num_kv_blocks: int  # host-known: how many block-table columns to read (covers every position)
+
+    @property
+    def num_rows(self) -> int:
+        return int(self.block_tables.shape[0])
+
+
+class AttentionBackend(ABC):
+    """Writes this step's K/V into the cache, then attends. Called once per layer per step."""
+
+    @abstractmethod
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:
+        """q: [T, Hq, D]; k, v: [T, Hkv, D]; returns [T, Hq, D]."""
+
+
+def write_kv(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:
+    """Scatter this step's K/V into their slots (no sync)."""
+    _, num_blocks, block_size, heads, dim = kv_cache.shape
+    flat = kv_cache.view(2, num_blocks * block_size, heads, dim)
+    flat[0].index_copy_(0, slots, k.to(kv_cache.dtype))
+    flat[1].index_copy_(0, slots, v.to(kv_cache.dtype))
+
+
+class TorchAttention(AttentionBackend):
+    """Reference backend: gathers each row's blocks into a padded tensor and runs masked SDPA."""
+
+    def forward(self, q, k, v, kv_cache, meta, scale):
+        write_kv(kv_cache, k, v, meta.slot_mapping)
+        rows, max_q = meta.num_rows, meta.max_q
+        _, _, block_size, hkv, dim = kv_cache.shape
+        hq = q.shape[1]
+        tables = meta.block_tables[:, : meta.num_kv_blocks]
+        keys = kv_cache[0][tables].reshape(rows, -1, hkv, dim)  # [R, S, Hkv, D]
+        values = kv_cache[1][tables].reshape(rows, -1, hkv, dim)
+        qp = q.new_zeros(rows, max_q, hq, dim)
+        qp[meta.token_row, meta.token_col] = q
+        qpos = torch.full((rows, max_q), -1, dtype=torch.long, device=q.device)
+        qpos[meta.token_row, meta.token_col] = meta.positions
+        kpos = torch.arange(keys.shape[1], device=q.device)
+        mask = kpos.view(1, 1, -1) <= qpos.unsqueeze(-1)  # [R, max_q, S]
+        group = hq // hkv
+        keys = keys.repeat_interleave(group, dim=2).transpose(1, 2).float()  # [R, Hq, S, D]
+        values = values.repeat_interleave(group, dim=2).transpose(1, 2).float()
+        scores = torch.matmul(qp.transpose(1, 2).float(), keys.transpose(-1, -2)) * scale
+        scores = scores.masked_fill(~mask.unsqueeze(1), float("-inf"))
+        # rows of padding have no visible key; keep them finite
+        scores = scores.masked_fill(~mask.any(-1, keepdim=True).unsqueeze(1), 0.0)
+        probs = torch.softmax(scores, dim=-1)
+        out = torch.matmul(probs, values).transpose(1, 2)  # [R, max_q, Hq, D]
+        return out[meta.token_row, meta.token_col].to(q.dtype)
+
+
+_BACKENDS: dict[str, type[AttentionBackend]] = {"torch": TorchAttention}
+
+
+def get_backend(name: str = "torch") -> AttentionBackend:
+    try:
+        return _BACKENDS[name]()
+    except KeyError:
+        raise ValueError(f"unknown attention backend {name!r}; known: {sorted(_BACKENDS)}") from None

@@ -1,0 +1,298 @@
+"""LLMEngine: the single-process engine (continuous batching, chunked prefill, MTP on/off).
+
+Receives token-id prompts with SamplingParams; hands back per-step output deltas. Each `step`
+runs one prefill batch (a token budget of prompt chunks, FIFO) and one overlapped decode step:
+the decode step N+1 is launched before step N's results are read. The scheduler part holds
+integers and lists only; tensors live in the ModelRunner. The prefill and decode nodes reuse
+the same pieces (`ModelRunner.prefill`, `insert_no_sync`, `launch_decode`/`collect`).
+
+KV blocks are reserved for a request's whole life at admission (prompt + max_tokens + MTP
+room), so a running request never needs preemption; blocks are freed only after the decode
+step in flight has been collected, so no launched step can write into a reused block.
+"""
+
+from __future__ import annotations
+
+import itertools
+import random
+from collections import deque
+from dataclasses import dataclass, field
+
+import torch
+
+from engine.attention import get_backend
+from engine.batch_state import SlotInit
+from engine.kv_cache import BlockManager, KVCache
+from engine.loader import LoadedModel
+from engine.model_runner import DecodeHandle, ModelRunner, PrefillChunk, kv_room_needed, unpack_logprobs
+from engine.sampling_params import SamplingParams
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    num_speculative_tokens: int = 0
+    block_size: int = 16
+    max_num_seqs: int = 32
+    max_num_batched_tokens: int = 512
+    max_model_len: int | None = None  # default: min(model's max positions, 4096)
+    kv_cache_bytes: int = 512 << 20
+    num_blocks: int | None = None  # overrides kv_cache_bytes
+    device: str = "cpu"
+    attention_backend: str = "torch"
+    block_shuffle_seed: int | None = None  # scatter block ids (tests)
+    seed: int = 0  # draws per-request seeds when a request gives none
+
+    def __post_init__(self) -> None:
+        if self.num_speculative_tokens < 0:
+            raise ValueError(f"num_speculative_tokens (k) must be >= 0, got {self.num_speculative_tokens}")
+        if self.block_size <= 0 or self.max_num_seqs <= 0 or self.max_num_batched_tokens <= 0:
+            raise ValueError("block_size, max_num_seqs and max_num_batched_tokens must be > 0")
+
+
+@dataclass
+class TokenLogprob:
+    token_id: int
+    logprob: float
+    rank: int
+    top: list[tuple[int, float]]
+
+    def to_json(self) -> dict:
+        return {"token_id": self.token_id, "logprob": self.logprob, "rank": self.rank,
+                "top": [[i, lp] for i, lp in self.top]}
+
+
+@dataclass
+class Request:
+    request_id: str
+    prompt: list[int]
+    params: SamplingParams
+    seed: int
+    stop_ids: tuple[int, ...]
+    max_tokens: int
+    block_ids: list[int] = field(default_factory=list)
+    num_prefilled: int = 0
+    slot: int | None = None
+    output_ids: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    finish_reason: str | None = None
+    steps: int = 0
+    accepted_tokens: int = 0
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    @property
+    def mean_accepted_per_step(self) -> float:
+        return (len(self.output_ids) - 1) / self.steps if self.steps else 0.0
+
+
+@dataclass
+class RequestOutput:
+    """What one step added to one request."""
+
+    request_id: str
+    new_token_ids: list[int]
+    new_logprobs: list[TokenLogprob]
+    finish_reason: str | None
+
+
+class LLMEngine:
+    def __init__(self, loaded: LoadedModel, config: EngineConfig) -> None:
+        self.loaded, self.config = loaded, config
+        self.tokenizer = loaded.tokenizer
+        self.k = config.num_speculative_tokens
+        if self.k and loaded.model.mtp is None:
+            raise ValueError("this model has no MTP module; use num_speculative_tokens=0")
+        arch = loaded.model.config
+        self.max_model_len = config.max_model_len or min(arch.max_position_embeddings, 4096)
+        device = torch.device(config.device)
+        dtype = next(loaded.model.parameters()).dtype
+        layers = arch.num_hidden_layers + (1 if self.k else 0)
+        per_seq = -(-kv_room_needed(self.max_model_len, self.k) // config.block_size)
+        num_blocks = config.num_blocks or min(
+            1 + config.max_num_seqs * per_seq,
+            config.kv_cache_bytes
+            // KVCache.bytes_per_block(layers, config.block_size, arch.num_key_value_heads, arch.head_dim, dtype),
+        )
+        self.blocks = BlockManager(num_blocks, config.block_size, config.block_shuffle_seed)
+        self.runner = ModelRunner(
+            loaded.model, get_backend(config.attention_backend), self.k, num_blocks,
+            config.block_size, config.max_num_seqs, self.max_model_len, device, dtype,
+        )
+        self.waiting: deque[Request] = deque()  # admitted in order; blocks taken at prefill start
+        self.prefilling: list[Request] = []
+        self.running: dict[int, Request] = {}  # slot -> request
+        self.free_slots = list(range(config.max_num_seqs - 1, -1, -1))
+        self.requests: dict[str, Request] = {}
+        self._inflight: tuple[DecodeHandle, list[Request], dict[int, int]] | None = None
+        self._free_after_collect: list[list[int]] = []
+        self._rng = random.Random(config.seed)
+        self._ids = itertools.count()
+
+    # ---- requests -------------------------------------------------------------------
+    def add_request(self, prompt: list[int], params: SamplingParams, request_id: str | None = None) -> str:
+        if not prompt:
+            raise ValueError("prompt is empty")
+        vocab = self.loaded.model.config.vocab_size
+        if any(not 0 <= t < vocab for t in prompt):
+            raise ValueError(f"prompt has token ids outside the vocabulary (0..{vocab - 1})")
+        if len(prompt) >= self.max_model_len:
+            raise ValueError(
+                f"prompt is {len(prompt)} tokens; the context is {self.max_model_len} (room for >= 1 output token needed)"
+            )
+        rid = request_id if request_id is not None else f"req-{next(self._ids)}"
+        if rid in self.requests:
+            raise ValueError(f"duplicate request id {rid!r}")
+        stop = tuple(params.stop_token_ids) + (() if params.ignore_eos else self.loaded.eos_token_ids)
+        seed = params.seed if params.seed is not None else self._rng.getrandbits(62)
+        max_tokens = min(params.max_tokens, self.max_model_len - len(prompt))
+        req = Request(rid, list(prompt), params, seed, tuple(dict.fromkeys(stop)), max_tokens)
+        self.requests[rid] = req
+        self.waiting.append(req)
+        return rid
+
+    def abort(self, request_id: str) -> None:
+        req = self.requests.get(request_id)
+        if req is None or req.finished:
+            return
+        if req in self.waiting:
+            self.waiting.remove(req)
+        if req in self.prefilling:
+            self.prefilling.remove(req)
+        self._finish(req, "abort")
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.prefilling or self.running or self._inflight)
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.blocks.num_free
+
+    # ---- the step -------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        outputs: list[RequestOutput] = []
+        chunks, reqs = self._schedule_prefill()
+        if chunks:
+            outputs += self._run_prefill(chunks, reqs)
+        previous = self._inflight
+        self._inflight = self._launch_decode() if self.running else None
+        if previous is not None:
+            outputs += self._process_decode(*previous)
+            for blocks in self._free_after_collect:
+                self.blocks.free(blocks)
+            self._free_after_collect.clear()
+        return outputs
+
+    def _schedule_prefill(self) -> tuple[list[PrefillChunk], list[Request]]:
+        while self.waiting and self._admit(self.waiting[0]):
+            self.prefilling.append(self.waiting.popleft())
+        budget = self.config.max_num_batched_tokens
+        chunks, reqs = [], []
+        for req in self.prefilling:
+            if budget <= 0:
+                break
+            end = min(len(req.prompt), req.num_prefilled + budget)
+            chunks.append(PrefillChunk(req.prompt, req.num_prefilled, end, req.block_ids, req.params, req.seed))
+            reqs.append(req)
+            budget -= end - req.num_prefilled
+        return chunks, reqs
+
+    def _admit(self, req: Request) -> bool:
+        """Reserve a slot and the request's whole KV room, or leave it waiting."""
+        need = self.blocks.blocks_for(kv_room_needed(len(req.prompt) + req.max_tokens, self.k))
+        if need > self.blocks.capacity:
+            self.waiting.popleft()
+            self._finish(req, "error: request needs more KV blocks than the cache has")
+            return bool(self.waiting) and self._admit(self.waiting[0])
+        if not self.free_slots or need > self.blocks.num_free:
+            return False
+        req.block_ids = self.blocks.allocate(need)
+        return True
+
+    def _run_prefill(self, chunks: list[PrefillChunk], reqs: list[Request]) -> list[RequestOutput]:
+        out = self.runner.prefill(chunks)
+        for c, req in zip(chunks, reqs, strict=True):
+            req.num_prefilled = c.end
+        if not out.last_rows:
+            return []
+        firsts = out.first_token.tolist()  # the prefill read point (not in the decode loop)
+        lp_nums = {i: chunks[r].logprobs or 0 for i, r in enumerate(out.last_rows) if chunks[r].logprobs is not None}
+        lps = unpack_logprobs(out.logprobs, lp_nums, out.logprob_rows, 1) if out.logprobs else {}
+        results = []
+        for i, r in enumerate(out.last_rows):
+            req = reqs[r]
+            self.prefilling.remove(req)
+            tlp = [TokenLogprob(firsts[i], *lps[i][0])] if i in lps else []
+            results.append(self._emit(req, [firsts[i]], tlp))
+            if not req.finished:
+                self._insert(req, out.first_token[i], out.drafts, out.draft_probs, i)
+        return results
+
+    def _insert(self, req: Request, first, drafts, draft_probs, i: int) -> None:
+        slot = self.free_slots.pop()
+        p = req.params
+        init = SlotInit(
+            seq_len=len(req.prompt), first_token=first,
+            drafts=drafts[i] if drafts is not None else None,
+            draft_probs=draft_probs[i] if draft_probs is not None else None,
+            num_generated=1, max_tokens=req.max_tokens, stop_ids=req.stop_ids,
+            temperature=p.temperature, top_k=p.top_k, top_p=p.top_p, seed=req.seed, block_ids=req.block_ids,
+        )
+        self.runner.insert_no_sync(slot, init)
+        req.slot = slot
+        self.running[slot] = req
+
+    def _launch_decode(self) -> tuple[DecodeHandle, list[Request], dict[int, int]]:
+        slots = sorted(self.running)
+        reqs = [self.running[s] for s in slots]
+        sampled = [r.params for r in reqs if not r.params.greedy]
+        flags = (not sampled, any(p.top_k > 0 or p.top_p < 1.0 for p in sampled))
+        lp = {i: r.params.logprobs for i, r in enumerate(reqs) if r.params.logprobs is not None}
+        width = max(len(r.block_ids) for r in reqs)
+        return self.runner.launch_decode(slots, flags, lp, width), reqs, lp  # type: ignore[arg-type]
+
+    def _process_decode(self, handle: DecodeHandle, reqs: list[Request], lp: dict[int, int]) -> list[RequestOutput]:
+        res = self.runner.collect(handle, lp)
+        outputs = []
+        for row, req in enumerate(reqs):
+            toks = res.tokens[row]
+            if req.finished or not toks:
+                continue
+            req.steps += 1
+            req.accepted_tokens += len(toks) - 1
+            tlps = [TokenLogprob(t, *e) for t, e in zip(toks, res.logprobs.get(row, []), strict=False)]
+            outputs.append(self._emit(req, toks, tlps, device_finished=res.finished[row]))
+        return outputs
+
+    def _emit(self, req: Request, toks: list[int], tlps: list[TokenLogprob], device_finished: bool = False) -> RequestOutput:
+        req.output_ids += toks
+        req.logprobs += tlps
+        if toks[-1] in req.stop_ids:
+            self._finish(req, "stop")
+        elif len(req.output_ids) >= req.max_tokens or device_finished:
+            self._finish(req, "length")
+        return RequestOutput(req.request_id, toks, tlps, req.finish_reason)
+
+    def _finish(self, req: Request, reason: str) -> None:
+        req.finish_reason = reason
+        if req.slot is not None:
+            self.runner.state.release(req.slot)
+            del self.running[req.slot]
+            self.free_slots.append(req.slot)
+            req.slot = None
+        if req.block_ids:
+            self._free_after_collect.append(req.block_ids)
+            req.block_ids = []
+        if self._inflight is None:
+            for blocks in self._free_after_collect:
+                self.blocks.free(blocks)
+            self._free_after_collect.clear()
+
+    # ---- convenience ----------------------------------------------------------------
+    def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams]) -> list[Request]:
+        plist = params if isinstance(params, list) else [params] * len(prompts)
+        ids = [self.add_request(p, sp) for p, sp in zip(prompts, plist, strict=True)]
+        while self.has_unfinished():
+            self.step()
+        return [self.requests.pop(i) for i in ids]

@@ -1,0 +1,103 @@
+"""Build a ready model from a `--model` value: 'tiny', 'smollm2', a HF directory or a .gguf file.
+
+Hands on a `LoadedModel` (module on its device and dtype, tokenizer, EOS ids). Models that ship
+no MTP weights get a seeded, untrained MTP module (drafts are then poor but harmless), unless
+an MTP safetensors file is given.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_file
+
+from engine.config import ArchConfig
+from engine.model import CausalLM, load_weights, split_mtp_tensors
+from engine.tiny import TINY_SEED, ByteTokenizer, random_tensors, tiny_config
+
+DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
+          "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
+MTP_INIT_SEED = 4321
+POSITION_SLACK = 64  # rotary cache room past max positions for the MTP chain
+
+
+@dataclass
+class LoadedModel:
+    name: str
+    model: CausalLM
+    tokenizer: Any  # engine.tokenizer.Tokenizer or tiny's ByteTokenizer
+    eos_token_ids: tuple[int, ...]
+    mtp_trained: bool
+
+
+def resolve_dtype(dtype: str | None, device: str) -> torch.dtype:
+    if dtype in (None, "auto"):
+        return torch.bfloat16 if device.startswith("cuda") else torch.float32
+    try:
+        return DTYPES[dtype]
+    except KeyError:
+        raise ValueError(f"unknown dtype {dtype!r}; known: {sorted(DTYPES)}") from None
+
+
+def build_model(config: ArchConfig, with_mtp: bool = True) -> CausalLM:
+    """An fp32 CPU model with uninitialized weights; `load_weights` fills every parameter."""
+    with torch.device("cpu"), _no_init():
+        return CausalLM(config, config.max_position_embeddings + POSITION_SLACK, with_mtp)
+
+
+class _no_init:
+    """Skip nn.Linear/nn.Embedding random init: every weight is overwritten by a checkpoint."""
+
+    def __enter__(self) -> None:
+        self.saved = (torch.nn.Linear.reset_parameters, torch.nn.Embedding.reset_parameters)
+        torch.nn.Linear.reset_parameters = lambda self: None  # type: ignore[method-assign]
+        torch.nn.Embedding.reset_parameters = lambda self: None  # type: ignore[method-assign]
+
+    def __exit__(self, *exc: object) -> None:
+        torch.nn.Linear.reset_parameters, torch.nn.Embedding.reset_parameters = self.saved  # type: ignore[method-assign]
+
+
+def _materialize(model: CausalLM, device: str, dtype: torch.dtype) -> CausalLM:
+    rot_cos, rot_sin = model.rotary.cos, model.rotary.sin
+    model = model.to(device=device, dtype=dtype)
+    model.rotary.cos, model.rotary.sin = rot_cos.to(device), rot_sin.to(device)  # stay fp32
+    return model.eval().requires_grad_(False)
+
+
+def load_model(name: str, device: str = "cpu", dtype: str | None = None, mtp_path: str | None = None) -> LoadedModel:
+    from engine.weights import load_checkpoint, resolve_model
+
+    torch_dtype = resolve_dtype(dtype, device)
+    path = resolve_model(name)
+    if path == "tiny":
+        config = tiny_config()
+        model = build_model(config)
+        tensors = random_tensors(model, TINY_SEED)
+        target = {k: v for k, v in tensors.items() if not k.startswith("mtp.")}
+        mtp = {k[len("mtp.") :]: v for k, v in tensors.items() if k.startswith("mtp.")}
+        mtp = {(k[len("block.") :] if k.startswith("block.") else k): v for k, v in mtp.items()}
+        load_weights(model, target, mtp)
+        return LoadedModel("tiny", _materialize(model, device, torch_dtype), ByteTokenizer(), config.eos_token_ids, False)
+    ckpt = load_checkpoint(path)
+    config = ckpt.config
+    target, mtp = split_mtp_tensors(ckpt.tensors, config.num_hidden_layers)
+    if mtp_path is not None:
+        mtp = load_file(mtp_path)
+    model = build_model(config)
+    trained = bool(mtp)
+    if not mtp:
+        assert model.mtp is not None
+        rand = random_tensors(model.mtp, MTP_INIT_SEED)
+        mtp = {(k[len("block.") :] if k.startswith("block.") else k): v for k, v in rand.items()}
+    load_weights(model, target, mtp)
+    eos = ckpt.tokenizer.eos_token_ids if ckpt.tokenizer is not None else config.eos_token_ids
+    return LoadedModel(ckpt.name, _materialize(model, device, torch_dtype), ckpt.tokenizer, tuple(eos), trained)
+
+
+def mtp_path_default(name: str) -> str | None:
+    """Where a shipped MTP head for `name` would live (filled by the MTP-training issue)."""
+    p = Path(__file__).parent / "mtp_heads" / f"{name}.safetensors"
+    return str(p) if p.exists() else None

@@ -1,0 +1,260 @@
+"""Llama-family decoder (Llama 3.x, SmolLM2, Qwen2, Qwen3) and the DeepSeek-V3-form MTP module.
+
+Single-device model code: parameter names follow Hugging Face so checkpoints load by name;
+tensor parallelism and quantization are transforms applied after `build` (a later issue).
+The forward takes flattened tokens of a whole step plus `AttentionMetadata`; it never syncs.
+
+The target's `forward` returns the final *normed* hidden states (what the LM head reads);
+the MTP module consumes those as `h_prev`:
+    h = eh_proj(cat[enorm(embed(x_next)), hnorm(h_prev)]) -> decoder layer -> shared_head
+and returns its pre-norm output, which is also the `h_prev` of the next chained draft.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from engine.attention import AttentionBackend, AttentionMetadata
+from engine.config import ArchConfig
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(x.dtype)
+
+
+def rope_inv_freq(config: ArchConfig) -> torch.Tensor:
+    dim = config.head_dim
+    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    scaling = config.rope_scaling or {}
+    kind = scaling.get("rope_type", scaling.get("type", "default"))
+    if kind == "default":
+        return inv_freq
+    if kind == "linear":
+        return inv_freq / float(scaling["factor"])
+    if kind == "llama3":
+        return _llama3_inv_freq(inv_freq, scaling)
+    raise ValueError(f"unsupported rope_scaling type {kind!r} (supported: default, linear, llama3)")
+
+
+def _llama3_inv_freq(inv_freq: torch.Tensor, s: dict) -> torch.Tensor:
+    factor, low, high = float(s["factor"]), float(s["low_freq_factor"]), float(s["high_freq_factor"])
+    old_len = float(s["original_max_position_embeddings"])
+    low_wavelen, high_wavelen = old_len / low, old_len / high
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
+    smooth = (old_len / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = ~(wavelen < high_wavelen) & ~(wavelen > low_wavelen)
+    return torch.where(medium, smoothed, scaled)
+
+
+class RotaryEmbedding(nn.Module):
+    """Non-interleaved RoPE (rotate_half), cos/sin cached in fp32 for every position."""
+
+    def __init__(self, config: ArchConfig, max_positions: int) -> None:
+        super().__init__()
+        freqs = torch.outer(torch.arange(max_positions).float(), rope_inv_freq(config))
+        emb = torch.cat([freqs, freqs], dim=-1)
+        self.register_buffer("cos", emb.cos(), persistent=False)
+        self.register_buffer("sin", emb.sin(), persistent=False)
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        cos = self.cos[positions].unsqueeze(1)
+        sin = self.sin[positions].unsqueeze(1)
+        xf = x.float()
+        half = xf.shape[-1] // 2
+        rotated = torch.cat([-xf[..., half:], xf[..., :half]], dim=-1)
+        return (xf * cos + rotated * sin).to(x.dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, config: ArchConfig, rotary: RotaryEmbedding) -> None:
+        super().__init__()
+        c = config
+        self.num_heads, self.num_kv_heads, self.head_dim = (
+            c.num_attention_heads,
+            c.num_key_value_heads,
+            c.head_dim,
+        )
+        self.q_proj = nn.Linear(c.hidden_size, c.q_size, bias=c.attention_bias)
+        self.k_proj = nn.Linear(c.hidden_size, c.kv_size, bias=c.attention_bias)
+        self.v_proj = nn.Linear(c.hidden_size, c.kv_size, bias=c.attention_bias)
+        self.o_proj = nn.Linear(c.q_size, c.hidden_size, bias=False)
+        self.q_norm = RMSNorm(c.head_dim, c.rms_norm_eps) if c.qk_norm else None
+        self.k_norm = RMSNorm(c.head_dim, c.rms_norm_eps) if c.qk_norm else None
+        self.rotary = [rotary]  # shared, kept out of the module tree
+        self.scale = c.head_dim**-0.5
+
+    def forward(self, positions, x, kv_cache, meta: AttentionMetadata, backend: AttentionBackend):
+        t = x.shape[0]
+        q = self.q_proj(x).view(t, self.num_heads, self.head_dim)
+        k = self.k_proj(x).view(t, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None and self.k_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        rope = self.rotary[0]
+        q, k = rope(positions, q), rope(positions, k)
+        out = backend.forward(q, k, v, kv_cache, meta, self.scale)
+        return self.o_proj(out.reshape(t, -1))
+
+
+class MLP(nn.Module):
+    def __init__(self, config: ArchConfig) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(nn.functional.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: ArchConfig, rotary: RotaryEmbedding) -> None:
+        super().__init__()
+        self.self_attn = Attention(config, rotary)
+        self.mlp = MLP(config)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, positions, x, kv_cache, meta, backend):
+        x = x + self.self_attn(positions, self.input_layernorm(x), kv_cache, meta, backend)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, config: ArchConfig, rotary: RotaryEmbedding) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(
+            [DecoderLayer(config, rotary) for _ in range(config.num_hidden_layers)]
+        )
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+
+class MTPModule(nn.Module):
+    """One DeepSeek-V3 MTP layer; chained k times for k drafts. Shares embed and LM head."""
+
+    def __init__(self, config: ArchConfig, rotary: RotaryEmbedding) -> None:
+        super().__init__()
+        h = config.hidden_size
+        self.enorm = RMSNorm(h, config.rms_norm_eps)
+        self.hnorm = RMSNorm(h, config.rms_norm_eps)
+        self.eh_proj = nn.Linear(2 * h, h, bias=False)
+        self.block = DecoderLayer(config, rotary)
+        self.shared_head = nn.Module()
+        self.shared_head.norm = RMSNorm(h, config.rms_norm_eps)
+
+
+class CausalLM(nn.Module):
+    """Target model + optional MTP module. Parameter names match HF checkpoints."""
+
+    def __init__(self, config: ArchConfig, max_positions: int, with_mtp: bool) -> None:
+        super().__init__()
+        self.config = config
+        self.rotary = RotaryEmbedding(config, max_positions)
+        self.model = LlamaModel(config, self.rotary)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        if config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+        self.mtp = MTPModule(config, self.rotary) if with_mtp else None
+
+    @property
+    def num_layers(self) -> int:
+        return self.config.num_hidden_layers
+
+    def forward(self, input_ids, positions, kv_caches, meta, backend) -> torch.Tensor:
+        """Target forward over a step's flattened tokens; returns normed hidden [T, hidden]."""
+        x = self.model.embed_tokens(input_ids)
+        for layer, cache in zip(self.model.layers, kv_caches, strict=False):
+            x = layer(positions, x, cache, meta, backend)
+        return self.model.norm(x)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden).float()
+
+    def mtp_forward(self, next_ids, positions, h_prev, kv_cache, meta, backend) -> torch.Tensor:
+        """MTP at each position: (target hidden there, the token after it) -> pre-norm hidden."""
+        assert self.mtp is not None, "model was built without an MTP module"
+        m = self.mtp
+        e = m.enorm(self.model.embed_tokens(next_ids))
+        h = m.eh_proj(torch.cat([e, m.hnorm(h_prev.to(e.dtype))], dim=-1))
+        return m.block(positions, h, kv_cache, meta, backend)
+
+    def mtp_logits(self, mtp_hidden: torch.Tensor) -> torch.Tensor:
+        assert self.mtp is not None
+        return self.lm_head(self.mtp.shared_head.norm(mtp_hidden)).float()
+
+
+MTP_BLOCK_PARTS = ("self_attn.", "mlp.", "input_layernorm.", "post_attention_layernorm.")
+MTP_OWN_PARTS = ("enorm.", "hnorm.", "eh_proj.", "shared_head.norm.")
+MTP_SHARED_PARTS = ("embed_tokens.", "shared_head.head.")
+
+
+def mtp_key_to_module(key: str) -> str | None:
+    """DeepSeek-style MTP key (prefix already stripped) -> our `mtp.*` name; None if shared."""
+    if key.startswith(MTP_BLOCK_PARTS):
+        return "mtp.block." + key
+    if key.startswith(MTP_OWN_PARTS):
+        return "mtp." + key
+    if key.startswith(MTP_SHARED_PARTS):
+        return None
+    raise ValueError(f"unexpected MTP weight {key!r}")
+
+
+def split_mtp_tensors(
+    tensors: dict[str, torch.Tensor], num_layers: int
+) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """Split a checkpoint into target weights and MTP weights stored at layers.{num_layers}."""
+    prefix = f"model.layers.{num_layers}."
+    target = {k: v for k, v in tensors.items() if not k.startswith(prefix)}
+    mtp = {k[len(prefix) :]: v for k, v in tensors.items() if k.startswith(prefix)}
+    return target, mtp
+
+
+def mtp_state_dict(model: CausalLM) -> dict[str, torch.Tensor]:
+    """The MTP module's weights in DeepSeek form (no prefix), ready for `save_file`."""
+    assert model.mtp is not None
+    out = {}
+    for name, tensor in model.mtp.state_dict().items():
+        key = name[len("block.") :] if name.startswith("block.") else name
+        out[key] = tensor.detach().contiguous()
+    return out
+
+
+def load_weights(model: CausalLM, target: dict[str, torch.Tensor], mtp: dict[str, torch.Tensor]) -> None:
+    """Copy HF-named target tensors and DeepSeek-form MTP tensors into the model; strict."""
+    params = dict(model.named_parameters(remove_duplicate=False))
+    expected = {n for n in params if not n.startswith("mtp.")}
+    if model.config.tie_word_embeddings:
+        expected.discard("lm_head.weight")
+    missing = expected - set(target)
+    if missing:
+        raise ValueError(f"checkpoint lacks {len(missing)} weights, e.g. {sorted(missing)[:3]}")
+    named = dict(target)
+    if model.mtp is not None and mtp:
+        for key, value in mtp.items():
+            dest = mtp_key_to_module(key)
+            if dest is not None:
+                named[dest] = value
+    with torch.no_grad():
+        for name, value in named.items():
+            if name not in params:
+                if name == "lm_head.weight" and model.config.tie_word_embeddings:
+                    continue
+                raise ValueError(f"checkpoint has unexpected weight {name!r}")
+            p = params[name]
+            if tuple(p.shape) != tuple(value.shape):
+                raise ValueError(f"shape mismatch for {name}: {tuple(value.shape)} vs {tuple(p.shape)}")
+            p.copy_(value)

@@ -1,0 +1,69 @@
+"""The built-in `tiny` model: a seeded random Llama with an MTP layer, and a byte tokenizer.
+
+For fast tests and for trying the CLI without weights. Weights are drawn with fan-in scaling
+so logits are spread (greedy has clear winners), not the near-uniform logits of a 0.02 init.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from engine.config import ArchConfig
+
+TINY_SEED = 1234
+BYTE_VOCAB = 256
+BOS_ID, EOS_ID = 256, 257
+
+
+def tiny_config() -> ArchConfig:
+    return ArchConfig(
+        vocab_size=320,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        rope_theta=10000.0,
+        max_position_embeddings=1024,
+        tie_word_embeddings=False,
+        model_type="llama",
+        bos_token_id=BOS_ID,
+        eos_token_ids=(EOS_ID,),
+        num_mtp_layers=1,
+    )
+
+
+def random_tensors(model: torch.nn.Module, seed: int) -> dict[str, torch.Tensor]:
+    """Seeded random weights for every parameter of `model`, by name (HF + `mtp.*` names)."""
+    g = torch.Generator().manual_seed(seed)
+    out = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        if name.endswith("norm.weight"):
+            out[name] = 1.0 + 0.1 * torch.randn(p.shape, generator=g)
+        elif name.endswith("bias"):
+            out[name] = 0.1 * torch.randn(p.shape, generator=g)
+        elif name.endswith("embed_tokens.weight"):
+            out[name] = torch.randn(p.shape, generator=g)
+        else:
+            out[name] = torch.randn(p.shape, generator=g) / p.shape[-1] ** 0.5
+    return out
+
+
+class ByteTokenizer:
+    """UTF-8 bytes as ids 0..255, BOS 256, EOS 257. No chat template."""
+
+    bos_token_id = BOS_ID
+    eos_token_ids = (EOS_ID,)
+    has_chat_template = False
+    vocab_size = tiny_config().vocab_size
+
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        ids = list(text.encode("utf-8"))
+        return [BOS_ID, *ids] if add_special_tokens else ids
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return bytes(i for i in ids if i < BYTE_VOCAB).decode("utf-8", errors="replace")
+
+    def apply_chat_template(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
+        raise ValueError("the tiny model has no chat template")
