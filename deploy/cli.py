@@ -1,10 +1,120 @@
-"""The `pdserve` command line."""
+"""The `pdserve` command line: `generate` (single-process engine), `bench ...`.
+
+Every user error (unknown model, prompt beyond the context, k < 0, logprobs > 20,
+temperature < 0, ...) prints one clear `error:` line on stderr and exits with status 2.
+"""
 
 from __future__ import annotations
 
+import argparse
+import importlib.util
+import json
 import sys
+import time
+from typing import Any
+
+
+def _add_generate(sub: Any) -> None:
+    p = sub.add_parser("generate", help="generate text locally with the single-process engine")
+    p.add_argument("prompts", nargs="+", metavar="PROMPT")
+    p.add_argument("--model", default="smollm2", help="a HF safetensors dir, a .gguf file, 'smollm2' or 'tiny'")
+    p.add_argument("--spec-tokens", type=int, default=0, help="MTP draft tokens per step (k); 0 = off")
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--logprobs", type=int, default=None, help="top-N logprobs per token (0..20)")
+    p.add_argument("--json", action="store_true", help="one JSON object per prompt, one per line")
+    p.add_argument("--raw", action="store_true", help="send prompts as they are (no chat template)")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--dtype", default="auto", help="auto, float32, bfloat16, float16")
+    p.add_argument("--max-model-len", type=int, default=None)
+    p.set_defaults(func=cmd_generate)
+
+
+def _add_bench(sub: Any) -> None:
+    p = sub.add_parser("bench", help="benchmarks")
+    kinds = p.add_subparsers(dest="bench", required=True)
+    kv = kinds.add_parser("kv", help="KV transfer bandwidth between two processes")
+    if importlib.util.find_spec("kvtransfer.bench") is not None:
+        from kvtransfer import bench as kv_bench
+
+        kv_bench.add_arguments(kv)
+        kv.set_defaults(func=kv_bench.run)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="pdserve", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    _add_generate(sub)
+    _add_bench(sub)
+    return parser
+
+
+def encode_prompt(tokenizer: Any, text: str, raw: bool) -> list[int]:
+    if not raw and getattr(tokenizer, "has_chat_template", False):
+        rendered = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True)
+        return tokenizer.encode(rendered, add_special_tokens=False)
+    return tokenizer.encode(text, add_special_tokens=True)
+
+
+def result_json(tokenizer: Any, req: Any) -> dict:
+    return {
+        "text": tokenizer.decode(req.output_ids, skip_special_tokens=True),
+        "prompt_token_ids": req.prompt,
+        "token_ids": req.output_ids,
+        "logprobs": [lp.to_json() for lp in req.logprobs] if req.params.logprobs is not None else None,
+        "finish_reason": req.finish_reason,
+        "stats": {
+            "steps": req.steps,
+            "accepted_tokens": req.accepted_tokens,
+            "mean_accepted_per_step": round(req.mean_accepted_per_step, 4),
+        },
+    }
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from engine.engine import EngineConfig, LLMEngine
+    from engine.loader import load_model
+    from engine.sampling_params import SamplingParams
+
+    params = SamplingParams(
+        temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed,
+        max_tokens=args.max_tokens, logprobs=args.logprobs,
+    )
+    config = EngineConfig(num_speculative_tokens=args.spec_tokens, device=args.device,
+                          max_model_len=args.max_model_len)
+    loaded = load_model(args.model, device=args.device, dtype=args.dtype)
+    engine = LLMEngine(loaded, config)
+    prompts = [encode_prompt(loaded.tokenizer, p, args.raw) for p in args.prompts]
+    start = time.perf_counter()
+    results = engine.generate(prompts, params)
+    elapsed = time.perf_counter() - start
+    for req in results:
+        out = result_json(loaded.tokenizer, req)
+        if args.json:
+            print(json.dumps(out))
+        else:
+            s = out["stats"]
+            print(f"{out['text']}\n  [{len(req.output_ids)} tokens, {req.finish_reason}, "
+                  f"{s['mean_accepted_per_step']:.2f} tokens/step]")
+    if not args.json:
+        total = sum(len(r.output_ids) for r in results)
+        print(f"{total} tokens in {elapsed:.2f} s ({total / elapsed:.1f} tok/s)", file=sys.stderr)
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
-    print("pdserve: not yet", file=sys.stderr)
-    return 2
+    args = build_parser().parse_args(argv)
+    try:
+        return int(args.func(args))
+    except (ValueError, FileNotFoundError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

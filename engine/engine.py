@@ -208,6 +208,7 @@ class LLMEngine:
         if not self.free_slots or need > self.blocks.num_free:
             return False
         req.block_ids = self.blocks.allocate(need)
+        req.slot = self.free_slots.pop()
         return True
 
     def _run_prefill(self, chunks: list[PrefillChunk], reqs: list[Request]) -> list[RequestOutput]:
@@ -230,8 +231,8 @@ class LLMEngine:
         return results
 
     def _insert(self, req: Request, first, drafts, draft_probs, i: int) -> None:
-        slot = self.free_slots.pop()
-        p = req.params
+        assert req.slot is not None
+        slot, p = req.slot, req.params
         init = SlotInit(
             seq_len=len(req.prompt), first_token=first,
             drafts=drafts[i] if drafts is not None else None,
@@ -240,7 +241,6 @@ class LLMEngine:
             temperature=p.temperature, top_k=p.top_k, top_p=p.top_p, seed=req.seed, block_ids=req.block_ids,
         )
         self.runner.insert_no_sync(slot, init)
-        req.slot = slot
         self.running[slot] = req
 
     def _launch_decode(self) -> tuple[DecodeHandle, list[Request], dict[int, int]]:
@@ -277,8 +277,8 @@ class LLMEngine:
     def _finish(self, req: Request, reason: str) -> None:
         req.finish_reason = reason
         if req.slot is not None:
-            self.runner.state.release(req.slot)
-            del self.running[req.slot]
+            if self.running.pop(req.slot, None) is not None:
+                self.runner.state.release(req.slot)
             self.free_slots.append(req.slot)
             req.slot = None
         if req.block_ids:

