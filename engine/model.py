@@ -66,6 +66,8 @@ class RotaryEmbedding(nn.Module):
         super().__init__()
         freqs = torch.outer(torch.arange(max_positions).float(), rope_inv_freq(config))
         emb = torch.cat([freqs, freqs], dim=-1)
+        self.cos: torch.Tensor
+        self.sin: torch.Tensor
         self.register_buffer("cos", emb.cos(), persistent=False)
         self.register_buffer("sin", emb.sin(), persistent=False)
 
@@ -143,6 +145,14 @@ class LlamaModel(nn.Module):
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
 
+class SharedHead(nn.Module):
+    """DeepSeek's `shared_head`: its norm is the MTP's own; its `head` is the target's LM head."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.norm = RMSNorm(dim, eps)
+
+
 class MTPModule(nn.Module):
     """One DeepSeek-V3 MTP layer; chained k times for k drafts. Shares embed and LM head."""
 
@@ -153,8 +163,7 @@ class MTPModule(nn.Module):
         self.hnorm = RMSNorm(h, config.rms_norm_eps)
         self.eh_proj = nn.Linear(2 * h, h, bias=False)
         self.block = DecoderLayer(config, rotary)
-        self.shared_head = nn.Module()
-        self.shared_head.norm = RMSNorm(h, config.rms_norm_eps)
+        self.shared_head = SharedHead(h, config.rms_norm_eps)
 
 
 class CausalLM(nn.Module):

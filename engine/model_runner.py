@@ -142,7 +142,8 @@ class ModelRunner:
         self, h: torch.Tensor, base: torch.Tensor, st: SamplingTensors, tables, masked, num_kv_blocks
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """k drafts from the MTP hidden at position base-1; draft j lands at base + j."""
-        drafts, probs = [], []
+        drafts: list[torch.Tensor] = []
+        probs: list[torch.Tensor] = []
         mtp_cache = self.kv.layers[self.num_target_layers]
         for j in range(1, self.k + 1):
             if j > 1:
@@ -159,7 +160,12 @@ class ModelRunner:
     def prefill(self, chunks: list[PrefillChunk]) -> PrefillOutput:
         """Run target (+ MTP) over prompt chunks; sample first tokens and drafts for finished prompts."""
         dev, bs = self.device, self.block_size
-        ids, pos, rows, cols, slots, next_ids = [], [], [], [], [], []
+        ids: list[int] = []
+        pos: list[int] = []
+        rows: list[int] = []
+        cols: list[int] = []
+        slots: list[int] = []
+        next_ids: list[int] = []
         for r, c in enumerate(chunks):
             n = c.end - c.start
             ids += c.prompt[c.start : c.end]
