@@ -7,7 +7,7 @@ temperature < 0, ...) prints one clear `error:` line on stderr and exits with st
 from __future__ import annotations
 
 import argparse
-import importlib.util
+import importlib
 import json
 import sys
 import time
@@ -35,14 +35,25 @@ def _add_generate(sub: Any) -> None:
 
 
 def _add_bench(sub: Any) -> None:
-    p = sub.add_parser("bench", help="benchmarks")
+    p = sub.add_parser("bench", help="benchmarks (pdserve bench KIND --help)")
     kinds = p.add_subparsers(dest="bench", required=True)
-    kv = kinds.add_parser("kv", help="KV transfer bandwidth between two processes")
-    if importlib.util.find_spec("kvtransfer.bench") is not None:
-        from kvtransfer import bench as kv_bench  # type: ignore[attr-defined,unused-ignore]
+    for name, _, text in BENCHES:
+        kinds.add_parser(name, help=text)  # listed for --help; `main` dispatches these itself
 
-        kv_bench.add_arguments(kv)
-        kv.set_defaults(func=kv_bench.run)
+
+# Each benchmark module has add_arguments(parser) and run(args); it is imported only when run,
+# so one benchmark's dependencies (ucxx for kv) never stop the others.
+BENCHES = [
+    ("engine", "engine.bench", "single-process engine throughput (k = 0 and k)"),
+    ("kv", "kvtransfer.bench", "KV transfer bandwidth between two processes"),
+]
+
+
+def _run_bench(name: str, argv: list[str]) -> int:
+    module = importlib.import_module(next(m for n, m, _ in BENCHES if n == name))
+    parser = argparse.ArgumentParser(prog=f"pdserve bench {name}")
+    module.add_arguments(parser)
+    return int(module.run(parser.parse_args(argv)))
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -107,8 +118,11 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else argv
     try:
+        if len(argv) >= 2 and argv[0] == "bench" and argv[1] in {n for n, _, _ in BENCHES}:
+            return _run_bench(argv[1], argv[2:])
+        args = build_parser().parse_args(argv)
         return int(args.func(args))
     except (ValueError, FileNotFoundError, ModuleNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)

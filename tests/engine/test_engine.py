@@ -9,6 +9,7 @@ from engine import model_runner
 from engine.engine import EngineConfig, LLMEngine
 from engine.model_runner import ModelRunner
 from engine.sampling_params import SamplingParams
+from tests.engine.conftest import DEVICE
 
 GREEDY = SamplingParams(max_tokens=24, ignore_eos=True)
 
@@ -31,7 +32,7 @@ def run_schedule(engine, joins, params):
 
 
 def engine_for(loaded, k, **kw):
-    return LLMEngine(loaded, EngineConfig(num_speculative_tokens=k, block_shuffle_seed=7, **kw))
+    return LLMEngine(loaded, EngineConfig(num_speculative_tokens=k, block_shuffle_seed=7, device=DEVICE, **kw))
 
 
 @pytest.mark.parametrize("k", [1, 2, 4])
@@ -51,14 +52,14 @@ class OracleDrafts:
 
     def __init__(self, sequences: dict[int, list[int]]) -> None:
         width = max(len(s) for s in sequences.values()) + 16
-        self.seeds = torch.tensor(list(sequences))
-        self.table = torch.zeros(len(sequences), width, dtype=torch.long)
+        self.seeds = torch.tensor(list(sequences), device=DEVICE)
+        self.table = torch.zeros(len(sequences), width, dtype=torch.long, device=DEVICE)
         for i, s in enumerate(sequences.values()):
             self.table[i, : len(s)] = torch.tensor(s)
 
     def __call__(self, runner, h, base, st, tables, masked, num_kv_blocks):
         row = (st.seed.unsqueeze(1) == self.seeds.unsqueeze(0)).float().argmax(1)
-        cols = (base.unsqueeze(1) + torch.arange(1, runner.k + 1)).clamp(max=self.table.shape[1] - 1)
+        cols = (base.unsqueeze(1) + torch.arange(1, runner.k + 1, device=DEVICE)).clamp(max=self.table.shape[1] - 1)
         return self.table[row.unsqueeze(1), cols], None
 
 
@@ -83,7 +84,9 @@ def reference_logprobs(loaded, prompt, output):
     blocks = eng.blocks.allocate(eng.blocks.blocks_for(len(seq)))
     from engine.attention import AttentionMetadata
 
-    t = torch.tensor
+    def t(x):
+        return torch.tensor(x, device=DEVICE)
+
     n = len(seq)
     slots = [blocks[p // 16] * 16 + p % 16 for p in range(n)]
     meta = AttentionMetadata(t(slots), t(list(range(n))), t([blocks]), t([0] * n), t(list(range(n))), n, len(blocks))

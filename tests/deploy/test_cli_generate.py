@@ -1,0 +1,54 @@
+"""`pdserve generate`: JSON output shape, batching of several prompts, and clear errors."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from deploy.cli import main
+
+
+def run_json(capsys, *args):
+    assert main(["generate", "--model", "tiny", "--json", *args]) == 0
+    return [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+
+
+def test_generate_json_has_every_field(capsys):
+    rows = run_json(capsys, "--spec-tokens", "2", "--max-tokens", "6", "--logprobs", "3", "hi", "a longer prompt")
+    assert len(rows) == 2
+    for row in rows:
+        assert set(row) == {"text", "prompt_token_ids", "token_ids", "logprobs", "finish_reason", "stats"}
+        assert len(row["logprobs"]) == len(row["token_ids"]) <= 6
+        lp = row["logprobs"][0]
+        assert set(lp) == {"token_id", "logprob", "rank", "top"} and len(lp["top"]) == 3
+        assert lp["token_id"] == row["token_ids"][0]
+        assert set(row["stats"]) == {"steps", "accepted_tokens", "mean_accepted_per_step"}
+        assert row["finish_reason"] in ("stop", "length")
+
+
+def test_generate_spec_tokens_do_not_change_greedy_output(capsys):
+    plain = run_json(capsys, "--max-tokens", "12", "one", "two words")
+    spec = run_json(capsys, "--spec-tokens", "3", "--max-tokens", "12", "one", "two words")
+    assert [r["token_ids"] for r in spec] == [r["token_ids"] for r in plain]
+    assert plain[0]["logprobs"] is None
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--model", "no-such-model", "x"], "unknown model"),
+        (["--model", "tiny", "--spec-tokens", "-1", "x"], "must be >= 0"),
+        (["--model", "tiny", "--logprobs", "21", "x"], "logprobs must be in 0..20"),
+        (["--model", "tiny", "--temperature", "-0.1", "x"], "temperature must be >= 0"),
+        (["--model", "tiny", "--max-model-len", "16", "x" * 40], "the context is 16"),
+    ],
+)
+def test_bad_input_exits_nonzero_with_clear_message(args, message):
+    proc = subprocess.run([sys.executable, "-m", "deploy.cli", "generate", *args],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2
+    assert message in proc.stderr
+    assert "Traceback" not in proc.stderr

@@ -1,0 +1,47 @@
+"""GPU-only checks (skipped without CUDA): the decode launch never syncs (I3), bf16 runs."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine.engine import EngineConfig, LLMEngine
+from engine.loader import load_model
+from engine.sampling_params import SamplingParams
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+@pytest.mark.parametrize("k", [0, 3])
+def test_decode_launch_never_syncs(k):
+    loaded = load_model("tiny", device="cuda", dtype="bfloat16")
+    eng = LLMEngine(loaded, EngineConfig(num_speculative_tokens=k, device="cuda"))
+    params = [SamplingParams(max_tokens=40, ignore_eos=True),
+              SamplingParams(max_tokens=40, ignore_eos=True, temperature=0.8, top_p=0.9, seed=1, logprobs=3)]
+    for i, p in enumerate(params):
+        eng.add_request(list(range(5, 12 + 7 * i)), p)
+    eng.step()  # prefill (has its own read point) + first decode launch
+    launches = 0
+    real = eng.runner.launch_decode
+
+    def checked(*a, **kw):
+        nonlocal launches
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            return real(*a, **kw)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+            launches += 1
+
+    eng.runner.launch_decode = checked  # type: ignore[method-assign]
+    while eng.has_unfinished():
+        eng.step()
+    assert launches > 5
+    assert all(len(r.output_ids) == 40 for r in eng.requests.values())
+
+
+def test_bf16_greedy_generates():
+    loaded = load_model("tiny", device="cuda", dtype="bfloat16")
+    eng = LLMEngine(loaded, EngineConfig(num_speculative_tokens=2, device="cuda"))
+    out = eng.generate([[1, 2, 3, 4]], SamplingParams(max_tokens=16, ignore_eos=True))
+    assert len(out[0].output_ids) == 16
