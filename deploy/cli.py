@@ -56,10 +56,60 @@ def _run_bench(name: str, argv: list[str]) -> int:
     return int(module.run(parser.parse_args(argv)))
 
 
+DEMO_PROMPTS = [
+    "What is the capital of France?",
+    "Write a haiku about the sea.",
+    "Explain in one sentence what a GPU is.",
+    "List three primary colors.",
+]
+
+
+def _add_demo(sub: Any) -> None:
+    p = sub.add_parser("demo", help="run the embedded model on a few prompts and print timings")
+    p.add_argument("--model", default=None)
+    p.add_argument("--spec-tokens", type=int, default=2)
+    p.add_argument("--max-tokens", type=int, default=48)
+    p.add_argument("--device", default="cpu")
+    p.set_defaults(func=cmd_demo)
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    """Single-process demo: prints each answer with time to first token and per-token time."""
+    from engine.engine import EngineConfig, LLMEngine
+    from engine.loader import default_model, load_model
+    from engine.sampling_params import SamplingParams
+
+    name = args.model or default_model()
+    print(f"loading {name} ...", flush=True)
+    loaded = load_model(name, device=args.device)
+    engine = LLMEngine(loaded, EngineConfig(num_speculative_tokens=args.spec_tokens, device=args.device))
+    params = SamplingParams(max_tokens=args.max_tokens)
+    start = time.perf_counter()
+    ids = {engine.add_request(encode_prompt(loaded.tokenizer, p, False), params): p for p in DEMO_PROMPTS}
+    first: dict[str, float] = {}
+    last: dict[str, float] = {}
+    while engine.has_unfinished():
+        for out in engine.step():
+            first.setdefault(out.request_id, time.perf_counter() - start)
+            last[out.request_id] = time.perf_counter() - start
+    total = time.perf_counter() - start
+    for rid, prompt in ids.items():
+        req = engine.requests[rid]
+        text = loaded.tokenizer.decode(req.output_ids).strip()
+        n = len(req.output_ids)
+        tpot = (last[rid] - first[rid]) / max(n - 1, 1) * 1000
+        print(f"\n> {prompt}\n{text}\n  [{n} tokens, TTFT {first[rid] * 1000:.0f} ms, "
+              f"{tpot:.0f} ms/token, {req.mean_accepted_per_step:.2f} tokens/step with k={args.spec_tokens}]")
+    tokens = sum(len(engine.requests[r].output_ids) for r in ids)
+    print(f"\n{tokens} tokens in {total:.2f} s ({tokens / total:.1f} tok/s, single process)")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pdserve", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
     _add_generate(sub)
+    _add_demo(sub)
     _add_bench(sub)
     return parser
 
