@@ -7,7 +7,6 @@ import pytest
 
 from engine.loader import load_model
 
-
 # Engine tests run on the CPU in CI; PDSERVE_TEST_DEVICE=cuda runs them on a GPU (fp32).
 DEVICE = os.environ.get("PDSERVE_TEST_DEVICE", "cpu")
 
