@@ -98,7 +98,7 @@ def load_model(name: str, device: str = "cpu", dtype: str | None = None, mtp_pat
         mtp = _deepseek_names(random_tensors(model.mtp, MTP_INIT_SEED))
     load_weights(model, target, mtp)
     eos = ckpt.tokenizer.eos_token_ids if ckpt.tokenizer is not None else config.eos_token_ids
-    return LoadedModel(ckpt.name, _materialize(model, device, torch_dtype), ckpt.tokenizer, tuple(eos), trained)
+    return LoadedModel(served_name(name), _materialize(model, device, torch_dtype), ckpt.tokenizer, tuple(eos), trained)
 
 
 def _deepseek_names(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -117,3 +117,38 @@ def mtp_path_default(name: str) -> str | None:
     """Where a shipped MTP head for `name` would live (filled by the MTP-training issue)."""
     p = Path(__file__).parent / "mtp_heads" / f"{name}.safetensors"
     return str(p) if p.exists() else None
+
+
+@dataclass
+class ModelInfo:
+    """What a router needs of a model: its config and tokenizer, no weights."""
+
+    name: str
+    config: ArchConfig
+    tokenizer: Any
+    eos_token_ids: tuple[int, ...]
+
+
+def load_model_info(name: str) -> ModelInfo:
+    from engine import gguf_loader
+    from engine.tokenizer import Tokenizer
+    from engine.weights import resolve_model
+
+    path = resolve_model(name)
+    if path == "tiny":
+        cfg = tiny_config()
+        return ModelInfo("tiny", cfg, ByteTokenizer(), cfg.eos_token_ids)
+    p = Path(path)
+    if p.suffix == ".gguf":
+        reader = gguf_loader.open_gguf(path)
+        tok = Tokenizer.from_gguf_metadata(reader)
+        return ModelInfo(served_name(name), gguf_loader.arch_config_from_gguf(reader), tok, tuple(tok.eos_token_ids))
+    cfg = ArchConfig.from_json_file(p / "config.json")
+    hf_tok = Tokenizer.from_hf_dir(p) if (p / "tokenizer.json").is_file() else None
+    eos = tuple(hf_tok.eos_token_ids) if hf_tok is not None else cfg.eos_token_ids
+    return ModelInfo(served_name(name), cfg, hf_tok, eos)
+
+
+def served_name(name: str) -> str:
+    """The name clients use for a model: the alias itself, or the file/dir name of a path."""
+    return name if name in ("smollm2", "tiny") else Path(name).name.removesuffix(".gguf")

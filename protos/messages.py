@@ -1,0 +1,212 @@
+"""msgpack messages between nodes: the first-token message (P -> D and P -> router) and
+decode output batches (D -> router). Versioned; every field is validated when read.
+
+Logprob payloads carry only the columns asked for. Each item's `meta` word packs a
+message flag in the low 8 bits and `num_logprobs` (top-N) in the next 16:
+`meta = flag | num_logprobs << 8`. Senders reject flag > 255 or num_logprobs > 65535;
+receivers unpack and read exactly that many top columns per token.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgpack
+
+VERSION = 1
+MAX_MESSAGE_BYTES = 64 << 20
+MAX_LOGPROBS = 20
+
+FLAG_LOGPROBS = 1  # the item carries logprob columns
+FLAG_FINISHED = 2  # terminal: finished with `finish_reason`
+FLAG_ERROR = 4  # terminal: failed with `error`
+
+
+class MessageError(ValueError):
+    """A message that is malformed, oversized, of another version, or out of range."""
+
+
+def pack_meta(flag: int, num_logprobs: int) -> int:
+    if not 0 <= flag <= 255:
+        raise MessageError(f"message flag {flag} does not fit in 8 bits")
+    if not 0 <= num_logprobs <= 65535:
+        raise MessageError(f"num_logprobs {num_logprobs} does not fit in 16 bits")
+    return flag | num_logprobs << 8
+
+
+def unpack_meta(meta: int) -> tuple[int, int]:
+    if not isinstance(meta, int) or not 0 <= meta < 1 << 24:
+        raise MessageError(f"bad meta word {meta!r}")
+    return meta & 0xFF, meta >> 8
+
+
+@dataclass
+class TokenLogprobs:
+    """Logprob columns for n tokens: n logprobs, n ranks, n x num_top ids and values."""
+
+    logprob: list[float]
+    rank: list[int]
+    top_ids: list[list[int]]
+    top_logprobs: list[list[float]]
+
+    def flat(self) -> list:
+        return [self.logprob, self.rank, [i for row in self.top_ids for i in row],
+                [v for row in self.top_logprobs for v in row]]
+
+    @classmethod
+    def read(cls, cols: Any, n: int, num_top: int, vocab: int) -> TokenLogprobs:
+        if not isinstance(cols, list) or len(cols) != 4:
+            raise MessageError("logprob columns must be a list of 4 columns")
+        lp, rank, ids, vals = cols
+        _expect_list(lp, n, float, "logprob")
+        _expect_list(rank, n, int, "rank")
+        _expect_list(ids, n * num_top, int, "top ids")
+        _expect_list(vals, n * num_top, float, "top logprobs")
+        if any(not (v <= 0.0 or math.isnan(v)) for v in lp + vals):
+            raise MessageError("logprobs must be <= 0")
+        if any(not 1 <= r <= vocab for r in rank) or any(not 0 <= i < vocab for i in ids):
+            raise MessageError("rank or top id out of range")
+        rows = lambda x: [x[j * num_top : (j + 1) * num_top] for j in range(n)]  # noqa: E731
+        return cls(lp, rank, rows(ids), rows(vals))
+
+
+def _expect_list(x: Any, n: int, kind: type, name: str) -> None:
+    if not isinstance(x, list) or len(x) != n:
+        raise MessageError(f"{name}: expected a list of {n}")
+    ok = (lambda v: isinstance(v, (int, float)) and not isinstance(v, bool)) if kind is float else (
+        lambda v: isinstance(v, int) and not isinstance(v, bool))
+    if not all(ok(v) for v in x):
+        raise MessageError(f"{name}: expected {kind.__name__} values")
+
+
+def _dumps(obj: dict) -> bytes:
+    data = msgpack.packb(obj, use_bin_type=True)
+    if len(data) > MAX_MESSAGE_BYTES:
+        raise MessageError(f"message of {len(data)} bytes is over {MAX_MESSAGE_BYTES}")
+    return data
+
+
+def _loads(data: bytes, kind: str) -> dict:
+    if not isinstance(data, bytes) or len(data) > MAX_MESSAGE_BYTES:
+        raise MessageError("message missing or oversized")
+    try:
+        obj = msgpack.unpackb(data, raw=False, strict_map_key=True, max_bin_len=MAX_MESSAGE_BYTES)
+    except Exception as e:  # msgpack raises several types for bad bytes
+        raise MessageError(f"undecodable {kind} message: {e}") from None
+    if not isinstance(obj, dict) or obj.get("v") != VERSION or obj.get("kind") != kind:
+        raise MessageError(f"expected a version {VERSION} {kind!r} message")
+    return obj
+
+
+def _field(obj: dict, key: str, kind: type | tuple, what: str) -> Any:
+    v = obj.get(key)
+    if not isinstance(v, kind) or isinstance(v, bool) and kind is not bool:
+        raise MessageError(f"{what}: field {key!r} missing or of the wrong type")
+    return v
+
+
+@dataclass
+class FirstToken:
+    """P's first token for a request, with its logprobs and the MTP drafts for D."""
+
+    request_id: str
+    token: int
+    num_logprobs: int | None  # None: no logprobs asked
+    logprobs: TokenLogprobs | None
+    drafts: list[int] = field(default_factory=list)
+    draft_probs: bytes = b""  # fp32 [k, vocab] little-endian, only for sampled requests
+    finished: str | None = None  # the first token already ended the request
+
+    def pack(self) -> bytes:
+        has = self.num_logprobs is not None
+        flag = (FLAG_LOGPROBS if has else 0) | (FLAG_FINISHED if self.finished else 0)
+        return _dumps({
+            "v": VERSION, "kind": "first_token", "rid": self.request_id, "tok": self.token,
+            "meta": pack_meta(flag, self.num_logprobs or 0),
+            "lp": self.logprobs.flat() if has and self.logprobs else None,
+            "drafts": self.drafts, "dprobs": self.draft_probs, "fin": self.finished,
+        })
+
+    @classmethod
+    def unpack(cls, data: bytes, vocab: int, max_drafts: int) -> FirstToken:
+        o = _loads(data, "first_token")
+        rid = _field(o, "rid", str, "first_token")
+        tok = _field(o, "tok", int, "first_token")
+        flag, n = unpack_meta(_field(o, "meta", int, "first_token"))
+        if not rid or not 0 <= tok < vocab or n > MAX_LOGPROBS:
+            raise MessageError("first_token: request id, token or num_logprobs out of range")
+        lps = TokenLogprobs.read(o.get("lp"), 1, n, vocab) if flag & FLAG_LOGPROBS else None
+        drafts = o.get("drafts")
+        if not isinstance(drafts, list) or len(drafts) > max_drafts:
+            raise MessageError("first_token: drafts must be a list of at most k ids")
+        _expect_list(drafts, len(drafts), int, "drafts")
+        if any(not 0 <= d < vocab for d in drafts):
+            raise MessageError("first_token: draft id out of range")
+        dprobs = o.get("dprobs", b"")
+        if not isinstance(dprobs, bytes) or len(dprobs) not in (0, 4 * vocab * len(drafts)):
+            raise MessageError("first_token: draft probabilities of the wrong size")
+        fin = o.get("fin")
+        if fin is not None and fin not in ("stop", "length"):
+            raise MessageError("first_token: bad finish reason")
+        return cls(rid, tok, n if flag & FLAG_LOGPROBS else None, lps, drafts, dprobs, fin)
+
+
+@dataclass
+class OutputItem:
+    """New tokens of one request from a decode step; terminal when `finish_reason` or `error`."""
+
+    request_id: str
+    tokens: list[int]
+    num_logprobs: int | None = None
+    logprobs: TokenLogprobs | None = None
+    finish_reason: str | None = None
+    error: str | None = None
+    steps: int = 0
+    accepted: int = 0
+
+    def to_obj(self) -> dict:
+        has = self.num_logprobs is not None
+        flag = (FLAG_LOGPROBS if has else 0) | (FLAG_FINISHED if self.finish_reason else 0) | (
+            FLAG_ERROR if self.error else 0)
+        return {"rid": self.request_id, "toks": self.tokens, "meta": pack_meta(flag, self.num_logprobs or 0),
+                "lp": self.logprobs.flat() if has and self.logprobs else None,
+                "fin": self.finish_reason, "err": self.error, "steps": self.steps, "acc": self.accepted}
+
+    @classmethod
+    def from_obj(cls, o: Any, vocab: int) -> OutputItem:
+        if not isinstance(o, dict):
+            raise MessageError("output item must be a map")
+        rid = _field(o, "rid", str, "output")
+        toks = o.get("toks")
+        if not isinstance(toks, list):
+            raise MessageError("output: tokens must be a list")
+        _expect_list(toks, len(toks), int, "output tokens")
+        if any(not 0 <= t < vocab for t in toks):
+            raise MessageError("output: token id out of range")
+        flag, n = unpack_meta(_field(o, "meta", int, "output"))
+        if n > MAX_LOGPROBS:
+            raise MessageError("output: num_logprobs over 20")
+        lps = TokenLogprobs.read(o.get("lp"), len(toks), n, vocab) if flag & FLAG_LOGPROBS else None
+        fin, err = o.get("fin"), o.get("err")
+        if fin is not None and fin not in ("stop", "length", "abort"):
+            raise MessageError("output: bad finish reason")
+        if err is not None and not isinstance(err, str):
+            raise MessageError("output: error must be a string")
+        steps, acc = o.get("steps", 0), o.get("acc", 0)
+        if not isinstance(steps, int) or not isinstance(acc, int) or steps < 0 or acc < 0:
+            raise MessageError("output: bad stats")
+        return cls(rid, toks, n if flag & FLAG_LOGPROBS else None, lps, fin, err, steps, acc)
+
+
+def pack_outputs(items: list[OutputItem]) -> bytes:
+    return _dumps({"v": VERSION, "kind": "outputs", "items": [i.to_obj() for i in items]})
+
+
+def unpack_outputs(data: bytes, vocab: int) -> list[OutputItem]:
+    o = _loads(data, "outputs")
+    items = o.get("items")
+    if not isinstance(items, list):
+        raise MessageError("outputs: items must be a list")
+    return [OutputItem.from_obj(i, vocab) for i in items]

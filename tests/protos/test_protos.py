@@ -1,0 +1,88 @@
+"""Committed gRPC stubs match the .proto files; msgpack node messages round-trip and reject
+malformed, oversized, wrong-version and out-of-range input."""
+
+from __future__ import annotations
+
+import struct
+from pathlib import Path
+
+import msgpack
+import pytest
+
+from protos import build
+from protos.messages import (
+    FirstToken,
+    MessageError,
+    OutputItem,
+    TokenLogprobs,
+    pack_meta,
+    pack_outputs,
+    unpack_meta,
+    unpack_outputs,
+)
+
+VOCAB = 100
+
+
+def test_committed_stubs_are_fresh(tmp_path):
+    generated = build.generate(tmp_path)
+    assert generated, "protoc produced nothing"
+    for f in generated:
+        committed = Path(build.ROOT) / "protos" / f.name
+        assert committed.exists(), f"{f.name} is not committed: run `make protos`"
+        assert committed.read_bytes() == f.read_bytes(), f"{f.name} is stale: run `make protos`"
+
+
+def test_meta_word_packs_flag_and_num_logprobs():
+    assert unpack_meta(pack_meta(5, 20)) == (5, 20)
+    assert pack_meta(3, 2) == 3 | 2 << 8
+    with pytest.raises(MessageError):
+        pack_meta(256, 0)
+    with pytest.raises(MessageError):
+        pack_meta(0, 65536)
+
+
+def lps(n, top):
+    return TokenLogprobs([-0.5] * n, [1] * n, [[i + 1 for i in range(top)]] * n, [[-1.0] * top] * n)
+
+
+def test_first_token_round_trip():
+    msg = FirstToken("r1", 7, 3, lps(1, 3), [1, 2], struct.pack("<200f", *([0.01] * 200)))
+    back = FirstToken.unpack(msg.pack(), VOCAB, max_drafts=2)
+    assert back == msg
+    plain = FirstToken("r2", 9, None, None, [], b"", finished="stop")
+    assert FirstToken.unpack(plain.pack(), VOCAB, 4) == plain
+
+
+def test_output_batch_round_trip_reads_exactly_the_asked_columns():
+    items = [OutputItem("a", [1, 2, 3], 2, lps(3, 2)), OutputItem("b", [4], None, None, "stop", steps=3, accepted=2),
+             OutputItem("c", [], error="decode node failed")]
+    assert unpack_outputs(pack_outputs(items), VOCAB) == items
+
+
+@pytest.mark.parametrize(
+    "mutate, message",
+    [
+        (lambda o: o.update(v=2), "version"),
+        (lambda o: o.update(tok=VOCAB), "out of range"),
+        (lambda o: o.update(meta=1 | 21 << 8), "out of range"),
+        (lambda o: o.update(meta=1 | 3 << 8), "expected a list"),  # 3 columns announced, 2 sent
+        (lambda o: o.update(drafts=[1, 2, 3, 4, 5]), "at most k"),
+        (lambda o: o.update(rid=5), "wrong type"),
+        (lambda o: o.update(dprobs=b"xx"), "wrong size"),
+    ],
+)
+def test_bad_first_token_is_rejected(mutate, message):
+    o = msgpack.unpackb(FirstToken("r", 1, 2, lps(1, 2), [3]).pack())
+    mutate(o)
+    with pytest.raises(MessageError, match=message):
+        FirstToken.unpack(msgpack.packb(o, use_bin_type=True), VOCAB, max_drafts=4)
+
+
+def test_garbage_and_oversized_are_rejected():
+    with pytest.raises(MessageError):
+        unpack_outputs(b"\xc1\x00garbage", VOCAB)
+    with pytest.raises(MessageError):
+        unpack_outputs(b"\x00" * (65 << 20), VOCAB)
+    with pytest.raises(MessageError, match="out of range"):
+        unpack_outputs(pack_outputs([OutputItem("a", [VOCAB])]), VOCAB)
