@@ -16,21 +16,16 @@ from __future__ import annotations
 import itertools
 import random
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
 from engine.attention import get_backend
-from engine.batch_state import SlotInit
+from engine.decode_batch import DecodeBatch
 from engine.kv_cache import BlockManager, KVCache
 from engine.loader import LoadedModel
-from engine.model_runner import (
-    DecodeHandle,
-    ModelRunner,
-    PrefillChunk,
-    kv_room_needed,
-    unpack_logprobs,
-)
+from engine.model_runner import ModelRunner, PrefillChunk, kv_room_needed, unpack_logprobs
+from engine.request import Request, RequestOutput, TokenLogprob
 from engine.sampling_params import SamplingParams
 
 
@@ -53,54 +48,6 @@ class EngineConfig:
             raise ValueError(f"num_speculative_tokens (k) must be >= 0, got {self.num_speculative_tokens}")
         if self.block_size <= 0 or self.max_num_seqs <= 0 or self.max_num_batched_tokens <= 0:
             raise ValueError("block_size, max_num_seqs and max_num_batched_tokens must be > 0")
-
-
-@dataclass
-class TokenLogprob:
-    token_id: int
-    logprob: float
-    rank: int
-    top: list[tuple[int, float]]
-
-    def to_json(self) -> dict:
-        return {"token_id": self.token_id, "logprob": self.logprob, "rank": self.rank,
-                "top": [[i, lp] for i, lp in self.top]}
-
-
-@dataclass
-class Request:
-    request_id: str
-    prompt: list[int]
-    params: SamplingParams
-    seed: int
-    stop_ids: tuple[int, ...]
-    max_tokens: int
-    block_ids: list[int] = field(default_factory=list)
-    num_prefilled: int = 0
-    slot: int | None = None
-    output_ids: list[int] = field(default_factory=list)
-    logprobs: list[TokenLogprob] = field(default_factory=list)
-    finish_reason: str | None = None
-    steps: int = 0
-    accepted_tokens: int = 0
-
-    @property
-    def finished(self) -> bool:
-        return self.finish_reason is not None
-
-    @property
-    def mean_accepted_per_step(self) -> float:
-        return (len(self.output_ids) - 1) / self.steps if self.steps else 0.0
-
-
-@dataclass
-class RequestOutput:
-    """What one step added to one request."""
-
-    request_id: str
-    new_token_ids: list[int]
-    new_logprobs: list[TokenLogprob]
-    finish_reason: str | None
 
 
 class LLMEngine:
@@ -126,13 +73,10 @@ class LLMEngine:
             loaded.model, get_backend(config.attention_backend), self.k, num_blocks,
             config.block_size, config.max_num_seqs, self.max_model_len, device, dtype,
         )
-        self.waiting: deque[Request] = deque()  # admitted in order; blocks taken at prefill start
+        self.waiting: deque[Request] = deque()  # in arrival order; blocks taken at prefill start
         self.prefilling: list[Request] = []
-        self.running: dict[int, Request] = {}  # slot -> request
-        self.free_slots = list(range(config.max_num_seqs - 1, -1, -1))
+        self.batch = DecodeBatch(self.runner, self.blocks, config.max_num_seqs)
         self.requests: dict[str, Request] = {}
-        self._inflight: tuple[DecodeHandle, list[Request], dict[int, int]] | None = None
-        self._free_after_collect: list[list[int]] = []
         self._rng = random.Random(config.seed)
         self._ids = itertools.count()
 
@@ -166,10 +110,10 @@ class LLMEngine:
             self.waiting.remove(req)
         if req in self.prefilling:
             self.prefilling.remove(req)
-        self._finish(req, "abort")
+        self.batch.finish(req, "abort")
 
     def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.prefilling or self.running or self._inflight)
+        return bool(self.waiting or self.prefilling or self.batch.busy)
 
     @property
     def num_free_blocks(self) -> int:
@@ -181,14 +125,7 @@ class LLMEngine:
         chunks, reqs = self._schedule_prefill()
         if chunks:
             outputs += self._run_prefill(chunks, reqs)
-        previous = self._inflight
-        self._inflight = self._launch_decode() if self.running else None
-        if previous is not None:
-            outputs += self._process_decode(*previous)
-            for blocks in self._free_after_collect:
-                self.blocks.free(blocks)
-            self._free_after_collect.clear()
-        return outputs
+        return outputs + self.batch.step()
 
     def _schedule_prefill(self) -> tuple[list[PrefillChunk], list[Request]]:
         while self.waiting and self._admit(self.waiting[0]):
@@ -209,12 +146,12 @@ class LLMEngine:
         need = self.blocks.blocks_for(kv_room_needed(len(req.prompt) + req.max_tokens, self.k))
         if need > self.blocks.capacity:
             self.waiting.popleft()
-            self._finish(req, "error: request needs more KV blocks than the cache has")
+            self.batch.finish(req, "error: request needs more KV blocks than the cache has")
             return bool(self.waiting) and self._admit(self.waiting[0])
-        if not self.free_slots or need > self.blocks.num_free:
+        if not self.batch.free_slots or need > self.blocks.num_free:
             return False
         req.block_ids = self.blocks.allocate(need)
-        req.slot = self.free_slots.pop()
+        req.slot = self.batch.take_slot()
         return True
 
     def _run_prefill(self, chunks: list[PrefillChunk], reqs: list[Request]) -> list[RequestOutput]:
@@ -231,69 +168,12 @@ class LLMEngine:
             req = reqs[r]
             self.prefilling.remove(req)
             tlp = [TokenLogprob(firsts[i], *lps[i][0])] if i in lps else []
-            results.append(self._emit(req, [firsts[i]], tlp))
+            results.append(self.batch.emit(req, [firsts[i]], tlp))
             if not req.finished:
-                self._insert(req, out.first_token[i], out.drafts, out.draft_probs, i)
+                drafts = out.drafts[i] if out.drafts is not None else None
+                probs = out.draft_probs[i] if out.draft_probs is not None else None
+                self.batch.insert(req, out.first_token[i], drafts, probs)
         return results
-
-    def _insert(self, req: Request, first, drafts, draft_probs, i: int) -> None:
-        assert req.slot is not None
-        slot, p = req.slot, req.params
-        init = SlotInit(
-            seq_len=len(req.prompt), first_token=first,
-            drafts=drafts[i] if drafts is not None else None,
-            draft_probs=draft_probs[i] if draft_probs is not None else None,
-            num_generated=1, max_tokens=req.max_tokens, stop_ids=req.stop_ids,
-            temperature=p.temperature, top_k=p.top_k, top_p=p.top_p, seed=req.seed, block_ids=req.block_ids,
-        )
-        self.runner.insert_no_sync(slot, init)
-        self.running[slot] = req
-
-    def _launch_decode(self) -> tuple[DecodeHandle, list[Request], dict[int, int]]:
-        slots = sorted(self.running)
-        reqs = [self.running[s] for s in slots]
-        sampled = [r.params for r in reqs if not r.params.greedy]
-        flags = (not sampled, any(p.top_k > 0 or p.top_p < 1.0 for p in sampled))
-        lp = {i: r.params.logprobs for i, r in enumerate(reqs) if r.params.logprobs is not None}
-        width = max(len(r.block_ids) for r in reqs)
-        return self.runner.launch_decode(slots, flags, lp, width), reqs, lp  # type: ignore[arg-type]
-
-    def _process_decode(self, handle: DecodeHandle, reqs: list[Request], lp: dict[int, int]) -> list[RequestOutput]:
-        res = self.runner.collect(handle, lp)
-        outputs = []
-        for row, req in enumerate(reqs):
-            toks = res.tokens[row]
-            if req.finished or not toks:
-                continue
-            req.steps += 1
-            req.accepted_tokens += len(toks) - 1
-            tlps = [TokenLogprob(t, *e) for t, e in zip(toks, res.logprobs.get(row, []), strict=False)]
-            outputs.append(self._emit(req, toks, tlps, device_finished=res.finished[row]))
-        return outputs
-
-    def _emit(self, req: Request, toks: list[int], tlps: list[TokenLogprob], device_finished: bool = False) -> RequestOutput:
-        req.output_ids += toks
-        req.logprobs += tlps
-        if toks[-1] in req.stop_ids:
-            self._finish(req, "stop")
-        elif len(req.output_ids) >= req.max_tokens or device_finished:
-            self._finish(req, "length")
-        return RequestOutput(req.request_id, toks, tlps, req.finish_reason)
-
-    def _finish(self, req: Request, reason: str) -> None:
-        req.finish_reason = reason
-        if req.slot is not None:
-            if self.running.pop(req.slot, None) is not None:
-                self.runner.state.release(req.slot)
-            self.free_slots.append(req.slot)
-            req.slot = None
-        if req.block_ids:
-            self._free_after_collect.append(req.block_ids)
-            req.block_ids = []
-        if self._inflight is None:
-            for blocks in self._free_after_collect:
-                self.blocks.free(blocks)
-            self._free_after_collect.clear()
 
     # ---- convenience ----------------------------------------------------------------
     def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams]) -> list[Request]:

@@ -1,0 +1,118 @@
+"""DecodeBatch: the running requests of a decode loop, in slots, stepped with overlap.
+
+Receives requests that finished prefill (first token, drafts) and hands back per-step
+output deltas. `step` launches decode step N+1 and only then reads step N's results, so
+the host never waits for the device in between (ARCHITECTURE.md, "The decode step").
+Used by the single-process LLMEngine and by the decode node.
+
+Rules an editor must keep:
+  * a request's KV blocks are freed only after the step in flight has been collected
+    (`_free_after_collect`), so no launched step writes into a block handed to someone else;
+  * a finished or aborted request's slot is marked done on the device first (`release`),
+    so steps launched later mask it; results for rows whose request already ended are dropped.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from engine.batch_state import SlotInit
+from engine.kv_cache import BlockManager
+from engine.model_runner import DecodeHandle, ModelRunner
+from engine.request import Request, RequestOutput, TokenLogprob
+
+InFlight = tuple[DecodeHandle, list[Request], dict[int, int]]
+
+
+class DecodeBatch:
+    def __init__(self, runner: ModelRunner, blocks: BlockManager, max_num_seqs: int) -> None:
+        self.runner, self.blocks = runner, blocks
+        self.running: dict[int, Request] = {}  # slot -> request
+        self.free_slots = list(range(max_num_seqs - 1, -1, -1))
+        self._inflight: InFlight | None = None
+        self._free_after_collect: list[list[int]] = []
+        self.on_finish: Callable[[Request], None] | None = None
+
+    @property
+    def busy(self) -> bool:
+        return bool(self.running) or self._inflight is not None
+
+    def take_slot(self) -> int | None:
+        return self.free_slots.pop() if self.free_slots else None
+
+    def insert(self, req: Request, first: torch.Tensor | int, drafts: torch.Tensor | None,
+               draft_probs: torch.Tensor | None) -> None:
+        """Put a prefilled request (slot already taken) into the running batch; no sync."""
+        assert req.slot is not None
+        p = req.params
+        init = SlotInit(
+            seq_len=req.num_prompt_tokens, first_token=first, drafts=drafts, draft_probs=draft_probs,
+            num_generated=len(req.output_ids), max_tokens=req.max_tokens, stop_ids=req.stop_ids,
+            temperature=p.temperature, top_k=p.top_k, top_p=p.top_p, seed=req.seed, block_ids=req.block_ids,
+        )
+        self.runner.insert_no_sync(req.slot, init)
+        self.running[req.slot] = req
+
+    def step(self) -> list[RequestOutput]:
+        """Launch the next decode step (if any request runs), then read the previous one."""
+        previous = self._inflight
+        self._inflight = self._launch() if self.running else None
+        outputs = self._collect(*previous) if previous is not None else []
+        if previous is not None:
+            self._free_deferred()
+        return outputs
+
+    def _launch(self) -> InFlight:
+        slots = sorted(self.running)
+        reqs = [self.running[s] for s in slots]
+        sampled = [r.params for r in reqs if not r.params.greedy]
+        flags = (not sampled, any(p.top_k > 0 or p.top_p < 1.0 for p in sampled))
+        lp = {i: r.params.logprobs for i, r in enumerate(reqs) if r.params.logprobs is not None}
+        width = max(len(r.block_ids) for r in reqs)
+        return self.runner.launch_decode(slots, flags, lp, width), reqs, lp  # type: ignore[arg-type]
+
+    def _collect(self, handle: DecodeHandle, reqs: list[Request], lp: dict[int, int]) -> list[RequestOutput]:
+        res = self.runner.collect(handle, lp)
+        outputs = []
+        for row, req in enumerate(reqs):
+            toks = res.tokens[row]
+            if req.finished or not toks:
+                continue
+            req.steps += 1
+            req.accepted_tokens += len(toks) - 1
+            tlps = [TokenLogprob(t, *e) for t, e in zip(toks, res.logprobs.get(row, []), strict=False)]
+            outputs.append(self.emit(req, toks, tlps, device_finished=res.finished[row]))
+        return outputs
+
+    def emit(self, req: Request, toks: list[int], tlps: list[TokenLogprob], device_finished: bool = False) -> RequestOutput:
+        """Record new tokens; finish the request on a stop token or at max_tokens."""
+        req.output_ids += toks
+        req.logprobs += tlps
+        if toks[-1] in req.stop_ids:
+            self.finish(req, "stop")
+        elif len(req.output_ids) >= req.max_tokens or device_finished:
+            self.finish(req, "length")
+        return RequestOutput(req.request_id, toks, tlps, req.finish_reason)
+
+    def finish(self, req: Request, reason: str) -> None:
+        """End a request: mask its slot on the device, free its slot, free its blocks safely."""
+        req.finish_reason = reason
+        if req.slot is not None:
+            if self.running.pop(req.slot, None) is not None:
+                self.runner.state.release(req.slot)
+            self.free_slots.append(req.slot)
+            req.slot = None
+        if req.block_ids:
+            self._free_after_collect.append(req.block_ids)
+            req.block_ids = []
+        if self._inflight is None:
+            self._free_deferred()
+        if self.on_finish is not None:
+            self.on_finish(req)
+
+    def _free_deferred(self) -> None:
+        for blocks in self._free_after_collect:
+            self.blocks.free(blocks)
+        self._free_after_collect.clear()

@@ -1,0 +1,60 @@
+"""Host-side request records: what the schedulers track per request (integers and lists)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from engine.sampling_params import SamplingParams
+
+
+@dataclass
+class TokenLogprob:
+    token_id: int
+    logprob: float
+    rank: int
+    top: list[tuple[int, float]]
+
+    def to_json(self) -> dict:
+        return {"token_id": self.token_id, "logprob": self.logprob, "rank": self.rank,
+                "top": [[i, lp] for i, lp in self.top]}
+
+
+@dataclass
+class Request:
+    request_id: str
+    prompt: list[int]  # empty on a decode node, which only knows `num_prompt_tokens`
+    params: SamplingParams
+    seed: int
+    stop_ids: tuple[int, ...]
+    max_tokens: int
+    num_prompt_tokens: int = -1
+    block_ids: list[int] = field(default_factory=list)
+    num_prefilled: int = 0
+    slot: int | None = None
+    output_ids: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    finish_reason: str | None = None
+    steps: int = 0
+    accepted_tokens: int = 0
+
+    def __post_init__(self) -> None:
+        if self.num_prompt_tokens < 0:
+            self.num_prompt_tokens = len(self.prompt)
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    @property
+    def mean_accepted_per_step(self) -> float:
+        return (len(self.output_ids) - 1) / self.steps if self.steps else 0.0
+
+
+@dataclass
+class RequestOutput:
+    """What one step added to one request."""
+
+    request_id: str
+    new_token_ids: list[int]
+    new_logprobs: list[TokenLogprob]
+    finish_reason: str | None
