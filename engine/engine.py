@@ -50,29 +50,51 @@ class EngineConfig:
             raise ValueError("block_size, max_num_seqs and max_num_batched_tokens must be > 0")
 
 
+def build_runner(loaded: LoadedModel, config: EngineConfig) -> tuple[ModelRunner, BlockManager, int]:
+    """The runner, its block manager and the context length, sized from `config`."""
+    k = config.num_speculative_tokens
+    if k and loaded.model.mtp is None:
+        raise ValueError("this model has no MTP module; use num_speculative_tokens=0")
+    arch = loaded.model.config
+    max_model_len = config.max_model_len or min(arch.max_position_embeddings, 4096)
+    dtype = next(loaded.model.parameters()).dtype
+    layers = arch.num_hidden_layers + (1 if k else 0)
+    per_seq = -(-kv_room_needed(max_model_len, k) // config.block_size)
+    per_block = KVCache.bytes_per_block(layers, config.block_size, arch.num_key_value_heads, arch.head_dim, dtype)
+    num_blocks = config.num_blocks or min(1 + config.max_num_seqs * per_seq, config.kv_cache_bytes // per_block)
+    blocks = BlockManager(num_blocks, config.block_size, config.block_shuffle_seed)
+    runner = ModelRunner(
+        loaded.model, get_backend(config.attention_backend), k, num_blocks,
+        config.block_size, config.max_num_seqs, max_model_len, torch.device(config.device), dtype,
+    )
+    return runner, blocks, max_model_len
+
+
+def resolve_request(
+    request_id: str, prompt: list[int], params: SamplingParams, eos_ids: tuple[int, ...],
+    max_model_len: int, rng: random.Random, vocab: int,
+) -> Request:
+    """Validate a prompt against the model and make its Request (seed, stop ids, max tokens)."""
+    if not prompt:
+        raise ValueError("prompt is empty")
+    if any(not 0 <= t < vocab for t in prompt):
+        raise ValueError(f"prompt has token ids outside the vocabulary (0..{vocab - 1})")
+    if len(prompt) >= max_model_len:
+        raise ValueError(
+            f"prompt is {len(prompt)} tokens; the context is {max_model_len} (room for >= 1 output token needed)"
+        )
+    stop = tuple(params.stop_token_ids) + (() if params.ignore_eos else eos_ids)
+    seed = params.seed if params.seed is not None else rng.getrandbits(62)
+    max_tokens = min(params.max_tokens, max_model_len - len(prompt))
+    return Request(request_id, list(prompt), params, seed, tuple(dict.fromkeys(stop)), max_tokens)
+
+
 class LLMEngine:
     def __init__(self, loaded: LoadedModel, config: EngineConfig) -> None:
         self.loaded, self.config = loaded, config
         self.tokenizer = loaded.tokenizer
         self.k = config.num_speculative_tokens
-        if self.k and loaded.model.mtp is None:
-            raise ValueError("this model has no MTP module; use num_speculative_tokens=0")
-        arch = loaded.model.config
-        self.max_model_len = config.max_model_len or min(arch.max_position_embeddings, 4096)
-        device = torch.device(config.device)
-        dtype = next(loaded.model.parameters()).dtype
-        layers = arch.num_hidden_layers + (1 if self.k else 0)
-        per_seq = -(-kv_room_needed(self.max_model_len, self.k) // config.block_size)
-        num_blocks = config.num_blocks or min(
-            1 + config.max_num_seqs * per_seq,
-            config.kv_cache_bytes
-            // KVCache.bytes_per_block(layers, config.block_size, arch.num_key_value_heads, arch.head_dim, dtype),
-        )
-        self.blocks = BlockManager(num_blocks, config.block_size, config.block_shuffle_seed)
-        self.runner = ModelRunner(
-            loaded.model, get_backend(config.attention_backend), self.k, num_blocks,
-            config.block_size, config.max_num_seqs, self.max_model_len, device, dtype,
-        )
+        self.runner, self.blocks, self.max_model_len = build_runner(loaded, config)
         self.waiting: deque[Request] = deque()  # in arrival order; blocks taken at prefill start
         self.prefilling: list[Request] = []
         self.batch = DecodeBatch(self.runner, self.blocks, config.max_num_seqs)
@@ -82,22 +104,11 @@ class LLMEngine:
 
     # ---- requests -------------------------------------------------------------------
     def add_request(self, prompt: list[int], params: SamplingParams, request_id: str | None = None) -> str:
-        if not prompt:
-            raise ValueError("prompt is empty")
-        vocab = self.loaded.model.config.vocab_size
-        if any(not 0 <= t < vocab for t in prompt):
-            raise ValueError(f"prompt has token ids outside the vocabulary (0..{vocab - 1})")
-        if len(prompt) >= self.max_model_len:
-            raise ValueError(
-                f"prompt is {len(prompt)} tokens; the context is {self.max_model_len} (room for >= 1 output token needed)"
-            )
         rid = request_id if request_id is not None else f"req-{next(self._ids)}"
         if rid in self.requests:
             raise ValueError(f"duplicate request id {rid!r}")
-        stop = tuple(params.stop_token_ids) + (() if params.ignore_eos else self.loaded.eos_token_ids)
-        seed = params.seed if params.seed is not None else self._rng.getrandbits(62)
-        max_tokens = min(params.max_tokens, self.max_model_len - len(prompt))
-        req = Request(rid, list(prompt), params, seed, tuple(dict.fromkeys(stop)), max_tokens)
+        vocab = self.loaded.model.config.vocab_size
+        req = resolve_request(rid, prompt, params, self.loaded.eos_token_ids, self.max_model_len, self._rng, vocab)
         self.requests[rid] = req
         self.waiting.append(req)
         return rid

@@ -183,11 +183,17 @@ class CausalLM(nn.Module):
     def num_layers(self) -> int:
         return self.config.num_hidden_layers
 
-    def forward(self, input_ids, positions, kv_caches, meta, backend) -> torch.Tensor:
-        """Target forward over a step's flattened tokens; returns normed hidden [T, hidden]."""
+    def forward(self, input_ids, positions, kv_caches, meta, backend, on_layer=None) -> torch.Tensor:
+        """Target forward over a step's flattened tokens; returns normed hidden [T, hidden].
+
+        `on_layer(i)`, when given, is called as soon as layer i's work is queued (its KV is
+        written in stream order): the prefill node pushes that layer's blocks from there.
+        """
         x = self.model.embed_tokens(input_ids)
-        for layer, cache in zip(self.model.layers, kv_caches, strict=False):
+        for i, (layer, cache) in enumerate(zip(self.model.layers, kv_caches, strict=False)):
             x = layer(positions, x, cache, meta, backend)
+            if on_layer is not None:
+                on_layer(i)
         return self.model.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

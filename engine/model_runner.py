@@ -13,6 +13,7 @@ hands back device tensors wrapped in handles; the host reads a decode step's res
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -157,8 +158,11 @@ class ModelRunner:
         return torch.stack(drafts, 1), (torch.stack(probs, 1) if probs else None)
 
     # ---- prefill --------------------------------------------------------------------
-    def prefill(self, chunks: list[PrefillChunk]) -> PrefillOutput:
-        """Run target (+ MTP) over prompt chunks; sample first tokens and drafts for finished prompts."""
+    def prefill(self, chunks: list[PrefillChunk], on_layer: Callable[[int], None] | None = None) -> PrefillOutput:
+        """Run target (+ MTP) over prompt chunks; sample first tokens and drafts for finished prompts.
+
+        `on_layer(i)` is called after target layer i is queued (see CausalLM.forward).
+        """
         dev, bs = self.device, self.block_size
         ids: list[int] = []
         pos: list[int] = []
@@ -179,7 +183,7 @@ class ModelRunner:
         t = lambda x: to_device_no_sync(x, torch.long, dev)  # noqa: E731
         meta = AttentionMetadata(t(slots), t(pos), t(tables), t(rows), t(cols),
                                  max(c.end - c.start for c in chunks), width)
-        hidden = self.model(t(ids), meta.positions, self.kv.layers, meta, self.backend)
+        hidden = self.model(t(ids), meta.positions, self.kv.layers, meta, self.backend, on_layer)
         return self._finish_prefill(chunks, hidden, meta, t(next_ids))
 
     def _finish_prefill(self, chunks, hidden, meta, next_ids) -> PrefillOutput:
