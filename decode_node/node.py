@@ -1,0 +1,250 @@
+"""DecodeNode: admits requests, receives their KV and first token, decodes with MTP.
+
+Receives, from the router, reservations (`reserve`: blocks for the request's whole life
+and a slot, or a refusal) and aborts; from prefill nodes, first-token messages (token,
+drafts, draft probabilities) while the KV arrives through kvtransfer. When both are
+complete the request is inserted into the running batch with asynchronous writes
+(`DecodeBatch.insert`), and the overlapped decode loop (`DecodeBatch.step`) advances it.
+Hands on output items (new tokens + logprobs, and exactly one terminal item per admitted
+request) to every subscriber of the output stream.
+
+One thread (the loop) owns the batch, the runner and the block manager; other threads
+only enqueue commands and wait on futures. A reservation whose KV or first token does not
+arrive within `admission_timeout_s` ends with an error and frees its blocks.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from engine.batch_state import to_device_no_sync
+from engine.decode_batch import DecodeBatch
+from engine.engine import EngineConfig, build_runner
+from engine.loader import LoadedModel
+from engine.model_runner import kv_room_needed
+from engine.request import Request, RequestOutput
+from engine.sampling_params import SamplingParams
+from kvtransfer import KVLayout, TransferState, create_receiver
+from protos.messages import FirstToken, OutputItem, TokenLogprobs
+
+
+@dataclass
+class Pending:
+    """A reserved request waiting for its KV and first-token message."""
+
+    request: Request
+    deadline: float
+    first: FirstToken | None = None
+    kv_done: bool = False
+
+
+@dataclass
+class Reservation:
+    admitted: bool
+    reason: str = ""
+    descriptor: dict[str, Any] = field(default_factory=dict)
+
+
+class DecodeNode:
+    def __init__(self, loaded: LoadedModel, config: EngineConfig, kv_backend: str = "ucx",
+                 kv_timeout_s: float = 10.0, admission_timeout_s: float = 30.0,
+                 kv_options: dict | None = None) -> None:
+        self.loaded, self.config = loaded, config
+        self.k = config.num_speculative_tokens
+        self.runner, self.blocks, self.max_model_len = build_runner(loaded, config)
+        self.batch = DecodeBatch(self.runner, self.blocks, config.max_num_seqs)
+        self.vocab = loaded.model.config.vocab_size
+        self.num_layers = loaded.model.config.num_hidden_layers + (1 if self.k else 0)
+        self.receiver = create_receiver(kv_backend, timeout_s=kv_timeout_s, **(kv_options or {}))
+        self.receiver.register(KVLayout(self.runner.kv.layers, block_dim=1))
+        self.admission_timeout_s = admission_timeout_s
+        self.pending: dict[str, Pending] = {}
+        self.requests: dict[str, Request] = {}  # admitted and not yet ended
+        self._inbox: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
+        self._subscribers: list[queue.SimpleQueue[list[OutputItem] | None]] = []
+        self._sub_lock = threading.Lock()
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    # ---- any thread ------------------------------------------------------------------
+    def reserve(self, request_id: str, prompt_len: int, params: SamplingParams, seed: int,
+                stop_ids: tuple[int, ...]) -> concurrent.futures.Future:
+        """Ask the loop to admit a request; the future gives a Reservation."""
+        fut: concurrent.futures.Future = concurrent.futures.Future()
+        self._inbox.put(("reserve", (request_id, prompt_len, params, seed, stop_ids, fut)))
+        self._wake.set()
+        return fut
+
+    def first_token(self, msg: FirstToken) -> None:
+        self._inbox.put(("first", msg))
+        self._wake.set()
+
+    def abort(self, request_id: str, reason: str = "aborted") -> None:
+        self._inbox.put(("abort", (request_id, reason)))
+        self._wake.set()
+
+    def subscribe(self) -> queue.SimpleQueue[list[OutputItem] | None]:
+        q: queue.SimpleQueue[list[OutputItem] | None] = queue.SimpleQueue()
+        with self._sub_lock:
+            self._subscribers.append(q)
+        return q
+
+    def unsubscribe(self, q: queue.SimpleQueue) -> None:
+        with self._sub_lock:
+            if q in self._subscribers:
+                self._subscribers.remove(q)
+
+    def status(self) -> dict[str, int]:
+        return {"free_blocks": self.blocks.num_free, "total_blocks": self.blocks.capacity,
+                "running": len(self.requests), "queued_tokens": 0}
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._loop, name="decode-loop", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._wake.set()
+        if self._thread is not None:
+            self._thread.join(timeout=10)
+        self.receiver.close()
+        with self._sub_lock:
+            for q in self._subscribers:
+                q.put(None)
+
+    # ---- the loop thread -------------------------------------------------------------
+    def _loop(self) -> None:
+        while not self._stop.is_set():
+            if not self.step():
+                self._wake.wait(0.002 if self.pending else 0.05)
+                self._wake.clear()
+
+    def step(self) -> bool:
+        """Commands, admissions of completed transfers, one decode step. Loop thread only."""
+        items: list[OutputItem] = []
+        self._drain_inbox(items)
+        self._admit_ready(items)
+        busy = self.batch.busy
+        items += [self._item(o) for o in self.batch.step()]
+        self._publish(items)
+        return busy or bool(items)
+
+    def _drain_inbox(self, items: list[OutputItem]) -> None:
+        while True:
+            try:
+                kind, arg = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+            if kind == "reserve":
+                arg[-1].set_result(self._reserve(*arg[:-1]))
+            elif kind == "first":
+                self._on_first(arg, items)
+            else:
+                rid, reason = arg
+                self._abort(rid, reason, items)
+
+    def _reserve(self, rid: str, prompt_len: int, params: SamplingParams, seed: int,
+                 stop_ids: tuple[int, ...]) -> Reservation:
+        if rid in self.requests:
+            return Reservation(False, f"request {rid!r} is already on this decode node")
+        if not 0 < prompt_len < self.max_model_len:
+            return Reservation(False, f"prompt of {prompt_len} tokens does not fit the context {self.max_model_len}")
+        max_tokens = min(params.max_tokens, self.max_model_len - prompt_len)
+        need = self.blocks.blocks_for(kv_room_needed(prompt_len + max_tokens, self.k))
+        if need > self.blocks.num_free or not self.batch.free_slots:
+            return Reservation(False, f"decode node full ({self.blocks.num_free} free blocks, need {need})")
+        req = Request(rid, [], params, seed, stop_ids, max_tokens, num_prompt_tokens=prompt_len)
+        req.block_ids = self.blocks.allocate(need)
+        req.slot = self.batch.take_slot()
+        kv_blocks = req.block_ids[: self.blocks.blocks_for(prompt_len)]
+        try:
+            descriptor = self.receiver.expect(rid, kv_blocks, list(range(self.num_layers)))
+        except Exception as e:
+            self.batch.finish(req, "abort")
+            return Reservation(False, f"kv receiver refused: {e}")
+        self.requests[rid] = req
+        self.pending[rid] = Pending(req, time.monotonic() + self.admission_timeout_s)
+        return Reservation(True, "", descriptor)
+
+    def _on_first(self, msg: FirstToken, items: list[OutputItem]) -> None:
+        p = self.pending.get(msg.request_id)
+        if p is None:
+            return  # aborted or unknown: nothing to do
+        if msg.finished:  # the first token ended it: the router already has the terminal event
+            self.receiver.abort(msg.request_id, "request finished at its first token")
+            self._end(p.request, msg.finished)
+            return
+        p.first = msg
+
+    def _abort(self, rid: str, reason: str, items: list[OutputItem]) -> None:
+        req = self.requests.get(rid)
+        if req is None:
+            return
+        if self.pending.pop(rid, None) is not None:
+            self.receiver.abort(rid, reason)
+        items.append(OutputItem(rid, [], finish_reason="abort", steps=req.steps, accepted=req.accepted_tokens))
+        self._end(req, "abort")
+
+    def _admit_ready(self, items: list[OutputItem]) -> None:
+        now = time.monotonic()
+        for rid, p in list(self.pending.items()):
+            state = self.receiver.poll(rid)
+            if state.state == TransferState.FAILED:
+                self._error(p, f"KV transfer failed: {state.reason}", items)
+            elif state.state == TransferState.DONE and p.first is not None:
+                self._insert(p)
+            elif now > p.deadline:
+                self.receiver.abort(rid, "admission timed out")
+                self._error(p, f"KV or first token did not arrive within {self.admission_timeout_s}s", items)
+
+    def _insert(self, p: Pending) -> None:
+        assert p.first is not None
+        req, msg = p.request, p.first
+        del self.pending[req.request_id]
+        req.output_ids = [msg.token]
+        dev = self.runner.device
+        drafts = to_device_no_sync(msg.drafts, torch.long, dev) if self.k else None
+        probs = None
+        if msg.draft_probs:
+            host = torch.frombuffer(bytearray(msg.draft_probs), dtype=torch.float32).view(self.k, self.vocab)
+            probs = host.to(dev, non_blocking=True)
+        self.batch.insert(req, msg.token, drafts, probs)
+
+    def _error(self, p: Pending, message: str, items: list[OutputItem]) -> None:
+        self.pending.pop(p.request.request_id, None)
+        items.append(OutputItem(p.request.request_id, [], error=message))
+        self._end(p.request, "error")
+
+    def _end(self, req: Request, reason: str) -> None:
+        self.requests.pop(req.request_id, None)
+        if not req.finished:
+            self.batch.finish(req, reason)
+
+    def _item(self, out: RequestOutput) -> OutputItem:
+        req = self.requests.get(out.request_id)
+        n = req.params.logprobs if req is not None else None
+        lps = None
+        if n is not None and out.new_logprobs:
+            t = out.new_logprobs
+            lps = TokenLogprobs([x.logprob for x in t], [x.rank for x in t],
+                                [[i for i, _ in x.top] for x in t], [[v for _, v in x.top] for x in t])
+        item = OutputItem(out.request_id, out.new_token_ids, n if lps else None, lps, out.finish_reason)
+        if out.finish_reason and req is not None:
+            item.steps, item.accepted = req.steps, req.accepted_tokens
+            self.requests.pop(out.request_id, None)
+        return item
+
+    def _publish(self, items: list[OutputItem]) -> None:
+        if not items:
+            return
+        with self._sub_lock:
+            for q in self._subscribers:
+                q.put(items)

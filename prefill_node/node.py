@@ -1,0 +1,249 @@
+"""PrefillNode: prompts in, first tokens out; the KV goes to a decode node layer by layer.
+
+Receives prefill jobs (prompt ids, resolved sampling, the decode node's kvtransfer
+descriptor). Each step batches prompt chunks under a token budget (FIFO, chunked), runs the
+target; as each target layer finishes for a prompt that completes in this step, its blocks
+are handed to the KV sender (never blocking). Then the first token is sampled (with
+logprobs), the MTP module drafts k tokens and its layer is pushed too, and the first-token
+message goes to the decode node (through `first_token_sink`) and back to the caller.
+
+Source blocks stay leased until the decode node acknowledges, the job is aborted, or the
+lease expires; only then are they freed. One thread (the loop) owns the scheduler, the
+runner and the block manager; other threads only enqueue (`submit`, `abort`).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import queue
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from engine.engine import EngineConfig, build_runner
+from engine.loader import LoadedModel
+from engine.model_runner import PrefillChunk, PrefillOutput, kv_room_needed, unpack_logprobs
+from engine.sampling_params import SamplingParams
+from kvtransfer import KVLayout, TransferStatus, create_sender
+from protos.messages import FirstToken, TokenLogprobs
+
+FirstTokenSink = Callable[[str, FirstToken], None]  # (decode address, message)
+
+
+@dataclass
+class PrefillJob:
+    request_id: str
+    prompt: list[int]
+    params: SamplingParams
+    seed: int
+    stop_ids: tuple[int, ...]
+    descriptor: dict[str, Any]
+    decode_address: str
+    future: concurrent.futures.Future = field(default_factory=concurrent.futures.Future)
+    block_ids: list[int] = field(default_factory=list)
+    num_prefilled: int = 0
+    aborted: str | None = None
+
+    @property
+    def remaining(self) -> int:
+        return len(self.prompt) - self.num_prefilled
+
+
+class PrefillNode:
+    def __init__(self, loaded: LoadedModel, config: EngineConfig, first_token_sink: FirstTokenSink,
+                 kv_backend: str = "ucx", kv_timeout_s: float = 10.0, kv_options: dict | None = None) -> None:
+        self.loaded, self.config, self.sink = loaded, config, first_token_sink
+        self.k = config.num_speculative_tokens
+        self.runner, self.blocks, self.max_model_len = build_runner(loaded, config)
+        self.num_layers = loaded.model.config.num_hidden_layers
+        self._released: queue.SimpleQueue[str] = queue.SimpleQueue()
+        self.sender = create_sender(kv_backend, timeout_s=kv_timeout_s, on_release=self._on_release,
+                                    **(kv_options or {}))
+        self.sender.register(KVLayout(self.runner.kv.layers, block_dim=1))
+        self._inbox: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
+        self.waiting: list[PrefillJob] = []
+        self.leased: dict[str, list[int]] = {}  # request id -> source blocks under lease
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self.queued_tokens = 0
+
+    # ---- any thread ------------------------------------------------------------------
+    def submit(self, job: PrefillJob) -> concurrent.futures.Future:
+        if len(job.prompt) >= self.max_model_len or not job.prompt:
+            raise ValueError(f"prompt of {len(job.prompt)} tokens does not fit the context {self.max_model_len}")
+        self._inbox.put(("submit", job))
+        self._wake.set()
+        return job.future
+
+    def abort(self, request_id: str, reason: str = "aborted") -> None:
+        self._inbox.put(("abort", (request_id, reason)))
+        self._wake.set()
+
+    def status(self) -> dict[str, int]:
+        return {"free_blocks": self.blocks.num_free, "total_blocks": self.blocks.capacity,
+                "running": len(self.waiting), "queued_tokens": self.queued_tokens}
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._loop, name="prefill-loop", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._wake.set()
+        if self._thread is not None:
+            self._thread.join(timeout=10)
+        self.sender.close()
+
+    def _on_release(self, request_id: str, status: TransferStatus) -> None:
+        self._released.put(request_id)  # called on the transport thread
+        self._wake.set()
+
+    # ---- the loop thread -------------------------------------------------------------
+    def _loop(self) -> None:
+        while not self._stop.is_set():
+            if not self.step():
+                self._wake.wait(0.05)
+                self._wake.clear()
+
+    def step(self) -> bool:
+        """One scheduling step; returns whether there was work. Only the loop calls it."""
+        self._drain_inbox()
+        self._free_released()
+        jobs = self._admit_and_plan()
+        if not jobs:
+            return False
+        chunks = [PrefillChunk(j.prompt, j.num_prefilled, j.num_prefilled + n, j.block_ids, j.params, j.seed)
+                  for j, n in jobs]
+        finishing = [j for (j, _), c in zip(jobs, chunks, strict=True) if c.is_last]
+        try:
+            out = self.runner.prefill(chunks, on_layer=lambda layer: self._push_layer(finishing, layer))
+        except Exception as e:  # a failed step fails its jobs, the node keeps serving
+            for j, _ in jobs:
+                self._fail(j, f"prefill failed: {e}")
+            return True
+        for (j, n) in jobs:
+            j.num_prefilled += n
+            self.queued_tokens -= n
+        self._complete(finishing, out, chunks)
+        return True
+
+    def _drain_inbox(self) -> None:
+        while True:
+            try:
+                kind, item = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+            if kind == "submit":
+                self.waiting.append(item)
+                self.queued_tokens += len(item.prompt)
+            else:
+                self._abort_now(*item)
+
+    def _abort_now(self, request_id: str, reason: str) -> None:
+        for j in self.waiting:
+            if j.request_id == request_id:
+                self.waiting.remove(j)
+                self.queued_tokens -= j.remaining
+                self._fail(j, reason)
+                return
+        if request_id in self.leased:
+            self.sender.abort(request_id, reason)
+
+    def _admit_and_plan(self) -> list[tuple[PrefillJob, int]]:
+        """FIFO under the token budget; a job gets its blocks when it starts."""
+        budget, plan = self.config.max_num_batched_tokens, []
+        for job in list(self.waiting):
+            if budget <= 0:
+                break
+            if not job.block_ids and not self._start(job):
+                break  # out of blocks: wait for leases to end
+            n = min(job.remaining, budget)
+            plan.append((job, n))
+            budget -= n
+        return plan
+
+    def _start(self, job: PrefillJob) -> bool:
+        need = self.blocks.blocks_for(kv_room_needed(len(job.prompt), self.k))
+        if need > self.blocks.num_free:
+            return False
+        try:
+            self.sender.start(job.request_id, job.descriptor)
+        except Exception as e:
+            self.waiting.remove(job)
+            self.queued_tokens -= job.remaining
+            job.future.set_exception(ValueError(f"bad KV descriptor: {e}"))
+            return True
+        job.block_ids = self.blocks.allocate(need)
+        self.leased[job.request_id] = job.block_ids
+        return True
+
+    def _push_layer(self, jobs: list[PrefillJob], layer: int) -> None:
+        ready = _event_after_queued_work(self.runner.device)
+        for j in jobs:
+            nb = self.blocks.blocks_for(len(j.prompt))
+            self.sender.send_layer(j.request_id, layer, j.block_ids[:nb], ready=ready)
+
+    def _complete(self, jobs: list[PrefillJob], out: PrefillOutput, chunks: list[PrefillChunk]) -> None:
+        if not jobs:
+            return
+        if self.k:
+            self._push_layer(jobs, self.num_layers)  # the MTP layer, after the draft chain
+        for j in jobs:
+            self.sender.finish(j.request_id)
+            self.waiting.remove(j)
+        firsts = out.first_token.tolist()  # the prefill read point
+        drafts = out.drafts.tolist() if out.drafts is not None else [[] for _ in jobs]
+        probs = out.draft_probs.float().cpu() if out.draft_probs is not None else None
+        lp_nums = {i: jobs[i].params.logprobs or 0 for i in out.logprob_rows}
+        lps = unpack_logprobs(out.logprobs, lp_nums, out.logprob_rows, 1) if out.logprobs else {}
+        for i, j in enumerate(jobs):
+            msg = self._first_token(j, firsts[i], drafts[i], probs[i] if probs is not None else None, lps.get(i))
+            try:
+                self.sink(j.decode_address, msg)
+            except Exception as e:
+                self.sender.abort(j.request_id, f"first-token message not delivered: {e}")
+                j.future.set_exception(ConnectionError(f"decode node {j.decode_address} unreachable: {e}"))
+                continue
+            j.future.set_result(msg)
+
+    def _first_token(self, job: PrefillJob, token: int, drafts: list[int], probs: torch.Tensor | None,
+                     lp: list | None) -> FirstToken:
+        logprobs = None
+        if lp is not None:
+            value, rank, top = lp[0]
+            logprobs = TokenLogprobs([value], [rank], [[i for i, _ in top]], [[v for _, v in top]])
+        finished = "stop" if token in job.stop_ids else ("length" if job.params.max_tokens <= 1 else None)
+        sampled = not job.params.greedy and probs is not None
+        return FirstToken(job.request_id, token, job.params.logprobs, logprobs, drafts,
+                          probs.contiguous().numpy().tobytes() if sampled else b"", finished)  # type: ignore[union-attr]
+
+    def _fail(self, job: PrefillJob, reason: str) -> None:
+        if job in self.waiting:
+            self.waiting.remove(job)
+        if job.request_id in self.leased:
+            self.sender.abort(job.request_id, reason)
+        if not job.future.done():
+            job.future.set_exception(RuntimeError(reason))
+
+    def _free_released(self) -> None:
+        while True:
+            try:
+                rid = self._released.get_nowait()
+            except queue.Empty:
+                return
+            blocks = self.leased.pop(rid, None)
+            if blocks is not None:
+                self.blocks.free(blocks)
+
+
+def _event_after_queued_work(device: torch.device) -> Any:
+    """A CUDA event after the work queued so far (the transport waits on it); None on CPU."""
+    if device.type != "cuda":
+        return None
+    event = torch.cuda.Event()
+    event.record()
+    return event

@@ -1,0 +1,146 @@
+"""PrefillNode + DecodeNode as plain objects in one process (kvtransfer `local` and `ucx`
+backends): outputs equal the single-process engine's, and blocks come back on both sides."""
+
+from __future__ import annotations
+
+import random
+import threading
+
+import pytest
+
+from decode_node.node import DecodeNode
+from engine.engine import EngineConfig, LLMEngine, resolve_request
+from engine.loader import load_model
+from engine.sampling_params import SamplingParams
+from prefill_node.node import PrefillJob, PrefillNode
+from protos.messages import FirstToken, OutputItem
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return load_model("tiny")
+
+
+class Pair:
+    """One P and one D wired directly: the first-token sink calls D, outputs are collected."""
+
+    def __init__(self, loaded, k, backend="local", **kw):
+        cfg = EngineConfig(num_speculative_tokens=k, block_shuffle_seed=3, **kw)
+        self.decode = DecodeNode(loaded, cfg, kv_backend=backend, kv_timeout_s=5)
+        self.prefill = PrefillNode(loaded, EngineConfig(num_speculative_tokens=k, block_shuffle_seed=4, **kw),
+                                   lambda addr, msg: self.decode.first_token(msg), kv_backend=backend, kv_timeout_s=5)
+        self.outputs: dict[str, list[OutputItem]] = {}
+        self.done = threading.Condition()
+        self.sub = self.decode.subscribe()
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+        self.decode.start()
+        self.prefill.start()
+        self.eos = loaded.eos_token_ids
+        self.max_model_len = self.decode.max_model_len
+
+    def _read(self):
+        while (batch := self.sub.get()) is not None:
+            with self.done:
+                for item in batch:
+                    self.outputs.setdefault(item.request_id, []).append(item)
+                self.done.notify_all()
+
+    def run(self, rid, prompt, params, vocab):
+        req = resolve_request(rid, prompt, params, self.eos, self.max_model_len, random.Random(0), vocab)
+        res = self.decode.reserve(rid, len(prompt), params, req.seed, req.stop_ids).result(timeout=30)
+        assert res.admitted, res.reason
+        job = PrefillJob(rid, prompt, params, req.seed, req.stop_ids, res.descriptor, "d0")
+        first: FirstToken = self.prefill.submit(job).result(timeout=60)
+        return first
+
+    def wait_terminal(self, rids, timeout=60):
+        with self.done:
+            ok = self.done.wait_for(lambda: all(
+                any(i.finish_reason or i.error for i in self.outputs.get(r, [])) for r in rids), timeout)
+        assert ok, "requests did not end"
+
+    def tokens(self, rid, first):
+        toks = [first.token]
+        for item in self.outputs.get(rid, []):
+            toks += item.tokens
+        return toks
+
+    def close(self):
+        self.prefill.stop()
+        self.decode.stop()
+
+
+def reference(loaded, prompts, params):
+    eng = LLMEngine(loaded, EngineConfig(num_speculative_tokens=0))
+    return [r.output_ids for r in eng.generate(prompts, params)]
+
+
+@pytest.mark.parametrize("backend", ["local", "ucx"])
+@pytest.mark.parametrize("k", [0, 3])
+def test_pd_greedy_equals_single_process(tiny, k, backend):
+    vocab = tiny.model.config.vocab_size
+    rng = random.Random(1)
+    prompts = [[rng.randrange(vocab) for _ in range(n)] for n in (3, 40, 17, 70, 9, 25)]
+    params = SamplingParams(max_tokens=20, ignore_eos=True)
+    pair = Pair(tiny, k, backend=backend)
+    try:
+        firsts = {}
+        threads = []
+        for i, p in enumerate(prompts):
+            def go(i=i, p=p):
+                firsts[f"r{i}"] = pair.run(f"r{i}", p, params, vocab)
+            threads.append(threading.Thread(target=go))
+            threads[-1].start()
+        for t in threads:
+            t.join()
+        pair.wait_terminal(list(firsts))
+        got = [pair.tokens(f"r{i}", firsts[f"r{i}"]) for i in range(len(prompts))]
+        assert got == reference(tiny, prompts, params)
+        terminals = [sum(1 for it in pair.outputs[r] if it.finish_reason or it.error) for r in firsts]
+        assert terminals == [1] * len(prompts)
+    finally:
+        pair.close()
+    assert pair.decode.blocks.num_free == pair.decode.blocks.capacity
+    assert pair.prefill.blocks.num_free == pair.prefill.blocks.capacity
+
+
+def test_pd_logprobs_and_seeded_sampling_equal_single_process(tiny):
+    vocab = tiny.model.config.vocab_size
+    prompts = [[5, 6, 7, 8], [9] * 23]
+    params = [SamplingParams(max_tokens=12, ignore_eos=True, logprobs=5),
+              SamplingParams(max_tokens=12, ignore_eos=True, temperature=0.8, seed=7, logprobs=0)]
+    eng = LLMEngine(tiny, EngineConfig(num_speculative_tokens=2))
+    ref = eng.generate(prompts, params)
+    pair = Pair(tiny, 2)
+    try:
+        firsts = [pair.run(f"q{i}", p, sp, vocab) for i, (p, sp) in enumerate(zip(prompts, params, strict=True))]
+        pair.wait_terminal(["q0", "q1"])
+        for i, r in enumerate(ref):
+            assert pair.tokens(f"q{i}", firsts[i]) == r.output_ids
+            lps = [firsts[i].logprobs.logprob[0]] + [v for it in pair.outputs[f"q{i}"] if it.logprobs
+                                                      for v in it.logprobs.logprob]
+            assert lps == pytest.approx([x.logprob for x in r.logprobs], abs=1e-5)
+    finally:
+        pair.close()
+
+
+def test_abort_on_decode_frees_blocks_and_ends_once(tiny):
+    vocab = tiny.model.config.vocab_size
+    pair = Pair(tiny, 2)
+    try:
+        params = SamplingParams(max_tokens=400, ignore_eos=True)
+        pair.run("a", [1, 2, 3], params, vocab)
+        pair.decode.abort("a", "client went away")
+        pair.wait_terminal(["a"])
+        assert [it.finish_reason for it in pair.outputs["a"] if it.finish_reason or it.error] == ["abort"]
+        # a reservation that never gets its KV times out with an error
+        pair.decode.admission_timeout_s = 0.2
+        res = pair.decode.reserve("lost", 5, params, 1, ()).result(timeout=10)
+        assert res.admitted
+        pair.wait_terminal(["lost"])
+        assert "did not arrive" in pair.outputs["lost"][-1].error
+    finally:
+        pair.close()
+    assert pair.decode.blocks.num_free == pair.decode.blocks.capacity
+    assert pair.prefill.blocks.num_free == pair.prefill.blocks.capacity
