@@ -1,0 +1,72 @@
+"""The decode node's gRPC face (DecodeControl): reservations, first-token messages from
+prefill nodes, aborts, and the multiplexed output stream (one per subscriber)."""
+
+from __future__ import annotations
+
+import queue
+from concurrent import futures
+
+import grpc
+import msgpack
+
+from decode_node.node import DecodeNode
+from prefill_node.server import GRPC_OPTIONS
+from protos import node_pb2, node_pb2_grpc
+from protos.convert import check_request_id, sampling_from_proto
+from protos.messages import FirstToken, MessageError, pack_outputs
+
+
+class DecodeServicer(node_pb2_grpc.DecodeControlServicer):
+    def __init__(self, node: DecodeNode, node_id: str) -> None:
+        self.node, self.node_id = node, node_id
+        self.vocab = node.loaded.model.config.vocab_size
+
+    def Reserve(self, request, context):
+        try:
+            rid = check_request_id(request.request_id)
+            params, seed, stops = sampling_from_proto(request.sampling, self.vocab)
+        except ValueError as e:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        res = self.node.reserve(rid, request.prompt_len, params, seed, stops).result(timeout=30)
+        data = msgpack.packb(res.descriptor, use_bin_type=True) if res.admitted else b""
+        return node_pb2.ReserveReply(admitted=res.admitted, reason=res.reason, descriptor_msgpack=data)
+
+    def FirstToken(self, request, context):
+        try:
+            msg = FirstToken.unpack(request.msgpack, self.vocab, max_drafts=self.node.k)
+        except MessageError as e:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        self.node.first_token(msg)
+        return node_pb2.Ack(ok=True)
+
+    def Abort(self, request, context):
+        self.node.abort(request.request_id, request.reason or "aborted by router")
+        return node_pb2.Ack(ok=True)
+
+    def Outputs(self, request, context):
+        q = self.node.subscribe()
+        try:
+            while context.is_active():
+                try:
+                    items = q.get(timeout=0.5)
+                except queue.Empty:
+                    continue
+                if items is None:  # the node is stopping
+                    return
+                yield node_pb2.Payload(msgpack=pack_outputs(items))
+        finally:
+            self.node.unsubscribe(q)
+
+    def Status(self, request, context):
+        s = self.node.status()
+        return node_pb2.NodeStatus(node_id=self.node_id, kind="decode", healthy=True,
+                                   num_speculative_tokens=self.node.k, **s)
+
+
+def serve_decode(node: DecodeNode, node_id: str, host: str = "127.0.0.1", port: int = 0,
+                 workers: int = 32) -> tuple[grpc.Server, int]:
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=workers), options=GRPC_OPTIONS)
+    node_pb2_grpc.add_DecodeControlServicer_to_server(DecodeServicer(node, node_id), server)
+    bound = server.add_insecure_port(f"{host}:{port}")
+    server.start()
+    return server, bound

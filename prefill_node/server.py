@@ -1,0 +1,96 @@
+"""The prefill node's gRPC face (PrefillControl): validates, submits, answers with the
+first-token message. Also the client that delivers first-token messages to decode nodes."""
+
+from __future__ import annotations
+
+import threading
+from concurrent import futures
+
+import grpc
+import msgpack
+
+from prefill_node.node import PrefillJob, PrefillNode
+from protos import node_pb2, node_pb2_grpc
+from protos.convert import check_request_id, sampling_from_proto
+from protos.messages import MAX_MESSAGE_BYTES, FirstToken
+
+GRPC_OPTIONS = [("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+                ("grpc.max_send_message_length", MAX_MESSAGE_BYTES)]
+
+
+class DecodeClients:
+    """One channel per decode node address; `send_first_token` is the node's sink."""
+
+    def __init__(self, timeout_s: float = 10.0) -> None:
+        self._stubs: dict[str, node_pb2_grpc.DecodeControlStub] = {}
+        self._lock = threading.Lock()
+        self.timeout_s = timeout_s
+
+    def stub(self, address: str) -> node_pb2_grpc.DecodeControlStub:
+        with self._lock:
+            if address not in self._stubs:
+                channel = grpc.insecure_channel(address, options=GRPC_OPTIONS)
+                self._stubs[address] = node_pb2_grpc.DecodeControlStub(channel)
+            return self._stubs[address]
+
+    def send_first_token(self, address: str, msg: FirstToken) -> None:
+        ack = self.stub(address).FirstToken(node_pb2.Payload(msgpack=msg.pack()), timeout=self.timeout_s)
+        if not ack.ok:
+            raise ConnectionError(ack.reason)
+
+
+class PrefillServicer(node_pb2_grpc.PrefillControlServicer):
+    def __init__(self, node: PrefillNode, node_id: str) -> None:
+        self.node, self.node_id = node, node_id
+
+    def Prefill(self, request, context):
+        vocab = self.node.loaded.model.config.vocab_size
+        try:
+            rid = check_request_id(request.request_id)
+            prompt = list(request.prompt_token_ids)
+            if not prompt or any(not 0 <= t < vocab for t in prompt):
+                raise ValueError("prompt_token_ids must be non-empty ids inside the vocabulary")
+            params, seed, stops = sampling_from_proto(request.sampling, vocab)
+            descriptor = msgpack.unpackb(request.descriptor_msgpack, raw=False)
+            if not isinstance(descriptor, dict) or not request.decode_address:
+                raise ValueError("a KV descriptor map and a decode_address are required")
+            job = PrefillJob(rid, prompt, params, seed, stops, descriptor, request.decode_address)
+            future = self.node.submit(job)
+        except (ValueError, msgpack.UnpackException) as e:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        def on_done() -> None:  # the caller went away (or the RPC ended): drop unfinished work
+            if not future.done():
+                self.node.abort(rid, "prefill cancelled by caller")
+
+        context.add_callback(on_done)
+        try:
+            remaining = context.time_remaining()  # None or huge when the caller set no deadline
+            msg = future.result(timeout=remaining if remaining is not None and remaining < 1e6 else None)
+        except futures.TimeoutError:
+            self.node.abort(rid, "deadline exceeded")
+            context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, "prefill did not finish in time")
+        except ValueError as e:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        except ConnectionError as e:
+            context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
+        except Exception as e:
+            context.abort(grpc.StatusCode.ABORTED, str(e))
+        return node_pb2.Payload(msgpack=msg.pack())
+
+    def Abort(self, request, context):
+        self.node.abort(request.request_id, request.reason or "aborted by router")
+        return node_pb2.Ack(ok=True)
+
+    def Status(self, request, context):
+        s = self.node.status()
+        return node_pb2.NodeStatus(node_id=self.node_id, kind="prefill", healthy=True,
+                                   num_speculative_tokens=self.node.k, **s)
+
+
+def serve_prefill(node: PrefillNode, node_id: str, host: str = "127.0.0.1", port: int = 0,
+                  workers: int = 16) -> tuple[grpc.Server, int]:
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=workers), options=GRPC_OPTIONS)
+    node_pb2_grpc.add_PrefillControlServicer_to_server(PrefillServicer(node, node_id), server)
+    bound = server.add_insecure_port(f"{host}:{port}")
+    server.start()
+    return server, bound

@@ -1,0 +1,37 @@
+"""Conversions between node-control protos and engine types, validating every field."""
+
+from __future__ import annotations
+
+from engine.sampling_params import MAX_LOGPROBS, SamplingParams
+from protos import node_pb2
+
+MAX_REQUEST_ID = 256
+
+
+def check_request_id(rid: str) -> str:
+    if not rid or len(rid) > MAX_REQUEST_ID:
+        raise ValueError(f"request_id must be 1..{MAX_REQUEST_ID} characters")
+    return rid
+
+
+def sampling_from_proto(s: node_pb2.Sampling, vocab: int) -> tuple[SamplingParams, int, tuple[int, ...]]:
+    """(params, seed, stop token ids) from a node Sampling message; ValueError when invalid."""
+    if s.logprobs < -1 or s.logprobs > MAX_LOGPROBS:
+        raise ValueError(f"logprobs must be -1 (none) or 0..{MAX_LOGPROBS}, got {s.logprobs}")
+    stops = tuple(s.stop_token_ids)
+    if any(not 0 <= t < vocab for t in stops):
+        raise ValueError("stop_token_ids outside the vocabulary")
+    params = SamplingParams(
+        temperature=s.temperature, top_k=s.top_k, top_p=s.top_p if s.top_p > 0 else 1.0,
+        seed=s.seed, max_tokens=s.max_tokens, logprobs=None if s.logprobs < 0 else s.logprobs,
+        ignore_eos=True, stop_token_ids=stops,
+    )
+    return params, s.seed, stops
+
+
+def sampling_to_proto(params: SamplingParams, seed: int, stop_ids: tuple[int, ...]) -> node_pb2.Sampling:
+    return node_pb2.Sampling(
+        temperature=params.temperature, top_p=params.top_p, top_k=params.top_k, seed=seed,
+        max_tokens=params.max_tokens, logprobs=-1 if params.logprobs is None else params.logprobs,
+        stop_token_ids=list(stop_ids),
+    )

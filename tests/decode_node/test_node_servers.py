@@ -1,0 +1,105 @@
+"""P and D behind their real gRPC servers on 127.0.0.1 with the ucx KV backend, driven with
+raw stubs the way the router drives them; malformed node messages are refused cleanly."""
+
+from __future__ import annotations
+
+import queue
+import threading
+
+import grpc
+import pytest
+
+from decode_node.node import DecodeNode
+from decode_node.server import serve_decode
+from engine.engine import EngineConfig, LLMEngine
+from engine.loader import load_model
+from engine.sampling_params import SamplingParams
+from prefill_node.node import PrefillNode
+from prefill_node.server import DecodeClients, serve_prefill
+from protos import node_pb2, node_pb2_grpc
+from protos.convert import sampling_to_proto
+from protos.messages import FirstToken, unpack_outputs
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    loaded = load_model("tiny")
+    cfg = EngineConfig(num_speculative_tokens=2)
+    decode = DecodeNode(loaded, cfg, kv_backend="ucx", kv_timeout_s=5)
+    clients = DecodeClients()
+    prefill = PrefillNode(loaded, cfg, clients.send_first_token, kv_backend="ucx", kv_timeout_s=5)
+    decode.start()
+    prefill.start()
+    dserver, dport = serve_decode(decode, "d0")
+    pserver, pport = serve_prefill(prefill, "p0")
+    d = node_pb2_grpc.DecodeControlStub(grpc.insecure_channel(f"127.0.0.1:{dport}"))
+    p = node_pb2_grpc.PrefillControlStub(grpc.insecure_channel(f"127.0.0.1:{pport}"))
+    outputs: queue.SimpleQueue = queue.SimpleQueue()
+    stream = d.Outputs(node_pb2.OutputsRequest(subscriber="test"))
+
+    def read():
+        try:
+            for payload in stream:
+                for item in unpack_outputs(payload.msgpack, loaded.model.config.vocab_size):
+                    outputs.put(item)
+        except grpc.RpcError:
+            pass
+
+    threading.Thread(target=read, daemon=True).start()
+    yield loaded, d, p, f"127.0.0.1:{dport}", outputs, decode, prefill
+    stream.cancel()
+    pserver.stop(0)
+    dserver.stop(0)
+    prefill.stop()
+    decode.stop()
+
+
+def generate(d, p, daddr, outputs, rid, prompt, params, seed=1):
+    sampling = sampling_to_proto(params, seed, ())
+    res = d.Reserve(node_pb2.ReserveRequest(request_id=rid, prompt_len=len(prompt), sampling=sampling))
+    assert res.admitted, res.reason
+    reply = p.Prefill(node_pb2.PrefillRequest(request_id=rid, prompt_token_ids=prompt, sampling=sampling,
+                                              descriptor_msgpack=res.descriptor_msgpack, decode_address=daddr))
+    first = FirstToken.unpack(reply.msgpack, 10**6, 8)
+    tokens = [first.token]
+    while True:
+        item = outputs.get(timeout=60)
+        assert item.request_id == rid
+        tokens += item.tokens
+        if item.finish_reason or item.error:
+            return tokens, item
+
+
+def test_round_trip_over_grpc_equals_engine(cluster):
+    loaded, d, p, daddr, outputs, decode, prefill = cluster
+    params = SamplingParams(max_tokens=15, ignore_eos=True)
+    prompt = [3, 1, 4, 1, 5, 9, 2, 6]
+    tokens, last = generate(d, p, daddr, outputs, "g1", prompt, params)
+    ref = LLMEngine(loaded, EngineConfig()).generate([prompt], params)[0].output_ids
+    assert tokens == ref and last.finish_reason == "length"
+    status = d.Status(node_pb2.StatusRequest())
+    assert status.kind == "decode" and status.free_blocks == status.total_blocks
+
+
+@pytest.mark.parametrize(
+    "call, code",
+    [
+        (lambda d, p: d.FirstToken(node_pb2.Payload(msgpack=b"\x93garbage")), grpc.StatusCode.INVALID_ARGUMENT),
+        (lambda d, p: d.Reserve(node_pb2.ReserveRequest(request_id="", prompt_len=3)), grpc.StatusCode.INVALID_ARGUMENT),
+        (lambda d, p: d.Reserve(node_pb2.ReserveRequest(
+            request_id="x", prompt_len=3, sampling=node_pb2.Sampling(max_tokens=0))), grpc.StatusCode.INVALID_ARGUMENT),
+        (lambda d, p: p.Prefill(node_pb2.PrefillRequest(
+            request_id="y", prompt_token_ids=[10**7], sampling=node_pb2.Sampling(max_tokens=3))),
+         grpc.StatusCode.INVALID_ARGUMENT),
+        (lambda d, p: p.Prefill(node_pb2.PrefillRequest(
+            request_id="z", prompt_token_ids=[1, 2], sampling=node_pb2.Sampling(max_tokens=3),
+            descriptor_msgpack=b"\xc1", decode_address="127.0.0.1:1")), grpc.StatusCode.INVALID_ARGUMENT),
+    ],
+)
+def test_bad_node_messages_are_refused_and_nodes_keep_serving(cluster, call, code):
+    loaded, d, p, daddr, outputs, decode, prefill = cluster
+    with pytest.raises(grpc.RpcError) as err:
+        call(d, p)
+    assert err.value.code() == code
+    tokens, last = generate(d, p, daddr, outputs, f"after-{id(call)}", [7, 7, 7], SamplingParams(max_tokens=4))
+    assert len(tokens) <= 4 and (last.finish_reason or last.error) is not None
