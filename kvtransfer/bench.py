@@ -1,0 +1,238 @@
+"""``pdserve bench kv``: KV transfer bandwidth between two processes, against the raw transport.
+
+The parent process is the sender, a spawned child the receiver (on GPU: cuda:0 and
+cuda:1). Each layer's cache is one block-major tensor ``[blocks, block_bytes]``; the
+request's blocks are contiguous, so a layer is one message. Timed: from ``start``
+to the sender seeing DONE (the receiver's ack), median over ``--iters`` after a
+warm-up. ``intact``: the receiver's destination bytes hash equal to the source's
+on every iteration (the destination is zeroed before each).
+
+Raw figure measured in the same run: ``ucx_perftest -t tag_bw`` between two
+processes with the same message size and memory type (ucx), or a plain memcpy of
+the same bytes (tcp, local). On GPU, ``d2d_gbps`` is a torch copy cuda:0 -> cuda:1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import multiprocessing as mp
+import os
+import re
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from multiprocessing.connection import Connection
+from typing import Any
+
+import msgpack
+import torch
+
+os.environ.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--backend", choices=["ucx", "tcp", "local"], default="ucx")
+    parser.add_argument("--layers", type=int, default=32)
+    parser.add_argument("--blocks", type=int, default=256)
+    parser.add_argument("--block-bytes", type=int, default=8192)
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    parser.add_argument("--iters", type=int, default=5)
+    parser.add_argument("--json", action="store_true")
+
+
+def _device(args: argparse.Namespace, rank: int) -> torch.device:
+    if args.device == "cpu":
+        return torch.device("cpu")
+    return torch.device("cuda", rank % torch.cuda.device_count())
+
+
+def _cache(args: argparse.Namespace, device: torch.device, fill: bool) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    shape = (args.blocks, args.block_bytes)
+    return [
+        (torch.randint(0, 256, shape, generator=g, dtype=torch.uint8) if fill
+         else torch.zeros(shape, dtype=torch.uint8)).to(device)
+        for _ in range(args.layers)
+    ]
+
+
+def _digest(cache: list[torch.Tensor]) -> str:
+    h = hashlib.sha256()
+    for t in cache:
+        h.update(t.cpu().numpy().tobytes())
+    return h.hexdigest()
+
+
+def _receiver_main(conn: Connection, args: argparse.Namespace) -> None:
+    from kvtransfer import KVLayout, create_receiver
+
+    device = _device(args, 1)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    cache = _cache(args, device, fill=False)
+    receiver = create_receiver(args.backend, timeout_s=60)
+    receiver.register(KVLayout(cache, 0))
+    while (cmd := msgpack.unpackb(conn.recv_bytes(), raw=False))["op"] != "exit":
+        if cmd["op"] == "expect":
+            for t in cache:
+                t.zero_()
+            reply: Any = receiver.expect(cmd["rid"], list(range(args.blocks)), list(range(args.layers)))
+        elif cmd["op"] == "wait":
+            reply = receiver.wait(cmd["rid"], 60).state.value
+        else:
+            reply = _digest(cache)
+        conn.send_bytes(msgpack.packb(reply, use_bin_type=True))
+    receiver.close()
+
+
+def _call(conn: Connection, op: str, **kw: Any) -> Any:
+    conn.send_bytes(msgpack.packb({"op": op, **kw}, use_bin_type=True))
+    return msgpack.unpackb(conn.recv_bytes(), raw=False)
+
+
+def _one_transfer(sender: Any, conn: Connection, args: argparse.Namespace, rid: str) -> float:
+    desc = _call(conn, "expect", rid=rid)
+    blocks = list(range(args.blocks))
+    t0 = time.perf_counter()
+    sender.start(rid, desc)
+    for layer in range(args.layers):
+        sender.send_layer(rid, layer, blocks)
+    sender.finish(rid)
+    status = sender.wait(rid, 120)
+    elapsed = time.perf_counter() - t0
+    if status.state.value != "done" or _call(conn, "wait", rid=rid) != "done":
+        raise RuntimeError(f"transfer {rid} ended {status}")
+    return elapsed
+
+
+def _transfer_figures(args: argparse.Namespace) -> dict[str, Any]:
+    from kvtransfer import KVLayout, create_sender
+
+    ctx = mp.get_context("spawn")
+    conn, child = ctx.Pipe()
+    proc = ctx.Process(target=_receiver_main, args=(child, args), daemon=True)
+    proc.start()
+    device = _device(args, 0)
+    cache = _cache(args, device, fill=True)
+    sender = create_sender(args.backend, timeout_s=60)
+    sender.register(KVLayout(cache, 0))
+    source = _digest(cache)
+    times, intact = [], True
+    try:
+        for i in range(args.iters + 1):
+            times.append(_one_transfer(sender, conn, args, f"bench-{i}"))
+            intact = intact and _call(conn, "digest") == source
+        messages = sender.messages // (args.iters + 1)  # type: ignore[attr-defined]
+    finally:
+        sender.close()
+        conn.send_bytes(msgpack.packb({"op": "exit"}))
+        proc.join(30)
+    return {"seconds": statistics.median(times[1:]), "messages": messages, "intact": intact}
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def perftest_gbps(msg_bytes: int, total_bytes: int, device: str) -> float:
+    """``ucx_perftest -t tag_bw`` between two local processes; GB/s (1e9 bytes)."""
+    import libucx
+
+    root = os.path.dirname(libucx.__file__)
+    exe = os.path.join(root, "bin", "ucx_perftest")
+    env = {**os.environ, "LD_LIBRARY_PATH": os.path.join(root, "lib"), "UCX_WARN_UNUSED_ENV_VARS": "n"}
+    port, iters = str(_free_port()), max(20, total_bytes * 4 // msg_bytes)
+    mem = ["-m", "cuda"] if device == "cuda" else []
+    server_env = {**env, "CUDA_VISIBLE_DEVICES": "1,0"} if device == "cuda" else env
+    server = subprocess.Popen([exe, "-p", port, *mem], env=server_env,
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        time.sleep(1.0)
+        out = subprocess.run(
+            [exe, "127.0.0.1", "-p", port, "-t", "tag_bw", "-s", str(msg_bytes), "-n", str(iters),
+             "-w", "10", "-f", *mem], env=env, capture_output=True, text=True, timeout=300,
+        ).stdout
+    finally:
+        server.wait(timeout=30)
+    rows = [line.split() for line in out.splitlines() if re.match(r"^(Final:)?\s*\d+\s+\d", line)]
+    if not rows:
+        raise RuntimeError(f"ucx_perftest printed no result:\n{out}")
+    mib_per_s = float(rows[-1][-3])  # overall bandwidth; perftest's MB is 2**20 bytes
+    return mib_per_s * 2**20 / 1e9
+
+
+def memcpy_gbps(nbytes: int) -> float:
+    src = torch.randint(0, 256, (nbytes,), dtype=torch.uint8)
+    dst = torch.empty_like(src)
+    best = float("inf")
+    for _ in range(5):
+        t0 = time.perf_counter()
+        dst.copy_(src)
+        best = min(best, time.perf_counter() - t0)
+    return nbytes / best / 1e9
+
+
+def d2d_gbps(nbytes: int) -> float:
+    """torch copy cuda:0 -> cuda:1 (the device-to-device ceiling)."""
+    src = torch.empty(nbytes, dtype=torch.uint8, device="cuda:0")
+    dst = torch.empty(nbytes, dtype=torch.uint8, device=f"cuda:{min(1, torch.cuda.device_count() - 1)}")
+    for _ in range(3):
+        dst.copy_(src)
+    torch.cuda.synchronize("cuda:0")
+    torch.cuda.synchronize(dst.device)
+    t0 = time.perf_counter()
+    for _ in range(10):
+        dst.copy_(src)
+    torch.cuda.synchronize("cuda:0")
+    torch.cuda.synchronize(dst.device)
+    return nbytes * 10 / (time.perf_counter() - t0) / 1e9
+
+
+def run(args: argparse.Namespace) -> int:
+    nbytes = args.layers * args.blocks * args.block_bytes
+    result: dict[str, Any] = {"backend": args.backend, "device": args.device, "bytes": nbytes,
+                              "layers": args.layers, "blocks": args.blocks,
+                              "block_bytes": args.block_bytes}
+    result.update(_transfer_figures(args))
+    result["gbps"] = nbytes / result["seconds"] / 1e9
+    msg_bytes = args.blocks * args.block_bytes
+    if args.backend == "ucx":
+        result["raw"] = f"ucx_perftest tag_bw -s {msg_bytes}" + (" -m cuda" if args.device == "cuda" else "")
+        result["raw_gbps"] = perftest_gbps(msg_bytes, nbytes, args.device)
+    else:
+        result["raw"], result["raw_gbps"] = f"memcpy {nbytes} bytes", memcpy_gbps(nbytes)
+    result["ratio"] = result["gbps"] / result["raw_gbps"]
+    if args.device == "cuda":
+        result["d2d_gbps"] = d2d_gbps(nbytes)
+        result["d2d_ratio"] = result["gbps"] / result["d2d_gbps"]
+    _print(result, args.json)
+    return 0 if result["intact"] else 1
+
+
+def _print(result: dict[str, Any], as_json: bool) -> None:
+    if as_json:
+        print(json.dumps(result))
+        return
+    print(f"{result['backend']} on {result['device']}: {result['bytes'] / 2**20:.1f} MiB in "
+          f"{result['seconds'] * 1e3:.2f} ms = {result['gbps']:.2f} GB/s, "
+          f"{result['messages']} data messages, intact={result['intact']}")
+    print(f"raw ({result['raw']}): {result['raw_gbps']:.2f} GB/s; ratio {result['ratio']:.2f}")
+    if "d2d_gbps" in result:
+        print(f"d2d ceiling (torch copy cuda:0 -> cuda:1): {result['d2d_gbps']:.2f} GB/s; "
+              f"ratio {result['d2d_ratio']:.2f}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="pdserve bench kv", description=__doc__)
+    add_arguments(parser)
+    return run(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,318 @@
+"""The sender's protocol, shared by every transport (prefill side).
+
+Receives: ``start`` / ``send_layer`` / ``finish`` / ``abort`` calls from any thread.
+Hands on: per request, on one ``Link`` to the receiver, a ``begin`` message, then
+per layer a ``layer`` message (its runs) and one data send per run, then ``finish``;
+then waits for the receiver's ``ack``.
+Never: blocks the caller on the network, or touches source blocks after the lease
+ended. Careful: state changes only on the loop thread; the caller's thread reads
+it under ``_lock``. A transport subclass provides ``_open`` and ``_reply_info`` and
+calls ``_on_message`` / ``_on_link_lost`` from the loop thread.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import threading
+import time
+from abc import abstractmethod
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from kvtransfer import wire
+from kvtransfer.base import (
+    Descriptor,
+    KVSender,
+    ReleaseCallback,
+    TransferError,
+    TransferState,
+    TransferStatus,
+)
+from kvtransfer.layout import KVLayout, coalesce
+from kvtransfer.loop import LoopThread
+
+log = logging.getLogger(__name__)
+
+
+class Link:
+    """One connection from this sender to one receiver, shared by its requests."""
+
+    @abstractmethod
+    async def send_ctrl(self, msg: dict[str, Any]) -> None: ...
+
+    @abstractmethod
+    async def send_run(
+        self, desc: Descriptor, layer: int, run: int, views: list[torch.Tensor]
+    ) -> int:
+        """Send one run's plane views; return the number of transport messages."""
+
+
+@dataclass
+class _Out:
+    rid: str
+    desc: Descriptor
+    deadline: float
+    queue: asyncio.Queue[tuple[Any, ...]] = field(default_factory=asyncio.Queue)
+    state: TransferState = TransferState.WAITING
+    reason: str = ""
+    link: Link | None = None
+    sent: set[int] = field(default_factory=set)
+    pending: set[asyncio.Future[Any]] = field(default_factory=set)
+    task: asyncio.Task[None] | None = None
+    done: concurrent.futures.Future[TransferStatus] = field(
+        default_factory=concurrent.futures.Future
+    )
+
+
+class StreamingSender(KVSender):
+    """KVSender over any ``Link``; see the module docstring for the roles."""
+
+    backend = ""
+    _owns_loop = True  # False when the transport shares one loop per process
+
+    def __init__(
+        self, timeout_s: float = 10.0, on_release: ReleaseCallback | None = None
+    ) -> None:
+        self.timeout_s = timeout_s
+        self.on_release = on_release
+        self.layout: KVLayout | None = None
+        self.messages = 0  # data messages sent (all requests)
+        self._lock = threading.Lock()
+        self._out: dict[str, _Out] = {}
+        self._thread = self._make_loop()
+        self._thread.call(self._start_watchdog)
+
+    def _make_loop(self) -> LoopThread:
+        return LoopThread(f"kv-send-{self.backend}")
+
+    # -- transport hooks -------------------------------------------------------------
+    @abstractmethod
+    async def _open(self, desc: Descriptor) -> Link:
+        """Connect (or reuse a connection) to the receiver named by ``desc``."""
+
+    @abstractmethod
+    def _reply_info(self) -> tuple[str | bytes, int]:
+        """(address, tag) the receiver answers to, carried in ``begin``."""
+
+    async def _close_transport(self) -> None:
+        """Close connections; runs on the loop at ``close``."""
+
+    # -- caller side -------------------------------------------------------------------
+    def register(self, layout: KVLayout) -> None:
+        self.layout = layout
+
+    def start(self, request_id: str, descriptor: Descriptor) -> None:
+        desc = self._check_descriptor(descriptor)
+        out = _Out(request_id, desc, time.monotonic() + self.timeout_s)
+        with self._lock:
+            if request_id in self._out:
+                raise TransferError(f"request {request_id!r} already started")
+            self._out[request_id] = out
+        self._thread.call(self._launch, out)
+
+    def _check_descriptor(self, descriptor: Descriptor) -> Descriptor:
+        if self.layout is None:
+            raise TransferError("register() the KV layout before start()")
+        try:
+            desc = wire.check(dict(descriptor))
+        except wire.WireError as exc:
+            raise TransferError(f"bad descriptor: {exc}") from None
+        if desc["backend"] != self.backend:
+            raise TransferError(f"descriptor for {desc['backend']!r}, sender is {self.backend!r}")
+        if max(desc["layers"], default=-1) >= self.layout.num_layers:
+            raise TransferError(f"descriptor layers {desc['layers']} beyond local cache")
+        if self.layout.signature(desc["layers"]) != desc["layout"]:
+            raise TransferError(
+                f"layout mismatch: receiver {desc['layout']} != "
+                f"sender {self.layout.signature(desc['layers'])}"
+            )
+        return desc
+
+    def send_layer(
+        self, request_id: str, layer: int, src_block_ids: Sequence[int], ready: Any = None
+    ) -> None:
+        out = self._get(request_id)
+        src = [int(b) for b in src_block_ids]
+        if layer not in out.desc["layers"]:
+            raise TransferError(f"{request_id}: layer {layer} not in {out.desc['layers']}")
+        if len(src) != len(out.desc["blocks"]):
+            raise TransferError(f"{request_id}: {len(src)} blocks, expected {len(out.desc['blocks'])}")
+        assert self.layout is not None
+        try:
+            self.layout.check_blocks(layer, src)
+        except ValueError as exc:
+            raise TransferError(f"{request_id}: {exc}") from None
+        self._thread.call(self._enqueue, out, ("layer", layer, src, ready))
+
+    def finish(self, request_id: str) -> None:
+        self._thread.call(self._enqueue, self._get(request_id), ("finish",))
+
+    def abort(self, request_id: str, reason: str = "aborted by sender") -> None:
+        self._thread.call(self._end, self._get(request_id), TransferState.FAILED, reason, True)
+
+    def poll(self, request_id: str) -> TransferStatus:
+        out = self._get(request_id)
+        with self._lock:
+            return TransferStatus(out.state, out.reason)
+
+    def wait(self, request_id: str, timeout: float | None = None) -> TransferStatus:
+        try:
+            return self._get(request_id).done.result(timeout)
+        except concurrent.futures.TimeoutError:
+            return self.poll(request_id)
+
+    def held(self) -> list[str]:
+        with self._lock:
+            return [r for r, o in self._out.items() if not o.state.terminal]
+
+    def close(self) -> None:
+        if self._thread.loop.is_running():
+            self._thread.submit(self._close_all()).result(timeout=10)
+        if self._owns_loop:
+            self._thread.stop()
+
+    def _get(self, request_id: str) -> _Out:
+        with self._lock:
+            out = self._out.get(request_id)
+        if out is None:
+            raise TransferError(f"unknown request {request_id!r}")
+        return out
+
+    # -- loop side -----------------------------------------------------------------------
+    def _launch(self, out: _Out) -> None:
+        out.task = asyncio.ensure_future(self._drive(out))
+        out.task.add_done_callback(lambda t: self._task_done(out, t))
+
+    def _enqueue(self, out: _Out, op: tuple[Any, ...]) -> None:
+        if not out.state.terminal:
+            out.deadline = time.monotonic() + self.timeout_s
+            out.queue.put_nowait(op)
+
+    async def _drive(self, out: _Out) -> None:
+        out.link = await self._open(out.desc)
+        addr, tag = self._reply_info()
+        begin = wire.make(
+            "begin", rid=out.rid, reply=addr, ack_tag=tag, nblocks=len(out.desc["blocks"])
+        )
+        await out.link.send_ctrl(begin)
+        self._set_state(out, TransferState.TRANSFERRING, "")
+        while True:
+            op = await out.queue.get()
+            if op[0] == "finish":
+                break
+            await self._send_layer(out, *op[1:])
+        if out.pending:
+            await asyncio.gather(*out.pending)
+        await out.link.send_ctrl(wire.make("finish", rid=out.rid, layers=len(out.sent)))
+        out.deadline = time.monotonic() + self.timeout_s  # the ack must come in time
+
+    async def _send_layer(self, out: _Out, layer: int, src: list[int], ready: Any) -> None:
+        if layer in out.sent:
+            raise TransferError(f"layer {layer} sent twice")
+        out.sent.add(layer)
+        if ready is not None:
+            await asyncio.get_running_loop().run_in_executor(None, ready.synchronize)
+        runs = coalesce(src, out.desc["blocks"])
+        pairs = [[r.index, r.count] for r in runs]
+        assert out.link is not None
+        await out.link.send_ctrl(wire.make("layer", rid=out.rid, layer=layer, runs=pairs))
+        assert self.layout is not None
+        for i, r in enumerate(runs):
+            views = self.layout.run_views(layer, src[r.index], r.count)
+            fut = asyncio.ensure_future(out.link.send_run(out.desc, layer, i, views))
+            out.pending.add(fut)
+            fut.add_done_callback(lambda f: self._run_sent(out, f))
+
+    def _run_sent(self, out: _Out, fut: asyncio.Future[Any]) -> None:
+        out.pending.discard(fut)
+        if fut.cancelled():
+            return
+        if fut.exception() is not None:
+            self._end(out, TransferState.FAILED, f"send failed: {fut.exception()!r}", True)
+            return
+        self.messages += fut.result()
+        out.deadline = time.monotonic() + self.timeout_s
+
+    def _task_done(self, out: _Out, task: asyncio.Task[None]) -> None:
+        if not task.cancelled() and task.exception() is not None:
+            exc = task.exception()
+            self._end(out, TransferState.FAILED, f"{type(exc).__name__}: {exc}", True)
+
+    def _on_message(self, msg: dict[str, Any]) -> None:
+        """An ``ack`` (or ``error``) from a receiver, already validated."""
+        with self._lock:
+            out = self._out.get(msg.get("rid", ""))
+        if msg["t"] == "ack" and out is not None:
+            state = TransferState.DONE if msg["ok"] else TransferState.FAILED
+            reason = "" if msg["ok"] else f"receiver: {msg['reason']}"
+            self._end(out, state, reason, False)
+        elif msg["t"] not in ("ack", "error"):
+            log.warning("sender ignores unexpected %s message", msg["t"])
+
+    def _on_link_lost(self, link: Link, reason: str) -> None:
+        with self._lock:
+            outs = [o for o in self._out.values() if o.link is link and not o.state.terminal]
+        for out in outs:
+            self._end(out, TransferState.FAILED, reason, False)
+
+    def _set_state(self, out: _Out, state: TransferState, reason: str) -> None:
+        with self._lock:
+            if not out.state.terminal:
+                out.state, out.reason = state, reason
+
+    def _end(self, out: _Out, state: TransferState, reason: str, tell_peer: bool) -> None:
+        """Make ``out`` terminal and end its lease; idempotent."""
+        if out.state.terminal:
+            return
+        self._set_state(out, state, reason)
+        if out.task is not None and out.task is not asyncio.current_task():
+            out.task.cancel()
+        for fut in list(out.pending):
+            fut.cancel()
+        if tell_peer:
+            asyncio.ensure_future(self._tell_abort(out, reason))
+        out.done.set_result(TransferStatus(state, reason))
+        if self.on_release is not None:
+            self.on_release(out.rid, TransferStatus(state, reason))
+
+    async def _tell_abort(self, out: _Out, reason: str) -> None:
+        try:
+            msg = wire.make("abort", rid=out.rid, reason=reason[: wire.MAX_STR])
+            link = out.link if out.link is not None else await asyncio.wait_for(
+                self._open(out.desc), timeout=1.0
+            )
+            await asyncio.wait_for(link.send_ctrl(msg), timeout=1.0)
+        except Exception as exc:  # the peer may be gone; that is why we abort
+            log.debug("abort for %s not delivered: %r", out.rid, exc)
+
+    def _start_watchdog(self) -> None:
+        asyncio.ensure_future(self._watchdog())
+
+    async def _watchdog(self) -> None:
+        tick = min(0.1, self.timeout_s / 10)
+        while True:
+            await asyncio.sleep(tick)
+            now = time.monotonic()
+            with self._lock:
+                late = [o for o in self._out.values() if not o.state.terminal and now > o.deadline]
+            for out in late:
+                reason = f"lease expired: no progress for {self.timeout_s}s (receiver dead or stalled)"
+                self._end(out, TransferState.FAILED, reason, True)
+            self._forget_old(now)
+
+    def _forget_old(self, now: float) -> None:
+        with self._lock:
+            old = [r for r, o in self._out.items() if o.state.terminal and now > o.deadline + 60]
+            for r in old:
+                del self._out[r]
+
+    async def _close_all(self) -> None:
+        for out in list(self._out.values()):
+            self._end(out, TransferState.FAILED, "sender closed", True)
+        await asyncio.sleep(0)
+        await self._close_transport()

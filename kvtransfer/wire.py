@@ -1,0 +1,168 @@
+"""Control messages on the wire: msgpack maps with a version, every field validated.
+
+Nothing is pickled. ``decode`` rejects, with a WireError naming the problem: a
+payload over ``MAX_MESSAGE_BYTES``, bytes that are not one msgpack map, a missing
+or different ``v``, an unknown ``t``, a missing or extra field, a field of the
+wrong type or out of range. Bulk KV bytes never go through msgpack; they follow a
+``data`` header (tcp) or travel as their own tagged message (ucx).
+
+Framing (``frame`` / ``unframe``): a 4-byte big-endian length, then the msgpack.
+"""
+
+from __future__ import annotations
+
+import struct
+import zlib
+from collections.abc import Callable
+from typing import Any
+
+import msgpack
+
+VERSION = 1
+MAX_MESSAGE_BYTES = 1 << 20
+MAX_LIST = 1 << 17
+MAX_STR = 1024
+MAX_INT = (1 << 64) - 1  # ucx tags use all 64 bits
+HEADER = struct.Struct(">I")
+
+
+class WireError(ValueError):
+    """A message from the network broke the protocol; the text says how."""
+
+
+def _int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and 0 <= v <= MAX_INT
+
+
+def _str(v: Any) -> bool:
+    return isinstance(v, str) and len(v) <= MAX_STR
+
+
+def _bytes(v: Any) -> bool:
+    return isinstance(v, bytes) and len(v) <= 1 << 16
+
+
+def _addr(v: Any) -> bool:
+    return _str(v) or _bytes(v)
+
+
+def _ints(v: Any) -> bool:
+    return isinstance(v, list) and len(v) <= MAX_LIST and all(_int(x) for x in v)
+
+
+def _pairs(v: Any) -> bool:
+    return _list_of(v, lambda p: _ints(p) and len(p) == 2)
+
+
+def _int_lists(v: Any) -> bool:
+    return _list_of(v, _ints)
+
+
+def _list_of(v: Any, ok: Callable[[Any], bool]) -> bool:
+    return isinstance(v, list) and len(v) <= MAX_LIST and all(ok(x) for x in v)
+
+
+_RID = {"rid": _str}
+SCHEMAS: dict[str, dict[str, Callable[[Any], bool]]] = {
+    # Receiver -> router -> sender: where and what to send.
+    "desc": {
+        **_RID, "backend": _str, "addr": _addr, "tag": _int, "serial": _int,
+        "layers": _ints, "blocks": _ints, "layout": _int_lists,
+    },
+    # Sender -> receiver.
+    "begin": {**_RID, "reply": _addr, "ack_tag": _int, "nblocks": _int},
+    "layer": {**_RID, "layer": _int, "runs": _pairs},
+    "data": {**_RID, "layer": _int, "run": _int, "nbytes": _int},
+    "finish": {**_RID, "layers": _int},
+    "abort": {**_RID, "reason": _str},
+    # Receiver -> sender. ``error`` closes the connection it arrives on.
+    "ack": {**_RID, "ok": lambda v: isinstance(v, bool), "reason": _str},
+    "error": {"reason": _str},
+}
+
+
+def check(msg: Any) -> dict[str, Any]:
+    """Validate a decoded message against its schema; return it."""
+    if not isinstance(msg, dict):
+        raise WireError(f"message is a {type(msg).__name__}, not a map")
+    if msg.get("v") != VERSION:
+        raise WireError(f"wrong version {msg.get('v')!r}, expected {VERSION}")
+    kind = msg.get("t")
+    schema = SCHEMAS.get(kind) if isinstance(kind, str) else None
+    if schema is None:
+        raise WireError(f"unknown message type {kind!r}")
+    fields = set(msg) - {"v", "t"}
+    if fields != set(schema):
+        raise WireError(f"{kind}: fields {sorted(fields)} != {sorted(schema)}")
+    for name, ok in schema.items():
+        if not ok(msg[name]):
+            raise WireError(f"{kind}: bad value for {name!r}: {str(msg[name])[:80]}")
+    return msg
+
+
+def make(kind: str, **fields: Any) -> dict[str, Any]:
+    """Build and validate a message (a bug here is ours, so it raises WireError too)."""
+    return check({"v": VERSION, "t": kind, **fields})
+
+
+def encode(msg: dict[str, Any]) -> bytes:
+    data: bytes = msgpack.packb(check(msg), use_bin_type=True)
+    if len(data) > MAX_MESSAGE_BYTES:
+        raise WireError(f"message of {len(data)} bytes over {MAX_MESSAGE_BYTES}")
+    return data
+
+
+def decode(data: bytes | bytearray | memoryview) -> dict[str, Any]:
+    if len(data) > MAX_MESSAGE_BYTES:
+        raise WireError(f"message of {len(data)} bytes over {MAX_MESSAGE_BYTES}")
+    try:
+        msg = msgpack.unpackb(bytes(data), raw=False, strict_map_key=True, use_list=True)
+    except Exception as exc:  # msgpack raises several unrelated types
+        raise WireError(f"not msgpack: {type(exc).__name__}: {exc}") from None
+    return check(msg)
+
+
+def frame(msg: dict[str, Any]) -> bytes:
+    body = encode(msg)
+    return HEADER.pack(len(body)) + body
+
+
+def frame_length(header: bytes) -> int:
+    """Length from a 4-byte header; WireError if over ``MAX_MESSAGE_BYTES``."""
+    (n,) = HEADER.unpack(header)
+    if n > MAX_MESSAGE_BYTES:
+        raise WireError(f"frame of {n} bytes over {MAX_MESSAGE_BYTES}")
+    return int(n)
+
+
+def unframe(buf: bytes | bytearray | memoryview) -> dict[str, Any]:
+    """Decode a framed message that may be followed by padding."""
+    if len(buf) < HEADER.size:
+        raise WireError(f"frame of {len(buf)} bytes has no header")
+    n = frame_length(bytes(buf[: HEADER.size]))
+    if HEADER.size + n > len(buf):
+        raise WireError(f"frame says {n} bytes, only {len(buf) - HEADER.size} arrived")
+    return decode(buf[HEADER.size : HEADER.size + n])
+
+
+SEALED = struct.Struct(">4sII")  # magic, length, crc32 of the body
+MAGIC = b"PDKV"
+
+
+def seal(msg: dict[str, Any]) -> bytes:
+    """Frame for transports that deliver into a fixed buffer without a length (ucx)."""
+    body = encode(msg)
+    return SEALED.pack(MAGIC, len(body), zlib.crc32(body)) + body
+
+
+def unseal(buf: bytes | bytearray | memoryview) -> dict[str, Any]:
+    """Inverse of ``seal``; the caller clears the header bytes before each receive."""
+    magic, n, crc = SEALED.unpack(bytes(buf[: SEALED.size]))
+    if magic != MAGIC:
+        raise WireError(f"bad magic {magic!r}: not a kvtransfer control message")
+    if n > MAX_MESSAGE_BYTES or SEALED.size + n > len(buf):
+        raise WireError(f"frame of {n} bytes over {MAX_MESSAGE_BYTES}")
+    body = bytes(buf[SEALED.size : SEALED.size + n])
+    if zlib.crc32(body) != crc:
+        raise WireError("checksum mismatch: truncated or corrupted control message")
+    return decode(body)

@@ -1,0 +1,174 @@
+"""Faults: a dead peer becomes FAILED on the other side, bad messages are contained."""
+
+from __future__ import annotations
+
+import socket
+import struct
+import zlib
+
+import msgpack
+import pytest
+
+from kvtransfer import KVLayout, TransferState, create_receiver, create_sender, wire
+from tests.kvtransfer.peer import Peer, make_cache
+
+NUM_BLOCKS = 16
+LAYERS = [0, 1, 2, 3]
+TIMEOUT = 2.0
+
+
+def _sender(backend: str, released: list[str] | None = None):
+    src, dims = make_cache(NUM_BLOCKS, seed=1)
+    sender = create_sender(
+        backend, timeout_s=TIMEOUT,
+        on_release=None if released is None else lambda rid, st: released.append(rid),
+    )
+    sender.register(KVLayout(src, dims))
+    return sender
+
+
+def _receiver(backend: str):
+    dst, dims = make_cache(NUM_BLOCKS, seed=None)
+    receiver = create_receiver(backend, timeout_s=TIMEOUT)
+    receiver.register(KVLayout(dst, dims))
+    return receiver
+
+
+def _transfer(sender, receiver, rid: str) -> TransferState:
+    sender.start(rid, receiver.expect(rid, [4, 5, 6], LAYERS))
+    for layer in LAYERS:
+        sender.send_layer(rid, layer, [1, 2, 3])
+    sender.finish(rid)
+    return sender.wait(rid, 10).state
+
+
+@pytest.mark.parametrize("backend", ["tcp", "ucx"])
+def test_receiver_killed_mid_transfer_fails_and_frees_sender(backend: str) -> None:
+    released: list[str] = []
+    sender = _sender(backend, released)
+    doomed = Peer("receiver", backend, NUM_BLOCKS, timeout_s=TIMEOUT, seed=None)
+    healthy = Peer("receiver", backend, NUM_BLOCKS, timeout_s=30, seed=None)
+    try:
+        sender.start("doomed", doomed.call("expect", request_id="doomed", dst_block_ids=[1, 2], layers=LAYERS))
+        sender.send_layer("doomed", 0, [5, 6])
+        doomed.kill()
+        for layer in LAYERS[1:]:
+            sender.send_layer("doomed", layer, [5, 6])
+        sender.finish("doomed")
+        status = sender.wait("doomed", 10 * TIMEOUT)
+        assert status.state is TransferState.FAILED, status
+        assert "receiver" in status.reason
+        assert sender.held() == [] and released == ["doomed"]
+        desc = healthy.call("expect", request_id="ok", dst_block_ids=[3], layers=LAYERS)
+        sender.start("ok", desc)
+        for layer in LAYERS:
+            sender.send_layer("ok", layer, [7])
+        sender.finish("ok")
+        assert sender.wait("ok", 10).state is TransferState.DONE
+    finally:
+        sender.close()
+        healthy.close()
+
+
+@pytest.mark.parametrize("backend", ["tcp", "ucx"])
+def test_sender_killed_fails_receiver_with_reason(backend: str) -> None:
+    receiver = _receiver(backend)
+    peer = Peer("sender", backend, NUM_BLOCKS, timeout_s=30, seed=1)
+    try:
+        desc = receiver.expect("r", [1, 2, 3], LAYERS)
+        peer.call("start", request_id="r", descriptor=desc)
+        peer.call("send_layers", rid="r", layers=[0], blocks=[4, 5, 6])
+        assert receiver.wait("r", 0.01).state is not TransferState.FAILED
+        peer.kill()
+        status = receiver.wait("r", 10 * TIMEOUT)
+        assert status.state is TransferState.FAILED
+        assert "timed out" in status.reason or "connection" in status.reason, status.reason
+    finally:
+        receiver.close()
+
+
+def test_receiver_abort_reaches_sender() -> None:
+    sender, receiver = _sender("local"), _receiver("local")
+    try:
+        sender.start("r", receiver.expect("r", [1], LAYERS))
+        sender.send_layer("r", 0, [2])
+        receiver.abort("r", "client went away")
+        status = sender.wait("r", 10)
+        assert status.state is TransferState.FAILED and "client went away" in status.reason
+        assert sender.held() == []
+    finally:
+        sender.close()
+        receiver.close()
+
+
+def test_sender_abort_reaches_receiver() -> None:
+    sender, receiver = _sender("tcp"), _receiver("tcp")
+    try:
+        sender.start("r", receiver.expect("r", [1], LAYERS))
+        sender.send_layer("r", 0, [2])
+        sender.abort("r", "prefill preempted")
+        status = receiver.wait("r", 10)
+        assert status.state is TransferState.FAILED and "prefill preempted" in status.reason
+    finally:
+        sender.close()
+        receiver.close()
+
+
+def _sealed(obj: object) -> bytes:
+    body = msgpack.packb(obj, use_bin_type=True)
+    return wire.SEALED.pack(wire.MAGIC, len(body), zlib.crc32(body)) + body
+
+
+BAD_TCP = {
+    "not msgpack": struct.pack(">I", 3) + b"\xc1\xc1\xc1",
+    "wrong version": struct.pack(">I", 20) + msgpack.packb({"v": 9, "t": "finish", "rid": "x", "layers": 1}).ljust(20, b"\0"),
+    "oversized": struct.pack(">I", wire.MAX_MESSAGE_BYTES + 1),
+    "unknown type": wire.HEADER.pack(len(b := msgpack.packb({"v": 1, "t": "shell"}))) + b,
+}
+
+
+@pytest.mark.parametrize("kind", sorted(BAD_TCP))
+def test_tcp_bad_message_closes_only_its_connection(kind: str) -> None:
+    receiver, sender = _receiver("tcp"), _sender("tcp")
+    try:
+        victim_desc = receiver.expect("victim", [9], LAYERS)
+        host, port = victim_desc["addr"].rsplit(":", 1)
+        with socket.create_connection((host, int(port)), timeout=10) as sock:
+            sock.sendall(wire.frame(wire.make("begin", rid="victim", reply="", ack_tag=0, nblocks=1)))
+            sock.sendall(BAD_TCP[kind])
+            reply = sock.makefile("rb").read()  # until the receiver closes
+        header_len = wire.frame_length(reply[:4])
+        assert wire.decode(reply[4 : 4 + header_len])["t"] == "error"
+        assert receiver.wait("victim", 5).state is TransferState.FAILED
+        assert "protocol error" in receiver.poll("victim").reason
+        assert _transfer(sender, receiver, "bystander") is TransferState.DONE
+    finally:
+        sender.close()
+        receiver.close()
+
+
+def test_ucx_bad_messages_are_contained() -> None:
+    receiver, sender = _receiver("ucx"), _sender("ucx")
+    attacker = Peer("attacker", "ucx", NUM_BLOCKS, timeout_s=TIMEOUT, seed=None)
+    try:
+        victim = receiver.expect("victim", [9], LAYERS)
+        bad = [
+            b"\x00garbage",
+            _sealed({"v": 2, "t": "finish", "rid": "victim", "layers": 4}),
+            _sealed({"v": 1, "t": "finish", "rid": "victim", "layers": 4, "extra": 1}),
+            bytes(wire.SEALED.size + wire.MAX_MESSAGE_BYTES + 1),  # over the receive buffer
+            wire.seal(wire.make("layer", rid="victim", layer=0, runs=[[0, 1]])),  # before begin
+        ]
+        for payload in bad:
+            attacker.call("raw_ucx", addr=victim["addr"], tag=victim["tag"], payload=payload)
+        status = receiver.wait("victim", 10)
+        assert status.state is TransferState.FAILED and "before begin" in status.reason
+        assert _transfer(sender, receiver, "bystander") is TransferState.DONE
+        errors = receiver.errors  # type: ignore[attr-defined]
+        assert len(errors) == len(bad)
+        assert any("wrong version" in e for e in errors) and any("fields" in e for e in errors)
+        assert any("runcat" in e.lower() or "truncat" in e.lower() for e in errors)
+    finally:
+        attacker.close()
+        sender.close()
+        receiver.close()

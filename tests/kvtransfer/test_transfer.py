@@ -1,0 +1,135 @@
+"""Two-process transfers: destination bytes equal source bytes, for every backend."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from kvtransfer import KVLayout, TransferError, TransferState, create_receiver, create_sender
+from kvtransfer.layout import coalesce
+from tests.kvtransfer.peer import Peer, block_bytes, make_cache
+
+NUM_BLOCKS = 64
+LAYERS = [0, 1, 2, 3]
+
+
+def shuffled_runs(rng: random.Random, n: int) -> list[int]:
+    """0..n-1 cut into runs of 1-5 consecutive ids, runs in random order."""
+    runs, start = [], 0
+    while start < n:
+        size = rng.randint(1, 5)
+        runs.append(list(range(start, min(n, start + size))))
+        start += size
+    rng.shuffle(runs)
+    return [b for run in runs for b in run]
+
+
+def block_maps(seed: int, requests: int) -> list[tuple[list[int], list[int]]]:
+    """Per request (src ids, dst ids): random lengths, disjoint destinations."""
+    rng = random.Random(seed)
+    src_pool, dst_pool = shuffled_runs(rng, NUM_BLOCKS), shuffled_runs(rng, NUM_BLOCKS)
+    maps = []
+    for _ in range(requests):
+        k = rng.randint(1, 7)
+        maps.append((src_pool[:k], dst_pool[:k]))
+        src_pool, dst_pool = src_pool[k:] + src_pool[:k], dst_pool[k:]
+    return maps
+
+
+def interleaved_send(sender, maps: list[tuple[list[int], list[int]]], seed: int) -> None:
+    rng = random.Random(seed)
+    rids = [f"req-{i}" for i in range(len(maps))]
+    for layer in LAYERS:
+        order = list(range(len(maps)))
+        rng.shuffle(order)
+        for i in order:
+            sender.send_layer(rids[i], layer, maps[i][0])
+    for rid in rids:
+        sender.finish(rid)
+
+
+@pytest.mark.parametrize("backend", ["tcp", "ucx"])
+def test_eight_interleaved_requests_arrive_exactly(backend: str) -> None:
+    receiver = Peer("receiver", backend, NUM_BLOCKS, timeout_s=30, seed=None)
+    src, dims = make_cache(NUM_BLOCKS, seed=1)
+    sender = create_sender(backend, timeout_s=30)
+    sender.register(KVLayout(src, dims))
+    try:
+        maps = block_maps(seed=7, requests=8)
+        for i, (_, dst) in enumerate(maps):
+            desc = receiver.call("expect", request_id=f"req-{i}", dst_block_ids=dst, layers=LAYERS)
+            sender.start(f"req-{i}", desc)
+        interleaved_send(sender, maps, seed=3)
+        for i, (src_ids, dst) in enumerate(maps):
+            assert sender.wait(f"req-{i}", 30).state is TransferState.DONE
+            assert receiver.call("wait", rid=f"req-{i}") == ["done", ""]
+            for layer in LAYERS:
+                got = receiver.call("dump", layer=layer, blocks=dst)
+                assert got == block_bytes(src, dims, layer, src_ids), (i, layer)
+        assert sender.held() == []
+    finally:
+        sender.close()
+        receiver.close()
+
+
+def test_local_backend_moves_every_dtype_and_layout() -> None:
+    src, dims = make_cache(NUM_BLOCKS, seed=2)
+    dst, _ = make_cache(NUM_BLOCKS, seed=None)
+    receiver, sender = create_receiver("local", timeout_s=10), create_sender("local", timeout_s=10)
+    receiver.register(KVLayout(dst, dims))
+    sender.register(KVLayout(src, dims))
+    maps = block_maps(seed=5, requests=8)
+    try:
+        for i, (_, d) in enumerate(maps):
+            sender.start(f"req-{i}", receiver.expect(f"req-{i}", d, LAYERS))
+        interleaved_send(sender, maps, seed=9)
+        for i, (s, d) in enumerate(maps):
+            assert receiver.wait(f"req-{i}", 10).state is TransferState.DONE
+            for layer in LAYERS:
+                assert block_bytes(dst, dims, layer, d) == block_bytes(src, dims, layer, s)
+    finally:
+        sender.close()
+        receiver.close()
+
+
+@pytest.mark.parametrize("backend,planes_per_message", [("tcp", 2), ("local", 2), ("ucx", 1)])
+def test_4k_token_request_is_one_message_per_layer_run(backend: str, planes_per_message: int) -> None:
+    """4096 tokens / block size 16 = 256 blocks; stacked K/V layout (2 planes per layer).
+
+    tcp and local carry both planes in one message per run; ucx sends one per plane.
+    """
+    layers = [torch.randn(2, 300, 16, 1, 4) for _ in range(3)]
+    dst = [torch.zeros_like(t) for t in layers]
+    receiver, sender = create_receiver(backend, timeout_s=10), create_sender(backend, timeout_s=10)
+    receiver.register(KVLayout(dst, 1))
+    sender.register(KVLayout(layers, 1))
+    src_ids = list(range(10, 138)) + list(range(200, 328 - 40)) + list(range(160, 200))
+    dst_ids = list(range(0, 256))
+    try:
+        sender.start("r", receiver.expect("r", dst_ids, [0, 1, 2]))
+        for layer in range(3):
+            sender.send_layer("r", layer, src_ids)
+        sender.finish("r")
+        assert sender.wait("r", 10).state is TransferState.DONE
+        runs = len(coalesce(src_ids, dst_ids))
+        assert runs == 3
+        assert sender.messages == 3 * runs * (2 // planes_per_message)
+        for layer in range(3):
+            assert torch.equal(dst[layer][:, dst_ids], layers[layer][:, src_ids])
+    finally:
+        sender.close()
+        receiver.close()
+
+
+def test_layout_mismatch_is_refused_at_start() -> None:
+    receiver, sender = create_receiver("local"), create_sender("local")
+    receiver.register(KVLayout([torch.zeros(2, 8, 4, 2, 8)], 1))
+    sender.register(KVLayout([torch.zeros(2, 8, 4, 2, 8, dtype=torch.float16)], 1))
+    try:
+        with pytest.raises(TransferError, match="layout mismatch"):
+            sender.start("r", receiver.expect("r", [1, 2], [0]))
+    finally:
+        sender.close()
+        receiver.close()

@@ -1,0 +1,41 @@
+"""wire.py: msgpack with a version, every field validated."""
+
+from __future__ import annotations
+
+import msgpack
+import pytest
+
+from kvtransfer import wire
+
+
+def test_round_trip() -> None:
+    msg = wire.make("layer", rid="r1", layer=3, runs=[[0, 4], [4, 1]])
+    assert wire.decode(wire.encode(msg)) == msg
+    assert wire.unframe(wire.frame(msg) + b"pad") == msg
+    assert wire.unseal(wire.seal(msg) + b"\0" * 16) == msg
+
+
+@pytest.mark.parametrize("bad,text", [
+    ({"v": 2, "t": "finish", "rid": "r", "layers": 1}, "wrong version"),
+    ({"v": 1, "t": "exec", "rid": "r"}, "unknown message type"),
+    ({"v": 1, "t": "finish", "rid": "r"}, "fields"),
+    ({"v": 1, "t": "finish", "rid": "r", "layers": 1, "x": 0}, "fields"),
+    ({"v": 1, "t": "finish", "rid": "r", "layers": -1}, "bad value"),
+    ({"v": 1, "t": "finish", "rid": "r", "layers": True}, "bad value"),
+    ({"v": 1, "t": "layer", "rid": "r", "layer": 0, "runs": [[0, 1, 2]]}, "bad value"),
+    ([1, 2], "not a map"),
+])
+def test_invalid_messages_are_named(bad: object, text: str) -> None:
+    with pytest.raises(wire.WireError, match=text):
+        wire.decode(msgpack.packb(bad))
+
+
+def test_oversized_garbage_and_corrupt_frames() -> None:
+    with pytest.raises(wire.WireError, match="over"):
+        wire.decode(b"\0" * (wire.MAX_MESSAGE_BYTES + 1))
+    with pytest.raises(wire.WireError, match="not msgpack"):
+        wire.decode(b"\xc1")
+    sealed = bytearray(wire.seal(wire.make("error", reason="x")))
+    sealed[-1] ^= 1
+    with pytest.raises(wire.WireError, match="checksum"):
+        wire.unseal(sealed)
