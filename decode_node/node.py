@@ -11,6 +11,10 @@ request) to every subscriber of the output stream.
 One thread (the loop) owns the batch, the runner and the block manager; other threads
 only enqueue commands and wait on futures. A reservation whose KV or first token does not
 arrive within `admission_timeout_s` ends with an error and frees its blocks.
+
+Blocks of a request that ends before its KV transfer is DONE are quarantined for
+`kv_quarantine_s` before reuse: a transport may still land late bytes for it (ucx cannot
+cancel a posted receive), and they must not overwrite another request's KV.
 """
 
 from __future__ import annotations
@@ -55,7 +59,7 @@ class Reservation:
 class DecodeNode:
     def __init__(self, loaded: LoadedModel, config: EngineConfig, kv_backend: str = "ucx",
                  kv_timeout_s: float = 10.0, admission_timeout_s: float = 30.0,
-                 kv_options: dict | None = None) -> None:
+                 kv_options: dict | None = None, kv_quarantine_s: float | None = None) -> None:
         self.loaded, self.config = loaded, config
         self.k = config.num_speculative_tokens
         self.runner, self.blocks, self.max_model_len = build_runner(loaded, config)
@@ -65,6 +69,8 @@ class DecodeNode:
         self.receiver = create_receiver(kv_backend, timeout_s=kv_timeout_s, **(kv_options or {}))
         self.receiver.register(KVLayout(self.runner.kv.layers, block_dim=1))
         self.admission_timeout_s = admission_timeout_s
+        self.kv_quarantine_s = kv_timeout_s if kv_quarantine_s is None else kv_quarantine_s
+        self.quarantine: list[tuple[float, list[int]]] = []  # (free after, blocks)
         self.pending: dict[str, Pending] = {}
         self.requests: dict[str, Request] = {}  # admitted and not yet ended
         self._inbox: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
@@ -103,8 +109,8 @@ class DecodeNode:
                 self._subscribers.remove(q)
 
     def status(self) -> dict[str, int]:
-        return {"free_blocks": self.blocks.num_free, "total_blocks": self.blocks.capacity,
-                "running": len(self.requests), "queued_tokens": 0}
+        return {"free_blocks": self.blocks.num_free,
+                "total_blocks": self.blocks.capacity, "running": len(self.requests), "queued_tokens": 0}
 
     def start(self) -> None:
         self._thread = threading.Thread(target=self._loop, name="decode-loop", daemon=True)
@@ -124,12 +130,13 @@ class DecodeNode:
     def _loop(self) -> None:
         while not self._stop.is_set():
             if not self.step():
-                self._wake.wait(0.002 if self.pending else 0.05)
+                self._wake.wait(0.002 if self.pending else 0.02)
                 self._wake.clear()
 
     def step(self) -> bool:
         """Commands, admissions of completed transfers, one decode step. Loop thread only."""
         items: list[OutputItem] = []
+        self._release_quarantine()
         self._drain_inbox(items)
         self._admit_ready(items)
         busy = self.batch.busy
@@ -179,7 +186,6 @@ class DecodeNode:
         if p is None:
             return  # aborted or unknown: nothing to do
         if msg.finished:  # the first token ended it: the router already has the terminal event
-            self.receiver.abort(msg.request_id, "request finished at its first token")
             self._end(p.request, msg.finished)
             return
         p.first = msg
@@ -188,8 +194,6 @@ class DecodeNode:
         req = self.requests.get(rid)
         if req is None:
             return
-        if self.pending.pop(rid, None) is not None:
-            self.receiver.abort(rid, reason)
         items.append(OutputItem(rid, [], finish_reason="abort", steps=req.steps, accepted=req.accepted_tokens))
         self._end(req, "abort")
 
@@ -202,7 +206,6 @@ class DecodeNode:
             elif state.state == TransferState.DONE and p.first is not None:
                 self._insert(p)
             elif now > p.deadline:
-                self.receiver.abort(rid, "admission timed out")
                 self._error(p, f"KV or first token did not arrive within {self.admission_timeout_s}s", items)
 
     def _insert(self, p: Pending) -> None:
@@ -219,14 +222,28 @@ class DecodeNode:
         self.batch.insert(req, msg.token, drafts, probs)
 
     def _error(self, p: Pending, message: str, items: list[OutputItem]) -> None:
-        self.pending.pop(p.request.request_id, None)
         items.append(OutputItem(p.request.request_id, [], error=message))
         self._end(p.request, "error")
 
     def _end(self, req: Request, reason: str) -> None:
+        """Forget a request; if its KV may still be arriving, stop it and quarantine its blocks."""
         self.requests.pop(req.request_id, None)
+        if self.pending.pop(req.request_id, None) is not None:
+            state = self.receiver.poll(req.request_id).state
+            if state != TransferState.DONE:
+                if not state.terminal:
+                    self.receiver.abort(req.request_id, f"request ended: {reason}")
+                self.quarantine.append((time.monotonic() + self.kv_quarantine_s, req.block_ids))
+                req.block_ids = []
         if not req.finished:
             self.batch.finish(req, reason)
+
+    def _release_quarantine(self) -> None:
+        now = time.monotonic()
+        due = [q for q in self.quarantine if q[0] <= now]
+        for q in due:
+            self.quarantine.remove(q)
+            self.blocks.free(q[1])
 
     def _item(self, out: RequestOutput) -> OutputItem:
         req = self.requests.get(out.request_id)

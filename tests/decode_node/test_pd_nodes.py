@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import random
 import threading
+import time
 
 import pytest
 
@@ -26,7 +27,7 @@ class Pair:
 
     def __init__(self, loaded, k, backend="local", **kw):
         cfg = EngineConfig(num_speculative_tokens=k, block_shuffle_seed=3, **kw)
-        self.decode = DecodeNode(loaded, cfg, kv_backend=backend, kv_timeout_s=5)
+        self.decode = DecodeNode(loaded, cfg, kv_backend=backend, kv_timeout_s=5, kv_quarantine_s=0.3)
         self.prefill = PrefillNode(loaded, EngineConfig(num_speculative_tokens=k, block_shuffle_seed=4, **kw),
                                    lambda addr, msg: self.decode.first_token(msg), kv_backend=backend, kv_timeout_s=5)
         self.outputs: dict[str, list[OutputItem]] = {}
@@ -69,6 +70,14 @@ class Pair:
     def close(self):
         self.prefill.stop()
         self.decode.stop()
+
+
+def wait_until(cond, timeout=30.0):
+    """Poll a condition the node's loop thread makes true (quarantine expiry has no event)."""
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, "condition not reached"
+        time.sleep(0.05)
 
 
 def reference(loaded, prompts, params):
@@ -140,6 +149,7 @@ def test_abort_on_decode_frees_blocks_and_ends_once(tiny):
         assert res.admitted
         pair.wait_terminal(["lost"])
         assert "did not arrive" in pair.outputs["lost"][-1].error
+        wait_until(lambda: pair.decode.status()["free_blocks"] == pair.decode.blocks.capacity)
     finally:
         pair.close()
     assert pair.decode.blocks.num_free == pair.decode.blocks.capacity
