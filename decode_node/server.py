@@ -45,6 +45,7 @@ class DecodeServicer(node_pb2_grpc.DecodeControlServicer):
 
     def Outputs(self, request, context):
         q = self.node.subscribe()
+        context.send_initial_metadata(())  # tells the subscriber it is registered: nothing is missed
         try:
             while context.is_active():
                 try:

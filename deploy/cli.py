@@ -31,6 +31,7 @@ def _add_generate(sub: Any) -> None:
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtype", default="auto", help="auto, float32, bfloat16, float16")
     p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--router", default=None, metavar="HOST:PORT", help="generate through a running service")
     p.set_defaults(func=cmd_generate)
 
 
@@ -56,60 +57,25 @@ def _run_bench(name: str, argv: list[str]) -> int:
     return int(module.run(parser.parse_args(argv)))
 
 
-DEMO_PROMPTS = [
-    "What is the capital of France?",
-    "Write a haiku about the sea.",
-    "Explain in one sentence what a GPU is.",
-    "List three primary colors.",
-]
+def _add_service(sub: Any) -> None:
+    from deploy import cli_service
 
-
-def _add_demo(sub: Any) -> None:
-    p = sub.add_parser("demo", help="run the embedded model on a few prompts and print timings")
-    p.add_argument("--model", default=None)
-    p.add_argument("--spec-tokens", type=int, default=2)
-    p.add_argument("--max-tokens", type=int, default=48)
-    p.add_argument("--device", default="cpu")
-    p.set_defaults(func=cmd_demo)
-
-
-def cmd_demo(args: argparse.Namespace) -> int:
-    """Single-process demo: prints each answer with time to first token and per-token time."""
-    from engine.engine import EngineConfig, LLMEngine
-    from engine.loader import default_model, load_model
-    from engine.sampling_params import SamplingParams
-
-    name = args.model or default_model()
-    print(f"loading {name} ...", flush=True)
-    loaded = load_model(name, device=args.device)
-    engine = LLMEngine(loaded, EngineConfig(num_speculative_tokens=args.spec_tokens, device=args.device))
-    params = SamplingParams(max_tokens=args.max_tokens)
-    start = time.perf_counter()
-    ids = {engine.add_request(encode_prompt(loaded.tokenizer, p, False), params): p for p in DEMO_PROMPTS}
-    first: dict[str, float] = {}
-    last: dict[str, float] = {}
-    while engine.has_unfinished():
-        for out in engine.step():
-            first.setdefault(out.request_id, time.perf_counter() - start)
-            last[out.request_id] = time.perf_counter() - start
-    total = time.perf_counter() - start
-    for rid, prompt in ids.items():
-        req = engine.requests[rid]
-        text = loaded.tokenizer.decode(req.output_ids).strip()
-        n = len(req.output_ids)
-        tpot = (last[rid] - first[rid]) / max(n - 1, 1) * 1000
-        print(f"\n> {prompt}\n{text}\n  [{n} tokens, TTFT {first[rid] * 1000:.0f} ms, "
-              f"{tpot:.0f} ms/token, {req.mean_accepted_per_step:.2f} tokens/step with k={args.spec_tokens}]")
-    tokens = sum(len(engine.requests[r].output_ids) for r in ids)
-    print(f"\n{tokens} tokens in {total:.2f} s ({tokens / total:.1f} tok/s, single process)")
-    return 0
+    up = sub.add_parser("up", help="start the service (router + prefill + decode nodes on Ray)")
+    cli_service.add_service_arguments(up)
+    up.add_argument("--port", type=int, default=None, help="router port (default 50051)")
+    up.add_argument("--address", default=None, help="an existing Ray cluster (default: start a local one)")
+    up.set_defaults(func=cli_service.cmd_up)
+    demo = sub.add_parser("demo", help="start the service locally, send a few real prompts, print timings")
+    cli_service.add_service_arguments(demo)
+    demo.add_argument("--max-tokens", type=int, default=48)
+    demo.set_defaults(func=cli_service.cmd_demo, spec_tokens=None)
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pdserve", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
     _add_generate(sub)
-    _add_demo(sub)
+    _add_service(sub)
     _add_bench(sub)
     return parser
 
@@ -137,6 +103,10 @@ def result_json(tokenizer: Any, req: Any) -> dict:
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
+    if args.router:
+        from deploy.cli_service import generate_via_router
+
+        return generate_via_router(args)
     from engine.engine import EngineConfig, LLMEngine
     from engine.loader import default_model, load_model
     from engine.sampling_params import SamplingParams

@@ -1,8 +1,9 @@
 """Build a ready model from a `--model` value: 'tiny', 'smollm2', a HF directory or a .gguf file.
 
 Hands on a `LoadedModel` (module on its device and dtype, tokenizer, EOS ids). Models that ship
-no MTP weights get a seeded, untrained MTP module (drafts are then poor but harmless), unless
-an MTP safetensors file is given.
+no MTP weights get the head shipped in engine/mtp_heads/{name}.safetensors when there is one
+(`pdserve train-mtp` makes them; SmolLM2 has one), else the given MTP safetensors file, else a
+seeded, untrained MTP module (drafts are then poor but harmless).
 """
 
 from __future__ import annotations
@@ -84,11 +85,18 @@ def load_model(name: str, device: str = "cpu", dtype: str | None = None, mtp_pat
         tensors = random_tensors(model, TINY_SEED)
         target = {k: v for k, v in tensors.items() if not k.startswith("mtp.")}
         assert model.mtp is not None
-        load_weights(model, target, _deepseek_names(random_tensors(model.mtp, TINY_SEED + 1)))
-        return LoadedModel("tiny", _materialize(model, device, torch_dtype), ByteTokenizer(), config.eos_token_ids, False)
+        if mtp_path is not None:
+            mtp = read_mtp_file(mtp_path, config.num_hidden_layers)
+        else:
+            mtp = _deepseek_names(random_tensors(model.mtp, TINY_SEED + 1))
+        load_weights(model, target, mtp)
+        return LoadedModel("tiny", _materialize(model, device, torch_dtype), ByteTokenizer(), config.eos_token_ids,
+                           mtp_path is not None)
     ckpt = load_checkpoint(path)
     config = ckpt.config
     target, mtp = split_mtp_tensors(ckpt.tensors, config.num_hidden_layers)
+    if mtp_path is None and not mtp:
+        mtp_path = mtp_path_default(served_name(name))  # a head shipped in engine/mtp_heads/
     if mtp_path is not None:
         mtp = read_mtp_file(mtp_path, config.num_hidden_layers)
     model = build_model(config)
@@ -114,7 +122,7 @@ def read_mtp_file(path: str, num_layers: int) -> dict[str, torch.Tensor]:
 
 
 def mtp_path_default(name: str) -> str | None:
-    """Where a shipped MTP head for `name` would live (filled by the MTP-training issue)."""
+    """The shipped MTP head for `name` (engine/mtp_heads/{name}.safetensors), if there is one."""
     p = Path(__file__).parent / "mtp_heads" / f"{name}.safetensors"
     return str(p) if p.exists() else None
 

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x14protos/pdserve.proto\x12\npdserve.v1\"\xd2\x01\n\x0fSamplingOptions\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_p\x18\x02 \x01(\x02\x12\r\n\x05top_k\x18\x03 \x01(\x05\x12\x11\n\x04seed\x18\x04 \x01(\x04H\x00\x88\x01\x01\x12\x12\n\nmax_tokens\x18\x05 \x01(\x05\x12\x15\n\x08logprobs\x18\x06 \x01(\x05H\x01\x88\x01\x01\x12\x0c\n\x04stop\x18\x07 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x08 \x03(\x05\x12\x12\n\nignore_eos\x18\t \x01(\x08\x42\x07\n\x05_seedB\x0b\n\t_logprobs\"\xae\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x0e\n\x06prompt\x18\x03 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x04 \x03(\x05\x12\x0c\n\x04\x63hat\x18\x05 \x01(\x08\x12-\n\x08sampling\x18\x06 \x01(\x0b\x32\x1b.pdserve.v1.SamplingOptions\x12\x11\n\ttimeout_s\x18\x07 \x01(\x02\"f\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\x0c\n\x04rank\x18\x03 \x01(\x05\x12\x0f\n\x07top_ids\x18\x04 \x03(\x05\x12\x14\n\x0ctop_logprobs\x18\x05 \x03(\x02\"n\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\x05\x12\x14\n\x0c\x64\x65\x63ode_steps\x18\x03 \x01(\x05\x12\x1d\n\x15\x61\x63\x63\x65pted_draft_tokens\x18\x04 \x01(\x05\"<\n\x08\x46inished\x12\x0e\n\x06reason\x18\x01 \x01(\t\x12 \n\x05usage\x18\x02 \x01(\x0b\x32\x11.pdserve.v1.Usage\"&\n\x05\x45rror\x12\x0c\n\x04\x63ode\x18\x01 \x01(\t\x12\x0f\n\x07message\x18\x02 \x01(\t\"\xbd\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x0c\n\x04text\x18\x03 \x01(\t\x12*\n\x08logprobs\x18\x04 \x03(\x0b\x32\x18.pdserve.v1.TokenLogprob\x12&\n\x08\x66inished\x18\x05 \x01(\x0b\x32\x14.pdserve.v1.Finished\x12 \n\x05\x65rror\x18\x06 \x01(\x0b\x32\x11.pdserve.v1.Error\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x1e\n\rAbortResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"\x0f\n\rHealthRequest\"h\n\x0eHealthResponse\x12\x0f\n\x07serving\x18\x01 \x01(\x08\x12\x15\n\rprefill_nodes\x18\x02 \x01(\x05\x12\x14\n\x0c\x64\x65\x63ode_nodes\x18\x03 \x01(\x05\x12\x18\n\x10running_requests\x18\x04 \x01(\x05\"\x13\n\x11ListModelsRequest\"P\n\tModelInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x15\n\rmax_model_len\x18\x02 \x01(\x05\x12\x1e\n\x16num_speculative_tokens\x18\x03 \x01(\x05\";\n\x12ListModelsResponse\x12%\n\x06models\x18\x01 \x03(\x0b\x32\x15.pdserve.v1.ModelInfo2\xa1\x02\n\nGeneration\x12G\n\x08Generate\x12\x1b.pdserve.v1.GenerateRequest\x1a\x1c.pdserve.v1.GenerateResponse0\x01\x12<\n\x05\x41\x62ort\x12\x18.pdserve.v1.AbortRequest\x1a\x19.pdserve.v1.AbortResponse\x12?\n\x06Health\x12\x19.pdserve.v1.HealthRequest\x1a\x1a.pdserve.v1.HealthResponse\x12K\n\nListModels\x12\x1d.pdserve.v1.ListModelsRequest\x1a\x1e.pdserve.v1.ListModelsResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x14protos/pdserve.proto\x12\npdserve.v1\"\xd2\x01\n\x0fSamplingOptions\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_p\x18\x02 \x01(\x02\x12\r\n\x05top_k\x18\x03 \x01(\x05\x12\x11\n\x04seed\x18\x04 \x01(\x04H\x00\x88\x01\x01\x12\x12\n\nmax_tokens\x18\x05 \x01(\x05\x12\x15\n\x08logprobs\x18\x06 \x01(\x05H\x01\x88\x01\x01\x12\x0c\n\x04stop\x18\x07 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x08 \x03(\x05\x12\x12\n\nignore_eos\x18\t \x01(\x08\x42\x07\n\x05_seedB\x0b\n\t_logprobs\"\xae\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x0e\n\x06prompt\x18\x03 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x04 \x03(\x05\x12\x0c\n\x04\x63hat\x18\x05 \x01(\x08\x12-\n\x08sampling\x18\x06 \x01(\x0b\x32\x1b.pdserve.v1.SamplingOptions\x12\x11\n\ttimeout_s\x18\x07 \x01(\x02\"f\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\x0c\n\x04rank\x18\x03 \x01(\x05\x12\x0f\n\x07top_ids\x18\x04 \x03(\x05\x12\x14\n\x0ctop_logprobs\x18\x05 \x03(\x02\"n\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\x05\x12\x14\n\x0c\x64\x65\x63ode_steps\x18\x03 \x01(\x05\x12\x1d\n\x15\x61\x63\x63\x65pted_draft_tokens\x18\x04 \x01(\x05\"<\n\x08\x46inished\x12\x0e\n\x06reason\x18\x01 \x01(\t\x12 \n\x05usage\x18\x02 \x01(\x0b\x32\x11.pdserve.v1.Usage\"&\n\x05\x45rror\x12\x0c\n\x04\x63ode\x18\x01 \x01(\t\x12\x0f\n\x07message\x18\x02 \x01(\t\"\xd7\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x0c\n\x04text\x18\x03 \x01(\t\x12*\n\x08logprobs\x18\x04 \x03(\x0b\x32\x18.pdserve.v1.TokenLogprob\x12&\n\x08\x66inished\x18\x05 \x01(\x0b\x32\x14.pdserve.v1.Finished\x12 \n\x05\x65rror\x18\x06 \x01(\x0b\x32\x11.pdserve.v1.Error\x12\x18\n\x10prompt_token_ids\x18\x07 \x03(\x05\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x1e\n\rAbortResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"\x0f\n\rHealthRequest\"h\n\x0eHealthResponse\x12\x0f\n\x07serving\x18\x01 \x01(\x08\x12\x15\n\rprefill_nodes\x18\x02 \x01(\x05\x12\x14\n\x0c\x64\x65\x63ode_nodes\x18\x03 \x01(\x05\x12\x18\n\x10running_requests\x18\x04 \x01(\x05\"\x13\n\x11ListModelsRequest\"P\n\tModelInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x15\n\rmax_model_len\x18\x02 \x01(\x05\x12\x1e\n\x16num_speculative_tokens\x18\x03 \x01(\x05\";\n\x12ListModelsResponse\x12%\n\x06models\x18\x01 \x03(\x0b\x32\x15.pdserve.v1.ModelInfo2\xa1\x02\n\nGeneration\x12G\n\x08Generate\x12\x1b.pdserve.v1.GenerateRequest\x1a\x1c.pdserve.v1.GenerateResponse0\x01\x12<\n\x05\x41\x62ort\x12\x18.pdserve.v1.AbortRequest\x1a\x19.pdserve.v1.AbortResponse\x12?\n\x06Health\x12\x19.pdserve.v1.HealthRequest\x1a\x1a.pdserve.v1.HealthResponse\x12K\n\nListModels\x12\x1d.pdserve.v1.ListModelsRequest\x1a\x1e.pdserve.v1.ListModelsResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -44,21 +44,21 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_ERROR']._serialized_start=704
   _globals['_ERROR']._serialized_end=742
   _globals['_GENERATERESPONSE']._serialized_start=745
-  _globals['_GENERATERESPONSE']._serialized_end=934
-  _globals['_ABORTREQUEST']._serialized_start=936
-  _globals['_ABORTREQUEST']._serialized_end=970
-  _globals['_ABORTRESPONSE']._serialized_start=972
-  _globals['_ABORTRESPONSE']._serialized_end=1002
-  _globals['_HEALTHREQUEST']._serialized_start=1004
-  _globals['_HEALTHREQUEST']._serialized_end=1019
-  _globals['_HEALTHRESPONSE']._serialized_start=1021
-  _globals['_HEALTHRESPONSE']._serialized_end=1125
-  _globals['_LISTMODELSREQUEST']._serialized_start=1127
-  _globals['_LISTMODELSREQUEST']._serialized_end=1146
-  _globals['_MODELINFO']._serialized_start=1148
-  _globals['_MODELINFO']._serialized_end=1228
-  _globals['_LISTMODELSRESPONSE']._serialized_start=1230
-  _globals['_LISTMODELSRESPONSE']._serialized_end=1289
-  _globals['_GENERATION']._serialized_start=1292
-  _globals['_GENERATION']._serialized_end=1581
+  _globals['_GENERATERESPONSE']._serialized_end=960
+  _globals['_ABORTREQUEST']._serialized_start=962
+  _globals['_ABORTREQUEST']._serialized_end=996
+  _globals['_ABORTRESPONSE']._serialized_start=998
+  _globals['_ABORTRESPONSE']._serialized_end=1028
+  _globals['_HEALTHREQUEST']._serialized_start=1030
+  _globals['_HEALTHREQUEST']._serialized_end=1045
+  _globals['_HEALTHRESPONSE']._serialized_start=1047
+  _globals['_HEALTHRESPONSE']._serialized_end=1151
+  _globals['_LISTMODELSREQUEST']._serialized_start=1153
+  _globals['_LISTMODELSREQUEST']._serialized_end=1172
+  _globals['_MODELINFO']._serialized_start=1174
+  _globals['_MODELINFO']._serialized_end=1254
+  _globals['_LISTMODELSRESPONSE']._serialized_start=1256
+  _globals['_LISTMODELSRESPONSE']._serialized_end=1315
+  _globals['_GENERATION']._serialized_start=1318
+  _globals['_GENERATION']._serialized_end=1607
 # @@protoc_insertion_point(module_scope)

@@ -1,0 +1,76 @@
+"""Thin Ray actors around the plain node objects (ARCHITECTURE I6).
+
+A node actor loads the model, builds its PrefillNode or DecodeNode, starts the node's loop
+and its gRPC server, and reports the server's address. All request traffic goes over gRPC;
+Ray only places, watches and restarts the processes. Each actor restarts forever on death
+(`max_restarts=-1`); a restarted actor binds a new port, which the controller notices.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from typing import Any
+
+from deploy.config import ServiceConfig
+
+
+def engine_config(cfg: ServiceConfig, role: str):
+    from engine.engine import EngineConfig
+
+    return EngineConfig(
+        num_speculative_tokens=cfg.spec.num_speculative_tokens,
+        block_size=cfg.cache.block_size,
+        max_num_seqs=cfg.decode.max_num_seqs,  # on P this sizes the KV pool for leases
+        max_num_batched_tokens=cfg.prefill.max_num_batched_tokens,
+        max_model_len=cfg.model.max_model_len,
+        kv_cache_bytes=cfg.cache.kv_cache_bytes,
+        num_blocks=cfg.cache.num_blocks,
+        device=cfg.model.resolved_device(),
+    )
+
+
+class NodeActor:
+    """One prefill or decode node in its own process."""
+
+    def __init__(self, role: str, node_id: str, config_json: str, host: str = "127.0.0.1") -> None:
+        import torch
+
+        from engine.loader import load_model
+
+        cfg = ServiceConfig.model_validate_json(config_json)
+        threads = max(1, int(cfg.prefill.num_cpus if role == "prefill" else cfg.decode.num_cpus))
+        torch.set_num_threads(threads)
+        device = cfg.model.resolved_device()
+        loaded = load_model(cfg.model.resolved_name(), device=device, dtype=cfg.model.dtype,
+                            mtp_path=cfg.model.mtp_path)
+        self.role, self.node_id, self.host = role, node_id, host
+        kv: dict[str, Any] = {"kv_backend": cfg.kv_transfer.backend, "kv_timeout_s": cfg.kv_transfer.timeout_s}
+        if role == "prefill":
+            from prefill_node.node import PrefillNode
+            from prefill_node.server import DecodeClients, serve_prefill
+
+            self._clients = DecodeClients()
+            self.node: Any = PrefillNode(loaded, engine_config(cfg, role), self._clients.send_first_token, **kv)
+            self.node.start()
+            self.server, self.port = serve_prefill(self.node, node_id, host)
+        elif role == "decode":
+            from decode_node.node import DecodeNode
+            from decode_node.server import serve_decode
+
+            self.node = DecodeNode(loaded, engine_config(cfg, role), **kv)
+            self.node.start()
+            self.server, self.port = serve_decode(self.node, node_id, host)
+        else:
+            raise ValueError(f"unknown node role {role!r}")
+
+    def address(self) -> str:
+        return f"{self.host}:{self.port}"
+
+    def info(self) -> dict[str, Any]:
+        return {"role": self.role, "node_id": self.node_id, "address": self.address(),
+                "pid": os.getpid(), "host": socket.gethostname(), **self.node.status()}
+
+    def stop(self) -> None:
+        self.server.stop(grace=1)
+        self.node.stop()

@@ -1,0 +1,142 @@
+"""`pdserve up`, `pdserve demo` and `pdserve generate --router`: the disaggregated service."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import signal
+import tempfile
+import threading
+import time
+from typing import Any
+
+DEMO_PROMPTS = [
+    "What is the capital of France?",
+    "Write a haiku about the sea.",
+    "Explain in one sentence what a GPU is.",
+    "List three primary colors.",
+]
+
+
+def service_config(args: argparse.Namespace, local: bool = False) -> Any:
+    from deploy.config import ServiceConfig, parse_overrides
+
+    overrides = parse_overrides(getattr(args, "set", None) or [])
+    for flag, key in (("model", "model.name"), ("prefill", "prefill.num_nodes"), ("decode", "decode.num_nodes"),
+                      ("spec_tokens", "spec.num_speculative_tokens"), ("port", "router.port"),
+                      ("address", "cluster.address"), ("device", "model.device")):
+        value = getattr(args, flag, None)
+        if value is not None:
+            overrides[key] = value
+    if local:
+        overrides.setdefault("router.host", "127.0.0.1")
+        overrides.setdefault("router.port", 0)
+    return ServiceConfig.load(getattr(args, "config", None), overrides)
+
+
+def add_service_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--config", default=None, help="YAML service config (unknown keys are errors)")
+    p.add_argument("--model", default=None)
+    p.add_argument("--prefill", type=int, default=None, help="prefill nodes")
+    p.add_argument("--decode", type=int, default=None, help="decode nodes")
+    p.add_argument("--spec-tokens", type=int, default=None, help="MTP draft tokens per step (k)")
+    p.add_argument("--device", default=None, help="cpu, cuda or auto")
+    p.add_argument("--set", action="append", metavar="KEY=VALUE", help="any config key, e.g. decode.max_num_seqs=64")
+
+
+def start_service(cfg: Any) -> tuple[Any, str]:
+    from deploy.service import Service, init_ray
+
+    init_ray(cfg, temp_dir=tempfile.mkdtemp(prefix="pdserve-ray-") if cfg.cluster.address is None else None)
+    service = Service(cfg)
+    return service, service.start()
+
+
+def shutdown(service: Any) -> None:
+    import ray
+
+    service.stop()
+    ray.shutdown()
+
+
+def cmd_up(args: argparse.Namespace) -> int:
+    cfg = service_config(args)
+    print(f"starting pdserve: {cfg.prefill.num_nodes} prefill + {cfg.decode.num_nodes} decode node(s), "
+          f"model {cfg.model.resolved_name()}, k={cfg.spec.num_speculative_tokens} ...", flush=True)
+    service, address = start_service(cfg)
+    print(f"router listening on {address} (Ctrl-C to stop)", flush=True)
+    done = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: done.set())
+    done.wait()
+    print("shutting down ...", flush=True)
+    shutdown(service)
+    return 0
+
+
+async def _timed_stream(address: str, prompt: str, max_tokens: int) -> dict:
+    from router.client import RouterClient, build_request
+
+    start = time.perf_counter()
+    first = last = 0.0
+    text, tokens, usage, reason = [], 0, None, ""
+    async with RouterClient(address) as client:
+        async for msg in client.responses(build_request(prompt, chat=True, max_tokens=max_tokens)):
+            now = time.perf_counter() - start
+            if msg.token_ids:
+                first = first or now
+                last = now
+            tokens += len(msg.token_ids)
+            text.append(msg.text)
+            if msg.HasField("finished"):
+                usage, reason = msg.finished.usage, msg.finished.reason
+            if msg.HasField("error"):
+                reason = f"error: {msg.error.message}"
+    return {"prompt": prompt, "text": "".join(text).strip(), "tokens": tokens, "ttft": first,
+            "tpot": (last - first) / max(tokens - 1, 1), "usage": usage, "reason": reason}
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    cfg = service_config(args, local=True)
+    k = cfg.spec.num_speculative_tokens
+    print(f"starting pdserve on a local Ray cluster: {cfg.prefill.num_nodes}P{cfg.decode.num_nodes}D, "
+          f"model {cfg.model.resolved_name()}, k={k}, KV over {cfg.kv_transfer.backend} ...", flush=True)
+    t0 = time.perf_counter()
+    service, address = start_service(cfg)
+    print(f"router on {address} (ready in {time.perf_counter() - t0:.1f} s); sending {len(DEMO_PROMPTS)} "
+          f"concurrent requests", flush=True)
+    try:
+        start = time.perf_counter()
+        results = asyncio.run(_gather(address, args.max_tokens))
+        wall = time.perf_counter() - start
+    finally:
+        shutdown(service)
+    for r in results:
+        u = r["usage"]
+        per_step = (r["tokens"] - 1) / u.decode_steps if u is not None and u.decode_steps else 0.0
+        print(f"\n> {r['prompt']}\n{r['text']}\n  [{r['tokens']} tokens, {r['reason']}, TTFT {r['ttft'] * 1000:.0f} ms, "
+              f"{r['tpot'] * 1000:.0f} ms/token, {per_step:.2f} tokens/decode step with k={k}]")
+    total = sum(r["tokens"] for r in results)
+    print(f"\n{total} tokens in {wall:.2f} s ({total / wall:.1f} tok/s) through router -> prefill -> decode")
+    return 0
+
+
+async def _gather(address: str, max_tokens: int) -> list[dict]:
+    return list(await asyncio.gather(*(_timed_stream(address, p, max_tokens) for p in DEMO_PROMPTS)))
+
+
+def generate_via_router(args: argparse.Namespace) -> int:
+    from router.client import generate_via_router as run
+
+    results = run(args.router, args.prompts, chat=not args.raw, temperature=args.temperature, top_p=args.top_p,
+                  top_k=args.top_k, seed=args.seed, max_tokens=args.max_tokens, logprobs=args.logprobs,
+                  model=args.model)
+    for out in results:
+        if args.json:
+            print(json.dumps(out))
+        else:
+            print(f"{out['text']}\n  [{len(out['token_ids'])} tokens, {out['finish_reason']}, "
+                  f"{out['stats']['mean_accepted_per_step']:.2f} tokens/step]")
+    return 0
+

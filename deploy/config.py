@@ -1,0 +1,198 @@
+"""Service configuration: one frozen pydantic model per component, gathered in ServiceConfig.
+
+Receives a YAML file (optional) and CLI overrides as dotted keys (`decode.num_nodes: 4`);
+hands on a validated, immutable `ServiceConfig`. Unknown keys, at any depth, are errors
+that name the key and list the known ones. Nothing here imports torch, Ray or gRPC, so
+every component (router included) can read its own section cheaply.
+
+YAML layout (every section and key optional):
+
+    model: {name: tiny, dtype: auto, device: auto, max_model_len: 2048, mtp_path: null}
+    spec: {num_speculative_tokens: 2}
+    cache: {block_size: 16, num_blocks: null, kv_cache_bytes: 536870912}
+    kv_transfer: {backend: tcp, timeout_s: 30}
+    prefill: {max_num_batched_tokens: 2048, num_nodes: 1, num_cpus: 1, num_gpus: 1}
+    decode: {max_num_seqs: 32, num_nodes: 1, num_cpus: 1, num_gpus: 1}
+    router: {host: 0.0.0.0, port: 50051, queue_size: 256, default_timeout_s: 600, ...}
+    cluster: {address: null, namespace: pdserve}
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+DTYPE_NAMES = ("auto", "float32", "fp32", "bfloat16", "bf16", "float16", "fp16")
+
+
+class ConfigError(ValueError):
+    """A config file or override that is unreadable, has unknown keys or bad values."""
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class ModelConfig(_Section):
+    name: str | None = None  # 'tiny', 'smollm2', a HF dir or a .gguf file; None: the embedded default
+    dtype: str = "auto"
+    device: str = "auto"  # 'auto': cuda when available, else cpu
+    max_model_len: int | None = Field(default=None, gt=0)  # None: min(model's positions, 4096)
+    mtp_path: str | None = None
+
+    @field_validator("dtype")
+    @classmethod
+    def _known_dtype(cls, v: str) -> str:
+        if v not in DTYPE_NAMES:
+            raise ValueError(f"must be one of {', '.join(DTYPE_NAMES)}, got {v!r}")
+        return v
+
+    def resolved_name(self) -> str:
+        from engine.loader import default_model
+
+        return self.name or default_model()
+
+    def resolved_device(self) -> str:
+        if self.device != "auto":
+            return self.device
+        import torch
+
+        return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+class SpecConfig(_Section):
+    num_speculative_tokens: int = Field(default=0, ge=0)  # k MTP draft tokens per step
+
+
+class CacheConfig(_Section):
+    block_size: int = Field(default=16, gt=0)
+    num_blocks: int | None = Field(default=None, gt=0)  # overrides kv_cache_bytes when set
+    kv_cache_bytes: int = Field(default=512 << 20, gt=0)
+
+
+class KVTransferConfig(_Section):
+    backend: Literal["ucx", "tcp", "local"] = "tcp"
+    timeout_s: float = Field(default=30.0, gt=0)
+
+
+class PrefillConfig(_Section):
+    max_num_batched_tokens: int = Field(default=2048, gt=0)
+    num_nodes: int = Field(default=1, ge=1)
+    num_cpus: float = Field(default=1.0, ge=0)
+    num_gpus: float = Field(default=1.0, ge=0)
+
+
+class DecodeConfig(_Section):
+    max_num_seqs: int = Field(default=32, gt=0)
+    num_nodes: int = Field(default=1, ge=1)
+    num_cpus: float = Field(default=1.0, ge=0)
+    num_gpus: float = Field(default=1.0, ge=0)
+
+
+class RouterConfig(_Section):
+    host: str = "0.0.0.0"
+    port: int = Field(default=50051, ge=0, le=65535)  # 0: any free port
+    policy: Literal["least_load", "round_robin"] = "least_load"
+    queue_size: int = Field(default=256, ge=0)  # requests waiting for a decode node; 0: no queue
+    default_timeout_s: float = Field(default=600.0, gt=0)  # per request, when it gives none
+    max_prompt_bytes: int = Field(default=1 << 20, gt=0)  # prompt text over this: INVALID_ARGUMENT
+    status_interval_s: float = Field(default=1.0, gt=0)  # node Status polls and health probes
+    rpc_timeout_s: float = Field(default=5.0, gt=0)  # Reserve / Abort / Status calls to nodes
+    prefill_retries: int = Field(default=2, ge=0)  # other prefill nodes tried after UNAVAILABLE
+
+
+class ClusterConfig(_Section):
+    address: str | None = None  # Ray address; None: start a local Ray
+    namespace: str = "pdserve"
+
+
+class ServiceConfig(_Section):
+    model: ModelConfig = Field(default_factory=ModelConfig)
+    spec: SpecConfig = Field(default_factory=SpecConfig)
+    cache: CacheConfig = Field(default_factory=CacheConfig)
+    kv_transfer: KVTransferConfig = Field(default_factory=KVTransferConfig)
+    prefill: PrefillConfig = Field(default_factory=PrefillConfig)
+    decode: DecodeConfig = Field(default_factory=DecodeConfig)
+    router: RouterConfig = Field(default_factory=RouterConfig)
+    cluster: ClusterConfig = Field(default_factory=ClusterConfig)
+
+    @classmethod
+    def load(cls, path: str | Path | None = None, overrides: dict[str, Any] | None = None) -> ServiceConfig:
+        """Read `path` (YAML; None: defaults only), then apply `overrides` ({"decode.num_nodes": 4})."""
+        data: dict[str, Any] = {}
+        if path is not None:
+            data = _read_yaml(Path(path))
+        for key, value in (overrides or {}).items():
+            _set_dotted(data, key, value)
+        _check_keys(cls, data, "")
+        try:
+            return cls.model_validate(data)
+        except ValidationError as e:
+            raise ConfigError(_describe(e, path)) from None
+
+
+def parse_overrides(items: list[str]) -> dict[str, Any]:
+    """CLI `KEY=VALUE` strings -> overrides; values are read as YAML scalars (`4`, `null`, `true`)."""
+    out: dict[str, Any] = {}
+    for item in items:
+        key, sep, raw = item.partition("=")
+        if not sep or not key.strip():
+            raise ConfigError(f"override {item!r} is not KEY=VALUE (e.g. decode.num_nodes=2)")
+        try:
+            out[key.strip()] = yaml.safe_load(raw) if raw.strip() else raw
+        except yaml.YAMLError:
+            out[key.strip()] = raw
+    return out
+
+
+def _read_yaml(path: Path) -> dict[str, Any]:
+    try:
+        data = yaml.safe_load(path.read_text())
+    except OSError as e:
+        raise ConfigError(f"cannot read config file {path}: {e.strerror or e}") from None
+    except yaml.YAMLError as e:
+        raise ConfigError(f"config file {path} is not valid YAML: {e}") from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"config file {path} must hold a mapping of sections, not {type(data).__name__}")
+    return data
+
+
+def _set_dotted(data: dict[str, Any], key: str, value: Any) -> None:
+    parts = key.split(".")
+    if any(not p for p in parts):
+        raise ConfigError(f"bad override key {key!r}")
+    node = data
+    for i, part in enumerate(parts[:-1]):
+        child = node.setdefault(part, {})
+        if not isinstance(child, dict):
+            raise ConfigError(f"override {key!r}: {'.'.join(parts[: i + 1])} is not a section")
+        node = child
+    node[parts[-1]] = value
+
+
+def _check_keys(model: type[BaseModel], data: Any, prefix: str) -> None:
+    """Unknown keys, with the known ones listed (pydantic's own message lists neither)."""
+    if not isinstance(data, dict):
+        return
+    fields = model.model_fields
+    for key, value in data.items():
+        name = f"{prefix}{key}"
+        if key not in fields:
+            where = f"in {prefix[:-1]!r}" if prefix else "at the top level"
+            raise ConfigError(f"unknown config key {name!r} {where}; known: {', '.join(fields)}")
+        sub = fields[key].annotation
+        if isinstance(sub, type) and issubclass(sub, BaseModel):
+            if not isinstance(value, dict):
+                raise ConfigError(f"config section {name!r} must be a mapping, got {value!r}")
+            _check_keys(sub, value, f"{name}.")
+
+
+def _describe(e: ValidationError, path: str | Path | None) -> str:
+    lines = [f"{'.'.join(str(p) for p in err['loc']) or '(root)'}: {err['msg']}" for err in e.errors()]
+    source = f" in {path}" if path is not None else ""
+    return f"invalid config{source}: " + "; ".join(lines)

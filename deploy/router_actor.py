@@ -1,0 +1,48 @@
+"""Thin async Ray actor around the plain Router (its gRPC server runs on the actor's loop)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from deploy.config import ServiceConfig
+
+
+class RouterActor:
+    def __init__(self, config_json: str) -> None:
+        from router.directory import NodeDirectory
+
+        self.cfg = ServiceConfig.model_validate_json(config_json)
+        self.directory = NodeDirectory()
+        self.router: Any = None
+
+    async def start(self) -> str:
+        from engine.loader import load_model_info
+        from router.router import Router
+
+        info = load_model_info(self.cfg.model.resolved_name())
+        max_len = self.cfg.model.max_model_len or min(info.config.max_position_embeddings, 4096)
+        self.router = Router(info, self.directory, self.cfg.router, max_model_len=max_len,
+                             num_speculative_tokens=self.cfg.spec.num_speculative_tokens)
+        port = await self.router.start(self.cfg.router.port, self.cfg.router.host)
+        host = self.cfg.router.host
+        return f"{'127.0.0.1' if host in ('0.0.0.0', '') else host}:{port}"
+
+    async def set_nodes(self, kind: str, addresses: list[str]) -> None:
+        """Make the directory's `kind` list equal `addresses` (the service watcher's view)."""
+        current = set(self.directory.addresses(kind))  # type: ignore[arg-type]
+        for addr in current - set(addresses):
+            self.directory.remove(kind, addr)  # type: ignore[arg-type]
+        for addr in addresses:
+            if addr not in current:
+                self.directory.add(kind, addr)  # type: ignore[arg-type]
+
+    async def healthy_nodes(self) -> tuple[int, int]:
+        """(prefill, decode) nodes the router can use now."""
+        if self.router is None:
+            return 0, 0
+        h = self.router.health()
+        return h.prefill_nodes, h.decode_nodes
+
+    async def stop(self) -> None:
+        if self.router is not None:
+            await self.router.stop()

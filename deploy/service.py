@@ -1,0 +1,129 @@
+"""Service: assembles router + N prefill + M decode actors on Ray and keeps them wired.
+
+Starts Ray (a local cluster, or joins `cluster.address`), creates the node actors (each
+restarts forever on death) and the router actor, then watches: every `status_interval_s`
+it asks each node actor for its address; a node that does not answer is taken out of the
+router's directory, and one that answers again (restarted: a new port) is put back.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from typing import Any
+
+from deploy.config import ServiceConfig
+
+ROLES = ("prefill", "decode")
+
+
+def init_ray(cfg: ServiceConfig, temp_dir: str | None = None, num_cpus: int | None = None) -> None:
+    import ray
+
+    os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+    if ray.is_initialized():
+        return
+    kwargs: dict[str, Any] = {"namespace": cfg.cluster.namespace, "include_dashboard": False,
+                              "log_to_driver": False, "configure_logging": False}
+    if cfg.cluster.address is None:
+        needed = cfg.prefill.num_nodes * cfg.prefill.num_cpus + cfg.decode.num_nodes * cfg.decode.num_cpus + 1
+        kwargs.update(address="local", num_cpus=num_cpus or max(int(needed) + 1, os.cpu_count() or 1),
+                      _temp_dir=temp_dir)
+    else:
+        kwargs["address"] = cfg.cluster.address
+    ray.init(**kwargs)
+
+
+class Service:
+    def __init__(self, cfg: ServiceConfig) -> None:
+        self.cfg = cfg
+        self.actors: dict[tuple[str, int], Any] = {}
+        self.addresses: dict[tuple[str, int], str | None] = {}
+        self.router: Any = None
+        self.router_address = ""
+        self._stop = threading.Event()
+        self._watcher: threading.Thread | None = None
+
+    def start(self, timeout_s: float = 300.0) -> str:
+        """Create every actor, wait until all serve, start watching; returns the router address."""
+        import ray
+
+        from deploy.actors import NodeActor
+        from deploy.router_actor import RouterActor
+
+        cfg_json = self.cfg.model_dump_json()
+        gpu = self.cfg.model.resolved_device().startswith("cuda")
+        for role in ROLES:
+            section = self.cfg.prefill if role == "prefill" else self.cfg.decode
+            for i in range(section.num_nodes):
+                opts = dict(max_restarts=-1, max_task_retries=0, num_cpus=section.num_cpus,
+                            num_gpus=section.num_gpus if gpu else 0)
+                self.actors[(role, i)] = ray.remote(NodeActor).options(**opts).remote(role, f"{role}-{i}", cfg_json)
+        self.router = ray.remote(RouterActor).options(num_cpus=0, max_restarts=-1).remote(cfg_json)
+        self.router_address = ray.get(self.router.start.remote(), timeout=timeout_s)
+        deadline = time.monotonic() + timeout_s
+        want = (self.cfg.prefill.num_nodes, self.cfg.decode.num_nodes)
+        while not all(self._poll_once(wait_s=5.0).values()) or not self._router_sees(want):
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"nodes did not start in time: {self.addresses}")
+            time.sleep(0.1)
+        self._watcher = threading.Thread(target=self._watch, name="service-watch", daemon=True)
+        self._watcher.start()
+        return self.router_address
+
+    def _poll_once(self, wait_s: float) -> dict[tuple[str, int], str | None]:
+        import ray
+
+        refs = {key: h.address.remote() for key, h in self.actors.items()}
+        for key, ref in refs.items():
+            try:
+                addr = ray.get(ref, timeout=wait_s)
+            except Exception:
+                addr = None
+            self.addresses[key] = addr
+        for role in ROLES:
+            live = [a for (r, _), a in sorted(self.addresses.items()) if r == role and a]
+            ray.get(self.router.set_nodes.remote(role, live))
+        return dict(self.addresses)
+
+    def _router_sees(self, want: tuple[int, int]) -> bool:
+        import ray
+
+        p, d = ray.get(self.router.healthy_nodes.remote())
+        return p >= want[0] and d >= want[1]
+
+    def _watch(self) -> None:
+        interval = self.cfg.router.status_interval_s
+        while not self._stop.wait(interval):
+            try:
+                self._poll_once(wait_s=interval)
+            except Exception:  # Ray hiccup: try again next round
+                continue
+
+    def kill(self, role: str, index: int) -> None:
+        """Kill a node actor's process (Ray restarts it); for fault drills and tests."""
+        import ray
+
+        ray.kill(self.actors[(role, index)], no_restart=False)
+
+    def node_info(self) -> dict[tuple[str, int], dict]:
+        import ray
+
+        return {key: ray.get(h.info.remote(), timeout=30) for key, h in self.actors.items()}
+
+    def stop(self) -> None:
+        import ray
+
+        self._stop.set()
+        if self._watcher is not None:
+            self._watcher.join(timeout=5)
+        handles = list(self.actors.values()) + ([self.router] if self.router is not None else [])
+        for h in handles:
+            try:
+                ray.get(h.stop.remote(), timeout=10)
+            except Exception:
+                pass  # already dead: killing it below is enough
+            ray.kill(h, no_restart=True)
+        self.actors.clear()
+        self.router = None

@@ -1,0 +1,86 @@
+"""Incremental detokenization and stop strings: output token ids -> text deltas.
+
+Receives a request's output tokens one at a time; hands back the text that is safe to show:
+never a piece of a UTF-8 character split across tokens (text ending in U+FFFD is held
+until the next token completes it), never a possible beginning of a stop string (held until
+it is ruled out), never anything from a stop string on. `finish()` releases what is held.
+
+The concatenated deltas equal `tokenizer.decode(all_ids)` (cut before the first stop
+string), which is what the single-process `pdserve generate` prints.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+REPLACEMENT = "\ufffd"
+
+
+class Detokenizer:
+    """vLLM's two-offset scheme: decode a short window twice (with and without the newest
+    tokens) so tokenizers whose pieces depend on their left neighbour decode correctly."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        self.tokenizer = tokenizer
+        self.ids: list[int] = []
+        self.prefix = 0  # window start
+        self.read = 0  # tokens before this are in the released text
+
+    def add(self, token: int) -> str:
+        self.ids.append(token)
+        return self._delta(final=False)
+
+    def flush(self) -> str:
+        return self._delta(final=True)
+
+    def _delta(self, final: bool) -> str:
+        if self.tokenizer is None or self.read == len(self.ids):
+            return ""
+        before = self.tokenizer.decode(self.ids[self.prefix : self.read], skip_special_tokens=True)
+        now = self.tokenizer.decode(self.ids[self.prefix :], skip_special_tokens=True)
+        if len(now) <= len(before) or (now.endswith(REPLACEMENT) and not final):
+            return ""
+        self.prefix, self.read = self.read, len(self.ids)
+        return now[len(before) :]
+
+
+class TextStream:
+    """Detokenizer + stop strings for one request."""
+
+    def __init__(self, tokenizer: Any, stop: tuple[str, ...] = ()) -> None:
+        self.detok = Detokenizer(tokenizer)
+        self.stop = stop
+        self.text = ""  # all text known so far (cut at a stop string once one is found)
+        self.sent = 0  # characters of `text` released
+        self.stopped = False
+
+    def add(self, token: int) -> str:
+        """Text released by `token` ('' while held); sets `stopped` when a stop string ends here."""
+        assert not self.stopped, "no tokens after a stop string"
+        return self._append(self.detok.add(token), final=False)
+
+    def finish(self) -> str:
+        """What is still held, at the end of the request."""
+        if self.stopped:
+            return ""
+        return self._append(self.detok.flush(), final=True)
+
+    def _append(self, piece: str, final: bool) -> str:
+        start = max(0, len(self.text) - max((len(s) for s in self.stop), default=0) + 1)
+        self.text += piece
+        cut = min((i for i in (self.text.find(s, start) for s in self.stop) if i >= 0), default=-1)
+        if cut >= 0:
+            self.text, self.stopped = self.text[:cut], True
+            final = True
+        end = len(self.text) if final else len(self.text) - self._held_suffix()
+        end = max(end, self.sent)
+        delta, self.sent = self.text[self.sent : end], end
+        return delta
+
+    def _held_suffix(self) -> int:
+        """Length of the longest unreleased tail of `text` that some stop string starts with."""
+        tail = self.text[self.sent :]
+        for n in range(min(len(tail), max((len(s) for s in self.stop), default=1) - 1), 0, -1):
+            if any(s.startswith(tail[-n:]) for s in self.stop):
+                return n
+        return 0

@@ -1,0 +1,239 @@
+"""NodePool: the router's connections to its prefill and decode nodes, and their health.
+
+Receives membership from a NodeDirectory (reconciled on every change and every poll);
+hands the lifecycle `Node` handles (stub + health + load) and calls it back with decode
+output batches (`on_items`), decode node failures (`on_decode_failure`) and "capacity may
+have freed" (`on_capacity`).
+
+Health rules:
+- A prefill node is selectable after a successful `Status`; a failed RPC marks it unhealthy
+  until a later `Status` succeeds.
+- A decode node is selectable only while this router's `Outputs` subscription to it is open
+  (subscribed once per node; the node sends initial metadata, or a first batch, once the
+  subscriber is registered, so no output can be missed). When the stream breaks, or an RPC
+  to it fails with UNAVAILABLE, it is marked failed: `on_decode_failure` ends every request
+  on it, and it is re-subscribed once a `Status` succeeds again.
+Never blocks the event loop; every RPC here has a deadline.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import grpc
+
+from protos import node_pb2, node_pb2_grpc
+from protos.messages import MessageError, OutputItem, unpack_outputs
+from router.directory import KINDS, Kind, NodeDirectory
+from router.policy import NodeLoad
+
+log = logging.getLogger(__name__)
+
+MAX_MESSAGE_BYTES = 64 << 20
+CHANNEL_OPTIONS = [("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+                   ("grpc.max_send_message_length", MAX_MESSAGE_BYTES)]
+
+
+@dataclass(eq=False)
+class Node:
+    kind: Kind
+    address: str
+    channel: grpc.aio.Channel
+    stub: Any  # DecodeControlStub or PrefillControlStub
+    healthy: bool = False
+    status: node_pb2.NodeStatus | None = None
+    inflight: int = 0  # this router's requests reserved on (D) / prefilling on (P) the node
+    inflight_tokens: int = 0  # P: prompt tokens of those prefills
+    last_error: str = ""
+    removed: bool = False
+    subscription: asyncio.Task[None] | None = field(default=None, repr=False)
+
+    def load(self) -> NodeLoad:
+        s = self.status
+        return NodeLoad(self.address, s.free_blocks if s else 0, s.running if s else 0,
+                        s.queued_tokens if s else 0, self.inflight, self.inflight_tokens)
+
+
+class NodePool:
+    def __init__(self, directory: NodeDirectory, *, vocab_size: int, subscriber: str,
+                 status_interval_s: float, rpc_timeout_s: float,
+                 on_items: Callable[[Node, list[OutputItem]], None],
+                 on_decode_failure: Callable[[Node, str], None],
+                 on_capacity: Callable[[], None]) -> None:
+        self.directory = directory
+        self.vocab_size, self.subscriber = vocab_size, subscriber
+        self.status_interval_s, self.rpc_timeout_s = status_interval_s, rpc_timeout_s
+        self.on_items, self.on_decode_failure, self.on_capacity = on_items, on_decode_failure, on_capacity
+        self.nodes: dict[tuple[Kind, str], Node] = {}
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._poller: asyncio.Task[None] | None = None
+        self._tasks: set[asyncio.Task[Any]] = set()
+        self._unsubscribe: Callable[[], None] | None = None
+        self._closing = False
+        self._round = 0  # refresh rounds
+        self._retired: list[tuple[Node, int]] = []  # removed nodes whose channels are still open
+
+    # ---- lifecycle ----------------------------------------------------------------------
+    async def start(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._unsubscribe = self.directory.subscribe(self._directory_changed)
+        await self.refresh()
+        self._poller = asyncio.create_task(self._poll_forever())
+
+    async def stop(self) -> None:
+        self._closing = True
+        if self._unsubscribe is not None:
+            self._unsubscribe()
+        tasks = [t for t in [self._poller, *self._tasks, *(n.subscription for n in self.nodes.values())] if t]
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        channels = [n.channel for n in self.nodes.values()] + [n.channel for n, _ in self._retired]
+        await asyncio.gather(*(c.close() for c in channels), return_exceptions=True)
+        self.nodes.clear()
+        self._retired.clear()
+
+    async def drain(self, timeout: float) -> None:
+        """Wait (at most `timeout`) for the background tasks (Aborts) to finish."""
+        if self._tasks:
+            await asyncio.wait(list(self._tasks), timeout=timeout)
+
+    async def refresh(self) -> None:
+        """Reconcile with the directory and probe every node now (Status, re-subscribe)."""
+        self._round += 1
+        self._reconcile()
+        await asyncio.gather(*(self._probe(n) for n in list(self.nodes.values())))
+        self.on_capacity()
+
+    def healthy(self, kind: Kind) -> list[Node]:
+        return [n for (k, _), n in self.nodes.items() if k == kind and n.healthy and not n.removed]
+
+    def find(self, kind: Kind, address: str) -> Node | None:
+        return self.nodes.get((kind, address))
+
+    def spawn(self, coro: Any) -> asyncio.Task[Any]:
+        """Run `coro` in the background, tracked so stop() can end it."""
+        task = asyncio.ensure_future(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._task_done)
+        return task
+
+    def _task_done(self, task: asyncio.Task[Any]) -> None:
+        self._tasks.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            log.error("router background task failed", exc_info=task.exception())
+
+    # ---- failures -----------------------------------------------------------------------
+    def mark_failed(self, node: Node, reason: str) -> None:
+        """A node answered UNAVAILABLE or its stream broke: not selectable until a Status
+        succeeds; a decode node's requests all end (UNAVAILABLE)."""
+        was_up = node.healthy or node.subscription is not None
+        node.healthy, node.last_error = False, reason
+        if node.kind == "decode":
+            sub, node.subscription = node.subscription, None
+            if sub is not None and sub is not asyncio.current_task():
+                sub.cancel()
+            if was_up:
+                log.warning("decode node %s failed: %s", node.address, reason)
+            self.on_decode_failure(node, reason)
+        elif was_up:
+            log.warning("prefill node %s failed: %s", node.address, reason)
+
+    def rpc_failed(self, node: Node, err: grpc.aio.AioRpcError, what: str) -> bool:
+        """Handle an RPC error from `node`; True when it means the node is unavailable."""
+        if err.code() != grpc.StatusCode.UNAVAILABLE:
+            return False
+        self.mark_failed(node, f"{what}: {err.details() or 'unavailable'}")
+        return True
+
+    # ---- membership ---------------------------------------------------------------------
+    def _directory_changed(self) -> None:
+        """Called on the directory writer's thread."""
+        loop = self._loop
+        if loop is None or loop.is_closed() or self._closing:
+            return
+        with contextlib.suppress(RuntimeError):  # loop closing
+            loop.call_soon_threadsafe(lambda: self.spawn(self.refresh()))
+
+    def _reconcile(self) -> None:
+        if self._closing:
+            return
+        wanted = {(k, a) for k in KINDS for a in self.directory.addresses(k)}
+        for key in [k for k in self.nodes if k not in wanted]:
+            node = self.nodes.pop(key)
+            node.removed = True
+            self.mark_failed(node, "removed from the node directory")
+            self._retired.append((node, self._round))  # closed later: its Aborts are still to go
+        for node, since in list(self._retired):
+            if since < self._round - 1 and node.inflight == 0:
+                self._retired.remove((node, since))
+                self.spawn(node.channel.close(grace=self.rpc_timeout_s))
+        for kind, address in wanted - set(self.nodes):
+            channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+            stub_cls = node_pb2_grpc.DecodeControlStub if kind == "decode" else node_pb2_grpc.PrefillControlStub
+            self.nodes[(kind, address)] = Node(kind, address, channel, stub_cls(channel))
+
+    # ---- probing ------------------------------------------------------------------------
+    async def _poll_forever(self) -> None:
+        while True:
+            await asyncio.sleep(self.status_interval_s)
+            try:
+                await self.refresh()
+            except Exception:  # keep polling whatever one round does
+                log.exception("node status poll failed")
+
+    async def _probe(self, node: Node) -> None:
+        try:
+            status = await node.stub.Status(node_pb2.StatusRequest(), timeout=self.rpc_timeout_s)
+        except grpc.aio.AioRpcError as e:
+            if not self.rpc_failed(node, e, "Status"):
+                node.healthy, node.last_error = False, f"Status: {e.code().name} {e.details()}"
+            return
+        if node.removed:
+            return
+        node.status = status
+        if not status.healthy:  # the node says so itself: not chosen, its requests go on
+            node.healthy, node.last_error = False, "the node reports itself unhealthy"
+        elif node.kind == "prefill" or node.subscription is not None:
+            node.healthy = True
+        else:
+            await self._subscribe(node)
+
+    async def _subscribe(self, node: Node) -> None:
+        call = node.stub.Outputs(node_pb2.OutputsRequest(subscriber=self.subscriber))
+        try:
+            await asyncio.wait_for(call.initial_metadata(), self.rpc_timeout_s)
+        except (grpc.aio.AioRpcError, TimeoutError) as e:
+            call.cancel()
+            node.healthy, node.last_error = False, f"Outputs subscription failed: {e!r}"
+            return
+        if node.removed or node.subscription is not None:
+            call.cancel()
+            return
+        node.subscription = asyncio.create_task(self._read_outputs(node, call))
+        node.healthy, node.last_error = True, ""
+        log.info("subscribed to decode node %s", node.address)
+
+    async def _read_outputs(self, node: Node, call: Any) -> None:
+        reason = "the Outputs stream ended"
+        try:
+            async for payload in call:
+                try:
+                    items = unpack_outputs(payload.msgpack, self.vocab_size)
+                except MessageError as e:
+                    reason = f"sent a malformed output batch ({e})"
+                    break
+                self.on_items(node, items)
+        except asyncio.CancelledError:
+            call.cancel()
+            raise
+        except grpc.aio.AioRpcError as e:
+            reason = f"the Outputs stream broke: {e.code().name} {e.details() or ''}".rstrip()
+        call.cancel()
+        if node.subscription is asyncio.current_task() and not self._closing:
+            self.mark_failed(node, reason)

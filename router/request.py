@@ -1,0 +1,135 @@
+"""One request's router-side state and the messages its client stream carries.
+
+Receives the prepared request, then token batches (P's first token, D's output items);
+hands the gRPC handler `GenerateResponse`s through `out`, ending with exactly one terminal
+message. The terminal guarantee lives here: `finish`/`fail` close the request once; later
+calls are no-ops, and nothing is emitted after the terminal message.
+
+Who owns what: the lifecycle (router.py) drives the request and is the only writer of the
+placement fields (`decode`, `prefill`, `node_rid`, `decode_live`); the NodePool's output
+reader only appends to `events`; anyone may `interrupt` (client abort, node failure).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from protos import pdserve_pb2 as pb
+from protos.messages import OutputItem, TokenLogprobs
+from router.detokenize import TextStream
+from router.validate import Prepared
+
+if TYPE_CHECKING:
+    from router.pool import Node
+
+
+@dataclass(frozen=True)
+class Interrupt:
+    """Why a request was stopped from outside its driver: a terminal to send, or none (the
+    client went away: there is nobody to send it to)."""
+
+    code: str | None  # None: finished with reason "abort"; "CANCELLED": client gone; else an error
+    message: str = ""
+
+
+@dataclass
+class RequestState:
+    prep: Prepared
+    tokenizer: Any
+    out: asyncio.Queue[pb.GenerateResponse] = field(default_factory=asyncio.Queue)
+    events: asyncio.Queue[OutputItem] = field(default_factory=asyncio.Queue)
+    task: asyncio.Task[None] | None = None
+    interrupt_reason: Interrupt | None = None
+    # placement (written by the lifecycle only)
+    node_rid: str = ""  # the id P and D know this attempt by
+    decode: Node | None = None  # holds a reservation for this request
+    decode_live: bool = False  # D may still hold it (no terminal from D yet)
+    prefill: Node | None = None  # a Prefill call is outstanding there
+    # results
+    tokens: list[int] = field(default_factory=list)
+    steps: int = 0
+    accepted: int = 0
+    terminal: str | None = None  # "finished:<reason>", "error:<code>", "cancelled"
+    _first_sent: bool = False
+
+    def __post_init__(self) -> None:
+        self.text = TextStream(self.tokenizer, self.prep.stop)
+
+    @property
+    def request_id(self) -> str:
+        return self.prep.request_id
+
+    @property
+    def done(self) -> bool:
+        return self.terminal is not None
+
+    def interrupt(self, reason: Interrupt) -> bool:
+        """Stop the driver from outside (first reason wins); False when already done."""
+        if self.done or self.interrupt_reason is not None:
+            return False
+        self.interrupt_reason = reason
+        if self.task is not None:
+            self.task.cancel()
+        return True
+
+    # ---- emitting -----------------------------------------------------------------------
+    def add_tokens(self, tokens: list[int], logprobs: TokenLogprobs | None) -> bool:
+        """Stream `tokens` (cut at a stop string or at max_tokens); True when the request is
+        complete by the router's own rules (stop string, or max_tokens reached)."""
+        msg = pb.GenerateResponse(request_id=self.request_id)
+        for i, tok in enumerate(tokens):
+            if len(self.tokens) >= self.prep.max_tokens:
+                break
+            self.tokens.append(tok)
+            msg.token_ids.append(tok)
+            msg.text += self.text.add(tok)
+            if logprobs is not None:
+                msg.logprobs.append(pb.TokenLogprob(
+                    token_id=tok, logprob=logprobs.logprob[i], rank=logprobs.rank[i],
+                    top_ids=logprobs.top_ids[i], top_logprobs=logprobs.top_logprobs[i]))
+            if self.text.stopped:
+                break
+        if msg.token_ids:
+            self._emit(msg)
+        return self.text.stopped or len(self.tokens) >= self.prep.max_tokens
+
+    @property
+    def stop_reason(self) -> str:
+        return "stop" if self.text.stopped else "length"
+
+    def finish(self, reason: str) -> None:
+        if self.done:
+            return
+        msg = pb.GenerateResponse(request_id=self.request_id, text=self.text.finish())
+        msg.finished.reason = reason
+        u = msg.finished.usage
+        u.prompt_tokens, u.completion_tokens = len(self.prep.prompt_ids), len(self.tokens)
+        u.decode_steps, u.accepted_draft_tokens = self.steps, self.accepted
+        self._emit(msg)
+        self.terminal = f"finished:{reason}"
+
+    def fail(self, code: str, message: str) -> None:
+        if self.done:
+            return
+        msg = pb.GenerateResponse(request_id=self.request_id)
+        msg.error.code, msg.error.message = code, message
+        self._emit(msg)
+        self.terminal = f"error:{code}"
+
+    def close_cancelled(self) -> None:
+        """The client is gone: end without a message."""
+        if not self.done:
+            self.terminal = "cancelled"
+
+    def _emit(self, msg: pb.GenerateResponse) -> None:
+        assert not self.done, "nothing after the terminal message"
+        if not self._first_sent:
+            msg.prompt_token_ids.extend(self.prep.prompt_ids)
+            self._first_sent = True
+        self.out.put_nowait(msg)
+
+
+def is_terminal(msg: pb.GenerateResponse) -> bool:
+    return msg.HasField("finished") or msg.HasField("error")

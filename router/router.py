@@ -1,0 +1,406 @@
+"""Router: the gRPC front door and every request's lifecycle.
+
+A request's path through this file:
+  Generate -> prepare (validate, tokenize; INVALID_ARGUMENT on failure) -> a driver task:
+  reserve on a decode node D (policy order; all refuse -> bounded FIFO queue; full ->
+  RESOURCE_EXHAUSTED) -> Prefill on a prefill node P (UNAVAILABLE -> abort on D, re-reserve,
+  another P) -> P's first token streamed at once -> D's output items (routed here by the
+  NodePool's one Outputs subscription per D) -> detokenize, stop strings -> one terminal.
+
+The driver task is the only writer of a request's placement; anything else ends a request by
+`RequestState.interrupt` (client Abort, client cancel, decode node failure, router stop),
+which cancels the driver. `_driver_done` runs however the driver ended: it sends the terminal
+if none was sent (the terminal guarantee) and `_release` frees what nodes still hold (Abort to
+D unless D already ended the request, Abort to P if a Prefill call was outstanding).
+
+Careful: node-side request ids are per attempt (`router/request/attempt`), so an old
+attempt's late output items can never reach a retried one. Nothing here may block the loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import random
+import uuid
+from collections import Counter
+from collections.abc import AsyncIterator
+from functools import partial
+from typing import Any
+
+import grpc
+
+from deploy.config import RouterConfig
+from protos import node_pb2, pdserve_pb2, pdserve_pb2_grpc
+from protos.messages import FirstToken, MessageError, OutputItem
+from router.admission import AdmissionQueue
+from router.directory import NodeDirectory
+from router.policy import Policy, make_policy
+from router.pool import MAX_MESSAGE_BYTES, Node, NodePool
+from router.request import Interrupt, RequestState, is_terminal
+from router.validate import InvalidRequest, Limits, Prepared, prepare
+
+log = logging.getLogger(__name__)
+
+MAX_DRAFTS = 64  # bound on drafts in a first-token message (the router ignores them)
+SHUTDOWN_GRACE_S = 2.0
+
+
+class RequestError(Exception):
+    """Ends a request with a terminal error (a gRPC status code name + message)."""
+
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(f"{code}: {message}")
+        self.code, self.message = code, message
+
+
+class Router:
+    def __init__(self, model: Any, directory: NodeDirectory, config: RouterConfig | None = None, *,
+                 max_model_len: int | None = None, num_speculative_tokens: int | None = None,
+                 policy: Policy | None = None) -> None:
+        """`model`: engine.loader.ModelInfo (name, config, tokenizer, eos_token_ids).
+        `max_model_len`: the context the nodes serve (default min(model positions, 4096)).
+        `num_speculative_tokens`: for ListModels (default: what decode nodes report)."""
+        self.config = config or RouterConfig()
+        self.model = model
+        self.max_model_len = max_model_len or min(model.config.max_position_embeddings, 4096)
+        self.num_speculative_tokens = num_speculative_tokens
+        self.limits = Limits(model.name, model.config.vocab_size, self.max_model_len,
+                             self.config.max_prompt_bytes, self.config.default_timeout_s)
+        self.policy = policy or make_policy(self.config.policy)
+        self.router_id = uuid.uuid4().hex[:8]
+        self.pool = NodePool(
+            directory, vocab_size=model.config.vocab_size, subscriber=f"router-{self.router_id}",
+            status_interval_s=self.config.status_interval_s, rpc_timeout_s=self.config.rpc_timeout_s,
+            on_items=self._on_items, on_decode_failure=self._on_decode_failure,
+            on_capacity=self._on_capacity)
+        self.requests: dict[str, RequestState] = {}  # by client request id, in flight
+        self._by_node_rid: dict[str, RequestState] = {}
+        self._queue = AdmissionQueue(self.config.queue_size)
+        self._rng = random.Random(int.from_bytes(os.urandom(8), "little"))
+        self._server: grpc.aio.Server | None = None
+        self._serving = False
+        self.counts: Counter[str] = Counter()  # terminal kinds ("finished:stop", "error:UNAVAILABLE", ...)
+
+    # ---- server lifecycle -----------------------------------------------------------------
+    async def start(self, port: int | None = None, host: str | None = None) -> int:
+        """Connect to the nodes (one Status round and the decode subscriptions), then serve;
+        returns the bound port (`port=0`: any free one)."""
+        host = host if host is not None else self.config.host
+        port = port if port is not None else self.config.port
+        self._server = grpc.aio.server(options=[("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+                                                ("grpc.max_send_message_length", MAX_MESSAGE_BYTES)])
+        pdserve_pb2_grpc.add_GenerationServicer_to_server(_Servicer(self), self._server)
+        bound = self._server.add_insecure_port(f"[{host}]:{port}" if ":" in host else f"{host}:{port}")
+        await self.pool.start()
+        await self._server.start()
+        self._serving = True
+        log.info("router %s serving %s on port %d", self.router_id, self.model.name, bound)
+        return bound
+
+    async def stop(self) -> None:
+        """End every request (UNAVAILABLE), free what nodes hold for them, stop serving."""
+        self._serving = False
+        drivers = [st.task for st in self.requests.values() if st.task is not None]
+        for st in list(self.requests.values()):
+            st.interrupt(Interrupt("UNAVAILABLE", "the router is shutting down"))
+        await asyncio.gather(*drivers, return_exceptions=True)
+        if self._server is not None:
+            await self._server.stop(SHUTDOWN_GRACE_S)
+        await self.pool.drain(self.config.rpc_timeout_s)  # the Aborts just sent
+        await self.pool.stop()
+
+    async def refresh(self) -> None:
+        """Poll every node's Status and reconcile membership now (also runs periodically)."""
+        await self.pool.refresh()
+
+    @property
+    def num_queued(self) -> int:
+        return len(self._queue)
+
+    # ---- Generate -------------------------------------------------------------------------
+    async def generate(self, request: pdserve_pb2.GenerateRequest,
+                       context: grpc.aio.ServicerContext) -> AsyncIterator[pdserve_pb2.GenerateResponse]:
+        prep = await self._prepare(request, context)
+        st = RequestState(prep, self.model.tokenizer)
+        self.requests[prep.request_id] = st
+        st.task = asyncio.create_task(self._drive(st))
+        st.task.add_done_callback(partial(self._driver_done, st))
+        try:
+            while True:
+                msg = await st.out.get()
+                yield msg
+                if is_terminal(msg):
+                    return
+        finally:
+            st.interrupt(Interrupt("CANCELLED", "the client cancelled"))
+
+    async def _prepare(self, request: pdserve_pb2.GenerateRequest, context: grpc.aio.ServicerContext) -> Prepared:
+        if not self._serving:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "the router is not serving")
+        try:
+            prep = await prepare(request, self.model.tokenizer, tuple(self.model.eos_token_ids),
+                                 self.limits, self._rng)
+            if prep.request_id in self.requests:
+                raise InvalidRequest(f"request id {prep.request_id!r} is already in flight")
+        except InvalidRequest as e:
+            self.counts["invalid"] += 1
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        return prep
+
+    async def abort(self, request_id: str) -> bool:
+        st = self.requests.get(request_id)
+        return st is not None and st.interrupt(Interrupt(None))
+
+    async def _drive(self, st: RequestState) -> None:
+        try:
+            async with asyncio.timeout(st.prep.timeout_s):
+                first = await self._place(st)
+                await self._stream(st, first)
+        except TimeoutError:
+            st.fail("DEADLINE_EXCEEDED", f"request {st.request_id!r} passed its {st.prep.timeout_s:g} s deadline")
+        except RequestError as e:
+            st.fail(e.code, e.message)
+
+    def _driver_done(self, st: RequestState, task: asyncio.Task[None]) -> None:
+        """Runs however the driver ended (even cancelled before it started): the terminal
+        guarantee, then free what the nodes hold."""
+        if not st.done:
+            reason = st.interrupt_reason
+            error = None if task.cancelled() else task.exception()
+            if reason is not None:
+                if reason.code == "CANCELLED":
+                    st.close_cancelled()
+                elif reason.code is None:
+                    st.finish("abort")
+                else:
+                    st.fail(reason.code, reason.message)
+            elif error is not None:
+                log.error("request %s failed in the router", st.request_id, exc_info=error)
+                st.fail("INTERNAL", f"router error: {error!r}")
+            else:
+                st.fail("INTERNAL", "the request ended without a result")
+        self._release(st)
+
+    # ---- placement: reserve on D, prefill on P --------------------------------------------
+    async def _place(self, st: RequestState) -> FirstToken:
+        tried: dict[str, str] = {}
+        for attempt in range(self.config.prefill_retries + 1):
+            if not any(n.address not in tried for n in self.pool.healthy("prefill")):
+                raise RequestError("UNAVAILABLE", _no_prefill_message(tried))  # before reserving
+            decode, descriptor = await self._reserve(st, attempt)
+            prefill = self._choose_prefill(exclude=tried)
+            req = node_pb2.PrefillRequest(
+                request_id=st.node_rid, prompt_token_ids=st.prep.prompt_ids, sampling=st.prep.sampling,
+                descriptor_msgpack=descriptor, decode_address=decode.address)
+            self._hold_prefill(st, prefill)
+            try:
+                payload = await prefill.stub.Prefill(req)
+            except grpc.aio.AioRpcError as e:
+                self._drop_prefill(st)
+                if not self.pool.rpc_failed(prefill, e, "Prefill"):
+                    raise RequestError(e.code().name, f"prefill node {prefill.address}: {e.details()}") from None
+                tried[prefill.address] = e.details() or "unavailable"
+                await self._abort_decode(st, "the prefill node failed; retrying elsewhere")
+                continue
+            self._drop_prefill(st)
+            return self._read_first(st, prefill, payload)
+        raise RequestError("UNAVAILABLE", _no_prefill_message(tried))
+
+    def _choose_prefill(self, exclude: dict[str, str]) -> Node:
+        nodes = [n for n in self.pool.healthy("prefill") if n.address not in exclude]
+        for load in self.policy.order_prefill([n.load() for n in nodes]):
+            node = self.pool.find("prefill", load.address)
+            if node is not None:
+                return node
+        raise RequestError("UNAVAILABLE", _no_prefill_message(exclude))
+
+    async def _reserve(self, st: RequestState, attempt: int) -> tuple[Node, bytes]:
+        """Reserve on the first decode node (policy order) that admits; queue when none does."""
+        wait, front = len(self._queue) > 0, False  # FIFO: do not pass those already waiting
+        while True:
+            if not wait:
+                found = await self._try_reserve(st, attempt)
+                if found is not None:
+                    if len(self._queue):
+                        self._queue.wake_one()  # capacity may remain for the next one
+                    return found
+            wait = False
+            if not await self._queue.wait(front):
+                raise RequestError("RESOURCE_EXHAUSTED", "no decode node can admit the request now and the "
+                                   f"router's queue ({self._queue.size}) is full")
+            front = True
+
+    async def _try_reserve(self, st: RequestState, attempt: int) -> tuple[Node, bytes] | None:
+        nodes = self.pool.healthy("decode")
+        if not nodes:
+            raise RequestError("UNAVAILABLE", "no healthy decode node")
+        node_rid = f"{self.router_id}/{st.request_id}/{attempt}"
+        req = node_pb2.ReserveRequest(request_id=node_rid, prompt_len=len(st.prep.prompt_ids),
+                                      sampling=st.prep.sampling)
+        for load in self.policy.order_decode([n.load() for n in nodes]):
+            node = self.pool.find("decode", load.address)
+            if node is None or not node.healthy:
+                continue
+            self._hold_decode(st, node, node_rid)  # before the call: a cancel mid-call still aborts
+            try:
+                reply = await node.stub.Reserve(req, timeout=self.config.rpc_timeout_s)
+            except grpc.aio.AioRpcError as e:
+                if self.pool.rpc_failed(node, e, "Reserve"):
+                    self._drop_decode(st)
+                else:  # it may have admitted: abort to be sure
+                    self._spawn_abort_decode(st, "Reserve failed")
+                continue
+            if reply.admitted:
+                return node, reply.descriptor_msgpack
+            self._drop_decode(st)
+        return None
+
+    def _read_first(self, st: RequestState, prefill: Node, payload: node_pb2.Payload) -> FirstToken:
+        try:
+            first = FirstToken.unpack(payload.msgpack, self.model.config.vocab_size, MAX_DRAFTS)
+        except MessageError as e:
+            raise RequestError("INTERNAL", f"prefill node {prefill.address} sent a bad first token: {e}") from None
+        if first.request_id != st.node_rid:
+            raise RequestError("INTERNAL", f"prefill node {prefill.address} answered for {first.request_id!r}")
+        return first
+
+    # ---- streaming ------------------------------------------------------------------------
+    async def _stream(self, st: RequestState, first: FirstToken) -> None:
+        if first.finished:
+            st.decode_live = False  # D releases the reservation by itself
+        complete = st.add_tokens([first.token], first.logprobs)
+        if first.finished or complete:
+            st.finish("stop" if st.text.stopped else first.finished or st.stop_reason)
+            return
+        while True:
+            item = await st.events.get()
+            st.steps, st.accepted = st.steps + item.steps, st.accepted + item.accepted
+            complete = st.add_tokens(item.tokens, item.logprobs)
+            if item.finish_reason is not None or item.error is not None:
+                st.decode_live = False
+            if st.text.stopped:
+                st.finish("stop")
+            elif item.error is not None:
+                assert st.decode is not None
+                st.fail("INTERNAL", f"decode node {st.decode.address}: {item.error}")
+            elif item.finish_reason is not None:
+                st.finish(item.finish_reason)
+            elif complete:
+                st.finish(st.stop_reason)
+            else:
+                continue
+            return
+
+    # ---- node callbacks (from the NodePool) -----------------------------------------------
+    def _on_items(self, node: Node, items: list[OutputItem]) -> None:
+        for item in items:
+            st = self._by_node_rid.get(item.request_id)
+            if st is not None and st.decode is node and not st.done:
+                st.events.put_nowait(item)
+
+    def _on_decode_failure(self, node: Node, reason: str) -> None:
+        for st in list(self.requests.values()):
+            if st.decode is node:
+                st.interrupt(Interrupt("UNAVAILABLE", f"decode node {node.address} failed: {reason}"))
+
+    def _on_capacity(self) -> None:
+        self._queue.wake_one()
+
+    # ---- what nodes hold for a request ----------------------------------------------------
+    def _hold_decode(self, st: RequestState, node: Node, node_rid: str) -> None:
+        if st.node_rid != node_rid:  # a new attempt: nothing of an older one may be read
+            st.events = asyncio.Queue()
+        st.decode, st.decode_live, st.node_rid = node, True, node_rid
+        node.inflight += 1
+        self._by_node_rid[node_rid] = st
+
+    def _drop_decode(self, st: RequestState) -> None:
+        if st.decode is not None:
+            st.decode.inflight -= 1
+        st.decode, st.decode_live = None, False
+        self._by_node_rid.pop(st.node_rid, None)
+
+    def _hold_prefill(self, st: RequestState, node: Node) -> None:
+        st.prefill = node
+        node.inflight += 1
+        node.inflight_tokens += len(st.prep.prompt_ids)
+
+    def _drop_prefill(self, st: RequestState) -> None:
+        if st.prefill is not None:
+            st.prefill.inflight -= 1
+            st.prefill.inflight_tokens -= len(st.prep.prompt_ids)
+        st.prefill = None
+
+    async def _abort_decode(self, st: RequestState, reason: str) -> None:
+        node, rid = st.decode, st.node_rid
+        self._drop_decode(st)
+        if node is not None:
+            await self._send_abort(node, rid, reason)
+
+    def _spawn_abort_decode(self, st: RequestState, reason: str) -> None:
+        node, rid, live = st.decode, st.node_rid, st.decode_live
+        self._drop_decode(st)
+        if node is not None and live:
+            self.pool.spawn(self._send_abort(node, rid, reason))
+
+    async def _send_abort(self, node: Node, node_rid: str, reason: str) -> None:
+        try:
+            await node.stub.Abort(node_pb2.AbortRequest(request_id=node_rid, reason=reason),
+                                  timeout=self.config.rpc_timeout_s)
+        except grpc.aio.AioRpcError as e:
+            if not self.pool.rpc_failed(node, e, "Abort"):
+                log.warning("Abort of %s on %s failed: %s", node_rid, node.address, e.details())
+        except grpc.aio.UsageError as e:  # the channel was closed (node removed, router stopping)
+            log.warning("Abort of %s on %s not sent: %s", node_rid, node.address, e)
+
+    def _release(self, st: RequestState) -> None:
+        if self.requests.get(st.request_id) is st:
+            del self.requests[st.request_id]
+        reason = st.terminal or "ended"
+        prefill = st.prefill
+        if prefill is not None:  # the Prefill call was still outstanding
+            self._drop_prefill(st)
+            self.pool.spawn(self._send_abort(prefill, st.node_rid, reason))
+        self._spawn_abort_decode(st, reason)
+        self.counts[st.terminal or "none"] += 1
+        self._queue.wake_one()
+
+    # ---- Abort / Health / ListModels ------------------------------------------------------
+    def health(self) -> pdserve_pb2.HealthResponse:
+        p, d = len(self.pool.healthy("prefill")), len(self.pool.healthy("decode"))
+        return pdserve_pb2.HealthResponse(serving=self._serving and p > 0 and d > 0, prefill_nodes=p,
+                                          decode_nodes=d, running_requests=len(self.requests))
+
+    def list_models(self) -> pdserve_pb2.ListModelsResponse:
+        k = self.num_speculative_tokens
+        if k is None:
+            k = max((n.status.num_speculative_tokens for n in self.pool.healthy("decode") if n.status), default=0)
+        info = pdserve_pb2.ModelInfo(name=self.model.name, max_model_len=self.max_model_len,
+                                     num_speculative_tokens=k)
+        return pdserve_pb2.ListModelsResponse(models=[info])
+
+
+def _no_prefill_message(tried: dict[str, str]) -> str:
+    if not tried:
+        return "no healthy prefill node"
+    return "prefill failed on every node tried: " + "; ".join(f"{a}: {why}" for a, why in tried.items())
+
+
+class _Servicer(pdserve_pb2_grpc.GenerationServicer):
+    def __init__(self, router: Router) -> None:
+        self.router = router
+
+    async def Generate(self, request: Any, context: Any) -> AsyncIterator[pdserve_pb2.GenerateResponse]:  # noqa: N802
+        async for msg in self.router.generate(request, context):  # grpc wants an async generator function
+            yield msg
+
+    async def Abort(self, request: Any, context: Any) -> pdserve_pb2.AbortResponse:  # noqa: N802
+        return pdserve_pb2.AbortResponse(found=await self.router.abort(request.request_id))
+
+    async def Health(self, request: Any, context: Any) -> pdserve_pb2.HealthResponse:  # noqa: N802
+        return self.router.health()
+
+    async def ListModels(self, request: Any, context: Any) -> pdserve_pb2.ListModelsResponse:  # noqa: N802
+        return self.router.list_models()

@@ -1,0 +1,101 @@
+"""ServiceConfig: defaults, YAML + dotted CLI overrides, frozen sections, clear errors for
+unknown keys (at any depth) and bad values."""
+
+from __future__ import annotations
+
+import pydantic
+import pytest
+
+from deploy.config import (
+    ConfigError,
+    DecodeConfig,
+    RouterConfig,
+    ServiceConfig,
+    parse_overrides,
+)
+
+
+def test_defaults_without_a_file():
+    cfg = ServiceConfig.load(None, {})
+    assert cfg.spec.num_speculative_tokens == 0
+    assert cfg.router.queue_size > 0 and cfg.router.max_prompt_bytes == 1 << 20
+    assert cfg.kv_transfer.backend in ("ucx", "tcp", "local")
+    assert cfg.cluster.address is None
+
+
+def test_yaml_then_overrides_win(tmp_path):
+    path = tmp_path / "svc.yaml"
+    path.write_text(
+        "model: {name: tiny, max_model_len: 512}\n"
+        "decode: {num_nodes: 2, max_num_seqs: 8}\n"
+        "router: {port: 0, policy: round_robin}\n"
+        "kv_transfer: {backend: local}\n"
+    )
+    cfg = ServiceConfig.load(str(path), {"decode.num_nodes": 4, "spec.num_speculative_tokens": "2"})
+    assert cfg.model.name == "tiny" and cfg.model.max_model_len == 512
+    assert cfg.decode.num_nodes == 4 and cfg.decode.max_num_seqs == 8
+    assert cfg.spec.num_speculative_tokens == 2  # CLI strings are coerced
+    assert cfg.router.policy == "round_robin" and cfg.kv_transfer.backend == "local"
+
+
+def test_empty_yaml_file_is_defaults(tmp_path):
+    path = tmp_path / "empty.yaml"
+    path.write_text("")
+    assert ServiceConfig.load(path, None) == ServiceConfig()
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        ({"decode.num_nodez": 2}, "unknown config key 'decode.num_nodez' in 'decode'; known: max_num_seqs"),
+        ({"decoder.num_nodes": 2}, "unknown config key 'decoder' at the top level"),
+        ({"router.port.x": 1}, "router.port"),
+        ({"spec.num_speculative_tokens": -1}, "spec.num_speculative_tokens"),
+        ({"kv_transfer.backend": "carrier-pigeon"}, "kv_transfer.backend"),
+        ({"model.dtype": "int3"}, "model.dtype"),
+        ({"decode.num_nodes": 0}, "decode.num_nodes"),
+        ({"router.port": 70000}, "router.port"),
+        ({"cache.block_size": "big"}, "cache.block_size"),
+        ({"decode": 3}, "section 'decode' must be a mapping"),
+    ],
+)
+def test_bad_overrides_are_clear_errors(overrides, message):
+    with pytest.raises(ConfigError, match=message.replace(".", r"\.").replace("(", r"\(")):
+        ServiceConfig.load(None, overrides)
+
+
+def test_unknown_nested_key_in_yaml(tmp_path):
+    path = tmp_path / "svc.yaml"
+    path.write_text("router:\n  queue_size: 4\n  retries: 3\n")
+    with pytest.raises(ConfigError, match="unknown config key 'router.retries'"):
+        ServiceConfig.load(path, {})
+
+
+def test_bad_files(tmp_path):
+    with pytest.raises(ConfigError, match="cannot read"):
+        ServiceConfig.load(tmp_path / "missing.yaml", {})
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("- a list\n- not sections\n")
+    with pytest.raises(ConfigError, match="mapping of sections"):
+        ServiceConfig.load(bad, {})
+    broken = tmp_path / "broken.yaml"
+    broken.write_text("router: {port: [\n")
+    with pytest.raises(ConfigError, match="not valid YAML"):
+        ServiceConfig.load(broken, {})
+
+
+def test_sections_are_frozen_and_forbid_extras():
+    cfg = ServiceConfig()
+    with pytest.raises(pydantic.ValidationError):
+        cfg.router.port = 1  # type: ignore[misc]
+    with pytest.raises(pydantic.ValidationError):
+        DecodeConfig(max_num_seqs=4, unknown=1)  # type: ignore[call-arg]
+    assert RouterConfig(port=0).port == 0
+
+
+def test_parse_overrides_reads_yaml_scalars():
+    assert parse_overrides(["decode.num_nodes=3", "cluster.address=null", "router.host=127.0.0.1",
+                            "model.name=tiny"]) == {
+        "decode.num_nodes": 3, "cluster.address": None, "router.host": "127.0.0.1", "model.name": "tiny"}
+    with pytest.raises(ConfigError, match="KEY=VALUE"):
+        parse_overrides(["decode.num_nodes"])

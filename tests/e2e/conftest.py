@@ -1,0 +1,63 @@
+"""The whole service on a real local Ray cluster: router + P + D actors, gRPC on 127.0.0.1,
+KV over ucx. One Ray cluster per session; services are started per test module/config."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+
+from deploy.config import ServiceConfig
+from deploy.service import Service, init_ray
+from engine.engine import EngineConfig, LLMEngine
+from engine.loader import load_model
+
+BASE = {
+    "model.name": "tiny", "router.host": "127.0.0.1", "router.port": 0, "router.status_interval_s": 0.5,
+    "kv_transfer.backend": "ucx", "kv_transfer.timeout_s": 5.0, "prefill.num_cpus": 0.5, "decode.num_cpus": 0.5,
+    "decode.max_num_seqs": 64,
+}
+
+
+@pytest.fixture(scope="session")
+def ray_cluster(tmp_path_factory):
+    import ray
+
+    cfg = ServiceConfig.load(None, BASE)
+    init_ray(cfg, temp_dir=str(tmp_path_factory.mktemp("ray")), num_cpus=8)
+    yield
+    ray.shutdown()
+
+
+def start_service(prefill: int, decode: int, k: int, **extra) -> tuple[Service, str]:
+    cfg = ServiceConfig.load(None, BASE | {"prefill.num_nodes": prefill, "decode.num_nodes": decode,
+                                           "spec.num_speculative_tokens": k} | extra)
+    service = Service(cfg)
+    return service, service.start(timeout_s=180)
+
+
+def wait_blocks_returned(service: Service, timeout: float = 30.0) -> None:
+    """I4: every node's free KV blocks back to its total (leases and quarantines end by time)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        info = service.node_info()
+        if all(i["free_blocks"] == i["total_blocks"] for i in info.values()):
+            return
+        assert time.monotonic() < deadline, f"KV blocks not returned: {info}"
+        time.sleep(0.2)
+
+
+@pytest.fixture(scope="session")
+def tiny_reference():
+    loaded = load_model("tiny")
+
+    def run(prompts, params, k=0):
+        eng = LLMEngine(loaded, EngineConfig(num_speculative_tokens=k))
+        return eng.generate(prompts, params)
+
+    return run
+
+
+def run_async(coro):
+    return asyncio.run(coro)

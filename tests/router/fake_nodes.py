@@ -1,0 +1,340 @@
+"""Scripted fake prefill and decode nodes: real gRPC servers on 127.0.0.1 speaking node.proto
+(PrefillControl, DecodeControl) with deterministic behaviour, for testing the router before
+the real nodes exist. Vocabulary: the `tiny` model's (320 ids; bytes are 0..255, BOS 256,
+EOS 257).
+
+FakePrefill.Prefill(request):
+  - first token = (prompt[-1] + 1) % 320 (a prompt ending in BOS 256 gives EOS 257), logprob
+    -0.5, rank 1, top-N ids first + j;
+  - `finished` is "stop" when that token is a stop id, "length" when max_tokens == 1;
+  - sends the FirstToken message to the decode node named in the request (over gRPC, as the
+    real P does), then answers the router with the same message.
+  Knobs: `fail` (answer UNAVAILABLE), `fail_after_first_token` (UNAVAILABLE after D got
+  the first token), `hold` (an asyncio.Event the call waits on, to keep a
+  prefill outstanding), `queued_tokens` (reported by Status).
+
+FakeDecode:
+  - Reserve admits while `refuse` is False and `free_blocks` (blocks = ceil((prompt_len +
+    max_tokens) / 16)) allow; the descriptor is msgpack {v, node, rid}.
+  - FirstToken starts the request, unless it is `finished` (then the reservation is released
+    silently). A step loop advances every running request by a batch of 1, 2, 3, 1, 2, 3, ...
+    tokens from `script` (cycled), one multiplexed Outputs message per step for all requests.
+    A request ends with one terminal item: "stop" at a stop id, "length" at max_tokens
+    (the first token counts), "abort" after Abort. Logprobs are fixed (-0.25, rank 1).
+  - `pause_after=n`: a request stops after n tokens (first token included) until `resume()`.
+  - `die()` stops the server at once (streams break); `start(port)` can bring a new one up
+    at the same address. Status can be told to report `free_blocks_report` instead of the
+    real count (least-load tests) and `report_unhealthy`.
+Every list of calls (`reserves`, `aborts`, `calls`, ...) records node-side request ids, and
+`until(pred)` awaits a state change (no sleeps).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import grpc
+import msgpack
+
+from protos import node_pb2, node_pb2_grpc
+from protos.messages import FirstToken, OutputItem, TokenLogprobs, pack_outputs
+
+VOCAB = 320
+BLOCK_SIZE = 16
+
+
+class Watched:
+    """`await until(pred)` returns once `pred()` holds; `changed()` re-checks the waiters."""
+
+    def __init__(self) -> None:
+        self._waiters: list[tuple[Callable[[], bool], asyncio.Future[None]]] = []
+
+    def changed(self) -> None:
+        for pred, fut in list(self._waiters):
+            if not fut.done() and pred():
+                fut.set_result(None)
+
+    async def until(self, pred: Callable[[], bool], timeout: float = 20.0) -> None:
+        if pred():
+            return
+        fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        entry = (pred, fut)
+        self._waiters.append(entry)
+        try:
+            await asyncio.wait_for(fut, timeout)  # a safety net, not a synchronization
+        finally:
+            self._waiters.remove(entry)
+
+
+class _Server(Watched):
+    name: str
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.server: grpc.aio.Server | None = None
+        self.address = ""
+        self.dead = False
+
+    async def start(self, add: Callable[[object, grpc.aio.Server], None], port: int = 0) -> str:
+        self.server = grpc.aio.server()
+        add(self, self.server)
+        port = self.server.add_insecure_port(f"127.0.0.1:{port}")
+        await self.server.start()
+        self.address = f"127.0.0.1:{port}"
+        return self.address
+
+    async def stop(self) -> None:
+        if self.server is not None:
+            await self.server.stop(0)
+
+    async def die(self) -> None:
+        """Stop serving at once: open streams break, calls answer UNAVAILABLE."""
+        self.dead = True
+        await self.stop()
+        self.changed()
+
+
+def fake_logprobs(tokens: list[int], n: int, first_lp: float) -> TokenLogprobs:
+    return TokenLogprobs([first_lp] * len(tokens), [1] * len(tokens),
+                         [[(t + j) % VOCAB for j in range(n)] for t in tokens],
+                         [[first_lp - j for j in range(n)] for _ in tokens])
+
+
+# ---- decode -----------------------------------------------------------------------------
+@dataclass
+class _Seq:
+    rid: str
+    prompt_len: int
+    sampling: node_pb2.Sampling
+    blocks: int
+    started: bool = False
+    generated: int = 0
+    cursor: int = 0
+
+
+class FakeDecode(_Server, node_pb2_grpc.DecodeControlServicer):
+    def __init__(self, name: str, script: bytes | list[int] = b"hello world ", total_blocks: int = 1000,
+                 pause_after: int | None = None, num_speculative_tokens: int = 2) -> None:
+        super().__init__()
+        self.name = name
+        self.script = list(script)
+        self.total_blocks = total_blocks
+        self.pause_after = pause_after
+        self.k = num_speculative_tokens
+        self.refuse = False
+        self.free_blocks_report: int | None = None
+        self.report_unhealthy = False
+        self.seqs: dict[str, _Seq] = {}
+        self.reserves: list[str] = []
+        self.admitted: list[str] = []
+        self.first_tokens: list[str] = []
+        self.aborts: list[str] = []
+        self.finished: dict[str, str] = {}  # rid -> terminal reason sent
+        self.subscribers: list[asyncio.Queue[bytes]] = []
+        self._resumed = asyncio.Event()
+        self._work = asyncio.Event()
+        self._batches = itertools.cycle((1, 2, 3))
+        self._stepper: asyncio.Task[None] | None = None
+
+    async def start(self, port: int = 0) -> str:  # type: ignore[override]
+        address = await super().start(node_pb2_grpc.add_DecodeControlServicer_to_server, port)
+        self._stepper = asyncio.create_task(self._step_loop())
+        return address
+
+    async def stop(self) -> None:
+        if self._stepper is not None:
+            self._stepper.cancel()
+        await super().stop()
+
+    @property
+    def held(self) -> int:
+        return len(self.seqs)
+
+    @property
+    def free_blocks(self) -> int:
+        return self.total_blocks - sum(s.blocks for s in self.seqs.values())
+
+    def resume(self) -> None:
+        self.pause_after = None
+        self._resumed.set()
+        self._work.set()
+
+    # ---- RPCs ---------------------------------------------------------------------------
+    async def Reserve(self, request, context):  # noqa: N802
+        self.reserves.append(request.request_id)
+        blocks = math.ceil((request.prompt_len + request.sampling.max_tokens) / BLOCK_SIZE)
+        try:
+            if self.refuse:
+                return node_pb2.ReserveReply(admitted=False, reason="refusing (test)")
+            if blocks > self.free_blocks:
+                return node_pb2.ReserveReply(admitted=False, reason="no free KV blocks")
+            self.seqs[request.request_id] = _Seq(request.request_id, request.prompt_len, request.sampling, blocks)
+            self.admitted.append(request.request_id)
+            desc = msgpack.packb({"v": 1, "node": self.name, "rid": request.request_id})
+            return node_pb2.ReserveReply(admitted=True, descriptor_msgpack=desc)
+        finally:
+            self.changed()
+
+    async def FirstToken(self, request, context):  # noqa: N802
+        first = FirstToken.unpack(request.msgpack, VOCAB, max_drafts=8)
+        self.first_tokens.append(first.request_id)
+        seq = self.seqs.get(first.request_id)
+        if seq is None:
+            self.changed()
+            return node_pb2.Ack(ok=False, reason="unknown request")
+        if first.finished:
+            del self.seqs[first.request_id]  # released silently: the router sends the terminal
+        else:
+            seq.started, seq.generated = True, 1
+            self._work.set()
+        self.changed()
+        return node_pb2.Ack(ok=True)
+
+    async def Abort(self, request, context):  # noqa: N802
+        self.aborts.append(request.request_id)
+        seq = self.seqs.pop(request.request_id, None)
+        if seq is not None and seq.started:
+            self._publish([OutputItem(seq.rid, [], finish_reason="abort")])
+        self.changed()
+        return node_pb2.Ack(ok=True)
+
+    async def Outputs(self, request, context):  # noqa: N802
+        queue: asyncio.Queue[bytes] = asyncio.Queue()
+        self.subscribers.append(queue)
+        await context.send_initial_metadata((("pdserve-outputs", "subscribed"),))
+        self.changed()
+        try:
+            while True:
+                yield node_pb2.Payload(msgpack=await queue.get())
+        finally:
+            self.subscribers.remove(queue)
+
+    async def Status(self, request, context):  # noqa: N802
+        free = self.free_blocks if self.free_blocks_report is None else self.free_blocks_report
+        return node_pb2.NodeStatus(node_id=self.name, kind="decode", healthy=not self.report_unhealthy,
+                                   free_blocks=free,
+                                   total_blocks=self.total_blocks, running=len(self.seqs),
+                                   num_speculative_tokens=self.k)
+
+    # ---- the "decode loop" --------------------------------------------------------------
+    def _publish(self, items: list[OutputItem]) -> None:
+        data = pack_outputs(items)
+        for q in self.subscribers:
+            q.put_nowait(data)
+
+    def _runnable(self) -> list[_Seq]:
+        return [s for s in self.seqs.values()
+                if s.started and (self.pause_after is None or s.generated < self.pause_after)]
+
+    async def _step_loop(self) -> None:
+        while True:
+            seqs = self._runnable()
+            if not seqs:
+                self._work.clear()
+                self.changed()
+                await self._work.wait()
+                continue
+            self._publish([self._advance(s) for s in seqs])
+            self.changed()
+            await asyncio.sleep(0)
+
+    def _advance(self, s: _Seq) -> OutputItem:
+        toks: list[int] = []
+        finish = None
+        for _ in range(next(self._batches)):
+            tok = self.script[s.cursor % len(self.script)]
+            s.cursor += 1
+            s.generated += 1
+            toks.append(tok)
+            if tok in s.sampling.stop_token_ids:
+                finish = "stop"
+            elif s.generated >= s.sampling.max_tokens:
+                finish = "length"
+            if finish or (self.pause_after is not None and s.generated >= self.pause_after):
+                break
+        n = s.sampling.logprobs
+        item = OutputItem(s.rid, toks, n if n >= 0 else None, fake_logprobs(toks, n, -0.25) if n >= 0 else None,
+                          finish_reason=finish, steps=1, accepted=len(toks) - 1)
+        if finish:
+            del self.seqs[s.rid]
+            self.finished[s.rid] = finish
+        return item
+
+
+# ---- prefill ----------------------------------------------------------------------------
+class FakePrefill(_Server, node_pb2_grpc.PrefillControlServicer):
+    def __init__(self, name: str, queued_tokens: int = 0) -> None:
+        super().__init__()
+        self.name = name
+        self.queued_tokens = queued_tokens
+        self.fail = False
+        self.fail_after_first_token = False
+        self.hold_failure: asyncio.Event | None = None  # when to fail, after the first token
+        self.hold: asyncio.Event | None = None
+        self.calls: list[str] = []
+        self.aborts: list[str] = []
+        self.active: set[str] = set()
+        self._decode_stubs: dict[str, node_pb2_grpc.DecodeControlStub] = {}
+        self._channels: list[grpc.aio.Channel] = []
+
+    async def start(self, port: int = 0) -> str:  # type: ignore[override]
+        return await super().start(node_pb2_grpc.add_PrefillControlServicer_to_server, port)
+
+    @property
+    def held(self) -> int:
+        return len(self.active)
+
+    async def stop(self) -> None:
+        await super().stop()
+        for channel in self._channels:
+            await channel.close()
+
+    async def Prefill(self, request, context):  # noqa: N802
+        self.calls.append(request.request_id)
+        if self.fail:
+            self.changed()
+            await context.abort(grpc.StatusCode.UNAVAILABLE, f"prefill node {self.name} is down (test)")
+        self.active.add(request.request_id)
+        self.changed()
+        try:
+            if self.hold is not None:
+                await self.hold.wait()
+            first = FirstToken(request.request_id, *self._first(request))
+            stub = self._decode_stubs.get(request.decode_address)
+            if stub is None:
+                channel = grpc.aio.insecure_channel(request.decode_address)
+                self._channels.append(channel)
+                stub = self._decode_stubs[request.decode_address] = node_pb2_grpc.DecodeControlStub(channel)
+            await stub.FirstToken(node_pb2.Payload(msgpack=first.pack()))
+            if self.fail_after_first_token:  # D already decodes; the router never hears back
+                if self.hold_failure is not None:
+                    await self.hold_failure.wait()
+                await context.abort(grpc.StatusCode.UNAVAILABLE, f"prefill node {self.name} crashed (test)")
+            return node_pb2.Payload(msgpack=first.pack())
+        finally:
+            self.active.discard(request.request_id)
+            self.changed()
+
+    @staticmethod
+    def _first(request) -> tuple:
+        tok = (request.prompt_token_ids[-1] + 1) % VOCAB
+        s = request.sampling
+        n = s.logprobs if s.logprobs >= 0 else None
+        lps = fake_logprobs([tok], n, -0.5) if n is not None else None
+        finished = "stop" if tok in s.stop_token_ids else "length" if s.max_tokens <= 1 else None
+        return tok, n, lps, [], b"", finished
+
+    async def Abort(self, request, context):  # noqa: N802
+        self.aborts.append(request.request_id)
+        self.changed()
+        return node_pb2.Ack(ok=True)
+
+    async def Status(self, request, context):  # noqa: N802
+        if self.fail:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "down (test)")
+        return node_pb2.NodeStatus(node_id=self.name, kind="prefill", healthy=True, running=len(self.active),
+                                   queued_tokens=self.queued_tokens)

