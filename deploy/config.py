@@ -10,7 +10,7 @@ YAML layout (every section and key optional):
     model: {name: tiny, dtype: auto, device: auto, max_model_len: 2048, mtp_path: null}
     spec: {num_speculative_tokens: 2}
     cache: {block_size: 16, num_blocks: null, kv_cache_bytes: 536870912}
-    kv_transfer: {backend: tcp, timeout_s: 30}
+    kv_transfer: {backend: ucx, timeout_s: 30}
     prefill: {max_num_batched_tokens: 2048, num_nodes: 1, num_cpus: 1, num_gpus: 1}
     decode: {max_num_seqs: 32, num_nodes: 1, num_cpus: 1, num_gpus: 1}
     router: {host: 0.0.0.0, port: 50051, queue_size: 256, default_timeout_s: 600, ...}
@@ -74,7 +74,7 @@ class CacheConfig(_Section):
 
 
 class KVTransferConfig(_Section):
-    backend: Literal["ucx", "tcp", "local"] = "tcp"
+    backend: Literal["ucx", "tcp", "local"] = "ucx"
     timeout_s: float = Field(default=30.0, gt=0)
 
 

@@ -76,6 +76,8 @@ class NodePool:
         self._unsubscribe: Callable[[], None] | None = None
         self._closing = False
         self._round = 0  # refresh rounds
+        self._dirty = False  # the directory changed since the last reconcile
+        self._refresher: asyncio.Task[None] | None = None
         self._retired: list[tuple[Node, int]] = []  # removed nodes whose channels are still open
 
     # ---- lifecycle ----------------------------------------------------------------------
@@ -158,7 +160,18 @@ class NodePool:
         if loop is None or loop.is_closed() or self._closing:
             return
         with contextlib.suppress(RuntimeError):  # loop closing
-            loop.call_soon_threadsafe(lambda: self.spawn(self.refresh()))
+            loop.call_soon_threadsafe(self._schedule_refresh)
+
+    def _schedule_refresh(self) -> None:
+        """One refresh at a time; changes made during it get one more round."""
+        self._dirty = True
+        if self._refresher is None or self._refresher.done():
+            self._refresher = self.spawn(self._refresh_while_dirty())
+
+    async def _refresh_while_dirty(self) -> None:
+        while self._dirty and not self._closing:
+            self._dirty = False
+            await self.refresh()
 
     def _reconcile(self) -> None:
         if self._closing:

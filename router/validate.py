@@ -24,7 +24,7 @@ from protos import node_pb2, pdserve_pb2
 MAX_LOGPROBS = 20
 MAX_STOP_STRINGS = 32
 MAX_STOP_CHARS = 256
-MAX_REQUEST_ID_CHARS = 256
+MAX_REQUEST_ID_CHARS = 200  # node-side ids add "<router>/" and "/<attempt>"; nodes take 256
 MAX_SEED = 2**63 - 1
 TOKENIZE_IN_THREAD_CHARS = 8192  # longer prompts are tokenized off the event loop
 

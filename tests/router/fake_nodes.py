@@ -165,6 +165,8 @@ class FakeDecode(_Server, node_pb2_grpc.DecodeControlServicer):
 
     # ---- RPCs ---------------------------------------------------------------------------
     async def Reserve(self, request, context):  # noqa: N802
+        if not 0 < len(request.request_id) <= 256:  # as the real nodes check
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "request_id must be 1..256 characters")
         self.reserves.append(request.request_id)
         blocks = math.ceil((request.prompt_len + request.sampling.max_tokens) / BLOCK_SIZE)
         try:

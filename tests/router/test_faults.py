@@ -175,7 +175,7 @@ async def test_directory_add_and_remove_are_seen_by_the_router():
         await stream.read()
         extra = FakeDecode("d-extra")
         c.decode.append(extra)
-        c.directory.add("decode", await extra.start())
+        await asyncio.to_thread(c.directory.add, "decode", await extra.start())  # from another thread
         await c.until(lambda: len(c.router.pool.healthy("decode")) == 2)
         c.directory.remove("decode", d0.address)
         last = await stream.read()

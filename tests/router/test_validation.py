@@ -43,7 +43,7 @@ BAD = [
     (build_request("hi", stop=[""]), "stop strings must be"),
     (build_request("hi", stop_token_ids=[999]), "stop_token_ids has token id 999"),
     (build_request("hi", timeout_s=-1), "timeout_s must be >= 0"),
-    (build_request("hi", request_id="r" * 300), "request_id is over"),
+    (build_request("hi", request_id="r" * 201), "request_id is over 200"),
     (build_request([1, 2], chat=True), "chat=true needs a text prompt"),
 ]
 
@@ -66,6 +66,6 @@ async def test_prompt_at_the_limits_is_accepted_and_max_tokens_is_clipped():
     async with cluster() as c:
         out = await c.client.generate(build_request([65] * (MAX_MODEL_LEN - 1), max_tokens=50))
         assert out["finish_reason"] == "length" and len(out["token_ids"]) == 1  # room for one token
-        out = await c.client.generate(build_request("x" * 100, top_p=0.0, max_tokens=2))  # top_p 0 = off
+        out = await c.client.generate(build_request("x" * 100, top_p=0.0, max_tokens=2, request_id="r" * 200))
         assert out["finish_reason"] == "length"
         await c.settled()
