@@ -68,7 +68,7 @@ def _add_service(sub: Any) -> None:
     demo = sub.add_parser("demo", help="start the service locally, send a few real prompts, print timings")
     cli_service.add_service_arguments(demo)
     demo.add_argument("--max-tokens", type=int, default=48)
-    demo.set_defaults(func=cli_service.cmd_demo, spec_tokens=None)
+    demo.set_defaults(func=cli_service.cmd_demo, spec_tokens=3)
 
 
 def build_parser() -> argparse.ArgumentParser:
