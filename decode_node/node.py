@@ -35,6 +35,7 @@ from engine.loader import LoadedModel
 from engine.model_runner import kv_room_needed
 from engine.request import Request, RequestOutput
 from engine.sampling_params import SamplingParams
+from engine.step_loop import StepLoop
 from kvtransfer import KVLayout, TransferState, create_receiver
 from protos.messages import FirstToken, OutputItem, TokenLogprobs
 
@@ -56,10 +57,13 @@ class Reservation:
     descriptor: dict[str, Any] = field(default_factory=dict)
 
 
-class DecodeNode:
+class DecodeNode(StepLoop):
+    loop_name = "decode-loop"
+
     def __init__(self, loaded: LoadedModel, config: EngineConfig, kv_backend: str = "ucx",
                  kv_timeout_s: float = 10.0, admission_timeout_s: float = 30.0,
                  kv_options: dict | None = None, kv_quarantine_s: float | None = None) -> None:
+        super().__init__()
         self.loaded, self.config = loaded, config
         self.k = config.num_speculative_tokens
         self.runner, self.blocks, self.max_model_len = build_runner(loaded, config)
@@ -76,9 +80,6 @@ class DecodeNode:
         self._inbox: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
         self._subscribers: list[queue.SimpleQueue[list[OutputItem] | None]] = []
         self._sub_lock = threading.Lock()
-        self._wake = threading.Event()
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
 
     # ---- any thread ------------------------------------------------------------------
     def reserve(self, request_id: str, prompt_len: int, params: SamplingParams, seed: int,
@@ -86,16 +87,16 @@ class DecodeNode:
         """Ask the loop to admit a request; the future gives a Reservation."""
         fut: concurrent.futures.Future = concurrent.futures.Future()
         self._inbox.put(("reserve", (request_id, prompt_len, params, seed, stop_ids, fut)))
-        self._wake.set()
+        self.wake()
         return fut
 
     def first_token(self, msg: FirstToken) -> None:
         self._inbox.put(("first", msg))
-        self._wake.set()
+        self.wake()
 
     def abort(self, request_id: str, reason: str = "aborted") -> None:
         self._inbox.put(("abort", (request_id, reason)))
-        self._wake.set()
+        self.wake()
 
     def subscribe(self) -> queue.SimpleQueue[list[OutputItem] | None]:
         q: queue.SimpleQueue[list[OutputItem] | None] = queue.SimpleQueue()
@@ -112,26 +113,16 @@ class DecodeNode:
         return {"free_blocks": self.blocks.num_free,
                 "total_blocks": self.blocks.capacity, "running": len(self.requests), "queued_tokens": 0}
 
-    def start(self) -> None:
-        self._thread = threading.Thread(target=self._loop, name="decode-loop", daemon=True)
-        self._thread.start()
-
     def stop(self) -> None:
-        self._stop.set()
-        self._wake.set()
-        if self._thread is not None:
-            self._thread.join(timeout=10)
+        self.stop_loop()
         self.receiver.close()
         with self._sub_lock:
             for q in self._subscribers:
                 q.put(None)
 
     # ---- the loop thread -------------------------------------------------------------
-    def _loop(self) -> None:
-        while not self._stop.is_set():
-            if not self.step():
-                self._wake.wait(0.002 if self.pending else 0.02)
-                self._wake.clear()
+    def idle_wait_s(self) -> float:
+        return 0.002 if self.pending else 0.02  # poll KV transfers of pending requests often
 
     def step(self) -> bool:
         """Commands, admissions of completed transfers, one decode step. Loop thread only."""

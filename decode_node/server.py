@@ -4,16 +4,15 @@ prefill nodes, aborts, and the multiplexed output stream (one per subscriber).""
 from __future__ import annotations
 
 import queue
-from concurrent import futures
 
 import grpc
 import msgpack
 
 from decode_node.node import DecodeNode
-from prefill_node.server import GRPC_OPTIONS
 from protos import node_pb2, node_pb2_grpc
 from protos.convert import check_request_id, sampling_from_proto
 from protos.messages import FirstToken, MessageError, pack_outputs
+from protos.serving import start_server
 
 
 class DecodeServicer(node_pb2_grpc.DecodeControlServicer):
@@ -66,8 +65,5 @@ class DecodeServicer(node_pb2_grpc.DecodeControlServicer):
 
 def serve_decode(node: DecodeNode, node_id: str, host: str = "127.0.0.1", port: int = 0,
                  workers: int = 32) -> tuple[grpc.Server, int]:
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=workers), options=GRPC_OPTIONS)
-    node_pb2_grpc.add_DecodeControlServicer_to_server(DecodeServicer(node, node_id), server)
-    bound = server.add_insecure_port(f"{host}:{port}")
-    server.start()
-    return server, bound
+    return start_server(node_pb2_grpc.add_DecodeControlServicer_to_server, DecodeServicer(node, node_id),
+                        host, port, workers)

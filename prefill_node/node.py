@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import concurrent.futures
 import queue
-import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -27,6 +26,7 @@ from engine.engine import EngineConfig, build_runner
 from engine.loader import LoadedModel
 from engine.model_runner import PrefillChunk, PrefillOutput, kv_room_needed, unpack_logprobs
 from engine.sampling_params import SamplingParams
+from engine.step_loop import StepLoop
 from kvtransfer import KVLayout, TransferStatus, create_sender
 from protos.messages import FirstToken, TokenLogprobs
 
@@ -52,9 +52,12 @@ class PrefillJob:
         return len(self.prompt) - self.num_prefilled
 
 
-class PrefillNode:
+class PrefillNode(StepLoop):
+    loop_name = "prefill-loop"
+
     def __init__(self, loaded: LoadedModel, config: EngineConfig, first_token_sink: FirstTokenSink,
                  kv_backend: str = "ucx", kv_timeout_s: float = 10.0, kv_options: dict | None = None) -> None:
+        super().__init__()
         self.loaded, self.config, self.sink = loaded, config, first_token_sink
         self.k = config.num_speculative_tokens
         self.runner, self.blocks, self.max_model_len = build_runner(loaded, config)
@@ -66,9 +69,6 @@ class PrefillNode:
         self._inbox: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
         self.waiting: list[PrefillJob] = []
         self.leased: dict[str, list[int]] = {}  # request id -> source blocks under lease
-        self._wake = threading.Event()
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
         self.queued_tokens = 0
 
     # ---- any thread ------------------------------------------------------------------
@@ -76,39 +76,26 @@ class PrefillNode:
         if len(job.prompt) >= self.max_model_len or not job.prompt:
             raise ValueError(f"prompt of {len(job.prompt)} tokens does not fit the context {self.max_model_len}")
         self._inbox.put(("submit", job))
-        self._wake.set()
+        self.wake()
         return job.future
 
     def abort(self, request_id: str, reason: str = "aborted") -> None:
         self._inbox.put(("abort", (request_id, reason)))
-        self._wake.set()
+        self.wake()
 
     def status(self) -> dict[str, int]:
         return {"free_blocks": self.blocks.num_free, "total_blocks": self.blocks.capacity,
                 "running": len(self.waiting), "queued_tokens": self.queued_tokens}
 
-    def start(self) -> None:
-        self._thread = threading.Thread(target=self._loop, name="prefill-loop", daemon=True)
-        self._thread.start()
-
     def stop(self) -> None:
-        self._stop.set()
-        self._wake.set()
-        if self._thread is not None:
-            self._thread.join(timeout=10)
+        self.stop_loop()
         self.sender.close()
 
     def _on_release(self, request_id: str, status: TransferStatus) -> None:
         self._released.put(request_id)  # called on the transport thread
-        self._wake.set()
+        self.wake()
 
     # ---- the loop thread -------------------------------------------------------------
-    def _loop(self) -> None:
-        while not self._stop.is_set():
-            if not self.step():
-                self._wake.wait(0.05)
-                self._wake.clear()
-
     def step(self) -> bool:
         """One scheduling step; returns whether there was work. Only the loop calls it."""
         self._drain_inbox()

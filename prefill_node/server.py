@@ -12,10 +12,8 @@ import msgpack
 from prefill_node.node import PrefillJob, PrefillNode
 from protos import node_pb2, node_pb2_grpc
 from protos.convert import check_request_id, sampling_from_proto
-from protos.messages import MAX_MESSAGE_BYTES, FirstToken
-
-GRPC_OPTIONS = [("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-                ("grpc.max_send_message_length", MAX_MESSAGE_BYTES)]
+from protos.messages import FirstToken
+from protos.serving import GRPC_OPTIONS, start_server
 
 
 class DecodeClients:
@@ -89,8 +87,5 @@ class PrefillServicer(node_pb2_grpc.PrefillControlServicer):
 
 def serve_prefill(node: PrefillNode, node_id: str, host: str = "127.0.0.1", port: int = 0,
                   workers: int = 16) -> tuple[grpc.Server, int]:
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=workers), options=GRPC_OPTIONS)
-    node_pb2_grpc.add_PrefillControlServicer_to_server(PrefillServicer(node, node_id), server)
-    bound = server.add_insecure_port(f"{host}:{port}")
-    server.start()
-    return server, bound
+    return start_server(node_pb2_grpc.add_PrefillControlServicer_to_server, PrefillServicer(node, node_id),
+                        host, port, workers)
