@@ -7,9 +7,19 @@ to the sender seeing DONE (the receiver's ack), median over ``--iters`` after a
 warm-up. ``intact``: the receiver's destination bytes hash equal to the source's
 on every iteration (the destination is zeroed before each).
 
-Raw figure measured in the same run: ``ucx_perftest -t tag_bw`` between two
-processes with the same message size and memory type (ucx), or a plain memcpy of
-the same bytes (tcp, local). On GPU, ``d2d_gbps`` is a torch copy cuda:0 -> cuda:1.
+Raw figures measured in the same run, interleaved: ``--rounds`` times, ``--iters``
+transfers (their median) then the raw figure; reported are per-round figures and
+the medians over rounds (``ratio``: median of the per-round ratios). ucx:
+``ucx_perftest -t tag_bw`` between two processes with the same memory type, at our
+message size (``raw_gbps``; it re-sends one buffer, so at 2 MiB its source and
+destination stay in the CPU caches) and as one message of the whole transfer
+(``raw_transfer_gbps``: the same bytes per transfer, out of DRAM). tcp, local: a
+plain memcpy of the same bytes. On GPU, ``d2d_gbps`` is a torch copy cuda:0 -> cuda:1.
+
+CPU caches are allocated in transparent huge pages (``--no-thp`` turns it off):
+perftest's buffers come from UCX's allocator (SysV shared memory), and CMA, the
+shared-memory zero-copy path, pins pages per message, so 4 KiB pages cost
+~1.5-2x in bandwidth on the dev machine.
 """
 
 from __future__ import annotations
@@ -17,6 +27,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
+import mmap
 import multiprocessing as mp
 import os
 import re
@@ -41,6 +52,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--block-bytes", type=int, default=8192)
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     parser.add_argument("--iters", type=int, default=5)
+    parser.add_argument("--rounds", type=int, default=3,
+                        help="alternate our transfers and the raw figure this many times")
+    parser.add_argument("--thp", action=argparse.BooleanOptionalAction, default=True,
+                        help="CPU caches in transparent huge pages (as UCX allocates perftest's)")
     parser.add_argument("--json", action="store_true")
 
 
@@ -50,14 +65,33 @@ def _device(args: argparse.Namespace, rank: int) -> torch.device:
     return torch.device("cuda", rank % torch.cuda.device_count())
 
 
+_HUGE = 2 << 20
+_mappings: list[mmap.mmap] = []  # keep the huge-page mappings of this process alive
+
+
+def _huge_page_tensor(shape: tuple[int, int]) -> torch.Tensor:
+    """A zeroed uint8 tensor in 2 MiB-aligned anonymous memory advised MADV_HUGEPAGE."""
+    nbytes = shape[0] * shape[1]
+    m = mmap.mmap(-1, nbytes + _HUGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    _mappings.append(m)
+    base = torch.frombuffer(m, dtype=torch.uint8)
+    offset = -base.data_ptr() % _HUGE
+    m.madvise(mmap.MADV_HUGEPAGE, offset, nbytes - nbytes % mmap.PAGESIZE)
+    return base[offset : offset + nbytes].view(shape)
+
+
 def _cache(args: argparse.Namespace, device: torch.device, fill: bool) -> list[torch.Tensor]:
     g = torch.Generator().manual_seed(0)
     shape = (args.blocks, args.block_bytes)
-    return [
-        (torch.randint(0, 256, shape, generator=g, dtype=torch.uint8) if fill
-         else torch.zeros(shape, dtype=torch.uint8)).to(device)
-        for _ in range(args.layers)
-    ]
+    layers = []
+    for _ in range(args.layers):
+        t = torch.randint(0, 256, shape, generator=g, dtype=torch.uint8) if fill else None
+        if device.type == "cpu" and args.thp:
+            dst = _huge_page_tensor(shape)
+            layers.append(dst.copy_(t) if t is not None else dst)
+        else:
+            layers.append((t if t is not None else torch.zeros(shape, dtype=torch.uint8)).to(device))
+    return layers
 
 
 def _digest(cache: list[torch.Tensor]) -> str:
@@ -109,7 +143,8 @@ def _one_transfer(sender: Any, conn: Connection, args: argparse.Namespace, rid: 
     return elapsed
 
 
-def _transfer_figures(args: argparse.Namespace) -> dict[str, Any]:
+def _transfer_figures(args: argparse.Namespace, raw: Any) -> dict[str, Any]:
+    """Per round: ``--iters`` timed transfers (their median), then ``raw()``'s figures."""
     from kvtransfer import KVLayout, create_sender
 
     ctx = mp.get_context("spawn")
@@ -121,17 +156,23 @@ def _transfer_figures(args: argparse.Namespace) -> dict[str, Any]:
     sender = create_sender(args.backend, timeout_s=60)
     sender.register(KVLayout(cache, 0))
     source = _digest(cache)
-    times, intact = [], True
+    rounds: list[dict[str, Any]] = []
+    intact, n = True, 0
     try:
-        for i in range(args.iters + 1):
-            times.append(_one_transfer(sender, conn, args, f"bench-{i}"))
-            intact = intact and _call(conn, "digest") == source
-        messages = sender.messages // (args.iters + 1)  # type: ignore[attr-defined]
+        for r in range(-1, args.rounds):  # round -1: one warm-up transfer
+            times = []
+            for _ in range(args.iters if r >= 0 else 1):
+                times.append(_one_transfer(sender, conn, args, f"bench-{n}"))
+                intact = intact and _call(conn, "digest") == source
+                n += 1
+            if r >= 0:
+                rounds.append({"seconds": statistics.median(times), **raw()})
+        messages = sender.messages // n  # type: ignore[attr-defined]
     finally:
         sender.close()
         conn.send_bytes(msgpack.packb({"op": "exit"}))
         proc.join(30)
-    return {"seconds": statistics.median(times[1:]), "messages": messages, "intact": intact}
+    return {"rounds": rounds, "messages": messages, "intact": intact}
 
 
 def _free_port() -> int:
@@ -196,18 +237,33 @@ def d2d_gbps(nbytes: int) -> float:
 
 def run(args: argparse.Namespace) -> int:
     nbytes = args.layers * args.blocks * args.block_bytes
+    msg_bytes = args.blocks * args.block_bytes
     result: dict[str, Any] = {"backend": args.backend, "device": args.device, "bytes": nbytes,
                               "layers": args.layers, "blocks": args.blocks,
-                              "block_bytes": args.block_bytes}
-    result.update(_transfer_figures(args))
-    result["gbps"] = nbytes / result["seconds"] / 1e9
-    msg_bytes = args.blocks * args.block_bytes
+                              "block_bytes": args.block_bytes, "thp": args.thp and args.device == "cpu",
+                              "iters": args.iters}
     if args.backend == "ucx":
-        result["raw"] = f"ucx_perftest tag_bw -s {msg_bytes}" + (" -m cuda" if args.device == "cuda" else "")
-        result["raw_gbps"] = perftest_gbps(msg_bytes, nbytes, args.device)
+        mem = " -m cuda" if args.device == "cuda" else ""
+        result["raw"] = f"ucx_perftest -t tag_bw -s {msg_bytes}{mem}"
+        result["raw_transfer"] = f"ucx_perftest -t tag_bw -s {nbytes}{mem}"
+
+        def raw() -> dict[str, float]:
+            return {"raw_gbps": perftest_gbps(msg_bytes, nbytes, args.device),
+                    "raw_transfer_gbps": perftest_gbps(nbytes, nbytes, args.device)}
     else:
-        result["raw"], result["raw_gbps"] = f"memcpy {nbytes} bytes", memcpy_gbps(nbytes)
-    result["ratio"] = result["gbps"] / result["raw_gbps"]
+        result["raw"] = f"memcpy {nbytes} bytes"
+
+        def raw() -> dict[str, float]:
+            return {"raw_gbps": memcpy_gbps(nbytes)}
+    result.update(_transfer_figures(args, raw))
+    for r in result["rounds"]:
+        r["gbps"] = nbytes / r["seconds"] / 1e9
+        r["ratio"] = r["gbps"] / r["raw_gbps"]
+        if "raw_transfer_gbps" in r:
+            r["ratio_transfer"] = r["gbps"] / r["raw_transfer_gbps"]
+    for key in ("seconds", "gbps", "raw_gbps", "ratio", "raw_transfer_gbps", "ratio_transfer"):
+        if key in result["rounds"][0]:
+            result[key] = statistics.median(r[key] for r in result["rounds"])
     if args.device == "cuda":
         result["d2d_gbps"] = d2d_gbps(nbytes)
         result["d2d_ratio"] = result["gbps"] / result["d2d_gbps"]
@@ -220,9 +276,16 @@ def _print(result: dict[str, Any], as_json: bool) -> None:
         print(json.dumps(result))
         return
     print(f"{result['backend']} on {result['device']}: {result['bytes'] / 2**20:.1f} MiB in "
-          f"{result['seconds'] * 1e3:.2f} ms = {result['gbps']:.2f} GB/s, "
+          f"{result['seconds'] * 1e3:.2f} ms = {result['gbps']:.2f} GB/s (median of {len(result['rounds'])} "
+          f"rounds), "
           f"{result['messages']} data messages, intact={result['intact']}")
     print(f"raw ({result['raw']}): {result['raw_gbps']:.2f} GB/s; ratio {result['ratio']:.2f}")
+    if "raw_transfer_gbps" in result:
+        print(f"raw, one message of the whole transfer ({result['raw_transfer']}): "
+              f"{result['raw_transfer_gbps']:.2f} GB/s; ratio {result['ratio_transfer']:.2f}")
+    for i, r in enumerate(result["rounds"]):
+        extra = f", {r['raw_transfer_gbps']:.2f} ({r['ratio_transfer']:.2f})" if "ratio_transfer" in r else ""
+        print(f"  round {i}: {r['gbps']:.2f} GB/s vs {r['raw_gbps']:.2f} ({r['ratio']:.2f}){extra}")
     if "d2d_gbps" in result:
         print(f"d2d ceiling (torch copy cuda:0 -> cuda:1): {result['d2d_gbps']:.2f} GB/s; "
               f"ratio {result['d2d_ratio']:.2f}")

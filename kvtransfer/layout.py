@@ -112,6 +112,8 @@ class KVLayout:
     def check_blocks(self, layer: int, block_ids: Sequence[int]) -> None:
         """Raise ValueError unless every id is a block of ``layer``."""
         n = self.num_blocks(layer)
+        if not block_ids or (0 <= min(block_ids) and max(block_ids) < n):
+            return
         bad = [b for b in block_ids if not 0 <= b < n]
         if bad:
             raise ValueError(f"block ids {bad[:4]} outside 0..{n - 1} of layer {layer}")

@@ -3,7 +3,9 @@
 Receives: ``start`` / ``send_layer`` / ``finish`` / ``abort`` calls from any thread.
 Hands on: per request, on one ``Link`` to the receiver, a ``begin`` message, then
 per layer a ``layer`` message (its runs) and one data send per run, then ``finish``;
-then waits for the receiver's ``ack``.
+then waits for the receiver's ``ack``. Nothing on that path waits for a send to
+complete when the link posts sends in order (ucx: ``send_ctrl``/``send_run`` return
+futures); a coroutine link (tcp) writes each message before the next.
 Never: blocks the caller on the network, or touches source blocks after the lease
 ended. Careful: state changes only on the loop thread; the caller's thread reads
 it under ``_lock``. A transport subclass provides ``_open`` and ``_reply_info`` and
@@ -18,7 +20,7 @@ import logging
 import threading
 import time
 from abc import abstractmethod
-from collections.abc import Sequence
+from collections.abc import Awaitable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -43,13 +45,21 @@ class Link:
     """One connection from this sender to one receiver, shared by its requests."""
 
     @abstractmethod
-    async def send_ctrl(self, msg: dict[str, Any]) -> None: ...
+    def send_ctrl(self, msg: dict[str, Any]) -> Awaitable[None]:
+        """Send one control message: a coroutine, or (ucx) a future for a posted send."""
 
     @abstractmethod
-    async def send_run(
+    def send_run(
         self, desc: Descriptor, layer: int, run: int, views: list[torch.Tensor]
-    ) -> int:
-        """Send one run's plane views; return the number of transport messages."""
+    ) -> Awaitable[int]:
+        """Send one run's plane views; resolves to the number of transport messages.
+
+        A coroutine, or (ucx) a future for sends already posted.
+        """
+
+    def run_messages(self, views: list[torch.Tensor]) -> int:
+        """Transport messages that one run of these plane views takes (``messages``)."""
+        return 1
 
 
 @dataclass
@@ -62,6 +72,7 @@ class _Out:
     reason: str = ""
     link: Link | None = None
     sent: set[int] = field(default_factory=set)
+    runs_of: tuple[list[int], list[Any]] | None = None  # last (src, its runs): layers share blocks
     pending: set[asyncio.Future[Any]] = field(default_factory=set)
     task: asyncio.Task[None] | None = None
     done: concurrent.futures.Future[TransferStatus] = field(
@@ -114,6 +125,7 @@ class StreamingSender(KVSender):
                 raise TransferError(f"request {request_id!r} already started")
             self._out[request_id] = out
         self._thread.call(self._launch, out)
+        time.sleep(0)  # hand the GIL to the loop thread: connect and send ``begin`` now
 
     def _check_descriptor(self, descriptor: Descriptor) -> Descriptor:
         if self.layout is None:
@@ -137,7 +149,7 @@ class StreamingSender(KVSender):
         self, request_id: str, layer: int, src_block_ids: Sequence[int], ready: Any = None
     ) -> None:
         out = self._get(request_id)
-        src = [int(b) for b in src_block_ids]
+        src = list(map(int, src_block_ids))
         if layer not in out.desc["layers"]:
             raise TransferError(f"{request_id}: layer {layer} not in {out.desc['layers']}")
         if len(src) != len(out.desc["blocks"]):
@@ -206,8 +218,9 @@ class StreamingSender(KVSender):
             if op[0] == "finish":
                 break
             await self._send_layer(out, *op[1:])
-        if out.pending:
-            await asyncio.gather(*out.pending)
+        streaming = [f for f in out.pending if isinstance(f, asyncio.Task)]
+        if streaming:  # coroutine links write in turn; posted (ucx) sends are ordered already
+            await asyncio.gather(*streaming)
         await out.link.send_ctrl(wire.make("finish", rid=out.rid, layers=len(out.sent)))
         out.deadline = time.monotonic() + self.timeout_s  # the ack must come in time
 
@@ -217,31 +230,40 @@ class StreamingSender(KVSender):
         out.sent.add(layer)
         if ready is not None:
             await asyncio.get_running_loop().run_in_executor(None, ready.synchronize)
-        runs = coalesce(src, out.desc["blocks"])
+        if out.runs_of is None or out.runs_of[0] != src:
+            out.runs_of = (src, coalesce(src, out.desc["blocks"]))
+        runs = out.runs_of[1]
         pairs = [[r.index, r.count] for r in runs]
-        assert out.link is not None
-        await out.link.send_ctrl(wire.make("layer", rid=out.rid, layer=layer, runs=pairs))
-        assert self.layout is not None
+        assert out.link is not None and self.layout is not None
+        announce = out.link.send_ctrl(wire.make("layer", rid=out.rid, layer=layer, runs=pairs))
+        if asyncio.isfuture(announce):  # already posted (ucx): ordered, nothing to wait for
+            self._track(out, announce)
+        else:  # a stream (tcp): the header must be written before the data
+            await announce
+        # Every run's data is posted at once and never awaited here; a failure ends the lease.
         for i, r in enumerate(runs):
             views = self.layout.run_views(layer, src[r.index], r.count)
-            fut = asyncio.ensure_future(out.link.send_run(out.desc, layer, i, views))
-            out.pending.add(fut)
-            fut.add_done_callback(lambda f: self._run_sent(out, f))
+            self.messages += out.link.run_messages(views)  # counted when posted
+            self._track(out, out.link.send_run(out.desc, layer, i, views))
+
+    def _track(self, out: _Out, aw: Awaitable[Any]) -> None:
+        fut = asyncio.ensure_future(aw)
+        out.pending.add(fut)
+        fut.add_done_callback(lambda f: self._run_sent(out, f))
 
     def _run_sent(self, out: _Out, fut: asyncio.Future[Any]) -> None:
         out.pending.discard(fut)
         if fut.cancelled():
             return
         if fut.exception() is not None:
-            self._end(out, TransferState.FAILED, f"send failed: {fut.exception()!r}", True)
+            self._end(out, TransferState.FAILED, f"send to the receiver failed: {fut.exception()!r}", True)
             return
-        self.messages += fut.result()
         out.deadline = time.monotonic() + self.timeout_s
 
     def _task_done(self, out: _Out, task: asyncio.Task[None]) -> None:
         if not task.cancelled() and task.exception() is not None:
             exc = task.exception()
-            self._end(out, TransferState.FAILED, f"{type(exc).__name__}: {exc}", True)
+            self._end(out, TransferState.FAILED, f"transfer to the receiver failed: {type(exc).__name__}: {exc}", True)
 
     def _on_message(self, msg: dict[str, Any]) -> None:
         """An ``ack`` (or ``error``) from a receiver, already validated."""
@@ -258,7 +280,7 @@ class StreamingSender(KVSender):
         with self._lock:
             outs = [o for o in self._out.values() if o.link is link and not o.state.terminal]
         for out in outs:
-            self._end(out, TransferState.FAILED, reason, False)
+            self._end(out, TransferState.FAILED, f"lost the receiver: {reason}", False)
 
     def _set_state(self, out: _Out, state: TransferState, reason: str) -> None:
         with self._lock:

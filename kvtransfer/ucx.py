@@ -14,18 +14,27 @@ rendezvous protocol (the receiver pulls). Tags:
   unique per request in the receiving process, so a stale message never matches
   another request's receive.
 
-Careful: all ucxx calls run on one process-wide loop thread (``runtime()``), shared
-by every UcxSender/UcxReceiver of the process. ucxx 0.52 cannot cancel a posted
-receive from Python: after a FAILED transfer its receives stay posted under that
-request's unique tags (a late send from an aborted sender could still land).
+Threads: one per process. ucxx's asyncio layer (progress thread, ``Request.wait``
+polling with ``sleep(0)``) is not used; ``_Driver`` drives ucxx's core API from the
+process-wide loop thread (``runtime()``, shared by every UcxSender/UcxReceiver of
+the process), as ucx_perftest does: post, ``worker.progress()``, reap completions
+by callback; busy-poll only while data receives are in flight, otherwise sleep on
+the worker's epoll descriptor. ``UCXPY_*`` variables therefore have no effect;
+``PDSERVE_UCX_SPIN=0`` turns the busy-polling off. ``UCX_*`` variables apply.
+
+Careful: ucxx 0.52 cannot cancel a posted receive from Python: after a FAILED
+transfer its receives stay posted under that request's unique tags (a late send
+from an aborted sender could still land); the driver stops spinning for them.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import secrets
 import threading
+from collections.abc import Callable
 from typing import Any, cast
 
 import numpy as np
@@ -38,13 +47,144 @@ from kvtransfer.receiver import ProtocolError, StreamingReceiver, _In
 from kvtransfer.sender import Link, StreamingSender
 
 os.environ.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")
-import ucxx  # noqa: E402  (reads UCX_* variables at import)
+# ucxx's synchronous core API (what its asyncio layer is built on); UCX reads UCX_* here.
+from ucxx._lib import libucxx as ucx_api  # noqa: E402
+from ucxx._lib.arr import Array  # noqa: E402
 
 CTRL = 1 << 63
 ACK = 3 << 62
+SPIN = os.environ.get("PDSERVE_UCX_SPIN", "1") != "0"
+"""Busy-poll the worker while data receives are in flight (see ``_Driver``)."""
+log = logging.getLogger(__name__)
 _runtime: LoopThread | None = None
+_driver: _Driver | None = None
 _runtime_lock = threading.Lock()
-_endpoints: dict[bytes, asyncio.Future[Any]] = {}
+
+Done = Callable[[BaseException | None], None]
+
+
+class _Driver:
+    """The process's UCX worker, progressed by the runtime loop thread itself.
+
+    ucx_perftest's model: one thread posts, progresses and reaps. No ucxx progress or
+    notifier thread, and no per-request coroutine polling (ucxx's ``Request.wait``
+    spins the event loop with ``sleep(0)`` while any request is pending, which made
+    every process with a posted control receive burn a core forever). Completion is
+    a callback run on the loop after ``worker.progress()``. While data receives are
+    in flight (``hot``) the loop busy-polls, as perftest does; otherwise it arms the
+    worker and sleeps on its epoll descriptor, so an idle process costs nothing.
+    A sender never spins: under the rendezvous protocol the receiver pulls the bytes
+    (CMA / CUDA IPC / RDMA read) and the sender only learns of completion.
+    """
+
+    def __init__(self) -> None:
+        self.context = ucx_api.UCXContext({}, (ucx_api.Feature.TAG, ucx_api.Feature.WAKEUP))
+        self.worker = ucx_api.UCXWorker(self.context, False, False)
+        self.worker.init_blocking_progress_mode()
+        self.address = bytes(self.worker.address.tobytes())
+        self.hot = 0
+        self._pending: dict[int, tuple[Any, Any, Done, bool]] = {}  # id(req) -> req, buf, done, hot
+        self._loop = asyncio.get_running_loop()
+        self._fd = self.worker.epoll_file_descriptor
+        self._woken: asyncio.Future[None] | None = None
+        self._endpoints: dict[bytes, Any] = {}
+        self._task = asyncio.ensure_future(self._run())
+
+    # -- posting -------------------------------------------------------------------
+    def send(self, ep: Any, buf: Any, tag: int, done: Done, hot: bool = False) -> None:
+        arr = Array(buf)
+        self._track(ep.tag_send(arr, ucx_api.UCXXTag(tag)), arr, done, hot)
+
+    def recv(self, buf: Any, tag: int, done: Done, hot: bool = False) -> Any:
+        arr = Array(buf)
+        req = self.worker.tag_recv(arr, ucx_api.UCXXTag(tag))
+        self._track(req, arr, done, hot)
+        return req
+
+    def cool(self, reqs: list[Any]) -> None:
+        """Stop spinning for these receives (their transfer ended; they may never land)."""
+        for req in reqs:
+            entry = self._pending.get(id(req))
+            if entry is not None and entry[3]:
+                self._pending[id(req)] = (*entry[:3], False)
+                self.hot -= 1
+
+    def send_future(self, ep: Any, buf: Any, tag: int) -> asyncio.Future[None]:
+        fut: asyncio.Future[None] = self._loop.create_future()
+        self.send(ep, buf, tag, lambda exc: _settle(fut, exc))
+        return fut
+
+    def recv_future(self, buf: Any, tag: int) -> asyncio.Future[None]:
+        fut: asyncio.Future[None] = self._loop.create_future()
+        self.recv(buf, tag, lambda exc: _settle(fut, exc))
+        return fut
+
+    def endpoint(self, addr: bytes) -> Any:
+        """A cached endpoint to the worker at ``addr`` (wire-up completes in progress)."""
+        ep = self._endpoints.get(addr)
+        if ep is None:
+            address = ucx_api.UCXAddress.create_from_buffer(np.frombuffer(addr, np.uint8))
+            ep = ucx_api.UCXEndpoint.create_from_worker_address(self.worker, address, False)
+            self._endpoints[addr] = ep
+        return ep
+
+    def _track(self, req: Any, buf: Any, done: Done, hot: bool) -> None:
+        """Call ``done`` on the loop once ``req`` completes; ``buf`` stays alive till then."""
+        if req.completed:  # eager sends, receives of already-arrived messages
+            self._loop.call_soon(self._finish, req, done)  # never re-entrant
+            return
+        self._pending[id(req)] = (req, buf, done, hot)
+        self.hot += hot
+        if self._woken is not None and not self._woken.done():
+            self._woken.set_result(None)  # re-evaluate: spin now, or re-arm
+
+    def _finish(self, req: Any, done: Done) -> None:
+        try:
+            req.check_error()
+            exc: BaseException | None = None
+        except Exception as e:  # truncated receive, peer error, cancellation
+            exc = e
+        try:
+            done(exc)
+        except Exception:  # a completion handler's bug must not stop progress
+            log.exception("ucx completion handler failed")
+
+    # -- progress ------------------------------------------------------------------
+    def _reap(self) -> None:
+        finished = [e for e in self._pending.values() if e[0].completed]
+        for req, _buf, done, hot in finished:
+            del self._pending[id(req)]
+            self.hot -= hot
+            self._finish(req, done)
+
+    async def _run(self) -> None:
+        while True:
+            self.worker.progress()
+            self._reap()
+            if SPIN and self.hot:
+                await asyncio.sleep(0)  # let handlers run, then poll again
+                continue
+            if not self.worker.arm():  # events arrived meanwhile: progress again
+                await asyncio.sleep(0)
+                continue
+            self._woken = self._loop.create_future()
+            self._loop.add_reader(self._fd, _settle, self._woken, None)
+            try:
+                await asyncio.wait_for(asyncio.shield(self._woken), 1.0)
+            except TimeoutError:
+                pass  # belt and braces: progress at least once a second
+            finally:
+                self._loop.remove_reader(self._fd)
+                self._woken = None
+
+
+def _settle(fut: asyncio.Future[None], exc: BaseException | None) -> None:
+    if fut.done():
+        return
+    if exc is None:
+        fut.set_result(None)
+    else:
+        fut.set_exception(exc)
 
 
 def runtime() -> LoopThread:
@@ -53,13 +193,20 @@ def runtime() -> LoopThread:
     with _runtime_lock:
         if _runtime is None:
             rt = LoopThread("kv-ucx")
-            rt.submit(_start_progress()).result(timeout=60)
+            rt.submit(_start_driver()).result(timeout=60)
             _runtime = rt
     return _runtime
 
 
-async def _start_progress() -> None:
-    ucxx.continuous_ucx_progress()
+def driver() -> _Driver:
+    runtime()
+    assert _driver is not None
+    return _driver
+
+
+async def _start_driver() -> None:
+    global _driver
+    _driver = _Driver()
 
 
 def data_tag(serial: int, layer: int, index: int) -> int:
@@ -72,18 +219,10 @@ def _buffer(view: torch.Tensor) -> Any:
     return view if view.is_cuda else view.numpy()
 
 
-async def endpoint(addr: bytes) -> Any:
-    """A cached endpoint to the worker at ``addr`` (runs on the runtime loop)."""
-    if addr not in _endpoints:
-        address = ucxx.get_ucx_address_from_buffer(addr)
-        _endpoints[addr] = asyncio.ensure_future(
-            ucxx.create_endpoint_from_worker_address(address, endpoint_error_handling=False)
-        )
-    try:
-        return await asyncio.shield(_endpoints[addr])
-    except Exception:
-        _endpoints.pop(addr, None)
-        raise
+async def send_raw(addr: bytes, tag: int, payload: bytes) -> None:
+    """Send ``payload`` as-is to a worker's tag (runs on the runtime loop; for tests)."""
+    drv = driver()
+    await drv.send_future(drv.endpoint(addr), np.frombuffer(payload, np.uint8), tag)
 
 
 class _Peer(Link):
@@ -92,36 +231,62 @@ class _Peer(Link):
     def __init__(self, ep: Any, tag: int) -> None:
         self.ep, self.tag = ep, tag
 
-    async def send_ctrl(self, msg: dict[str, Any]) -> None:
-        await self.ep.send(np.frombuffer(wire.seal(msg), np.uint8), tag=self.tag, force_tag=True)
+    def send_ctrl(self, msg: dict[str, Any]) -> asyncio.Future[None]:
+        """Post the send now (in order with later sends); the future says when it went."""
+        return driver().send_future(self.ep, np.frombuffer(wire.seal(msg), np.uint8), self.tag)
 
-    async def send_run(self, desc: Descriptor, layer: int, run: int, views: list[torch.Tensor]) -> int:
-        n = len(views)
-        await asyncio.gather(*(
-            self.ep.send(_buffer(v), tag=data_tag(desc["serial"], layer, run * n + p), force_tag=True)
-            for p, v in enumerate(views)
-        ))
-        return n
+    def run_messages(self, views: list[torch.Tensor]) -> int:
+        return len(views)  # one tagged message per plane
+
+    def send_run(self, desc: Descriptor, layer: int, run: int, views: list[torch.Tensor]) -> asyncio.Future[int]:
+        """Post every plane's send at once; the future resolves when all completed."""
+        drv, n = driver(), len(views)
+        fut: asyncio.Future[int] = asyncio.get_running_loop().create_future()
+        left = [n]
+
+        def one_done(exc: BaseException | None) -> None:
+            left[0] -= 1
+            if fut.done():
+                return
+            if exc is not None:
+                fut.set_exception(exc)
+            elif left[0] == 0:
+                fut.set_result(n)
+
+        for p, v in enumerate(views):
+            drv.send(self.ep, _buffer(v), data_tag(desc["serial"], layer, run * n + p), one_done)
+        return fut
 
 
-async def _recv_loop(tag: int, handle: Any, on_error: Any) -> None:
-    """Receive sealed control messages on ``tag`` forever; ``await handle(msg)`` each."""
-    buf = np.zeros(wire.SEALED.size + wire.MAX_MESSAGE_BYTES, np.uint8)
-    while True:
-        buf[: wire.SEALED.size] = 0
+class _CtrlReceiver:
+    """Receives sealed control messages on one tag, one at a time, and hands them on.
+
+    A message arriving while none is posted waits in UCX's unexpected queue; the
+    receive is re-posted from the completion handler, so no message is lost.
+    """
+
+    def __init__(self, tag: int, handle: Callable[[dict[str, Any]], None],
+                 on_error: Callable[[Exception], None]) -> None:
+        self.tag, self.handle, self.on_error = tag, handle, on_error
+        self.buf = np.zeros(wire.SEALED.size + wire.MAX_MESSAGE_BYTES, np.uint8)
+        self.closed = False
+        self._post()
+
+    def _post(self) -> None:
+        if not self.closed:
+            self.buf[: wire.SEALED.size] = 0
+            driver().recv(self.buf, self.tag, self._done)
+
+    def _done(self, exc: BaseException | None) -> None:
+        if self.closed:
+            return
         try:
-            await ucxx.recv(buf, tag=tag)
-            await handle(wire.unseal(memoryview(cast(Any, buf))))
-        except asyncio.CancelledError:
-            raise
-        except Exception as exc:  # truncated (oversized) receive, wire or protocol error
-            on_error(exc)
-
-
-def _spawn(tasks: set[asyncio.Task[Any]], coro: Any) -> None:
-    task = asyncio.ensure_future(coro)
-    tasks.add(task)
-    task.add_done_callback(tasks.discard)
+            if exc is not None:  # e.g. truncated: an oversized message
+                raise exc
+            self.handle(wire.unseal(memoryview(cast(Any, self.buf))))
+        except Exception as e:  # wire or protocol error
+            self.on_error(e)
+        self._post()
 
 
 class UcxReceiver(StreamingReceiver):
@@ -131,16 +296,22 @@ class UcxReceiver(StreamingReceiver):
     def __init__(self, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self._tag = CTRL | secrets.randbits(32)
-        self._tasks: set[asyncio.Task[Any]] = set()
         self._peers: dict[tuple[bytes, int], _Peer] = {}
-        self._addr = self._thread.submit(_worker_address()).result(timeout=30)
-        self._thread.call(_spawn, self._tasks, _recv_loop(self._tag, self._dispatch, self._bad))
+        self._posted: dict[str, list[Any]] = {}  # rid -> its posted data receives
+        self._ctrl = self._thread.submit(self._open_ctrl()).result(timeout=30)
+
+    async def _open_ctrl(self) -> _CtrlReceiver:
+        return _CtrlReceiver(self._tag, self._dispatch, self._bad)
 
     def _make_loop(self) -> LoopThread:
         return runtime()
 
+    def register(self, layout: Any) -> None:
+        super().register(layout)
+        _bind_device(self._thread, layout.device)
+
     def _address(self) -> tuple[bytes, int]:
-        return self._addr, self._tag
+        return driver().address, self._tag
 
     async def _reply(self, link: Any, msg: dict[str, Any]) -> None:
         await link.send_ctrl(msg)
@@ -150,48 +321,54 @@ class UcxReceiver(StreamingReceiver):
             exc = wire.WireError(f"bad control message: {type(exc).__name__}: {exc}")
         self._protocol_error(None, exc)
 
-    async def _dispatch(self, msg: dict[str, Any]) -> None:
+    def _dispatch(self, msg: dict[str, Any]) -> None:
         if msg["t"] == "begin":
-            link: Any = await self._peer(msg)
+            link: Any = self._peer(msg)
         else:
             with self._lock:
                 rec = self._in.get(msg.get("rid", ""))
             link = rec.link if rec is not None else None
         self._on_message(msg, link)
 
-    async def _peer(self, msg: dict[str, Any]) -> _Peer:
+    def _peer(self, msg: dict[str, Any]) -> _Peer:
         key = (msg["reply"], msg["ack_tag"])
         if not isinstance(key[0], bytes) or not key[1] & ACK == ACK:
             raise ProtocolError(msg["rid"], "begin without a ucx reply address and ack tag")
         if key not in self._peers:
-            ep = await asyncio.wait_for(endpoint(key[0]), self.timeout_s)
+            try:
+                ep = driver().endpoint(key[0])
+            except Exception as exc:
+                raise ProtocolError(msg["rid"], f"bad reply address: {exc}") from None
             self._peers[key] = _Peer(ep, key[1])
         return self._peers[key]
 
     def _post_layer(self, rec: _In, layer: int) -> None:
+        """Post every announced run's plane receives now; no task, no round trip."""
+        drv = driver()
         for (lay, run), views in list(rec.views.items()):
-            if lay == layer:
-                _spawn(self._tasks, self._recv_run(rec, layer, run, views))
+            if lay != layer:
+                continue
+            n = len(views)
+            left = [n]
 
-    async def _recv_run(self, rec: _In, layer: int, run: int, views: list[torch.Tensor]) -> None:
-        n = len(views)
-        try:
-            await asyncio.gather(*(
-                ucxx.recv(_buffer(v), tag=data_tag(rec.serial, layer, run * n + p))
-                for p, v in enumerate(views)
-            ))
-        except Exception as exc:
-            self._fail(rec, f"receive failed: {type(exc).__name__}: {exc}")
-            return
-        self._on_run_done(rec.rid, layer, run)
+            def one_done(exc: BaseException | None, run: int = run, left: list[int] = left) -> None:
+                left[0] -= 1
+                if exc is not None:
+                    self._fail(rec, f"receive failed: {type(exc).__name__}: {exc}")
+                elif left[0] == 0:
+                    self._on_run_done(rec.rid, layer, run)
+
+            posted = self._posted.setdefault(rec.rid, [])
+            for p, v in enumerate(views):
+                tag = data_tag(rec.serial, layer, run * n + p)
+                posted.append(drv.recv(_buffer(v), tag, one_done, hot=True))
+
+    def _end(self, rec: _In, state: Any, reason: str) -> None:
+        super()._end(rec, state, reason)
+        driver().cool(self._posted.pop(rec.rid, []))
 
     async def _close_transport(self) -> None:
-        for task in list(self._tasks):
-            task.cancel()
-
-
-async def _worker_address() -> bytes:
-    return bytes(ucxx.get_worker_address())
+        self._ctrl.closed = True
 
 
 class UcxSender(StreamingSender):
@@ -201,19 +378,21 @@ class UcxSender(StreamingSender):
     def __init__(self, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self._tag = ACK | secrets.randbits(32)
-        self._tasks: set[asyncio.Task[Any]] = set()
         self._peers: dict[tuple[bytes, int], _Peer] = {}
-        self._addr = self._thread.submit(_worker_address()).result(timeout=30)
-        self._thread.call(_spawn, self._tasks, _recv_loop(self._tag, self._ack, self._bad))
+        self._ctrl = self._thread.submit(self._open_ctrl()).result(timeout=30)
+
+    async def _open_ctrl(self) -> _CtrlReceiver:
+        return _CtrlReceiver(self._tag, self._on_message, self._bad)
 
     def _make_loop(self) -> LoopThread:
         return runtime()
 
-    def _reply_info(self) -> tuple[bytes, int]:
-        return self._addr, self._tag
+    def register(self, layout: Any) -> None:
+        super().register(layout)
+        _bind_device(self._thread, layout.device)
 
-    async def _ack(self, msg: dict[str, Any]) -> None:
-        self._on_message(msg)
+    def _reply_info(self) -> tuple[bytes, int]:
+        return driver().address, self._tag
 
     def _bad(self, exc: Exception) -> None:
         self._on_message(wire.make("error", reason=str(exc)[: wire.MAX_STR]))
@@ -223,10 +402,19 @@ class UcxSender(StreamingSender):
         if not isinstance(key[0], bytes) or key[1] & ACK != CTRL:
             raise ValueError("ucx descriptor without a worker address and control tag")
         if key not in self._peers:
-            ep = await asyncio.wait_for(endpoint(key[0]), self.timeout_s)
-            self._peers[key] = _Peer(ep, key[1])
+            self._peers[key] = _Peer(driver().endpoint(key[0]), key[1])
         return self._peers[key]
 
     async def _close_transport(self) -> None:
-        for task in list(self._tasks):
-            task.cancel()
+        self._ctrl.closed = True
+
+
+def _bind_device(thread: LoopThread, device: torch.device) -> None:
+    """CUDA memory: the progressing (loop) thread needs the device's context current."""
+    if device.type == "cuda":
+        thread.submit(_set_device(device)).result(timeout=60)
+
+
+async def _set_device(device: torch.device) -> None:
+    torch.cuda.set_device(device)
+    torch.empty(1, device=device)  # creates the primary context if not yet there

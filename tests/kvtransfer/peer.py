@@ -132,12 +132,6 @@ def _handle(end: Any, layers: list[Any], dims: list[int], cmd: dict[str, Any]) -
 
 def _raw_ucx(addr: bytes, tag: int, payload: bytes) -> None:
     """Send ``payload`` as-is to a ucx worker's tag, as a misbehaving peer would."""
-    import numpy as np
-
     from kvtransfer import ucx
 
-    async def go() -> None:
-        ep = await ucx.endpoint(addr)
-        await ep.send(np.frombuffer(payload, np.uint8), tag=tag, force_tag=True)
-
-    ucx.runtime().submit(go()).result(timeout=30)
+    ucx.runtime().submit(ucx.send_raw(addr, tag, payload)).result(timeout=30)
