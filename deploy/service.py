@@ -21,7 +21,8 @@ ROLES = ("prefill", "decode")
 def init_ray(cfg: ServiceConfig, temp_dir: str | None = None, num_cpus: int | None = None) -> None:
     import ray
 
-    os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+    os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")  # bind loopback, not the outward address
+    os.environ.setdefault("RAY_gcs_server_port_wait_time_s", "120")  # slow GCS start on a loaded small machine
     if ray.is_initialized():
         return
     kwargs: dict[str, Any] = {"namespace": cfg.cluster.namespace, "include_dashboard": False,
