@@ -47,14 +47,24 @@ def _add_bench(sub: Any) -> None:
 BENCHES = [
     ("engine", "engine.bench", "single-process engine throughput (k = 0 and k)"),
     ("kv", "kvtransfer.bench", "KV transfer bandwidth between two processes"),
+    ("acceptance", "engine.acceptance", "MTP draft acceptance and tokens/s on held-out prompts (k = 0 vs k)"),
 ]
 
 
 def _run_bench(name: str, argv: list[str]) -> int:
-    module = importlib.import_module(next(m for n, m, _ in BENCHES if n == name))
-    parser = argparse.ArgumentParser(prog=f"pdserve bench {name}")
+    return _run_module(next(m for n, m, _ in BENCHES if n == name), f"pdserve bench {name}", argv)
+
+
+def _run_module(module_name: str, prog: str, argv: list[str]) -> int:
+    module = importlib.import_module(module_name)
+    parser = argparse.ArgumentParser(prog=prog, description=(module.__doc__ or "").splitlines()[0])
     module.add_arguments(parser)
     return int(module.run(parser.parse_args(argv)))
+
+
+def _add_train_mtp(sub: Any) -> None:
+    sub.add_parser("train-mtp", help="train an MTP head for a model by self-distillation "
+                   "(pdserve train-mtp --help)")  # listed for --help; `main` dispatches it
 
 
 def _add_service(sub: Any) -> None:
@@ -77,6 +87,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_generate(sub)
     _add_service(sub)
     _add_bench(sub)
+    _add_train_mtp(sub)
     return parser
 
 
@@ -142,6 +153,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if len(argv) >= 2 and argv[0] == "bench" and argv[1] in {n for n, _, _ in BENCHES}:
             return _run_bench(argv[1], argv[2:])
+        if argv and argv[0] == "train-mtp":
+            return _run_module("engine.mtp_train", "pdserve train-mtp", argv[1:])
         args = build_parser().parse_args(argv)
         return int(args.func(args))
     except (ValueError, FileNotFoundError, ModuleNotFoundError) as e:

@@ -1,0 +1,127 @@
+"""`pdserve bench acceptance`: how many MTP drafts the target accepts, on held-out prompts.
+
+Runs the single-process engine twice over the same chat-templated prompts (default:
+engine/mtp_heads/heldout_prompts.txt, never used in training): with k drafts per step and
+without MTP. Reports, from the decode steps that were not cut short by a stop or the length
+limit (each request's last step is left out):
+  * acceptance_by_position[j-1]: the share of steps whose drafts 1..j were all accepted;
+  * mean_accepted_per_step: tokens emitted per step, the bonus token included
+    (= 1 + the sum of acceptance_by_position);
+and the wall-clock tokens/s of both runs (prefill included, after a warm-up).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from engine.engine import EngineConfig, LLMEngine
+from engine.loader import LoadedModel, default_model, load_model
+from engine.mtp_train import HELDOUT_PROMPTS, chat_ids, read_prompts
+from engine.sampling_params import SamplingParams
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default=None, help="tiny, smollm2 (default when installed), a path")
+    p.add_argument("--spec-tokens", type=int, default=3, help="k, draft tokens per step")
+    p.add_argument("--prompts", default=str(HELDOUT_PROMPTS), help="one prompt per line ('#' comments)")
+    p.add_argument("--num-prompts", type=int, default=None, help="use the first N prompts")
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--max-tokens", type=int, default=96)
+    p.add_argument("--batch", type=int, default=1, help="requests decoded together")
+    p.add_argument("--mtp", default=None, help="an MTP safetensors file (default: the shipped head)")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--dtype", default="auto")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+
+
+@dataclass
+class RunStats:
+    tokens: int  # generated tokens, first tokens included
+    seconds: float
+    step_counts: list[int]  # tokens emitted by each full decode step
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens / self.seconds if self.seconds else 0.0
+
+
+def run_engine(loaded: LoadedModel, k: int, prompts: list[list[int]], params: list[SamplingParams],
+               args: argparse.Namespace) -> RunStats:
+    longest = max(len(p) for p in prompts) + args.max_tokens + 8
+    engine = LLMEngine(loaded, EngineConfig(num_speculative_tokens=k, device=args.device,
+                                            max_num_seqs=args.batch, max_model_len=longest))
+    engine.generate(prompts[:1], SamplingParams(max_tokens=4))  # warm-up
+    start = time.perf_counter()
+    ids = [engine.add_request(p, sp) for p, sp in zip(prompts, params, strict=True)]
+    seen: set[str] = set()
+    counts: list[int] = []
+    while engine.has_unfinished():
+        for out in engine.step():
+            if out.request_id in seen and out.finish_reason is None:
+                counts.append(len(out.new_token_ids))
+            seen.add(out.request_id)
+    seconds = time.perf_counter() - start
+    tokens = sum(len(engine.requests[i].output_ids) for i in ids)
+    return RunStats(tokens, seconds, counts)
+
+
+def by_position(counts: list[int], k: int) -> list[float]:
+    """Share of steps whose first j drafts were all accepted, j = 1..k."""
+    if not counts:
+        return [0.0] * k
+    return [sum(c > j for c in counts) / len(counts) for j in range(1, k + 1)]
+
+
+def measure(loaded: LoadedModel, args: argparse.Namespace) -> dict:
+    if args.spec_tokens <= 0:
+        raise ValueError("--spec-tokens must be >= 1")
+    texts = read_prompts(args.prompts)[: args.num_prompts]
+    if not texts:
+        raise ValueError(f"no prompts in {args.prompts}")
+    prompts = [chat_ids(loaded.tokenizer, t) for t in texts]
+    params = [SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens, seed=args.seed + i)
+              for i in range(len(prompts))]
+    mtp = run_engine(loaded, args.spec_tokens, prompts, params, args)
+    plain = run_engine(loaded, 0, prompts, params, args)
+    rates = by_position(mtp.step_counts, args.spec_tokens)
+    return {
+        "model": loaded.name, "mtp_trained": loaded.mtp_trained, "device": args.device,
+        "dtype": str(next(loaded.model.parameters()).dtype).removeprefix("torch."),
+        "spec_tokens": args.spec_tokens, "temperature": args.temperature, "prompts": len(prompts),
+        "prompts_file": Path(args.prompts).name, "max_tokens": args.max_tokens, "batch": args.batch,
+        "decode_steps": len(mtp.step_counts),
+        "mean_accepted_per_step": round(1.0 + sum(rates), 4),
+        "acceptance_by_position": [round(r, 4) for r in rates],
+        "tokens_mtp": mtp.tokens, "tokens_per_s_mtp": round(mtp.tokens_per_s, 2),
+        "tokens_plain": plain.tokens, "tokens_per_s_plain": round(plain.tokens_per_s, 2),
+        "speedup": round(mtp.tokens_per_s / plain.tokens_per_s, 3) if plain.tokens_per_s else None,
+    }
+
+
+def run(args: argparse.Namespace) -> int:
+    loaded = load_model(args.model or default_model(), device=args.device, dtype=args.dtype, mtp_path=args.mtp)
+    result = measure(loaded, args)
+    if args.json:
+        print(json.dumps(result), flush=True)
+        return 0
+    r = result
+    print(f"{r['model']} ({'trained' if r['mtp_trained'] else 'untrained'} MTP head), {r['device']} {r['dtype']}, "
+          f"k={r['spec_tokens']}, temperature {r['temperature']}, {r['prompts']} prompts from {r['prompts_file']}")
+    print(f"  mean accepted tokens per step (bonus included): {r['mean_accepted_per_step']:.2f} "
+          f"over {r['decode_steps']} steps")
+    for j, rate in enumerate(r["acceptance_by_position"], start=1):
+        print(f"  draft {j}: {100 * rate:.1f}% accepted")
+    print(f"  tokens/s: {r['tokens_per_s_mtp']:.1f} with MTP, {r['tokens_per_s_plain']:.1f} without "
+          f"({r['speedup']}x)")
+    return 0
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(prog="python -m engine.acceptance")
+    add_arguments(parser)
+    raise SystemExit(run(parser.parse_args()))

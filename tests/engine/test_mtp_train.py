@@ -1,0 +1,137 @@
+"""MTP self-distillation: the training forward equals the engine's paged path, training lowers the
+loss on `tiny`, the saved head loads back bit-exactly, and the shipped SmolLM2 head keeps greedy
+MTP output equal to plain decoding (I1)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine import mtp_train as mt
+from engine.attention import AttentionMetadata, TorchAttention
+from engine.engine import EngineConfig, LLMEngine
+from engine.kv_cache import KVCache
+from engine.loader import load_model, mtp_path_default
+from engine.model import mtp_state_dict
+from engine.sampling_params import SamplingParams
+from tests.engine.conftest import DEVICE
+
+BS = 16
+
+
+def paged_meta(positions: list[int], num_blocks: int) -> AttentionMetadata:
+    """One row whose block i is block i+1 of the cache (block 0 is the trash block)."""
+    t = lambda x: torch.tensor(x, dtype=torch.long, device=DEVICE)  # noqa: E731
+    slots = [(p // BS + 1) * BS + p % BS for p in positions]
+    table = [[b + 1 for b in range(num_blocks)]]
+    return AttentionMetadata(t(slots), t(positions), t(table), t([0] * len(positions)),
+                             t(list(range(len(positions)))), len(positions), num_blocks)
+
+
+def test_training_forward_matches_the_paged_engine_path(tiny):
+    model, cfg = tiny.model, tiny.model.config
+    n, levels = 21, 3
+    ids = torch.randint(0, cfg.vocab_size, (1, n), generator=torch.Generator().manual_seed(0)).to(DEVICE)
+    dense_h = mt.target_hidden(model, ids)
+    with torch.no_grad():
+        chain = mt.mtp_chain(model, ids, dense_h, levels)
+    nb = -(-(n + levels) // BS)
+    kv = KVCache(cfg.num_hidden_layers + 1, nb + 1, BS, cfg.num_key_value_heads, cfg.head_dim, torch.float32, DEVICE)
+    backend, meta = TorchAttention(), paged_meta(list(range(n)), nb)
+    paged_h = model(ids[0], meta.positions, kv.layers, meta, backend)
+    torch.testing.assert_close(dense_h[0], paged_h, rtol=1e-4, atol=1e-4)
+    mtp_cache = kv.layers[-1]
+    for p in (0, 7, n - levels - 1):
+        h = model.mtp_forward(mt.shift_left(ids, 1)[0], meta.positions, paged_h, mtp_cache, meta, backend)[p]
+        torch.testing.assert_close(chain[0][0, p], h, rtol=1e-4, atol=1e-4)
+        for j in range(2, levels + 1):  # the engine's chain step j: position p+j-1, token at p+j
+            m = paged_meta([p + j - 1], nb)
+            h = model.mtp_forward(ids[0, p + j : p + j + 1], m.positions, h.unsqueeze(0), mtp_cache, m, backend)[0]
+            torch.testing.assert_close(chain[j - 1][0, p], h, rtol=1e-4, atol=1e-4)
+
+
+def tiny_sequences(loaded, tokens: int) -> list[list[int]]:
+    prompts = ["hello there", "the quick brown fox", "pdserve", "a b c d e", "once upon a time"]
+    cfg = mt.DataConfig(tokens=tokens, max_new_tokens=32, seed=1, max_num_seqs=8)
+    return mt.generate_data(loaded, prompts, cfg, DEVICE)
+
+
+def test_training_lowers_the_loss_and_the_head_loads_back_bit_exactly(tmp_path):
+    loaded = load_model("tiny", device=DEVICE, dtype="float32")
+    seqs = tiny_sequences(loaded, 400)
+    assert sum(len(s) for s in seqs) >= 400
+    cfg = mt.TrainConfig(steps=25, levels=2, lr=3e-3, batch_tokens=512, max_len=96, log_every=5)
+    mt.prepare_for_training(loaded.model)
+    mt.init_head(loaded.model, cfg.seed)
+    before = mt.evaluate(loaded.model, seqs, cfg, DEVICE)
+    state = mt.train(loaded.model, seqs, cfg, DEVICE, None, resume=False)
+    after = mt.evaluate(loaded.model, seqs, cfg, DEVICE)
+    assert state.step == 25
+    assert sum(after["kl"]) < 0.8 * sum(before["kl"]), (before, after)
+
+    for dtype in (torch.float32, torch.bfloat16):
+        path = tmp_path / f"head-{dtype}.safetensors"
+        saved = mt.save_head(loaded.model, path, dtype, {"note": "test"})
+        back = load_model("tiny", device=DEVICE, dtype="float32", mtp_path=str(path))
+        assert back.mtp_trained
+        for key, value in mtp_state_dict(back.model).items():
+            assert torch.equal(value.cpu(), saved[key].float()), key
+        if dtype == torch.float32:
+            for key, value in mtp_state_dict(loaded.model).items():
+                assert torch.equal(value.cpu(), saved[key]), key
+
+
+def test_training_resumes_from_its_checkpoint(tmp_path):
+    loaded = load_model("tiny", device=DEVICE, dtype="float32")
+    seqs = tiny_sequences(loaded, 150)
+    ckpt = tmp_path / "head.ckpt.pt"
+    cfg = mt.TrainConfig(steps=6, levels=2, batch_tokens=256, max_len=64, log_every=1)
+    mt.train(loaded.model, seqs, mt.TrainConfig(**{**cfg.__dict__, "steps": 3}), DEVICE, ckpt, resume=False)
+    state = mt.train(loaded.model, seqs, cfg, DEVICE, ckpt, resume=True)
+    assert state.step == 6
+    assert [h["step"] for h in state.history] == [1, 2, 3, 4, 5, 6]
+
+
+def test_dense_sampler_greedy_equals_the_engine(tiny):
+    prompts = [[256, 72, 105], [256, *range(65, 90)], [256, 10]]
+    dense = mt.sample_dense(tiny.model, prompts, [0.0] * 3, 20, (), seed=0)
+    engine = LLMEngine(tiny, EngineConfig(device=DEVICE)).generate(prompts, SamplingParams(max_tokens=20, ignore_eos=True))
+    assert dense == [r.prompt + r.output_ids for r in engine]
+    sampled = mt.sample_dense(tiny.model, prompts, [1.0] * 3, 20, (257,), seed=0)
+    assert all(s[: len(p)] == p and len(p) < len(s) <= len(p) + 20 for s, p in zip(sampled, prompts, strict=True))
+
+
+def test_data_file_round_trips_and_loss_png_is_written(tmp_path):
+    seqs = [[1, 2, 3, 4], [5, 6, 7, 8, 9, 10]]
+    mt.save_data(seqs, tmp_path / "d.safetensors")
+    assert mt.load_data(tmp_path / "d.safetensors") == seqs
+    png = tmp_path / "curve.png"
+    mt.write_line_png(png, [1, 2, 3], [[3.0, 2.0, 1.0], [4.0, 3.0, 2.5]])
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_chain_mask_matches_what_the_engine_cache_holds():
+    m = mt.chain_mask(3, 4, torch.device("cpu"))
+    assert m.shape == (4, 12)
+    assert m[2, :4].tolist() == [True, True, True, False]  # level-1 keys 0..i
+    assert m[2, 4:8].tolist() == [False, False, True, False]  # level-2 key of index i
+    assert m[2, 8:].tolist() == [False, False, True, False]  # level-3 key of index i
+
+
+def test_heldout_prompts_are_not_training_prompts():
+    held = set(mt.read_prompts(mt.HELDOUT_PROMPTS))
+    train = set(mt.training_prompts(0, 0))
+    assert len(held) >= 12
+    assert not held & train
+
+
+@pytest.mark.smollm2
+def test_shipped_smollm2_head_loads_by_default_and_keeps_greedy_exact(smollm2):
+    assert mtp_path_default("smollm2") is not None and smollm2.mtp_trained
+    prompts = [mt.chat_ids(smollm2.tokenizer, p) for p in mt.read_prompts(mt.HELDOUT_PROMPTS)[:3]]
+    params = SamplingParams(max_tokens=24, ignore_eos=True)
+    plain = LLMEngine(smollm2, EngineConfig(num_speculative_tokens=0, device=DEVICE)).generate(prompts, params)
+    spec = LLMEngine(smollm2, EngineConfig(num_speculative_tokens=3, device=DEVICE)).generate(prompts, params)
+    assert [r.output_ids for r in spec] == [r.output_ids for r in plain]
+    steps = sum(r.steps for r in spec)
+    assert sum(len(r.output_ids) - 1 for r in spec) / steps > 1.2  # an untrained head gives ~1.0
