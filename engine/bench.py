@@ -15,10 +15,16 @@ import torch
 
 from engine.config import ArchConfig
 from engine.engine import EngineConfig, LLMEngine
-from engine.loader import LoadedModel, _materialize, build_model, load_model, resolve_dtype
+from engine.loader import (
+    LoadedModel,
+    _materialize,
+    build_model,
+    load_model,
+    random_weights,
+    resolve_dtype,
+)
 from engine.model import load_weights
 from engine.sampling_params import SamplingParams
-from engine.tiny import random_tensors
 
 SHAPES = {
     "smollm2": dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
@@ -41,10 +47,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def random_model(arch: str, device: str, dtype: str) -> LoadedModel:
     config = ArchConfig(**SHAPES[arch], eos_token_ids=())  # type: ignore[arg-type]
     model = build_model(config)
-    tensors = random_tensors(model, 0)
-    mtp = {k[len("mtp."):]: v for k, v in tensors.items() if k.startswith("mtp.")}
-    mtp = {(k[len("block."):] if k.startswith("block.") else k): v for k, v in mtp.items()}
-    load_weights(model, {k: v for k, v in tensors.items() if not k.startswith("mtp.")}, mtp)
+    load_weights(model, *random_weights(model, 0))
     torch_dtype = resolve_dtype(dtype, device)
     return LoadedModel(f"random-{arch}", _materialize(model, device, torch_dtype), None, (), False)
 

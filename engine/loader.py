@@ -82,13 +82,9 @@ def load_model(name: str, device: str = "cpu", dtype: str | None = None, mtp_pat
     if path == "tiny":
         config = tiny_config()
         model = build_model(config)
-        tensors = random_tensors(model, TINY_SEED)
-        target = {k: v for k, v in tensors.items() if not k.startswith("mtp.")}
-        assert model.mtp is not None
+        target, mtp = random_weights(model, TINY_SEED)
         if mtp_path is not None:
             mtp = read_mtp_file(mtp_path, config.num_hidden_layers)
-        else:
-            mtp = _deepseek_names(random_tensors(model.mtp, TINY_SEED + 1))
         load_weights(model, target, mtp)
         return LoadedModel("tiny", _materialize(model, device, torch_dtype), ByteTokenizer(), config.eos_token_ids,
                            mtp_path is not None)
@@ -107,6 +103,13 @@ def load_model(name: str, device: str = "cpu", dtype: str | None = None, mtp_pat
     load_weights(model, target, mtp)
     eos = ckpt.tokenizer.eos_token_ids if ckpt.tokenizer is not None else config.eos_token_ids
     return LoadedModel(served_name(name), _materialize(model, device, torch_dtype), ckpt.tokenizer, tuple(eos), trained)
+
+
+def random_weights(model: CausalLM, seed: int) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """Seeded random target weights (HF names) and MTP weights (DeepSeek form): tiny, benches."""
+    target = {k: v for k, v in random_tensors(model, seed).items() if not k.startswith("mtp.")}
+    mtp = _deepseek_names(random_tensors(model.mtp, seed + 1)) if model.mtp is not None else {}
+    return target, mtp
 
 
 def _deepseek_names(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
