@@ -31,7 +31,7 @@ import random
 import sys
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -177,28 +177,36 @@ class DenseKVAttention(AttentionBackend):
     """Contiguous per-layer KV for `sample_dense`: B left-padded rows decoding in lockstep.
 
     Called once per layer in order; `start` is the column of the step's first token. A query
-    sees the valid keys at or before its column, and always itself (pad rows stay finite)."""
+    sees the valid keys at or before its column, and always itself (pad rows stay finite).
+    The cache is [layer, row, kv head, column, dim], so a one-token step attends with the
+    query heads of a KV group as that group's query rows: no repeated K/V, and a plain
+    key-padding mask (a kernel that takes masks runs it, not the math fallback)."""
 
     def __init__(self, model: CausalLM, batch: int, max_len: int, key_valid: torch.Tensor) -> None:
         c = model.config
-        shape = (c.num_hidden_layers, batch, max_len, c.num_key_value_heads, c.head_dim)
+        shape = (c.num_hidden_layers, batch, c.num_key_value_heads, max_len, c.head_dim)
         dtype = next(model.parameters()).dtype
         self.k = torch.zeros(shape, dtype=dtype, device=key_valid.device)
         self.v = torch.zeros_like(self.k)
         self.key_valid, self.layer, self.start = key_valid, 0, 0
 
     def forward(self, q, k, v, kv_cache, meta, scale):
-        b, layer, t0 = self.k.shape[1], self.layer, self.start
+        b, hkv, layer, t0 = self.k.shape[1], self.k.shape[2], self.layer, self.start
         n, end = q.shape[0] // b, self.start + q.shape[0] // b
-        self.k[layer, :, t0:end] = k.view(b, n, *k.shape[1:])
-        self.v[layer, :, t0:end] = v.view(b, n, *v.shape[1:])
+        self.k[layer, :, :, t0:end] = k.view(b, n, *k.shape[1:]).transpose(1, 2)
+        self.v[layer, :, :, t0:end] = v.view(b, n, *v.shape[1:]).transpose(1, 2)
+        kb, vb = self.k[layer, :, :, :end], self.v[layer, :, :, :end]
+        self.layer = (layer + 1) % self.k.shape[0]
+        if n == 1:  # decode: every valid key is at or before the column
+            qg = q.view(b, hkv, -1, q.shape[-1])
+            mask = self.key_valid[:, None, None, :end]
+            out = F.scaled_dot_product_attention(qg, kb, vb, attn_mask=mask, scale=scale)
+            return out.reshape(b, *q.shape[1:])
         qcol = torch.arange(t0, end, device=q.device).view(1, -1, 1)
         kcol = torch.arange(end, device=q.device).view(1, 1, -1)
         mask = ((kcol <= qcol) & self.key_valid[:, None, :end]) | (kcol == qcol)
         qb = q.view(b, n, *q.shape[1:]).transpose(1, 2)
-        kb, vb = (x[layer, :, :end].transpose(1, 2) for x in (self.k, self.v))
         out = F.scaled_dot_product_attention(qb, kb, vb, attn_mask=mask.unsqueeze(1), scale=scale, enable_gqa=True)
-        self.layer = (layer + 1) % self.k.shape[0]
         return out.transpose(1, 2).reshape(b * n, *q.shape[1:])
 
 
@@ -267,6 +275,51 @@ def generate_dense(loaded: LoadedModel, prompts: list[str], cfg: DataConfig) -> 
             bar.update(new)
             seqs += out
     return seqs
+
+
+def user_turn_prefix(tokenizer: Any) -> list[int]:
+    """Token ids of the chat template up to where a user message's text starts (system turn
+    included). A chat model continues them with a plausible user request: self-written
+    prompts in the form the model is served with (the Magpie recipe)."""
+    if not getattr(tokenizer, "has_chat_template", False):
+        raise ValueError("self-written prompts need a model with a chat template")
+    marker = "@@PDSERVE-USER-TEXT@@"
+    rendered = tokenizer.apply_chat_template([{"role": "user", "content": marker}], add_generation_prompt=True)
+    return list(tokenizer.encode(rendered[: rendered.index(marker)], add_special_tokens=False))
+
+
+def keep_self_prompt(text: str) -> bool:
+    """A self-written request worth answering: 16..400 characters, mostly printable ASCII."""
+    text = text.strip()
+    if not 16 <= len(text) <= 400:
+        return False
+    plain = sum(c.isascii() and (c.isprintable() or c == "\n") for c in text)
+    return plain >= 0.97 * len(text)
+
+
+def self_prompts(loaded: LoadedModel, count: int, cfg: DataConfig, max_new: int = 96) -> list[str]:
+    """Up to `count` distinct user requests the target writes itself (temperature 0.7..1.0,
+    waves of `cfg.max_num_seqs` rows), keeping those that ended and pass `keep_self_prompt`;
+    held-out prompts are dropped."""
+    prefix, rng = user_turn_prefix(loaded.tokenizer), random.Random(cfg.seed + 17)
+    held = set(read_prompts(HELDOUT_PROMPTS))
+    out: dict[str, None] = {}
+    deadline, wave = time.monotonic() + cfg.seconds, 0
+    with progress(count, "prompts") as bar:
+        while len(out) < count and time.monotonic() < deadline:
+            temps = [rng.uniform(0.7, 1.0) for _ in range(cfg.max_num_seqs)]
+            rows = sample_dense(loaded.model, [prefix] * len(temps), temps, max_new, loaded.eos_token_ids,
+                                cfg.seed + 7919 * (wave + 1))
+            wave += 1
+            for row in rows:
+                body = row[len(prefix) :]
+                if not body or body[-1] not in loaded.eos_token_ids:
+                    continue  # cut by the length limit
+                text = loaded.tokenizer.decode(body[:-1]).strip()
+                if keep_self_prompt(text) and text not in held and text not in out and len(out) < count:
+                    out[text] = None
+                    bar.update(1)
+    return list(out)
 
 
 def _take(engine: Any, request_id: str) -> list[int]:
@@ -703,6 +756,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--init", default=None, help="start from this head (safetensors) instead of the warm start")
     p.add_argument("--extra-data", action="append", default=[], help="also train on this data file (repeatable)")
     p.add_argument("--package-texts", type=int, default=3000, help="docstrings of installed packages used as prompts")
+    p.add_argument("--self-prompts", type=int, default=0,
+                   help="also this many user requests the model writes itself from its chat template's user turn")
     p.add_argument("--gen-seconds", type=float, default=math.inf, help="stop generating after this long")
     p.add_argument("--train-seconds", type=float, default=math.inf, help="stop training (and save) after this long")
     p.add_argument("--save-dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
@@ -716,13 +771,20 @@ def side_files(out: Path) -> dict[str, Path]:
 
 
 def get_data(loaded: LoadedModel, args: argparse.Namespace, path: Path) -> list[list[int]]:
+    """Prompts (written, topic x form, package texts, self-written), then their continuations;
+    both stages share `--gen-seconds` (self-written prompts take at most a quarter of it)."""
     if args.resume and path.exists():
         print(f"reusing training data {path}", flush=True)
         return load_data(path)
-    cuda = args.device.startswith("cuda")
+    start, cuda = time.monotonic(), args.device.startswith("cuda")
     cfg = DataConfig(tokens=args.tokens, max_new_tokens=args.max_new_tokens, seconds=args.gen_seconds,
                      seed=args.seed, max_num_seqs=args.max_num_seqs or (1024 if cuda else 8))
     prompts = training_prompts(args.package_texts if loaded.name != "tiny" else 0, args.seed)
+    if args.self_prompts > 0:
+        prompts += self_prompts(loaded, args.self_prompts, replace(cfg, seconds=args.gen_seconds / 4))
+        random.Random(args.seed).shuffle(prompts)
+    print(f"{len(prompts)} prompts", flush=True)
+    cfg = replace(cfg, seconds=args.gen_seconds - (time.monotonic() - start))
     if args.sampler == "dense":
         seqs = generate_dense(loaded, prompts, cfg)
     else:

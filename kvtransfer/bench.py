@@ -5,7 +5,11 @@ cuda:1). Each layer's cache is one block-major tensor ``[blocks, block_bytes]``;
 request's blocks are contiguous, so a layer is one message. Timed: from ``start``
 to the sender seeing DONE (the receiver's ack), median over ``--iters`` after a
 warm-up. ``intact``: the receiver's destination bytes hash equal to the source's
-on every iteration (the destination is zeroed before each).
+on every iteration; before each, every source byte changes (+1 mod 256, as a prefill
+rewrites its cache), so a run that did not land shows. The destination is not cleared:
+zeroing 64 MiB leaves the last-level cache full of its dirty lines, whose write-back then
+lands inside the timed transfer (~1.5x slower here); a decode node's destination blocks
+were last written long before.
 
 Raw figures measured in the same run, interleaved: ``--rounds`` times, ``--iters``
 transfers (their median) then the raw figure; reported are per-round figures and
@@ -16,10 +20,12 @@ destination stay in the CPU caches) and as one message of the whole transfer
 (``raw_transfer_gbps``: the same bytes per transfer, out of DRAM). tcp, local: a
 plain memcpy of the same bytes. On GPU, ``d2d_gbps`` is a torch copy cuda:0 -> cuda:1.
 
-CPU caches are allocated in transparent huge pages (``--no-thp`` turns it off):
-perftest's buffers come from UCX's allocator (SysV shared memory), and CMA, the
-shared-memory zero-copy path, pins pages per message, so 4 KiB pages cost
-~1.5-2x in bandwidth on the dev machine.
+CPU caches are allocated in transparent huge pages (``--no-thp``: 4 KiB pages). CMA,
+the shared-memory zero-copy path, pins pages per message, so the page size moves both
+figures ~2x; perftest is therefore given the same kind of memory (``UCX_ALLOC_PRIO``:
+``thp,mmap,heap``, or ``mmap,heap`` with ``--no-thp``). Its default, SysV shared
+memory, gets 4 KiB pages where no huge pages are reserved, and would flatter the ratio
+of a THP run ~2x.
 """
 
 from __future__ import annotations
@@ -112,8 +118,6 @@ def _receiver_main(conn: Connection, args: argparse.Namespace) -> None:
     receiver.register(KVLayout(cache, 0))
     while (cmd := msgpack.unpackb(conn.recv_bytes(), raw=False))["op"] != "exit":
         if cmd["op"] == "expect":
-            for t in cache:
-                t.zero_()
             reply: Any = receiver.expect(cmd["rid"], list(range(args.blocks)), list(range(args.layers)))
         elif cmd["op"] == "wait":
             reply = receiver.wait(cmd["rid"], 60).state.value
@@ -128,7 +132,13 @@ def _call(conn: Connection, op: str, **kw: Any) -> Any:
     return msgpack.unpackb(conn.recv_bytes(), raw=False)
 
 
-def _one_transfer(sender: Any, conn: Connection, args: argparse.Namespace, rid: str) -> float:
+def _one_transfer(sender: Any, conn: Connection, args: argparse.Namespace, rid: str,
+                  cache: list[torch.Tensor]) -> tuple[float, bool]:
+    """One timed transfer of a changed source; (seconds, destination equals source)."""
+    for t in cache:
+        t.add_(1)
+    if cache[0].is_cuda:
+        torch.cuda.synchronize(cache[0].device)
     desc = _call(conn, "expect", rid=rid)
     blocks = list(range(args.blocks))
     t0 = time.perf_counter()
@@ -140,7 +150,7 @@ def _one_transfer(sender: Any, conn: Connection, args: argparse.Namespace, rid: 
     elapsed = time.perf_counter() - t0
     if status.state.value != "done" or _call(conn, "wait", rid=rid) != "done":
         raise RuntimeError(f"transfer {rid} ended {status}")
-    return elapsed
+    return elapsed, _call(conn, "digest") == _digest(cache)
 
 
 def _transfer_figures(args: argparse.Namespace, raw: Any) -> dict[str, Any]:
@@ -155,15 +165,15 @@ def _transfer_figures(args: argparse.Namespace, raw: Any) -> dict[str, Any]:
     cache = _cache(args, device, fill=True)
     sender = create_sender(args.backend, timeout_s=60)
     sender.register(KVLayout(cache, 0))
-    source = _digest(cache)
     rounds: list[dict[str, Any]] = []
     intact, n = True, 0
     try:
         for r in range(-1, args.rounds):  # round -1: one warm-up transfer
             times = []
             for _ in range(args.iters if r >= 0 else 1):
-                times.append(_one_transfer(sender, conn, args, f"bench-{n}"))
-                intact = intact and _call(conn, "digest") == source
+                seconds, same = _one_transfer(sender, conn, args, f"bench-{n}", cache)
+                times.append(seconds)
+                intact = intact and same
                 n += 1
             if r >= 0:
                 rounds.append({"seconds": statistics.median(times), **raw()})
@@ -181,13 +191,15 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def perftest_gbps(msg_bytes: int, total_bytes: int, device: str) -> float:
-    """``ucx_perftest -t tag_bw`` between two local processes; GB/s (1e9 bytes)."""
+def perftest_gbps(msg_bytes: int, total_bytes: int, device: str, thp: bool = True) -> float:
+    """``ucx_perftest -t tag_bw`` between two local processes; GB/s (1e9 bytes). Host
+    buffers in transparent huge pages (``thp``) or 4 KiB pages, as our caches are."""
     import libucx
 
     root = os.path.dirname(libucx.__file__)
     exe = os.path.join(root, "bin", "ucx_perftest")
-    env = {**os.environ, "LD_LIBRARY_PATH": os.path.join(root, "lib"), "UCX_WARN_UNUSED_ENV_VARS": "n"}
+    env = {**os.environ, "LD_LIBRARY_PATH": os.path.join(root, "lib"), "UCX_WARN_UNUSED_ENV_VARS": "n",
+           "UCX_ALLOC_PRIO": "thp,mmap,heap" if thp else "mmap,heap"}
     port, iters = str(_free_port()), max(20, total_bytes * 4 // msg_bytes)
     mem = ["-m", "cuda"] if device == "cuda" else []
     server_env = {**env, "CUDA_VISIBLE_DEVICES": "1,0"} if device == "cuda" else env
@@ -244,12 +256,14 @@ def run(args: argparse.Namespace) -> int:
                               "iters": args.iters}
     if args.backend == "ucx":
         mem = " -m cuda" if args.device == "cuda" else ""
-        result["raw"] = f"ucx_perftest -t tag_bw -s {msg_bytes}{mem}"
-        result["raw_transfer"] = f"ucx_perftest -t tag_bw -s {nbytes}{mem}"
+        alloc = "" if args.device == "cuda" else f"UCX_ALLOC_PRIO={'thp,mmap,heap' if args.thp else 'mmap,heap'} "
+        result["raw"] = f"{alloc}ucx_perftest -t tag_bw -s {msg_bytes}{mem}"
+        result["raw_transfer"] = f"{alloc}ucx_perftest -t tag_bw -s {nbytes}{mem}"
 
         def raw() -> dict[str, float]:
-            return {"raw_gbps": perftest_gbps(msg_bytes, nbytes, args.device),
-                    "raw_transfer_gbps": perftest_gbps(nbytes, nbytes, args.device)}
+            thp = args.thp and args.device == "cpu"
+            return {"raw_gbps": perftest_gbps(msg_bytes, nbytes, args.device, thp),
+                    "raw_transfer_gbps": perftest_gbps(nbytes, nbytes, args.device, thp)}
     else:
         result["raw"] = f"memcpy {nbytes} bytes"
 

@@ -8,17 +8,23 @@ transfer state is changed on the loop thread only.
 from __future__ import annotations
 
 import asyncio
+import collections
 import concurrent.futures
+import logging
 import threading
 from collections.abc import Callable, Coroutine
 from typing import Any, TypeVar
 
 T = TypeVar("T")
+log = logging.getLogger(__name__)
 
 
 class LoopThread:
     def __init__(self, name: str) -> None:
         self.loop = asyncio.new_event_loop()
+        self._calls: collections.deque[tuple[Callable[..., Any], tuple[Any, ...]]] = collections.deque()
+        self._calls_lock = threading.Lock()
+        self._drain_scheduled = False
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
 
@@ -30,7 +36,25 @@ class LoopThread:
         return asyncio.run_coroutine_threadsafe(coro, self.loop)
 
     def call(self, fn: Callable[..., Any], *args: Any) -> None:
-        self.loop.call_soon_threadsafe(fn, *args)
+        """Run ``fn(*args)`` on the loop, in call order. A burst of calls (a prefill queueing
+        every layer) wakes the loop once: each wake-up also makes the loop thread contend
+        for the GIL with the caller."""
+        with self._calls_lock:
+            self._calls.append((fn, args))
+            if self._drain_scheduled:
+                return
+            self._drain_scheduled = True
+        self.loop.call_soon_threadsafe(self._drain)
+
+    def _drain(self) -> None:
+        with self._calls_lock:
+            self._drain_scheduled = False
+        while self._calls:
+            fn, args = self._calls.popleft()
+            try:
+                fn(*args)
+            except Exception:  # as the loop does for a failing callback: log, go on
+                log.exception("kvtransfer loop call %r failed", fn)
 
     def on_loop(self) -> bool:
         return threading.current_thread() is self._thread

@@ -2,7 +2,7 @@
 
 Receives: ``expect`` / ``poll`` / ``wait`` / ``abort`` from any thread, and from the
 transport (on the loop thread) validated control messages with the ``Link`` they
-came on, plus data for runs announced by a ``layer`` message.
+came on, plus data for runs announced by a ``layers`` message.
 Hands on: one ``ack`` per request on its link (ok once every layer landed and the
 sender said ``finish``; not ok with a reason on failure).
 Never: writes outside the request's own destination blocks: every run is checked
@@ -156,7 +156,7 @@ class StreamingReceiver(KVReceiver):
         """Dispatch one validated message; raises ProtocolError/WireError on misuse."""
         kind = msg["t"]
         handler = {
-            "begin": self._on_begin, "layer": self._on_layer,
+            "begin": self._on_begin, "layers": self._on_layers,
             "finish": self._on_finish, "abort": self._on_abort,
         }.get(kind)
         if handler is None:
@@ -188,16 +188,23 @@ class StreamingReceiver(KVReceiver):
         rec.link = link
         self._set_state(rec, TransferState.TRANSFERRING, "")
 
-    def _on_layer(self, rec: _In, msg: dict[str, Any], link: Any) -> None:
-        layer = msg["layer"]
-        if layer not in rec.layers or layer in rec.remaining:
-            raise ProtocolError(rec.rid, f"layer {layer} unexpected or repeated")
+    def _on_layers(self, rec: _In, msg: dict[str, Any], link: Any) -> None:
+        layers = msg["layers"]
+        if not layers:
+            raise ProtocolError(rec.rid, "layers announce without layers")
+        for layer in layers:
+            if layer not in rec.layers or layer in rec.remaining:
+                raise ProtocolError(rec.rid, f"layer {layer} unexpected or repeated")
+        if len(set(layers)) != len(layers):
+            raise ProtocolError(rec.rid, f"layers {layers} repeated")
         self._check_runs(rec, msg["runs"])
         assert self.layout is not None
-        for i, (index, count) in enumerate(msg["runs"]):
-            rec.views[(layer, i)] = self.layout.run_views(layer, rec.blocks[index], count)
-        rec.remaining[layer] = len(msg["runs"])
-        self._post_layer(rec, layer)
+        for layer in layers:
+            for i, (index, count) in enumerate(msg["runs"]):
+                rec.views[(layer, i)] = self.layout.run_views(layer, rec.blocks[index], count)
+            rec.remaining[layer] = len(msg["runs"])
+        for layer in layers:
+            self._post_layer(rec, layer)
         self._maybe_done(rec)
 
     def _check_runs(self, rec: _In, runs: list[list[int]]) -> None:

@@ -2,7 +2,10 @@
 
 Receives: ``start`` / ``send_layer`` / ``finish`` / ``abort`` calls from any thread.
 Hands on: per request, on one ``Link`` to the receiver, a ``begin`` message, then
-per layer a ``layer`` message (its runs) and one data send per run, then ``finish``;
+per group of layers a ``layers`` message (their runs) and one data send per layer and run,
+then ``finish``; a group is every layer queued at that moment with the same source blocks
+(one layer at a time while prefill computes; all at once when they were queued together),
+so the receiver handles one announce, not one per layer;
 then waits for the receiver's ``ack``. Nothing on that path waits for a send to
 complete when the link posts sends in order (ucx: ``send_ctrl``/``send_run`` return
 futures); a coroutine link (tcp) writes each message before the next.
@@ -73,6 +76,7 @@ class _Out:
     link: Link | None = None
     sent: set[int] = field(default_factory=set)
     runs_of: tuple[list[int], list[Any]] | None = None  # last (src, its runs): layers share blocks
+    checked: tuple[list[int], int] | None = None  # last validated src blocks and their largest id
     pending: set[asyncio.Future[Any]] = field(default_factory=set)
     task: asyncio.Task[None] | None = None
     done: concurrent.futures.Future[TransferStatus] = field(
@@ -149,16 +153,20 @@ class StreamingSender(KVSender):
         self, request_id: str, layer: int, src_block_ids: Sequence[int], ready: Any = None
     ) -> None:
         out = self._get(request_id)
-        src = list(map(int, src_block_ids))
         if layer not in out.desc["layers"]:
             raise TransferError(f"{request_id}: layer {layer} not in {out.desc['layers']}")
-        if len(src) != len(out.desc["blocks"]):
-            raise TransferError(f"{request_id}: {len(src)} blocks, expected {len(out.desc['blocks'])}")
         assert self.layout is not None
-        try:
-            self.layout.check_blocks(layer, src)
-        except ValueError as exc:
-            raise TransferError(f"{request_id}: {exc}") from None
+        checked = out.checked  # the blocks of the previous layer, already validated
+        if checked is None or checked[1] >= self.layout.num_blocks(layer) or checked[0] != src_block_ids:
+            src = list(map(int, src_block_ids))
+            if len(src) != len(out.desc["blocks"]):
+                raise TransferError(f"{request_id}: {len(src)} blocks, expected {len(out.desc['blocks'])}")
+            try:
+                self.layout.check_blocks(layer, src)
+            except ValueError as exc:
+                raise TransferError(f"{request_id}: {exc}") from None
+            out.checked = checked = (src, max(src, default=-1))
+        src = checked[0]
         self._thread.call(self._enqueue, out, ("layer", layer, src, ready))
 
     def finish(self, request_id: str) -> None:
@@ -213,38 +221,49 @@ class StreamingSender(KVSender):
         )
         await out.link.send_ctrl(begin)
         self._set_state(out, TransferState.TRANSFERRING, "")
-        while True:
-            op = await out.queue.get()
-            if op[0] == "finish":
-                break
-            await self._send_layer(out, *op[1:])
+        op: tuple[Any, ...] | None = await out.queue.get()
+        while op is not None and op[0] != "finish":
+            group, op = [op], None
+            while not out.queue.empty():  # join the layers queued meanwhile with the same blocks
+                nxt = out.queue.get_nowait()
+                if nxt[0] != "layer" or nxt[2] != group[0][2] or len(group) >= wire.MAX_LIST:
+                    op = nxt
+                    break
+                group.append(nxt)
+            await self._send_layers(out, group)
+            if op is None:
+                op = await out.queue.get()
         streaming = [f for f in out.pending if isinstance(f, asyncio.Task)]
         if streaming:  # coroutine links write in turn; posted (ucx) sends are ordered already
             await asyncio.gather(*streaming)
         await out.link.send_ctrl(wire.make("finish", rid=out.rid, layers=len(out.sent)))
         out.deadline = time.monotonic() + self.timeout_s  # the ack must come in time
 
-    async def _send_layer(self, out: _Out, layer: int, src: list[int], ready: Any) -> None:
-        if layer in out.sent:
-            raise TransferError(f"layer {layer} sent twice")
-        out.sent.add(layer)
-        if ready is not None:
+    async def _send_layers(self, out: _Out, group: list[tuple[Any, ...]]) -> None:
+        """One announce for the group's layers, then every run's data, posted at once."""
+        layers, src = [op[1] for op in group], group[0][2]
+        for layer in layers:
+            if layer in out.sent:
+                raise TransferError(f"layer {layer} sent twice")
+            out.sent.add(layer)
+        for ready in [op[3] for op in group if op[3] is not None]:
             await asyncio.get_running_loop().run_in_executor(None, ready.synchronize)
         if out.runs_of is None or out.runs_of[0] != src:
             out.runs_of = (src, coalesce(src, out.desc["blocks"]))
         runs = out.runs_of[1]
         pairs = [[r.index, r.count] for r in runs]
         assert out.link is not None and self.layout is not None
-        announce = out.link.send_ctrl(wire.make("layer", rid=out.rid, layer=layer, runs=pairs))
+        announce = out.link.send_ctrl(wire.make("layers", rid=out.rid, layers=layers, runs=pairs))
         if asyncio.isfuture(announce):  # already posted (ucx): ordered, nothing to wait for
             self._track(out, announce)
         else:  # a stream (tcp): the header must be written before the data
             await announce
         # Every run's data is posted at once and never awaited here; a failure ends the lease.
-        for i, r in enumerate(runs):
-            views = self.layout.run_views(layer, src[r.index], r.count)
-            self.messages += out.link.run_messages(views)  # counted when posted
-            self._track(out, out.link.send_run(out.desc, layer, i, views))
+        for layer in layers:
+            for i, r in enumerate(runs):
+                views = self.layout.run_views(layer, src[r.index], r.count)
+                self.messages += out.link.run_messages(views)  # counted when posted
+                self._track(out, out.link.send_run(out.desc, layer, i, views))
 
     def _track(self, out: _Out, aw: Awaitable[Any]) -> None:
         fut = asyncio.ensure_future(aw)

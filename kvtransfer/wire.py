@@ -18,7 +18,7 @@ from typing import Any
 
 import msgpack
 
-VERSION = 1
+VERSION = 2  # 2: one ``layers`` announce covers every layer queued at once
 MAX_MESSAGE_BYTES = 1 << 20
 MAX_LIST = 1 << 17
 MAX_STR = 1024
@@ -71,7 +71,7 @@ SCHEMAS: dict[str, dict[str, Callable[[Any], bool]]] = {
     },
     # Sender -> receiver.
     "begin": {**_RID, "reply": _addr, "ack_tag": _int, "nblocks": _int},
-    "layer": {**_RID, "layer": _int, "runs": _pairs},
+    "layers": {**_RID, "layers": _ints, "runs": _pairs},  # these layers' data follows, same runs
     "data": {**_RID, "layer": _int, "run": _int, "nbytes": _int},
     "finish": {**_RID, "layers": _int},
     "abort": {**_RID, "reason": _str},

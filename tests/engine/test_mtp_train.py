@@ -135,3 +135,25 @@ def test_shipped_smollm2_head_loads_by_default_and_keeps_greedy_exact(smollm2):
     assert [r.output_ids for r in spec] == [r.output_ids for r in plain]
     steps = sum(r.steps for r in spec)
     assert sum(len(r.output_ids) - 1 for r in spec) / steps > 1.2  # an untrained head gives ~1.0
+
+
+def test_self_prompt_filter():
+    assert mt.keep_self_prompt("  How do I delete cookies from my browser?  ")
+    assert not mt.keep_self_prompt("Hi there")  # too short
+    assert not mt.keep_self_prompt("word " * 100)  # too long
+    assert not mt.keep_self_prompt("Frozen Elix yak Potassium đồng Joi đồng Joi ? ?")  # not plain text
+
+
+def test_self_prompts_need_a_chat_template(tiny):
+    with pytest.raises(ValueError, match="chat template"):
+        mt.user_turn_prefix(tiny.tokenizer)
+
+
+@pytest.mark.smollm2
+def test_smollm2_writes_its_own_user_requests(smollm2):
+    prefix = smollm2.tokenizer.decode(mt.user_turn_prefix(smollm2.tokenizer), skip_special_tokens=False)
+    assert prefix.endswith("<|im_start|>user\n") and "<|im_start|>system" in prefix
+    prompts = mt.self_prompts(smollm2, 3, mt.DataConfig(tokens=1, max_num_seqs=6, seed=3, seconds=120), max_new=64)
+    held = set(mt.read_prompts(mt.HELDOUT_PROMPTS))
+    assert prompts and len(set(prompts)) == len(prompts)
+    assert all(mt.keep_self_prompt(p) and p not in held for p in prompts)

@@ -123,7 +123,7 @@ BAD_TCP = {
     "not msgpack": struct.pack(">I", 3) + b"\xc1\xc1\xc1",
     "wrong version": struct.pack(">I", 20) + msgpack.packb({"v": 9, "t": "finish", "rid": "x", "layers": 1}).ljust(20, b"\0"),
     "oversized": struct.pack(">I", wire.MAX_MESSAGE_BYTES + 1),
-    "unknown type": wire.HEADER.pack(len(b := msgpack.packb({"v": 1, "t": "shell"}))) + b,
+    "unknown type": wire.HEADER.pack(len(b := msgpack.packb({"v": wire.VERSION, "t": "shell"}))) + b,
 }
 
 
@@ -154,10 +154,10 @@ def test_ucx_bad_messages_are_contained() -> None:
         victim = receiver.expect("victim", [9], LAYERS)
         bad = [
             b"\x00garbage",
-            _sealed({"v": 2, "t": "finish", "rid": "victim", "layers": 4}),
-            _sealed({"v": 1, "t": "finish", "rid": "victim", "layers": 4, "extra": 1}),
+            _sealed({"v": wire.VERSION + 7, "t": "finish", "rid": "victim", "layers": 4}),
+            _sealed({"v": wire.VERSION, "t": "finish", "rid": "victim", "layers": 4, "extra": 1}),
             bytes(wire.SEALED.size + wire.MAX_MESSAGE_BYTES + 1),  # over the receive buffer
-            wire.seal(wire.make("layer", rid="victim", layer=0, runs=[[0, 1]])),  # before begin
+            wire.seal(wire.make("layers", rid="victim", layers=[0], runs=[[0, 1]])),  # before begin
         ]
         for payload in bad:
             attacker.call("raw_ucx", addr=victim["addr"], tag=victim["tag"], payload=payload)

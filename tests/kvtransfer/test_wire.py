@@ -9,20 +9,20 @@ from kvtransfer import wire
 
 
 def test_round_trip() -> None:
-    msg = wire.make("layer", rid="r1", layer=3, runs=[[0, 4], [4, 1]])
+    msg = wire.make("layers", rid="r1", layers=[3, 4], runs=[[0, 4], [4, 1]])
     assert wire.decode(wire.encode(msg)) == msg
     assert wire.unframe(wire.frame(msg) + b"pad") == msg
     assert wire.unseal(wire.seal(msg) + b"\0" * 16) == msg
 
 
 @pytest.mark.parametrize("bad,text", [
-    ({"v": 2, "t": "finish", "rid": "r", "layers": 1}, "wrong version"),
-    ({"v": 1, "t": "exec", "rid": "r"}, "unknown message type"),
-    ({"v": 1, "t": "finish", "rid": "r"}, "fields"),
-    ({"v": 1, "t": "finish", "rid": "r", "layers": 1, "x": 0}, "fields"),
-    ({"v": 1, "t": "finish", "rid": "r", "layers": -1}, "bad value"),
-    ({"v": 1, "t": "finish", "rid": "r", "layers": True}, "bad value"),
-    ({"v": 1, "t": "layer", "rid": "r", "layer": 0, "runs": [[0, 1, 2]]}, "bad value"),
+    ({"v": wire.VERSION + 1, "t": "finish", "rid": "r", "layers": 1}, "wrong version"),
+    ({"v": wire.VERSION, "t": "exec", "rid": "r"}, "unknown message type"),
+    ({"v": wire.VERSION, "t": "finish", "rid": "r"}, "fields"),
+    ({"v": wire.VERSION, "t": "finish", "rid": "r", "layers": 1, "x": 0}, "fields"),
+    ({"v": wire.VERSION, "t": "finish", "rid": "r", "layers": -1}, "bad value"),
+    ({"v": wire.VERSION, "t": "finish", "rid": "r", "layers": True}, "bad value"),
+    ({"v": wire.VERSION, "t": "layers", "rid": "r", "layers": [0], "runs": [[0, 1, 2]]}, "bad value"),
     ([1, 2], "not a map"),
 ])
 def test_invalid_messages_are_named(bad: object, text: str) -> None:
