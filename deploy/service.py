@@ -8,6 +8,7 @@ router's directory, and one that answers again (restarted: a new port) is put ba
 
 from __future__ import annotations
 
+import logging
 import os
 import threading
 import time
@@ -16,6 +17,7 @@ from typing import Any
 from deploy.config import ServiceConfig
 
 ROLES = ("prefill", "decode")
+log = logging.getLogger(__name__)
 
 
 def init_ray(cfg: ServiceConfig, temp_dir: str | None = None, num_cpus: int | None = None) -> None:
@@ -33,7 +35,19 @@ def init_ray(cfg: ServiceConfig, temp_dir: str | None = None, num_cpus: int | No
                       _temp_dir=temp_dir)
     else:
         kwargs["address"] = cfg.cluster.address
-    ray.init(**kwargs)
+        ray.init(**kwargs)
+        return
+    # Ray gives a starting raylet a fixed 30 s to register with the GCS; on a loaded small
+    # machine it can miss that once. A local cluster is ours to start again.
+    for attempt in range(3):
+        try:
+            ray.init(**kwargs)
+            return
+        except Exception as exc:
+            if attempt == 2 or "timed out during startup" not in str(exc):
+                raise
+            log.warning("local Ray cluster did not start (%s); starting it again", exc)
+            ray.shutdown()
 
 
 class Service:

@@ -17,6 +17,7 @@ class AdmissionQueue:
     def __init__(self, size: int) -> None:
         self.size = size
         self._waiters: deque[asyncio.Future[None]] = deque()
+        self.epoch = 0  # wake-ups so far: a request asking nodes meanwhile must ask again
 
     def __len__(self) -> int:
         return len(self._waiters)
@@ -39,6 +40,7 @@ class AdmissionQueue:
         return True
 
     def wake_one(self) -> None:
+        self.epoch += 1
         while self._waiters:
             fut = self._waiters.popleft()
             if not fut.done():

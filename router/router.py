@@ -221,11 +221,14 @@ class Router:
         wait, front = len(self._queue) > 0, False  # FIFO: do not pass those already waiting
         while True:
             if not wait:
+                seen = self._queue.epoch
                 found = await self._try_reserve(st, attempt)
                 if found is not None:
                     if len(self._queue):
                         self._queue.wake_one()  # capacity may remain for the next one
                     return found
+                if self._queue.epoch != seen:  # capacity news came while the nodes were asked,
+                    continue  # and no waiter was there to take it: ask again, do not wait for more
             wait = False
             if not await self._queue.wait(front):
                 raise RequestError("RESOURCE_EXHAUSTED", "no decode node can admit the request now and the "
