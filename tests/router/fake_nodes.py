@@ -126,6 +126,7 @@ class FakeDecode(_Server, node_pb2_grpc.DecodeControlServicer):
         self.pause_after = pause_after
         self.k = num_speculative_tokens
         self.refuse = False
+        self.reserve_gate: asyncio.Event | None = None  # Reserve decides, then waits for it
         self.free_blocks_report: int | None = None
         self.report_unhealthy = False
         self.seqs: dict[str, _Seq] = {}
@@ -169,8 +170,12 @@ class FakeDecode(_Server, node_pb2_grpc.DecodeControlServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "request_id must be 1..256 characters")
         self.reserves.append(request.request_id)
         blocks = math.ceil((request.prompt_len + request.sampling.max_tokens) / BLOCK_SIZE)
+        refuse = self.refuse
+        if self.reserve_gate is not None:
+            self.changed()
+            await self.reserve_gate.wait()
         try:
-            if self.refuse:
+            if refuse:
                 return node_pb2.ReserveReply(admitted=False, reason="refusing (test)")
             if blocks > self.free_blocks:
                 return node_pb2.ReserveReply(admitted=False, reason="no free KV blocks")

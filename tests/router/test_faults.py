@@ -11,6 +11,26 @@ from tests.router.fake_nodes import FakeDecode
 from tests.router.test_lifecycle import collect, text
 
 
+async def test_capacity_news_during_a_refused_retry_is_not_lost():
+    """A woken request asks the nodes again; capacity that frees while those RPCs are out (with
+    no waiter left in the queue to wake) must still reach it, not wait for the next poll."""
+    async with cluster(n_decode=1, queue_size=1) as c:
+        node = c.decode[0]
+        node.refuse = True
+        waiting = asyncio.create_task(collect(c, prompt="ab", max_tokens=4))
+        await c.until(lambda: c.router.num_queued == 1)
+        node.reserve_gate = asyncio.Event()
+        await c.router.refresh()  # wakes it: it asks again, and the node decides "refused"
+        await c.until(lambda: len(node.reserves) == 2 and c.router.num_queued == 0)
+        node.refuse = False
+        await c.router.refresh()  # capacity news while the refused answer is still on its way
+        node.reserve_gate.set()
+        msgs = await asyncio.wait_for(waiting, 10)  # status polls are an hour apart here
+        assert text(msgs) == "chel" and msgs[-1].finished.reason == "length"
+        assert len(node.reserves) == 3 and node.admitted
+        await c.settled()
+
+
 async def test_queue_full_is_resource_exhausted_and_queued_request_runs_when_capacity_frees():
     async with cluster(n_decode=2, queue_size=1) as c:
         for d in c.decode:
