@@ -221,18 +221,21 @@ class StreamingSender(KVSender):
         )
         await out.link.send_ctrl(begin)
         self._set_state(out, TransferState.TRANSFERRING, "")
-        op: tuple[Any, ...] | None = await out.queue.get()
-        while op is not None and op[0] != "finish":
-            group, op = [op], None
+        held: tuple[Any, ...] | None = None  # taken from the queue but not part of the last group
+        while True:
+            op = held if held is not None else await out.queue.get()
+            held = None
+            if op[0] == "finish":
+                break
+            group = [op]
             while not out.queue.empty():  # join the layers queued meanwhile with the same blocks
                 nxt = out.queue.get_nowait()
-                if nxt[0] != "layer" or nxt[2] != group[0][2] or len(group) >= wire.MAX_LIST:
-                    op = nxt
+                if nxt[0] == "layer" and nxt[2] == op[2] and len(group) < wire.MAX_LIST:
+                    group.append(nxt)
+                else:
+                    held = nxt
                     break
-                group.append(nxt)
             await self._send_layers(out, group)
-            if op is None:
-                op = await out.queue.get()
         streaming = [f for f in out.pending if isinstance(f, asyncio.Task)]
         if streaming:  # coroutine links write in turn; posted (ucx) sends are ordered already
             await asyncio.gather(*streaming)
