@@ -5,14 +5,16 @@ standalone MTP safetensors file (DeepSeek key form, bf16 by default) that
 `load_model(..., mtp_path=FILE)` reads. Three stages:
   1. data: the target samples continuations of chat-templated prompts (the lists in
      engine/mtp_heads/ and docstrings that ship with installed packages), partly greedy, mostly
-     at temperature 0.6..1.0; token ids only. `--sampler dense` (default) is a batched loop over
-     a contiguous KV cache (2.6x the engine's rate at 1024 rows on an H100; greedy output equal
-     to the engine's, tested); `--sampler engine` uses the real `LLMEngine` (k = 0).
+     at temperature 0.6..1.0; token ids only. `--sampler dense` (default) is
+     `engine.dense_sampler` (a batched loop over a contiguous KV cache, CUDA graphs; greedy
+     output equal to the engine's, tested); `--sampler engine` uses the real `LLMEngine` (k = 0).
   2. train: teacher forcing. The frozen target runs a dense causal forward over each sequence
      (its normed hidden states and its next-token distribution at every position); the MTP
      module runs `levels` chained steps over the same sequence, exactly as the engine chains
      it (level j at index i reads level j-1's output there and the token at i+j, sits at
-     position i+j-1); the loss is KL(target || MTP) of the token after, at every level.
+     position i+j-1); the loss is the cross-entropy of the MTP's distribution of the token
+     after against the target's (soft labels: KL's gradient), at every level, on the answer's
+     positions only (after the chat template's assistant opener: drafts are made only there).
      Embedding and LM head are the target's, frozen.
   3. save: resumable checkpoints (FILE.ckpt.pt, data in FILE.data.safetensors), the head,
      the loss curve (FILE.loss.png and FILE.loss.json).
@@ -38,9 +40,10 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
-from torch.utils.checkpoint import checkpoint
+from torch.nn.attention import sdpa_kernel
 
 from engine.attention import AttentionBackend
+from engine.dense_sampler import SDPA_BACKENDS, DenseSampler
 from engine.loader import LoadedModel, load_model
 from engine.model import CausalLM, mtp_state_dict
 from engine.sampling_params import SamplingParams
@@ -173,107 +176,26 @@ def generate_data(loaded: LoadedModel, prompts: list[str], cfg: DataConfig, devi
     return [s for s in seqs if len(s) >= 4]
 
 
-class DenseKVAttention(AttentionBackend):
-    """Contiguous per-layer KV for `sample_dense`: B left-padded rows decoding in lockstep.
-
-    Called once per layer in order; `start` is the column of the step's first token. A query
-    sees the valid keys at or before its column, and always itself (pad rows stay finite).
-    The cache is [layer, row, kv head, column, dim], so a one-token step attends with the
-    query heads of a KV group as that group's query rows: no repeated K/V, and a plain
-    key-padding mask (a kernel that takes masks runs it, not the math fallback)."""
-
-    def __init__(self, model: CausalLM, batch: int, max_len: int, key_valid: torch.Tensor) -> None:
-        c = model.config
-        shape = (c.num_hidden_layers, batch, c.num_key_value_heads, max_len, c.head_dim)
-        dtype = next(model.parameters()).dtype
-        self.k = torch.zeros(shape, dtype=dtype, device=key_valid.device)
-        self.v = torch.zeros_like(self.k)
-        self.key_valid, self.layer, self.start = key_valid, 0, 0
-
-    def forward(self, q, k, v, kv_cache, meta, scale):
-        b, hkv, layer, t0 = self.k.shape[1], self.k.shape[2], self.layer, self.start
-        n, end = q.shape[0] // b, self.start + q.shape[0] // b
-        self.k[layer, :, :, t0:end] = k.view(b, n, *k.shape[1:]).transpose(1, 2)
-        self.v[layer, :, :, t0:end] = v.view(b, n, *v.shape[1:]).transpose(1, 2)
-        kb, vb = self.k[layer, :, :, :end], self.v[layer, :, :, :end]
-        self.layer = (layer + 1) % self.k.shape[0]
-        if n == 1:  # decode: every valid key is at or before the column
-            qg = q.view(b, hkv, -1, q.shape[-1])
-            mask = self.key_valid[:, None, None, :end]
-            out = F.scaled_dot_product_attention(qg, kb, vb, attn_mask=mask, scale=scale)
-            return out.reshape(b, *q.shape[1:])
-        qcol = torch.arange(t0, end, device=q.device).view(1, -1, 1)
-        kcol = torch.arange(end, device=q.device).view(1, 1, -1)
-        mask = ((kcol <= qcol) & self.key_valid[:, None, :end]) | (kcol == qcol)
-        qb = q.view(b, n, *q.shape[1:]).transpose(1, 2)
-        out = F.scaled_dot_product_attention(qb, kb, vb, attn_mask=mask.unsqueeze(1), scale=scale, enable_gqa=True)
-        return out.transpose(1, 2).reshape(b * n, *q.shape[1:])
-
-
-def sample_dense(model: CausalLM, prompts: list[list[int]], temps: list[float], max_new: int,
-                 stop_ids: tuple[int, ...], seed: int) -> list[list[int]]:
-    """Prompt + sampled continuation per row (cut after the first stop id), one batch in lockstep.
-
-    Training data only: a plain batched loop over a contiguous KV cache, much faster than the
-    paged engine for a thousand rows; greedy rows equal the engine's output (tested)."""
-    dev = next(model.parameters()).device
-    b, p = len(prompts), max(len(x) for x in prompts)
-    ids = torch.zeros(b, p + max_new, dtype=torch.long, device=dev)
-    valid = torch.zeros(b, p + max_new, dtype=torch.bool, device=dev)
-    for r, x in enumerate(prompts):
-        ids[r, p - len(x) : p] = torch.tensor(x, device=dev)
-        valid[r, p - len(x) :] = True
-    pad = (p - torch.tensor([len(x) for x in prompts], device=dev)).unsqueeze(1)
-    attn = DenseKVAttention(model, b, p + max_new, valid)
-    temp = torch.tensor(temps, device=dev, dtype=torch.float32).unsqueeze(1)
-    gen = torch.Generator(device=dev).manual_seed(seed)
-    done = torch.zeros(b, dtype=torch.bool, device=dev)
-    stops = torch.tensor(stop_ids or (-1,), device=dev)
-    col, width = 0, p
-    with torch.no_grad():
-        while col + width <= p + max_new - 1 or col == 0:
-            cols = torch.arange(col, col + width, device=dev).unsqueeze(0)
-            attn.start = col
-            h = model(ids[:, col : col + width].reshape(-1), (cols - pad).clamp(min=0).reshape(-1),
-                      [None] * model.num_layers, None, attn)
-            nxt = _sample_rows(model.compute_logits(h.view(b, width, -1)[:, -1]), temp, gen)
-            col += width
-            ids[:, col] = nxt
-            done |= torch.isin(nxt, stops)
-            width = 1
-            if col % 16 == 0 and bool(done.all()):
-                break
-    return [_cut(ids[r, p - len(x) : col + 1].tolist(), len(x), stop_ids) for r, x in enumerate(prompts)]
-
-
-def _sample_rows(logits: torch.Tensor, temp: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
-    probs = torch.softmax(logits / temp.clamp(min=1e-5), dim=-1)
-    drawn = torch.multinomial(probs, 1, generator=gen).squeeze(1)
-    return torch.where(temp.squeeze(1) > 0, drawn, logits.argmax(-1))
-
-
-def _cut(seq: list[int], prompt_len: int, stop_ids: tuple[int, ...]) -> list[int]:
-    for i in range(prompt_len, len(seq)):
-        if seq[i] in stop_ids:
-            return seq[: i + 1]
-    return seq
-
-
 def generate_dense(loaded: LoadedModel, prompts: list[str], cfg: DataConfig) -> list[list[int]]:
-    """`generate_data` through `sample_dense`, in batches of `cfg.max_num_seqs` rows."""
+    """`generate_data` through a `DenseSampler` of `cfg.max_num_seqs` rows. Requests are drawn
+    four waves at a time and sorted by prompt length, so a wave pads little."""
     encoded = [chat_ids(loaded.tokenizer, p) for p in prompts]
-    source = _requests(encoded, cfg)
+    source, rows = _requests(encoded, cfg), cfg.max_num_seqs
+    sampler = DenseSampler(loaded.model, rows, max(len(e) for e in encoded) + cfg.max_new_tokens)
     seqs: list[list[int]] = []
     produced, deadline, wave = 0, time.monotonic() + cfg.seconds, 0
     with progress(cfg.tokens, "generate") as bar:
         while produced < cfg.tokens and time.monotonic() < deadline:
-            batch = [next(source) for _ in range(cfg.max_num_seqs)]
-            out = sample_dense(loaded.model, [x for x, _ in batch], [sp.temperature for _, sp in batch],
-                               cfg.max_new_tokens, loaded.eos_token_ids, cfg.seed + wave)
-            new = sum(len(o) - len(x) for o, (x, _) in zip(out, batch, strict=True))
-            produced, wave = produced + new, wave + 1
-            bar.update(new)
-            seqs += out
+            pool = sorted((next(source) for _ in range(4 * rows)), key=lambda r: len(r[0]))
+            for batch in (pool[i : i + rows] for i in range(0, len(pool), rows)):
+                if produced >= cfg.tokens or time.monotonic() >= deadline:
+                    break
+                out = sampler.sample([x for x, _ in batch], [sp.temperature for _, sp in batch],
+                                     cfg.max_new_tokens, loaded.eos_token_ids, cfg.seed + wave)
+                new = sum(len(o) - len(x) for o, (x, _) in zip(out, batch, strict=True))
+                produced, wave = produced + new, wave + 1
+                bar.update(new)
+                seqs += out
     return seqs
 
 
@@ -305,11 +227,12 @@ def self_prompts(loaded: LoadedModel, count: int, cfg: DataConfig, max_new: int 
     held = set(read_prompts(HELDOUT_PROMPTS))
     out: dict[str, None] = {}
     deadline, wave = time.monotonic() + cfg.seconds, 0
+    sampler = DenseSampler(loaded.model, cfg.max_num_seqs, len(prefix) + max_new)
     with progress(count, "prompts") as bar:
         while len(out) < count and time.monotonic() < deadline:
             temps = [rng.uniform(0.7, 1.0) for _ in range(cfg.max_num_seqs)]
-            rows = sample_dense(loaded.model, [prefix] * len(temps), temps, max_new, loaded.eos_token_ids,
-                                cfg.seed + 7919 * (wave + 1))
+            rows = sampler.sample([prefix] * len(temps), temps, max_new, loaded.eos_token_ids,
+                                  cfg.seed + 7919 * (wave + 1))
             wave += 1
             for row in rows:
                 body = row[len(prefix) :]
@@ -354,7 +277,8 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, shape: tuple[int,
     qb = q.view(b, n, hq, d).transpose(1, 2)
     kb = k.repeat_interleave(group, dim=2).transpose(1, 2).to(qb.dtype)
     vb = v.repeat_interleave(group, dim=2).transpose(1, 2).to(qb.dtype)
-    out = F.scaled_dot_product_attention(qb, kb, vb, attn_mask=mask, is_causal=mask is None, scale=scale)
+    with sdpa_kernel(SDPA_BACKENDS):
+        out = F.scaled_dot_product_attention(qb, kb, vb, attn_mask=mask, is_causal=mask is None, scale=scale)
     return out.transpose(1, 2).reshape(b * n, hq, d)
 
 
@@ -427,30 +351,41 @@ def mtp_chain(model: CausalLM, ids: torch.Tensor, hidden: torch.Tensor, levels: 
     return outs
 
 
-def _level_loss(model: CausalLM, mtp_h: torch.Tensor, tgt_h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Mean KL(target || MTP) over rows, and the rows' top-1 agreement (no grad)."""
-    logq = torch.log_softmax(model.mtp_logits(mtp_h), dim=-1)
+def _level_loss(model: CausalLM, mtp_h: torch.Tensor, tgt_h: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """Cross-entropy of the MTP's distribution against the target's (soft labels; its gradient
+    is KL's), the KL itself and the top-1 agreement (no grad), averaged over rows."""
+    logits = model.mtp_logits(mtp_h)
+    if logits.shape[0] == 0:  # no answer position at this level in the batch
+        zero = logits.sum()
+        return zero, zero.detach(), zero.detach()
     with torch.no_grad():
         logp = torch.log_softmax(model.compute_logits(tgt_h), dim=-1)
-        agree = (logq.argmax(-1) == logp.argmax(-1)).float().mean()
-    kl = (logp.exp() * (logp - logq)).sum(-1).mean()
-    return kl, agree
+        p = logp.exp()
+        entropy = -(p * logp).sum(-1).mean()
+        agree = (logits.argmax(-1) == logp.argmax(-1)).float().mean()
+    ce = F.cross_entropy(logits, p)
+    return ce, ce.detach() - entropy, agree
 
 
-def chain_losses(model: CausalLM, ids: torch.Tensor, lengths: torch.Tensor, levels: int
-                 ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-    """Per-level KL and top-1 agreement on a padded batch (level j at i valid when i+j < len)."""
+def chain_losses(model: CausalLM, ids: torch.Tensor, lengths: torch.Tensor, levels: int,
+                 starts: torch.Tensor | None = None) -> tuple[list[torch.Tensor], ...]:
+    """Per-level loss, KL and top-1 agreement on a padded batch. Level j at index i predicts the
+    token at i+j+1 from the target's state at i+j; it counts when that state is neither the
+    row's last (nothing follows it) nor before `starts` (the answer's first index: drafts are
+    only ever made for answer tokens after the first)."""
     hidden = target_hidden(model, ids)
     outs = mtp_chain(model, ids, hidden, levels)
-    idx = torch.arange(ids.shape[1], device=ids.device)
-    kls, agrees = [], []
+    idx = torch.arange(ids.shape[1], device=ids.device).unsqueeze(0)
+    first = starts.unsqueeze(1) if starts is not None else torch.zeros_like(lengths).unsqueeze(1)
+    losses, kls, agrees = [], [], []
     for j, out in enumerate(outs, start=1):
-        valid = idx.unsqueeze(0) + j < lengths.unsqueeze(1)
+        valid = (idx + j < lengths.unsqueeze(1) - 1) & (idx + j >= first)
         tgt = F.pad(hidden[:, j:], (0, 0, 0, j))  # the target's state at i+j
-        kl, agree = checkpoint(_level_loss, model, out[valid], tgt[valid], use_reentrant=False)
+        loss, kl, agree = _level_loss(model, out[valid], tgt[valid])
+        losses.append(loss)
         kls.append(kl)
         agrees.append(agree)
-    return kls, agrees
+    return losses, kls, agrees
 
 
 # ---- stage 2: the loop ---------------------------------------------------------------------
@@ -468,6 +403,7 @@ class TrainConfig:
     seconds: float = math.inf
     save_every: int = 200
     log_every: int = 10
+    answer_marker: tuple[int, ...] = ()  # loss only after its last occurrence (`answer_marker`)
 
 
 @dataclass
@@ -550,19 +486,47 @@ def init_head(model: CausalLM, seed: int) -> None:
         m.eh_proj.weight.copy_(torch.cat([emb, torch.eye(h)], dim=1).to(m.eh_proj.weight))
 
 
+def answer_marker(tokenizer: Any) -> tuple[int, ...]:
+    """The token ids a chat template appends to open the assistant's turn; () without one."""
+    if not getattr(tokenizer, "has_chat_template", False):
+        return ()
+    msgs = [{"role": "user", "content": "x"}]
+    opened = tokenizer.apply_chat_template(msgs, add_generation_prompt=True)
+    closed = tokenizer.apply_chat_template(msgs, add_generation_prompt=False)
+    if not opened.startswith(closed) or opened == closed:
+        return ()
+    return tuple(tokenizer.encode(opened[len(closed) :], add_special_tokens=False))
+
+
+def answer_starts(ids: torch.Tensor, marker: tuple[int, ...]) -> torch.Tensor:
+    """Per row of [B, L] ids: the index after the last occurrence of `marker` (0 if none)."""
+    m, n = len(marker), ids.shape[1]
+    if m == 0 or n < m:
+        return torch.zeros(ids.shape[0], dtype=torch.long, device=ids.device)
+    hit = torch.ones(ids.shape[0], n - m + 1, dtype=torch.bool, device=ids.device)
+    for k, tok in enumerate(marker):
+        hit &= ids[:, k : n - m + 1 + k] == tok
+    at = torch.arange(1, n - m + 2, device=ids.device)  # 1-based so "no hit" is 0
+    last = (hit * at).amax(dim=1)
+    return torch.where(last > 0, last - 1 + m, 0)
+
+
+def _weighted(values: list[torch.Tensor], cfg: TrainConfig) -> torch.Tensor:
+    weights = [cfg.level_decay**j for j in range(len(values))]
+    return torch.stack([w * v for w, v in zip(weights, values, strict=True)]).sum() / sum(weights)
+
+
 def train_step(model: CausalLM, opt: torch.optim.Optimizer, ids: torch.Tensor, lengths: torch.Tensor,
                cfg: TrainConfig) -> dict:
     use_amp = ids.device.type == "cuda"
     with torch.autocast("cuda", dtype=torch.bfloat16, enabled=use_amp):
-        kls, agrees = chain_losses(model, ids, lengths, cfg.levels)
-    weights = [cfg.level_decay**j for j in range(cfg.levels)]
-    loss = torch.stack([w * kl for w, kl in zip(weights, kls, strict=True)]).sum() / sum(weights)
+        losses, kls, agrees = chain_losses(model, ids, lengths, cfg.levels, answer_starts(ids, cfg.answer_marker))
     opt.zero_grad(set_to_none=True)
-    loss.backward()
+    _weighted(losses, cfg).backward()
     assert model.mtp is not None
     torch.nn.utils.clip_grad_norm_(model.mtp.parameters(), 1.0)
     opt.step()
-    return {"loss": loss.item(), "kl": [float(x.detach()) for x in kls], "agree": [float(a) for a in agrees]}
+    return {"loss": _weighted(kls, cfg).item(), "kl": [float(x) for x in kls], "agree": [float(a) for a in agrees]}
 
 
 def train(model: CausalLM, seqs: list[list[int]], cfg: TrainConfig, device: str, ckpt: Path | None,
@@ -598,15 +562,27 @@ def train(model: CausalLM, seqs: list[list[int]], cfg: TrainConfig, device: str,
 
 
 def evaluate(model: CausalLM, seqs: list[list[int]], cfg: TrainConfig, device: str, max_batches: int = 8) -> dict:
-    """Mean per-level KL and top-1 agreement on sequences kept out of training."""
+    """Mean per-level KL and top-1 agreement on sequences kept out of training (answer
+    positions only when `cfg.answer_marker` is set)."""
     rows_kl, rows_ag = [], []
     with torch.no_grad(), torch.autocast("cuda", dtype=torch.bfloat16, enabled=device.startswith("cuda")):
         for rows in plan_batches(seqs, cfg.batch_tokens, cfg.max_len, 0)[:max_batches]:
-            kls, ags = chain_losses(model, *batch_tensors(seqs, rows, cfg.max_len, device), cfg.levels)
+            ids, lengths = batch_tensors(seqs, rows, cfg.max_len, device)
+            _, kls, ags = chain_losses(model, ids, lengths, cfg.levels, answer_starts(ids, cfg.answer_marker))
             rows_kl.append([float(x) for x in kls])
             rows_ag.append([float(x) for x in ags])
     mean = lambda rows: [sum(c) / len(c) for c in zip(*rows, strict=True)]  # noqa: E731
     return {"kl": mean(rows_kl), "agree": mean(rows_ag)} if rows_kl else {}
+
+
+def heldout_agreement(loaded: LoadedModel, cfg: TrainConfig, device: str, max_new: int) -> list[float]:
+    """Per-level top-1 agreement, teacher-forced, on the target's greedy answers to the held-out
+    prompts (answer positions only when the model has a chat template): what a greedy
+    `pdserve bench acceptance` run's first-draft acceptance follows."""
+    prompts = [chat_ids(loaded.tokenizer, p) for p in read_prompts(HELDOUT_PROMPTS)]
+    sampler = DenseSampler(loaded.model, len(prompts), max(len(x) for x in prompts) + max_new)
+    answers = sampler.sample(prompts, [0.0] * len(prompts), max_new, loaded.eos_token_ids, seed=0)
+    return evaluate(loaded.model, answers, cfg, device).get("agree", [])
 
 
 # ---- stage 3: files ------------------------------------------------------------------------
@@ -809,10 +785,12 @@ def run(args: argparse.Namespace) -> int:
     held = max(1, len(seqs) // 50)
     val, train_seqs = seqs[:held], seqs[held:]
     cfg = TrainConfig(steps=args.steps, levels=args.levels, lr=args.lr, batch_tokens=args.batch_tokens,
-                      max_len=args.max_len, seed=args.seed, seconds=args.train_seconds)
+                      max_len=args.max_len, seed=args.seed, seconds=args.train_seconds,
+                      answer_marker=answer_marker(loaded.tokenizer))
     state = train(loaded.model, train_seqs, cfg, args.device, files["ckpt.pt"], args.resume, args.init)
     report = summarize(loaded, seqs, state, evaluate(loaded.model, val, cfg, args.device), gen_s,
                        time.monotonic() - start - gen_s)
+    report["heldout_agree"] = heldout_agreement(loaded, cfg, args.device, 256 if args.device.startswith("cuda") else 32)
     meta = {k: json.dumps(v) for k, v in report.items() if k != "history"}
     save_head(loaded.model, out, getattr(torch, args.save_dtype), meta)
     files["loss.json"].write_text(json.dumps(report, indent=1))

@@ -5,16 +5,18 @@
 # the same warm machine, carry .gguf_split/b (the second half and the previous head's data).
 #   stage 1: prompts = written + topic x form + 1000 package docstrings + up to 40k requests
 #            the model writes itself from its chat template's user turn; continuations from
-#            the dense sampler; training starts from the previous shipped head.
+#            the dense sampler (CUDA graphs); training starts from the previous shipped head.
 #   stage 2: as many new continuations again (other seed), then training from stage 1's head
 #            on both stages' data.
+# Each stage is one call of ~9.5 min: 240 s of sampling, 270 s of training.
 # Figures of the run that made the shipped head: BENCHMARKS.md, "MTP acceptance".
 set -euo pipefail
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
 GGUF=/tmp/g/SmolLM2-135M-Instruct.Q4_1.gguf
 if [ "${1:-1}" = part ]; then
   mkdir -p /tmp/g && cp .gguf_split/a/part_00 /tmp/g/part_00
-  python3 -m benchmarks.dense_sampler --rows 256 1024 --new 128
+  python3 -m benchmarks.dense_sampler --rows 1024 --new 256
+  python3 -m benchmarks.mtp_train_step --batch-tokens 16384
   exit 0
 fi
 [ -f "$GGUF" ] || cat /tmp/g/part_00 .gguf_split/b/part_01 > "$GGUF"
@@ -22,7 +24,7 @@ echo "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53  $GGUF" |
 mkdir -p /tmp/run1 /tmp/run2 "$OUT"
 COMMON=(--model "$GGUF" --device cuda --sampler dense --max-num-seqs 1024 --max-new-tokens 320
         --package-texts 1000 --self-prompts 40000 --tokens 30000000 --batch-tokens 16384
-        --max-len 768 --levels 3 --steps 3000 --gen-seconds 240 --train-seconds 240)
+        --max-len 768 --levels 3 --steps 20000 --gen-seconds 240 --train-seconds 270)
 if [ "${1:-1}" = 1 ]; then
   RUN=/tmp/run1
   ARGS=(--init engine/mtp_heads/smollm2.safetensors --extra-data .gguf_split/b/stage1.data.safetensors

@@ -4,11 +4,15 @@ MTP output equal to plain decoding (I1)."""
 
 from __future__ import annotations
 
+import argparse
+import json
+
 import pytest
 import torch
 
 from engine import mtp_train as mt
 from engine.attention import AttentionMetadata, TorchAttention
+from engine.dense_sampler import DenseSampler, sample_dense
 from engine.engine import EngineConfig, LLMEngine
 from engine.kv_cache import KVCache
 from engine.loader import load_model, mtp_path_default
@@ -81,6 +85,20 @@ def test_training_lowers_the_loss_and_the_head_loads_back_bit_exactly(tmp_path):
                 assert torch.equal(value.cpu(), saved[key]), key
 
 
+def test_train_mtp_command_writes_the_head_and_its_report(tmp_path):
+    out = tmp_path / "head.safetensors"
+    args = ["--model", "tiny", "--out", str(out), "--tokens", "300", "--steps", "4", "--batch-tokens", "256",
+            "--max-len", "64", "--max-new-tokens", "24", "--levels", "2"]
+    parser = argparse.ArgumentParser()
+    mt.add_arguments(parser)
+    assert mt.run(parser.parse_args(args)) == 0
+    report = json.loads(out.with_suffix(".loss.json").read_text())
+    assert report["steps"] == 4 and report["tokens"] >= 300
+    assert len(report["heldout_agree"]) == 2 and all(0 <= a <= 1 for a in report["heldout_agree"])
+    assert load_model("tiny", device=DEVICE, dtype="float32", mtp_path=str(out)).mtp_trained
+    assert out.with_suffix(".loss.png").read_bytes()[:4] == b"\x89PNG"
+
+
 def test_training_resumes_from_its_checkpoint(tmp_path):
     loaded = load_model("tiny", device=DEVICE, dtype="float32")
     seqs = tiny_sequences(loaded, 150)
@@ -94,11 +112,24 @@ def test_training_resumes_from_its_checkpoint(tmp_path):
 
 def test_dense_sampler_greedy_equals_the_engine(tiny):
     prompts = [[256, 72, 105], [256, *range(65, 90)], [256, 10]]
-    dense = mt.sample_dense(tiny.model, prompts, [0.0] * 3, 20, (), seed=0)
+    dense = sample_dense(tiny.model, prompts, [0.0] * 3, 20, (), seed=0)
     engine = LLMEngine(tiny, EngineConfig(device=DEVICE)).generate(prompts, SamplingParams(max_tokens=20, ignore_eos=True))
     assert dense == [r.prompt + r.output_ids for r in engine]
-    sampled = mt.sample_dense(tiny.model, prompts, [1.0] * 3, 20, (257,), seed=0)
+    sampled = sample_dense(tiny.model, prompts, [1.0] * 3, 20, (257,), seed=0)
     assert all(s[: len(p)] == p and len(p) < len(s) <= len(p) + 20 for s, p in zip(sampled, prompts, strict=True))
+
+
+def test_dense_sampler_reused_across_waves_stays_exact(tiny):
+    """A second, shorter wave in the same sampler (idle rows, stale K/V from the first wave in
+    the cache, decode spans crossing a SPAN boundary) still equals the engine."""
+    sampler = DenseSampler(tiny.model, 4, 100)
+    params = SamplingParams(max_tokens=70, ignore_eos=True)
+    engine = LLMEngine(tiny, EngineConfig(device=DEVICE))
+    for wave in ([[256, *range(65, 90)], [256, 72, 105], [256, 10], [256, *range(97, 110)]], [[256, 33], [256, 40, 41]]):
+        dense = sampler.sample(wave, [0.0] * len(wave), 70, (), seed=0)
+        assert dense == [r.prompt + r.output_ids for r in engine.generate(wave, params)]
+    with pytest.raises(ValueError, match="do not fit"):
+        sampler.sample([[1] * 40], [0.0], 70, (), seed=0)
 
 
 def test_data_file_round_trips_and_loss_png_is_written(tmp_path):
@@ -116,6 +147,21 @@ def test_chain_mask_matches_what_the_engine_cache_holds():
     assert m[2, :4].tolist() == [True, True, True, False]  # level-1 keys 0..i
     assert m[2, 4:8].tolist() == [False, False, True, False]  # level-2 key of index i
     assert m[2, 8:].tolist() == [False, False, True, False]  # level-3 key of index i
+
+
+def test_loss_counts_answer_positions_only():
+    ids = torch.tensor([[5, 1, 2, 9, 1, 2, 7, 8], [3, 3, 3, 3, 3, 3, 3, 3], [1, 2, 4, 4, 4, 4, 1, 2]])
+    assert mt.answer_starts(ids, (1, 2)).tolist() == [6, 0, 8]
+    assert mt.answer_starts(ids, ()).tolist() == [0, 0, 0]
+
+
+@pytest.mark.smollm2
+def test_answer_marker_is_the_assistant_turn_opener(smollm2):
+    smollm2_tokenizer = smollm2.tokenizer
+    marker = mt.answer_marker(smollm2_tokenizer)
+    assert smollm2_tokenizer.decode(list(marker), skip_special_tokens=False) == "<|im_start|>assistant\n"
+    ids = torch.tensor([mt.chat_ids(smollm2_tokenizer, "hi") + [42, 43]])
+    assert mt.answer_starts(ids, marker).tolist() == [ids.shape[1] - 2]
 
 
 def test_heldout_prompts_are_not_training_prompts():
