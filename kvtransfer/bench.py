@@ -6,7 +6,11 @@ request's blocks are contiguous, so a layer is one message. Timed: from ``start`
 to the sender seeing DONE (the receiver's ack), median over ``--iters`` after a
 warm-up. ``intact``: the receiver's destination bytes hash equal to the source's
 on every iteration; before each, every source byte changes (+1 mod 256, as a prefill
-rewrites its cache), so a run that did not land shows. The destination is not cleared:
+rewrites its cache), so a run that did not land shows. On CPU the rewrite runs in numpy on
+the calling thread: torch's ``add_`` on two cores leaves its OpenMP worker spinning for
+milliseconds after each call (libgomp's default spin count), and that thread took one of this
+machine's two cores from the transfer that followed (14-15.5 ms vs 9.8-10 ms per 64 MiB,
+same code, interleaved runs); perftest has no such neighbour. The destination is not cleared:
 zeroing 64 MiB leaves the last-level cache full of its dirty lines, whose write-back then
 lands inside the timed transfer (~1.5x slower here); a decode node's destination blocks
 were last written long before.
@@ -136,7 +140,11 @@ def _one_transfer(sender: Any, conn: Connection, args: argparse.Namespace, rid: 
                   cache: list[torch.Tensor]) -> tuple[float, bool]:
     """One timed transfer of a changed source; (seconds, destination equals source)."""
     for t in cache:
-        t.add_(1)
+        if t.is_cuda:
+            t.add_(1)
+        else:  # numpy: one thread, no OpenMP workers left spinning (see the module docstring)
+            a = t.numpy()
+            a += 1
     if cache[0].is_cuda:
         torch.cuda.synchronize(cache[0].device)
     desc = _call(conn, "expect", rid=rid)

@@ -32,7 +32,9 @@ class _LocalLink(Link):
     async def send_ctrl(self, msg: dict[str, Any]) -> None:
         self.receiver._thread.call(self.receiver._deliver, self, wire.encode(msg))
 
-    async def send_run(self, desc: Descriptor, layer: int, run: int, views: list[torch.Tensor]) -> int:
+    async def send_run(
+        self, desc: Descriptor, layer: int, run: int, views: list[torch.Tensor], announced: bool
+    ) -> int:
         fut: concurrent.futures.Future[None] = concurrent.futures.Future()
         self.receiver._thread.call(self.receiver._land, desc["rid"], layer, run, views, fut)
         await asyncio.wrap_future(fut)

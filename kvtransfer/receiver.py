@@ -2,13 +2,15 @@
 
 Receives: ``expect`` / ``poll`` / ``wait`` / ``abort`` from any thread, and from the
 transport (on the loop thread) validated control messages with the ``Link`` they
-came on, plus data for runs announced by a ``layers`` message.
+came on, plus data for runs announced by a ``layers`` message (or, for a transport that
+pre-posts, ucx, for the destination's own runs, prepared at ``expect``).
 Hands on: one ``ack`` per request on its link (ok once every layer landed and the
 sender said ``finish``; not ok with a reason on failure).
 Never: writes outside the request's own destination blocks: every run is checked
 against the block list given to ``expect``. Careful: state changes only on the
 loop thread; callers read it under ``_lock``. A transport subclass provides
-``_address``, ``_reply`` and, when the transport pulls data (ucx), ``_post_layer``.
+``_address``, ``_reply`` and, when the transport pulls data (ucx), ``_prepost`` and
+``_announce``.
 """
 
 from __future__ import annotations
@@ -56,6 +58,7 @@ class _In:
     remaining: dict[int, int] = field(default_factory=dict)  # layer -> runs not landed
     views: dict[tuple[int, int], list[torch.Tensor]] = field(default_factory=dict)
     finish_layers: int | None = None
+    announced: set[int] = field(default_factory=set)  # layers a ``layers`` message named
     done: concurrent.futures.Future[TransferStatus] = field(
         default_factory=concurrent.futures.Future
     )
@@ -89,8 +92,17 @@ class StreamingReceiver(KVReceiver):
     async def _reply(self, link: Any, msg: dict[str, Any]) -> None:
         """Send ``msg`` back on ``link``."""
 
-    def _post_layer(self, rec: _In, layer: int) -> None:
-        """Pull transports start receiving the layer's runs here (``rec.views``)."""
+    def _prepost(self, rec: _In) -> None:
+        """Right after ``expect``, on the loop: a pulling transport prepares every layer here."""
+
+    def _announce(self, rec: _In, layers: list[int], runs: list[list[int]]) -> None:
+        """A ``layers`` message, validated but for ``runs``: check them, make the views."""
+        self._check_runs(rec, runs)
+        assert self.layout is not None
+        for layer in layers:
+            for i, (index, count) in enumerate(runs):
+                rec.views[(layer, i)] = self.layout.run_views(layer, rec.blocks[index], count)
+            rec.remaining[layer] = len(runs)
 
     async def _close_transport(self) -> None:
         """Close the listener and connections; runs on the loop at ``close``."""
@@ -117,6 +129,7 @@ class StreamingReceiver(KVReceiver):
             if request_id in self._in:
                 raise TransferError(f"request {request_id!r} already expected")
             self._in[request_id] = rec
+        self._thread.call(self._prepost, rec)
         addr, tag = self._address()
         return wire.make(
             "desc", rid=request_id, backend=self.backend, addr=addr, tag=tag,
@@ -193,18 +206,12 @@ class StreamingReceiver(KVReceiver):
         if not layers:
             raise ProtocolError(rec.rid, "layers announce without layers")
         for layer in layers:
-            if layer not in rec.layers or layer in rec.remaining:
+            if layer not in rec.layers or layer in rec.announced:
                 raise ProtocolError(rec.rid, f"layer {layer} unexpected or repeated")
         if len(set(layers)) != len(layers):
             raise ProtocolError(rec.rid, f"layers {layers} repeated")
-        self._check_runs(rec, msg["runs"])
-        assert self.layout is not None
-        for layer in layers:
-            for i, (index, count) in enumerate(msg["runs"]):
-                rec.views[(layer, i)] = self.layout.run_views(layer, rec.blocks[index], count)
-            rec.remaining[layer] = len(msg["runs"])
-        for layer in layers:
-            self._post_layer(rec, layer)
+        rec.announced.update(layers)
+        self._announce(rec, layers, msg["runs"])
         self._maybe_done(rec)
 
     def _check_runs(self, rec: _In, runs: list[list[int]]) -> None:

@@ -6,7 +6,10 @@ per group of layers a ``layers`` message (their runs) and one data send per laye
 then ``finish``; a group is every layer queued at that moment with the same source blocks
 (one layer at a time while prefill computes; all at once when they were queued together),
 so the receiver handles one announce, not one per layer;
-then waits for the receiver's ``ack``. Nothing on that path waits for a send to
+then waits for the receiver's ``ack``. When the receiver pre-posts (``_preposted``: ucx)
+it has already prepared every layer over the destination's own runs at ``expect``; layers
+whose runs are exactly those (the source is contiguous wherever the destination is: the
+usual case) go unannounced, and only the others are announced. Nothing on that path waits for a send to
 complete when the link posts sends in order (ucx: ``send_ctrl``/``send_run`` return
 futures); a coroutine link (tcp) writes each message before the next.
 Never: blocks the caller on the network, or touches source blocks after the lease
@@ -53,11 +56,12 @@ class Link:
 
     @abstractmethod
     def send_run(
-        self, desc: Descriptor, layer: int, run: int, views: list[torch.Tensor]
+        self, desc: Descriptor, layer: int, run: int, views: list[torch.Tensor], announced: bool
     ) -> Awaitable[int]:
         """Send one run's plane views; resolves to the number of transport messages.
 
-        A coroutine, or (ucx) a future for sends already posted.
+        A coroutine, or (ucx) a future for sends already posted. ``announced``: the layer's
+        runs went in a ``layers`` message (else they are the receiver's pre-posted ones).
         """
 
     def run_messages(self, views: list[torch.Tensor]) -> int:
@@ -76,6 +80,7 @@ class _Out:
     link: Link | None = None
     sent: set[int] = field(default_factory=set)
     runs_of: tuple[list[int], list[Any]] | None = None  # last (src, its runs): layers share blocks
+    dst_runs: list[Any] | None = None  # the destination's own runs (what a pre-posting receiver posted)
     checked: tuple[list[int], int] | None = None  # last validated src blocks and their largest id
     pending: set[asyncio.Future[Any]] = field(default_factory=set)
     task: asyncio.Task[None] | None = None
@@ -89,6 +94,7 @@ class StreamingSender(KVSender):
 
     backend = ""
     _owns_loop = True  # False when the transport shares one loop per process
+    _preposted = False  # the receiver posts every layer's destination runs at ``expect``
 
     def __init__(
         self, timeout_s: float = 10.0, on_release: ReleaseCallback | None = None
@@ -254,19 +260,23 @@ class StreamingSender(KVSender):
         if out.runs_of is None or out.runs_of[0] != src:
             out.runs_of = (src, coalesce(src, out.desc["blocks"]))
         runs = out.runs_of[1]
-        pairs = [[r.index, r.count] for r in runs]
         assert out.link is not None and self.layout is not None
-        announce = out.link.send_ctrl(wire.make("layers", rid=out.rid, layers=layers, runs=pairs))
-        if asyncio.isfuture(announce):  # already posted (ucx): ordered, nothing to wait for
-            self._track(out, announce)
-        else:  # a stream (tcp): the header must be written before the data
-            await announce
+        if self._preposted and out.dst_runs is None:
+            out.dst_runs = coalesce(out.desc["blocks"], out.desc["blocks"])
+        announced = not self._preposted or runs != out.dst_runs
+        if announced:
+            pairs = [[r.index, r.count] for r in runs]
+            announce = out.link.send_ctrl(wire.make("layers", rid=out.rid, layers=layers, runs=pairs))
+            if asyncio.isfuture(announce):  # already posted (ucx): ordered, nothing to wait for
+                self._track(out, announce)
+            else:  # a stream (tcp): the header must be written before the data
+                await announce
         # Every run's data is posted at once and never awaited here; a failure ends the lease.
         for layer in layers:
             for i, r in enumerate(runs):
                 views = self.layout.run_views(layer, src[r.index], r.count)
                 self.messages += out.link.run_messages(views)  # counted when posted
-                self._track(out, out.link.send_run(out.desc, layer, i, views))
+                self._track(out, out.link.send_run(out.desc, layer, i, views, announced))
 
     def _track(self, out: _Out, aw: Awaitable[Any]) -> None:
         fut = asyncio.ensure_future(aw)

@@ -68,7 +68,9 @@ class _Conn(Link):
         self.writer.write(wire.frame(msg))
         await self.writer.drain()
 
-    async def send_run(self, desc: Descriptor, layer: int, run: int, views: list[torch.Tensor]) -> int:
+    async def send_run(
+        self, desc: Descriptor, layer: int, run: int, views: list[torch.Tensor], announced: bool
+    ) -> int:
         nbytes = sum(v.numel() for v in views)
         header = wire.make("data", rid=desc["rid"], layer=layer, run=run, nbytes=nbytes)
         self.writer.write(wire.frame(header))

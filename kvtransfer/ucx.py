@@ -10,9 +10,17 @@ registration or put/get, and large tagged sends already use UCX's zero-copy
 rendezvous protocol (the receiver pulls). Tags:
 - control to a receiver: ``CTRL | receiver id``; acks to a sender: ``ACK | sender id``;
   both carry ``wire.seal`` frames (magic, length, crc32) into a fixed buffer.
-- data: ``serial << 36 | layer << 24 | run * planes + plane``, where ``serial`` is
-  unique per request in the receiving process, so a stale message never matches
-  another request's receive.
+- data: ``serial << 36 | layer << 24 | announced << 23 | run * planes + plane``, where
+  ``serial`` is unique per request in the receiving process, so a stale message never
+  matches another request's receive, and ``announced`` says the layer's runs came in a
+  ``layers`` message rather than being the destination's own (pre-posted) runs.
+
+Receives are posted at ``expect``, before the sender exists: every layer, over the
+destination's own runs (maximal stretches of consecutive destination blocks). A sender
+whose source is contiguous wherever the destination is (the usual case) sends into them
+without any announcement; nothing on the receiver stands between ``begin`` and the first
+byte. A layer with other runs is announced; its pre-posted receives are retired and the
+announced runs posted under the ``announced`` tags, so the two can never mix.
 
 Threads: one per process. ucxx's asyncio layer (progress thread, ``Request.wait``
 polling with ``sleep(0)``) is not used; ``_Driver`` drives ucxx's core API from the
@@ -22,9 +30,13 @@ by callback; busy-poll only while data receives are in flight, otherwise sleep o
 the worker's epoll descriptor. ``UCXPY_*`` variables therefore have no effect;
 ``PDSERVE_UCX_SPIN=0`` turns the busy-polling off. ``UCX_*`` variables apply.
 
-Careful: ucxx 0.52 cannot cancel a posted receive from Python: after a FAILED
-transfer its receives stay posted under that request's unique tags (a late send
-from an aborted sender could still land); the driver stops spinning for them.
+Careful: ucxx 0.52 cannot cancel a posted receive from Python. A receive that must go
+(its transfer failed, or its layer was announced with other runs) is *retired*: the
+receiver sends a zero-byte message with its tag to its own worker, which completes it
+without writing a byte; a request turns terminal only once all its receives completed,
+so a late send from an aborted sender can never land in blocks that were handed back.
+(A receive already matched to a sender's data completes with that data first; the
+zero-byte message then stays in UCX's unexpected queue, a few bytes.)
 """
 
 from __future__ import annotations
@@ -34,6 +46,7 @@ import logging
 import os
 import secrets
 import threading
+import time
 from collections.abc import Callable
 from typing import Any, cast
 
@@ -42,6 +55,7 @@ import torch
 
 from kvtransfer import wire
 from kvtransfer.base import Descriptor
+from kvtransfer.layout import coalesce
 from kvtransfer.loop import LoopThread
 from kvtransfer.receiver import ProtocolError, StreamingReceiver, _In
 from kvtransfer.sender import Link, StreamingSender
@@ -101,13 +115,35 @@ class _Driver:
         self._track(req, arr, done, hot)
         return req
 
-    def cool(self, reqs: list[Any]) -> None:
-        """Stop spinning for these receives (their transfer ended; they may never land)."""
+    def heat(self, reqs: list[Any], hot: bool = True) -> None:
+        """Spin (or stop spinning, ``hot=False``) for these receives while they are pending."""
         for req in reqs:
             entry = self._pending.get(id(req))
-            if entry is not None and entry[3]:
-                self._pending[id(req)] = (*entry[:3], False)
-                self.hot -= 1
+            if entry is not None and entry[3] != hot:
+                self._pending[id(req)] = (*entry[:3], hot)
+                self.hot += 1 if hot else -1
+
+    def retire(self, posted: list[tuple[int, Any]], patience_s: float = 1.0) -> bool:
+        """Complete posted receives ``(tag, request)`` that may never match, writing nothing.
+
+        A zero-byte send to our own worker under each tag completes the receive (or, if a
+        sender's data already matched it, waits in UCX's unexpected queue). Progresses the
+        worker until every one completed; their handlers run later, from ``_reap``. Returns
+        False if some did not within ``patience_s`` (a pull still under way from a peer).
+        """
+        live = [(tag, req) for tag, req in posted if not req.completed]
+        if not live:
+            return True
+        ep = self.endpoint(self.address)
+        for tag, _req in live:
+            self.send(ep, _EMPTY, tag, _ignore)
+        deadline = time.monotonic() + patience_s
+        while not all(req.completed for _tag, req in live):
+            if time.monotonic() > deadline:
+                self.heat([req for _tag, req in live], False)
+                return False
+            self.worker.progress()
+        return True
 
     def send_future(self, ep: Any, buf: Any, tag: int) -> asyncio.Future[None]:
         fut: asyncio.Future[None] = self._loop.create_future()
@@ -178,6 +214,13 @@ class _Driver:
                 self._woken = None
 
 
+_EMPTY = np.zeros(0, np.uint8)
+
+
+def _ignore(exc: BaseException | None) -> None:
+    pass
+
+
 def _settle(fut: asyncio.Future[None], exc: BaseException | None) -> None:
     if fut.done():
         return
@@ -209,10 +252,13 @@ async def _start_driver() -> None:
     _driver = _Driver()
 
 
-def data_tag(serial: int, layer: int, index: int) -> int:
-    if layer >= 1 << 12 or index >= 1 << 24:
+ANNOUNCED = 1 << 23
+
+
+def data_tag(serial: int, layer: int, index: int, announced: bool = False) -> int:
+    if layer >= 1 << 12 or index >= ANNOUNCED:
         raise ValueError(f"layer {layer} or message {index} beyond the tag space")
-    return ((serial & ((1 << 27) - 1)) << 36) | (layer << 24) | index
+    return ((serial & ((1 << 27) - 1)) << 36) | (layer << 24) | (ANNOUNCED if announced else 0) | index
 
 
 def _buffer(view: torch.Tensor) -> Any:
@@ -238,7 +284,9 @@ class _Peer(Link):
     def run_messages(self, views: list[torch.Tensor]) -> int:
         return len(views)  # one tagged message per plane
 
-    def send_run(self, desc: Descriptor, layer: int, run: int, views: list[torch.Tensor]) -> asyncio.Future[int]:
+    def send_run(
+        self, desc: Descriptor, layer: int, run: int, views: list[torch.Tensor], announced: bool
+    ) -> asyncio.Future[int]:
         """Post every plane's send at once; the future resolves when all completed."""
         drv, n = driver(), len(views)
         fut: asyncio.Future[int] = asyncio.get_running_loop().create_future()
@@ -254,7 +302,7 @@ class _Peer(Link):
                 fut.set_result(n)
 
         for p, v in enumerate(views):
-            drv.send(self.ep, _buffer(v), data_tag(desc["serial"], layer, run * n + p), one_done)
+            drv.send(self.ep, _buffer(v), data_tag(desc["serial"], layer, run * n + p, announced), one_done)
         return fut
 
 
@@ -297,7 +345,7 @@ class UcxReceiver(StreamingReceiver):
         super().__init__(**kwargs)
         self._tag = CTRL | secrets.randbits(32)
         self._peers: dict[tuple[bytes, int], _Peer] = {}
-        self._posted: dict[str, list[Any]] = {}  # rid -> its posted data receives
+        self._posted: dict[str, dict[int, tuple[Any, _PostedRun]]] = {}  # rid -> tag -> pending receive
         self._ctrl = self._thread.submit(self._open_ctrl()).result(timeout=30)
 
     async def _open_ctrl(self) -> _CtrlReceiver:
@@ -342,38 +390,85 @@ class UcxReceiver(StreamingReceiver):
             self._peers[key] = _Peer(ep, key[1])
         return self._peers[key]
 
-    def _post_layer(self, rec: _In, layer: int) -> None:
-        """Post every announced run's plane receives now; no task, no round trip."""
-        drv = driver()
-        for (lay, run), views in list(rec.views.items()):
-            if lay != layer:
-                continue
-            n = len(views)
-            left = [n]
+    def _prepost(self, rec: _In) -> None:
+        """Post every layer's receives over the destination's own runs, cold (no spinning)."""
+        if not rec.state.terminal:
+            runs = [[r.index, r.count] for r in coalesce(rec.blocks, rec.blocks)]
+            self._post(rec, rec.layers, runs, announced=False, hot=False)
 
-            def one_done(exc: BaseException | None, run: int = run, left: list[int] = left) -> None:
-                left[0] -= 1
-                if exc is not None:
-                    self._fail(rec, f"receive failed: {type(exc).__name__}: {exc}")
-                elif left[0] == 0:
-                    self._on_run_done(rec.rid, layer, run)
+    def _on_begin(self, rec: _In, msg: dict[str, Any], link: Any) -> None:
+        super()._on_begin(rec, msg, link)
+        driver().heat([req for req, _run in self._posted.get(rec.rid, {}).values()])
 
-            posted = self._posted.setdefault(rec.rid, [])
-            for p, v in enumerate(views):
-                tag = data_tag(rec.serial, layer, run * n + p)
-                posted.append(drv.recv(_buffer(v), tag, one_done, hot=True))
+    def _announce(self, rec: _In, layers: list[int], runs: list[list[int]]) -> None:
+        """Other runs than the pre-posted ones: retire those layers' receives, post these."""
+        self._check_runs(rec, runs)
+        posted = self._posted.get(rec.rid, {})
+        old = [(tag, req) for tag, (req, run) in posted.items() if run.layer in layers]
+        self._retire(rec, old)
+        for key in [k for k in rec.views if k[0] in layers]:
+            del rec.views[key]
+        self._post(rec, layers, runs, announced=True, hot=True)
+
+    def _post(self, rec: _In, layers: list[int], runs: list[list[int]], announced: bool, hot: bool) -> None:
+        assert self.layout is not None
+        drv, posted = driver(), self._posted.setdefault(rec.rid, {})
+        for layer in layers:
+            rec.remaining[layer] = len(runs)
+            for i, (index, count) in enumerate(runs):
+                views = self.layout.run_views(layer, rec.blocks[index], count)
+                rec.views[(layer, i)] = views
+                run = _PostedRun(self, rec, layer, i, len(views))
+                for p, v in enumerate(views):
+                    tag = data_tag(rec.serial, layer, i * len(views) + p, announced)
+                    posted[tag] = (drv.recv(_buffer(v), tag, run.landed(posted, tag), hot), run)
+
+    def _retire(self, rec: _In, posted: list[tuple[int, Any]]) -> None:
+        """Take these receives out of play before their blocks are handed back."""
+        table = self._posted.get(rec.rid, {})
+        for tag, _req in posted:
+            table.pop(tag)[1].live = False
+        if not driver().retire(posted):
+            log.warning("%s: %d receives still under way after the transfer ended",
+                        rec.rid, sum(not req.completed for _tag, req in posted))
 
     def _end(self, rec: _In, state: Any, reason: str) -> None:
+        if not rec.state.terminal:
+            self._retire(rec, [(tag, req) for tag, (req, _run) in self._posted.get(rec.rid, {}).items()])
+            self._posted.pop(rec.rid, None)
         super()._end(rec, state, reason)
-        driver().cool(self._posted.pop(rec.rid, []))
 
     async def _close_transport(self) -> None:
         self._ctrl.closed = True
 
 
+class _PostedRun:
+    """The plane receives of one run of one layer; ``live`` until retired."""
+
+    __slots__ = ("receiver", "rec", "layer", "run", "left", "live")
+
+    def __init__(self, receiver: UcxReceiver, rec: _In, layer: int, run: int, planes: int) -> None:
+        self.receiver, self.rec, self.layer, self.run, self.left = receiver, rec, layer, run, planes
+        self.live = True
+
+    def landed(self, posted: dict[int, Any], tag: int) -> Done:
+        def done(exc: BaseException | None) -> None:
+            if not self.live:
+                return
+            posted.pop(tag, None)
+            if exc is not None:
+                self.receiver._fail(self.rec, f"receive failed: {type(exc).__name__}: {exc}")
+                return
+            self.left -= 1
+            if self.left == 0:
+                self.receiver._on_run_done(self.rec.rid, self.layer, self.run)
+        return done
+
+
 class UcxSender(StreamingSender):
     backend = "ucx"
     _owns_loop = False
+    _preposted = True
 
     def __init__(self, **kwargs: Any) -> None:
         super().__init__(**kwargs)

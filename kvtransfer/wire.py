@@ -18,7 +18,8 @@ from typing import Any
 
 import msgpack
 
-VERSION = 2  # 2: one ``layers`` announce covers every layer queued at once
+VERSION = 3  # 2: one ``layers`` announce covers every layer queued at once;
+# 3: ucx announces only layers whose runs differ from the destination's (pre-posted) ones
 MAX_MESSAGE_BYTES = 1 << 20
 MAX_LIST = 1 << 17
 MAX_STR = 1024

@@ -172,3 +172,28 @@ def test_ucx_bad_messages_are_contained() -> None:
         attacker.close()
         sender.close()
         receiver.close()
+
+
+def test_ucx_late_data_cannot_land_after_failure() -> None:
+    """Receives are posted at ``expect``; once the transfer fails they must be retired, or a
+    late send with the request's tag would still write into blocks the caller reused."""
+    from kvtransfer import ucx
+
+    receiver = _receiver("ucx")
+    late = Peer("late sender", "ucx", NUM_BLOCKS, timeout_s=TIMEOUT, seed=None)
+    try:
+        desc = receiver.expect("r", [1, 2], LAYERS)
+        status = receiver.wait("r", 10 * TIMEOUT)  # no sender ever begins: timed out
+        assert status.state is TransferState.FAILED and "timed out" in status.reason
+        plane = receiver.layout.run_views(0, 1, 2)[0]  # type: ignore[attr-defined]
+        tag = ucx.data_tag(desc["serial"], 0, 0)  # layer 0, run 0, plane 0: pre-posted
+        late.call("raw_ucx", addr=desc["addr"], tag=tag, payload=b"\xff" * plane.numel())
+        sender = _sender("ucx")  # the receiver keeps serving (and progressing its worker)
+        try:
+            assert _transfer(sender, receiver, "next") is TransferState.DONE
+        finally:
+            sender.close()
+        assert not plane.any(), "late data landed in the failed request's blocks"
+    finally:
+        late.close()
+        receiver.close()
