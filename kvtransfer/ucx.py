@@ -187,9 +187,9 @@ class _Driver:
 
     # -- progress ------------------------------------------------------------------
     def _reap(self) -> None:
-        finished = [e for e in self._pending.values() if e[0].completed]
-        for req, _buf, done, hot in finished:
-            del self._pending[id(req)]
+        finished = [e[0] for e in self._pending.values() if e[0].completed]
+        for req in finished:  # a handler may heat or cool the others: read each entry now
+            _req, _buf, done, hot = self._pending.pop(id(req))
             self.hot -= hot
             self._finish(req, done)
 

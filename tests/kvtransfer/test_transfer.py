@@ -133,3 +133,36 @@ def test_layout_mismatch_is_refused_at_start() -> None:
     finally:
         sender.close()
         receiver.close()
+
+
+def test_ucx_driver_stops_spinning_after_transfers() -> None:
+    """Data receives make the ucx thread busy-poll while they are pending; once every
+    transfer is done it must sleep again (a leaked count keeps a core busy forever).
+    Back-to-back transfers in one process make ``begin`` and data complete in one
+    progress call, the case that once leaked."""
+    from kvtransfer import ucx
+
+    layers = [torch.randn(64, 512) for _ in range(4)]
+    dst = [torch.zeros_like(t) for t in layers]
+    receiver, sender = create_receiver("ucx", timeout_s=10), create_sender("ucx", timeout_s=10)
+    receiver.register(KVLayout(dst, 0))
+    sender.register(KVLayout(layers, 0))
+    try:
+        for i in range(8):
+            sender.start(f"r{i}", receiver.expect(f"r{i}", list(range(64)), [0, 1, 2, 3]))
+            for layer in range(4):
+                sender.send_layer(f"r{i}", layer, list(range(64)))
+            sender.finish(f"r{i}")
+            assert sender.wait(f"r{i}", 10).state is TransferState.DONE
+            assert receiver.wait(f"r{i}", 10).state is TransferState.DONE
+        assert all(torch.equal(d, s) for d, s in zip(dst, layers, strict=True))
+        assert ucx.runtime().submit(_hot()).result(10) == 0
+    finally:
+        sender.close()
+        receiver.close()
+
+
+async def _hot() -> int:
+    from kvtransfer import ucx
+
+    return ucx.driver().hot
