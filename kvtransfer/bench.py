@@ -7,13 +7,21 @@ to the sender seeing DONE (the receiver's ack), median over ``--iters`` after a
 warm-up. ``intact``: the receiver's destination bytes hash equal to the source's
 on every iteration; before each, every source byte changes (+1 mod 256, as a prefill
 rewrites its cache), so a run that did not land shows. On CPU the rewrite runs in numpy on
-the calling thread: torch's ``add_`` on two cores leaves its OpenMP worker spinning for
-milliseconds after each call (libgomp's default spin count), and that thread took one of this
-machine's two cores from the transfer that followed (14-15.5 ms vs 9.8-10 ms per 64 MiB,
-same code, interleaved runs); perftest has no such neighbour. The destination is not cleared:
+the calling thread: torch's ``add_`` leaves its OpenMP worker spinning for a while after each
+call (libgomp's default spin count; seen in ``perf``), a neighbour that perftest does not
+have. Measured on 2 cores, the spinner moved our time per 64 MiB by less than the run-to-run
+noise (10.5-12.0 ms with it, 9.3-12.5 without) but made a bare ucxx loop faster (7.0-7.2 vs
+8.8-10.0 ms), since it keeps a vCPU from halting; neither flatters us. Rewriting the source
+at all cost nothing measurable either (no rewrite: 10.6-11.4 ms), so every transfer is still
+checked byte for byte. The destination is not cleared:
 zeroing 64 MiB leaves the last-level cache full of its dirty lines, whose write-back then
 lands inside the timed transfer (~1.5x slower here); a decode node's destination blocks
 were last written long before.
+
+``--inflight N`` starts N transfers at once (each into its own blocks, all layers queued)
+and reports the time per transfer: throughput with several requests' KV moving, as on a
+loaded decode node, and closer to perftest's steady state (it posts the next message
+before the previous one completed, and neither process ever sleeps).
 
 Raw figures measured in the same run, interleaved: ``--rounds`` times, ``--iters``
 transfers (their median) then the raw figure; reported are per-round figures and
@@ -66,6 +74,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="alternate our transfers and the raw figure this many times")
     parser.add_argument("--thp", action=argparse.BooleanOptionalAction, default=True,
                         help="CPU caches in transparent huge pages (as UCX allocates perftest's)")
+    parser.add_argument("--inflight", type=int, default=1,
+                        help="transfers in flight at once, each into its own blocks (throughput)")
     parser.add_argument("--json", action="store_true")
 
 
@@ -92,7 +102,7 @@ def _huge_page_tensor(shape: tuple[int, int]) -> torch.Tensor:
 
 def _cache(args: argparse.Namespace, device: torch.device, fill: bool) -> list[torch.Tensor]:
     g = torch.Generator().manual_seed(0)
-    shape = (args.blocks, args.block_bytes)
+    shape = (args.blocks * args.inflight, args.block_bytes)
     layers = []
     for _ in range(args.layers):
         t = torch.randint(0, 256, shape, generator=g, dtype=torch.uint8) if fill else None
@@ -122,7 +132,9 @@ def _receiver_main(conn: Connection, args: argparse.Namespace) -> None:
     receiver.register(KVLayout(cache, 0))
     while (cmd := msgpack.unpackb(conn.recv_bytes(), raw=False))["op"] != "exit":
         if cmd["op"] == "expect":
-            reply: Any = receiver.expect(cmd["rid"], list(range(args.blocks)), list(range(args.layers)))
+            first = cmd.get("slot", 0) * args.blocks
+            blocks = list(range(first, first + args.blocks))
+            reply: Any = receiver.expect(cmd["rid"], blocks, list(range(args.layers)))
         elif cmd["op"] == "wait":
             reply = receiver.wait(cmd["rid"], 60).state.value
         else:
@@ -138,7 +150,8 @@ def _call(conn: Connection, op: str, **kw: Any) -> Any:
 
 def _one_transfer(sender: Any, conn: Connection, args: argparse.Namespace, rid: str,
                   cache: list[torch.Tensor]) -> tuple[float, bool]:
-    """One timed transfer of a changed source; (seconds, destination equals source)."""
+    """One timed transfer of a changed source (``--inflight`` N: N at once, each into its own
+    blocks; the time is per transfer); (seconds, destination equals source)."""
     for t in cache:
         if t.is_cuda:
             t.add_(1)
@@ -147,17 +160,22 @@ def _one_transfer(sender: Any, conn: Connection, args: argparse.Namespace, rid: 
             a += 1
     if cache[0].is_cuda:
         torch.cuda.synchronize(cache[0].device)
-    desc = _call(conn, "expect", rid=rid)
-    blocks = list(range(args.blocks))
+    rids = [rid if args.inflight == 1 else f"{rid}.{i}" for i in range(args.inflight)]
+    descs = [_call(conn, "expect", rid=r, slot=i) for i, r in enumerate(rids)]
+    blocks = [list(range(i * args.blocks, (i + 1) * args.blocks)) for i in range(args.inflight)]
     t0 = time.perf_counter()
-    sender.start(rid, desc)
+    for r, desc in zip(rids, descs, strict=True):
+        sender.start(r, desc)
     for layer in range(args.layers):
-        sender.send_layer(rid, layer, blocks)
-    sender.finish(rid)
-    status = sender.wait(rid, 120)
-    elapsed = time.perf_counter() - t0
-    if status.state.value != "done" or _call(conn, "wait", rid=rid) != "done":
-        raise RuntimeError(f"transfer {rid} ended {status}")
+        for r, b in zip(rids, blocks, strict=True):
+            sender.send_layer(r, layer, b)
+    for r in rids:
+        sender.finish(r)
+    statuses = [sender.wait(r, 120) for r in rids]
+    elapsed = (time.perf_counter() - t0) / args.inflight
+    for r, status in zip(rids, statuses, strict=True):
+        if status.state.value != "done" or _call(conn, "wait", rid=r) != "done":
+            raise RuntimeError(f"transfer {r} ended {status}")
     return elapsed, _call(conn, "digest") == _digest(cache)
 
 
@@ -185,7 +203,7 @@ def _transfer_figures(args: argparse.Namespace, raw: Any) -> dict[str, Any]:
                 n += 1
             if r >= 0:
                 rounds.append({"seconds": statistics.median(times), **raw()})
-        messages = sender.messages // n  # type: ignore[attr-defined]
+        messages = sender.messages // (n * args.inflight)  # type: ignore[attr-defined]
     finally:
         sender.close()
         conn.send_bytes(msgpack.packb({"op": "exit"}))
@@ -261,7 +279,7 @@ def run(args: argparse.Namespace) -> int:
     result: dict[str, Any] = {"backend": args.backend, "device": args.device, "bytes": nbytes,
                               "layers": args.layers, "blocks": args.blocks,
                               "block_bytes": args.block_bytes, "thp": args.thp and args.device == "cpu",
-                              "iters": args.iters}
+                              "iters": args.iters, "inflight": args.inflight}
     if args.backend == "ucx":
         mem = " -m cuda" if args.device == "cuda" else ""
         alloc = "" if args.device == "cuda" else f"UCX_ALLOC_PRIO={'thp,mmap,heap' if args.thp else 'mmap,heap'} "

@@ -69,6 +69,7 @@ class StreamingReceiver(KVReceiver):
 
     backend = ""
     _owns_loop = True  # False when the transport shares one loop per process
+    _preposts = False  # ``_prepost`` posts receives: ``expect`` waits for it
 
     def __init__(self, timeout_s: float = 10.0, retain_s: float = 60.0) -> None:
         self.timeout_s = timeout_s
@@ -93,7 +94,7 @@ class StreamingReceiver(KVReceiver):
         """Send ``msg`` back on ``link``."""
 
     def _prepost(self, rec: _In) -> None:
-        """Right after ``expect``, on the loop: a pulling transport prepares every layer here."""
+        """Within ``expect``, on the loop: a pulling transport prepares every layer here."""
 
     def _announce(self, rec: _In, layers: list[int], runs: list[list[int]]) -> None:
         """A ``layers`` message, validated but for ``runs``: check them, make the views."""
@@ -129,7 +130,8 @@ class StreamingReceiver(KVReceiver):
             if request_id in self._in:
                 raise TransferError(f"request {request_id!r} already expected")
             self._in[request_id] = rec
-        self._thread.call(self._prepost, rec)
+        if self._preposts:  # the descriptor leaves once every receive is posted
+            self._thread.run(self._prepost, rec, timeout=self.timeout_s)
         addr, tag = self._address()
         return wire.make(
             "desc", rid=request_id, backend=self.backend, addr=addr, tag=tag,

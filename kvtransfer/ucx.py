@@ -340,6 +340,7 @@ class _CtrlReceiver:
 class UcxReceiver(StreamingReceiver):
     backend = "ucx"
     _owns_loop = False
+    _preposts = True
 
     def __init__(self, **kwargs: Any) -> None:
         super().__init__(**kwargs)
