@@ -52,6 +52,7 @@ HEADS_DIR = Path(__file__).parent / "mtp_heads"
 TRAIN_PROMPTS = HEADS_DIR / "train_prompts.txt"
 TRAIN_TOPICS = HEADS_DIR / "train_topics.txt"
 HELDOUT_PROMPTS = HEADS_DIR / "heldout_prompts.txt"
+HELDOUT_NEW_TOKENS = 96  # as `pdserve bench acceptance` answers them
 TOPIC_FORMS = (
     "Tell me about {t}.", "Explain {t} in simple terms.", "Write a short poem about {t}.",
     "Give me three interesting facts about {t}.", "What are the pros and cons of {t}?",
@@ -726,6 +727,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--batch-tokens", type=int, default=8192, help="padded tokens per training step")
     p.add_argument("--max-len", type=int, default=768)
     p.add_argument("--max-new-tokens", type=int, default=320, help="per sampled continuation")
+    p.add_argument("--greedy-fraction", type=float, default=0.25,
+                   help="share of the first pass over the prompts answered greedily (the rest: T 0.6..1.0)")
     p.add_argument("--max-num-seqs", type=int, default=None, help="generation batch (default: 1024 on cuda, 8 on cpu)")
     p.add_argument("--sampler", choices=["dense", "engine"], default="dense",
                    help="dense: batched loop over a contiguous KV cache (fast); engine: the LLMEngine")
@@ -754,6 +757,7 @@ def get_data(loaded: LoadedModel, args: argparse.Namespace, path: Path) -> list[
         return load_data(path)
     start, cuda = time.monotonic(), args.device.startswith("cuda")
     cfg = DataConfig(tokens=args.tokens, max_new_tokens=args.max_new_tokens, seconds=args.gen_seconds,
+                     greedy_fraction=args.greedy_fraction,
                      seed=args.seed, max_num_seqs=args.max_num_seqs or (1024 if cuda else 8))
     prompts = training_prompts(args.package_texts if loaded.name != "tiny" else 0, args.seed)
     if args.self_prompts > 0:
@@ -790,7 +794,7 @@ def run(args: argparse.Namespace) -> int:
     state = train(loaded.model, train_seqs, cfg, args.device, files["ckpt.pt"], args.resume, args.init)
     report = summarize(loaded, seqs, state, evaluate(loaded.model, val, cfg, args.device), gen_s,
                        time.monotonic() - start - gen_s)
-    report["heldout_agree"] = heldout_agreement(loaded, cfg, args.device, 256 if args.device.startswith("cuda") else 32)
+    report["heldout_agree"] = heldout_agreement(loaded, cfg, args.device, HELDOUT_NEW_TOKENS)
     meta = {k: json.dumps(v) for k, v in report.items() if k != "history"}
     save_head(loaded.model, out, getattr(torch, args.save_dtype), meta)
     files["loss.json"].write_text(json.dumps(report, indent=1))
