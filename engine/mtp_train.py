@@ -724,6 +724,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="cpu", help="cpu or cuda")
     p.add_argument("--levels", type=int, default=3, help="chained MTP steps trained (the k it is built for)")
     p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--level-decay", type=float, default=0.8, help="level j's loss weight is decay ** (j - 1)")
     p.add_argument("--batch-tokens", type=int, default=8192, help="padded tokens per training step")
     p.add_argument("--max-len", type=int, default=768)
     p.add_argument("--max-new-tokens", type=int, default=320, help="per sampled continuation")
@@ -789,7 +790,7 @@ def run(args: argparse.Namespace) -> int:
     held = max(1, len(seqs) // 50)
     val, train_seqs = seqs[:held], seqs[held:]
     cfg = TrainConfig(steps=args.steps, levels=args.levels, lr=args.lr, batch_tokens=args.batch_tokens,
-                      max_len=args.max_len, seed=args.seed, seconds=args.train_seconds,
+                      max_len=args.max_len, seed=args.seed, seconds=args.train_seconds, level_decay=args.level_decay,
                       answer_marker=answer_marker(loaded.tokenizer))
     state = train(loaded.model, train_seqs, cfg, args.device, files["ckpt.pt"], args.resume, args.init)
     report = summarize(loaded, seqs, state, evaluate(loaded.model, val, cfg, args.device), gen_s,

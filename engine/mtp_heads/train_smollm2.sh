@@ -11,7 +11,7 @@
 #            head on both stages' data.
 # Each stage is one call of ~9 min: 240 s of sampling, 270 s of training. ROUND picks the
 # seeds, learning rates, greedy share and answer length of a round of two stages (session 3
-# ran round 1 from the session-2 head, then round 2 from round 1's head).
+# ran round 1 from the session-2 head, round 2 from round 1's head, then stage 1 of round 3).
 # Figures of the runs that made the shipped head: BENCHMARKS.md, "MTP acceptance".
 set -euo pipefail
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
@@ -29,10 +29,11 @@ mkdir -p /tmp/run1 /tmp/run2 "$OUT"
 case "${ROUND:-1}" in
   1) SEEDS=(10 20) LRS=(1e-3 7e-4) GREEDY=0.25 NEW=320 ;;
   2) SEEDS=(30 40) LRS=(5e-4 3e-4) GREEDY=0.5 NEW=192 ;;
+  3) SEEDS=(50 60) LRS=(3e-4 2e-4) GREEDY=1.0 NEW=128 DECAY=0.5 ;;
 esac
 COMMON=(--model "$GGUF" --device cuda --sampler dense --max-num-seqs 1024 --max-new-tokens "$NEW"
         --greedy-fraction "$GREEDY" --package-texts 1000 --self-prompts 40000 --tokens 30000000
-        --batch-tokens 16384 --max-len 768 --levels 3 --steps 20000 --gen-seconds 240 --train-seconds 270)
+        --batch-tokens 16384 --max-len 768 --levels 3 --level-decay "${DECAY:-0.8}" --steps 20000 --gen-seconds 240 --train-seconds 270)
 if [ "${1:-1}" = 1 ]; then
   RUN=/tmp/run1
   ARGS=(--init engine/mtp_heads/smollm2.safetensors --extra-data .gguf_split/b/stage1.data.safetensors
