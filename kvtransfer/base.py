@@ -137,8 +137,8 @@ class KVReceiver(ABC):
     Rules:
     - ``register`` is called once, before ``expect``, with the local cache.
     - ``expect`` is called once per request, from any thread, before the
-      descriptor leaves the process. It does not block on the network (ucx waits
-      for its transport thread to post the request's receives).
+      descriptor leaves the process. It does not block on the network or wait
+      for the transport thread (a decode loop calls it).
     - The destination blocks must not be read until ``poll`` is DONE, nor reused
       until it is terminal.
     - A request is FAILED when the sender aborts, sends a malformed message, drops

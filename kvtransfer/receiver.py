@@ -69,7 +69,7 @@ class StreamingReceiver(KVReceiver):
 
     backend = ""
     _owns_loop = True  # False when the transport shares one loop per process
-    _preposts = False  # ``_prepost`` posts receives: ``expect`` waits for it
+    _preposts = False  # ``_prepost`` posts receives: ``expect`` queues it on the loop
 
     def __init__(self, timeout_s: float = 10.0, retain_s: float = 60.0) -> None:
         self.timeout_s = timeout_s
@@ -130,8 +130,8 @@ class StreamingReceiver(KVReceiver):
             if request_id in self._in:
                 raise TransferError(f"request {request_id!r} already expected")
             self._in[request_id] = rec
-        if self._preposts:  # the descriptor leaves once every receive is posted
-            self._thread.run(self._prepost, rec, timeout=self.timeout_s)
+        if self._preposts:  # queued now, so it runs before any message the descriptor brings
+            self._thread.call(self._prepost, rec)
         addr, tag = self._address()
         return wire.make(
             "desc", rid=request_id, backend=self.backend, addr=addr, tag=tag,

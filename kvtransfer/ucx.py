@@ -15,8 +15,9 @@ rendezvous protocol (the receiver pulls). Tags:
   matches another request's receive, and ``announced`` says the layer's runs came in a
   ``layers`` message rather than being the destination's own (pre-posted) runs.
 
-Receives are posted at ``expect``, before the sender exists: every layer, over the
-destination's own runs (maximal stretches of consecutive destination blocks). A sender
+Receives are posted as soon as ``expect`` is called (queued on the loop; ``expect`` does
+not wait), before the sender exists: every layer, over the destination's own runs
+(maximal stretches of consecutive destination blocks). A sender
 whose source is contiguous wherever the destination is (the usual case) sends into them
 without any announcement; nothing on the receiver stands between ``begin`` and the first
 byte. A layer with other runs is announced; its pre-posted receives are retired and the
@@ -392,10 +393,16 @@ class UcxReceiver(StreamingReceiver):
         return self._peers[key]
 
     def _prepost(self, rec: _In) -> None:
-        """Post every layer's receives over the destination's own runs, cold (no spinning)."""
-        if not rec.state.terminal:
+        """Post every layer's receives over the destination's own runs; cold until ``begin``.
+
+        Queued by ``expect``, which does not wait for it: the loop may be inside a copy.
+        A ``begin`` or ``layers`` message handled in the same progress pass can come first;
+        announced layers keep their own receives. (``finish`` cannot come first: the
+        sender finishes only after all its data was received.)"""
+        layers = [layer for layer in rec.layers if layer not in rec.announced]
+        if not rec.state.terminal and layers:
             runs = [[r.index, r.count] for r in coalesce(rec.blocks, rec.blocks)]
-            self._post(rec, rec.layers, runs, announced=False, hot=False)
+            self._post(rec, layers, runs, announced=False, hot=rec.link is not None)
 
     def _on_begin(self, rec: _In, msg: dict[str, Any], link: Any) -> None:
         super()._on_begin(rec, msg, link)

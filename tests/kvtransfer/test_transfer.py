@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+import threading
 
 import pytest
 import torch
@@ -166,3 +167,35 @@ async def _hot() -> int:
     from kvtransfer import ucx
 
     return ucx.driver().hot
+
+
+def test_ucx_expect_does_not_wait_for_the_transport_thread() -> None:
+    """A decode loop calls ``expect``; the ucx thread can be inside one long copy (a whole
+    transfer's data phase). ``expect`` must return while that thread is held, and the
+    receives it queued must still catch the transfer once the thread is free."""
+    layers = [torch.randn(16, 256) for _ in range(2)]
+    dst = [torch.zeros_like(t) for t in layers]
+    receiver, sender = create_receiver("ucx", timeout_s=10), create_sender("ucx", timeout_s=10)
+    receiver.register(KVLayout(dst, 0))
+    sender.register(KVLayout(layers, 0))
+    hold, got = threading.Event(), []
+    try:
+        receiver._thread.call(hold.wait, 20)  # the transport thread is busy
+        caller = threading.Thread(target=lambda: got.append(receiver.expect("r", list(range(16)), [0, 1])))
+        caller.start()
+        caller.join(5)
+        returned_while_held = not caller.is_alive()
+        hold.set()
+        caller.join(10)
+        assert returned_while_held, "expect waited for the transport thread"
+        sender.start("r", got[0])
+        for layer in range(2):
+            sender.send_layer("r", layer, list(range(16)))
+        sender.finish("r")
+        assert sender.wait("r", 10).state is TransferState.DONE
+        assert receiver.wait("r", 10).state is TransferState.DONE
+        assert all(torch.equal(d, s) for d, s in zip(dst, layers, strict=True))
+    finally:
+        hold.set()
+        sender.close()
+        receiver.close()
