@@ -46,16 +46,6 @@ class LoopThread:
             self._drain_scheduled = True
         self.loop.call_soon_threadsafe(self._drain)
 
-    def run(self, fn: Callable[..., T], *args: Any, timeout: float | None = None) -> T:
-        """Run ``fn(*args)`` on the loop and return its result (at once when on the loop)."""
-        if self.on_loop():
-            return fn(*args)
-
-        async def call() -> T:
-            return fn(*args)
-
-        return self.submit(call()).result(timeout)
-
     def _drain(self) -> None:
         with self._calls_lock:
             self._drain_scheduled = False
