@@ -130,7 +130,7 @@ class StreamingReceiver(KVReceiver):
             if request_id in self._in:
                 raise TransferError(f"request {request_id!r} already expected")
             self._in[request_id] = rec
-        if self._preposts:  # queued now, so it runs before any message the descriptor brings
+        if self._preposts:  # queued, not awaited: `_prepost` copes with messages handled first
             self._thread.call(self._prepost, rec)
         addr, tag = self._address()
         return wire.make(
