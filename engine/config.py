@@ -38,6 +38,10 @@ class ArchConfig:
     eos_token_ids: tuple[int, ...] = ()
     # MTP layers stored after the target's layers (DeepSeek-V3 form); 0 when none ship.
     num_mtp_layers: int = 0
+    # Shape of a pdserve-trained MTP head, read from its file: the block's MLP width (0: the
+    # target's) and the target layers whose outputs it reads besides the final hidden state.
+    mtp_intermediate_size: int = 0
+    mtp_feature_layers: tuple[int, ...] = ()
     extra: dict[str, Any] = field(default_factory=dict, compare=False)
 
     @property
@@ -47,6 +51,10 @@ class ArchConfig:
     @property
     def kv_size(self) -> int:
         return self.num_key_value_heads * self.head_dim
+
+    @property
+    def mtp_mlp_size(self) -> int:
+        return self.mtp_intermediate_size or self.intermediate_size
 
     @classmethod
     def from_hf_dict(cls, d: dict[str, Any]) -> ArchConfig:
@@ -85,7 +93,8 @@ class ArchConfig:
         d = {
             f.name: getattr(self, f.name)
             for f in dataclasses.fields(self)
-            if f.name not in ("extra", "eos_token_ids", "qk_norm", "num_mtp_layers")
+            if f.name not in ("extra", "eos_token_ids", "qk_norm", "num_mtp_layers", "mtp_intermediate_size",
+                              "mtp_feature_layers")
         }
         d["eos_token_id"] = list(self.eos_token_ids)
         d["num_nextn_predict_layers"] = self.num_mtp_layers

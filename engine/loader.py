@@ -9,11 +9,12 @@ seeded, untrained MTP module (drafts are then poor but harmless).
 from __future__ import annotations
 
 import importlib.util
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors import safe_open
 from safetensors.torch import load_file
 
 from engine.config import ArchConfig
@@ -23,6 +24,7 @@ from engine.tiny import TINY_SEED, ByteTokenizer, random_tensors, tiny_config
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
           "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
 MTP_INIT_SEED = 4321
+FEATURE_LAYERS_KEY = "pdserve.mtp_feature_layers"  # safetensors metadata of a head that reads them
 POSITION_SLACK = 64  # rotary cache room past max positions for the MTP chain
 
 
@@ -85,6 +87,8 @@ def load_model(name: str, device: str = "cpu", dtype: str | None = None, mtp_pat
         target, mtp = random_weights(model, TINY_SEED)
         if mtp_path is not None:
             mtp = read_mtp_file(mtp_path, config.num_hidden_layers)
+            config = head_config(config, mtp, read_feature_layers(mtp_path))
+            model = build_model(config)
         load_weights(model, target, mtp)
         return LoadedModel("tiny", _materialize(model, device, torch_dtype), ByteTokenizer(), config.eos_token_ids,
                            mtp_path is not None)
@@ -95,6 +99,7 @@ def load_model(name: str, device: str = "cpu", dtype: str | None = None, mtp_pat
         mtp_path = mtp_path_default(served_name(name))  # a head shipped in engine/mtp_heads/
     if mtp_path is not None:
         mtp = read_mtp_file(mtp_path, config.num_hidden_layers)
+    config = head_config(config, mtp, read_feature_layers(mtp_path) if mtp_path is not None else ())
     model = build_model(config)
     trained = bool(mtp)
     if not mtp:
@@ -122,6 +127,37 @@ def read_mtp_file(path: str, num_layers: int) -> dict[str, torch.Tensor]:
     tensors = load_file(path)
     _, prefixed = split_mtp_tensors(tensors, num_layers)
     return prefixed or tensors
+
+
+def read_feature_layers(path: str) -> tuple[int, ...]:
+    """The target layers a head file says it reads (its metadata), () for DeepSeek-form heads."""
+    with safe_open(path, framework="pt") as f:
+        text = (f.metadata() or {}).get(FEATURE_LAYERS_KEY, "")
+    try:
+        return tuple(int(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        raise ValueError(f"{path}: bad {FEATURE_LAYERS_KEY} {text!r}") from None
+
+
+def check_feature_layers(layers: tuple[int, ...], num_layers: int) -> None:
+    """Feature layers are distinct, ascending, and before the last (whose output is given)."""
+    if list(layers) != sorted(set(layers)) or any(not 0 <= i < num_layers - 1 for i in layers):
+        raise ValueError(f"MTP feature layers {layers} must be distinct, ascending and in 0..{num_layers - 2}")
+
+
+def head_config(config: ArchConfig, mtp: dict[str, torch.Tensor], feature_layers: tuple[int, ...]) -> ArchConfig:
+    """`config` with the shape of the MTP head `mtp` (DeepSeek form): its MLP width and the
+    target layers it reads; checked against the tensors."""
+    if not mtp:
+        return config
+    gate = mtp.get("mlp.gate_proj.weight")
+    width = int(gate.shape[0]) if gate is not None else config.intermediate_size
+    check_feature_layers(feature_layers, config.num_hidden_layers)
+    norms = sum(1 for k in mtp if k.startswith("fnorms."))
+    if norms != len(feature_layers):
+        raise ValueError(f"MTP head has {norms} feature norms but names {len(feature_layers)} feature layers")
+    return replace(config, mtp_intermediate_size=0 if width == config.intermediate_size else width,
+                   mtp_feature_layers=tuple(feature_layers))
 
 
 def mtp_path_default(name: str) -> str | None:

@@ -8,6 +8,12 @@ The target's `forward` returns the final *normed* hidden states (what the LM hea
 the MTP module consumes those as `h_prev`:
     h = eh_proj(cat[enorm(embed(x_next)), hnorm(h_prev)]) -> decoder layer -> shared_head
 and returns its pre-norm output, which is also the `h_prev` of the next chained draft.
+
+A pdserve-trained head may also read the outputs of some earlier target layers
+(`config.mtp_feature_layers`, as EAGLE-3 fuses low, middle and high features): the target's
+`forward` then returns them after the final hidden state, [T, (1 + F) * hidden], each gets
+its own norm in `eh_proj`'s input, and chained drafts (which have no target state) read zeros
+there. Its MLP may be wider than the target's (`config.mtp_intermediate_size`).
 """
 
 from __future__ import annotations
@@ -112,21 +118,22 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, config: ArchConfig) -> None:
+    def __init__(self, config: ArchConfig, intermediate_size: int | None = None) -> None:
         super().__init__()
-        self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+        inter = intermediate_size or config.intermediate_size
+        self.gate_proj = nn.Linear(config.hidden_size, inter, bias=False)
+        self.up_proj = nn.Linear(config.hidden_size, inter, bias=False)
+        self.down_proj = nn.Linear(inter, config.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(nn.functional.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ArchConfig, rotary: RotaryEmbedding) -> None:
+    def __init__(self, config: ArchConfig, rotary: RotaryEmbedding, intermediate_size: int | None = None) -> None:
         super().__init__()
         self.self_attn = Attention(config, rotary)
-        self.mlp = MLP(config)
+        self.mlp = MLP(config, intermediate_size)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -161,8 +168,9 @@ class MTPModule(nn.Module):
         h = config.hidden_size
         self.enorm = RMSNorm(h, config.rms_norm_eps)
         self.hnorm = RMSNorm(h, config.rms_norm_eps)
-        self.eh_proj = nn.Linear(2 * h, h, bias=False)
-        self.block = DecoderLayer(config, rotary)
+        self.fnorms = nn.ModuleList([RMSNorm(h, config.rms_norm_eps) for _ in config.mtp_feature_layers])
+        self.eh_proj = nn.Linear((2 + len(config.mtp_feature_layers)) * h, h, bias=False)
+        self.block = DecoderLayer(config, rotary, config.mtp_mlp_size)
         self.shared_head = SharedHead(h, config.rms_norm_eps)
 
 
@@ -184,27 +192,41 @@ class CausalLM(nn.Module):
         return self.config.num_hidden_layers
 
     def forward(self, input_ids, positions, kv_caches, meta, backend, on_layer=None) -> torch.Tensor:
-        """Target forward over a step's flattened tokens; returns normed hidden [T, hidden].
+        """Target forward over a step's flattened tokens; returns normed hidden [T, hidden],
+        followed by the MTP's feature layers' outputs when it reads any ([T, (1 + F) * hidden]).
 
         `on_layer(i)`, when given, is called as soon as layer i's work is queued (its KV is
         written in stream order): the prefill node pushes that layer's blocks from there.
         """
+        wanted = self.config.mtp_feature_layers if self.mtp is not None else ()
+        features = []
         x = self.model.embed_tokens(input_ids)
         for i, (layer, cache) in enumerate(zip(self.model.layers, kv_caches, strict=False)):
             x = layer(positions, x, cache, meta, backend)
+            if i in wanted:
+                features.append(x)
             if on_layer is not None:
                 on_layer(i)
-        return self.model.norm(x)
+        h = self.model.norm(x)
+        return torch.cat([h, *features], dim=-1) if features else h
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden).float()
+        return self.lm_head(hidden[..., : self.config.hidden_size]).float()
 
     def mtp_forward(self, next_ids, positions, h_prev, kv_cache, meta, backend) -> torch.Tensor:
-        """MTP at each position: (target hidden there, the token after it) -> pre-norm hidden."""
+        """MTP at each position: (target hidden there, the token after it) -> pre-norm hidden.
+        `h_prev` is the target's `forward` output, or the MTP's own for a chained draft (no
+        features: their part of `eh_proj` is skipped, as if they were zero)."""
         assert self.mtp is not None, "model was built without an MTP module"
-        m = self.mtp
+        m, size = self.mtp, self.config.hidden_size
         e = m.enorm(self.model.embed_tokens(next_ids))
-        h = m.eh_proj(torch.cat([e, m.hnorm(h_prev.to(e.dtype))], dim=-1))
+        h_prev = h_prev.to(e.dtype)
+        parts = [e, m.hnorm(h_prev[..., :size])]
+        if h_prev.shape[-1] > size:
+            parts += [norm(f) for norm, f in zip(m.fnorms, h_prev[..., size:].split(size, dim=-1), strict=True)]
+            h = m.eh_proj(torch.cat(parts, dim=-1))
+        else:
+            h = nn.functional.linear(torch.cat(parts, dim=-1), m.eh_proj.weight[:, : 2 * size])
         return m.block(positions, h, kv_cache, meta, backend)
 
     def mtp_logits(self, mtp_hidden: torch.Tensor) -> torch.Tensor:
@@ -213,7 +235,7 @@ class CausalLM(nn.Module):
 
 
 MTP_BLOCK_PARTS = ("self_attn.", "mlp.", "input_layernorm.", "post_attention_layernorm.")
-MTP_OWN_PARTS = ("enorm.", "hnorm.", "eh_proj.", "shared_head.norm.")
+MTP_OWN_PARTS = ("enorm.", "hnorm.", "fnorms.", "eh_proj.", "shared_head.norm.")
 MTP_SHARED_PARTS = ("embed_tokens.", "shared_head.head.")
 
 

@@ -44,8 +44,8 @@ from torch.nn.attention import sdpa_kernel
 
 from engine.attention import AttentionBackend
 from engine.dense_sampler import SDPA_BACKENDS, DenseSampler
-from engine.loader import LoadedModel, load_model
-from engine.model import CausalLM, mtp_state_dict
+from engine.loader import FEATURE_LAYERS_KEY, LoadedModel, check_feature_layers, load_model
+from engine.model import CausalLM, MTPModule, mtp_state_dict
 from engine.sampling_params import SamplingParams
 
 HEADS_DIR = Path(__file__).parent / "mtp_heads"
@@ -470,13 +470,17 @@ def prepare_for_training(model: CausalLM) -> list[torch.nn.Parameter]:
 
 def init_head(model: CausalLM, seed: int) -> None:
     """Warm start near "repeat the target's own prediction": eh_proj passes h_prev through (plus
-    a little of the embedding); the block is the target's last layer with its output projections
-    zeroed (an identity that trains); shared_head.norm restores the scale of the target's normed
-    hidden (the RMS of its final norm's weight)."""
+    a little of the embedding; feature layers start unread); the block is the target's last
+    layer with its output projections zeroed (an identity that trains; a wider MLP's extra
+    rows are seeded random); shared_head.norm restores the scale of the target's normed hidden
+    (the RMS of its final norm's weight)."""
     assert model.mtp is not None
     m, g = model.mtp, torch.Generator().manual_seed(seed)
     with torch.no_grad():
-        m.block.load_state_dict(model.model.layers[-1].state_dict())
+        _seed_new_parts(m, g)
+        block = dict(m.block.named_parameters())
+        for name, value in model.model.layers[-1].state_dict().items():
+            copy_leading(block[name], value)
         m.block.self_attn.o_proj.weight.zero_()
         m.block.mlp.down_proj.weight.zero_()
         for norm in (m.enorm, m.hnorm):
@@ -484,7 +488,59 @@ def init_head(model: CausalLM, seed: int) -> None:
         m.shared_head.norm.weight.fill_(float(model.model.norm.weight.float().pow(2).mean().sqrt()))
         h = model.config.hidden_size
         emb = torch.randn(h, h, generator=g) * (0.1 / math.sqrt(h))
-        m.eh_proj.weight.copy_(torch.cat([emb, torch.eye(h)], dim=1).to(m.eh_proj.weight))
+        copy_leading(m.eh_proj.weight, torch.cat([emb, torch.eye(h)], dim=1))
+
+
+def _seed_new_parts(m: MTPModule, g: torch.Generator) -> None:
+    """What a head grows from nothing: random MLP rows (fan-in scaled), zero columns where
+    they enter the residual stream (down_proj, eh_proj's feature inputs), unit feature norms."""
+    for lin in (m.block.mlp.gate_proj, m.block.mlp.up_proj):
+        lin.weight.copy_(torch.randn(lin.weight.shape, generator=g) / math.sqrt(lin.weight.shape[1]))
+    m.block.mlp.down_proj.weight.zero_()
+    m.eh_proj.weight.zero_()
+    for weight in m.fnorms.parameters():
+        weight.fill_(1.0)
+
+
+def copy_leading(dst: torch.Tensor, src: torch.Tensor) -> None:
+    """Copy `src` into the leading corner of `dst` (same rank, no dimension larger)."""
+    if src.dim() != dst.dim() or any(a > b for a, b in zip(src.shape, dst.shape, strict=True)):
+        raise ValueError(f"cannot place a {tuple(src.shape)} tensor into {tuple(dst.shape)}")
+    dst[tuple(slice(0, n) for n in src.shape)].copy_(src)
+
+
+def grow_head(model: CausalLM, intermediate_size: int, feature_layers: tuple[int, ...], seed: int) -> None:
+    """Give `model` a larger MTP module that computes exactly what its current one does: a wider
+    MLP (new rows random, their down_proj columns zero) and/or earlier target layers as extra
+    inputs (their eh_proj columns zero), so training starts from the current head's quality."""
+    assert model.mtp is not None
+    old = model.mtp
+    config = replace(model.config, mtp_intermediate_size=max(intermediate_size, model.config.mtp_mlp_size),
+                     mtp_feature_layers=feature_layers or model.config.mtp_feature_layers)
+    if config.mtp_intermediate_size == config.intermediate_size:
+        config = replace(config, mtp_intermediate_size=0)
+    if not set(model.config.mtp_feature_layers) <= set(config.mtp_feature_layers):
+        raise ValueError(f"feature layers {feature_layers} drop some of {model.config.mtp_feature_layers}")
+    check_feature_layers(config.mtp_feature_layers, config.num_hidden_layers)
+    param = next(old.parameters())
+    new = MTPModule(config, model.rotary).to(param.device, param.dtype)
+    with torch.no_grad():
+        _seed_new_parts(new, torch.Generator().manual_seed(seed))
+        params = dict(new.named_parameters())
+        size = config.hidden_size
+        for name, value in old.named_parameters():
+            if name != "eh_proj.weight":
+                copy_leading(params[name], value)
+        # eh_proj's columns: [embedding, final hidden, feature layers in order]
+        old_cols = [model.config.mtp_feature_layers.index(i) if i in model.config.mtp_feature_layers else None
+                    for i in config.mtp_feature_layers]
+        w_old, w_new = old.eh_proj.weight, new.eh_proj.weight
+        w_new[:, : 2 * size] = w_old[:, : 2 * size]
+        for j, o in enumerate(old_cols):
+            if o is not None:
+                w_new[:, (2 + j) * size : (3 + j) * size] = w_old[:, (2 + o) * size : (3 + o) * size]
+                new.fnorms[j].load_state_dict(old.fnorms[o].state_dict())
+    model.mtp, model.config = new, config
 
 
 def answer_marker(tokenizer: Any) -> tuple[int, ...]:
@@ -531,16 +587,16 @@ def train_step(model: CausalLM, opt: torch.optim.Optimizer, ids: torch.Tensor, l
 
 
 def train(model: CausalLM, seqs: list[list[int]], cfg: TrainConfig, device: str, ckpt: Path | None,
-          resume: bool, init: str | None = None) -> TrainState:
+          resume: bool, fresh: bool = True) -> TrainState:
+    """Train the MTP module from its checkpoint (`resume`), else from the warm start (`fresh`),
+    else from the weights it holds."""
     params = prepare_for_training(model)
     opt = torch.optim.AdamW(params, lr=cfg.lr, betas=(0.9, 0.95), weight_decay=0.0)
     state = TrainState()
     if resume and ckpt is not None and ckpt.exists():
         state = load_checkpoint(model, opt, ckpt)
         print(f"resuming from step {state.step} ({ckpt})", flush=True)
-    elif init is not None:
-        load_head(model, init)
-    else:
+    elif fresh:
         init_head(model, cfg.seed)
     start = time.monotonic()
     batches = batch_stream(seqs, cfg, state.step)
@@ -605,23 +661,12 @@ def load_checkpoint(model: CausalLM, opt: torch.optim.Optimizer, path: Path) -> 
     return TrainState(int(blob["step"]), list(blob["history"]))
 
 
-def load_head(model: CausalLM, path: str) -> None:
-    """Load a saved head (DeepSeek form) into the MTP module, keeping the module's dtype."""
-    from engine.loader import read_mtp_file
-    from engine.model import mtp_key_to_module
-
-    assert model.mtp is not None
-    params = dict(model.named_parameters())
-    with torch.no_grad():
-        for key, value in read_mtp_file(path, model.num_layers).items():
-            name = mtp_key_to_module(key)
-            if name is not None:
-                params[name].copy_(value)
-
-
 def save_head(model: CausalLM, path: Path, dtype: torch.dtype, meta: dict[str, str]) -> dict[str, torch.Tensor]:
-    """The MTP module as a standalone DeepSeek-form safetensors file; returns what was saved."""
+    """The MTP module as a standalone DeepSeek-form safetensors file (the feature layers it reads,
+    if any, in its metadata); returns what was saved."""
     tensors = {k: v.to("cpu", dtype).contiguous() for k, v in mtp_state_dict(model).items()}
+    if model.config.mtp_feature_layers:
+        meta = {**meta, FEATURE_LAYERS_KEY: ",".join(map(str, model.config.mtp_feature_layers))}
     save_file(tensors, str(path), metadata=meta)
     return tensors
 
@@ -734,6 +779,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--sampler", choices=["dense", "engine"], default="dense",
                    help="dense: batched loop over a contiguous KV cache (fast); engine: the LLMEngine")
     p.add_argument("--init", default=None, help="start from this head (safetensors) instead of the warm start")
+    p.add_argument("--mtp-intermediate", type=int, default=0,
+                   help="widen the head's MLP to this size (default: keep; a new head: the target's)")
+    p.add_argument("--feature-layers", default="",
+                   help="comma-separated target layers whose outputs the head also reads (EAGLE-3's fused features)")
     p.add_argument("--extra-data", action="append", default=[], help="also train on this data file (repeatable)")
     p.add_argument("--package-texts", type=int, default=3000, help="docstrings of installed packages used as prompts")
     p.add_argument("--self-prompts", type=int, default=0,
@@ -781,7 +830,10 @@ def run(args: argparse.Namespace) -> int:
     out.parent.mkdir(parents=True, exist_ok=True)
     files = side_files(out)
     start = time.monotonic()
-    loaded = load_model(args.model, device=args.device)
+    loaded = load_model(args.model, device=args.device, mtp_path=args.init)
+    features = tuple(int(x) for x in args.feature_layers.split(",") if x.strip())
+    if args.mtp_intermediate or features:
+        grow_head(loaded.model, args.mtp_intermediate, features, args.seed)
     seqs = get_data(loaded, args, files["data.safetensors"])
     seqs += [s for f in args.extra_data for s in load_data(Path(f))]
     gen_s = time.monotonic() - start
@@ -792,7 +844,7 @@ def run(args: argparse.Namespace) -> int:
     cfg = TrainConfig(steps=args.steps, levels=args.levels, lr=args.lr, batch_tokens=args.batch_tokens,
                       max_len=args.max_len, seed=args.seed, seconds=args.train_seconds, level_decay=args.level_decay,
                       answer_marker=answer_marker(loaded.tokenizer))
-    state = train(loaded.model, train_seqs, cfg, args.device, files["ckpt.pt"], args.resume, args.init)
+    state = train(loaded.model, train_seqs, cfg, args.device, files["ckpt.pt"], args.resume, fresh=args.init is None)
     report = summarize(loaded, seqs, state, evaluate(loaded.model, val, cfg, args.device), gen_s,
                        time.monotonic() - start - gen_s)
     report["heldout_agree"] = heldout_agreement(loaded, cfg, args.device, HELDOUT_NEW_TOKENS)

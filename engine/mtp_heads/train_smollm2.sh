@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # How engine/mtp_heads/smollm2.safetensors is made, on one H100/H200 through the device tool.
 # The GGUF (98 MB) is over the tool's 64 MiB carry limit: a first call carries .gguf_split/a
-# and leaves its half in /tmp/g/part_00 (`bash train_smollm2.sh part`, which also times the
-# sampler and a training step); the next calls, on the same warm machine, carry
+# and leaves its half in /tmp/g/part_00 (`bash train_smollm2.sh part`; with TIMINGS=1 it also
+# times the sampler and a training step); the next calls, on the same warm machine, carry
 # .gguf_split/b (the second half and the first head's data) and install the gguf wheel.
 #   stage 1: prompts = written + topic x form + 1000 package docstrings + up to 40k requests
 #            the model writes itself from its chat template's user turn; continuations from
@@ -11,13 +11,16 @@
 #            head on both stages' data.
 # Each stage is one call of ~9 min: 240 s of sampling, 270 s of training. ROUND picks the
 # seeds, learning rates, greedy share and answer length of a round of two stages (session 3
-# ran round 1 from the session-2 head, round 2 from round 1's head, then stage 1 of round 3).
+# ran round 1 from the session-2 head, round 2 from round 1's head, then stage 1 of round 3;
+# round 4 grows round 3's head: a 2x wider MLP and target layers 1, 14 and 26 as extra inputs,
+# the layers EAGLE-3 fuses for a 30-layer model, starting from exactly round 3's outputs).
 # Figures of the runs that made the shipped head: BENCHMARKS.md, "MTP acceptance".
 set -euo pipefail
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
 GGUF=/tmp/g/SmolLM2-135M-Instruct.Q4_1.gguf
 if [ "${1:-1}" = part ]; then
   mkdir -p /tmp/g && cp .gguf_split/a/part_00 /tmp/g/part_00
+  [ -n "${TIMINGS:-}" ] || exit 0
   python3 -m benchmarks.dense_sampler --rows 1024 --new 256
   python3 -m benchmarks.mtp_train_step --batch-tokens 16384
   exit 0
@@ -30,6 +33,7 @@ case "${ROUND:-1}" in
   1) SEEDS=(10 20) LRS=(1e-3 7e-4) GREEDY=0.25 NEW=320 ;;
   2) SEEDS=(30 40) LRS=(5e-4 3e-4) GREEDY=0.5 NEW=192 ;;
   3) SEEDS=(50 60) LRS=(3e-4 2e-4) GREEDY=1.0 NEW=128 DECAY=0.5 ;;
+  4) SEEDS=(70 80) LRS=(6e-4 4e-4) GREEDY=1.0 NEW=128 DECAY=0.5 GROW=(--mtp-intermediate 3072 --feature-layers 1,14,26) ;;
 esac
 COMMON=(--model "$GGUF" --device cuda --sampler dense --max-num-seqs 1024 --max-new-tokens "$NEW"
         --greedy-fraction "$GREEDY" --package-texts 1000 --self-prompts 40000 --tokens 30000000
@@ -37,7 +41,7 @@ COMMON=(--model "$GGUF" --device cuda --sampler dense --max-num-seqs 1024 --max-
 if [ "${1:-1}" = 1 ]; then
   RUN=/tmp/run1
   ARGS=(--init engine/mtp_heads/smollm2.safetensors --extra-data .gguf_split/b/stage1.data.safetensors
-        --lr "${LRS[0]}" --seed "${SEEDS[0]}")
+        --lr "${LRS[0]}" --seed "${SEEDS[0]}" ${GROW[@]+"${GROW[@]}"})
 else
   RUN=/tmp/run2
   ARGS=(--init /tmp/run1/smollm2.safetensors --extra-data /tmp/run1/smollm2.data.safetensors

@@ -9,6 +9,7 @@ import json
 
 import pytest
 import torch
+from safetensors.torch import load_file
 
 from engine import mtp_train as mt
 from engine.attention import AttentionMetadata, TorchAttention
@@ -18,6 +19,7 @@ from engine.kv_cache import KVCache
 from engine.loader import load_model, mtp_path_default
 from engine.model import mtp_state_dict
 from engine.sampling_params import SamplingParams
+from engine.tiny import random_tensors
 from tests.engine.conftest import DEVICE
 
 BS = 16
@@ -32,7 +34,20 @@ def paged_meta(positions: list[int], num_blocks: int) -> AttentionMetadata:
                              t(list(range(len(positions)))), len(positions), num_blocks)
 
 
-def test_training_forward_matches_the_paged_engine_path(tiny):
+def featured_tiny():
+    """`tiny` whose MTP head also reads target layer 0 and has a wider MLP, all weights random
+    (so the feature path carries weight)."""
+    loaded = load_model("tiny", device=DEVICE, dtype="float32")
+    mt.grow_head(loaded.model, 192, (0,), seed=3)
+    assert loaded.model.mtp is not None
+    loaded.model.mtp.load_state_dict(random_tensors(loaded.model.mtp, 7))
+    return loaded
+
+
+@pytest.mark.parametrize("head", ["deepseek form", "features and wider MLP"])
+def test_training_forward_matches_the_paged_engine_path(tiny, head):
+    if head != "deepseek form":
+        tiny = featured_tiny()
     model, cfg = tiny.model, tiny.model.config
     n, levels = 21, 3
     ids = torch.randint(0, cfg.vocab_size, (1, n), generator=torch.Generator().manual_seed(0)).to(DEVICE)
@@ -97,6 +112,48 @@ def test_train_mtp_command_writes_the_head_and_its_report(tmp_path):
     assert len(report["heldout_agree"]) == 2 and all(0 <= a <= 1 for a in report["heldout_agree"])
     assert load_model("tiny", device=DEVICE, dtype="float32", mtp_path=str(out)).mtp_trained
     assert out.with_suffix(".loss.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_grown_head_computes_what_it_grew_from():
+    loaded = load_model("tiny", device=DEVICE, dtype="float32")
+    model = loaded.model
+    ids = torch.randint(0, model.config.vocab_size, (2, 17), generator=torch.Generator().manual_seed(1)).to(DEVICE)
+    with torch.no_grad():
+        before = mt.mtp_chain(model, ids, mt.target_hidden(model, ids), 3)
+    mt.grow_head(model, 256, (0,), seed=5)
+    assert model.config.mtp_mlp_size == 256 and model.config.mtp_feature_layers == (0,)
+    hidden = mt.target_hidden(model, ids)
+    assert hidden.shape[-1] == 2 * model.config.hidden_size
+    with torch.no_grad():
+        after = mt.mtp_chain(model, ids, hidden, 3)
+    for a, b in zip(before, after, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="feature layers"):
+        mt.grow_head(model, 0, (1,), seed=5)  # the last layer's output is the final hidden state
+
+
+def test_head_with_features_trains_saves_loads_back_and_keeps_greedy_exact(tmp_path):
+    out = tmp_path / "head.safetensors"
+    args = ["--model", "tiny", "--out", str(out), "--tokens", "300", "--steps", "6", "--batch-tokens", "256",
+            "--max-len", "64", "--max-new-tokens", "24", "--levels", "2", "--lr", "1e-2",
+            "--mtp-intermediate", "192", "--feature-layers", "0"]
+    parser = argparse.ArgumentParser()
+    mt.add_arguments(parser)
+    assert mt.run(parser.parse_args(args)) == 0
+    back = load_model("tiny", device=DEVICE, dtype="float32", mtp_path=str(out))
+    assert back.model.config.mtp_feature_layers == (0,) and back.model.config.mtp_mlp_size == 192
+    saved = load_file(str(out))
+    state = mtp_state_dict(back.model)
+    assert set(state) == set(saved)
+    for key, value in state.items():
+        assert torch.equal(value.cpu(), saved[key].float()), key
+    size = back.model.config.hidden_size
+    assert saved["eh_proj.weight"][:, 2 * size :].abs().sum() > 0  # training reached the feature inputs
+    prompts = [list(b"the quick brown fox"), list(b"once upon")]
+    params = SamplingParams(max_tokens=20, ignore_eos=True)
+    plain = LLMEngine(back, EngineConfig(num_speculative_tokens=0, device=DEVICE)).generate(prompts, params)
+    spec = LLMEngine(back, EngineConfig(num_speculative_tokens=3, device=DEVICE)).generate(prompts, params)
+    assert [r.output_ids for r in spec] == [r.output_ids for r in plain]
 
 
 def test_training_resumes_from_its_checkpoint(tmp_path):
