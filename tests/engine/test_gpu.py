@@ -7,14 +7,17 @@ import torch
 
 from engine.engine import EngineConfig, LLMEngine
 from engine.loader import load_model
+from engine.mtp_train import grow_head
 from engine.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
 
-@pytest.mark.parametrize("k", [0, 3])
-def test_decode_launch_never_syncs(k):
+@pytest.mark.parametrize("k,features", [(0, False), (3, False), (3, True)])
+def test_decode_launch_never_syncs(k, features):
     loaded = load_model("tiny", device="cuda", dtype="bfloat16")
+    if features:  # a head that also reads target layer 0, with a wider MLP
+        grow_head(loaded.model, 192, (0,), seed=3)
     eng = LLMEngine(loaded, EngineConfig(num_speculative_tokens=k, device="cuda"))
     params = [SamplingParams(max_tokens=40, ignore_eos=True),
               SamplingParams(max_tokens=40, ignore_eos=True, temperature=0.8, top_p=0.9, seed=1, logprobs=3)]
