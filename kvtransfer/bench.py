@@ -259,7 +259,7 @@ void *mmap64(void *, size_t, int, int, int, off_t) __attribute__((alias("mmap"))
 
 
 def _resident_shim() -> str | None:
-    """Path of the compiled ``_RESIDENT_SHIM`` (built once per machine); None without a C compiler."""
+    """Path of the compiled ``_RESIDENT_SHIM`` (built once per machine); None without a working C compiler."""
     cc = shutil.which("cc") or shutil.which("gcc")
     if cc is None:
         return None
@@ -270,7 +270,10 @@ def _resident_shim() -> str | None:
             src = os.path.join(tmp, "shim.c")
             with open(src, "w") as f:
                 f.write(_RESIDENT_SHIM)
-            subprocess.run([cc, "-O2", "-shared", "-fPIC", "-o", f"{path}.{os.getpid()}", src], check=True)
+            built = subprocess.run([cc, "-O2", "-shared", "-fPIC", "-o", f"{path}.{os.getpid()}", src],
+                                   capture_output=True)
+        if built.returncode != 0:
+            return None
         os.replace(f"{path}.{os.getpid()}", path)
     return path
 
