@@ -29,7 +29,10 @@ the medians over rounds (``ratio``: median of the per-round ratios). ucx:
 ``ucx_perftest -t tag_bw`` between two processes with the same memory type, at our
 message size (``raw_gbps``; it re-sends one buffer, so at 2 MiB its source and
 destination stay in the CPU caches) and as one message of the whole transfer
-(``raw_transfer_gbps``: the same bytes per transfer, out of DRAM). tcp, local: a
+(``raw_transfer_gbps``), and that again with resident buffers (``raw_resident_gbps``, CPU
+only, where a C compiler is found): perftest never writes its buffers, so its source pages
+are the kernel's shared zero page, which stays in the CPU caches (see ``_RESIDENT_SHIM``);
+``ratio_resident`` compares like with like, both sides moving resident memory. tcp, local: a
 plain memcpy of the same bytes. On GPU, ``d2d_gbps`` is a torch copy cuda:0 -> cuda:1.
 
 CPU caches are allocated in transparent huge pages (``--no-thp``: 4 KiB pages). CMA,
@@ -49,10 +52,12 @@ import mmap
 import multiprocessing as mp
 import os
 import re
+import shutil
 import socket
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from multiprocessing.connection import Connection
 from typing import Any
@@ -217,15 +222,78 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def perftest_gbps(msg_bytes: int, total_bytes: int, device: str, thp: bool = True) -> float:
+# ucx_perftest never writes its host buffers, so their pages are never faulted in: CMA reads
+# the sender's "64 MiB" from the kernel's one shared zero page (2 MiB with THP), which stays in
+# the CPU caches, and only the destination goes to DRAM. A KV cache is real, resident memory.
+# Preloaded into both perftest processes, this library writes one byte of every 4 KiB page of
+# each buffer as UCX allocates it (after madvise(MADV_HUGEPAGE) for THP, after a large
+# anonymous mmap for 4 KiB pages), which makes perftest move resident memory, as we do.
+_RESIDENT_SHIM = r"""
+#define _GNU_SOURCE
+#include <stdlib.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+static int touching(const char *mode) {
+    const char *want = getenv("PDSERVE_PERFTEST_TOUCH");
+    return want != NULL && strcmp(want, mode) == 0;
+}
+static void touch(void *addr, size_t len) {
+    for (size_t off = 0; off < len; off += 4096) ((volatile char *)addr)[off] = 1;
+}
+int madvise(void *addr, size_t len, int advice) {
+    int rc = (int)syscall(SYS_madvise, addr, len, advice);
+    if (rc == 0 && advice == MADV_HUGEPAGE && touching("thp")) touch(addr, len);
+    return rc;
+}
+void *mmap(void *addr, size_t len, int prot, int flags, int fd, off_t off) {
+    void *p = (void *)syscall(SYS_mmap, addr, len, prot, flags, fd, off);
+    if (p != MAP_FAILED && (flags & MAP_ANONYMOUS) && (prot & PROT_WRITE) && len >= (16 << 20)
+        && touching("mmap")) touch(p, len);
+    return p;
+}
+void *mmap64(void *, size_t, int, int, int, off_t) __attribute__((alias("mmap")));
+"""
+
+
+def _resident_shim() -> str | None:
+    """Path of the compiled ``_RESIDENT_SHIM`` (built once per machine); None without a working C compiler."""
+    cc = shutil.which("cc") or shutil.which("gcc")
+    if cc is None:
+        return None
+    tag = hashlib.sha256(_RESIDENT_SHIM.encode()).hexdigest()[:12]
+    path = os.path.join(tempfile.gettempdir(), f"pdserve-perftest-resident-{tag}.so")
+    if not os.path.exists(path):
+        with tempfile.TemporaryDirectory() as tmp:
+            src = os.path.join(tmp, "shim.c")
+            with open(src, "w") as f:
+                f.write(_RESIDENT_SHIM)
+            built = subprocess.run([cc, "-O2", "-shared", "-fPIC", "-o", f"{path}.{os.getpid()}", src],
+                                   capture_output=True)
+        if built.returncode != 0:
+            return None
+        os.replace(f"{path}.{os.getpid()}", path)
+    return path
+
+
+def perftest_gbps(msg_bytes: int, total_bytes: int, device: str, thp: bool = True,
+                  resident: bool = False) -> float:
     """``ucx_perftest -t tag_bw`` between two local processes; GB/s (1e9 bytes). Host
-    buffers in transparent huge pages (``thp``) or 4 KiB pages, as our caches are."""
+    buffers in transparent huge pages (``thp``) or 4 KiB pages, as our caches are;
+    ``resident``: written once when allocated (``_RESIDENT_SHIM``), as our caches are."""
     import libucx
 
     root = os.path.dirname(libucx.__file__)
     exe = os.path.join(root, "bin", "ucx_perftest")
     env = {**os.environ, "LD_LIBRARY_PATH": os.path.join(root, "lib"), "UCX_WARN_UNUSED_ENV_VARS": "n",
            "UCX_ALLOC_PRIO": "thp,mmap,heap" if thp else "mmap,heap"}
+    if resident:
+        shim = _resident_shim()
+        if shim is None:
+            raise RuntimeError("no C compiler for the resident-memory perftest shim")
+        env.update(LD_PRELOAD=shim, PDSERVE_PERFTEST_TOUCH="thp" if thp else "mmap")
     port, iters = str(_free_port()), max(20, total_bytes * 4 // msg_bytes)
     mem = ["-m", "cuda"] if device == "cuda" else []
     server_env = {**env, "CUDA_VISIBLE_DEVICES": "1,0"} if device == "cuda" else env
@@ -285,11 +353,17 @@ def run(args: argparse.Namespace) -> int:
         alloc = "" if args.device == "cuda" else f"UCX_ALLOC_PRIO={'thp,mmap,heap' if args.thp else 'mmap,heap'} "
         result["raw"] = f"{alloc}ucx_perftest -t tag_bw -s {msg_bytes}{mem}"
         result["raw_transfer"] = f"{alloc}ucx_perftest -t tag_bw -s {nbytes}{mem}"
+        resident = args.device == "cpu" and _resident_shim() is not None
+        if resident:
+            result["raw_resident"] = f"{result['raw_transfer']}, buffers written once (LD_PRELOAD shim)"
 
         def raw() -> dict[str, float]:
             thp = args.thp and args.device == "cpu"
-            return {"raw_gbps": perftest_gbps(msg_bytes, nbytes, args.device, thp),
-                    "raw_transfer_gbps": perftest_gbps(nbytes, nbytes, args.device, thp)}
+            figures = {"raw_gbps": perftest_gbps(msg_bytes, nbytes, args.device, thp),
+                       "raw_transfer_gbps": perftest_gbps(nbytes, nbytes, args.device, thp)}
+            if resident:
+                figures["raw_resident_gbps"] = perftest_gbps(nbytes, nbytes, args.device, thp, resident=True)
+            return figures
     else:
         result["raw"] = f"memcpy {nbytes} bytes"
 
@@ -301,7 +375,10 @@ def run(args: argparse.Namespace) -> int:
         r["ratio"] = r["gbps"] / r["raw_gbps"]
         if "raw_transfer_gbps" in r:
             r["ratio_transfer"] = r["gbps"] / r["raw_transfer_gbps"]
-    for key in ("seconds", "gbps", "raw_gbps", "ratio", "raw_transfer_gbps", "ratio_transfer"):
+        if "raw_resident_gbps" in r:
+            r["ratio_resident"] = r["gbps"] / r["raw_resident_gbps"]
+    for key in ("seconds", "gbps", "raw_gbps", "ratio", "raw_transfer_gbps", "ratio_transfer",
+                "raw_resident_gbps", "ratio_resident"):
         if key in result["rounds"][0]:
             result[key] = statistics.median(r[key] for r in result["rounds"])
     if args.device == "cuda":
@@ -323,8 +400,12 @@ def _print(result: dict[str, Any], as_json: bool) -> None:
     if "raw_transfer_gbps" in result:
         print(f"raw, one message of the whole transfer ({result['raw_transfer']}): "
               f"{result['raw_transfer_gbps']:.2f} GB/s; ratio {result['ratio_transfer']:.2f}")
+    if "raw_resident_gbps" in result:
+        print(f"raw, the same with resident buffers ({result['raw_resident']}): "
+              f"{result['raw_resident_gbps']:.2f} GB/s; ratio {result['ratio_resident']:.2f}")
     for i, r in enumerate(result["rounds"]):
         extra = f", {r['raw_transfer_gbps']:.2f} ({r['ratio_transfer']:.2f})" if "ratio_transfer" in r else ""
+        extra += f", {r['raw_resident_gbps']:.2f} ({r['ratio_resident']:.2f})" if "ratio_resident" in r else ""
         print(f"  round {i}: {r['gbps']:.2f} GB/s vs {r['raw_gbps']:.2f} ({r['ratio']:.2f}){extra}")
     if "d2d_gbps" in result:
         print(f"d2d ceiling (torch copy cuda:0 -> cuda:1): {result['d2d_gbps']:.2f} GB/s; "
