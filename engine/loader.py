@@ -86,8 +86,7 @@ def load_model(name: str, device: str = "cpu", dtype: str | None = None, mtp_pat
         model = build_model(config)
         target, mtp = random_weights(model, TINY_SEED)
         if mtp_path is not None:
-            mtp = read_mtp_file(mtp_path, config.num_hidden_layers)
-            config = head_config(config, mtp, read_feature_layers(mtp_path))
+            mtp, config = read_head(mtp_path, config)
             model = build_model(config)
         load_weights(model, target, mtp)
         return LoadedModel("tiny", _materialize(model, device, torch_dtype), ByteTokenizer(), config.eos_token_ids,
@@ -98,8 +97,9 @@ def load_model(name: str, device: str = "cpu", dtype: str | None = None, mtp_pat
     if mtp_path is None and not mtp:
         mtp_path = mtp_path_default(served_name(name))  # a head shipped in engine/mtp_heads/
     if mtp_path is not None:
-        mtp = read_mtp_file(mtp_path, config.num_hidden_layers)
-    config = head_config(config, mtp, read_feature_layers(mtp_path) if mtp_path is not None else ())
+        mtp, config = read_head(mtp_path, config)
+    else:
+        config = head_config(config, mtp, ())  # the checkpoint's own MTP layer, if any
     model = build_model(config)
     trained = bool(mtp)
     if not mtp:
@@ -127,6 +127,12 @@ def read_mtp_file(path: str, num_layers: int) -> dict[str, torch.Tensor]:
     tensors = load_file(path)
     _, prefixed = split_mtp_tensors(tensors, num_layers)
     return prefixed or tensors
+
+
+def read_head(path: str, config: ArchConfig) -> tuple[dict[str, torch.Tensor], ArchConfig]:
+    """A standalone MTP head file's tensors, and `config` with the head's shape."""
+    mtp = read_mtp_file(path, config.num_hidden_layers)
+    return mtp, head_config(config, mtp, read_feature_layers(path))
 
 
 def read_feature_layers(path: str) -> tuple[int, ...]:

@@ -9,7 +9,7 @@ import json
 
 import pytest
 import torch
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 
 from engine import mtp_train as mt
 from engine.attention import AttentionMetadata, TorchAttention
@@ -149,6 +149,10 @@ def test_head_with_features_trains_saves_loads_back_and_keeps_greedy_exact(tmp_p
         assert torch.equal(value.cpu(), saved[key].float()), key
     size = back.model.config.hidden_size
     assert saved["eh_proj.weight"][:, 2 * size :].abs().sum() > 0  # training reached the feature inputs
+    unnamed = tmp_path / "no-metadata.safetensors"
+    save_file(saved, str(unnamed))  # the tensors without the list of layers they read
+    with pytest.raises(ValueError, match="1 feature norms but names 0 feature layers"):
+        load_model("tiny", device=DEVICE, dtype="float32", mtp_path=str(unnamed))
     prompts = [list(b"the quick brown fox"), list(b"once upon")]
     params = SamplingParams(max_tokens=20, ignore_eos=True)
     plain = LLMEngine(back, EngineConfig(num_speculative_tokens=0, device=DEVICE)).generate(prompts, params)
