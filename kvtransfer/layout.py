@@ -22,6 +22,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -45,6 +46,11 @@ def coalesce(src: Sequence[int], dst: Sequence[int]) -> list[Run]:
             runs.append(Run(start, i - start))
             start = i
     return runs if src else []
+
+
+def _flat_bytes(plane: torch.Tensor) -> Any:
+    flat = plane.reshape(-1).view(torch.uint8)
+    return flat.numpy() if flat.device.type == "cpu" else flat
 
 
 def _planes_of(tensor: torch.Tensor, block_dim: int) -> list[torch.Tensor]:
@@ -80,17 +86,22 @@ class KVLayout:
         if len(devices) > 1:
             raise ValueError(f"KV tensors span several devices: {sorted(map(str, devices))}")
         self.device = devices.pop() if devices else torch.device("cpu")
+        # Per layer: each plane's bytes of one block, and each plane as one flat byte buffer
+        # (a numpy array for host memory, which transports take as is): a run is a slice.
+        self._block_bytes = [[p[0].numel() * p.element_size() for p in layer] for layer in self.planes]
+        self._flat = [[_flat_bytes(p) for p in layer] for layer in self.planes]
+        self._num_blocks = [min(p.shape[0] for p in layer) for layer in self.planes]
 
     @property
     def num_layers(self) -> int:
         return len(self.planes)
 
     def num_blocks(self, layer: int) -> int:
-        return min(p.shape[0] for p in self.planes[layer])
+        return self._num_blocks[layer]
 
     def block_bytes(self, layer: int) -> list[int]:
         """Bytes of one block in each plane of ``layer``."""
-        return [p[0].numel() * p.element_size() for p in self.planes[layer]]
+        return list(self._block_bytes[layer])
 
     def signature(self, layers: Sequence[int]) -> list[list[int]]:
         """Per-layer plane block sizes: two caches can exchange blocks iff equal."""
@@ -102,12 +113,15 @@ class KVLayout:
 
     def run_views(self, layer: int, first_block: int, count: int) -> list[torch.Tensor]:
         """One flat uint8 view per plane covering blocks first_block..first_block+count-1."""
-        views = []
-        for p in self.planes[layer]:
-            if first_block < 0 or first_block + count > p.shape[0]:
-                raise ValueError(f"blocks {first_block}+{count} outside 0..{p.shape[0] - 1}")
-            views.append(p[first_block : first_block + count].reshape(-1).view(torch.uint8))
-        return views
+        return [torch.as_tensor(b) for b in self.run_buffers(layer, first_block, count)]
+
+    def run_buffers(self, layer: int, first_block: int, count: int) -> list[Any]:
+        """As ``run_views``, but host memory as numpy arrays (what transports take; ~20x
+        cheaper to make than a torch view, which matters at one per message)."""
+        if first_block < 0 or first_block + count > self._num_blocks[layer]:
+            raise ValueError(f"blocks {first_block}+{count} outside 0..{self._num_blocks[layer] - 1}")
+        return [f[first_block * n : (first_block + count) * n]
+                for f, n in zip(self._flat[layer], self._block_bytes[layer], strict=True)]
 
     def check_blocks(self, layer: int, block_ids: Sequence[int]) -> None:
         """Raise ValueError unless every id is a block of ``layer``."""

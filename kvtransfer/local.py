@@ -33,7 +33,8 @@ class _LocalLink(Link):
         self.receiver._thread.call(self.receiver._deliver, self, wire.encode(msg))
 
     async def send_run(
-        self, desc: Descriptor, layer: int, run: int, views: list[torch.Tensor], announced: bool
+        self, desc: Descriptor, layer: int, run: int, views: list[torch.Tensor], announced: bool,
+        sent: Any = None,
     ) -> int:
         fut: concurrent.futures.Future[None] = concurrent.futures.Future()
         self.receiver._thread.call(self.receiver._land, desc["rid"], layer, run, views, fut)

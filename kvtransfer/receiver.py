@@ -93,6 +93,10 @@ class StreamingReceiver(KVReceiver):
     async def _reply(self, link: Any, msg: dict[str, Any]) -> None:
         """Send ``msg`` back on ``link``."""
 
+    def _lanes(self) -> list[bytes]:
+        """Addresses of the data lanes senders send to (ucx); none for a transport without."""
+        return []
+
     def _prepost(self, rec: _In) -> None:
         """Within ``expect``, on the loop: a pulling transport prepares every layer here."""
 
@@ -120,8 +124,8 @@ class StreamingReceiver(KVReceiver):
         blocks, layer_ids = [int(b) for b in dst_block_ids], [int(x) for x in layers]
         if len(set(layer_ids)) != len(layer_ids) or not layer_ids:
             raise TransferError(f"layers must be distinct and non-empty: {layer_ids}")
-        try:
-            for layer in layer_ids:
+        try:  # once per distinct cache size: the check reads only the layer's block count
+            for layer in {self.layout.num_blocks(x): x for x in layer_ids}.values():
                 self.layout.check_blocks(layer, blocks)
         except (ValueError, IndexError) as exc:
             raise TransferError(f"{request_id}: {exc}") from None
@@ -135,7 +139,7 @@ class StreamingReceiver(KVReceiver):
         addr, tag = self._address()
         return wire.make(
             "desc", rid=request_id, backend=self.backend, addr=addr, tag=tag,
-            serial=rec.serial, layers=layer_ids, blocks=blocks,
+            serial=rec.serial, lanes=self._lanes(), layers=layer_ids, blocks=blocks,
             layout=self.layout.signature(layer_ids),
         )
 

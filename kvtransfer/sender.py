@@ -26,7 +26,7 @@ import logging
 import threading
 import time
 from abc import abstractmethod
-from collections.abc import Awaitable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -56,17 +56,24 @@ class Link:
 
     @abstractmethod
     def send_run(
-        self, desc: Descriptor, layer: int, run: int, views: list[torch.Tensor], announced: bool
-    ) -> Awaitable[int]:
-        """Send one run's plane views; resolves to the number of transport messages.
+        self, desc: Descriptor, layer: int, run: int, views: list[torch.Tensor], announced: bool,
+        sent: Callable[[BaseException | None], None] | None = None,
+    ) -> Awaitable[int] | None:
+        """Send one run's plane views. ``announced``: the layer's runs went in a ``layers``
+        message (else they are the receiver's pre-posted ones).
 
-        A coroutine, or (ucx) a future for sends already posted. ``announced``: the layer's
-        runs went in a ``layers`` message (else they are the receiver's pre-posted ones).
+        Either a coroutine that writes them (tcp), or None for sends posted already (ucx),
+        which then call ``sent`` as each completes (an exception if it failed): one plain
+        call per message, no future, since a prefill posts hundreds per request.
         """
 
     def run_messages(self, views: list[torch.Tensor]) -> int:
         """Transport messages that one run of these plane views takes (``messages``)."""
         return 1
+
+    def views(self, layout: KVLayout, layer: int, first_block: int, count: int) -> list[Any]:
+        """The source planes of one run, in the form ``send_run`` takes."""
+        return layout.run_views(layer, first_block, count)
 
 
 @dataclass
@@ -83,6 +90,7 @@ class _Out:
     dst_runs: list[Any] | None = None  # the destination's own runs (what a pre-posting receiver posted)
     checked: tuple[list[int], int] | None = None  # last validated src blocks and their largest id
     pending: set[asyncio.Future[Any]] = field(default_factory=set)
+    sent_cb: Callable[[BaseException | None], None] | None = None  # a posted data send completed
     task: asyncio.Task[None] | None = None
     done: concurrent.futures.Future[TransferStatus] = field(
         default_factory=concurrent.futures.Future
@@ -211,6 +219,7 @@ class StreamingSender(KVSender):
 
     # -- loop side -----------------------------------------------------------------------
     def _launch(self, out: _Out) -> None:
+        out.sent_cb = lambda exc: self._data_sent(out, exc)
         out.task = asyncio.ensure_future(self._drive(out))
         out.task.add_done_callback(lambda t: self._task_done(out, t))
 
@@ -225,7 +234,7 @@ class StreamingSender(KVSender):
         begin = wire.make(
             "begin", rid=out.rid, reply=addr, ack_tag=tag, nblocks=len(out.desc["blocks"])
         )
-        await out.link.send_ctrl(begin)
+        await self._post_ctrl(out, begin)
         self._set_state(out, TransferState.TRANSFERRING, "")
         held: tuple[Any, ...] | None = None  # taken from the queue but not part of the last group
         while True:
@@ -245,8 +254,18 @@ class StreamingSender(KVSender):
         streaming = [f for f in out.pending if isinstance(f, asyncio.Task)]
         if streaming:  # coroutine links write in turn; posted (ucx) sends are ordered already
             await asyncio.gather(*streaming)
-        await out.link.send_ctrl(wire.make("finish", rid=out.rid, layers=len(out.sent)))
+        await self._post_ctrl(out, wire.make("finish", rid=out.rid, layers=len(out.sent)))
         out.deadline = time.monotonic() + self.timeout_s  # the ack must come in time
+
+    async def _post_ctrl(self, out: _Out, msg: dict[str, Any]) -> None:
+        """Send a control message: a posted send (ucx) is ordered before what follows, so it
+        is only tracked, not waited for; a stream (tcp) is written first."""
+        assert out.link is not None
+        sent = out.link.send_ctrl(msg)
+        if asyncio.isfuture(sent):
+            self._track(out, sent)
+        else:
+            await sent
 
     async def _send_layers(self, out: _Out, group: list[tuple[Any, ...]]) -> None:
         """One announce for the group's layers, then every run's data, posted at once."""
@@ -266,22 +285,29 @@ class StreamingSender(KVSender):
         announced = not self._preposted or runs != out.dst_runs
         if announced:
             pairs = [[r.index, r.count] for r in runs]
-            announce = out.link.send_ctrl(wire.make("layers", rid=out.rid, layers=layers, runs=pairs))
-            if asyncio.isfuture(announce):  # already posted (ucx): ordered, nothing to wait for
-                self._track(out, announce)
-            else:  # a stream (tcp): the header must be written before the data
-                await announce
+            await self._post_ctrl(out, wire.make("layers", rid=out.rid, layers=layers, runs=pairs))
         # Every run's data is posted at once and never awaited here; a failure ends the lease.
         for layer in layers:
             for i, r in enumerate(runs):
-                views = self.layout.run_views(layer, src[r.index], r.count)
+                views = out.link.views(self.layout, layer, src[r.index], r.count)
                 self.messages += out.link.run_messages(views)  # counted when posted
-                self._track(out, out.link.send_run(out.desc, layer, i, views, announced))
+                writing = out.link.send_run(out.desc, layer, i, views, announced, out.sent_cb)
+                if writing is not None:
+                    self._track(out, writing)
 
     def _track(self, out: _Out, aw: Awaitable[Any]) -> None:
         fut = asyncio.ensure_future(aw)
         out.pending.add(fut)
         fut.add_done_callback(lambda f: self._run_sent(out, f))
+
+    def _data_sent(self, out: _Out, exc: BaseException | None) -> None:
+        """A posted data send completed (ucx): as ``_run_sent``, without a future."""
+        if out.state.terminal:
+            return
+        if exc is not None:
+            self._end(out, TransferState.FAILED, f"send to the receiver failed: {exc!r}", True)
+        else:
+            out.deadline = time.monotonic() + self.timeout_s
 
     def _run_sent(self, out: _Out, fut: asyncio.Future[Any]) -> None:
         out.pending.discard(fut)

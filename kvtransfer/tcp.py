@@ -69,7 +69,8 @@ class _Conn(Link):
         await self.writer.drain()
 
     async def send_run(
-        self, desc: Descriptor, layer: int, run: int, views: list[torch.Tensor], announced: bool
+        self, desc: Descriptor, layer: int, run: int, views: list[torch.Tensor], announced: bool,
+        sent: Any = None,
     ) -> int:
         nbytes = sum(v.numel() for v in views)
         header = wire.make("data", rid=desc["rid"], layer=layer, run=run, nbytes=nbytes)

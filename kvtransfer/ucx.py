@@ -23,12 +23,16 @@ without any announcement; nothing on the receiver stands between ``begin`` and t
 byte. A layer with other runs is announced; its pre-posted receives are retired and the
 announced runs posted under the ``announced`` tags, so the two can never mix.
 
-Threads: one per process. ucxx's asyncio layer (progress thread, ``Request.wait``
-polling with ``sleep(0)``) is not used; ``_Driver`` drives ucxx's core API from the
-process-wide loop thread (``runtime()``, shared by every UcxSender/UcxReceiver of
-the process), as ucx_perftest does: post, ``worker.progress()``, reap completions
-by callback; busy-poll only while data receives are in flight, otherwise sleep on
-the worker's epoll descriptor. ``UCXPY_*`` variables therefore have no effect;
+Threads: the process-wide loop thread (``runtime()``, shared by every UcxSender and
+UcxReceiver of the process) and, in a receiving process, ``PDSERVE_UCX_LANES`` lane
+threads (default 2). ucxx's asyncio layer (progress thread, ``Request.wait`` polling with
+``sleep(0)``) is not used; ``_Driver`` drives ucxx's core API from the loop thread, as
+ucx_perftest does: post, ``worker.progress()``, reap completions by callback, sleep on
+the worker's epoll descriptor when idle. Control messages and every send go through the
+driver's worker. Data receives go to the lanes (``_Lane``): one UCX worker and thread
+each, layer ``l`` on lane ``l % lanes``, whose addresses the descriptor carries. The
+receiver pulls the bytes, so the lanes copy in parallel; a lane busy-polls only while
+receives of a transfer that began are pending. ``UCXPY_*`` variables have no effect;
 ``PDSERVE_UCX_SPIN=0`` turns the busy-polling off. ``UCX_*`` variables apply.
 
 Careful: ucxx 0.52 cannot cancel a posted receive from Python. A receive that must go
@@ -43,9 +47,11 @@ zero-byte message then stays in UCX's unexpected queue, a few bytes.)
 from __future__ import annotations
 
 import asyncio
+import collections
 import logging
 import os
 import secrets
+import select
 import threading
 import time
 from collections.abc import Callable
@@ -70,6 +76,10 @@ CTRL = 1 << 63
 ACK = 3 << 62
 SPIN = os.environ.get("PDSERVE_UCX_SPIN", "1") != "0"
 """Busy-poll the worker while data receives are in flight (see ``_Driver``)."""
+LANES = max(1, int(os.environ.get("PDSERVE_UCX_LANES", "2")))
+"""Receive lanes per process: layer ``l`` is pulled by lane ``l % LANES`` (see ``_Lane``)."""
+FLUSH_S = 1e-3
+"""A lane hands completions to the loop at least this often while it has some."""
 log = logging.getLogger(__name__)
 _runtime: LoopThread | None = None
 _driver: _Driver | None = None
@@ -85,11 +95,12 @@ class _Driver:
     notifier thread, and no per-request coroutine polling (ucxx's ``Request.wait``
     spins the event loop with ``sleep(0)`` while any request is pending, which made
     every process with a posted control receive burn a core forever). Completion is
-    a callback run on the loop after ``worker.progress()``. While data receives are
-    in flight (``hot``) the loop busy-polls, as perftest does; otherwise it arms the
-    worker and sleeps on its epoll descriptor, so an idle process costs nothing.
-    A sender never spins: under the rendezvous protocol the receiver pulls the bytes
-    (CMA / CUDA IPC / RDMA read) and the sender only learns of completion.
+    a callback run on the loop after ``worker.progress()``. While receives posted here
+    ``hot`` are pending the loop busy-polls, as perftest does (data receives live on the
+    lanes, so in practice it never does); otherwise it arms the worker and leaves the loop
+    idle until the worker's epoll descriptor turns readable, so an idle process costs
+    nothing. A sender never spins: under the rendezvous protocol the receiver pulls the
+    bytes (CMA / CUDA IPC / RDMA read) and the sender only learns of completion.
     """
 
     def __init__(self) -> None:
@@ -101,9 +112,11 @@ class _Driver:
         self._pending: dict[int, tuple[Any, Any, Done, bool]] = {}  # id(req) -> req, buf, done, hot
         self._loop = asyncio.get_running_loop()
         self._fd = self.worker.epoll_file_descriptor
-        self._woken: asyncio.Future[None] | None = None
+        self._scheduled = False
         self._endpoints: dict[bytes, Any] = {}
-        self._task = asyncio.ensure_future(self._run())
+        self._lanes: list[_Lane] = []
+        self._loop.add_reader(self._fd, self._schedule)  # readable only once armed and woken
+        self._tick()
 
     # -- posting -------------------------------------------------------------------
     def send(self, ep: Any, buf: Any, tag: int, done: Done, hot: bool = False) -> None:
@@ -116,9 +129,18 @@ class _Driver:
         self._track(req, arr, done, hot)
         return req
 
+    def lanes(self) -> list[_Lane]:
+        """The process's receive lanes, started on first use (on the loop thread)."""
+        if not self._lanes:
+            self._lanes = [_Lane(self.context, i, self._loop) for i in range(LANES)]
+        return self._lanes
+
     def heat(self, reqs: list[Any], hot: bool = True) -> None:
         """Spin (or stop spinning, ``hot=False``) for these receives while they are pending."""
         for req in reqs:
+            if isinstance(req, _LaneRecv):
+                req.lane.heat(req, hot)
+                continue
             entry = self._pending.get(id(req))
             if entry is not None and entry[3] != hot:
                 self._pending[id(req)] = (*entry[:3], hot)
@@ -132,12 +154,13 @@ class _Driver:
         worker until every one completed; their handlers run later, from ``_reap``. Returns
         False if some did not within ``patience_s`` (a pull still under way from a peer).
         """
-        live = [(tag, req) for tag, req in posted if not req.completed]
+        live = [(tag, req) for tag, req in posted
+                if not req.completed and not (isinstance(req, _LaneRecv) and req.lane.cancel(req))]
         if not live:
             return True
-        ep = self.endpoint(self.address)
-        for tag, _req in live:
-            self.send(ep, _EMPTY, tag, _ignore)
+        for tag, req in live:
+            address = req.lane.address if isinstance(req, _LaneRecv) else self.address
+            self.send(self.endpoint(address), _EMPTY, tag, _ignore)
         deadline = time.monotonic() + patience_s
         while not all(req.completed for _tag, req in live):
             if time.monotonic() > deadline:
@@ -172,8 +195,7 @@ class _Driver:
             return
         self._pending[id(req)] = (req, buf, done, hot)
         self.hot += hot
-        if self._woken is not None and not self._woken.done():
-            self._woken.set_result(None)  # re-evaluate: spin now, or re-arm
+        self._schedule()  # re-evaluate: spin now, or re-arm
 
     def _finish(self, req: Any, done: Done) -> None:
         try:
@@ -194,25 +216,172 @@ class _Driver:
             self.hot -= hot
             self._finish(req, done)
 
-    async def _run(self) -> None:
+    def _schedule(self) -> None:
+        """Make one progress pass run soon (once, however many ask before it runs)."""
+        if not self._scheduled:
+            self._scheduled = True
+            self._loop.call_soon(self._pass)
+
+    def _pass(self) -> None:
+        """Progress and reap; then poll again (spinning, or events arrived meanwhile), or arm
+        the worker and leave the loop idle until its descriptor, a post or the tick wakes it.
+        Plain callbacks, no task: a wake-up costs the sender one of these per ack it gets."""
+        self._scheduled = False
+        self.worker.progress()
+        self._reap()
+        if (SPIN and self.hot) or not self.worker.arm():
+            self._schedule()
+
+    def _tick(self) -> None:
+        """Belt and braces: progress at least once a second."""
+        self._schedule()
+        self._loop.call_later(1.0, self._tick)
+
+
+class _LaneRecv:
+    """A receive handed to a lane; its thread posts it (``req``) soon after."""
+
+    __slots__ = ("lane", "arr", "tag", "done", "hot", "req", "cancelled")
+
+    def __init__(self, lane: _Lane, arr: Any, tag: int, done: Done, hot: bool) -> None:
+        self.lane, self.arr, self.tag, self.done, self.hot = lane, arr, tag, done, hot
+        self.req: Any = None
+        self.cancelled = False
+
+    @property
+    def completed(self) -> bool:
+        return self.cancelled or (self.req is not None and self.req.completed)
+
+
+class _Lane:
+    """A UCX worker for data receives with a thread of its own that posts, progresses, reaps.
+
+    Under the rendezvous protocol the receiver pulls the bytes, so on one host the copy (CMA)
+    runs inside the receiver's ``worker.progress()``, which releases the GIL: lanes copy in
+    parallel. One worker copies at what one core moves; measured on the 2-vCPU VM (bare ucxx,
+    32 x 2 MiB resident, see BENCHMARKS.md): one lane 7.4-7.9 ms per 64 MiB, two 5.4-6.5 ms.
+    The sender sends layer ``l`` to lane ``l % lanes`` (``Descriptor['lanes']``).
+
+    Completion handlers run on the loop thread, in batches (``call_soon_threadsafe``): a
+    batch goes when the lane has nothing left pending, before it sleeps, on an error, or
+    once its oldest completion waited ``FLUSH_S``; so a transfer wakes the loop about once
+    per lane, not once per message (each wake costs the loop thread a GIL hand-over and a
+    vCPU the copies need). The lane spins while one of its receives is hot (its sender began, as
+    ``_Driver`` does), otherwise it sleeps on its worker's epoll descriptor and an eventfd
+    that ``recv``/``heat`` write. Its state is the lane thread's, but for ``cancel`` (under
+    ``_lock``): a receive still queued is dropped there, never posted.
+    """
+
+    def __init__(self, context: Any, index: int, loop: asyncio.AbstractEventLoop) -> None:
+        self.worker = ucx_api.UCXWorker(context, False, False)
+        self.worker.init_blocking_progress_mode()
+        self.address = bytes(self.worker.address.tobytes())
+        self._loop = loop
+        self._lock = threading.Lock()
+        self._ops: collections.deque[_LaneRecv | Callable[[], None]] = collections.deque()
+        self._wake = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
+        self._pending: list[_LaneRecv] = []
+        self._batch: list[tuple[Done, BaseException | None]] = []
+        self._batch_t0 = 0.0
+        threading.Thread(target=self._run, name=f"kv-ucx-lane{index}", daemon=True).start()
+
+    # -- loop side -----------------------------------------------------------------
+    def recv(self, buf: Any, tag: int, done: Done, hot: bool) -> _LaneRecv:
+        handle = _LaneRecv(self, Array(buf), tag, done, hot)
+        self._submit(handle)
+        return handle
+
+    def call(self, fn: Callable[[], None]) -> None:
+        """Run ``fn`` on the lane's thread (binding a CUDA device)."""
+        self._submit(fn)
+
+    def heat(self, handle: _LaneRecv, hot: bool) -> None:
+        handle.hot = hot
+        if hot:
+            os.eventfd_write(self._wake, 1)
+
+    def cancel(self, handle: _LaneRecv) -> bool:
+        """Drop a receive the lane has not posted yet; False if it is posted."""
+        with self._lock:
+            if handle.req is None:
+                handle.cancelled = True
+            return handle.cancelled
+
+    def _submit(self, op: _LaneRecv | Callable[[], None]) -> None:
+        self._ops.append(op)
+        os.eventfd_write(self._wake, 1)
+
+    # -- lane thread ---------------------------------------------------------------
+    def _run(self) -> None:
+        fd = self.worker.epoll_file_descriptor
         while True:
-            self.worker.progress()
-            self._reap()
-            if SPIN and self.hot:
-                await asyncio.sleep(0)  # let handlers run, then poll again
-                continue
-            if not self.worker.arm():  # events arrived meanwhile: progress again
-                await asyncio.sleep(0)
-                continue
-            self._woken = self._loop.create_future()
-            self._loop.add_reader(self._fd, _settle, self._woken, None)
             try:
-                await asyncio.wait_for(asyncio.shield(self._woken), 1.0)
-            except TimeoutError:
-                pass  # belt and braces: progress at least once a second
-            finally:
-                self._loop.remove_reader(self._fd)
-                self._woken = None
+                while self._ops:
+                    self._take(self._ops.popleft())
+                self.worker.progress()  # the copies happen here, without the GIL
+                if self._pending:
+                    self._reap()
+                if self._batch and (not self._pending or time.monotonic() - self._batch_t0 > FLUSH_S):
+                    self._flush()
+                if SPIN and any(h.hot for h in self._pending):
+                    os.sched_yield()  # spin, but let a runnable thread (the sender's) have the vCPU
+                    continue
+                if self._ops or not self.worker.arm():
+                    continue
+                if self._batch:
+                    self._flush()
+                if self._wake in select.select([fd, self._wake], [], [], 1.0)[0]:
+                    os.eventfd_read(self._wake)
+            except Exception:  # never let the lane die: its receives would hang until timeout
+                log.exception("ucx lane failed a pass")
+                time.sleep(0.01)
+
+    def _take(self, op: _LaneRecv | Callable[[], None]) -> None:
+        if not isinstance(op, _LaneRecv):
+            op()
+            return
+        with self._lock:
+            if op.cancelled:
+                return
+            try:
+                op.req = self.worker.tag_recv(op.arr, ucx_api.UCXXTag(op.tag))
+            except Exception as exc:
+                op.cancelled = True
+                failed: list[tuple[Done, BaseException | None]] = [(op.done, exc)]
+                self._loop.call_soon_threadsafe(_deliver, failed)
+                return
+        self._pending.append(op)
+
+    def _reap(self) -> None:
+        keep, failed = [], False
+        for h in self._pending:
+            if not h.req.completed:
+                keep.append(h)
+                continue
+            if not self._batch:
+                self._batch_t0 = time.monotonic()
+            try:
+                h.req.check_error()
+                self._batch.append((h.done, None))
+            except Exception as exc:  # truncated receive, peer error
+                self._batch.append((h.done, exc))
+                failed = True
+        if len(keep) != len(self._pending):
+            self._pending = keep
+        if failed:
+            self._flush()
+
+    def _flush(self) -> None:
+        batch, self._batch = self._batch, []
+        self._loop.call_soon_threadsafe(_deliver, batch)
+
+
+def _deliver(batch: list[tuple[Done, BaseException | None]]) -> None:
+    for done, exc in batch:
+        try:
+            done(exc)
+        except Exception:  # a completion handler's bug must not stop the others
+            log.exception("ucx completion handler failed")
 
 
 _EMPTY = np.zeros(0, np.uint8)
@@ -262,8 +431,8 @@ def data_tag(serial: int, layer: int, index: int, announced: bool = False) -> in
     return ((serial & ((1 << 27) - 1)) << 36) | (layer << 24) | (ANNOUNCED if announced else 0) | index
 
 
-def _buffer(view: torch.Tensor) -> Any:
-    return view if view.is_cuda else view.numpy()
+def _buffer(view: Any) -> Any:
+    return view.numpy() if isinstance(view, torch.Tensor) and not view.is_cuda else view
 
 
 async def send_raw(addr: bytes, tag: int, payload: bytes) -> None:
@@ -275,36 +444,30 @@ async def send_raw(addr: bytes, tag: int, payload: bytes) -> None:
 class _Peer(Link):
     """Sends to one (worker, tag) pair: a receiver's control tag or a sender's ack tag."""
 
-    def __init__(self, ep: Any, tag: int) -> None:
+    def __init__(self, ep: Any, tag: int, lanes: list[Any] | None = None) -> None:
         self.ep, self.tag = ep, tag
+        self.lanes = lanes or [ep]  # data endpoints: layer l goes to lanes[l % len]
 
     def send_ctrl(self, msg: dict[str, Any]) -> asyncio.Future[None]:
         """Post the send now (in order with later sends); the future says when it went."""
         return driver().send_future(self.ep, np.frombuffer(wire.seal(msg), np.uint8), self.tag)
 
-    def run_messages(self, views: list[torch.Tensor]) -> int:
+    def run_messages(self, views: list[Any]) -> int:
         return len(views)  # one tagged message per plane
 
+    def views(self, layout: Any, layer: int, first_block: int, count: int) -> list[Any]:
+        return layout.run_buffers(layer, first_block, count)  # numpy slices for host memory
+
     def send_run(
-        self, desc: Descriptor, layer: int, run: int, views: list[torch.Tensor], announced: bool
-    ) -> asyncio.Future[int]:
-        """Post every plane's send at once; the future resolves when all completed."""
+        self, desc: Descriptor, layer: int, run: int, views: list[Any], announced: bool,
+        sent: Done | None = None,
+    ) -> None:
+        """Post every plane's send at once; ``sent`` hears of each one's completion."""
         drv, n = driver(), len(views)
-        fut: asyncio.Future[int] = asyncio.get_running_loop().create_future()
-        left = [n]
-
-        def one_done(exc: BaseException | None) -> None:
-            left[0] -= 1
-            if fut.done():
-                return
-            if exc is not None:
-                fut.set_exception(exc)
-            elif left[0] == 0:
-                fut.set_result(n)
-
+        ep = self.lanes[layer % len(self.lanes)]
         for p, v in enumerate(views):
-            drv.send(self.ep, _buffer(v), data_tag(desc["serial"], layer, run * n + p, announced), one_done)
-        return fut
+            drv.send(ep, _buffer(v), data_tag(desc["serial"], layer, run * n + p, announced),
+                     sent or _ignore)
 
 
 class _CtrlReceiver:
@@ -351,6 +514,7 @@ class UcxReceiver(StreamingReceiver):
         self._ctrl = self._thread.submit(self._open_ctrl()).result(timeout=30)
 
     async def _open_ctrl(self) -> _CtrlReceiver:
+        self._lane_addresses = [lane.address for lane in driver().lanes()]
         return _CtrlReceiver(self._tag, self._dispatch, self._bad)
 
     def _make_loop(self) -> LoopThread:
@@ -362,6 +526,9 @@ class UcxReceiver(StreamingReceiver):
 
     def _address(self) -> tuple[bytes, int]:
         return driver().address, self._tag
+
+    def _lanes(self) -> list[bytes]:
+        return self._lane_addresses
 
     async def _reply(self, link: Any, msg: dict[str, Any]) -> None:
         await link.send_ctrl(msg)
@@ -432,15 +599,17 @@ class UcxReceiver(StreamingReceiver):
     def _post(self, rec: _In, layers: list[int], runs: list[list[int]], announced: bool, hot: bool) -> None:
         assert self.layout is not None
         drv, posted = driver(), self._posted.setdefault(rec.rid, {})
+        lanes = drv.lanes()
         for layer in layers:
+            lane = lanes[layer % len(lanes)]
             rec.remaining[layer] = len(runs)
             for i, (index, count) in enumerate(runs):
-                views = self.layout.run_views(layer, rec.blocks[index], count)
+                views = self.layout.run_buffers(layer, rec.blocks[index], count)
                 rec.views[(layer, i)] = views
                 run = _PostedRun(self, rec, layer, i, len(views))
                 for p, v in enumerate(views):
                     tag = data_tag(rec.serial, layer, i * len(views) + p, announced)
-                    posted[tag] = (drv.recv(_buffer(v), tag, run.landed(posted, tag), hot), run)
+                    posted[tag] = (lane.recv(_buffer(v), tag, run.landed(posted, tag), hot), run)
 
     def _retire(self, rec: _In, posted: list[tuple[int, Any]]) -> None:
         """Take these receives out of play before their blocks are handed back."""
@@ -492,7 +661,7 @@ class UcxSender(StreamingSender):
     def __init__(self, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self._tag = ACK | secrets.randbits(32)
-        self._peers: dict[tuple[bytes, int], _Peer] = {}
+        self._peers: dict[tuple[Any, ...], _Peer] = {}
         self._ctrl = self._thread.submit(self._open_ctrl()).result(timeout=30)
 
     async def _open_ctrl(self) -> _CtrlReceiver:
@@ -512,11 +681,15 @@ class UcxSender(StreamingSender):
         self._on_message(wire.make("error", reason=str(exc)[: wire.MAX_STR]))
 
     async def _open(self, desc: Descriptor) -> Link:
-        key = (desc["addr"], desc["tag"])
-        if not isinstance(key[0], bytes) or key[1] & ACK != CTRL:
+        addr, tag, lanes = desc["addr"], desc["tag"], desc["lanes"]
+        if not isinstance(addr, bytes) or tag & ACK != CTRL:
             raise ValueError("ucx descriptor without a worker address and control tag")
+        if not lanes or not all(isinstance(a, bytes) for a in lanes):
+            raise ValueError("ucx descriptor without lane worker addresses")
+        key = (addr, tag, *lanes)
         if key not in self._peers:
-            self._peers[key] = _Peer(driver().endpoint(key[0]), key[1])
+            drv = driver()
+            self._peers[key] = _Peer(drv.endpoint(addr), tag, [drv.endpoint(a) for a in lanes])
         return self._peers[key]
 
     async def _close_transport(self) -> None:
@@ -530,5 +703,11 @@ def _bind_device(thread: LoopThread, device: torch.device) -> None:
 
 
 async def _set_device(device: torch.device) -> None:
+    _bind(device)
+    for lane in driver().lanes():  # a lane's thread pulls (CUDA IPC) into this device's memory
+        lane.call(lambda: _bind(device))
+
+
+def _bind(device: torch.device) -> None:
     torch.cuda.set_device(device)
     torch.empty(1, device=device)  # creates the primary context if not yet there

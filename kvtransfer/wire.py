@@ -18,11 +18,13 @@ from typing import Any
 
 import msgpack
 
-VERSION = 3  # 2: one ``layers`` announce covers every layer queued at once;
-# 3: ucx announces only layers whose runs differ from the destination's (pre-posted) ones
+VERSION = 4  # 2: one ``layers`` announce covers every layer queued at once;
+# 3: ucx announces only layers whose runs differ from the destination's (pre-posted) ones;
+# 4: ``desc`` names the receiver's data lanes (ucx: one worker address per lane)
 MAX_MESSAGE_BYTES = 1 << 20
 MAX_LIST = 1 << 17
 MAX_STR = 1024
+MAX_LANES = 64
 MAX_INT = (1 << 64) - 1  # ucx tags use all 64 bits
 HEADER = struct.Struct(">I")
 
@@ -48,7 +50,10 @@ def _addr(v: Any) -> bool:
 
 
 def _ints(v: Any) -> bool:
-    return isinstance(v, list) and len(v) <= MAX_LIST and all(_int(x) for x in v)
+    # ``type(x) is int`` (not isinstance: a bool is not a count), then one min/max: a
+    # descriptor carries a few thousand block ids, and this runs on every hop.
+    return (isinstance(v, list) and len(v) <= MAX_LIST and all(type(x) is int for x in v)
+            and (not v or (min(v) >= 0 and max(v) <= MAX_INT)))
 
 
 def _pairs(v: Any) -> bool:
@@ -68,6 +73,7 @@ SCHEMAS: dict[str, dict[str, Callable[[Any], bool]]] = {
     # Receiver -> router -> sender: where and what to send.
     "desc": {
         **_RID, "backend": _str, "addr": _addr, "tag": _int, "serial": _int,
+        "lanes": lambda v: _list_of(v, _addr) and len(v) <= MAX_LANES,
         "layers": _ints, "blocks": _ints, "layout": _int_lists,
     },
     # Sender -> receiver.

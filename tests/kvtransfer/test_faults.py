@@ -187,7 +187,8 @@ def test_ucx_late_data_cannot_land_after_failure() -> None:
         assert status.state is TransferState.FAILED and "timed out" in status.reason
         plane = receiver.layout.run_views(0, 1, 2)[0]  # type: ignore[attr-defined]
         tag = ucx.data_tag(desc["serial"], 0, 0)  # layer 0, run 0, plane 0: pre-posted
-        late.call("raw_ucx", addr=desc["addr"], tag=tag, payload=b"\xff" * plane.numel())
+        lane = desc["lanes"][0]  # layer 0's lane, where its receives are posted
+        late.call("raw_ucx", addr=lane, tag=tag, payload=b"\xff" * plane.numel())
         sender = _sender("ucx")  # the receiver keeps serving (and progressing its worker)
         try:
             assert _transfer(sender, receiver, "next") is TransferState.DONE

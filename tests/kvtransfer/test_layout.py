@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
 from kvtransfer.layout import KVLayout, Run, coalesce
+from tests.kvtransfer.peer import make_cache
 
 
 def test_coalesce_needs_both_sides_consecutive() -> None:
@@ -44,3 +46,16 @@ def test_non_contiguous_planes_and_bad_blocks_are_refused() -> None:
     layout = KVLayout([torch.randn(2, 5, 4)], block_dim=1)
     with pytest.raises(ValueError, match="outside"):
         layout.check_blocks(0, [0, 5])
+
+
+def test_run_buffers_are_the_run_views_bytes() -> None:
+    """``run_buffers`` (what ucx posts) covers exactly the bytes of ``run_views``, for every
+    dtype and layout, and refuses blocks outside the cache."""
+    layers, dims = make_cache(6, seed=4)
+    layout = KVLayout(layers, dims)
+    for layer in range(layout.num_layers):
+        views, bufs = layout.run_views(layer, 2, 3), layout.run_buffers(layer, 2, 3)
+        assert [v.numpy().tobytes() for v in views] == [b.tobytes() for b in bufs]
+        assert all(isinstance(b, np.ndarray) for b in bufs)
+    with pytest.raises(ValueError, match="outside"):
+        layout.run_buffers(0, 5, 2)

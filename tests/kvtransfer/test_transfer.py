@@ -51,8 +51,14 @@ def interleaved_send(sender, maps: list[tuple[list[int], list[int]]], seed: int)
         sender.finish(rid)
 
 
-@pytest.mark.parametrize("backend", ["tcp", "ucx"])
-def test_eight_interleaved_requests_arrive_exactly(backend: str) -> None:
+@pytest.mark.parametrize(("backend", "lanes"), [("tcp", None), ("ucx", None), ("ucx", 1), ("ucx", 3)])
+def test_eight_interleaved_requests_arrive_exactly(
+    backend: str, lanes: int | None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``lanes``: the receiving process's ucx receive lanes (default 2); layer l goes to lane
+    l % lanes, so with 3 lanes and 4 layers one lane carries two layers of every request."""
+    if lanes is not None:
+        monkeypatch.setenv("PDSERVE_UCX_LANES", str(lanes))  # read by the spawned receiver
     receiver = Peer("receiver", backend, NUM_BLOCKS, timeout_s=30, seed=None)
     src, dims = make_cache(NUM_BLOCKS, seed=1)
     sender = create_sender(backend, timeout_s=30)
@@ -61,6 +67,7 @@ def test_eight_interleaved_requests_arrive_exactly(backend: str) -> None:
         maps = block_maps(seed=7, requests=8)
         for i, (_, dst) in enumerate(maps):
             desc = receiver.call("expect", request_id=f"req-{i}", dst_block_ids=dst, layers=LAYERS)
+            assert len(desc["lanes"]) == (0 if backend == "tcp" else lanes or 2)
             sender.start(f"req-{i}", desc)
         interleaved_send(sender, maps, seed=3)
         for i, (src_ids, dst) in enumerate(maps):
@@ -137,8 +144,9 @@ def test_layout_mismatch_is_refused_at_start() -> None:
 
 
 def test_ucx_driver_stops_spinning_after_transfers() -> None:
-    """Data receives make the ucx thread busy-poll while they are pending; once every
-    transfer is done it must sleep again (a leaked count keeps a core busy forever).
+    """Data receives make the ucx lanes busy-poll while they are pending; once every
+    transfer is done the loop and every lane must sleep again (a leaked hot receive keeps a
+    core busy forever).
     Back-to-back transfers in one process make ``begin`` and data complete in one
     progress call, the case that once leaked."""
     from kvtransfer import ucx
@@ -166,7 +174,27 @@ def test_ucx_driver_stops_spinning_after_transfers() -> None:
 async def _hot() -> int:
     from kvtransfer import ucx
 
-    return ucx.driver().hot
+    drv = ucx.driver()  # a lane drops a receive from ``_pending`` before its handler runs
+    return drv.hot + sum(h.hot for lane in drv.lanes() for h in lane._pending)
+
+
+def test_ucx_descriptor_without_lanes_fails_the_transfer() -> None:
+    """A ucx descriptor must name the receiver's data lanes; one that names none (a
+    receiver of an older protocol, or a forged one) fails the transfer with the reason."""
+    layers = [torch.randn(8, 64)]
+    receiver, sender = create_receiver("ucx", timeout_s=2), create_sender("ucx", timeout_s=2)
+    receiver.register(KVLayout([torch.zeros_like(layers[0])], 0))
+    sender.register(KVLayout(layers, 0))
+    try:
+        desc = dict(receiver.expect("r", list(range(8)), [0]))
+        desc["lanes"] = []
+        sender.start("r", desc)
+        status = sender.wait("r", 10)
+        assert status.state is TransferState.FAILED and "lane" in status.reason
+        assert sender.held() == []
+    finally:
+        sender.close()
+        receiver.close()
 
 
 def test_ucx_expect_does_not_wait_for_the_transport_thread() -> None:
