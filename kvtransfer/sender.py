@@ -301,7 +301,7 @@ class StreamingSender(KVSender):
         fut.add_done_callback(lambda f: self._run_sent(out, f))
 
     def _data_sent(self, out: _Out, exc: BaseException | None) -> None:
-        """A posted data send completed (ucx): as ``_run_sent``, without a future."""
+        """A send completed: a failure ends the lease, a success extends it."""
         if out.state.terminal:
             return
         if exc is not None:
@@ -311,12 +311,8 @@ class StreamingSender(KVSender):
 
     def _run_sent(self, out: _Out, fut: asyncio.Future[Any]) -> None:
         out.pending.discard(fut)
-        if fut.cancelled():
-            return
-        if fut.exception() is not None:
-            self._end(out, TransferState.FAILED, f"send to the receiver failed: {fut.exception()!r}", True)
-            return
-        out.deadline = time.monotonic() + self.timeout_s
+        if not fut.cancelled():
+            self._data_sent(out, fut.exception())
 
     def _task_done(self, out: _Out, task: asyncio.Task[None]) -> None:
         if not task.cancelled() and task.exception() is not None:
