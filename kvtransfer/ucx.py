@@ -514,7 +514,7 @@ class UcxReceiver(StreamingReceiver):
         self._ctrl = self._thread.submit(self._open_ctrl()).result(timeout=30)
 
     async def _open_ctrl(self) -> _CtrlReceiver:
-        self._lane_addresses = [lane.address for lane in driver().lanes()]
+        self._data_lanes = driver().lanes()
         return _CtrlReceiver(self._tag, self._dispatch, self._bad)
 
     def _make_loop(self) -> LoopThread:
@@ -523,12 +523,17 @@ class UcxReceiver(StreamingReceiver):
     def register(self, layout: Any) -> None:
         super().register(layout)
         _bind_device(self._thread, layout.device)
+        if layout.device.type == "cuda":
+            # CUDA IPC pulls are copy-engine work a lane only enqueues and polls: one lane
+            # keeps up, and a second only adds a spinning thread and a hand-over (2x H200,
+            # 512 MiB: 166 GB/s with one lane, 151 with two; BENCHMARKS.md).
+            self._data_lanes = self._data_lanes[:1]
 
     def _address(self) -> tuple[bytes, int]:
         return driver().address, self._tag
 
     def _lanes(self) -> list[bytes]:
-        return self._lane_addresses
+        return [lane.address for lane in self._data_lanes]
 
     async def _reply(self, link: Any, msg: dict[str, Any]) -> None:
         await link.send_ctrl(msg)
@@ -598,8 +603,7 @@ class UcxReceiver(StreamingReceiver):
 
     def _post(self, rec: _In, layers: list[int], runs: list[list[int]], announced: bool, hot: bool) -> None:
         assert self.layout is not None
-        drv, posted = driver(), self._posted.setdefault(rec.rid, {})
-        lanes = drv.lanes()
+        posted, lanes = self._posted.setdefault(rec.rid, {}), self._data_lanes
         for layer in layers:
             lane = lanes[layer % len(lanes)]
             rec.remaining[layer] = len(runs)
