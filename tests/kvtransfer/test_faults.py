@@ -8,6 +8,7 @@ import zlib
 
 import msgpack
 import pytest
+import torch
 
 from kvtransfer import KVLayout, TransferState, create_receiver, create_sender, wire
 from tests.kvtransfer.peer import Peer, make_cache
@@ -198,3 +199,46 @@ def test_ucx_late_data_cannot_land_after_failure() -> None:
     finally:
         late.close()
         receiver.close()
+
+
+def test_ucx_sends_nobody_takes_are_polled_ever_less_often() -> None:
+    """A data send no receive ever takes (its receiver died, or posted other tags) fails its
+    transfer at the lease and stays pending in UCX for good, since a posted send cannot be
+    withdrawn. The sender's loop reaps data sends on a timer; for such sends the timer must
+    back off towards 1 s, not wake the loop every few milliseconds forever."""
+    from kvtransfer import ucx
+
+    layers = [torch.randn(64, 1024) for _ in range(2)]  # 256 KiB a layer: rendezvous sends
+    receiver = create_receiver("ucx", timeout_s=30)
+    receiver.register(KVLayout([torch.zeros_like(t) for t in layers], 0))
+    sender = create_sender("ucx", timeout_s=1.0)
+    sender.register(KVLayout(layers, 0))
+    try:
+        desc = dict(receiver.expect("r", list(range(64)), [0, 1]))
+        desc["serial"] += 1  # the data tags match none of the receiver's posted receives
+        sender.start("r", desc)
+        for layer in (0, 1):
+            sender.send_layer("r", layer, list(range(64)))
+        sender.finish("r")
+        status = sender.wait("r", 10)
+        assert status.state is TransferState.FAILED and "lease expired" in status.reason
+        pending, interval = ucx.runtime().submit(_stale_polling(0.25)).result(10)
+        assert pending >= 2, "the sends completed: this test no longer has stale sends"
+        assert interval >= 0.25
+    finally:
+        sender.close()
+        receiver.close()
+
+
+async def _stale_polling(enough_s: float) -> tuple[int, float]:
+    """(data sends pending, reaping interval) once the interval reached ``enough_s`` or 5 s passed."""
+    import asyncio
+
+    from kvtransfer import ucx
+
+    drv = ucx.driver()
+    for _ in range(500):
+        if drv._data_poll_s >= enough_s:
+            break
+        await asyncio.sleep(0.01)
+    return len(drv._data_pending), drv._data_poll_s

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import random
 import threading
 
@@ -146,7 +147,8 @@ def test_layout_mismatch_is_refused_at_start() -> None:
 def test_ucx_driver_stops_spinning_after_transfers() -> None:
     """Data receives make the ucx lanes busy-poll while they are pending; once every
     transfer is done the loop and every lane must sleep again (a leaked hot receive keeps a
-    core busy forever).
+    core busy forever). Likewise the sender's data sends, reaped by a timer rather than on
+    wake-ups: every one must be reaped and the timer stopped.
     Back-to-back transfers in one process make ``begin`` and data complete in one
     progress call, the case that once leaked."""
     from kvtransfer import ucx
@@ -156,6 +158,7 @@ def test_ucx_driver_stops_spinning_after_transfers() -> None:
     receiver, sender = create_receiver("ucx", timeout_s=10), create_sender("ucx", timeout_s=10)
     receiver.register(KVLayout(dst, 0))
     sender.register(KVLayout(layers, 0))
+    stale = len(ucx.driver()._data_pending)  # sends an earlier test left that no receive takes
     try:
         for i in range(8):
             sender.start(f"r{i}", receiver.expect(f"r{i}", list(range(64)), [0, 1, 2, 3]))
@@ -166,9 +169,23 @@ def test_ucx_driver_stops_spinning_after_transfers() -> None:
             assert receiver.wait(f"r{i}", 10).state is TransferState.DONE
         assert all(torch.equal(d, s) for d, s in zip(dst, layers, strict=True))
         assert ucx.runtime().submit(_hot()).result(10) == 0
+        assert ucx.runtime().submit(_sends_left(stale)).result(10) == (stale, stale > 0)
     finally:
         sender.close()
         receiver.close()
+
+
+async def _sends_left(stale: int) -> tuple[int, bool]:
+    """(data sends not yet reaped, reaping timer still set), once only the ``stale`` ones are
+    left and the timer settled, or after 2 s."""
+    from kvtransfer import ucx
+
+    drv = ucx.driver()
+    for _ in range(200):
+        if len(drv._data_pending) == stale and (drv._data_poll is None) == (stale == 0):
+            break
+        await asyncio.sleep(0.01)
+    return len(drv._data_pending), drv._data_poll is not None
 
 
 async def _hot() -> int:
