@@ -202,14 +202,19 @@ class _Driver:
 
     def heat(self, reqs: list[Any], hot: bool = True) -> None:
         """Spin (or stop spinning, ``hot=False``) for these receives while they are pending."""
+        lanes: set[_Lane] = set()
         for req in reqs:
             if isinstance(req, _LaneRecv):
-                req.lane.heat(req, hot)
+                req.hot = hot
+                lanes.add(req.lane)
                 continue
             entry = self._pending.get(id(req))
             if entry is not None and entry[3] != hot:
                 self._pending[id(req)] = (*entry[:3], hot)
                 self.hot += 1 if hot else -1
+        if hot:
+            for lane in lanes:
+                lane.wake()
 
     def retire(self, posted: list[tuple[int, Any]], patience_s: float = 1.0) -> bool:
         """Complete posted receives ``(tag, request)`` that may never match, writing nothing.
@@ -346,6 +351,7 @@ class _Lane:
         self._lock = threading.Lock()
         self._ops: collections.deque[_LaneRecv | Callable[[], None]] = collections.deque()
         self._wake = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
+        self._signalled = False  # the eventfd was written and the thread has not looked yet
         self._pending: list[_LaneRecv] = []
         self._batch: list[tuple[Done, BaseException | None]] = []
         self._batch_t0 = 0.0
@@ -361,9 +367,11 @@ class _Lane:
         """Run ``fn`` on the lane's thread (binding a CUDA device)."""
         self._submit(fn)
 
-    def heat(self, handle: _LaneRecv, hot: bool) -> None:
-        handle.hot = hot
-        if hot:
+    def wake(self) -> None:
+        """Make the lane look at its queue and its receives' heat now (once per burst: an
+        eventfd write that wakes the thread costs the caller ~20 us here)."""
+        if not self._signalled:
+            self._signalled = True
             os.eventfd_write(self._wake, 1)
 
     def cancel(self, handle: _LaneRecv) -> bool:
@@ -375,13 +383,14 @@ class _Lane:
 
     def _submit(self, op: _LaneRecv | Callable[[], None]) -> None:
         self._ops.append(op)
-        os.eventfd_write(self._wake, 1)
+        self.wake()
 
     # -- lane thread ---------------------------------------------------------------
     def _run(self) -> None:
         fd = self.worker.epoll_file_descriptor
         while True:
             try:
+                self._signalled = False  # before draining: a later op writes the eventfd again
                 while self._ops:
                     self._take(self._ops.popleft())
                 self.worker.progress()  # the copies happen here, without the GIL
