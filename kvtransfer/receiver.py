@@ -272,8 +272,10 @@ class StreamingReceiver(KVReceiver):
         if rec.finish_layers != len(rec.layers) or len(rec.remaining) != len(rec.layers):
             self._fail(rec, f"sender finished after {len(rec.remaining)} of {len(rec.layers)} layers")
             return
-        self._end(rec, TransferState.DONE, "")
+        # The ack goes first: ending wakes the caller's thread waiting on this request, which
+        # then holds the GIL while the ack would still be waiting to be posted.
         self._send(rec.link, wire.make("ack", rid=rec.rid, ok=True, reason=""))
+        self._end(rec, TransferState.DONE, "")
 
     # -- loop side: endings -----------------------------------------------------------
     def _set_state(self, rec: _In, state: TransferState, reason: str) -> None:
