@@ -164,12 +164,7 @@ class _Driver:
 
     def data_endpoint(self, addr: bytes) -> Any:
         """A cached endpoint from the data worker to the worker at ``addr``."""
-        ep = self._data_endpoints.get(addr)
-        if ep is None:
-            address = ucx_api.UCXAddress.create_from_buffer(np.frombuffer(addr, np.uint8))
-            ep = ucx_api.UCXEndpoint.create_from_worker_address(self.data_worker, address, False)
-            self._data_endpoints[addr] = ep
-        return ep
+        return _endpoint(self.data_worker, self._data_endpoints, addr)
 
     def _reap_sent(self) -> int:
         """Progress the data worker and complete its finished sends; how many finished."""
@@ -251,12 +246,7 @@ class _Driver:
 
     def endpoint(self, addr: bytes) -> Any:
         """A cached endpoint to the worker at ``addr`` (wire-up completes in progress)."""
-        ep = self._endpoints.get(addr)
-        if ep is None:
-            address = ucx_api.UCXAddress.create_from_buffer(np.frombuffer(addr, np.uint8))
-            ep = ucx_api.UCXEndpoint.create_from_worker_address(self.worker, address, False)
-            self._endpoints[addr] = ep
-        return ep
+        return _endpoint(self.worker, self._endpoints, addr)
 
     def _track(self, req: Any, buf: Any, done: Done, hot: bool) -> None:
         """Call ``done`` on the loop once ``req`` completes; ``buf`` stays alive till then."""
@@ -449,6 +439,15 @@ class _Lane:
     def _flush(self) -> None:
         batch, self._batch = self._batch, []
         self._loop.call_soon_threadsafe(_deliver, batch)
+
+
+def _endpoint(worker: Any, cache: dict[bytes, Any], addr: bytes) -> Any:
+    ep = cache.get(addr)
+    if ep is None:
+        address = ucx_api.UCXAddress.create_from_buffer(np.frombuffer(addr, np.uint8))
+        ep = ucx_api.UCXEndpoint.create_from_worker_address(worker, address, False)
+        cache[addr] = ep
+    return ep
 
 
 def _deliver(batch: list[tuple[Done, BaseException | None]]) -> None:
