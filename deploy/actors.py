@@ -27,6 +27,7 @@ def engine_config(cfg: ServiceConfig, role: str):
         kv_cache_bytes=cfg.cache.kv_cache_bytes,
         num_blocks=cfg.cache.num_blocks,
         device=cfg.model.resolved_device(),
+        enforce_eager=cfg.model.enforce_eager,
     )
 
 

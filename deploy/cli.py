@@ -31,6 +31,7 @@ def _add_generate(sub: Any) -> None:
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtype", default="auto", help="auto, float32, bfloat16, float16")
     p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs for the decode step")
     p.add_argument("--router", default=None, metavar="HOST:PORT", help="generate through a running service")
     p.set_defaults(func=cmd_generate)
 
@@ -127,7 +128,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         max_tokens=args.max_tokens, logprobs=args.logprobs,
     )
     config = EngineConfig(num_speculative_tokens=args.spec_tokens, device=args.device,
-                          max_model_len=args.max_model_len)
+                          max_model_len=args.max_model_len, enforce_eager=args.enforce_eager)
     loaded = load_model(args.model or default_model(), device=args.device, dtype=args.dtype)
     engine = LLMEngine(loaded, config)
     prompts = [encode_prompt(loaded.tokenizer, p, args.raw) for p in args.prompts]

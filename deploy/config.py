@@ -42,6 +42,7 @@ class ModelConfig(_Section):
     device: str = "auto"  # 'auto': cuda when available, else cpu
     max_model_len: int | None = Field(default=None, gt=0)  # None: min(model's positions, 4096)
     mtp_path: str | None = None
+    enforce_eager: bool = False  # no CUDA graphs for the decode step (as vLLM's --enforce-eager)
 
     @field_validator("dtype")
     @classmethod

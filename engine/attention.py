@@ -18,6 +18,9 @@ from dataclasses import dataclass
 
 import torch
 
+from kernels.paged_attention import paged_attention
+from kernels.rotary import rope_and_cache
+
 TRASH_BLOCK = 0
 
 
@@ -30,6 +33,9 @@ class AttentionMetadata:
     token_col: torch.Tensor  # [T] int64: column of the token in the padded [R, max_q] layout
     max_q: int  # host-known: the longest query of any row
     num_kv_blocks: int  # host-known: how many block-table columns to read (covers every position)
+    seq_lens: torch.Tensor | None = None  # [R] int64: keys per row after this step's writes
+    query_start: torch.Tensor | None = None  # [R+1] int64: row r's tokens are [start[r], start[r+1])
+    num_splits: int = 1  # host-known: split-KV partitions per row (flash-decoding)
 
     @property
     def num_rows(self) -> int:
@@ -38,6 +44,10 @@ class AttentionMetadata:
 
 class AttentionBackend(ABC):
     """Writes this step's K/V into the cache, then attends. Called once per layer per step."""
+
+    def rope_forward(self, rope, positions, q, k, v, kv_cache, meta: AttentionMetadata, scale: float):
+        """Rotary embedding on q and k, then `forward`; a backend may fuse the two."""
+        return self.forward(rope(positions, q), rope(positions, k), v, kv_cache, meta, scale)
 
     @abstractmethod
     def forward(
@@ -89,11 +99,34 @@ class TorchAttention(AttentionBackend):
         return out[meta.token_row, meta.token_col].to(q.dtype)
 
 
-_BACKENDS: dict[str, type[AttentionBackend]] = {"torch": TorchAttention}
+class TritonAttention(AttentionBackend):
+    """The GPU path: rotary fused with the K/V write, then paged attention over the cache
+    (`kernels/`). Needs `meta.seq_lens` and `meta.query_start`. Off CUDA the kernels' launchers
+    run their torch references, so this backend also runs (slowly) on the CPU."""
+
+    def rope_forward(self, rope, positions, q, k, v, kv_cache, meta, scale):
+        q = rope_and_cache(q, k, v, positions, rope.cos, rope.sin, kv_cache, meta.slot_mapping)
+        return self._attend(q, kv_cache, meta, scale)
+
+    def forward(self, q, k, v, kv_cache, meta, scale):
+        write_kv(kv_cache, k, v, meta.slot_mapping)
+        return self._attend(q, kv_cache, meta, scale)
+
+    @staticmethod
+    def _attend(q, kv_cache, meta, scale):
+        assert meta.seq_lens is not None and meta.query_start is not None, "metadata lacks seq_lens"
+        return paged_attention(q, kv_cache, meta.block_tables, meta.seq_lens, meta.query_start,
+                               meta.max_q, scale, meta.num_splits)
 
 
-def get_backend(name: str = "torch") -> AttentionBackend:
+_BACKENDS: dict[str, type[AttentionBackend]] = {"torch": TorchAttention, "triton": TritonAttention}
+
+
+def get_backend(name: str = "torch", device: str = "cpu") -> AttentionBackend:
+    """`auto`: Triton on CUDA, the torch reference elsewhere."""
+    if name == "auto":
+        name = "triton" if torch.device(device).type == "cuda" else "torch"
     try:
         return _BACKENDS[name]()
     except KeyError:
-        raise ValueError(f"unknown attention backend {name!r}; known: {sorted(_BACKENDS)}") from None
+        raise ValueError(f"unknown attention backend {name!r}; known: auto, {', '.join(sorted(_BACKENDS))}") from None

@@ -44,24 +44,31 @@ class SlotInit:
 
 
 class BatchState:
+    """One row per slot, plus a spare row (`spare`, never handed out, always done) that pads a
+    CUDA graph's batch: its KV writes land in the trash block and its results are dropped.
+    `step_rows` holds the rows a captured decode step reads (the running slots, then spares)."""
+
     def __init__(self, capacity: int, k: int, max_blocks: int, vocab: int, device: torch.device) -> None:
         def z(*shape, dtype=torch.long):
             return torch.zeros(shape, dtype=dtype, device=device)
 
         self.capacity, self.k, self.vocab, self.device = capacity, k, vocab, device
-        self.seq_lens = z(capacity)
-        self.last_token = z(capacity)
-        self.drafts = z(capacity, k)
-        self.draft_probs: torch.Tensor | None = None  # [S, k, V], made when a sampled request joins
-        self.num_generated = z(capacity)
-        self.max_tokens = z(capacity)
-        self.done = torch.ones(capacity, dtype=torch.bool, device=device)
-        self.stop_ids = torch.full((capacity, MAX_STOP_IDS), -1, dtype=torch.long, device=device)
-        self.block_tables = torch.full((capacity, max_blocks), TRASH_BLOCK, dtype=torch.long, device=device)
-        self.temperature = z(capacity, dtype=torch.float32)
-        self.top_k = z(capacity)
-        self.top_p = torch.ones(capacity, dtype=torch.float32, device=device)
-        self.seed = z(capacity)
+        self.spare = capacity
+        self.step_rows = torch.full((capacity,), self.spare, dtype=torch.long, device=device)
+        n = capacity + 1  # the slots, then the spare
+        self.seq_lens = z(n)
+        self.last_token = z(n)
+        self.drafts = z(n, k)
+        self.draft_probs: torch.Tensor | None = None  # [n, k, V], made when a sampled request joins
+        self.num_generated = z(n)
+        self.max_tokens = z(n)
+        self.done = torch.ones(n, dtype=torch.bool, device=device)
+        self.stop_ids = torch.full((n, MAX_STOP_IDS), -1, dtype=torch.long, device=device)
+        self.block_tables = torch.full((n, max_blocks), TRASH_BLOCK, dtype=torch.long, device=device)
+        self.temperature = z(n, dtype=torch.float32)
+        self.top_k = z(n)
+        self.top_p = torch.ones(n, dtype=torch.float32, device=device)
+        self.seed = z(n)
 
     def _h2d(self, values, dtype) -> torch.Tensor:
         return to_device_no_sync(values, dtype, self.device)
@@ -96,7 +103,7 @@ class BatchState:
 
     def ensure_draft_probs(self) -> None:
         if self.draft_probs is None and self.k:
-            self.draft_probs = torch.zeros(self.capacity, self.k, self.vocab, device=self.device)
+            self.draft_probs = torch.zeros(self.capacity + 1, self.k, self.vocab, device=self.device)
 
     def release(self, slot: int) -> None:
         self.done[slot] = True

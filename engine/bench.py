@@ -1,8 +1,12 @@
 """`pdserve bench engine`: single-process engine throughput and decode step time.
 
 Runs the LLMEngine on a batch of random prompts with k = 0 and the given k, on `tiny`, the
-embedded model, or random weights of a named real shape (`--arch smollm2`), so GPU machines
-that lack the weights file can still time real shapes. Prints one JSON object per k.
+embedded model, or random weights of a named real shape (`--arch smollm2`, `--arch llama-1b`),
+so GPU machines that lack the weights file can still time real shapes. Prints one JSON
+object per k. On CUDA it also prints, from the same process, the floor a decode step is
+compared with (parameter bytes / measured copy bandwidth) and, with `--hf`, Hugging Face
+`generate` on the same weights. `--profile` adds kernels per decode step and the share of
+the decode loop the GPU is busy (torch profiler).
 """
 
 from __future__ import annotations
@@ -30,7 +34,13 @@ SHAPES = {
     "smollm2": dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
                     num_attention_heads=9, num_key_value_heads=3, head_dim=64, rope_theta=100000.0,
                     max_position_embeddings=8192, tie_word_embeddings=True),
+    "llama-1b": dict(vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
+                     num_attention_heads=32, num_key_value_heads=8, head_dim=64, rope_theta=500000.0,
+                     rope_scaling={"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0,
+                                   "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
+                     max_position_embeddings=8192, tie_word_embeddings=True),
 }
+PROFILE_STEPS = 20
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -42,6 +52,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtype", default="auto")
+    p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs for the decode step")
+    p.add_argument("--profile", action="store_true",
+                   help=f"kernels per decode step and GPU-busy share over {PROFILE_STEPS} steps (torch profiler)")
+    p.add_argument("--hf", action="store_true", help="also time Hugging Face generate on the same weights (CUDA)")
 
 
 def random_model(arch: str, device: str, dtype: str) -> LoadedModel:
@@ -52,16 +66,22 @@ def random_model(arch: str, device: str, dtype: str) -> LoadedModel:
     return LoadedModel(f"random-{arch}", _materialize(model, device, torch_dtype), None, (), False)
 
 
-def time_engine(loaded: LoadedModel, k: int, args: argparse.Namespace) -> dict:
+def _engine(loaded: LoadedModel, k: int, args: argparse.Namespace) -> tuple[LLMEngine, list[list[int]]]:
     vocab = loaded.model.config.vocab_size
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(0, vocab, (args.prompt_len,), generator=g).tolist() for _ in range(args.batch)]
-    params = SamplingParams(max_tokens=args.max_tokens, ignore_eos=True)
     engine = LLMEngine(loaded, EngineConfig(num_speculative_tokens=k, device=args.device,
                                             max_num_seqs=max(args.batch, 1),
                                             max_num_batched_tokens=args.batch * args.prompt_len,
-                                            max_model_len=args.prompt_len + args.max_tokens + 8))
+                                            max_model_len=args.prompt_len + args.max_tokens + 8,
+                                            enforce_eager=args.enforce_eager))
     engine.generate(prompts[:1], SamplingParams(max_tokens=4, ignore_eos=True))  # warm-up
+    return engine, prompts
+
+
+def time_engine(loaded: LoadedModel, k: int, args: argparse.Namespace) -> dict:
+    engine, prompts = _engine(loaded, k, args)
+    params = SamplingParams(max_tokens=args.max_tokens, ignore_eos=True)
     _sync(args.device)
     for p in prompts:
         engine.add_request(p, params)
@@ -75,10 +95,97 @@ def time_engine(loaded: LoadedModel, k: int, args: argparse.Namespace) -> dict:
     elapsed = time.perf_counter() - start
     done = [r for r in engine.requests.values() if r.finished][-args.batch:]
     tokens = sum(len(r.output_ids) - 1 for r in done)
-    return {"model": loaded.name, "device": args.device, "dtype": str(next(loaded.model.parameters()).dtype),
-            "spec_tokens": k, "batch": args.batch, "decode_tokens": tokens, "decode_steps": steps,
-            "seconds": round(elapsed, 4), "tokens_per_s": round(tokens / elapsed, 1),
-            "ms_per_step": round(1000 * elapsed / max(steps, 1), 3)}
+    out = {"model": loaded.name, "device": args.device, "dtype": str(next(loaded.model.parameters()).dtype),
+           "graphs": engine.runner.graphs is not None, "spec_tokens": k, "batch": args.batch,
+           "decode_tokens": tokens, "decode_steps": steps, "seconds": round(elapsed, 4),
+           "tokens_per_s": round(tokens / elapsed, 1), "ms_per_step": round(1000 * elapsed / max(steps, 1), 3)}
+    if args.profile and args.device.startswith("cuda"):
+        out.update(profile_decode(engine, prompts, params))
+    return out
+
+
+def profile_decode(engine: LLMEngine, prompts: list[list[int]], params: SamplingParams) -> dict:
+    """Kernels per decode step and the GPU-busy share of the loop, over PROFILE_STEPS steps
+    of the whole batch (after its prefill and a few steps)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    for p in prompts:
+        engine.add_request(p, params)
+    for _ in range(4):
+        engine.step()  # prefill + the first launches
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(PROFILE_STEPS):
+            engine.step()
+        torch.cuda.synchronize()
+    while engine.has_unfinished():
+        engine.step()
+    spans = sorted((e.time_range.start, e.time_range.end) for e in prof.events()
+                   if e.device_type == torch.autograd.DeviceType.CUDA)
+    return {"kernels_per_step": round(len(spans) / PROFILE_STEPS, 1), "gpu_busy": round(busy_share(spans), 4)}
+
+
+def busy_share(spans: list[tuple[float, float]]) -> float:
+    """Union of the (start, end) intervals over the span from the first start to the last end."""
+    if not spans:
+        return 0.0
+    busy, cur_start, cur_end = 0.0, spans[0][0], spans[0][1]
+    for start, end in spans[1:]:
+        if start > cur_end:
+            busy += cur_end - cur_start
+            cur_start, cur_end = start, end
+        else:
+            cur_end = max(cur_end, end)
+    busy += cur_end - cur_start
+    return busy / max(cur_end - spans[0][0], 1e-9)
+
+
+def copy_floor(loaded: LoadedModel) -> dict:
+    """Device copy bandwidth (bytes read + written per second) and the weight-read floor."""
+    n = 1 << 30
+    src = torch.empty(n, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    for _ in range(3):
+        dst.copy_(src)
+    torch.cuda.synchronize()
+    start, reps = time.perf_counter(), 20
+    for _ in range(reps):
+        dst.copy_(src)
+    torch.cuda.synchronize()
+    bw = 2 * n * reps / (time.perf_counter() - start)
+    params = {id(p): p for p in loaded.model.parameters()}  # tied weights once
+    mtp = {id(p) for p in loaded.model.mtp.parameters()} if loaded.model.mtp is not None else set()
+    weight_bytes = sum(p.numel() * p.element_size() for i, p in params.items() if i not in mtp)
+    return {"copy_tb_per_s": round(bw / 1e12, 3), "weight_bytes": weight_bytes,
+            "floor_ms_per_step": round(1000 * weight_bytes / bw, 4)}
+
+
+def time_hf(loaded: LoadedModel, args: argparse.Namespace) -> dict:
+    """Hugging Face `generate` (greedy, eager) on the same weights: ms per decode step from
+    the difference between max_tokens and 1 new token."""
+    import transformers
+
+    c = loaded.model.config
+    hf_cfg = transformers.LlamaConfig(**c.to_hf_dict())
+    with torch.device(args.device):
+        hf = transformers.LlamaForCausalLM(hf_cfg).to(next(loaded.model.parameters()).dtype)  # type: ignore[arg-type]
+    hf.eval()
+    hf.load_state_dict({k: v for k, v in loaded.model.state_dict().items() if not k.startswith("mtp.")}, strict=False)
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, c.vocab_size, (args.batch, args.prompt_len), generator=g).to(args.device)
+
+    def run(n: int) -> float:
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        hf.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=0)
+        torch.cuda.synchronize()
+        return time.perf_counter() - start
+
+    run(4)
+    one, full = run(1), run(args.max_tokens)
+    step = (full - one) / (args.max_tokens - 1)
+    return {"hf_generate_ms_per_step": round(1000 * step, 3), "batch": args.batch,
+            "hf_tokens_per_s": round(args.batch / step, 1)}
 
 
 def _sync(device: str) -> None:
@@ -91,8 +198,13 @@ def run(args: argparse.Namespace) -> int:
         loaded = random_model(args.arch, args.device, args.dtype)
     else:
         loaded = load_model(args.model, device=args.device, dtype=args.dtype)
-    for k in sorted({0, args.spec_tokens}):
-        print(json.dumps(time_engine(loaded, k, args)), flush=True)
+    with torch.no_grad():
+        for k in sorted({0, args.spec_tokens}):
+            print(json.dumps(time_engine(loaded, k, args)), flush=True)
+        if args.device.startswith("cuda"):
+            print(json.dumps(copy_floor(loaded)), flush=True)
+            if args.hf:
+                print(json.dumps(time_hf(loaded, args)), flush=True)
     return 0
 
 

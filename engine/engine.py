@@ -24,6 +24,7 @@ from engine.attention import get_backend
 from engine.decode_batch import DecodeBatch
 from engine.kv_cache import BlockManager, KVCache
 from engine.loader import LoadedModel
+from engine.model import fuse_projections
 from engine.model_runner import ModelRunner, PrefillChunk, kv_room_needed, unpack_logprobs
 from engine.request import Request, RequestOutput, TokenLogprob
 from engine.sampling_params import SamplingParams
@@ -39,7 +40,8 @@ class EngineConfig:
     kv_cache_bytes: int = 512 << 20
     num_blocks: int | None = None  # overrides kv_cache_bytes
     device: str = "cpu"
-    attention_backend: str = "torch"
+    attention_backend: str = "auto"  # auto: Triton kernels on CUDA, the torch reference elsewhere
+    enforce_eager: bool = False  # no CUDA graphs (as vLLM's --enforce-eager)
     block_shuffle_seed: int | None = None  # scatter block ids (tests)
     seed: int = 0  # draws per-request seeds when a request gives none
 
@@ -50,8 +52,11 @@ class EngineConfig:
             raise ValueError("block_size, max_num_seqs and max_num_batched_tokens must be > 0")
 
 
-def build_runner(loaded: LoadedModel, config: EngineConfig) -> tuple[ModelRunner, BlockManager, int]:
-    """The runner, its block manager and the context length, sized from `config`."""
+def build_runner(loaded: LoadedModel, config: EngineConfig, decodes: bool = True) -> tuple[ModelRunner, BlockManager, int]:
+    """The runner, its block manager and the context length, sized from `config`.
+
+    On CUDA the model's projections are fused and, unless `enforce_eager` or the runner never
+    `decodes` (a prefill node), the decode step's CUDA graphs are captured here."""
     k = config.num_speculative_tokens
     if k and loaded.model.mtp is None:
         raise ValueError("this model has no MTP module; use num_speculative_tokens=0")
@@ -63,10 +68,16 @@ def build_runner(loaded: LoadedModel, config: EngineConfig) -> tuple[ModelRunner
     per_block = KVCache.bytes_per_block(layers, config.block_size, arch.num_key_value_heads, arch.head_dim, dtype)
     num_blocks = config.num_blocks or min(1 + config.max_num_seqs * per_seq, config.kv_cache_bytes // per_block)
     blocks = BlockManager(num_blocks, config.block_size, config.block_shuffle_seed)
+    device = torch.device(config.device)
+    if device.type == "cuda":
+        fuse_projections(loaded.model)
+    graphs = device.type == "cuda" and decodes and not config.enforce_eager
     runner = ModelRunner(
-        loaded.model, get_backend(config.attention_backend), k, num_blocks,
-        config.block_size, config.max_num_seqs, max_model_len, torch.device(config.device), dtype,
+        loaded.model, get_backend(config.attention_backend, config.device), k, num_blocks,
+        config.block_size, config.max_num_seqs, max_model_len, device, dtype, cuda_graphs=graphs,
     )
+    if runner.graphs is not None:
+        runner.graphs.capture_greedy()
     return runner, blocks, max_model_len
 
 

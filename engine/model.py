@@ -25,6 +25,8 @@ from torch import nn
 
 from engine.attention import AttentionBackend, AttentionMetadata
 from engine.config import ArchConfig
+from kernels.activation import silu_and_mul
+from kernels.norm import add_rms_norm, rms_norm
 
 
 class RMSNorm(nn.Module):
@@ -34,9 +36,11 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * xf.to(x.dtype)
+        return rms_norm(x, self.weight, self.eps)
+
+    def add_forward(self, delta: torch.Tensor | None, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(norm(residual + delta), residual + delta) in one launch on the GPU."""
+        return add_rms_norm(delta, residual, self.weight, self.eps)
 
 
 def rope_inv_freq(config: ArchConfig) -> torch.Tensor:
@@ -103,18 +107,24 @@ class Attention(nn.Module):
         self.k_norm = RMSNorm(c.head_dim, c.rms_norm_eps) if c.qk_norm else None
         self.rotary = [rotary]  # shared, kept out of the module tree
         self.scale = c.head_dim**-0.5
+        self.qkv: tuple[torch.Tensor, torch.Tensor | None] | None = None  # set by `fuse_projections`
 
     def forward(self, positions, x, kv_cache, meta: AttentionMetadata, backend: AttentionBackend):
         t = x.shape[0]
-        q = self.q_proj(x).view(t, self.num_heads, self.head_dim)
-        k = self.k_proj(x).view(t, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)
+        q, k, v = self._project(x)
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        rope = self.rotary[0]
-        q, k = rope(positions, q), rope(positions, k)
-        out = backend.forward(q, k, v, kv_cache, meta, self.scale)
+        out = backend.rope_forward(self.rotary[0], positions, q, k, v, kv_cache, meta, self.scale)
         return self.o_proj(out.reshape(t, -1))
+
+    def _project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q [T, Hq, D], k and v [T, Hkv, D]: views of one GEMM's output once fused."""
+        t, d = x.shape[0], self.head_dim
+        if self.qkv is None or self.q_proj.weight.requires_grad:  # training reads the parameters
+            return (self.q_proj(x).view(t, -1, d), self.k_proj(x).view(t, -1, d), self.v_proj(x).view(t, -1, d))
+        out = nn.functional.linear(x, *self.qkv)
+        q, k, v = out.split([self.num_heads * d, self.num_kv_heads * d, self.num_kv_heads * d], dim=-1)
+        return q.view(t, -1, d), k.view(t, -1, d), v.view(t, -1, d)
 
 
 class MLP(nn.Module):
@@ -124,8 +134,11 @@ class MLP(nn.Module):
         self.gate_proj = nn.Linear(config.hidden_size, inter, bias=False)
         self.up_proj = nn.Linear(config.hidden_size, inter, bias=False)
         self.down_proj = nn.Linear(inter, config.hidden_size, bias=False)
+        self.gate_up: torch.Tensor | None = None  # [2 * inter, hidden], set by `fuse_projections`
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.gate_up is not None and not self.gate_proj.weight.requires_grad:
+            return self.down_proj(silu_and_mul(nn.functional.linear(x, self.gate_up)))
         return self.down_proj(nn.functional.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
@@ -138,8 +151,17 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(self, positions, x, kv_cache, meta, backend):
-        x = x + self.self_attn(positions, self.input_layernorm(x), kv_cache, meta, backend)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        delta, x = self.residual_forward(positions, None, x, kv_cache, meta, backend)
+        return x + delta
+
+    def residual_forward(self, positions, delta, residual, kv_cache, meta, backend):
+        """The layer on the residual stream `residual + delta` (delta: the previous layer's MLP
+        output, or None); returns (this layer's MLP output, the stream before adding it), so
+        each add is fused with the norm that follows it."""
+        h, residual = self.input_layernorm.add_forward(delta, residual)
+        attn = self.self_attn(positions, h, kv_cache, meta, backend)
+        h, residual = self.post_attention_layernorm.add_forward(attn, residual)
+        return self.mlp(h), residual
 
 
 class LlamaModel(nn.Module):
@@ -200,18 +222,20 @@ class CausalLM(nn.Module):
         """
         wanted = self.config.mtp_feature_layers if self.mtp is not None else ()
         features = []
-        x = self.model.embed_tokens(input_ids)
+        delta, x = None, self.model.embed_tokens(input_ids)
         for i, (layer, cache) in enumerate(zip(self.model.layers, kv_caches, strict=False)):
-            x = layer(positions, x, cache, meta, backend)
+            delta, x = layer.residual_forward(positions, delta, x, cache, meta, backend)  # type: ignore[operator]
             if i in wanted:
-                features.append(x)
+                features.append(x + delta)
             if on_layer is not None:
                 on_layer(i)
-        h = self.model.norm(x)
+        h, _ = self.model.norm.add_forward(delta, x)
         return torch.cat([h, *features], dim=-1) if features else h
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden[..., : self.config.hidden_size]).float()
+    def compute_logits(self, hidden: torch.Tensor, float32: bool = True) -> torch.Tensor:
+        """LM-head logits; `float32=False` keeps the model dtype (an argmax needs no cast)."""
+        logits = self.lm_head(hidden[..., : self.config.hidden_size])
+        return logits.float() if float32 else logits
 
     def mtp_forward(self, next_ids, positions, h_prev, kv_cache, meta, backend) -> torch.Tensor:
         """MTP at each position: (target hidden there, the token after it) -> pre-norm hidden.
@@ -232,6 +256,40 @@ class CausalLM(nn.Module):
     def mtp_logits(self, mtp_hidden: torch.Tensor) -> torch.Tensor:
         assert self.mtp is not None
         return self.lm_head(self.mtp.shared_head.norm(mtp_hidden)).float()
+
+
+def fuse_projections(model: CausalLM) -> None:
+    """One GEMM for q/k/v and one for gate/up in every layer (the MTP block's too).
+
+    The fused weight is a new tensor and the original parameters become views into it, so
+    no memory is duplicated and the names still load. For inference only (the runner on a GPU).
+    """
+    layers: list[DecoderLayer] = [*model.model.layers]  # type: ignore[list-item]
+    if model.mtp is not None:
+        layers.append(model.mtp.block)
+    with torch.no_grad():
+        for layer in layers:
+            a, m = layer.self_attn, layer.mlp
+            if a.qkv is not None:
+                continue  # already fused
+            qkv = (a.q_proj, a.k_proj, a.v_proj)
+            weight = _fuse(qkv, "weight")
+            assert weight is not None
+            a.qkv = (weight, _fuse(qkv, "bias"))
+            m.gate_up = _fuse((m.gate_proj, m.up_proj), "weight")
+
+
+def _fuse(linears: tuple[nn.Linear, ...], attr: str) -> torch.Tensor | None:
+    """Concatenate the linears' `attr` (weight or bias) along rows; they become views into it."""
+    parts = [getattr(lin, attr) for lin in linears]
+    if parts[0] is None:
+        return None
+    fused = torch.cat(parts, dim=0)
+    start = 0
+    for lin, part in zip(linears, parts, strict=True):
+        setattr(lin, attr, nn.Parameter(fused[start : start + part.shape[0]], requires_grad=False))
+        start += part.shape[0]
+    return fused
 
 
 MTP_BLOCK_PARTS = ("self_attn.", "mlp.", "input_layernorm.", "post_attention_layernorm.")

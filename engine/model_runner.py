@@ -20,6 +20,7 @@ import torch
 
 from engine.attention import TRASH_BLOCK, AttentionBackend, AttentionMetadata
 from engine.batch_state import BatchState, SlotInit, to_device_no_sync
+from engine.cuda_graphs import DecodeGraphs
 from engine.kv_cache import KVCache
 from engine.model import CausalLM
 from engine.sampler import (
@@ -33,6 +34,23 @@ from engine.sampler import (
 )
 from engine.sampling_params import SamplingParams
 from engine.spec_decode import verify
+from kernels.decode_tail import accept_and_advance
+from kernels.step_meta import uniform_meta
+
+SPLIT_BLOCKS = 16  # KV blocks per split-KV partition in decode
+FULL_GRID = 264  # programs that fill an H100 twice (132 SMs)
+
+
+def decode_splits(rows: int, kv_heads: int, num_kv_blocks: int) -> int:
+    """Split-KV partitions for a decode step: enough programs to fill the GPU on long contexts,
+    one (no combine launch) when the rows alone fill it or the context is short."""
+    if rows * kv_heads >= FULL_GRID:
+        return 1
+    return max(1, min(-(-num_kv_blocks // SPLIT_BLOCKS), FULL_GRID // (rows * kv_heads)))
+
+
+def astuple_lp(lp: LogprobsTensors) -> tuple[torch.Tensor, ...]:
+    return (lp.token_logprob, lp.token_rank, lp.top_ids, lp.top_logprobs)
 
 
 def kv_room_needed(num_tokens: int, k: int) -> int:
@@ -86,6 +104,16 @@ class DecodeHandle:
 
 
 @dataclass
+class StepOutputs:
+    """What `ModelRunner.decode_step` leaves on the device (a graph's static outputs)."""
+
+    tokens: torch.Tensor  # [R, k+1], -1 past the emitted ones
+    num_emitted: torch.Tensor  # [R]
+    finished: torch.Tensor  # [R] bool
+    logprobs: LogprobsTensors | None  # rows of `lp_sel`, k+1 entries each
+
+
+@dataclass
 class DecodeResult:
     slots: list[int]
     tokens: list[list[int]]  # emitted tokens per row
@@ -105,6 +133,7 @@ class ModelRunner:
         max_model_len: int,
         device: torch.device,
         dtype: torch.dtype,
+        cuda_graphs: bool = False,
     ) -> None:
         cfg = model.config
         self.model, self.backend, self.k = model, backend, k
@@ -115,28 +144,19 @@ class ModelRunner:
         self.max_blocks = -(-kv_room_needed(max_model_len, k) // block_size)
         self.state = BatchState(max_num_seqs, k, self.max_blocks, cfg.vocab_size, device)
         self._arange_k1 = torch.arange(k + 1, device=device)
+        self.graphs = DecodeGraphs(self, max_num_seqs) if cuda_graphs else None
 
     # ---- shared helpers -------------------------------------------------------------
-    def _slots(self, tables: torch.Tensor, positions: torch.Tensor, masked: torch.Tensor | None) -> torch.Tensor:
-        """Slot ids for positions [R, q] given block tables [R, nb]; masked rows -> trash."""
-        bs = self.block_size
-        blocks = tables.gather(1, (positions // bs).clamp(max=tables.shape[1] - 1))
-        slots = blocks * bs + positions % bs
-        if masked is not None:
-            slots = torch.where(masked.unsqueeze(1), TRASH_BLOCK * bs + positions % bs, slots)
-        return slots
-
-    def _meta_uniform(self, tables, positions, masked, num_kv_blocks) -> AttentionMetadata:
-        """Metadata for R rows of q tokens each (decode/verify and MTP chain steps)."""
-        rows, q = positions.shape
+    def _meta_uniform(self, tables, start, q, masked, num_kv_blocks) -> AttentionMetadata:
+        """Metadata for R rows of q tokens at positions start[r].. (decode/verify, MTP chain);
+        rows `masked` on the device write their K/V to the trash block."""
+        positions, slots, seq_lens, query_start, token_row, token_col = uniform_meta(
+            tables, start, masked, q, self.block_size)
+        rows = tables.shape[0]
         return AttentionMetadata(
-            slot_mapping=self._slots(tables, positions, masked).reshape(-1),
-            positions=positions.reshape(-1),
-            block_tables=tables,
-            token_row=torch.arange(rows, device=self.device).repeat_interleave(q),
-            token_col=torch.arange(q, device=self.device).repeat(rows),
-            max_q=q,
-            num_kv_blocks=min(num_kv_blocks, tables.shape[1]),
+            slots, positions, tables, token_row, token_col, max_q=q,
+            num_kv_blocks=min(num_kv_blocks, tables.shape[1]), seq_lens=seq_lens, query_start=query_start,
+            num_splits=decode_splits(rows, self.model.config.num_key_value_heads, num_kv_blocks),
         )
 
     def _draft_chain(
@@ -148,9 +168,8 @@ class ModelRunner:
         mtp_cache = self.kv.layers[self.num_target_layers]
         for j in range(1, self.k + 1):
             if j > 1:
-                pos = (base + j - 2).unsqueeze(1)
-                meta = self._meta_uniform(tables, pos, masked, num_kv_blocks)
-                h = self.model.mtp_forward(drafts[-1], pos.reshape(-1), h, mtp_cache, meta, self.backend)
+                meta = self._meta_uniform(tables, base + j - 2, 1, masked, num_kv_blocks)
+                h = self.model.mtp_forward(drafts[-1], meta.positions, h, mtp_cache, meta, self.backend)
             logits = self.model.mtp_logits(h)
             drafts.append(sample(logits, st, base + j, STREAM_DRAFT))
             if not st.all_greedy:
@@ -180,9 +199,13 @@ class ModelRunner:
             next_ids += c.prompt[c.start + 1 : c.end + 1] + ([0] if c.is_last else [])
         width = max(-(-c.end // bs) for c in chunks)
         tables = [c.block_ids[:width] + [TRASH_BLOCK] * (width - len(c.block_ids[:width])) for c in chunks]
+        starts = [0]
+        for c in chunks:
+            starts.append(starts[-1] + c.end - c.start)
         t = lambda x: to_device_no_sync(x, torch.long, dev)  # noqa: E731
         meta = AttentionMetadata(t(slots), t(pos), t(tables), t(rows), t(cols),
-                                 max(c.end - c.start for c in chunks), width)
+                                 max(c.end - c.start for c in chunks), width,
+                                 seq_lens=t([c.end for c in chunks]), query_start=t(starts))
         hidden = self.model(t(ids), meta.positions, self.kv.layers, meta, self.backend, on_layer)
         return self._finish_prefill(chunks, hidden, meta, t(next_ids))
 
@@ -235,55 +258,62 @@ class ModelRunner:
         """Verify [last, d1..dk] for every slot, accept, redraft; advance state on the device.
 
         `flags` = (all_greedy, needs_filter) for these rows, host-known; `logprobs` maps row
-        index -> top-n for rows that asked. Never syncs.
+        index -> top-n for rows that asked. Replays a captured graph when there is one for
+        this batch size (`DecodeGraphs`), else runs the step eagerly. Never syncs.
+        """
+        lp_rows = sorted(logprobs)
+        if self.graphs is not None and len(slots) <= self.graphs.max_batch:
+            out = self.graphs.replay(slots, flags, bool(lp_rows))
+            lps = self._select_logprobs(out.logprobs, lp_rows)
+        else:
+            rows = to_device_no_sync(slots, torch.long, self.device)
+            sel = to_device_no_sync(lp_rows, torch.long, self.device) if lp_rows else None
+            out = self.decode_step(rows, flags, sel, max(logprobs.values(), default=0), num_kv_blocks)
+            lps = out.logprobs
+        n = len(slots)
+        handle = DecodeHandle(slots, out.tokens[:n], out.num_emitted[:n], out.finished[:n], lps, lp_rows)
+        return self._start_copy_to_host(handle)
+
+    def decode_step(self, rows: torch.Tensor, flags: tuple[bool, bool], lp_sel: torch.Tensor | slice | None,
+                    num_top: int, num_kv_blocks: int) -> StepOutputs:
+        """One decode step over state rows `rows` [R]: what a CUDA graph captures.
+
+        Logprobs (top `num_top`) are computed for the rows `lp_sel` selects (None: none).
+        Reads every input from `BatchState` and writes the advanced state back.
         """
         all_greedy, needs_filter = flags
-        s, k, dev = self.state, self.k, self.device
-        rows = to_device_no_sync(slots, torch.long, dev)
+        s, k = self.state, self.k
         sampling = SamplingTensors(s.temperature[rows], s.top_k[rows], s.top_p[rows], s.seed[rows], all_greedy, needs_filter)
         done = s.done[rows]
         seq = s.seq_lens[rows]
-        tables = s.block_tables[rows]
-        positions = seq.unsqueeze(1) + self._arange_k1  # [R, k+1]
         inputs = torch.cat([s.last_token[rows].unsqueeze(1), s.drafts[rows]], 1)
-        meta = self._meta_uniform(tables, positions, done, num_kv_blocks)
+        meta = self._meta_uniform(s.block_tables[rows], seq, k + 1, done, num_kv_blocks)
         hidden = self.model(inputs.reshape(-1), meta.positions, self.kv.layers, meta, self.backend)
-        logits = self.model.compute_logits(hidden).view(len(slots), k + 1, -1)
-        dprobs = None
-        if not all_greedy:
+        logits = self.model.compute_logits(hidden, float32=not all_greedy).view(rows.shape[0], k + 1, -1)
+        if all_greedy:
+            ids, n_verified = logits.argmax(dim=-1), None
+        else:
             s.ensure_draft_probs()
-            dprobs = s.draft_probs[rows] if s.draft_probs is not None else logits.new_zeros(len(slots), 0, logits.shape[-1])
-        tokens, n_emit = verify(logits, s.drafts[rows], dprobs, sampling, seq + 1)
-        n_emit, finished = self._apply_stops(rows, tokens, n_emit, done)
-        lp_rows = sorted(logprobs)
+            dprobs = s.draft_probs[rows] if s.draft_probs is not None else logits.new_zeros(rows.shape[0], 0, logits.shape[-1])
+            ids, n_verified = verify(logits, s.drafts[rows], dprobs, sampling, seq + 1)
+        tokens, n_emit, finished, new_len = accept_and_advance(
+            ids, n_verified, rows, s.drafts, s.stop_ids, s.max_tokens, s.num_generated, s.seq_lens,
+            s.last_token, s.done)
         lps = None
-        if lp_rows:
-            sel = to_device_no_sync(lp_rows, torch.long, dev)
-            flat = tokens[sel].clamp(min=0).reshape(-1)
-            lps = compute_logprobs(logits[sel].reshape(flat.shape[0], -1), flat, max(logprobs.values()))
-        new_len = seq + n_emit
-        last = tokens.gather(1, (n_emit - 1).clamp(min=0).unsqueeze(1)).squeeze(1)
-        s.last_token[rows] = torch.where(n_emit > 0, last, s.last_token[rows])
-        s.seq_lens[rows] = new_len
-        s.num_generated[rows] += n_emit
-        s.done[rows] = done | finished
+        if lp_sel is not None:
+            flat = tokens[lp_sel].clamp(min=0).reshape(-1)
+            lps = compute_logprobs(logits[lp_sel].reshape(flat.shape[0], -1), flat, num_top)
         if k:
             self._redraft(rows, tokens, n_emit, hidden, meta, new_len, sampling, done, num_kv_blocks)
-        handle = DecodeHandle(slots, tokens, n_emit, finished & ~done, lps, lp_rows)
-        return self._start_copy_to_host(handle)
+        return StepOutputs(tokens, n_emit, finished, lps)
 
-    def _apply_stops(self, rows, tokens, n_emit, done):
-        """Cut emitted tokens at the first stop id and at max_tokens; rows already done emit 0."""
-        s = self.state
-        valid = self._arange_k1.unsqueeze(0) < n_emit.unsqueeze(1)
-        is_stop = (tokens.unsqueeze(-1) == s.stop_ids[rows].unsqueeze(1)).any(-1) & valid
-        has_stop = is_stop.any(1)
-        n = torch.where(has_stop, is_stop.float().argmax(1) + 1, n_emit)
-        room = s.max_tokens[rows] - s.num_generated[rows]
-        n = torch.minimum(n, room)
-        n = torch.where(done, torch.zeros_like(n), n)
-        finished = (has_stop | (s.num_generated[rows] + n >= s.max_tokens[rows])) & ~done
-        return n, finished
+    def _select_logprobs(self, lp: LogprobsTensors | None, lp_rows: list[int]) -> LogprobsTensors | None:
+        """The rows that asked, out of logprobs a graph computed for every row (k+1 each)."""
+        if lp is None or not lp_rows:
+            return None
+        k1 = self.k + 1
+        idx = to_device_no_sync([r * k1 + j for r in lp_rows for j in range(k1)], torch.long, self.device)
+        return LogprobsTensors(*(t.index_select(0, idx) for t in astuple_lp(lp)))
 
     def _redraft(self, rows, tokens, n_emit, hidden, meta, new_len, st, masked, num_kv_blocks):
         """MTP over the verified positions, then chain k drafts from the last accepted one.

@@ -60,7 +60,7 @@ class PrefillNode(StepLoop):
         super().__init__()
         self.loaded, self.config, self.sink = loaded, config, first_token_sink
         self.k = config.num_speculative_tokens
-        self.runner, self.blocks, self.max_model_len = build_runner(loaded, config)
+        self.runner, self.blocks, self.max_model_len = build_runner(loaded, config, decodes=False)
         self.num_layers = loaded.model.config.num_hidden_layers
         self._released: queue.SimpleQueue[str] = queue.SimpleQueue()
         self.sender = create_sender(kv_backend, timeout_s=kv_timeout_s, on_release=self._on_release,

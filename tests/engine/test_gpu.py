@@ -1,4 +1,6 @@
-"""GPU-only checks (skipped without CUDA): the decode launch never syncs (I3), bf16 runs."""
+"""GPU-only checks (skipped without CUDA): the decode loop never syncs (I3) on the graph path
+and the eager path, the fast path (CUDA graphs + Triton kernels) gives the eager torch
+reference's tokens, bf16 runs."""
 
 from __future__ import annotations
 
@@ -9,38 +11,69 @@ from engine.engine import EngineConfig, LLMEngine
 from engine.loader import load_model
 from engine.mtp_train import grow_head
 from engine.sampling_params import SamplingParams
+from kernels._dispatch import reference_kernels
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
+PARAMS = [SamplingParams(max_tokens=40, ignore_eos=True),
+          SamplingParams(max_tokens=40, ignore_eos=True, temperature=0.8, top_p=0.9, seed=1, logprobs=3)]
 
-@pytest.mark.parametrize("k,features", [(0, False), (3, False), (3, True)])
-def test_decode_launch_never_syncs(k, features):
-    loaded = load_model("tiny", device="cuda", dtype="bfloat16")
-    if features:  # a head that also reads target layer 0, with a wider MLP
-        grow_head(loaded.model, 192, (0,), seed=3)
-    eng = LLMEngine(loaded, EngineConfig(num_speculative_tokens=k, device="cuda"))
-    params = [SamplingParams(max_tokens=40, ignore_eos=True),
-              SamplingParams(max_tokens=40, ignore_eos=True, temperature=0.8, top_p=0.9, seed=1, logprobs=3)]
-    for i, p in enumerate(params):
+
+def _run(eng: LLMEngine, checked: bool) -> int:
+    """Two requests to the end; with `checked`, every decode launch runs under sync mode "error"."""
+    for i, p in enumerate(PARAMS):
         eng.add_request(list(range(5, 12 + 7 * i)), p)
     eng.step()  # prefill (has its own read point) + first decode launch
     launches = 0
     real = eng.runner.launch_decode
 
-    def checked(*a, **kw):
+    def launch(*a, **kw):
         nonlocal launches
-        torch.cuda.set_sync_debug_mode("error")
+        torch.cuda.set_sync_debug_mode("error" if checked else "default")
         try:
             return real(*a, **kw)
         finally:
             torch.cuda.set_sync_debug_mode("default")
             launches += 1
 
-    eng.runner.launch_decode = checked  # type: ignore[method-assign]
-    while eng.has_unfinished():
-        eng.step()
-    assert launches > 5
+    eng.runner.launch_decode = launch  # type: ignore[method-assign]
+    try:
+        while eng.has_unfinished():
+            eng.step()
+    finally:
+        eng.runner.launch_decode = real  # type: ignore[method-assign]
+    return launches
+
+
+@pytest.mark.parametrize("eager", [False, True])
+@pytest.mark.parametrize("k,features", [(0, False), (3, False), (3, True)])
+def test_decode_launch_never_syncs(k, features, eager):
+    loaded = load_model("tiny", device="cuda", dtype="bfloat16")
+    if features:  # a head that also reads target layer 0, with a wider MLP
+        grow_head(loaded.model, 192, (0,), seed=3)
+    eng = LLMEngine(loaded, EngineConfig(num_speculative_tokens=k, device="cuda", enforce_eager=eager))
+    assert (eng.runner.graphs is None) == eager
+    _run(eng, checked=False)  # captures the graphs this mix of requests needs (a one-time sync each)
+    assert _run(eng, checked=True) > 5
     assert all(len(r.output_ids) == 40 for r in eng.requests.values())
+
+
+@pytest.mark.parametrize("k", [0, 3])
+def test_fast_path_greedy_equals_eager_reference_fp32(k):
+    prompts = [list(range(3, 3 + n)) for n in (5, 17, 33, 2)]
+    params = SamplingParams(max_tokens=48, ignore_eos=True, logprobs=2)
+    fast = LLMEngine(load_model("tiny", device="cuda", dtype="float32"),
+                     EngineConfig(num_speculative_tokens=k, device="cuda"))
+    assert fast.runner.graphs is not None
+    got = fast.generate(prompts, params)
+    with reference_kernels():
+        ref_eng = LLMEngine(load_model("tiny", device="cuda", dtype="float32"),
+                            EngineConfig(num_speculative_tokens=k, device="cuda", enforce_eager=True,
+                                         attention_backend="torch"))
+        ref = ref_eng.generate(prompts, params)
+    assert [r.output_ids for r in got] == [r.output_ids for r in ref]
+    for a, b in zip(got, ref, strict=True):
+        assert [lp.logprob for lp in a.logprobs] == pytest.approx([lp.logprob for lp in b.logprobs], abs=1e-4)
 
 
 def test_bf16_greedy_generates():
@@ -48,3 +81,14 @@ def test_bf16_greedy_generates():
     eng = LLMEngine(loaded, EngineConfig(num_speculative_tokens=2, device="cuda"))
     out = eng.generate([[1, 2, 3, 4]], SamplingParams(max_tokens=16, ignore_eos=True))
     assert len(out[0].output_ids) == 16
+
+
+def test_seeded_sampling_same_alone_and_in_a_larger_bucket():
+    loaded = load_model("tiny", device="cuda", dtype="float32")
+    eng = LLMEngine(loaded, EngineConfig(num_speculative_tokens=3, device="cuda"))
+    seeded = SamplingParams(max_tokens=32, ignore_eos=True, temperature=0.9, top_k=50, seed=11)
+    alone = eng.generate([[7, 8, 9]], seeded)[0].output_ids
+    others = SamplingParams(max_tokens=32, ignore_eos=True, temperature=0.7, seed=5)
+    mixed = eng.generate([[1, 2], [3, 4, 5], [7, 8, 9], [6] * 9, [2, 2]],
+                         [others, others, seeded, others, others])
+    assert mixed[2].output_ids == alone

@@ -1,0 +1,49 @@
+"""When the public kernel functions take their Triton path and when their torch reference.
+
+Each kernel module (`norm`, `rotary`, `activation`) exposes `f_triton` (the launcher), `f_ref`
+(plain torch, bit-for-bit today's model code) and `f`, which asks `use_triton` here. The
+Triton path is taken only for CUDA tensors with no autograd to record (the kernels have no
+backward), and never inside `reference_kernels()`, which exists to compare both on a GPU.
+The switch is one module-level flag: not thread-local, so flip it outside of serving.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import torch
+
+_triton_enabled = True
+_triton_on_cpu = False
+
+
+def use_triton(*tensors: torch.Tensor) -> bool:
+    """True when every tensor is on CUDA (or `triton_on_cpu()` is on), Triton kernels are on,
+    and autograd is not needed."""
+    if not _triton_enabled or not (_triton_on_cpu or all(t.is_cuda for t in tensors)):
+        return False
+    return not (torch.is_grad_enabled() and any(t.requires_grad for t in tensors))
+
+
+@contextmanager
+def triton_on_cpu() -> Iterator[None]:
+    """Within it, the public kernel functions take their Triton path on CPU tensors too: for
+    tests under Triton's interpreter (TRITON_INTERPRET=1), which runs the whole engine path."""
+    global _triton_on_cpu
+    before, _triton_on_cpu = _triton_on_cpu, True
+    try:
+        yield
+    finally:
+        _triton_on_cpu = before
+
+
+@contextmanager
+def reference_kernels() -> Iterator[None]:
+    """Within it, every public kernel function runs its torch reference."""
+    global _triton_enabled
+    before, _triton_enabled = _triton_enabled, False
+    try:
+        yield
+    finally:
+        _triton_enabled = before

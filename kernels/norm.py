@@ -1,0 +1,118 @@
+"""RMSNorm, optionally fused with the residual add in front of it: one program per row.
+
+    rms_norm(x, w, eps)            = w * round_x(x * rsqrt(mean(x^2) + eps))
+    add_rms_norm(d, r, w, eps)     = (rms_norm(s, w, eps), s)  with  s = round_x(r + d)
+
+x^2, the mean and rsqrt are fp32; `round_x` rounds to x's dtype, and the product with w is
+rounded to the promoted dtype of w and x. These are the rounding steps of the torch code
+(`engine.model.RMSNorm` and the decoder layer's `x = x + delta`), which `*_ref` reproduces
+bit for bit; the kernel differs only in the order of the fp32 sum over H.
+
+Shapes: x, d, r [..., H] with the last dim contiguous (other strides are free for 2-D inputs;
+higher ranks are flattened with `reshape`); w [H]. H need not be a power of two (the row is
+one masked block of next_power_of_2(H)). The outputs are new contiguous tensors, except that
+`add_rms_norm(None, r, ...)` hands back `r` itself as the new residual.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels._dispatch import use_triton
+
+
+@triton.jit
+def _add(a, b):
+    return a + b
+
+
+@triton.jit
+def _add_rms_norm_kernel(
+    delta_ptr, residual_ptr, weight_ptr, out_ptr, sum_ptr,
+    stride_delta, stride_residual, stride_out, stride_sum,  # row strides, in elements
+    H, eps,
+    HAS_DELTA: tl.constexpr, BLOCK: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < H
+    x = tl.load(residual_ptr + row * stride_residual + cols, mask=mask, other=0.0).to(tl.float32)
+    if HAS_DELTA:  # torch adds in fp32 and rounds to the dtype
+        d = tl.load(delta_ptr + row * stride_delta + cols, mask=mask, other=0.0).to(tl.float32)
+        s = (x + d).to(sum_ptr.dtype.element_ty)
+        tl.store(sum_ptr + row * stride_sum + cols, s, mask=mask)
+        x = s.to(tl.float32)
+    # tl.sum's reduction with our own combine: the kernel then calls no @jit function of
+    # triton.language, so Triton's interpreter can run it even if triton was imported first
+    inv_rms = tl.rsqrt(tl.reduce(x * x, 0, _add) / H + eps)
+    normed = (x * inv_rms).to(sum_ptr.dtype.element_ty).to(tl.float32)
+    w = tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    # exact in fp32 for bf16/fp16 operands, so one rounding to the output dtype, as torch
+    tl.store(out_ptr + row * stride_out + cols, (w * normed).to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def _rows(x: torch.Tensor) -> torch.Tensor:
+    """x as [rows, H] with a contiguous last dim (a view whenever possible)."""
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    return x.reshape(-1, x.shape[-1])
+
+
+def add_rms_norm_triton(
+    delta: torch.Tensor | None, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    h = residual.shape[-1]
+    assert weight.shape == (h,), f"weight {tuple(weight.shape)} does not match hidden size {h}"
+    r = _rows(residual)
+    if delta is None:
+        d, s = r, r  # not read, not written (HAS_DELTA is off)
+    else:
+        assert delta.shape == residual.shape, f"delta {tuple(delta.shape)} vs residual {tuple(residual.shape)}"
+        d = _rows(delta)
+        s = torch.empty(r.shape, dtype=torch.result_type(r, d), device=r.device)
+    out = torch.empty(r.shape, dtype=torch.promote_types(weight.dtype, s.dtype), device=r.device)
+    block = triton.next_power_of_2(h)
+    _add_rms_norm_kernel[(r.shape[0],)](
+        d, r, weight.contiguous(), out, s,
+        d.stride(0), r.stride(0), out.stride(0), s.stride(0),
+        h, eps,
+        HAS_DELTA=delta is not None, BLOCK=block,
+        num_warps=min(max(block // 256, 1), 8), enable_fp_fusion=False,
+    )
+    new_residual = residual if delta is None else s.view(residual.shape)
+    return out.view(residual.shape), new_residual
+
+
+def add_rms_norm_ref(
+    delta: torch.Tensor | None, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    new_residual = residual if delta is None else residual + delta
+    return rms_norm_ref(new_residual, weight, eps), new_residual
+
+
+def add_rms_norm(
+    delta: torch.Tensor | None, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rms_norm(residual + delta), residual + delta); delta None: (rms_norm(residual), residual)."""
+    tensors = (residual, weight) if delta is None else (delta, residual, weight)
+    if use_triton(*tensors):
+        return add_rms_norm_triton(delta, residual, weight, eps)
+    return add_rms_norm_ref(delta, residual, weight, eps)
+
+
+def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    return add_rms_norm_triton(None, x, weight, eps)[0]
+
+
+def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    xf = x.float()
+    return weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """weight * normalize(x) over the last dim: the Triton kernel on CUDA, else the reference."""
+    if use_triton(x, weight):
+        return rms_norm_triton(x, weight, eps)
+    return rms_norm_ref(x, weight, eps)

@@ -1,0 +1,312 @@
+"""Causal attention of a step's queries over the paged KV cache (decode, verify and prefill).
+
+What it computes. Row r of the batch owns the queries q[query_start[r] : query_start[r+1]]
+(q_len of them, 0 allowed) and seq_lens[r] keys in the cache, this step's already written.
+Its i-th query sits at position p = seq_len - q_len + i and attends to the row's keys at
+positions 0..p, with softmax(scale * q.k) in fp32. Key position s lives in cache block
+block_tables[r, s // block_size], slot s % block_size. Query head h reads kv head h // G.
+
+Shapes and strides (G = Hq // Hkv, any of 1..8; D in {16, 32, 64, 128}):
+    q             [T, Hq, D]    any float dtype; a strided view is fine (last stride 1)
+    kv_cache      [2, num_blocks, block_size, Hkv, D]   contiguous; [0] = K, [1] = V
+    block_tables  [R, W]        int64 or int32; padding holds block 0 (trash, always readable)
+    seq_lens      [R]           int64
+    query_start   [R + 1]       int64, cumulative
+    returns       [T, Hq, D]    q.dtype, contiguous. Tokens outside every row's range
+                                (T padded past query_start[R]) hold garbage (torch.empty).
+
+Grid: (R, cdiv(max_q, BLOCK_Q), Hkv * num_splits). One program takes BLOCK_Q queries of one
+row and the G query heads of one kv head, packed into the M = BLOCK_Q * G (padded to a power
+of two) rows of `tl.dot`, so each K/V tile is read once per (row, query tile, kv head).
+Keys are visited in tiles of BLOCK_N tokens, each token's block found through the table.
+With num_splits > 1 (flash-decoding) the key tiles a program's queries can see (up to its last
+query's position, so counted from the row's seq_len inside the kernel, not from W) are cut
+into num_splits contiguous shares of cdiv(tiles, num_splits); each writes an unnormalized partial (acc, running max, running sum) to a
+workspace and `_combine_splits_kernel`, grid (T, Hq), merges them. A share with no keys
+writes the neutral partial (0, -inf, 0). Scores are kept in log2 units (exp2, log2(e) folded
+into the scale), so the stored running max is one too.
+
+Careful when editing: the launcher must stay CUDA-graph capturable. Shapes come only from
+host ints (T, R, W, max_q, num_splits); nothing reads a tensor on the host, no `.item()`.
+`paged_attention_ref` is the plain-torch meaning of all of the above; the tests hold the
+kernel to it, on CPU through the Triton interpreter (TRITON_INTERPRET=1).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels._dispatch import use_triton
+
+HEAD_DIMS = (16, 32, 64, 128)
+_LOG2E = math.log2(math.e)
+_TL_DTYPES = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}
+
+
+# ----------------------------------------------------------------------------- kernels
+
+
+@triton.jit
+def _attend_key_tiles(
+    q, q_pos, k_ptr, table_ptr, kv_end, tile_lo, tile_hi, qk_scale,
+    stride_kv, stride_kb, stride_ks,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+    HEAD_DIM: tl.constexpr, DTYPE: tl.constexpr, PRECISION: tl.constexpr,
+):
+    """Online softmax of q [BLOCK_M, D] over key tiles [tile_lo, tile_hi): (acc, max, sum)."""
+    offs_d = tl.arange(0, HEAD_DIM)
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+    for tile in range(tile_lo, tile_hi):
+        k_pos = tile * BLOCK_N + tl.arange(0, BLOCK_N)
+        k_ok = k_pos < kv_end
+        block = tl.load(table_ptr + k_pos // BLOCK_SIZE, mask=k_ok, other=0).to(tl.int64)
+        slot = block * stride_kb + (k_pos % BLOCK_SIZE) * stride_ks  # [BLOCK_N]
+        k = tl.load(k_ptr + slot[None, :] + offs_d[:, None], mask=k_ok[None, :], other=0.0)
+        s = tl.dot(q, k.to(DTYPE), input_precision=PRECISION) * qk_scale
+        s = tl.where(k_pos[None, :] <= q_pos[:, None], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row that sees nothing yet
+        alpha = tl.exp2(m_i - m_safe)
+        p = tl.exp2(s - m_safe[:, None])
+        v = tl.load(k_ptr + stride_kv + slot[:, None] + offs_d[None, :], mask=k_ok[:, None], other=0.0)
+        acc = acc * alpha[:, None] + tl.dot(p.to(DTYPE), v.to(DTYPE), input_precision=PRECISION)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        m_i = m_new
+    return acc, m_i, l_i
+
+
+@triton.jit
+def _paged_attention_kernel(
+    q_ptr, kv_ptr, out_ptr, ws_acc_ptr, ws_max_ptr, ws_sum_ptr,
+    block_tables_ptr, seq_lens_ptr, query_start_ptr, qk_scale,
+    stride_qt, stride_qh, stride_kv, stride_kb, stride_ks, stride_kh, stride_bt,
+    stride_ot, stride_oh, stride_ws_split, stride_ws_t,
+    G: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr,
+    DTYPE: tl.constexpr, PRECISION: tl.constexpr,
+):
+    row = tl.program_id(0)
+    q_tile_start = tl.program_id(1) * BLOCK_Q
+    kv_head = tl.program_id(2) // NUM_SPLITS
+    split = tl.program_id(2) % NUM_SPLITS
+    q_begin = tl.load(query_start_ptr + row)
+    q_len = tl.load(query_start_ptr + row + 1) - q_begin
+    if q_tile_start >= q_len:
+        return
+    seq_len = tl.load(seq_lens_ptr + row)
+
+    # M rows = (query i of the tile, head g of the group), i-major.
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, HEAD_DIM)
+    q_idx = q_tile_start + offs_m // G
+    heads = kv_head * G + offs_m % G
+    tokens = q_begin + q_idx
+    q_pos = seq_len - q_len + q_idx
+    m_ok = (offs_m < BLOCK_Q * G) & (q_idx < q_len)
+    q_off = tokens[:, None] * stride_qt + heads[:, None] * stride_qh + offs_d[None, :]
+    q = tl.load(q_ptr + q_off, mask=m_ok[:, None], other=0.0).to(DTYPE)
+
+    # Keys the tile's last query sees, in BLOCK_N tiles; this split takes one share of them.
+    kv_end = seq_len - q_len + tl.minimum(q_tile_start + BLOCK_Q, q_len)
+    num_tiles = tl.cdiv(kv_end, BLOCK_N)
+    per_split = tl.cdiv(num_tiles, NUM_SPLITS)
+    tile_lo = split * per_split
+    tile_hi = tl.minimum(tile_lo + per_split, num_tiles)
+    acc, m_i, l_i = _attend_key_tiles(
+        q, q_pos, kv_ptr + kv_head * stride_kh, block_tables_ptr + row * stride_bt, kv_end,
+        tile_lo, tile_hi, qk_scale, stride_kv, stride_kb, stride_ks,
+        BLOCK_M, BLOCK_N, BLOCK_SIZE, HEAD_DIM, DTYPE, PRECISION,
+    )
+
+    if NUM_SPLITS == 1:
+        out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+        o_off = tokens[:, None] * stride_ot + heads[:, None] * stride_oh + offs_d[None, :]
+        tl.store(out_ptr + o_off, out.to(out_ptr.dtype.element_ty), mask=m_ok[:, None])
+    else:
+        # Workspaces: max/sum [S, T, Hq], acc [S, T, Hq, D], all contiguous.
+        ws = split * stride_ws_split + tokens * stride_ws_t + heads
+        tl.store(ws_max_ptr + ws, m_i, mask=m_ok)
+        tl.store(ws_sum_ptr + ws, l_i, mask=m_ok)
+        tl.store(ws_acc_ptr + ws[:, None] * HEAD_DIM + offs_d[None, :], acc, mask=m_ok[:, None])
+
+
+@triton.jit
+def _combine_splits_kernel(
+    ws_acc_ptr, ws_max_ptr, ws_sum_ptr, out_ptr,
+    stride_ws_split, stride_ws_t, stride_ot, stride_oh,
+    NUM_SPLITS: tl.constexpr, SPLITS_POW2: tl.constexpr, HEAD_DIM: tl.constexpr,
+):
+    """out[t, h] = sum_s 2^(m_s - m) acc_s / sum_s 2^(m_s - m) l_s, with m = max_s m_s."""
+    token = tl.program_id(0)
+    head = tl.program_id(1)
+    splits = tl.arange(0, SPLITS_POW2)
+    s_ok = splits < NUM_SPLITS
+    ws = splits * stride_ws_split + token * stride_ws_t + head
+    m_s = tl.load(ws_max_ptr + ws, mask=s_ok, other=float("-inf"))
+    l_s = tl.load(ws_sum_ptr + ws, mask=s_ok, other=0.0)
+    m = tl.max(m_s, 0)
+    w = tl.exp2(m_s - tl.where(m == float("-inf"), 0.0, m))
+    offs_d = tl.arange(0, HEAD_DIM)
+    acc = tl.load(ws_acc_ptr + ws[:, None] * HEAD_DIM + offs_d[None, :], mask=s_ok[:, None], other=0.0)
+    total = tl.sum(w * l_s, 0)
+    out = tl.sum(acc * w[:, None], 0) / tl.where(total > 0, total, 1.0)
+    tl.store(out_ptr + token * stride_ot + head * stride_oh + offs_d, out.to(out_ptr.dtype.element_ty))
+
+
+# ----------------------------------------------------------------------------- launcher
+
+
+@dataclass(frozen=True)
+class _Tiles:
+    block_q: int  # queries of one row per program
+    block_m: int  # tl.dot M: block_q * G padded to a power of two >= 16
+    block_n: int  # keys per inner-loop tile (a multiple of the cache's block_size)
+    num_warps: int
+
+
+def _tiles(max_q: int, group: int, head_dim: int, block_size: int) -> _Tiles:
+    """Decode/verify (max_q * G <= 128) fit one query tile, M rounded up to a power of two so
+    few variants compile; prefill packs M = 128 rows (128 // G queries)."""
+    block_m = min(128, max(16, triton.next_power_of_2(max_q * group)))
+    block_q = max(1, block_m // group)
+    block_n = max(block_size, 64)
+    num_warps = 8 if block_m == 128 and head_dim >= 64 else 4
+    return _Tiles(block_q, block_m, block_n, num_warps)
+
+
+def _dot_dtype(q: torch.Tensor, kv_cache: torch.Tensor) -> tl.dtype:
+    """The dtype of tl.dot's operands: q's 16-bit dtype if the cache's is 16-bit too, else fp32.
+    Off-GPU bf16 also runs in fp32: the interpreter's tl.dot multiplies bf16 as raw bits
+    (triton-lang/triton#11584), and its docs say it supports no bf16 arithmetic."""
+    if torch.float32 in (q.dtype, kv_cache.dtype):
+        return tl.float32
+    if q.dtype == torch.bfloat16 and not q.is_cuda:
+        return tl.float32
+    return _TL_DTYPES[q.dtype]
+
+
+def paged_attention_triton(
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start: torch.Tensor,
+    max_q: int,
+    scale: float,
+    num_splits: int = 1,
+) -> torch.Tensor:
+    """The Triton path (CUDA tensors, or CPU ones under TRITON_INTERPRET=1). No host sync."""
+    num_tokens, num_q_heads, head_dim = q.shape
+    _, _, block_size, num_kv_heads, _ = kv_cache.shape
+    assert head_dim in HEAD_DIMS, f"paged_attention: head_dim {head_dim} not in {HEAD_DIMS}"
+    assert kv_cache.shape[-1] == head_dim, "q and kv_cache head_dim differ"
+    assert num_q_heads % num_kv_heads == 0, f"Hq {num_q_heads} not a multiple of Hkv {num_kv_heads}"
+    assert block_size & (block_size - 1) == 0, f"block_size {block_size} is not a power of two"
+    assert q.stride(-1) == 1 and kv_cache.is_contiguous(), "q's last dim and kv_cache must be dense"
+    assert block_tables.stride(-1) == 1 or block_tables.shape[-1] == 1, "block_tables' rows must be dense"
+    assert num_q_heads // num_kv_heads <= 128, "more than 128 query heads per kv head"
+    assert num_splits >= 1
+    out = torch.empty(num_tokens, num_q_heads, head_dim, dtype=q.dtype, device=q.device)
+    rows = block_tables.shape[0]
+    if rows == 0 or max_q == 0 or num_tokens == 0:
+        return out
+    group = num_q_heads // num_kv_heads
+    tiles = _tiles(max_q, group, head_dim, block_size)
+    dtype = _dot_dtype(q, kv_cache)
+    if num_splits == 1:
+        ws_acc = ws_max = ws_sum = out  # unused by the kernel
+    else:
+        ws_max = torch.empty(num_splits, num_tokens, num_q_heads, dtype=torch.float32, device=q.device)
+        ws_sum = torch.empty_like(ws_max)
+        ws_acc = torch.empty(*ws_max.shape, head_dim, dtype=torch.float32, device=q.device)
+    grid = (rows, triton.cdiv(max_q, tiles.block_q), num_kv_heads * num_splits)
+    _paged_attention_kernel[grid](
+        q, kv_cache, out, ws_acc, ws_max, ws_sum,
+        block_tables, seq_lens, query_start, scale * _LOG2E,
+        q.stride(0), q.stride(1), kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2),
+        kv_cache.stride(3), block_tables.stride(0), out.stride(0), out.stride(1),
+        ws_max.stride(0), ws_max.stride(1),
+        G=group, BLOCK_Q=tiles.block_q, BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n,
+        BLOCK_SIZE=block_size, HEAD_DIM=head_dim, NUM_SPLITS=num_splits, DTYPE=dtype,
+        PRECISION="ieee" if dtype == tl.float32 else "tf32",  # ieee: fp32 stays fp32, no TF32
+        num_warps=tiles.num_warps, num_stages=2,
+    )
+    if num_splits > 1:
+        _combine_splits_kernel[(num_tokens, num_q_heads)](
+            ws_acc, ws_max, ws_sum, out, ws_max.stride(0), ws_max.stride(1),
+            out.stride(0), out.stride(1),
+            NUM_SPLITS=num_splits, SPLITS_POW2=triton.next_power_of_2(num_splits),
+            HEAD_DIM=head_dim, num_warps=1 if head_dim <= 64 else 2,
+        )
+    return out
+
+
+# ----------------------------------------------------------------------------- reference
+
+
+def paged_attention_ref(
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start: torch.Tensor,
+    max_q: int,
+    scale: float,
+    num_splits: int = 1,
+) -> torch.Tensor:
+    """Plain torch: lay the queries out as [R, max_q + 1] (the last column takes tokens outside
+    every row), mask keys by position, fp32 softmax. `num_splits` only shapes the kernel's
+    work. Tokens outside every row come back as zeros. Reads no tensor on the host."""
+    num_tokens, num_q_heads, head_dim = q.shape
+    num_kv_heads = kv_cache.shape[3]
+    rows, group = block_tables.shape[0], num_q_heads // num_kv_heads
+    if rows == 0:
+        return torch.zeros_like(q)
+    starts, seq_lens = query_start.long(), seq_lens.long()
+
+    # Each row's keys and values in position order; what lies past seq_len is zeroed.
+    keys = kv_cache[0][block_tables.long()].flatten(1, 2).float()  # [R, S, Hkv, D]
+    values = kv_cache[1][block_tables.long()].flatten(1, 2).float()
+    key_pos = torch.arange(keys.shape[1], device=q.device)
+    in_cache = (key_pos[None, :] < seq_lens[:, None])[..., None, None]
+    keys, values = torch.where(in_cache, keys, 0.0), torch.where(in_cache, values, 0.0)
+
+    token = torch.arange(num_tokens, device=q.device)
+    row = torch.searchsorted(starts[1:], token, right=True).clamp(max=rows - 1)
+    in_row = (token >= starts[0]) & (token < starts[-1])
+    col = torch.where(in_row, token - starts[row], max_q)
+    q_pad = torch.zeros(rows, max_q + 1, num_q_heads, head_dim, device=q.device)
+    q_pad[row, col] = q.float()
+    q_len = starts[1:] - starts[:-1]
+    q_pos = (seq_lens - q_len)[:, None] + torch.arange(max_q + 1, device=q.device)  # [R, Q]
+    visible = key_pos[None, None, :] <= q_pos[..., None]  # [R, Q, S]
+
+    q_pad = q_pad.view(rows, max_q + 1, num_kv_heads, group, head_dim)
+    scores = torch.einsum("rqkgd,rskd->rkgqs", q_pad, keys) * scale
+    scores = scores.masked_fill(~visible[:, None, None], float("-inf"))
+    probs = torch.softmax(scores, dim=-1)
+    probs = torch.where(visible.any(-1)[:, None, None, :, None], probs, 0.0)  # sees nothing
+    out = torch.einsum("rkgqs,rskd->rqkgd", probs, values).flatten(2, 3)  # [R, Q, Hq, D]
+    return torch.where(in_row[:, None, None], out[row, col], 0.0).to(q.dtype)
+
+
+def paged_attention(
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start: torch.Tensor,
+    max_q: int,
+    scale: float,
+    num_splits: int = 1,
+) -> torch.Tensor:
+    """[T, Hq, D] attention output: the Triton kernel on CUDA, the torch reference elsewhere."""
+    fn = paged_attention_triton if use_triton(q, kv_cache) else paged_attention_ref
+    return fn(q, kv_cache, block_tables, seq_lens, query_start, max_q, scale, num_splits)

@@ -1,0 +1,158 @@
+"""The RMSNorm kernels: the Triton launchers match the torch references (fp32 to ~1e-6, bf16
+to a rounding), the references are today's model code bit for bit, and the public functions
+dispatch to the reference off CUDA and inside `reference_kernels()`."""
+
+from __future__ import annotations
+
+import importlib
+import os
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+# Without a GPU the Triton kernels run under Triton's interpreter, on CPU tensors. triton.jit
+# reads TRITON_INTERPRET when a kernel is defined, so this must precede importing `kernels`.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from kernels import _dispatch, norm  # noqa: E402
+
+# engine imports kernels, so an earlier test module may have defined them compiled: define them
+# again (enough because they call no @jit helper of triton.language, which stays as imported).
+if os.environ.get("TRITON_INTERPRET") == "1":
+    importlib.reload(norm)
+
+EPS = 1e-5
+DTYPES = [torch.float32, torch.bfloat16]
+
+
+@pytest.fixture(params=["cuda" if torch.cuda.is_available() else "cpu"])
+def device(request) -> str:
+    return request.param
+
+
+def randn(*shape, dtype=torch.float32, device="cpu", seed=0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(*shape, generator=g).to(dtype=dtype, device=device)
+
+
+def assert_within_a_rounding(actual: torch.Tensor, expected: torch.Tensor, dtype=None) -> None:
+    """fp32: the kernel sums over H in another order. bf16 (`dtype`: the narrowest the math
+    rounds to): that can move a rounding by an ulp; Triton's interpreter also truncates
+    fp32 -> bf16 casts where GPUs round to nearest even, an ulp more per cast."""
+    assert actual.dtype == expected.dtype and actual.shape == expected.shape
+    if (dtype or expected.dtype) == torch.float32:
+        torch.testing.assert_close(actual, expected, rtol=2e-6, atol=1e-6)
+    else:
+        rtol = 2**-6 if actual.is_cuda else 2**-5  # 2**-7: one bf16 ulp, relative
+        torch.testing.assert_close(actual.float(), expected.float(), rtol=rtol, atol=1e-5)
+
+
+def assert_same_sum(actual: torch.Tensor, expected: torch.Tensor) -> None:
+    """The residual add is one fp32 add and one cast, as torch's: bit for bit, except that the
+    interpreter's bf16 cast truncates (within an ulp)."""
+    if actual.dtype == torch.bfloat16 and not actual.is_cuda:
+        torch.testing.assert_close(actual.float(), expected.float(), rtol=2**-7, atol=0)
+    else:
+        assert torch.equal(actual, expected)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("hidden", [64, 576, 1536])
+@pytest.mark.parametrize("tokens", [1, 5])
+def test_rms_norm_kernel_matches_reference(device, dtype, hidden, tokens):
+    x = randn(tokens, hidden, dtype=dtype, device=device) * 3
+    w = randn(hidden, dtype=dtype, device=device, seed=1)
+    assert_within_a_rounding(norm.rms_norm_triton(x, w, EPS), norm.rms_norm_ref(x, w, EPS))
+
+
+def test_rms_norm_kernel_reads_strided_rows_and_leading_dims(device):
+    wide = randn(4, 200, device=device)
+    x = wide[:, :72]  # row stride 200
+    w = randn(72, device=device, seed=1)
+    assert_within_a_rounding(norm.rms_norm_triton(x, w, EPS), norm.rms_norm_ref(x, w, EPS))
+    heads = wide[:, :192].view(4, 3, 64)  # per-head q/k norm on a view of a fused projection
+    w = randn(64, device=device, seed=2)
+    out = norm.rms_norm_triton(heads, w, EPS)
+    assert out.shape == (4, 3, 64) and out.is_contiguous()
+    assert_within_a_rounding(out, norm.rms_norm_ref(heads, w, EPS))
+
+
+def test_rms_norm_kernel_promotes_bf16_input_with_fp32_weight_like_torch(device):
+    x = randn(3, 96, dtype=torch.bfloat16, device=device)
+    w = randn(96, device=device, seed=1)
+    out = norm.rms_norm_triton(x, w, EPS)
+    assert out.dtype == torch.float32
+    assert_within_a_rounding(out, norm.rms_norm_ref(x, w, EPS), dtype=torch.bfloat16)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("hidden", [64, 576])
+@pytest.mark.parametrize("tokens", [1, 5])
+def test_add_rms_norm_kernel_matches_reference(device, dtype, hidden, tokens):
+    residual = randn(tokens, hidden, dtype=dtype, device=device) * 4
+    delta = randn(tokens, hidden, dtype=dtype, device=device, seed=1)
+    w = randn(hidden, dtype=dtype, device=device, seed=2)
+    normed, new_residual = norm.add_rms_norm_triton(delta, residual, w, EPS)
+    assert_same_sum(new_residual, norm.add_rms_norm_ref(delta, residual, w, EPS)[1])
+    # normed against the norm of the kernel's own sum (they differ under the interpreter)
+    assert_within_a_rounding(normed, norm.rms_norm_ref(new_residual, w, EPS))
+
+
+@pytest.mark.parametrize("launch", ["add_rms_norm_triton", "add_rms_norm_ref"])
+def test_add_rms_norm_without_delta_returns_the_residual_itself(device, launch):
+    fn = getattr(norm, launch)
+    residual = randn(3, 576, device=device)
+    w = randn(576, device=device, seed=1)
+    normed, new_residual = fn(None, residual, w, EPS)
+    assert new_residual is residual
+    assert_within_a_rounding(normed, norm.rms_norm_ref(residual, w, EPS))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_reference_rms_norm_equals_model_rmsnorm_bit_for_bit(dtype):
+    from engine.model import RMSNorm
+
+    module = RMSNorm(576, EPS).to(dtype)
+    with torch.no_grad():
+        module.weight.copy_(randn(576, seed=1))
+    x = randn(5, 576, dtype=dtype) * 3
+    delta = randn(5, 576, dtype=dtype, seed=2)
+    xf = x.float()  # the model's code before the kernels
+    before = module.weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + EPS)).to(x.dtype)
+    ref = norm.rms_norm_ref(x, module.weight, EPS)
+    assert torch.equal(ref, before)
+    assert torch.equal(ref, module(x))
+    normed, new_residual = norm.add_rms_norm_ref(delta, x, module.weight, EPS)
+    assert torch.equal(new_residual, x + delta)
+    assert torch.equal(normed, module(x + delta))
+
+
+def test_public_functions_run_the_reference_off_cuda_and_in_reference_kernels(device):
+    x = randn(5, 576, device=device)
+    delta = randn(5, 576, device=device, seed=1)
+    w = randn(576, device=device, seed=2)
+    with _dispatch.reference_kernels():
+        assert torch.equal(norm.rms_norm(x, w, EPS), norm.rms_norm_ref(x, w, EPS))
+        for got, want in zip(norm.add_rms_norm(delta, x, w, EPS), norm.add_rms_norm_ref(delta, x, w, EPS), strict=True):
+            assert torch.equal(got, want)
+    if device == "cpu":
+        assert torch.equal(norm.rms_norm(x, w, EPS), norm.rms_norm_ref(x, w, EPS))
+        assert torch.equal(norm.add_rms_norm(delta, x, w, EPS)[0], norm.add_rms_norm_ref(delta, x, w, EPS)[0])
+    else:
+        assert_within_a_rounding(norm.rms_norm(x, w, EPS), norm.rms_norm_ref(x, w, EPS))
+
+
+def test_use_triton_needs_cuda_no_autograd_and_no_reference_kernels():
+    def t(is_cuda=True, requires_grad=False):
+        return SimpleNamespace(is_cuda=is_cuda, requires_grad=requires_grad)
+
+    assert _dispatch.use_triton(t(), t())
+    assert not _dispatch.use_triton(t(), t(is_cuda=False))
+    assert not _dispatch.use_triton(t(), t(requires_grad=True))
+    with torch.no_grad():
+        assert _dispatch.use_triton(t(), t(requires_grad=True))
+    with _dispatch.reference_kernels():
+        assert not _dispatch.use_triton(t())
+    assert _dispatch.use_triton(t())

@@ -1,0 +1,237 @@
+"""The Triton paged-attention kernel against its torch reference, on CUDA when there is one and
+otherwise on the CPU through the Triton interpreter (small shapes: it runs numpy per program)."""
+
+import os
+import sys
+
+import pytest
+import torch
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+# Triton decides at @triton.jit decoration time whether a function runs under its interpreter,
+# its own tl.* helpers (tl.cdiv, tl.max, ...) included, so TRITON_INTERPRET must be set before
+# triton is first imported. torch does not import triton, so checking for CUDA first is safe.
+# Reloading kernels.paged_attention would not help once triton itself is imported compiled.
+if DEVICE == "cpu":
+    if "triton" in sys.modules and os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("triton was imported before TRITON_INTERPRET=1 could be set; set it in the "
+                    "environment or in tests/conftest.py", allow_module_level=True)
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from dataclasses import dataclass  # noqa: E402
+
+import torch.nn.functional as F  # noqa: E402
+
+import kernels.paged_attention as pa  # noqa: E402
+
+TOLERANCE = {
+    torch.float32: dict(atol=1e-5, rtol=1e-5),
+    torch.float16: dict(atol=5e-3, rtol=5e-3),
+    torch.bfloat16: dict(atol=2e-2, rtol=2e-2),
+}
+
+
+@dataclass
+class Batch:
+    q: torch.Tensor
+    kv_cache: torch.Tensor
+    block_tables: torch.Tensor
+    seq_lens: torch.Tensor
+    query_start: torch.Tensor
+    max_q: int
+
+    @property
+    def scale(self) -> float:
+        return self.q.shape[-1] ** -0.5
+
+    def run(self, fn, num_splits: int = 1) -> torch.Tensor:
+        return fn(self.q, self.kv_cache, self.block_tables, self.seq_lens, self.query_start,
+                  self.max_q, self.scale, num_splits)
+
+
+def make_batch(
+    seq_lens: list[int],
+    q_lens: list[int],
+    *,
+    group: int = 2,
+    num_kv_heads: int = 2,
+    head_dim: int = 32,
+    block_size: int = 16,
+    dtype: torch.dtype = torch.float32,
+    cache_dtype: torch.dtype | None = None,
+    pad_columns: int = 1,
+    trash: float | None = None,
+    max_q: int | None = None,
+    seed: int = 0,
+) -> Batch:
+    """Rows' blocks drawn from a shuffled pool of ids (block 0 left as trash, a few blocks
+    unused); tables padded with block 0; q a column slice of a fused qkv buffer."""
+    gen = torch.Generator().manual_seed(seed)
+    blocks = [-(-s // block_size) for s in seq_lens]
+    num_blocks = 1 + sum(blocks) + 3
+    ids = (torch.randperm(num_blocks - 1, generator=gen) + 1).tolist()
+    table = torch.zeros(len(seq_lens), max(blocks, default=0) + pad_columns, dtype=torch.int64)
+    for row, n in enumerate(blocks):
+        table[row, :n] = torch.tensor(ids[:n], dtype=torch.int64)
+        ids = ids[n:]
+    kv = torch.randn(2, num_blocks, block_size, num_kv_heads, head_dim, generator=gen)
+    if trash is not None:
+        kv[:, 0] = trash
+    num_q_heads = group * num_kv_heads
+    qkv = torch.randn(sum(q_lens), (num_q_heads + 2 * num_kv_heads) * head_dim, generator=gen)
+    q = qkv.to(DEVICE, dtype)[:, : num_q_heads * head_dim].view(-1, num_q_heads, head_dim)
+    return Batch(
+        q=q,
+        kv_cache=kv.to(DEVICE, cache_dtype or dtype),
+        block_tables=table.to(DEVICE),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int64, device=DEVICE),
+        query_start=torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], device=DEVICE),
+        max_q=max_q if max_q is not None else max(q_lens),
+    )
+
+
+def assert_kernel_matches_reference(batch: Batch, num_splits: int = 1) -> torch.Tensor:
+    out = batch.run(pa.paged_attention_triton, num_splits)
+    ref = batch.run(pa.paged_attention_ref)
+    assert out.shape == batch.q.shape and out.dtype == batch.q.dtype and out.is_contiguous()
+    torch.testing.assert_close(out.float(), ref.float(), **TOLERANCE[batch.q.dtype])
+    return out
+
+
+BOUNDARY_SEQ_LENS = [16, 17, 15, 32, 33, 31, 1, 48]  # multiples of block_size 16, one past, one short
+
+
+@pytest.mark.parametrize("group", [1, 3, 4, 8])
+def test_decode_matches_reference_at_block_boundaries(group):
+    batch = make_batch(BOUNDARY_SEQ_LENS, [1] * len(BOUNDARY_SEQ_LENS), group=group, head_dim=16)
+    assert_kernel_matches_reference(batch)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_decode_matches_reference_in_16_bit(dtype):
+    batch = make_batch(BOUNDARY_SEQ_LENS, [1] * len(BOUNDARY_SEQ_LENS), group=4, dtype=dtype)
+    assert_kernel_matches_reference(batch)
+
+
+@pytest.mark.parametrize("k", [0, 1, 2, 3, 4])
+def test_verify_block_of_k_plus_1_matches_reference(k):
+    seq_lens = [k + 1 + 15, 40, 64, k + 1]
+    batch = make_batch(seq_lens, [k + 1] * len(seq_lens), group=4, num_kv_heads=1)
+    assert_kernel_matches_reference(batch)
+
+
+def test_queries_ignore_keys_after_their_position():
+    batch = make_batch([40], [4], group=2)
+    before = batch.run(pa.paged_attention_triton)
+    # keys at positions 37..39 are visible only to queries 1..3 (query 0 sits at 36)
+    for pos in range(37, 40):
+        block = batch.block_tables[0, pos // 16]
+        batch.kv_cache[:, block, pos % 16] += 1.0
+    after = batch.run(pa.paged_attention_triton)
+    torch.testing.assert_close(after[0], before[0], atol=0, rtol=0)
+    assert (after[1:] - before[1:]).abs().amax(dim=(1, 2)).min() > 1e-3
+
+
+@pytest.mark.parametrize("group", [1, 8])
+def test_prefill_chunk_sees_cached_prefix(group):
+    # group 8 packs 16 queries per tile: the 40-token chunk spans three query tiles
+    batch = make_batch([90, 50, 37], [40, 17, 37], group=group, num_kv_heads=1, head_dim=16)
+    assert_kernel_matches_reference(batch)
+
+
+def test_prefill_without_prefix_is_causal_over_the_chunk():
+    batch = make_batch([1, 20, 64], [1, 20, 64], group=3, num_kv_heads=1, head_dim=16)
+    assert_kernel_matches_reference(batch)
+
+
+def test_rows_without_queries_produce_nothing():
+    batch = make_batch([30, 20, 10, 5, 0], [0, 3, 0, 1, 0], group=2)
+    assert_kernel_matches_reference(batch)
+
+
+@pytest.mark.parametrize("num_splits", [1, 2, 3, 16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_split_kv_matches_reference(num_splits, dtype):
+    # 16 splits exceed every row's key tiles: most splits write neutral partials
+    seq_lens, q_lens = [1, 15, 16, 17, 70, 99, 30], [1, 1, 2, 3, 5, 1, 20]
+    batch = make_batch(seq_lens, q_lens, group=4, num_kv_heads=1, head_dim=16, dtype=dtype)
+    assert_kernel_matches_reference(batch, num_splits)
+
+
+def test_split_kv_agrees_with_single_pass():
+    batch = make_batch([70, 99, 33], [1, 3, 2], group=2, head_dim=16)
+    one = batch.run(pa.paged_attention_triton, 1)
+    torch.testing.assert_close(batch.run(pa.paged_attention_triton, 3), one, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("num_splits", [1, 2])
+def test_padded_tables_never_read_trash_contents(num_splits):
+    batch = make_batch([17, 33, 64], [1, 2, 5], pad_columns=3, trash=float("nan"))
+    out = assert_kernel_matches_reference(batch, num_splits)
+    assert torch.isfinite(out).all()
+
+
+def test_all_trash_row_with_seq_len_equal_q_len_leaves_other_rows_alone():
+    # a CUDA-graph padding row: every table entry is block 0, seq_len == q_len
+    padded = make_batch([40, 25, 3], [1, 3, 3], head_dim=16)
+    padded.block_tables[2] = 0
+    out = assert_kernel_matches_reference(padded)
+    real = Batch(padded.q[:4], padded.kv_cache, padded.block_tables[:2], padded.seq_lens[:2],
+                 padded.query_start[:3], 3)
+    torch.testing.assert_close(out[:4], real.run(pa.paged_attention_triton), atol=0, rtol=0)
+    assert torch.isfinite(out).all()
+
+
+@pytest.mark.parametrize("block_size", [8, 32, 64])
+def test_other_cache_block_sizes(block_size):
+    seq_lens = [block_size, block_size + 1, 2 * block_size - 1, 3]
+    batch = make_batch(seq_lens, [1, 2, 3, 3], group=2, head_dim=16, block_size=block_size)
+    assert_kernel_matches_reference(batch, num_splits=2)
+
+
+def test_int32_block_tables_are_accepted():
+    batch = make_batch([17, 50], [1, 4], head_dim=16)
+    batch.block_tables = batch.block_tables.int()
+    assert_kernel_matches_reference(batch)
+
+
+@pytest.mark.parametrize(("dtype", "cache_dtype"), [(torch.float32, torch.bfloat16),
+                                                    (torch.bfloat16, torch.float16)])
+def test_cache_dtype_may_differ_from_q(dtype, cache_dtype):
+    batch = make_batch([17, 50], [1, 4], head_dim=16, dtype=dtype, cache_dtype=cache_dtype)
+    assert_kernel_matches_reference(batch)
+
+
+def test_max_q_larger_than_any_query():
+    batch = make_batch([17, 50], [1, 4], group=8, num_kv_heads=1, head_dim=16, max_q=40)
+    assert_kernel_matches_reference(batch)
+
+
+def test_head_dim_outside_supported_set_is_rejected():
+    batch = make_batch([5], [1], head_dim=16)
+    batch.q = torch.zeros(1, 4, 24, device=DEVICE)
+    with pytest.raises(AssertionError, match="head_dim 24"):
+        batch.run(pa.paged_attention_triton)
+
+
+def test_reference_matches_per_row_sdpa():
+    batch = make_batch([90, 20, 5, 7], [40, 1, 0, 7], group=3, num_kv_heads=2, head_dim=16)
+    got = batch.run(pa.paged_attention_ref)
+    starts, block_size = batch.query_start.tolist(), batch.kv_cache.shape[2]
+    for row, seq_len in enumerate(batch.seq_lens.tolist()):
+        q = batch.q[starts[row] : starts[row + 1]].transpose(0, 1)  # [Hq, q_len, D]
+        pos = torch.arange(seq_len, device=DEVICE)
+        slots = batch.block_tables[row, pos // block_size], pos % block_size
+        k, v = (batch.kv_cache[i][slots].transpose(0, 1) for i in (0, 1))  # [Hkv, S, D]
+        q_pos = seq_len - q.shape[1] + torch.arange(q.shape[1], device=DEVICE)
+        want = F.scaled_dot_product_attention(
+            q, k.repeat_interleave(3, 0), v.repeat_interleave(3, 0),
+            attn_mask=pos[None, :] <= q_pos[:, None], scale=batch.scale,
+        )
+        torch.testing.assert_close(got[starts[row] : starts[row + 1]], want.transpose(0, 1))
+
+
+def test_public_entry_point_dispatches_on_device():
+    batch = make_batch([17, 50], [1, 4], head_dim=16)
+    expected = pa.paged_attention_triton if DEVICE == "cuda" else pa.paged_attention_ref
+    assert torch.equal(batch.run(pa.paged_attention), batch.run(expected))
