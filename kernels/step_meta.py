@@ -37,7 +37,7 @@ def _uniform_meta_kernel(tables_ptr, start_ptr, masked_ptr, pos_ptr, slot_ptr, s
     slot = block * BS + pos % BS
     if HAS_MASK:
         masked = tl.load(masked_ptr + r)
-        slot = tl.where(masked, TRASH_BLOCK * BS + pos % BS, slot)
+        slot = tl.where(masked, pos % BS, slot)  # the trash block is block 0
     out = r * Q + j
     tl.store(pos_ptr + out, pos, mask=ok)
     tl.store(slot_ptr + out, slot, mask=ok)
@@ -46,7 +46,7 @@ def _uniform_meta_kernel(tables_ptr, start_ptr, masked_ptr, pos_ptr, slot_ptr, s
     tl.store(seq_ptr + r, start + Q)
     tl.store(qstart_ptr + r, (r * Q).to(tl.int64))
     if r == R - 1:
-        tl.store(qstart_ptr + R, (R * Q).to(tl.int64))
+        tl.store(qstart_ptr + R, ((r + 1) * Q).to(tl.int64))  # R may be specialized to a python int
 
 
 Meta = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]

@@ -5,12 +5,16 @@ tokens and logprobs: the kernels are wired to the right tensors, not only right 
 from __future__ import annotations
 
 import pytest
+import torch
 
 from engine.engine import EngineConfig, LLMEngine
 from engine.loader import load_model
 from engine.model import fuse_projections
 from engine.sampling_params import SamplingParams
 from kernels._dispatch import triton_on_cpu
+
+pytestmark = pytest.mark.skipif(torch.cuda.is_available(),
+                                reason="CPU interpreter check; on a GPU tests/engine/test_gpu.py runs the compiled path")
 
 PROMPTS = [[5, 6, 7], list(range(10, 31)), [9] * 17]  # 21 and 17 tokens cross block boundaries
 
