@@ -28,6 +28,7 @@ from engine.loader import (
     resolve_dtype,
 )
 from engine.model import load_weights
+from engine.model_runner import kv_room_needed
 from engine.sampling_params import SamplingParams
 
 SHAPES = {
@@ -41,6 +42,7 @@ SHAPES = {
                      max_position_embeddings=8192, tie_word_embeddings=True),
 }
 PROFILE_STEPS = 20
+BLOCK_SIZE = 16
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -70,11 +72,13 @@ def _engine(loaded: LoadedModel, k: int, args: argparse.Namespace) -> tuple[LLME
     vocab = loaded.model.config.vocab_size
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(0, vocab, (args.prompt_len,), generator=g).tolist() for _ in range(args.batch)]
+    max_len = args.prompt_len + args.max_tokens + 8
+    per_seq = -(-kv_room_needed(max_len, k) // BLOCK_SIZE)
     engine = LLMEngine(loaded, EngineConfig(num_speculative_tokens=k, device=args.device,
-                                            max_num_seqs=max(args.batch, 1),
+                                            max_num_seqs=max(args.batch, 1), block_size=BLOCK_SIZE,
+                                            num_blocks=1 + args.batch * per_seq,  # the whole batch at once
                                             max_num_batched_tokens=args.batch * args.prompt_len,
-                                            max_model_len=args.prompt_len + args.max_tokens + 8,
-                                            enforce_eager=args.enforce_eager))
+                                            max_model_len=max_len, enforce_eager=args.enforce_eager))
     engine.generate(prompts[:1], SamplingParams(max_tokens=4, ignore_eos=True))  # warm-up
     return engine, prompts
 
@@ -86,6 +90,7 @@ def time_engine(loaded: LoadedModel, k: int, args: argparse.Namespace) -> dict:
     for p in prompts:
         engine.add_request(p, params)
     engine.step()  # the whole batch prefills in one step
+    assert not engine.waiting, "the KV cache holds the whole batch"
     _sync(args.device)
     start, steps = time.perf_counter(), 0
     while engine.has_unfinished():
@@ -120,9 +125,22 @@ def profile_decode(engine: LLMEngine, prompts: list[list[int]], params: Sampling
         torch.cuda.synchronize()
     while engine.has_unfinished():
         engine.step()
-    spans = sorted((e.time_range.start, e.time_range.end) for e in prof.events()
-                   if e.device_type == torch.autograd.DeviceType.CUDA)
-    return {"kernels_per_step": round(len(spans) / PROFILE_STEPS, 1), "gpu_busy": round(busy_share(spans), 4)}
+    events = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    spans = sorted((e.time_range.start, e.time_range.end) for e in events)
+    return {"kernels_per_step": round(len(spans) / PROFILE_STEPS, 1), "gpu_busy": round(busy_share(spans), 4),
+            "gpu_us_per_step": round(sum(e - s for s, e in spans) / PROFILE_STEPS, 1),
+            "top_kernels": top_kernels(events)}
+
+
+def top_kernels(events: list, n: int = 12) -> list[tuple[str, float, float]]:
+    """(name, us per step, launches per step) of the kernels that take the most time."""
+    total: dict[str, list[float]] = {}
+    for e in events:
+        t = total.setdefault(e.name[:70], [0.0, 0.0])
+        t[0] += e.time_range.end - e.time_range.start
+        t[1] += 1
+    ranked = sorted(total.items(), key=lambda kv: -kv[1][0])[:n]
+    return [(name, round(us / PROFILE_STEPS, 1), round(c / PROFILE_STEPS, 1)) for name, (us, c) in ranked]
 
 
 def busy_share(spans: list[tuple[float, float]]) -> float:
