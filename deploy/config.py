@@ -7,7 +7,7 @@ every component (router included) can read its own section cheaply.
 
 YAML layout (every section and key optional):
 
-    model: {name: tiny, dtype: auto, device: auto, max_model_len: 2048, mtp_path: null}
+    model: {name: tiny, dtype: auto, device: auto, max_model_len: 2048, mtp_path: null, enforce_eager: false}
     spec: {num_speculative_tokens: 2}
     cache: {block_size: 16, num_blocks: null, kv_cache_bytes: 536870912}
     kv_transfer: {backend: ucx, timeout_s: 30}

@@ -99,3 +99,17 @@ def test_parse_overrides_reads_yaml_scalars():
         "decode.num_nodes": 3, "cluster.address": None, "router.host": "127.0.0.1", "model.name": "tiny"}
     with pytest.raises(ConfigError, match="KEY=VALUE"):
         parse_overrides(["decode.num_nodes"])
+
+
+def test_enforce_eager_flag_reaches_the_engine_config():
+    import argparse
+
+    from deploy.actors import engine_config
+    from deploy.cli_service import add_service_arguments, service_config
+
+    parser = argparse.ArgumentParser()
+    add_service_arguments(parser)
+    eager = service_config(parser.parse_args(["--enforce-eager"]))
+    assert eager.model.enforce_eager and engine_config(eager, "decode").enforce_eager
+    default = service_config(parser.parse_args([]))
+    assert not default.model.enforce_eager and not engine_config(default, "decode").enforce_eager

@@ -1,0 +1,64 @@
+"""What a captured decode step relies on, checked on the CPU: the buckets, and that padding a
+step's rows with the spare slot (as a graph of a larger bucket does) changes neither the real
+rows' results nor any state but the spare's and the trash block's."""
+
+from __future__ import annotations
+
+import torch
+
+from engine.attention import TRASH_BLOCK
+from engine.cuda_graphs import bucket_sizes
+from engine.engine import EngineConfig, LLMEngine
+from engine.sampling_params import SamplingParams
+
+from .conftest import DEVICE
+
+STATE = ("seq_lens", "last_token", "drafts", "num_generated", "max_tokens", "done", "stop_ids", "block_tables")
+
+
+def test_buckets_are_powers_of_two_then_the_capacity():
+    assert bucket_sizes(1) == [1]
+    assert bucket_sizes(32) == [1, 2, 4, 8, 16, 32]
+    assert bucket_sizes(48) == [1, 2, 4, 8, 16, 32, 48]
+
+
+def _snapshot(runner) -> dict[str, torch.Tensor]:
+    snap = {n: getattr(runner.state, n).clone() for n in STATE}
+    snap.update({f"kv{i}": t.clone() for i, t in enumerate(runner.kv.layers)})
+    return snap
+
+
+def _restore(runner, snap: dict[str, torch.Tensor]) -> None:
+    for n in STATE:
+        getattr(runner.state, n).copy_(snap[n])
+    for i, t in enumerate(runner.kv.layers):
+        t.copy_(snap[f"kv{i}"])
+
+
+def test_spare_padding_rows_change_nothing_but_the_spare_and_trash(tiny):
+    eng = LLMEngine(tiny, EngineConfig(num_speculative_tokens=2, max_num_seqs=4, device=DEVICE))
+    for n in (5, 19):
+        eng.add_request(list(range(3, 3 + n)), SamplingParams(max_tokens=30, ignore_eos=True))
+    eng.step()
+    eng.step()
+    runner, spare = eng.runner, eng.runner.state.spare
+    rows = torch.tensor(sorted(eng.batch.running), device=DEVICE)
+    before = _snapshot(runner)
+    plain = runner.decode_step(rows, (True, False), slice(None), 3, runner.max_blocks)
+    after_plain = _snapshot(runner)
+    _restore(runner, before)
+    padded_rows = torch.cat([rows, torch.full((2,), spare, device=DEVICE)])
+    padded = runner.decode_step(padded_rows, (True, False), slice(None), 3, runner.max_blocks)
+    after_padded = _snapshot(runner)
+    r = rows.shape[0]
+    assert torch.equal(padded.tokens[:r], plain.tokens) and torch.equal(padded.num_emitted[:r], plain.num_emitted)
+    assert padded.num_emitted[r:].tolist() == [0, 0] and not padded.finished[r:].any()
+    assert plain.logprobs is not None and padded.logprobs is not None
+    assert torch.equal(padded.logprobs.top_ids[: r * 3], plain.logprobs.top_ids)
+    for name in STATE:
+        assert torch.equal(after_padded[name][:spare], after_plain[name][:spare]), name
+    assert bool(after_padded["done"][spare])
+    keep = torch.arange(runner.kv.num_blocks, device=DEVICE) != TRASH_BLOCK
+    for i in range(len(runner.kv.layers)):  # more rows in a GEMM may round differently (fp32)
+        torch.testing.assert_close(after_padded[f"kv{i}"][:, keep], after_plain[f"kv{i}"][:, keep], atol=1e-5, rtol=0)
+        assert not torch.equal(after_padded[f"kv{i}"][:, keep], before[f"kv{i}"][:, keep])  # the step wrote
