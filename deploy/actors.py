@@ -20,6 +20,7 @@ def engine_config(cfg: ServiceConfig, role: str):
 
     return EngineConfig(
         num_speculative_tokens=cfg.spec.num_speculative_tokens,
+        draft_vocab_size=cfg.spec.draft_vocab_size,
         block_size=cfg.cache.block_size,
         max_num_seqs=cfg.decode.max_num_seqs,  # on P this sizes the KV pool for leases
         max_num_batched_tokens=cfg.prefill.max_num_batched_tokens,

@@ -1,4 +1,4 @@
-"""The `pdserve` command line: `generate` (single-process engine), `bench ...`.
+"""The `pdserve` command line: `generate` (single-process engine), `bench ...`, `train-mtp`, `draft-vocab`.
 
 Every user error (unknown model, prompt beyond the context, k < 0, logprobs > 20,
 temperature < 0, ...) prints one clear `error:` line on stderr and exits with status 2.
@@ -20,6 +20,8 @@ def _add_generate(sub: Any) -> None:
     p.add_argument("--model", default=None,
                    help="a HF safetensors dir, a .gguf file, 'smollm2' or 'tiny' (default: smollm2 if installed, else tiny)")
     p.add_argument("--spec-tokens", type=int, default=0, help="MTP draft tokens per step (k); 0 = off")
+    p.add_argument("--draft-vocab", type=int, default=0, metavar="N",
+                   help="MTP drafts score the model's N most frequent tokens (FR-Spec); 0 = all")
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--top-k", type=int, default=0)
@@ -66,6 +68,8 @@ def _run_module(module_name: str, prog: str, argv: list[str]) -> int:
 def _add_train_mtp(sub: Any) -> None:
     sub.add_parser("train-mtp", help="train an MTP head for a model by self-distillation "
                    "(pdserve train-mtp --help)")  # listed for --help; `main` dispatches it
+    sub.add_parser("draft-vocab", help="rank a model's vocabulary by how often it writes each token, "
+                   "for --draft-vocab (pdserve draft-vocab --help)")  # as train-mtp
 
 
 def _add_service(sub: Any) -> None:
@@ -127,8 +131,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
         temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed,
         max_tokens=args.max_tokens, logprobs=args.logprobs,
     )
-    config = EngineConfig(num_speculative_tokens=args.spec_tokens, device=args.device,
-                          max_model_len=args.max_model_len, enforce_eager=args.enforce_eager)
+    config = EngineConfig(num_speculative_tokens=args.spec_tokens, draft_vocab_size=args.draft_vocab,
+                          device=args.device, max_model_len=args.max_model_len, enforce_eager=args.enforce_eager)
     loaded = load_model(args.model or default_model(), device=args.device, dtype=args.dtype)
     engine = LLMEngine(loaded, config)
     prompts = [encode_prompt(loaded.tokenizer, p, args.raw) for p in args.prompts]
@@ -156,6 +160,8 @@ def main(argv: list[str] | None = None) -> int:
             return _run_bench(argv[1], argv[2:])
         if argv and argv[0] == "train-mtp":
             return _run_module("engine.mtp_train", "pdserve train-mtp", argv[1:])
+        if argv and argv[0] == "draft-vocab":
+            return _run_module("engine.vocab_rank", "pdserve draft-vocab", argv[1:])
         args = build_parser().parse_args(argv)
         return int(args.func(args))
     except (ValueError, FileNotFoundError, ModuleNotFoundError) as e:

@@ -24,8 +24,8 @@ def service_config(args: argparse.Namespace, local: bool = False) -> Any:
 
     overrides = parse_overrides(getattr(args, "set", None) or [])
     for flag, key in (("model", "model.name"), ("prefill", "prefill.num_nodes"), ("decode", "decode.num_nodes"),
-                      ("spec_tokens", "spec.num_speculative_tokens"), ("port", "router.port"),
-                      ("address", "cluster.address"), ("device", "model.device"),
+                      ("spec_tokens", "spec.num_speculative_tokens"), ("draft_vocab", "spec.draft_vocab_size"),
+                      ("port", "router.port"), ("address", "cluster.address"), ("device", "model.device"),
                       ("enforce_eager", "model.enforce_eager")):
         value = getattr(args, flag, None)
         if value is not None:
@@ -42,6 +42,8 @@ def add_service_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prefill", type=int, default=None, help="prefill nodes")
     p.add_argument("--decode", type=int, default=None, help="decode nodes")
     p.add_argument("--spec-tokens", type=int, default=None, help="MTP draft tokens per step (k)")
+    p.add_argument("--draft-vocab", type=int, default=None, metavar="N",
+                   help="MTP drafts score the model's N most frequent tokens (FR-Spec); 0 = all")
     p.add_argument("--device", default=None, help="cpu, cuda or auto")
     p.add_argument("--enforce-eager", action="store_true", default=None,
                    help="run the decode step eagerly, without CUDA graphs")

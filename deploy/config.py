@@ -8,7 +8,7 @@ every component (router included) can read its own section cheaply.
 YAML layout (every section and key optional):
 
     model: {name: tiny, dtype: auto, device: auto, max_model_len: 2048, mtp_path: null, enforce_eager: false}
-    spec: {num_speculative_tokens: 2}
+    spec: {num_speculative_tokens: 2, draft_vocab_size: 0}
     cache: {block_size: 16, num_blocks: null, kv_cache_bytes: 536870912}
     kv_transfer: {backend: ucx, timeout_s: 30}
     prefill: {max_num_batched_tokens: 2048, num_nodes: 1, num_cpus: 1, num_gpus: 1}
@@ -66,6 +66,7 @@ class ModelConfig(_Section):
 
 class SpecConfig(_Section):
     num_speculative_tokens: int = Field(default=0, ge=0)  # k MTP draft tokens per step
+    draft_vocab_size: int = Field(default=0, ge=0)  # drafts score the N most frequent tokens (FR-Spec); 0: all
 
 
 class CacheConfig(_Section):

@@ -7,7 +7,9 @@ limit (each request's last step is left out):
   * acceptance_by_position[j-1]: the share of steps whose drafts 1..j were all accepted;
   * mean_accepted_per_step: tokens emitted per step, the bonus token included
     (= 1 + the sum of acceptance_by_position);
-and the wall-clock tokens/s of both runs (prefill included, after a warm-up).
+and the wall-clock tokens/s of both runs (prefill included, after a warm-up), and whether both
+runs gave the same tokens (they must when greedy). `--draft-vocab N` drafts over the model's N
+most frequent tokens (FR-Spec, engine/draft_vocab.py); the plain run is the same either way.
 """
 
 from __future__ import annotations
@@ -27,6 +29,8 @@ from engine.sampling_params import SamplingParams
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None, help="tiny, smollm2 (default when installed), a path")
     p.add_argument("--spec-tokens", type=int, default=3, help="k, draft tokens per step")
+    p.add_argument("--draft-vocab", type=int, default=0, metavar="N",
+                   help="drafts score the model's N most frequent tokens (FR-Spec); 0 = all")
     p.add_argument("--prompts", default=str(HELDOUT_PROMPTS), help="one prompt per line ('#' comments)")
     p.add_argument("--num-prompts", type=int, default=None, help="use the first N prompts")
     p.add_argument("--temperature", type=float, default=0.0)
@@ -44,6 +48,7 @@ class RunStats:
     tokens: int  # generated tokens, first tokens included
     seconds: float
     step_counts: list[int]  # tokens emitted by each full decode step
+    outputs: list[list[int]]  # each request's tokens
 
     @property
     def tokens_per_s(self) -> float:
@@ -53,8 +58,8 @@ class RunStats:
 def run_engine(loaded: LoadedModel, k: int, prompts: list[list[int]], params: list[SamplingParams],
                args: argparse.Namespace) -> RunStats:
     longest = max(len(p) for p in prompts) + args.max_tokens + 8
-    engine = LLMEngine(loaded, EngineConfig(num_speculative_tokens=k, device=args.device,
-                                            max_num_seqs=args.batch, max_model_len=longest))
+    engine = LLMEngine(loaded, EngineConfig(num_speculative_tokens=k, draft_vocab_size=args.draft_vocab if k else 0,
+                                            device=args.device, max_num_seqs=args.batch, max_model_len=longest))
     engine.generate(prompts[:1], SamplingParams(max_tokens=4))  # warm-up
     start = time.perf_counter()
     ids = [engine.add_request(p, sp) for p, sp in zip(prompts, params, strict=True)]
@@ -66,8 +71,8 @@ def run_engine(loaded: LoadedModel, k: int, prompts: list[list[int]], params: li
                 counts.append(len(out.new_token_ids))
             seen.add(out.request_id)
     seconds = time.perf_counter() - start
-    tokens = sum(len(engine.requests[i].output_ids) for i in ids)
-    return RunStats(tokens, seconds, counts)
+    outputs = [engine.requests[i].output_ids for i in ids]
+    return RunStats(sum(len(o) for o in outputs), seconds, counts, outputs)
 
 
 def by_position(counts: list[int], k: int) -> list[float]:
@@ -92,12 +97,14 @@ def measure(loaded: LoadedModel, args: argparse.Namespace) -> dict:
     return {
         "model": loaded.name, "mtp_trained": loaded.mtp_trained, "device": args.device,
         "dtype": str(next(loaded.model.parameters()).dtype).removeprefix("torch."),
-        "spec_tokens": args.spec_tokens, "temperature": args.temperature, "prompts": len(prompts),
+        "spec_tokens": args.spec_tokens, "draft_vocab": args.draft_vocab or None,
+        "temperature": args.temperature, "prompts": len(prompts),
         "prompts_file": Path(args.prompts).name, "max_tokens": args.max_tokens, "batch": args.batch,
         "decode_steps": len(mtp.step_counts),
         "mean_accepted_per_step": round(1.0 + sum(rates), 4),
         "acceptance_by_position": [round(r, 4) for r in rates],
-        "tokens_mtp": mtp.tokens, "tokens_per_s_mtp": round(mtp.tokens_per_s, 2),
+        "tokens_mtp": mtp.tokens, "same_tokens_as_plain": mtp.outputs == plain.outputs,
+        "tokens_per_s_mtp": round(mtp.tokens_per_s, 2),
         "tokens_plain": plain.tokens, "tokens_per_s_plain": round(plain.tokens_per_s, 2),
         "speedup": round(mtp.tokens_per_s / plain.tokens_per_s, 3) if plain.tokens_per_s else None,
     }
@@ -110,14 +117,15 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps(result), flush=True)
         return 0
     r = result
+    vocab = f"draft vocabulary {r['draft_vocab']}" if r["draft_vocab"] else "full draft vocabulary"
     print(f"{r['model']} ({'trained' if r['mtp_trained'] else 'untrained'} MTP head), {r['device']} {r['dtype']}, "
-          f"k={r['spec_tokens']}, temperature {r['temperature']}, {r['prompts']} prompts from {r['prompts_file']}")
+          f"k={r['spec_tokens']}, {vocab}, temperature {r['temperature']}, {r['prompts']} prompts from {r['prompts_file']}")
     print(f"  mean accepted tokens per step (bonus included): {r['mean_accepted_per_step']:.2f} "
           f"over {r['decode_steps']} steps")
     for j, rate in enumerate(r["acceptance_by_position"], start=1):
         print(f"  draft {j}: {100 * rate:.1f}% accepted")
     print(f"  tokens/s: {r['tokens_per_s_mtp']:.1f} with MTP, {r['tokens_per_s_plain']:.1f} without "
-          f"({r['speedup']}x)")
+          f"({r['speedup']}x); same tokens as without MTP: {r['same_tokens_as_plain']}")
     return 0
 
 

@@ -7,6 +7,8 @@ object per k. On CUDA it also prints, from the same process, the floor a decode 
 compared with (parameter bytes / measured copy bandwidth) and, with `--hf`, Hugging Face
 `generate` on the same weights. `--profile` adds kernels per decode step and the share of
 the decode loop the GPU is busy (torch profiler).
+`--draft-vocab N` drafts over the N most frequent tokens (FR-Spec); random weights use the
+shipped ranking of the named model (its drafts are never accepted: this times the step).
 """
 
 from __future__ import annotations
@@ -18,12 +20,14 @@ import time
 import torch
 
 from engine.config import ArchConfig
+from engine.draft_vocab import ranking_path_beside
 from engine.engine import EngineConfig, LLMEngine
 from engine.loader import (
     LoadedModel,
     _materialize,
     build_model,
     load_model,
+    mtp_path_default,
     random_weights,
     resolve_dtype,
 )
@@ -49,6 +53,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="tiny", help="tiny, smollm2, a path; or use --arch")
     p.add_argument("--arch", choices=sorted(SHAPES), default=None, help="random weights of this shape")
     p.add_argument("--spec-tokens", type=int, default=3)
+    p.add_argument("--draft-vocab", type=int, default=0, metavar="N",
+                   help="MTP drafts score the N most frequent tokens (FR-Spec); 0 = all")
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--prompt-len", type=int, default=64)
     p.add_argument("--max-tokens", type=int, default=64)
@@ -65,7 +71,8 @@ def random_model(arch: str, device: str, dtype: str) -> LoadedModel:
     model = build_model(config)
     load_weights(model, *random_weights(model, 0))
     torch_dtype = resolve_dtype(dtype, device)
-    return LoadedModel(f"random-{arch}", _materialize(model, device, torch_dtype), None, (), False)
+    return LoadedModel(f"random-{arch}", _materialize(model, device, torch_dtype), None, (), False,
+                       ranking_path_beside(mtp_path_default(arch)))
 
 
 def _engine(loaded: LoadedModel, k: int, args: argparse.Namespace) -> tuple[LLMEngine, list[list[int]]]:
@@ -74,7 +81,8 @@ def _engine(loaded: LoadedModel, k: int, args: argparse.Namespace) -> tuple[LLME
     prompts = [torch.randint(0, vocab, (args.prompt_len,), generator=g).tolist() for _ in range(args.batch)]
     max_len = args.prompt_len + args.max_tokens + 8
     per_seq = -(-kv_room_needed(max_len, k) // BLOCK_SIZE)
-    engine = LLMEngine(loaded, EngineConfig(num_speculative_tokens=k, device=args.device,
+    engine = LLMEngine(loaded, EngineConfig(num_speculative_tokens=k, draft_vocab_size=args.draft_vocab if k else 0,
+                                            device=args.device,
                                             max_num_seqs=max(args.batch, 1), block_size=BLOCK_SIZE,
                                             num_blocks=1 + args.batch * per_seq,  # the whole batch at once
                                             max_num_batched_tokens=args.batch * args.prompt_len,
@@ -101,7 +109,8 @@ def time_engine(loaded: LoadedModel, k: int, args: argparse.Namespace) -> dict:
     done = [r for r in engine.requests.values() if r.finished][-args.batch:]
     tokens = sum(len(r.output_ids) - 1 for r in done)
     out = {"model": loaded.name, "device": args.device, "dtype": str(next(loaded.model.parameters()).dtype),
-           "graphs": engine.runner.graphs is not None, "spec_tokens": k, "batch": args.batch,
+           "graphs": engine.runner.graphs is not None, "spec_tokens": k,
+           "draft_vocab": (args.draft_vocab or None) if k else None, "batch": args.batch,
            "decode_tokens": tokens, "decode_steps": steps, "seconds": round(elapsed, 4),
            "tokens_per_s": round(tokens / elapsed, 1), "ms_per_step": round(1000 * elapsed / max(steps, 1), 3)}
     if args.profile and args.device.startswith("cuda"):

@@ -22,6 +22,7 @@ import torch
 
 from engine.attention import get_backend
 from engine.decode_batch import DecodeBatch
+from engine.draft_vocab import DraftVocab, read_ranking
 from engine.kv_cache import BlockManager, KVCache
 from engine.loader import LoadedModel
 from engine.model import fuse_projections
@@ -33,6 +34,7 @@ from engine.sampling_params import SamplingParams
 @dataclass(frozen=True)
 class EngineConfig:
     num_speculative_tokens: int = 0
+    draft_vocab_size: int = 0  # MTP drafts score the N most frequent tokens (FR-Spec); 0 or >= V: all
     block_size: int = 16
     max_num_seqs: int = 32
     max_num_batched_tokens: int = 512
@@ -48,6 +50,8 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if self.num_speculative_tokens < 0:
             raise ValueError(f"num_speculative_tokens (k) must be >= 0, got {self.num_speculative_tokens}")
+        if self.draft_vocab_size < 0:
+            raise ValueError(f"draft_vocab_size must be >= 0 (0: the full vocabulary), got {self.draft_vocab_size}")
         if self.block_size <= 0 or self.max_num_seqs <= 0 or self.max_num_batched_tokens <= 0:
             raise ValueError("block_size, max_num_seqs and max_num_batched_tokens must be > 0")
 
@@ -75,10 +79,26 @@ def build_runner(loaded: LoadedModel, config: EngineConfig, decodes: bool = True
     runner = ModelRunner(
         loaded.model, get_backend(config.attention_backend, config.device), k, num_blocks,
         config.block_size, config.max_num_seqs, max_model_len, device, dtype, cuda_graphs=graphs,
+        draft_vocab=draft_vocab_for(loaded, config),
     )
     if runner.graphs is not None:
         runner.graphs.capture_greedy()
     return runner, blocks, max_model_len
+
+
+def draft_vocab_for(loaded: LoadedModel, config: EngineConfig) -> DraftVocab | None:
+    """The draft vocabulary `config` asks for; None when drafts score the full vocabulary
+    (size 0 or >= V, or no MTP: k = 0)."""
+    n, vocab = config.draft_vocab_size, loaded.model.config.vocab_size
+    if config.num_speculative_tokens == 0 or n == 0 or n >= vocab:
+        return None
+    if loaded.vocab_rank_path is None:
+        raise ValueError(
+            f"a draft vocabulary of {n} tokens needs a vocabulary ranking, and model {loaded.name!r} has none "
+            "beside its MTP head (make one with `pdserve draft-vocab`); 0 drafts over the full vocabulary"
+        )
+    ranking = read_ranking(loaded.vocab_rank_path, vocab)
+    return DraftVocab.build(loaded.model.lm_head.weight, ranking, n)
 
 
 def resolve_request(

@@ -3,7 +3,10 @@
 Hands on a `LoadedModel` (module on its device and dtype, tokenizer, EOS ids). Models that ship
 no MTP weights get the head shipped in engine/mtp_heads/{name}.safetensors when there is one
 (`pdserve train-mtp` makes them; SmolLM2 has one), else the given MTP safetensors file, else a
-seeded, untrained MTP module (drafts are then poor but harmless).
+seeded, untrained MTP module (drafts are then poor but harmless). A vocabulary ranking beside
+the head file, or else beside the shipped head ({stem}.vocab_rank.safetensors, `pdserve
+draft-vocab` makes it), is found too: `EngineConfig.draft_vocab_size` drafts over its first N
+tokens (engine/draft_vocab.py).
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 
 from engine.config import ArchConfig
+from engine.draft_vocab import ranking_path_beside
 from engine.model import CausalLM, load_weights, split_mtp_tensors
 from engine.tiny import TINY_SEED, ByteTokenizer, random_tensors, tiny_config
 
@@ -35,6 +39,7 @@ class LoadedModel:
     tokenizer: Any  # engine.tokenizer.Tokenizer or tiny's ByteTokenizer
     eos_token_ids: tuple[int, ...]
     mtp_trained: bool
+    vocab_rank_path: str | None = None  # the ranking beside the MTP head file, if any
 
 
 def default_model() -> str:
@@ -90,7 +95,7 @@ def load_model(name: str, device: str = "cpu", dtype: str | None = None, mtp_pat
             model = build_model(config)
         load_weights(model, target, mtp)
         return LoadedModel("tiny", _materialize(model, device, torch_dtype), ByteTokenizer(), config.eos_token_ids,
-                           mtp_path is not None)
+                           mtp_path is not None, vocab_rank_path("tiny", mtp_path))
     ckpt = load_checkpoint(path)
     config = ckpt.config
     target, mtp = split_mtp_tensors(ckpt.tensors, config.num_hidden_layers)
@@ -107,7 +112,8 @@ def load_model(name: str, device: str = "cpu", dtype: str | None = None, mtp_pat
         mtp = _deepseek_names(random_tensors(model.mtp, MTP_INIT_SEED))
     load_weights(model, target, mtp)
     eos = ckpt.tokenizer.eos_token_ids if ckpt.tokenizer is not None else config.eos_token_ids
-    return LoadedModel(served_name(name), _materialize(model, device, torch_dtype), ckpt.tokenizer, tuple(eos), trained)
+    return LoadedModel(served_name(name), _materialize(model, device, torch_dtype), ckpt.tokenizer, tuple(eos), trained,
+                       vocab_rank_path(served_name(name), mtp_path))
 
 
 def random_weights(model: CausalLM, seed: int) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
@@ -164,6 +170,12 @@ def head_config(config: ArchConfig, mtp: dict[str, torch.Tensor], feature_layers
         raise ValueError(f"MTP head has {norms} feature norms but names {len(feature_layers)} feature layers")
     return replace(config, mtp_intermediate_size=0 if width == config.intermediate_size else width,
                    mtp_feature_layers=tuple(feature_layers))
+
+
+def vocab_rank_path(name: str, head_path: str | None) -> str | None:
+    """The vocabulary ranking beside the MTP head file, else beside the head shipped for `name`
+    (a ranking belongs to the target and its tokenizer, not to one head)."""
+    return ranking_path_beside(head_path) or ranking_path_beside(mtp_path_default(name))
 
 
 def mtp_path_default(name: str) -> str | None:

@@ -253,9 +253,13 @@ class CausalLM(nn.Module):
             h = nn.functional.linear(torch.cat(parts, dim=-1), m.eh_proj.weight[:, : 2 * size])
         return m.block(positions, h, kv_cache, meta, backend)
 
-    def mtp_logits(self, mtp_hidden: torch.Tensor) -> torch.Tensor:
+    def mtp_logits(self, mtp_hidden: torch.Tensor, head_weight: torch.Tensor | None = None) -> torch.Tensor:
+        """Draft logits [R, V]; or [R, N] over the LM head rows `head_weight` [N, hidden] of a
+        draft vocabulary (engine/draft_vocab.py)."""
         assert self.mtp is not None
-        return self.lm_head(self.mtp.shared_head.norm(mtp_hidden)).float()
+        h = self.mtp.shared_head.norm(mtp_hidden)
+        logits = self.lm_head(h) if head_weight is None else nn.functional.linear(h, head_weight)
+        return logits.float()
 
 
 def fuse_projections(model: CausalLM) -> None:

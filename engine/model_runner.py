@@ -21,15 +21,14 @@ import torch
 from engine.attention import TRASH_BLOCK, AttentionBackend, AttentionMetadata
 from engine.batch_state import BatchState, SlotInit, to_device_no_sync
 from engine.cuda_graphs import DecodeGraphs
+from engine.draft_vocab import DraftVocab, draft_tokens
 from engine.kv_cache import KVCache
 from engine.model import CausalLM
 from engine.sampler import (
-    STREAM_DRAFT,
     STREAM_SAMPLE,
     LogprobsTensors,
     SamplingTensors,
     compute_logprobs,
-    processed_probs,
     sample,
 )
 from engine.sampling_params import SamplingParams
@@ -134,9 +133,11 @@ class ModelRunner:
         device: torch.device,
         dtype: torch.dtype,
         cuda_graphs: bool = False,
+        draft_vocab: DraftVocab | None = None,
     ) -> None:
         cfg = model.config
         self.model, self.backend, self.k = model, backend, k
+        self.draft_vocab = draft_vocab  # None: drafts score the full vocabulary
         self.block_size, self.device = block_size, device
         self.num_target_layers = cfg.num_hidden_layers
         layers = cfg.num_hidden_layers + (1 if k > 0 else 0)
@@ -162,7 +163,9 @@ class ModelRunner:
     def _draft_chain(
         self, h: torch.Tensor, base: torch.Tensor, st: SamplingTensors, tables, masked, num_kv_blocks
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """k drafts from the MTP hidden at position base-1; draft j lands at base + j."""
+        """k drafts from the MTP hidden at position base-1; draft j lands at base + j.
+        With a draft vocabulary the head scores its N tokens; drafts and their distributions
+        [R, V] are in the full vocabulary (engine/draft_vocab.py)."""
         drafts: list[torch.Tensor] = []
         probs: list[torch.Tensor] = []
         mtp_cache = self.kv.layers[self.num_target_layers]
@@ -170,10 +173,12 @@ class ModelRunner:
             if j > 1:
                 meta = self._meta_uniform(tables, base + j - 2, 1, masked, num_kv_blocks)
                 h = self.model.mtp_forward(drafts[-1], meta.positions, h, mtp_cache, meta, self.backend)
-            logits = self.model.mtp_logits(h)
-            drafts.append(sample(logits, st, base + j, STREAM_DRAFT))
-            if not st.all_greedy:
-                probs.append(processed_probs(logits, st))
+            dv = self.draft_vocab
+            logits = self.model.mtp_logits(h, dv.weight if dv is not None else None)
+            token, p = draft_tokens(logits, st, base + j, dv)
+            drafts.append(token)
+            if p is not None:
+                probs.append(p)
         return torch.stack(drafts, 1), (torch.stack(probs, 1) if probs else None)
 
     # ---- prefill --------------------------------------------------------------------

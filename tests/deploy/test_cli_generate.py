@@ -44,6 +44,7 @@ def test_generate_spec_tokens_do_not_change_greedy_output(capsys):
         (["--model", "tiny", "--logprobs", "21", "x"], "logprobs must be in 0..20"),
         (["--model", "tiny", "--temperature", "-0.1", "x"], "temperature must be >= 0"),
         (["--model", "tiny", "--max-model-len", "16", "x" * 40], "the context is 16"),
+        (["--model", "tiny", "--spec-tokens", "2", "--draft-vocab", "16", "x"], "needs a vocabulary ranking"),
     ],
 )
 def test_bad_input_exits_nonzero_with_clear_message(args, message):

@@ -38,6 +38,14 @@ def test_yaml_then_overrides_win(tmp_path):
     assert cfg.router.policy == "round_robin" and cfg.kv_transfer.backend == "local"
 
 
+def test_draft_vocab_size_reaches_the_engine_config():
+    from deploy.actors import engine_config
+
+    cfg = ServiceConfig.load(None, {"spec.num_speculative_tokens": 3, "spec.draft_vocab_size": "4096"})
+    assert cfg.spec.draft_vocab_size == 4096 and ServiceConfig().spec.draft_vocab_size == 0
+    assert engine_config(cfg, "decode").draft_vocab_size == 4096
+
+
 def test_empty_yaml_file_is_defaults(tmp_path):
     path = tmp_path / "empty.yaml"
     path.write_text("")
@@ -51,6 +59,7 @@ def test_empty_yaml_file_is_defaults(tmp_path):
         ({"decoder.num_nodes": 2}, "unknown config key 'decoder' at the top level"),
         ({"router.port.x": 1}, "router.port"),
         ({"spec.num_speculative_tokens": -1}, "spec.num_speculative_tokens"),
+        ({"spec.draft_vocab_size": -1}, "spec.draft_vocab_size"),
         ({"kv_transfer.backend": "carrier-pigeon"}, "kv_transfer.backend"),
         ({"model.dtype": "int3"}, "model.dtype"),
         ({"decode.num_nodes": 0}, "decode.num_nodes"),
