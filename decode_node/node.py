@@ -28,7 +28,6 @@ from typing import Any
 
 import torch
 
-from engine.batch_state import to_device_no_sync
 from engine.decode_batch import DecodeBatch
 from engine.engine import EngineConfig, build_runner
 from engine.loader import LoadedModel
@@ -204,12 +203,10 @@ class DecodeNode(StepLoop):
         req, msg = p.request, p.first
         del self.pending[req.request_id]
         req.output_ids = [msg.token]
-        dev = self.runner.device
-        drafts = to_device_no_sync(msg.drafts, torch.long, dev) if self.k else None
+        drafts = list(msg.drafts) if self.k else None  # host values: staged with the step's other inserts
         probs = None
         if msg.draft_probs:
-            host = torch.frombuffer(bytearray(msg.draft_probs), dtype=torch.float32).view(self.k, self.vocab)
-            probs = host.to(dev, non_blocking=True)
+            probs = torch.frombuffer(bytearray(msg.draft_probs), dtype=torch.float32).view(self.k, self.vocab)
         self.batch.insert(req, msg.token, drafts, probs)
 
     def _error(self, p: Pending, message: str, items: list[OutputItem]) -> None:

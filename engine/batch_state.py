@@ -3,7 +3,9 @@
 Each running request occupies one slot. The decode step reads and writes these tensors
 itself (lengths, last token, drafts, done flags), so the host can launch step N+1 before it
 has read step N's results (ARCHITECTURE.md, "The decode step"). The host writes a slot only
-when it inserts a request (`insert_no_sync`) or grows its block table (`set_blocks_no_sync`).
+when it inserts requests (`insert_many_no_sync`: every request inserted before a step goes in
+one packed host-to-device copy through reused pinned memory and a dozen scatters, whatever
+their number) or grows a block table (`set_blocks_no_sync`).
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.attention import TRASH_BLOCK
+from engine.staging import PinnedStaging
 
 MAX_STOP_IDS = 8
 
@@ -30,9 +33,9 @@ class SlotInit:
     """What a newly prefilled request brings to its slot (host values or device tensors)."""
 
     seq_len: int  # prompt length: tokens whose KV is in the cache
-    first_token: torch.Tensor | int
-    drafts: torch.Tensor | None  # [k]
-    draft_probs: torch.Tensor | None  # [k, V]
+    first_token: torch.Tensor | int  # a device scalar (single-process engine) or a host int (node)
+    drafts: torch.Tensor | list[int] | None  # [k], on the device with a device first token, else host
+    draft_probs: torch.Tensor | None  # [k, V], device or host
     num_generated: int
     max_tokens: int
     stop_ids: tuple[int, ...]
@@ -53,6 +56,7 @@ class BatchState:
             return torch.zeros(shape, dtype=dtype, device=device)
 
         self.capacity, self.k, self.vocab, self.device = capacity, k, vocab, device
+        self._staging = PinnedStaging(torch.device(device))
         self.spare = capacity
         self.step_rows = torch.full((capacity,), self.spare, dtype=torch.long, device=device)
         n = capacity + 1  # the slots, then the spare
@@ -78,28 +82,55 @@ class BatchState:
             self.block_tables[slot, start : start + len(block_ids)] = self._h2d(block_ids, torch.long)
 
     def insert_no_sync(self, slot: int, init: SlotInit) -> None:
-        """Write a request into `slot` with async host-to-device copies, stream-ordered."""
-        if len(init.stop_ids) > MAX_STOP_IDS:
-            raise ValueError(f"at most {MAX_STOP_IDS} stop token ids per request")
-        ints = [init.seq_len, init.num_generated, init.max_tokens, init.top_k, init.seed]
-        vals = self._h2d(ints, torch.long)
-        self.seq_lens[slot], self.num_generated[slot], self.max_tokens[slot] = vals[0], vals[1], vals[2]
-        self.top_k[slot], self.seed[slot] = vals[3], vals[4]
-        floats = self._h2d([init.temperature, init.top_p], torch.float32)
-        self.temperature[slot], self.top_p[slot] = floats[0], floats[1]
+        self.insert_many_no_sync([(slot, init)])
+
+    def insert_many_no_sync(self, inits: list[tuple[int, SlotInit]]) -> None:
+        """Write requests into their slots: one staged copy of every host value, then one
+        scatter per state tensor for all of them; stream-ordered, never waited on."""
+        for _, init in inits:
+            if len(init.stop_ids) > MAX_STOP_IDS:
+                raise ValueError(f"at most {MAX_STOP_IDS} stop token ids per request")
+        if not inits:
+            return
+        inits = sorted(inits, key=lambda si: not isinstance(si[1].first_token, torch.Tensor))
+        rows = self._staging.to_device(torch.tensor([self._pack(s, i) for s, i in inits], dtype=torch.long))
+        self._scatter(rows)
+        on_device = [i for _, i in inits if isinstance(i.first_token, torch.Tensor)]
+        if on_device:  # they come first: rows [0, n)
+            slots = rows[: len(on_device), 0]
+            self.last_token[slots] = torch.stack([i.first_token for i in on_device])  # type: ignore[misc]
+            if self.k and all(isinstance(i.drafts, torch.Tensor) for i in on_device):
+                self.drafts[slots] = torch.stack([i.drafts for i in on_device])  # type: ignore[misc]
+        for slot, init in inits:
+            if init.draft_probs is not None:
+                self.ensure_draft_probs()
+                assert self.draft_probs is not None
+                probs = init.draft_probs
+                self.draft_probs[slot] = probs if probs.device == self.draft_probs.device else self._staging.to_device(probs)
+
+    def _pack(self, slot: int, init: SlotInit) -> list[int]:
+        """One row of host values: slot, scalars, the two floats' bits, stop ids, drafts, blocks."""
+        first = init.first_token if isinstance(init.first_token, int) else -1
+        floats = torch.tensor([init.temperature, init.top_p], dtype=torch.float32).view(torch.int32).tolist()
+        drafts = init.drafts if isinstance(init.drafts, list) else [0] * self.k
         stops = list(init.stop_ids) + [-1] * (MAX_STOP_IDS - len(init.stop_ids))
-        self.stop_ids[slot] = self._h2d(stops, torch.long)
-        first = init.first_token
-        self.last_token[slot] = first if isinstance(first, torch.Tensor) else self._h2d([first], torch.long)[0]
-        if self.k and init.drafts is not None:
-            self.drafts[slot] = init.drafts
-        if init.draft_probs is not None:
-            self.ensure_draft_probs()
-            assert self.draft_probs is not None
-            self.draft_probs[slot] = init.draft_probs
-        self.block_tables[slot].fill_(TRASH_BLOCK)
-        self.set_blocks_no_sync(slot, 0, init.block_ids)
-        self.done[slot] = False
+        blocks = init.block_ids + [TRASH_BLOCK] * (self.block_tables.shape[1] - len(init.block_ids))
+        return [slot, init.seq_len, init.num_generated, init.max_tokens, init.top_k, init.seed, first,
+                *floats, *stops, *drafts[: self.k], *blocks]
+
+    def _scatter(self, rows: torch.Tensor) -> None:
+        """The packed rows [n, F] (device) into the state tensors, one scatter each."""
+        slots = rows[:, 0]
+        for col, name in enumerate(("seq_lens", "num_generated", "max_tokens", "top_k", "seed", "last_token"), 1):
+            getattr(self, name)[slots] = rows[:, col]
+        self.temperature[slots] = rows[:, 7].to(torch.int32).view(torch.float32)
+        self.top_p[slots] = rows[:, 8].to(torch.int32).view(torch.float32)
+        a, b = 9, 9 + MAX_STOP_IDS
+        self.stop_ids[slots] = rows[:, a:b]
+        if self.k:
+            self.drafts[slots] = rows[:, b : b + self.k]
+        self.block_tables[slots] = rows[:, b + self.k :]
+        self.done[slots] = False
 
     def ensure_draft_probs(self) -> None:
         if self.draft_probs is None and self.k:

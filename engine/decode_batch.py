@@ -3,6 +3,8 @@
 Receives requests that finished prefill (first token, drafts) and hands back per-step
 output deltas. `step` launches decode step N+1 and only then reads step N's results, so
 the host never waits for the device in between (ARCHITECTURE.md, "The decode step").
+Requests inserted between two steps are written into the batch state together, right
+before the next launch (one packed copy for all of them: `BatchState.insert_many_no_sync`).
 Used by the single-process LLMEngine and by the decode node.
 
 Rules an editor must keep:
@@ -33,6 +35,7 @@ class DecodeBatch:
         self.free_slots = list(range(max_num_seqs - 1, -1, -1))
         self._inflight: InFlight | None = None
         self._free_after_collect: list[list[int]] = []
+        self._to_insert: dict[int, SlotInit] = {}  # slot -> what the next launch writes first
         self.on_finish: Callable[[Request], None] | None = None
 
     @property
@@ -42,9 +45,10 @@ class DecodeBatch:
     def take_slot(self) -> int | None:
         return self.free_slots.pop() if self.free_slots else None
 
-    def insert(self, req: Request, first: torch.Tensor | int, drafts: torch.Tensor | None,
+    def insert(self, req: Request, first: torch.Tensor | int, drafts: torch.Tensor | list[int] | None,
                draft_probs: torch.Tensor | None) -> None:
-        """Put a prefilled request (slot already taken) into the running batch; no sync."""
+        """Put a prefilled request (slot already taken) into the running batch; its state is
+        written with the other inserts before the next launch. No sync."""
         assert req.slot is not None
         p = req.params
         init = SlotInit(
@@ -52,12 +56,15 @@ class DecodeBatch:
             num_generated=len(req.output_ids), max_tokens=req.max_tokens, stop_ids=req.stop_ids,
             temperature=p.temperature, top_k=p.top_k, top_p=p.top_p, seed=req.seed, block_ids=req.block_ids,
         )
-        self.runner.insert_no_sync(req.slot, init)
+        self._to_insert[req.slot] = init
         self.running[req.slot] = req
 
     def step(self) -> list[RequestOutput]:
         """Launch the next decode step (if any request runs), then read the previous one."""
         previous = self._inflight
+        if self._to_insert:
+            self.runner.insert_many_no_sync(list(self._to_insert.items()))
+            self._to_insert.clear()
         self._inflight = self._launch() if self.running else None
         outputs = self._collect(*previous) if previous is not None else []
         if previous is not None:
@@ -100,6 +107,7 @@ class DecodeBatch:
         """End a request: mask its slot on the device, free its slot, free its blocks safely."""
         req.finish_reason = reason
         if req.slot is not None:
+            self._to_insert.pop(req.slot, None)  # ended before its state was written
             if self.running.pop(req.slot, None) is not None:
                 self.runner.state.release(req.slot)
             self.free_slots.append(req.slot)

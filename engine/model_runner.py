@@ -253,8 +253,8 @@ class ModelRunner:
         return compute_logprobs(logits[sel], tokens[sel], num_top)
 
     # ---- insert ---------------------------------------------------------------------
-    def insert_no_sync(self, slot: int, init: SlotInit) -> None:
-        self.state.insert_no_sync(slot, init)
+    def insert_many_no_sync(self, inits: list[tuple[int, SlotInit]]) -> None:
+        self.state.insert_many_no_sync(inits)
 
     # ---- decode ---------------------------------------------------------------------
     def launch_decode(
