@@ -51,6 +51,7 @@ BENCHES = [
     ("engine", "engine.bench", "single-process engine throughput (k = 0 and k)"),
     ("kv", "kvtransfer.bench", "KV transfer bandwidth between two processes"),
     ("acceptance", "engine.acceptance", "MTP draft acceptance and tokens/s on held-out prompts (k = 0 vs k)"),
+    ("pd", "deploy.bench_pd", "disaggregated (prefill + decode node) vs colocated: TTFT and ITL, same requests"),
 ]
 
 
