@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kernels._dispatch import invariant
 from kernels.paged_attention import paged_attention
 from kernels.rotary import rope_and_cache
 
@@ -71,10 +72,13 @@ def write_kv(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: to
 
 
 class TorchAttention(AttentionBackend):
-    """Reference backend: gathers each row's blocks into a padded tensor and runs masked SDPA."""
+    """Reference backend: gathers each row's blocks into a padded tensor and runs masked SDPA;
+    in batch-invariant mode, one token at a time over exactly its visible keys."""
 
     def forward(self, q, k, v, kv_cache, meta, scale):
         write_kv(kv_cache, k, v, meta.slot_mapping)
+        if invariant():
+            return attend_per_token(q, kv_cache, meta, scale)
         rows, max_q = meta.num_rows, meta.max_q
         _, _, block_size, hkv, dim = kv_cache.shape
         hq = q.shape[1]
@@ -115,8 +119,26 @@ class TritonAttention(AttentionBackend):
     @staticmethod
     def _attend(q, kv_cache, meta, scale):
         assert meta.seq_lens is not None and meta.query_start is not None, "metadata lacks seq_lens"
+        splits = 1 if invariant() else meta.num_splits  # the split count depends on the batch
         return paged_attention(q, kv_cache, meta.block_tables, meta.seq_lens, meta.query_start,
-                               meta.max_q, scale, meta.num_splits)
+                               meta.max_q, scale, splits)
+
+
+def attend_per_token(q, kv_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    """Each query token alone, over its row's keys at positions <= its own (fp32 softmax): its
+    result cannot depend on the batch, the row's other queries or the padding. Host loop
+    (reads the metadata on the host): the CPU path of `--deterministic`."""
+    _, _, block_size, hkv, dim = kv_cache.shape
+    group = q.shape[1] // hkv
+    out = torch.empty_like(q)
+    rows, positions, tables = meta.token_row.tolist(), meta.positions.tolist(), meta.block_tables
+    for t, (r, p) in enumerate(zip(rows, positions, strict=True)):
+        blocks = tables[r, : p // block_size + 1]
+        keys = kv_cache[0][blocks].reshape(-1, hkv, dim)[: p + 1].float().repeat_interleave(group, dim=1)
+        values = kv_cache[1][blocks].reshape(-1, hkv, dim)[: p + 1].float().repeat_interleave(group, dim=1)
+        scores = torch.einsum("hd,shd->hs", q[t].float(), keys) * scale
+        out[t] = torch.einsum("hs,shd->hd", torch.softmax(scores, dim=-1), values).to(q.dtype)
+    return out
 
 
 _BACKENDS: dict[str, type[AttentionBackend]] = {"torch": TorchAttention, "triton": TritonAttention}

@@ -44,6 +44,7 @@ class EngineConfig:
     device: str = "cpu"
     attention_backend: str = "auto"  # auto: Triton kernels on CUDA, the torch reference elsewhere
     enforce_eager: bool = False  # no CUDA graphs (as vLLM's --enforce-eager)
+    deterministic: bool = False  # batch-invariant kernels: a greedy answer is the same in any batch
     block_shuffle_seed: int | None = None  # scatter block ids (tests)
     seed: int = 0  # draws per-request seeds when a request gives none
 
@@ -79,6 +80,7 @@ def build_runner(loaded: LoadedModel, config: EngineConfig, decodes: bool = True
     runner = ModelRunner(
         loaded.model, get_backend(config.attention_backend, config.device), k, num_blocks,
         config.block_size, config.max_num_seqs, max_model_len, device, dtype, cuda_graphs=graphs,
+        deterministic=config.deterministic,
         draft_vocab=draft_vocab_for(loaded, config),
     )
     if runner.graphs is not None:

@@ -26,7 +26,15 @@ from torch import nn
 from engine.attention import AttentionBackend, AttentionMetadata
 from engine.config import ArchConfig
 from kernels.activation import silu_and_mul
+from kernels.linear import linear
 from kernels.norm import add_rms_norm, rms_norm
+
+
+class Linear(nn.Linear):
+    """nn.Linear through `kernels.linear.linear`: batch-invariant under `--deterministic`."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return linear(x, self.weight, self.bias)
 
 
 class RMSNorm(nn.Module):
@@ -99,10 +107,10 @@ class Attention(nn.Module):
             c.num_key_value_heads,
             c.head_dim,
         )
-        self.q_proj = nn.Linear(c.hidden_size, c.q_size, bias=c.attention_bias)
-        self.k_proj = nn.Linear(c.hidden_size, c.kv_size, bias=c.attention_bias)
-        self.v_proj = nn.Linear(c.hidden_size, c.kv_size, bias=c.attention_bias)
-        self.o_proj = nn.Linear(c.q_size, c.hidden_size, bias=False)
+        self.q_proj = Linear(c.hidden_size, c.q_size, bias=c.attention_bias)
+        self.k_proj = Linear(c.hidden_size, c.kv_size, bias=c.attention_bias)
+        self.v_proj = Linear(c.hidden_size, c.kv_size, bias=c.attention_bias)
+        self.o_proj = Linear(c.q_size, c.hidden_size, bias=False)
         self.q_norm = RMSNorm(c.head_dim, c.rms_norm_eps) if c.qk_norm else None
         self.k_norm = RMSNorm(c.head_dim, c.rms_norm_eps) if c.qk_norm else None
         self.rotary = [rotary]  # shared, kept out of the module tree
@@ -122,7 +130,7 @@ class Attention(nn.Module):
         t, d = x.shape[0], self.head_dim
         if self.qkv is None or self.q_proj.weight.requires_grad:  # training reads the parameters
             return (self.q_proj(x).view(t, -1, d), self.k_proj(x).view(t, -1, d), self.v_proj(x).view(t, -1, d))
-        out = nn.functional.linear(x, *self.qkv)
+        out = linear(x, *self.qkv)
         q, k, v = out.split([self.num_heads * d, self.num_kv_heads * d, self.num_kv_heads * d], dim=-1)
         return q.view(t, -1, d), k.view(t, -1, d), v.view(t, -1, d)
 
@@ -131,14 +139,14 @@ class MLP(nn.Module):
     def __init__(self, config: ArchConfig, intermediate_size: int | None = None) -> None:
         super().__init__()
         inter = intermediate_size or config.intermediate_size
-        self.gate_proj = nn.Linear(config.hidden_size, inter, bias=False)
-        self.up_proj = nn.Linear(config.hidden_size, inter, bias=False)
-        self.down_proj = nn.Linear(inter, config.hidden_size, bias=False)
+        self.gate_proj = Linear(config.hidden_size, inter, bias=False)
+        self.up_proj = Linear(config.hidden_size, inter, bias=False)
+        self.down_proj = Linear(inter, config.hidden_size, bias=False)
         self.gate_up: torch.Tensor | None = None  # [2 * inter, hidden], set by `fuse_projections`
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.gate_up is not None and not self.gate_proj.weight.requires_grad:
-            return self.down_proj(silu_and_mul(nn.functional.linear(x, self.gate_up)))
+            return self.down_proj(silu_and_mul(linear(x, self.gate_up)))
         return self.down_proj(nn.functional.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
@@ -191,7 +199,7 @@ class MTPModule(nn.Module):
         self.enorm = RMSNorm(h, config.rms_norm_eps)
         self.hnorm = RMSNorm(h, config.rms_norm_eps)
         self.fnorms = nn.ModuleList([RMSNorm(h, config.rms_norm_eps) for _ in config.mtp_feature_layers])
-        self.eh_proj = nn.Linear((2 + len(config.mtp_feature_layers)) * h, h, bias=False)
+        self.eh_proj = Linear((2 + len(config.mtp_feature_layers)) * h, h, bias=False)
         self.block = DecoderLayer(config, rotary, config.mtp_mlp_size)
         self.shared_head = SharedHead(h, config.rms_norm_eps)
 
@@ -204,7 +212,7 @@ class CausalLM(nn.Module):
         self.config = config
         self.rotary = RotaryEmbedding(config, max_positions)
         self.model = LlamaModel(config, self.rotary)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         self.mtp = MTPModule(config, self.rotary) if with_mtp else None
@@ -250,7 +258,7 @@ class CausalLM(nn.Module):
             parts += [norm(f) for norm, f in zip(m.fnorms, h_prev[..., size:].split(size, dim=-1), strict=True)]
             h = m.eh_proj(torch.cat(parts, dim=-1))
         else:
-            h = nn.functional.linear(torch.cat(parts, dim=-1), m.eh_proj.weight[:, : 2 * size])
+            h = linear(torch.cat(parts, dim=-1), m.eh_proj.weight[:, : 2 * size])
         return m.block(positions, h, kv_cache, meta, backend)
 
     def mtp_logits(self, mtp_hidden: torch.Tensor, head_weight: torch.Tensor | None = None) -> torch.Tensor:
@@ -258,7 +266,7 @@ class CausalLM(nn.Module):
         draft vocabulary (engine/draft_vocab.py)."""
         assert self.mtp is not None
         h = self.mtp.shared_head.norm(mtp_hidden)
-        logits = self.lm_head(h) if head_weight is None else nn.functional.linear(h, head_weight)
+        logits = self.lm_head(h) if head_weight is None else linear(h, head_weight)
         return logits.float()
 
 

@@ -13,6 +13,7 @@ hands back device tensors wrapped in handles; the host reads a decode step's res
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -33,6 +34,7 @@ from engine.sampler import (
 )
 from engine.sampling_params import SamplingParams
 from engine.spec_decode import verify
+from kernels._dispatch import batch_invariant
 from kernels.decode_tail import accept_and_advance
 from kernels.step_meta import uniform_meta
 
@@ -50,6 +52,17 @@ def decode_splits(rows: int, kv_heads: int, num_kv_blocks: int) -> int:
 
 def astuple_lp(lp: LogprobsTensors) -> tuple[torch.Tensor, ...]:
     return (lp.token_logprob, lp.token_rank, lp.top_ids, lp.top_logprobs)
+
+
+def _in_mode(method):
+    """Run a runner method in the runner's kernel mode (batch-invariant with `deterministic`)."""
+
+    @functools.wraps(method)
+    def run(self, *args, **kwargs):
+        with batch_invariant(self.deterministic):
+            return method(self, *args, **kwargs)
+
+    return run
 
 
 def kv_room_needed(num_tokens: int, k: int) -> int:
@@ -133,11 +146,13 @@ class ModelRunner:
         device: torch.device,
         dtype: torch.dtype,
         cuda_graphs: bool = False,
+        deterministic: bool = False,
         draft_vocab: DraftVocab | None = None,
     ) -> None:
         cfg = model.config
         self.model, self.backend, self.k = model, backend, k
         self.draft_vocab = draft_vocab  # None: drafts score the full vocabulary
+        self.deterministic = deterministic  # prefill and decode steps run batch-invariant kernels
         self.block_size, self.device = block_size, device
         self.num_target_layers = cfg.num_hidden_layers
         layers = cfg.num_hidden_layers + (1 if k > 0 else 0)
@@ -182,6 +197,7 @@ class ModelRunner:
         return torch.stack(drafts, 1), (torch.stack(probs, 1) if probs else None)
 
     # ---- prefill --------------------------------------------------------------------
+    @_in_mode
     def prefill(self, chunks: list[PrefillChunk], on_layer: Callable[[int], None] | None = None) -> PrefillOutput:
         """Run target (+ MTP) over prompt chunks; sample first tokens and drafts for finished prompts.
 
@@ -279,6 +295,7 @@ class ModelRunner:
         handle = DecodeHandle(slots, out.tokens[:n], out.num_emitted[:n], out.finished[:n], lps, lp_rows)
         return self._start_copy_to_host(handle)
 
+    @_in_mode
     def decode_step(self, rows: torch.Tensor, flags: tuple[bool, bool], lp_sel: torch.Tensor | slice | None,
                     num_top: int, num_kv_blocks: int) -> StepOutputs:
         """One decode step over state rows `rows` [R]: what a CUDA graph captures.

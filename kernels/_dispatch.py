@@ -9,6 +9,7 @@ The switch is one module-level flag: not thread-local, so flip it outside of ser
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -16,6 +17,7 @@ import torch
 
 _triton_enabled = True
 _triton_on_cpu = False
+_mode = threading.local()  # per thread: a prefill loop and a decode loop may share a process
 
 
 def use_triton(*tensors: torch.Tensor) -> bool:
@@ -47,3 +49,20 @@ def reference_kernels() -> Iterator[None]:
         yield
     finally:
         _triton_enabled = before
+
+
+def invariant() -> bool:
+    """Whether this thread runs batch-invariant kernels (`batch_invariant()`)."""
+    return getattr(_mode, "invariant", False)
+
+
+@contextmanager
+def batch_invariant(on: bool = True) -> Iterator[None]:
+    """Within it (this thread only), ops whose reduction order could depend on how many rows
+    or query tokens share a launch take a path where it cannot: a row's result is then the
+    same alone, in any batch, and as one of k+1 verify tokens (the `--deterministic` mode)."""
+    before, _mode.invariant = invariant(), on
+    try:
+        yield
+    finally:
+        _mode.invariant = before

@@ -1,0 +1,65 @@
+"""`--deterministic` (batch-invariant kernels) on the CPU, in bf16: a row's results are the same
+bits alone, in a batch and as one of k+1 verify tokens, so greedy output with MTP equals plain
+greedy output and does not depend on the batch; without the mode the logprobs' bits do."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine.engine import EngineConfig, LLMEngine
+from engine.loader import load_model
+from engine.sampling_params import SamplingParams
+from kernels._dispatch import batch_invariant
+from kernels.linear import linear, linear_invariant_ref, linear_invariant_triton
+
+PROMPTS = [list(range(5, 5 + n)) for n in (3, 11, 17, 6, 24, 9, 2)]
+PARAMS = SamplingParams(max_tokens=12, ignore_eos=True, logprobs=2)
+
+
+@pytest.fixture(scope="module")
+def tiny_bf16():
+    return load_model("tiny", dtype="bfloat16")
+
+
+def _bits(reqs) -> list[tuple[list[int], list[float]]]:
+    return [(r.output_ids, [lp.logprob for lp in r.logprobs]) for r in reqs]
+
+
+def _runs(loaded, deterministic: bool) -> dict[str, list]:
+    out = {}
+    for k in (0, 3):
+        eng = LLMEngine(loaded, EngineConfig(num_speculative_tokens=k, deterministic=deterministic, max_num_seqs=8))
+        out[f"k{k}-batch"] = _bits(eng.generate(PROMPTS, PARAMS))
+    eng = LLMEngine(loaded, EngineConfig(num_speculative_tokens=0, deterministic=deterministic))
+    out["k0-alone"] = [_bits(eng.generate([p], PARAMS))[0] for p in PROMPTS]
+    return out
+
+
+def test_deterministic_mode_gives_the_same_bits_alone_batched_and_verified(tiny_bf16):
+    runs = _runs(tiny_bf16, deterministic=True)
+    assert runs["k3-batch"] == runs["k0-batch"] == runs["k0-alone"]
+
+
+# Triton's interpreter multiplies bf16 dot operands as raw bits, so the kernel is checked in fp32 here.
+@pytest.mark.parametrize("fn,dtype", [(linear_invariant_ref, torch.bfloat16), (linear_invariant_triton, torch.float32)])
+def test_invariant_linear_row_alone_equals_row_in_a_batch(fn, dtype):
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(7, 96, generator=g).to(dtype)
+    w = torch.randn(80, 96, generator=g).to(dtype)
+    b = torch.randn(80, generator=g).to(dtype)
+    batch = fn(x, w, b)
+    for i in range(7):
+        assert torch.equal(fn(x[i : i + 1], w, b), batch[i : i + 1])
+    torch.testing.assert_close(batch.float(), torch.nn.functional.linear(x, w, b).float(), atol=0.1, rtol=0.02)
+
+
+def test_linear_takes_the_invariant_path_only_in_the_mode(monkeypatch):
+    calls = []
+    monkeypatch.setattr("kernels.linear.linear_invariant_ref", lambda *a: calls.append(1) or a[0] @ a[1].T)
+    x, w = torch.randn(3, 8), torch.randn(4, 8)
+    linear(x, w)
+    assert not calls
+    with batch_invariant():
+        linear(x, w)
+    assert calls == [1]
