@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from triton.testing import do_bench
 
 from kernels.activation import silu_and_mul_ref, silu_and_mul_triton
+from kernels.linear import linear_invariant_triton
 from kernels.norm import add_rms_norm_ref, add_rms_norm_triton, rms_norm_ref, rms_norm_triton
 from kernels.paged_attention import paged_attention_ref, paged_attention_triton
 from kernels.rotary import rope_and_cache_ref, rope_and_cache_triton
@@ -111,6 +112,19 @@ def silu_case(shape: str, t: int) -> None:
     record(f"silu_and_mul {shape} T={t}", err, 2e-2, lambda: silu_and_mul_triton(x), lambda: silu_and_mul_ref(x))
 
 
+def invariant_linear_case(shape: str, m: int) -> None:
+    """--deterministic's GEMM: a row alone gives the same bits as in a batch of m (tolerance 0),
+    timed at m rows against cuBLAS (the `ref us` column)."""
+    _, _, _, hidden, inter = SHAPES[shape]
+    g = torch.Generator(device=DEV).manual_seed(4)
+    x = torch.randn(m, hidden, device=DEV, dtype=DT, generator=g)
+    w = torch.randn(2 * inter, hidden, device=DEV, dtype=DT, generator=g)
+    batch = linear_invariant_triton(x, w)
+    err = max((linear_invariant_triton(x[i : i + 1], w) - batch[i : i + 1]).abs().max().item() for i in (0, m - 1))
+    record(f"invariant gate_up {shape} M={m} (ref = cuBLAS)", err, 0.0, lambda: linear_invariant_triton(x, w),
+           lambda: F.linear(x, w))
+
+
 def main() -> int:
     print(torch.cuda.get_device_name(), "torch", torch.__version__, flush=True)
     with torch.no_grad():
@@ -125,6 +139,8 @@ def main() -> int:
             for t in (1, 128):
                 rope_case(shape, t)
                 silu_case(shape, t)
+            for m in (4, 64):
+                invariant_linear_case(shape, m)
     widths = [max(len(str(r[i])) for r in ROWS + [("case", "max diff", "triton us", "ref us", "speedup")])
               for i in range(5)]
     for r in [("case", "max diff", "triton us", "ref us", "speedup")] + ROWS:
