@@ -77,7 +77,9 @@ def _add_service(sub: Any) -> None:
 
     up = sub.add_parser("up", help="start the service (router + prefill + decode nodes on Ray)")
     cli_service.add_service_arguments(up)
-    up.add_argument("--port", type=int, default=None, help="router port (default 50051)")
+    up.add_argument("--port", type=int, default=None, help="router gRPC port (default 50051)")
+    up.add_argument("--http-port", type=int, default=None,
+                    help="router HTTP port: OpenAI-compatible /v1, /metrics, /health (default 8000)")
     up.add_argument("--address", default=None, help="an existing Ray cluster (default: start a local one)")
     up.set_defaults(func=cli_service.cmd_up)
     demo = sub.add_parser("demo", help="start the service locally, send a few real prompts, print timings")
