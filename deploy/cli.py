@@ -51,6 +51,7 @@ BENCHES = [
     ("engine", "engine.bench", "single-process engine throughput (k = 0 and k)"),
     ("kv", "kvtransfer.bench", "KV transfer bandwidth between two processes"),
     ("acceptance", "engine.acceptance", "MTP draft acceptance and tokens/s on held-out prompts (k = 0 vs k)"),
+    ("serve", "deploy.bench_serve", "load a router (gRPC or HTTP): TTFT/ITL/e2e percentiles, goodput, plots"),
 ]
 
 

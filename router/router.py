@@ -88,7 +88,8 @@ class Router:
         self.metrics = RouterMetrics(model.name, lambda: len(self._queue), lambda: len(self.requests),
                                      lambda: list(self.pool.nodes.values()))
         self.http: HttpServer | None = None
-        self.http_port: int | None = None  # bound HTTP port, once serving
+        self.grpc_port: int | None = None  # bound ports, once serving
+        self.http_port: int | None = None
 
     # ---- server lifecycle -----------------------------------------------------------------
     async def start(self, port: int | None = None, host: str | None = None, http_port: int | None = -1) -> int:
@@ -101,7 +102,7 @@ class Router:
         self._server = grpc.aio.server(options=[("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
                                                 ("grpc.max_send_message_length", MAX_MESSAGE_BYTES)])
         pdserve_pb2_grpc.add_GenerationServicer_to_server(_Servicer(self), self._server)
-        bound = self._server.add_insecure_port(f"[{host}]:{port}" if ":" in host else f"{host}:{port}")
+        bound = self.grpc_port = self._server.add_insecure_port(f"[{host}]:{port}" if ":" in host else f"{host}:{port}")
         await self.pool.start()
         await self._server.start()
         if http_port is not None:
