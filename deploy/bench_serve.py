@@ -12,7 +12,8 @@ under `--slo-ttft-ms` / `--slo-itl-ms`, as JSON (`--json FILE`, or stdout) and P
 Definitions: ITL samples are per token (a message of n tokens after a gap g counts g/n n
 times, as the router's /metrics does); a request is "good" when its TTFT and its mean ITL
 (TPOT) are within the SLOs; goodput = good requests / wall time; a rate "holds the p99 SLO"
-when its p99 TTFT and p99 ITL are both within them.
+when its p99 TTFT and p99 ITL are both within them, and `max_rate_p99_slo_met` is the highest
+rate below which every rate of the sweep holds it.
 """
 
 from __future__ import annotations
@@ -148,7 +149,11 @@ async def sweep(args: argparse.Namespace, items: list[Item], rates: list[float])
             start = time.perf_counter()
             results = await load(args, items, rate, bar)
             runs.append(summarize(results, rate, time.perf_counter() - start, args))
-    held = [r["request_rate"] for r in runs if r["p99_slo_met"]]
+    held = []  # rates, lowest first, up to the first that misses the p99 SLO
+    for r in sorted(runs, key=lambda r: r["request_rate"]):
+        if not r["p99_slo_met"]:
+            break
+        held.append(r["request_rate"])
     return {"target": args.base_url or args.router, "protocol": "http" if args.base_url else "grpc",
             "dataset": args.dataset, "num_prompts": len(items), "max_concurrency": args.max_concurrency,
             "slo_ttft_ms": args.slo_ttft_ms, "slo_itl_ms": args.slo_itl_ms,
