@@ -218,9 +218,25 @@ def total(samples, name, **labels) -> float:
     return sum(v for (n, ls), v in samples.items() if n == name and all((k, v2) in ls for k, v2 in labels.items()))
 
 
+def settled_scrape(svc):
+    """A scrape once the router's view of every node has caught up with earlier tests' traffic
+    (node figures come with its Status polls, every 0.5 s here): two scrapes a few polls apart agree."""
+    wait_blocks_returned(svc)
+    node_keys = ("pdserve:prefill_tokens_total", "pdserve:kv_transfer_bytes_total", "pdserve:kv_blocks_used")
+    last = None
+    for _ in range(60):
+        now = scrape(svc)
+        view = [total(now, key) for key in node_keys]
+        if view == last and view[2] == 0:
+            return now
+        last = view
+        time.sleep(1.5)
+    raise AssertionError(f"the router's view of the nodes did not settle: {last}")
+
+
 def test_metrics_scrape_counts_add_up(service):
     svc, address, k = service
-    before = scrape(svc)
+    before = settled_scrape(svc)
 
     async def traffic():
         oa = openai_client(svc)
