@@ -70,7 +70,12 @@ class DecodeNode(StepLoop):
         self.vocab = loaded.model.config.vocab_size
         self.num_layers = loaded.model.config.num_hidden_layers + (1 if self.k else 0)
         self.receiver = create_receiver(kv_backend, timeout_s=kv_timeout_s, **(kv_options or {}))
-        self.receiver.register(KVLayout(self.runner.kv.layers, block_dim=1))
+        layout = KVLayout(self.runner.kv.layers, block_dim=1)
+        self.receiver.register(layout)
+        self._kv_block_bytes = sum(sum(layout.block_bytes(i)) for i in range(self.num_layers))
+        self.kv_bytes = 0  # KV received (for /metrics)
+        self.draft_tokens = [0] * self.k  # per draft position: verified, accepted (for /metrics)
+        self.accepted_per_pos = [0] * self.k
         self.admission_timeout_s = admission_timeout_s
         self.kv_quarantine_s = kv_timeout_s if kv_quarantine_s is None else kv_quarantine_s
         self.quarantine: list[tuple[float, list[int]]] = []  # (free after, blocks)
@@ -108,9 +113,10 @@ class DecodeNode(StepLoop):
             if q in self._subscribers:
                 self._subscribers.remove(q)
 
-    def status(self) -> dict[str, int]:
-        return {"free_blocks": self.blocks.num_free,
-                "total_blocks": self.blocks.capacity, "running": len(self.requests), "queued_tokens": 0}
+    def status(self) -> dict[str, Any]:
+        return {"free_blocks": self.blocks.num_free, "total_blocks": self.blocks.capacity,
+                "running": len(self.requests), "queued_tokens": 0, "kv_bytes": self.kv_bytes,
+                "draft_tokens": list(self.draft_tokens), "accepted_per_pos": list(self.accepted_per_pos)}
 
     def stop(self) -> None:
         self.stop_loop()
@@ -130,7 +136,9 @@ class DecodeNode(StepLoop):
         self._drain_inbox(items)
         self._admit_ready(items)
         busy = self.batch.busy
-        items += [self._item(o) for o in self.batch.step()]
+        outputs = self.batch.step()
+        self._count_accepted(outputs)
+        items += [self._item(o) for o in outputs]
         self._publish(items)
         return busy or bool(items)
 
@@ -198,9 +206,18 @@ class DecodeNode(StepLoop):
             elif now > p.deadline:
                 self._error(p, f"KV or first token did not arrive within {self.admission_timeout_s}s", items)
 
+    def _count_accepted(self, outputs: list[RequestOutput]) -> None:
+        """Each output is one request's step: k drafts verified, the first len - 1 accepted."""
+        for out in outputs:
+            accepted = len(out.new_token_ids) - 1
+            for pos in range(self.k):
+                self.draft_tokens[pos] += 1
+                self.accepted_per_pos[pos] += pos < accepted
+
     def _insert(self, p: Pending) -> None:
         assert p.first is not None
         req, msg = p.request, p.first
+        self.kv_bytes += self.blocks.blocks_for(req.num_prompt_tokens) * self._kv_block_bytes
         del self.pending[req.request_id]
         req.output_ids = [msg.token]
         drafts = list(msg.drafts) if self.k else None  # host values: staged with the step's other inserts

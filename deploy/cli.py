@@ -52,6 +52,7 @@ BENCHES = [
     ("kv", "kvtransfer.bench", "KV transfer bandwidth between two processes"),
     ("acceptance", "engine.acceptance", "MTP draft acceptance and tokens/s on held-out prompts (k = 0 vs k)"),
     ("pd", "deploy.bench_pd", "disaggregated (prefill + decode node) vs colocated: TTFT and ITL, same requests"),
+    ("serve", "deploy.bench_serve", "load a router (gRPC or HTTP): TTFT/ITL/e2e percentiles, goodput, plots"),
 ]
 
 
@@ -78,7 +79,9 @@ def _add_service(sub: Any) -> None:
 
     up = sub.add_parser("up", help="start the service (router + prefill + decode nodes on Ray)")
     cli_service.add_service_arguments(up)
-    up.add_argument("--port", type=int, default=None, help="router port (default 50051)")
+    up.add_argument("--port", type=int, default=None, help="router gRPC port (default 50051)")
+    up.add_argument("--http-port", type=int, default=None,
+                    help="router HTTP port: OpenAI-compatible /v1, /metrics, /health (default 8000)")
     up.add_argument("--address", default=None, help="an existing Ray cluster (default: start a local one)")
     up.set_defaults(func=cli_service.cmd_up)
     demo = sub.add_parser("demo", help="start the service locally, send a few real prompts, print timings")

@@ -25,7 +25,8 @@ def service_config(args: argparse.Namespace, local: bool = False) -> Any:
     overrides = parse_overrides(getattr(args, "set", None) or [])
     for flag, key in (("model", "model.name"), ("prefill", "prefill.num_nodes"), ("decode", "decode.num_nodes"),
                       ("spec_tokens", "spec.num_speculative_tokens"), ("draft_vocab", "spec.draft_vocab_size"),
-                      ("port", "router.port"), ("address", "cluster.address"), ("device", "model.device"),
+                      ("port", "router.port"), ("http_port", "router.http_port"),
+                      ("address", "cluster.address"), ("device", "model.device"),
                       ("enforce_eager", "model.enforce_eager")):
         value = getattr(args, flag, None)
         if value is not None:
@@ -33,6 +34,7 @@ def service_config(args: argparse.Namespace, local: bool = False) -> Any:
     if local:
         overrides.setdefault("router.host", "127.0.0.1")
         overrides.setdefault("router.port", 0)
+        overrides.setdefault("router.http_port", 0)
     return ServiceConfig.load(getattr(args, "config", None), overrides)
 
 
@@ -70,7 +72,8 @@ def cmd_up(args: argparse.Namespace) -> int:
     print(f"starting pdserve: {cfg.prefill.num_nodes} prefill + {cfg.decode.num_nodes} decode node(s), "
           f"model {cfg.model.resolved_name()}, k={cfg.spec.num_speculative_tokens} ...", flush=True)
     service, address = start_service(cfg)
-    print(f"router listening on {address} (Ctrl-C to stop)", flush=True)
+    http = f"; OpenAI-compatible HTTP on http://{service.http_address}/v1" if service.http_address else ""
+    print(f"router listening on {address} (gRPC){http} (Ctrl-C to stop)", flush=True)
     done = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: done.set())

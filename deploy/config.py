@@ -13,7 +13,7 @@ YAML layout (every section and key optional):
     kv_transfer: {backend: ucx, timeout_s: 30}
     prefill: {max_num_batched_tokens: 2048, num_nodes: 1, num_cpus: 1, num_gpus: 1}
     decode: {max_num_seqs: 32, num_nodes: 1, num_cpus: 1, num_gpus: 1}
-    router: {host: 0.0.0.0, port: 50051, queue_size: 256, default_timeout_s: 600, ...}
+    router: {host: 0.0.0.0, port: 50051, http_port: 8000, queue_size: 256, default_timeout_s: 600, ...}
     cluster: {address: null, namespace: pdserve}
 """
 
@@ -96,7 +96,8 @@ class DecodeConfig(_Section):
 
 class RouterConfig(_Section):
     host: str = "0.0.0.0"
-    port: int = Field(default=50051, ge=0, le=65535)  # 0: any free port
+    port: int = Field(default=50051, ge=0, le=65535)  # gRPC; 0: any free port
+    http_port: int | None = Field(default=8000, ge=0, le=65535)  # OpenAI-compatible HTTP; None: off
     policy: Literal["least_load", "round_robin"] = "least_load"
     queue_size: int = Field(default=256, ge=0)  # requests waiting for a decode node; 0: no queue
     default_timeout_s: float = Field(default=600.0, gt=0)  # per request, when it gives none

@@ -24,6 +24,13 @@ class RouterActor:
         self.router = Router(info, self.directory, self.cfg.router, max_model_len=max_len,
                              num_speculative_tokens=self.cfg.spec.num_speculative_tokens)
         port = await self.router.start(self.cfg.router.port, self.cfg.router.host)
+        return self._address(port)
+
+    async def http_address(self) -> str | None:
+        """host:port of the OpenAI-compatible HTTP door (None when it is off)."""
+        return None if self.router is None or self.router.http_port is None else self._address(self.router.http_port)
+
+    def _address(self, port: int) -> str:
         host = self.cfg.router.host
         return f"{'127.0.0.1' if host in ('0.0.0.0', '') else host}:{port}"
 

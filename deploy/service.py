@@ -58,6 +58,7 @@ class Service:
         self.addresses: dict[tuple[str, int], str | None] = {}
         self.router: Any = None
         self.router_address = ""
+        self.http_address: str | None = None  # host:port of the router's HTTP door
         self._stop = threading.Event()
         self._watcher: threading.Thread | None = None
 
@@ -78,6 +79,7 @@ class Service:
                 self.actors[(role, i)] = ray.remote(NodeActor).options(**opts).remote(role, f"{role}-{i}", cfg_json)
         self.router = ray.remote(RouterActor).options(num_cpus=0, max_restarts=-1).remote(cfg_json)
         self.router_address = ray.get(self.router.start.remote(), timeout=timeout_s)
+        self.http_address = ray.get(self.router.http_address.remote(), timeout=timeout_s)
         deadline = time.monotonic() + timeout_s
         want = (self.cfg.prefill.num_nodes, self.cfg.decode.num_nodes)
         while not all(self._poll_once(wait_s=5.0).values()) or not self._router_sees(want):

@@ -169,9 +169,11 @@ def dequantize_tensor(tensor: Any) -> np.ndarray:
 
 def load_gguf_tensors(reader: GGUFReader, config: ArchConfig) -> dict[str, torch.Tensor]:
     """Every tensor of the file, dequantized to fp32, HF-named, Q/K un-permuted for llama."""
+    from tqdm import tqdm
+
     arch = gguf_architecture(reader)
     tensors: dict[str, torch.Tensor] = {}
-    for tensor in reader.tensors:
+    for tensor in tqdm(reader.tensors, desc="loading weights", unit="tensor", leave=False, disable=None):
         name = hf_tensor_name(tensor.name)
         values = dequantize_tensor(tensor)
         if arch in _PERMUTED_ARCHITECTURES:

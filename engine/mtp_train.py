@@ -755,7 +755,7 @@ def progress(total: int, desc: str, initial: int = 0) -> Any:
         from tqdm import tqdm
     except ImportError:
         return _Progress(total, desc, initial)
-    return tqdm(total=total, desc=desc, initial=initial, mininterval=2.0, file=sys.stderr)
+    return tqdm(total=total, desc=desc, initial=initial, mininterval=2.0, file=sys.stderr, disable=None)  # quiet off a TTY
 
 
 # ---- command line --------------------------------------------------------------------------

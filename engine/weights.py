@@ -146,10 +146,12 @@ def shard_files(path: Path) -> list[Path]:
 
 def read_safetensors(path: Path) -> dict[str, torch.Tensor]:
     """Every tensor of every shard as float32 (converted one tensor at a time)."""
+    from tqdm import tqdm
+
     tensors: dict[str, torch.Tensor] = {}
     for file in shard_files(path):
         with safe_open(str(file), framework="pt") as f:
-            for name in f.keys():
+            for name in tqdm(f.keys(), desc=f"loading {file.name}", unit="tensor", leave=False, disable=None):
                 if not name.endswith(_IGNORED_SUFFIXES):
                     tensors[name] = f.get_tensor(name).to(torch.float32)
     return tensors

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import queue
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -27,7 +28,7 @@ from engine.loader import LoadedModel
 from engine.model_runner import PrefillChunk, PrefillOutput, kv_room_needed, unpack_logprobs
 from engine.sampling_params import SamplingParams
 from engine.step_loop import StepLoop
-from kvtransfer import KVLayout, TransferStatus, create_sender
+from kvtransfer import KVLayout, TransferState, TransferStatus, create_sender
 from protos.messages import FirstToken, TokenLogprobs
 
 FirstTokenSink = Callable[[str, FirstToken], None]  # (decode address, message)
@@ -62,10 +63,15 @@ class PrefillNode(StepLoop):
         self.k = config.num_speculative_tokens
         self.runner, self.blocks, self.max_model_len = build_runner(loaded, config, decodes=False)
         self.num_layers = loaded.model.config.num_hidden_layers
-        self._released: queue.SimpleQueue[str] = queue.SimpleQueue()
+        self._released: queue.SimpleQueue[tuple[str, bool, float]] = queue.SimpleQueue()
         self.sender = create_sender(kv_backend, timeout_s=kv_timeout_s, on_release=self._on_release,
                                     **(kv_options or {}))
-        self.sender.register(KVLayout(self.runner.kv.layers, block_dim=1))
+        layout = KVLayout(self.runner.kv.layers, block_dim=1)
+        self.sender.register(layout)
+        layers_sent = self.num_layers + (1 if self.k else 0)
+        self._kv_block_bytes = sum(sum(layout.block_bytes(i)) for i in range(layers_sent))  # one block, every layer
+        self._sent_at: dict[str, float] = {}  # request id -> when its last layer was queued
+        self.counters = {"prefill_tokens": 0, "prefill_seconds": 0.0, "kv_bytes": 0, "kv_seconds": 0.0}
         self._inbox: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
         self.waiting: list[PrefillJob] = []
         self.leased: dict[str, list[int]] = {}  # request id -> source blocks under lease
@@ -83,16 +89,18 @@ class PrefillNode(StepLoop):
         self._inbox.put(("abort", (request_id, reason)))
         self.wake()
 
-    def status(self) -> dict[str, int]:
+    def status(self) -> dict[str, Any]:
+        """Load, and cumulative counters for /metrics: kv_seconds sums, per transfer, the time from
+        its last layer queued to the decode node's acknowledgement (what compute did not hide)."""
         return {"free_blocks": self.blocks.num_free, "total_blocks": self.blocks.capacity,
-                "running": len(self.waiting), "queued_tokens": self.queued_tokens}
+                "running": len(self.waiting), "queued_tokens": self.queued_tokens, **self.counters}
 
     def stop(self) -> None:
         self.stop_loop()
         self.sender.close()
 
     def _on_release(self, request_id: str, status: TransferStatus) -> None:
-        self._released.put(request_id)  # called on the transport thread
+        self._released.put((request_id, status.state == TransferState.DONE, time.monotonic()))  # transport thread
         self.wake()
 
     # ---- the loop thread -------------------------------------------------------------
@@ -106,6 +114,7 @@ class PrefillNode(StepLoop):
         chunks = [PrefillChunk(j.prompt, j.num_prefilled, j.num_prefilled + n, j.block_ids, j.params, j.seed)
                   for j, n in jobs]
         finishing = [j for (j, _), c in zip(jobs, chunks, strict=True) if c.is_last]
+        start = time.perf_counter()
         try:
             out = self.runner.prefill(chunks, on_layer=lambda layer: self._push_layer(finishing, layer))
         except Exception as e:  # a failed step fails its jobs, the node keeps serving
@@ -115,7 +124,9 @@ class PrefillNode(StepLoop):
         for (j, n) in jobs:
             j.num_prefilled += n
             self.queued_tokens -= n
-        self._complete(finishing, out, chunks)
+        self._complete(finishing, out, chunks)  # holds the step's read point
+        self.counters["prefill_tokens"] += sum(n for _, n in jobs)
+        self.counters["prefill_seconds"] += time.perf_counter() - start
         return True
 
     def _drain_inbox(self) -> None:
@@ -181,6 +192,8 @@ class PrefillNode(StepLoop):
             self._push_layer(jobs, self.num_layers)  # the MTP layer, after the draft chain
         for j in jobs:
             self.sender.finish(j.request_id)
+            self._sent_at[j.request_id] = time.monotonic()
+            self.counters["kv_bytes"] += self.blocks.blocks_for(len(j.prompt)) * self._kv_block_bytes
             self.waiting.remove(j)
         firsts = out.first_token.tolist()  # the prefill read point
         drafts = out.drafts.tolist() if out.drafts is not None else [[] for _ in jobs]
@@ -219,9 +232,12 @@ class PrefillNode(StepLoop):
     def _free_released(self) -> None:
         while True:
             try:
-                rid = self._released.get_nowait()
+                rid, done, at = self._released.get_nowait()
             except queue.Empty:
                 return
+            sent = self._sent_at.pop(rid, None)
+            if done and sent is not None:
+                self.counters["kv_seconds"] += max(0.0, at - sent)
             blocks = self.leased.pop(rid, None)
             if blocks is not None:
                 self.blocks.free(blocks)

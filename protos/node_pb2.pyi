@@ -91,7 +91,7 @@ class StatusRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class NodeStatus(_message.Message):
-    __slots__ = ("node_id", "kind", "healthy", "free_blocks", "total_blocks", "running", "queued_tokens", "num_speculative_tokens")
+    __slots__ = ("node_id", "kind", "healthy", "free_blocks", "total_blocks", "running", "queued_tokens", "num_speculative_tokens", "prefill_tokens", "prefill_seconds", "kv_bytes", "kv_seconds", "draft_tokens", "accepted_per_pos")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     KIND_FIELD_NUMBER: _ClassVar[int]
     HEALTHY_FIELD_NUMBER: _ClassVar[int]
@@ -100,6 +100,12 @@ class NodeStatus(_message.Message):
     RUNNING_FIELD_NUMBER: _ClassVar[int]
     QUEUED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     NUM_SPECULATIVE_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    KV_BYTES_FIELD_NUMBER: _ClassVar[int]
+    KV_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    ACCEPTED_PER_POS_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     kind: str
     healthy: bool
@@ -108,4 +114,10 @@ class NodeStatus(_message.Message):
     running: int
     queued_tokens: int
     num_speculative_tokens: int
-    def __init__(self, node_id: _Optional[str] = ..., kind: _Optional[str] = ..., healthy: _Optional[bool] = ..., free_blocks: _Optional[int] = ..., total_blocks: _Optional[int] = ..., running: _Optional[int] = ..., queued_tokens: _Optional[int] = ..., num_speculative_tokens: _Optional[int] = ...) -> None: ...
+    prefill_tokens: int
+    prefill_seconds: float
+    kv_bytes: int
+    kv_seconds: float
+    draft_tokens: _containers.RepeatedScalarFieldContainer[int]
+    accepted_per_pos: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, node_id: _Optional[str] = ..., kind: _Optional[str] = ..., healthy: _Optional[bool] = ..., free_blocks: _Optional[int] = ..., total_blocks: _Optional[int] = ..., running: _Optional[int] = ..., queued_tokens: _Optional[int] = ..., num_speculative_tokens: _Optional[int] = ..., prefill_tokens: _Optional[int] = ..., prefill_seconds: _Optional[float] = ..., kv_bytes: _Optional[int] = ..., kv_seconds: _Optional[float] = ..., draft_tokens: _Optional[_Iterable[int]] = ..., accepted_per_pos: _Optional[_Iterable[int]] = ...) -> None: ...

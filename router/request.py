@@ -13,6 +13,7 @@ reader only appends to `events`; anyone may `interrupt` (client abort, node fail
 from __future__ import annotations
 
 import asyncio
+import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -52,6 +53,8 @@ class RequestState:
     steps: int = 0
     accepted: int = 0
     terminal: str | None = None  # "finished:<reason>", "error:<code>", "cancelled"
+    arrival: float = field(default_factory=time.monotonic)  # for latency metrics
+    last_token_at: float | None = None  # when the last token went out (metrics.py writes it)
     _first_sent: bool = False
 
     def __post_init__(self) -> None:

@@ -25,7 +25,8 @@ import os
 import random
 import uuid
 from collections import Counter
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
+from contextlib import aclosing
 from functools import partial
 from typing import Any
 
@@ -33,13 +34,15 @@ import grpc
 
 from deploy.config import RouterConfig
 from protos import node_pb2, pdserve_pb2, pdserve_pb2_grpc
-from protos.messages import FirstToken, MessageError, OutputItem
+from protos.messages import FirstToken, MessageError, OutputItem, TokenLogprobs
 from router.admission import AdmissionQueue
 from router.directory import NodeDirectory
+from router.http import HttpServer, build_app
+from router.metrics import RouterMetrics
 from router.policy import Policy, make_policy
 from router.pool import MAX_MESSAGE_BYTES, Node, NodePool
 from router.request import Interrupt, RequestState, is_terminal
-from router.validate import InvalidRequest, Limits, Prepared, prepare
+from router.validate import InvalidRequest, Limits, prepare
 
 log = logging.getLogger(__name__)
 
@@ -82,19 +85,29 @@ class Router:
         self._server: grpc.aio.Server | None = None
         self._serving = False
         self.counts: Counter[str] = Counter()  # terminal kinds ("finished:stop", "error:UNAVAILABLE", ...)
+        self.metrics = RouterMetrics(model.name, lambda: len(self._queue), lambda: len(self.requests),
+                                     lambda: list(self.pool.nodes.values()))
+        self.http: HttpServer | None = None
+        self.grpc_port: int | None = None  # bound ports, once serving
+        self.http_port: int | None = None
 
     # ---- server lifecycle -----------------------------------------------------------------
-    async def start(self, port: int | None = None, host: str | None = None) -> int:
-        """Connect to the nodes (one Status round and the decode subscriptions), then serve;
-        returns the bound port (`port=0`: any free one)."""
+    async def start(self, port: int | None = None, host: str | None = None, http_port: int | None = -1) -> int:
+        """Connect to the nodes (one Status round and the decode subscriptions), then serve gRPC
+        and, unless `http_port` (default: the config's) is None, HTTP (`http.py`); returns the
+        bound gRPC port (`port=0`: any free one; the HTTP one is `self.http_port`)."""
         host = host if host is not None else self.config.host
         port = port if port is not None else self.config.port
+        http_port = self.config.http_port if http_port == -1 else http_port
         self._server = grpc.aio.server(options=[("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
                                                 ("grpc.max_send_message_length", MAX_MESSAGE_BYTES)])
         pdserve_pb2_grpc.add_GenerationServicer_to_server(_Servicer(self), self._server)
-        bound = self._server.add_insecure_port(f"[{host}]:{port}" if ":" in host else f"{host}:{port}")
+        bound = self.grpc_port = self._server.add_insecure_port(f"[{host}]:{port}" if ":" in host else f"{host}:{port}")
         await self.pool.start()
         await self._server.start()
+        if http_port is not None:
+            self.http = HttpServer(build_app(self))
+            self.http_port = await self.http.start(host, http_port)
         self._serving = True
         log.info("router %s serving %s on port %d", self.router_id, self.model.name, bound)
         return bound
@@ -108,6 +121,8 @@ class Router:
         await asyncio.gather(*drivers, return_exceptions=True)
         if self._server is not None:
             await self._server.stop(SHUTDOWN_GRACE_S)
+        if self.http is not None:
+            await self.http.stop()
         await self.pool.drain(self.config.rpc_timeout_s)  # the Aborts just sent
         await self.pool.stop()
 
@@ -119,14 +134,45 @@ class Router:
     def num_queued(self) -> int:
         return len(self._queue)
 
-    # ---- Generate -------------------------------------------------------------------------
+    # ---- Generate: the one lifecycle behind every front door (gRPC here, HTTP in http.py) ----
     async def generate(self, request: pdserve_pb2.GenerateRequest,
                        context: grpc.aio.ServicerContext) -> AsyncIterator[pdserve_pb2.GenerateResponse]:
-        prep = await self._prepare(request, context)
+        try:
+            st = await self.submit(request)
+        except RequestError as e:
+            await context.abort(getattr(grpc.StatusCode, e.code), e.message)
+        async with aclosing(self.responses(st)) as msgs:
+            async for msg in msgs:
+                yield msg
+
+    async def submit(self, request: pdserve_pb2.GenerateRequest) -> RequestState:
+        """Validate, tokenize and start `request`; raises RequestError (INVALID_ARGUMENT, or
+        UNAVAILABLE when not serving) if it is refused before it starts. Read its messages with
+        `responses`, which must be closed (aclosing) so a gone client frees the request."""
+        if not self._serving:
+            raise RequestError("UNAVAILABLE", "the router is not serving")
+        try:
+            prep = await prepare(request, self.model.tokenizer, tuple(self.model.eos_token_ids),
+                                 self.limits, self._rng)
+            if prep.request_id in self.requests:
+                raise InvalidRequest(f"request id {prep.request_id!r} is already in flight")
+        except InvalidRequest as e:
+            self.refused("INVALID_ARGUMENT")
+            raise RequestError("INVALID_ARGUMENT", str(e)) from None
         st = RequestState(prep, self.model.tokenizer)
         self.requests[prep.request_id] = st
+        self.metrics.started(st)
         st.task = asyncio.create_task(self._drive(st))
         st.task.add_done_callback(partial(self._driver_done, st))
+        return st
+
+    def refused(self, code: str) -> None:
+        """Count a request refused before it started (a front door's own checks included)."""
+        self.counts["invalid" if code == "INVALID_ARGUMENT" else f"refused:{code}"] += 1
+        self.metrics.refused(code)
+
+    async def responses(self, st: RequestState) -> AsyncGenerator[pdserve_pb2.GenerateResponse, None]:
+        """`st`'s messages until the terminal one; closing it early cancels the request."""
         try:
             while True:
                 msg = await st.out.get()
@@ -135,19 +181,6 @@ class Router:
                     return
         finally:
             st.interrupt(Interrupt("CANCELLED", "the client cancelled"))
-
-    async def _prepare(self, request: pdserve_pb2.GenerateRequest, context: grpc.aio.ServicerContext) -> Prepared:
-        if not self._serving:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, "the router is not serving")
-        try:
-            prep = await prepare(request, self.model.tokenizer, tuple(self.model.eos_token_ids),
-                                 self.limits, self._rng)
-            if prep.request_id in self.requests:
-                raise InvalidRequest(f"request id {prep.request_id!r} is already in flight")
-        except InvalidRequest as e:
-            self.counts["invalid"] += 1
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
-        return prep
 
     async def abort(self, request_id: str) -> bool:
         st = self.requests.get(request_id)
@@ -273,14 +306,14 @@ class Router:
     async def _stream(self, st: RequestState, first: FirstToken) -> None:
         if first.finished:
             st.decode_live = False  # D releases the reservation by itself
-        complete = st.add_tokens([first.token], first.logprobs)
+        complete = self._add_tokens(st, [first.token], first.logprobs)
         if first.finished or complete:
             st.finish("stop" if st.text.stopped else first.finished or st.stop_reason)
             return
         while True:
             item = await st.events.get()
             st.steps, st.accepted = st.steps + item.steps, st.accepted + item.accepted
-            complete = st.add_tokens(item.tokens, item.logprobs)
+            complete = self._add_tokens(st, item.tokens, item.logprobs)
             if item.finish_reason is not None or item.error is not None:
                 st.decode_live = False
             if st.text.stopped:
@@ -295,6 +328,12 @@ class Router:
             else:
                 continue
             return
+
+    def _add_tokens(self, st: RequestState, tokens: list[int], logprobs: TokenLogprobs | None) -> bool:
+        before = len(st.tokens)
+        complete = st.add_tokens(tokens, logprobs)
+        self.metrics.tokens(st, len(st.tokens) - before)
+        return complete
 
     # ---- node callbacks (from the NodePool) -----------------------------------------------
     def _on_items(self, node: Node, items: list[OutputItem]) -> None:
@@ -368,6 +407,7 @@ class Router:
             self.pool.spawn(self._send_abort(prefill, st.node_rid, reason))
         self._spawn_abort_decode(st, reason)
         self.counts[st.terminal or "none"] += 1
+        self.metrics.ended(st)
         self._queue.wake_one()
 
     # ---- Abort / Health / ListModels ------------------------------------------------------

@@ -146,10 +146,25 @@ async def tokenize(req: pdserve_pb2.GenerateRequest, tokenizer: Any) -> list[int
 
 
 def encode_prompt(tokenizer: Any, text: str, chat: bool) -> list[int]:
+    if chat:
+        return encode_messages(tokenizer, [{"role": "user", "content": text}])
     try:
-        if chat and getattr(tokenizer, "has_chat_template", False):
-            rendered = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True)
-            return list(tokenizer.encode(rendered, add_special_tokens=False))
         return list(tokenizer.encode(text, add_special_tokens=True))
+    except Exception as e:  # unencodable text
+        raise InvalidRequest(f"cannot tokenize the prompt: {e}") from None
+
+
+def encode_messages(tokenizer: Any, messages: list[dict[str, str]]) -> list[int]:
+    """A conversation through the model's chat template (no added special tokens). A model with
+    no template takes one user message, encoded plain with BOS (as `pdserve generate` does)."""
+    if tokenizer is None:
+        raise InvalidRequest("this model has no tokenizer; send prompt_token_ids")
+    if not getattr(tokenizer, "has_chat_template", False):
+        if len(messages) == 1 and messages[0]["role"] == "user":
+            return encode_prompt(tokenizer, messages[0]["content"], chat=False)
+        raise InvalidRequest("this model has no chat template: send a single user message")
+    try:
+        rendered = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+        return list(tokenizer.encode(rendered, add_special_tokens=False))
     except Exception as e:  # template errors (raise_exception), unencodable text
         raise InvalidRequest(f"cannot tokenize the prompt: {e}") from None

@@ -14,7 +14,8 @@ from engine.engine import EngineConfig, LLMEngine
 from engine.loader import load_model
 
 BASE = {
-    "model.name": "tiny", "router.host": "127.0.0.1", "router.port": 0, "router.status_interval_s": 0.5,
+    "model.name": "tiny", "router.host": "127.0.0.1", "router.port": 0, "router.http_port": 0,
+    "router.status_interval_s": 0.5,
     "kv_transfer.backend": "ucx", "kv_transfer.timeout_s": 5.0, "prefill.num_cpus": 0.5, "decode.num_cpus": 0.5,
     "decode.max_num_seqs": 64,
 }

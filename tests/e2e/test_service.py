@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import asyncio
 import random
+import time
+import urllib.request
 
 import grpc
+import openai
 import pytest
 
 from engine.sampling_params import SamplingParams
@@ -125,3 +128,159 @@ def test_bad_input_is_invalid_argument_and_service_keeps_serving(service, option
     assert getattr(err, "code", None) == grpc.StatusCode.INVALID_ARGUMENT.name
     assert message in str(err).lower()
     assert len(ok["token_ids"]) >= 1
+
+
+# ---- the OpenAI-compatible HTTP door (the official client) and /metrics --------------------
+PROMPTS = ["Hello there", "The capital of France is", "1, 2, 3,"]
+
+
+def openai_client(svc):
+    return openai.AsyncOpenAI(base_url=f"http://{svc.http_address}/v1", api_key="none", max_retries=0)
+
+
+async def http_and_grpc(svc, address):
+    oa = openai_client(svc)
+    async with RouterClient(address) as client:
+        grpc_out = [await client.generate(build_request(p, max_tokens=12, logprobs=3, chat=chat))
+                    for chat in (False, True) for p in PROMPTS]
+    comp = [await oa.completions.create(model="tiny", prompt=p, max_tokens=12, temperature=0, logprobs=3)
+            for p in PROMPTS]
+    chat = [await oa.chat.completions.create(model="tiny", messages=[{"role": "user", "content": p}],
+                                             max_tokens=12, temperature=0, logprobs=True, top_logprobs=3)
+            for p in PROMPTS]
+    streamed = []
+    for p in PROMPTS:
+        stream = await oa.chat.completions.create(model="tiny", messages=[{"role": "user", "content": p}],
+                                                  max_tokens=12, temperature=0, stream=True)
+        streamed.append("".join([ch.choices[0].delta.content or "" async for ch in stream]))
+    return grpc_out, comp, chat, streamed
+
+
+def test_openai_client_greedy_text_and_logprobs_equal_grpc(service):
+    svc, address, k = service
+    grpc_out, comp, chat, streamed = run_async(http_and_grpc(svc, address))
+    plain, chatted = grpc_out[: len(PROMPTS)], grpc_out[len(PROMPTS):]
+    assert [c.choices[0].text for c in comp] == [g["text"] for g in plain]
+    assert [c.choices[0].message.content for c in chat] == [g["text"] for g in chatted] == streamed
+    for c, g in zip(comp, plain, strict=True):
+        assert c.usage.completion_tokens == len(g["token_ids"])
+        assert c.choices[0].logprobs.token_logprobs == pytest.approx([lp["logprob"] for lp in g["logprobs"]])
+    for c, g in zip(chat, chatted, strict=True):
+        assert [e.logprob for e in c.choices[0].logprobs.content] == pytest.approx([lp["logprob"] for lp in g["logprobs"]])
+        assert all(len(e.top_logprobs) == 3 for e in c.choices[0].logprobs.content)
+    wait_blocks_returned(svc)
+
+
+def test_http_clients_that_disconnect_free_their_blocks(service):
+    svc, address, k = service
+
+    async def leave_stream(oa, i):
+        stream = await oa.completions.create(model="tiny", prompt=f"go {i}", max_tokens=500, stream=True,
+                                             extra_body={"ignore_eos": True})
+        got = 0
+        async for _ch in stream:
+            got += 1
+            if got >= 3:
+                break
+        await stream.close()
+        return got
+
+    async def leave_whole(oa):
+        task = asyncio.create_task(oa.completions.create(model="tiny", prompt="stay", max_tokens=800,
+                                                         extra_body={"ignore_eos": True}))
+        await asyncio.sleep(0.5)  # (no timing assertion: only lets the request start)
+        task.cancel()
+
+    async def main():
+        oa = openai_client(svc)
+        counts = await asyncio.gather(*(leave_stream(oa, i) for i in range(8)), leave_whole(oa))
+        async with RouterClient(address) as client:
+            for _ in range(100):
+                if (await client.health()).running_requests == 0:
+                    break
+                await asyncio.sleep(0.1)
+            return counts[:-1], (await client.health()).running_requests
+
+    counts, running = run_async(main())
+    assert all(c >= 3 for c in counts) and running == 0
+    wait_blocks_returned(svc)
+
+
+def scrape(svc) -> dict[tuple[str, tuple], float]:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = urllib.request.urlopen(f"http://{svc.http_address}/metrics").read().decode()
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for fam in text_string_to_metric_families(text) for s in fam.samples}
+
+
+def total(samples, name, **labels) -> float:
+    return sum(v for (n, ls), v in samples.items() if n == name and all((k, v2) in ls for k, v2 in labels.items()))
+
+
+def settled_scrape(svc):
+    """A scrape once the router's view of every node has caught up with earlier tests' traffic
+    (node figures come with its Status polls, every 0.5 s here): two scrapes a few polls apart agree."""
+    wait_blocks_returned(svc)
+    node_keys = ("pdserve:prefill_tokens_total", "pdserve:kv_transfer_bytes_total", "pdserve:kv_blocks_used")
+    last = None
+    for _ in range(60):
+        now = scrape(svc)
+        view = [total(now, key) for key in node_keys]
+        if view == last and view[2] == 0:
+            return now
+        last = view
+        time.sleep(1.5)
+    raise AssertionError(f"the router's view of the nodes did not settle: {last}")
+
+
+def test_metrics_scrape_counts_add_up(service):
+    svc, address, k = service
+    before = settled_scrape(svc)
+
+    async def traffic():
+        oa = openai_client(svc)
+        ok = await asyncio.gather(*(oa.completions.create(model="tiny", prompt=[1, 2, i], max_tokens=6 + i,
+                                                          temperature=0, extra_body={"ignore_eos": True})
+                                    for i in range(5)))
+        with pytest.raises(openai.BadRequestError):
+            await oa.completions.create(model="tiny", prompt="x", max_tokens=0)
+        with pytest.raises(openai.NotFoundError):
+            await oa.completions.create(model="nope", prompt="x", max_tokens=3)
+        return ok
+
+    ok = run_async(traffic())
+    wait_blocks_returned(svc)
+    prompt_tokens = sum(r.usage.prompt_tokens for r in ok)
+
+    def delta(name, **labels):
+        return total(after, name, **labels) - total(before, name, **labels)
+
+    for _ in range(150):  # node figures arrive with the router's next Status poll of each node
+        after = scrape(svc)
+        kv = [delta("pdserve:kv_transfer_bytes_total", kind=kind) for kind in ("prefill", "decode")]
+        if delta("pdserve:prefill_tokens_total") == prompt_tokens and kv[0] == kv[1] and \
+                total(after, "pdserve:kv_blocks_used") == 0:
+            break
+        time.sleep(0.2)
+
+    tokens = sum(r.usage.completion_tokens for r in ok)
+    assert tokens == sum(6 + i for i in range(5))
+    assert delta("pdserve:request_success_total", finished_reason="length") == 5
+    assert delta("pdserve:request_failure_total", code="INVALID_ARGUMENT") == 1
+    assert delta("pdserve:request_failure_total", code="NOT_FOUND") == 1
+    assert delta("pdserve:generation_tokens_total") == tokens
+    assert delta("pdserve:prompt_tokens_total") == prompt_tokens
+    assert delta("pdserve:time_to_first_token_seconds_count") == 5
+    assert delta("pdserve:inter_token_latency_seconds_count") == tokens - 5
+    assert delta("pdserve:e2e_request_latency_seconds_count") == 5
+    nodes = {dict(ls)["node"] for (n, ls) in after if n == "pdserve:kv_blocks_free"}
+    assert len(nodes) == sum(1 for key in svc.actors)
+    assert total(after, "pdserve:kv_blocks_used") == 0
+    assert delta("pdserve:prefill_tokens_total") == prompt_tokens
+    assert delta("pdserve:prefill_seconds_total") > 0 and delta("pdserve:kv_transfer_seconds_total", kind="prefill") > 0
+    assert kv[0] == kv[1] > 0  # what P pushed, D received
+    drafts = [delta("pdserve:spec_decode_num_draft_tokens_total", position=str(i)) for i in range(k)]
+    accepted = [delta("pdserve:spec_decode_num_accepted_tokens_per_pos_total", position=str(i)) for i in range(k)]
+    assert all(d > 0 for d in drafts) and all(0 <= a <= d for a, d in zip(accepted, drafts, strict=True))
+    assert accepted == sorted(accepted, reverse=True)  # a draft counts only after its predecessors

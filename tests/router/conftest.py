@@ -64,7 +64,8 @@ async def cluster(n_prefill: int = 1, n_decode: int = 1, *, decode: dict | None 
     for node in [*ps, *ds]:
         await node.start()
     directory = NodeDirectory([p.address for p in ps], [d.address for d in ds])
-    cfg = RouterConfig(**{"host": "127.0.0.1", "port": 0, "status_interval_s": 3600.0, **config})  # type: ignore[arg-type]
+    cfg = RouterConfig(**{"host": "127.0.0.1", "port": 0, "http_port": None, "status_interval_s": 3600.0,
+                          **config})  # type: ignore[arg-type]
     router = Router(TINY, directory, cfg, max_model_len=MAX_MODEL_LEN, num_speculative_tokens=2)
     port = await router.start()
     client = RouterClient(f"127.0.0.1:{port}")

@@ -1,0 +1,328 @@
+"""Serving benchmark: load a running router (gRPC or OpenAI HTTP) and report latency percentiles.
+
+Receives a target (`--router HOST:PORT` for gRPC, `--base-url http://HOST:PORT` for the OpenAI
+HTTP door, or `--launch` to start a local service with the `pdserve up` flags), a workload
+(prompts from the built-in set, random token ids of `--input-len`, or a JSONL file; output
+lengths from `--output-len` and `--range-ratio`) and arrivals (Poisson at each `--request-rate`,
+`inf` = all at once, optionally capped by `--max-concurrency`). Hands back, per rate: TTFT,
+inter-token latency (ITL) and end-to-end p50/p90/p99, output tokens/s, requests/s and goodput
+under `--slo-ttft-ms` / `--slo-itl-ms`, as JSON (`--json FILE`, or stdout) and PNG plots
+(`--plot-dir`). Requests ignore EOS so each writes exactly its output length.
+
+Definitions: ITL samples are per token (a message of n tokens after a gap g counts g/n n
+times, as the router's /metrics does); a request is "good" when its TTFT and its mean ITL
+(TPOT) are within the SLOs; goodput = good requests / wall time; a rate "holds the p99 SLO"
+when its p99 TTFT and p99 ITL are both within them, and `max_rate_p99_slo_met` is the highest
+rate below which every rate of the sweep holds it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import random
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+BUILTIN_PROMPTS = [
+    "What is the capital of France?", "Write a haiku about the sea.", "Explain in one sentence what a GPU is.",
+    "List three primary colors.", "Summarize the plot of Romeo and Juliet.", "How do airplanes stay in the air?",
+    "Give me a recipe for pancakes.", "Translate 'good morning' into Spanish.", "What is 17 times 23?",
+    "Describe a cat to someone who has never seen one.", "Why is the sky blue?", "Name five programming languages.",
+    "Write a short poem about autumn leaves.", "What does a compiler do?", "Tell me a fun fact about octopuses.",
+    "How many continents are there?",
+]
+
+
+@dataclass
+class Item:
+    prompt: str | list[int]
+    output_len: int
+
+
+@dataclass
+class Result:
+    ok: bool = False
+    error: str = ""
+    ttft: float = 0.0
+    e2e: float = 0.0
+    tokens: int = 0
+    itl: list[float] = field(default_factory=list)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    from deploy.cli_service import add_service_arguments
+
+    t = p.add_argument_group("target (one of)")
+    t.add_argument("--router", default=None, metavar="HOST:PORT", help="a router's gRPC address")
+    t.add_argument("--base-url", default=None, help="a router's HTTP address (OpenAI API), e.g. http://127.0.0.1:8000")
+    t.add_argument("--launch", action="store_true", help="start a local service (the `pdserve up` flags below)")
+    p.add_argument("--protocol", choices=("grpc", "http"), default="grpc", help="with --launch: which door to load")
+    p.add_argument("--dataset", default="builtin", help="'builtin' (chat prompts), 'random' (token ids) or a JSONL "
+                   "file of {\"prompt\": ..., \"output_len\": N}")
+    p.add_argument("--num-prompts", type=int, default=50, help="requests per rate")
+    p.add_argument("--input-len", type=int, default=128, help="random dataset: prompt tokens")
+    p.add_argument("--output-len", type=int, default=64, help="output tokens (JSONL entries may set their own)")
+    p.add_argument("--range-ratio", type=float, default=0.0, help="lengths uniform in len*(1 -+ ratio)")
+    p.add_argument("--request-rate", default="inf", help="requests/s, comma-separated for a sweep; inf = all at once")
+    p.add_argument("--max-concurrency", type=int, default=None, help="at most this many requests in flight")
+    p.add_argument("--slo-ttft-ms", type=float, default=1000.0)
+    p.add_argument("--slo-itl-ms", type=float, default=100.0)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", default=None, metavar="FILE", help="write the report here (default: stdout)")
+    p.add_argument("--plot-dir", default=None, help="write latency_cdf.png and rate_sweep.png here")
+    add_service_arguments(p)
+
+
+def run(args: argparse.Namespace) -> int:
+    rates = parse_rates(args.request_rate)
+    if sum(bool(x) for x in (args.router, args.base_url, args.launch)) != 1:
+        raise ValueError("give exactly one of --router, --base-url and --launch")
+    if args.num_prompts <= 0 or args.output_len <= 0 or not 0 <= args.range_ratio < 1:
+        raise ValueError("--num-prompts and --output-len must be > 0, --range-ratio in [0, 1)")
+    items = load_dataset(args)
+    service = None
+    if args.launch:
+        from deploy.cli_service import service_config, start_service
+
+        service, args.router = start_service(service_config(args, local=True))
+        if args.protocol == "http":
+            args.base_url, args.router = f"http://{service.http_address}", None
+    try:
+        report = asyncio.run(sweep(args, items, rates))
+    finally:
+        if service is not None:
+            from deploy.cli_service import shutdown
+
+            shutdown(service)
+    text = json.dumps(report, indent=2)
+    if args.json:
+        Path(args.json).write_text(text + "\n")
+    else:
+        print(text)
+    if args.plot_dir:
+        plot(report, Path(args.plot_dir))
+    return 0
+
+
+def parse_rates(text: str) -> list[float]:
+    try:
+        rates = [float(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise ValueError(f"--request-rate must be numbers or inf, got {text!r}") from None
+    if not rates or any(not r > 0 for r in rates):
+        raise ValueError(f"--request-rate must be > 0, got {text!r}")
+    return rates
+
+
+def load_dataset(args: argparse.Namespace) -> list[Item]:
+    rng = random.Random(args.seed)
+
+    def length(n: int) -> int:
+        return max(1, rng.randint(round(n * (1 - args.range_ratio)), round(n * (1 + args.range_ratio))))
+
+    if args.dataset == "builtin":
+        return [Item(rng.choice(BUILTIN_PROMPTS), length(args.output_len)) for _ in range(args.num_prompts)]
+    if args.dataset == "random":
+        return [Item([rng.randrange(10, 250) for _ in range(length(args.input_len))], length(args.output_len))
+                for _ in range(args.num_prompts)]
+    rows = [json.loads(line) for line in Path(args.dataset).read_text().splitlines() if line.strip()]
+    if not rows or not all(isinstance(r, dict) and isinstance(r.get("prompt"), str | list) for r in rows):
+        raise ValueError(f"{args.dataset}: every line must be a JSON object with a 'prompt'")
+    return [Item(r["prompt"], int(r.get("output_len") or length(args.output_len)))
+            for r in (rows[i % len(rows)] for i in range(args.num_prompts))]
+
+
+# ---- load -------------------------------------------------------------------------------------
+async def sweep(args: argparse.Namespace, items: list[Item], rates: list[float]) -> dict:
+    from tqdm import tqdm
+
+    runs = []
+    with tqdm(total=len(rates) * len(items), desc="bench serve", unit="req", disable=None) as bar:
+        for rate in rates:
+            bar.set_postfix(rate=rate)
+            start = time.perf_counter()
+            results = await load(args, items, rate, bar)
+            runs.append(summarize(results, rate, time.perf_counter() - start, args))
+    held = []  # rates, lowest first, up to the first that misses the p99 SLO
+    for r in sorted(runs, key=lambda r: r["request_rate"]):
+        if not r["p99_slo_met"]:
+            break
+        held.append(r["request_rate"])
+    return {"target": args.base_url or args.router, "protocol": "http" if args.base_url else "grpc",
+            "dataset": args.dataset, "num_prompts": len(items), "max_concurrency": args.max_concurrency,
+            "slo_ttft_ms": args.slo_ttft_ms, "slo_itl_ms": args.slo_itl_ms,
+            "max_rate_p99_slo_met": max(held) if held else None, "runs": runs}
+
+
+async def load(args: argparse.Namespace, items: list[Item], rate: float, bar: Any) -> list[Result]:
+    rng = random.Random(args.seed + 1)
+    limit = asyncio.Semaphore(args.max_concurrency or len(items))
+    send, close = _http_sender(args.base_url) if args.base_url else _grpc_sender(args.router)
+
+    async def one(item: Item) -> Result:
+        async with limit:
+            res = await send(item)
+        bar.update(1)
+        return res
+
+    tasks = []
+    for item in items:
+        tasks.append(asyncio.create_task(one(item)))
+        if math.isfinite(rate):
+            await asyncio.sleep(rng.expovariate(rate))
+    try:
+        return list(await asyncio.gather(*tasks))
+    finally:
+        await close()
+
+
+def _grpc_sender(address: str) -> Any:
+    from router.client import RouterClient, build_request
+
+    client = RouterClient(address)
+
+    async def send(item: Item) -> Result:
+        req = build_request(item.prompt, chat=isinstance(item.prompt, str), max_tokens=item.output_len,
+                            ignore_eos=True)
+        res, clock = Result(), _Clock()
+        try:
+            async for msg in client.responses(req):
+                clock.tokens(res, len(msg.token_ids))
+                if msg.HasField("error"):
+                    res.error = f"{msg.error.code}: {msg.error.message}"
+            res.ok = not res.error
+        except Exception as e:
+            res.error = str(e)
+        res.e2e = clock.now()
+        return res
+
+    return send, client.close
+
+
+def _http_sender(base_url: str) -> Any:
+    import openai
+
+    client = openai.AsyncOpenAI(base_url=base_url.rstrip("/") + "/v1", api_key="none", max_retries=0)
+
+    async def send(item: Item) -> Result:
+        res, clock = Result(), _Clock()
+        try:
+            stream = await client.completions.create(
+                model="", prompt=item.prompt, max_tokens=item.output_len, temperature=0, stream=True,
+                logprobs=0, extra_body={"ignore_eos": True})
+            async for chunk in stream:
+                lps = chunk.choices[0].logprobs if chunk.choices else None
+                clock.tokens(res, len(lps.tokens or []) if lps else 0)  # one logprob entry per token
+            res.ok = True
+        except Exception as e:
+            res.error = str(e)
+        res.e2e = clock.now()
+        return res
+
+    return send, client.close
+
+
+class _Clock:
+    def __init__(self) -> None:
+        self.start = self.last = time.perf_counter()
+
+    def now(self) -> float:
+        return time.perf_counter() - self.start
+
+    def tokens(self, res: Result, n: int) -> None:
+        if n <= 0:
+            return
+        t = time.perf_counter()
+        if res.tokens == 0:
+            res.ttft, n = t - self.start, n - 1
+            res.tokens = 1
+        if n > 0:
+            res.itl += [(t - self.last) / n] * n
+            res.tokens += n
+        self.last = t
+
+
+# ---- report -----------------------------------------------------------------------------------
+def percentiles(xs: list[float]) -> dict[str, float]:
+    if not xs:
+        return {"p50_ms": math.nan, "p90_ms": math.nan, "p99_ms": math.nan, "mean_ms": math.nan}
+    s = sorted(xs)
+
+    def q(p: float) -> float:
+        return round(1000 * s[min(len(s) - 1, max(0, math.ceil(p * len(s)) - 1))], 2)
+
+    return {"p50_ms": q(0.5), "p90_ms": q(0.9), "p99_ms": q(0.99), "mean_ms": round(1000 * sum(s) / len(s), 2)}
+
+
+def summarize(results: list[Result], rate: float, wall: float, args: argparse.Namespace) -> dict:
+    ok = [r for r in results if r.ok]
+    itl = [x for r in ok for x in r.itl]
+    slo_ttft, slo_itl = args.slo_ttft_ms / 1000, args.slo_itl_ms / 1000
+    good = [r for r in ok if r.ttft <= slo_ttft and (not r.itl or sum(r.itl) / len(r.itl) <= slo_itl)]
+    ttft, itl_p, e2e = percentiles([r.ttft for r in ok]), percentiles(itl), percentiles([r.e2e for r in ok])
+    return {
+        "request_rate": rate, "completed": len(ok), "failed": len(results) - len(ok),
+        "errors": sorted({r.error for r in results if r.error})[:5], "duration_s": round(wall, 3),
+        "request_throughput": round(len(ok) / wall, 3),
+        "output_throughput": round(sum(r.tokens for r in ok) / wall, 2),
+        "goodput": round(len(good) / wall, 3), "ttft": ttft, "itl": itl_p, "e2e": e2e,
+        "p99_slo_met": bool(ok) and len(ok) == len(results) and ttft["p99_ms"] <= args.slo_ttft_ms
+        and itl_p["p99_ms"] <= args.slo_itl_ms,
+        "samples": {"ttft_ms": [round(1000 * r.ttft, 2) for r in ok], "itl_ms": [round(1000 * x, 2) for x in itl],
+                    "e2e_ms": [round(1000 * r.e2e, 2) for r in ok]},
+    }
+
+
+def plot(report: dict, out: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    out.mkdir(parents=True, exist_ok=True)
+    runs = report["runs"]
+    fig, axes = plt.subplots(1, 3, figsize=(12, 3.4))
+    for ax, key, title in zip(axes, ("ttft_ms", "itl_ms", "e2e_ms"), ("TTFT", "ITL", "end-to-end"), strict=True):
+        for r in runs:
+            xs = sorted(r["samples"][key])
+            ax.plot(xs, [(i + 1) / len(xs) for i in range(len(xs))], label=f"{r['request_rate']:g} req/s")
+        ax.set(title=f"{title} CDF", xlabel="ms", ylabel="fraction")
+        ax.grid(alpha=0.3)
+    axes[0].legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(out / "latency_cdf.png", dpi=80)
+    _plot_sweep(plt, report, out)
+
+
+def _plot_sweep(plt: Any, report: dict, out: Path) -> None:
+    runs = [r for r in report["runs"] if math.isfinite(r["request_rate"])]
+    if not runs:
+        return
+    rates = [r["request_rate"] for r in runs]
+    fig, (a, b) = plt.subplots(1, 2, figsize=(10, 3.4))
+    a.plot(rates, [r["ttft"]["p99_ms"] for r in runs], "o-", label="p99 TTFT")
+    a.plot(rates, [r["itl"]["p99_ms"] for r in runs], "s-", label="p99 ITL")
+    a.axhline(report["slo_ttft_ms"], ls="--", c="C0", lw=0.8)
+    a.axhline(report["slo_itl_ms"], ls="--", c="C1", lw=0.8)
+    a.set(title="p99 latency vs rate (dashed: SLO)", xlabel="request rate (req/s)", ylabel="ms", yscale="log")
+    a.legend(fontsize=7)
+    b.plot(rates, [r["goodput"] for r in runs], "o-", label="goodput")
+    b.plot(rates, [r["request_throughput"] for r in runs], "s--", label="throughput")
+    b.set(title="goodput vs rate", xlabel="request rate (req/s)", ylabel="req/s")
+    b.legend(fontsize=7)
+    for ax in (a, b):
+        ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(out / "rate_sweep.png", dpi=80)
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(prog="pdserve bench serve")
+    add_arguments(parser)
+    sys.exit(run(parser.parse_args()))

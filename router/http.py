@@ -1,0 +1,265 @@
+"""The router's HTTP front door: OpenAI-compatible `/v1/completions`, `/v1/chat/completions`,
+`/v1/models`, plus `/health` and Prometheus `/metrics` (FastAPI on uvicorn, on the router's
+own event loop).
+
+Receives HTTP requests; turns each body into a `GenerateRequest` (openai_protocol.py) and
+hands it to the same lifecycle as the gRPC door (`Router.submit` / `Router.responses`), so
+validation, queueing, abort and the one-terminal rule are shared, not re-implemented. Answers
+OpenAI's JSON (non-streaming) or server-sent events (`stream: true`), and errors as OpenAI's
+`{"error": {...}}` with a status from the lifecycle's code (400, 404, 429, 503, ...).
+
+Careful: a client that goes away must cancel its request. A streaming response is cancelled
+by Starlette when the client disconnects (closing `responses` interrupts the request); a
+non-streaming one, and the wait for a stream's first message, race the work against
+`http.disconnect` (`_unless_disconnected`). Never block the loop: it also serves gRPC.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import socket
+from collections.abc import AsyncGenerator, Awaitable
+from contextlib import aclosing
+from functools import partial
+from typing import TYPE_CHECKING, Any, TypeVar
+
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import BaseModel, ValidationError
+
+from protos import pdserve_pb2 as pb
+from router.openai_protocol import ChatCompletionRequest, CompletionRequest, Format
+from router.request import is_terminal
+from router.validate import InvalidRequest
+
+if TYPE_CHECKING:
+    from router.router import Router
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+STATUS = {"INVALID_ARGUMENT": 400, "NOT_FOUND": 404, "RESOURCE_EXHAUSTED": 429, "UNAVAILABLE": 503,
+          "DEADLINE_EXCEEDED": 504, "CANCELLED": 499}
+ERROR_TYPE = {400: "invalid_request_error", 404: "invalid_request_error", 429: "rate_limit_error",
+              503: "service_unavailable_error"}
+TOKENIZE_IN_THREAD_BYTES = 8192
+
+
+def error_body(code: str, message: str) -> dict:
+    status = STATUS.get(code, 500)
+    return {"error": {"message": message, "type": ERROR_TYPE.get(status, "server_error"), "param": None,
+                      "code": "model_not_found" if code == "NOT_FOUND" else code.lower()}}
+
+
+def error_response(code: str, message: str) -> JSONResponse:
+    return JSONResponse(error_body(code, message), status_code=STATUS.get(code, 500))
+
+
+def build_app(router: Router) -> FastAPI:
+    app = FastAPI(title="pdserve", docs_url=None, redoc_url=None, openapi_url=None)
+
+    @app.get("/health")
+    async def health() -> Response:
+        h = router.health()
+        body = {"serving": h.serving, "prefill_nodes": h.prefill_nodes, "decode_nodes": h.decode_nodes,
+                "running_requests": h.running_requests}
+        return JSONResponse(body, status_code=200 if h.serving else 503)
+
+    @app.get("/v1/models")
+    async def models() -> dict:
+        return {"object": "list", "data": [
+            {"id": m.name, "object": "model", "created": 0, "owned_by": "pdserve", "root": m.name,
+             "max_model_len": m.max_model_len, "num_speculative_tokens": m.num_speculative_tokens}
+            for m in router.list_models().models]}
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        body, content_type = router.metrics.exposition()
+        return Response(body, media_type=content_type)
+
+    @app.post("/v1/completions")
+    async def completions(raw: Request) -> Response:
+        return await _generate(router, raw, CompletionRequest, chat=False)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(raw: Request) -> Response:
+        return await _generate(router, raw, ChatCompletionRequest, chat=True)
+
+    return app
+
+
+async def _generate(router: Router, raw: Request, model: type[BaseModel], chat: bool) -> Response:
+    from router.router import RequestError
+
+    try:
+        gen, fmt, req = await _prepare(router, raw, model, chat)
+        st = await router.submit(gen)
+    except RequestError as e:
+        return error_response(e.code, e.message)
+    msgs = router.responses(st)
+    first = await _unless_disconnected(raw, anext(msgs))
+    if first is None or first.HasField("error"):
+        await msgs.aclose()
+        return _from_error(first)
+    if req.stream:
+        opts = req.stream_options
+        return StreamingResponse(_events(fmt, first, msgs, bool(opts and opts.include_usage)),
+                                 media_type="text/event-stream")
+    rest = await _unless_disconnected(raw, _rest(first, msgs))
+    if rest is None or rest[-1].HasField("error"):
+        return _from_error(rest[-1] if rest else None)
+    return JSONResponse(fmt.whole(rest))
+
+
+async def _prepare(router: Router, raw: Request, model: type[BaseModel],
+                   chat: bool) -> tuple[pb.GenerateRequest, Format, Any]:
+    """The body as a GenerateRequest; raises RequestError (INVALID_ARGUMENT, NOT_FOUND), counted."""
+    from router.router import RequestError
+
+    code, message = "INVALID_ARGUMENT", ""
+    try:
+        body, req = await _parse(raw, model)
+        if req.model not in (None, "", router.model.name):
+            code = "NOT_FOUND"
+            raise InvalidRequest(f"the model {req.model!r} does not exist; this server serves "
+                                 f"{router.model.name!r}")
+        fmt = Format(chat, router.model.name, router.model.tokenizer, _logprobs_asked(req, chat))
+        return await _to_generate(router, req, fmt, len(body)), fmt, req
+    except InvalidRequest as e:
+        message = str(e)
+    router.refused(code)
+    raise RequestError(code, message)
+
+
+async def _parse(raw: Request, model: type[BaseModel]) -> tuple[bytes, Any]:
+    body = await raw.body()
+    try:
+        return body, model.model_validate_json(body)
+    except ValidationError as e:
+        raise InvalidRequest(_describe(e)) from None
+
+
+def _describe(e: ValidationError) -> str:
+    parts = []
+    for err in e.errors()[:5]:
+        where = ".".join(str(p) for p in err["loc"])
+        parts.append(f"{where}: {err['msg']}" if where else err["msg"])
+    return "invalid request body: " + "; ".join(parts)
+
+
+def _logprobs_asked(req: Any, chat: bool) -> int | None:
+    if chat:
+        return (req.top_logprobs or 0) if req.logprobs else None
+    return req.logprobs  # type: ignore[no-any-return]
+
+
+async def _to_generate(router: Router, req: Any, fmt: Format, size: int) -> pb.GenerateRequest:
+    args: tuple[Any, ...] = (fmt.request_id, router.model.tokenizer, router.max_model_len)
+    if fmt.chat:
+        args = (*args, router.limits.max_prompt_bytes)
+    convert = partial(req.to_generate, *args)
+    try:
+        if size > TOKENIZE_IN_THREAD_BYTES:  # chat templates render here: off the loop when long
+            return await asyncio.to_thread(convert)  # type: ignore[no-any-return]
+        return convert()  # type: ignore[no-any-return]
+    except (ValueError, TypeError) as e:  # InvalidRequest is a ValueError; protobuf range errors too
+        raise InvalidRequest(str(e)) from None
+
+
+def _from_error(msg: pb.GenerateResponse | None) -> Response:
+    if msg is None:  # the client went away: nobody reads this
+        return Response(status_code=499)
+    return error_response(msg.error.code, msg.error.message)
+
+
+async def _rest(first: pb.GenerateResponse, msgs: AsyncGenerator[pb.GenerateResponse, None]) -> list[pb.GenerateResponse]:
+    out = [first]
+    async with aclosing(msgs):
+        if not is_terminal(first):
+            out += [m async for m in msgs]
+    return out
+
+
+async def _unless_disconnected(raw: Request, work: Awaitable[T]) -> T | None:
+    """`work`'s result, or None (and `work` cancelled) if the client disconnects first."""
+    task = asyncio.ensure_future(work)
+    gone = asyncio.ensure_future(_disconnected(raw))
+    try:
+        await asyncio.wait([task, gone], return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        gone.cancel()
+        if not task.done():
+            task.cancel()
+    if not task.done() or task.cancelled():
+        with contextlib.suppress(asyncio.CancelledError, StopAsyncIteration):
+            await task
+        return None
+    return task.result()
+
+
+async def _disconnected(raw: Request) -> None:
+    while (await raw.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def _events(fmt: Format, first: pb.GenerateResponse, msgs: AsyncGenerator[pb.GenerateResponse, None],
+                  include_usage: bool) -> AsyncGenerator[str, None]:
+    """Server-sent events; Starlette cancels this when the client goes, which closes `msgs`."""
+    async with aclosing(msgs):
+        msg, start = first, True
+        while True:
+            if msg.HasField("error"):
+                yield _sse(error_body(msg.error.code, msg.error.message))
+                break
+            if msg.token_ids or msg.text or start or is_terminal(msg):
+                yield _sse(fmt.chunk(msg, first=start))
+                start = False
+            if is_terminal(msg):
+                if include_usage:
+                    yield _sse(fmt.usage_chunk(msg))
+                break
+            msg = await anext(msgs)
+    yield "data: [DONE]\n\n"
+
+
+def _sse(obj: dict) -> str:
+    return f"data: {json.dumps(obj, separators=(',', ':'))}\n\n"
+
+
+class _Server(uvicorn.Server):
+    @contextlib.contextmanager
+    def capture_signals(self) -> Any:  # the process owner (Ray, the CLI, pytest) handles signals
+        yield
+
+
+class HttpServer:
+    """uvicorn serving `app` as a task on the running loop."""
+
+    def __init__(self, app: FastAPI) -> None:
+        self.app = app
+        self._server: _Server | None = None
+        self._task: asyncio.Task[None] | None = None
+
+    async def start(self, host: str, port: int) -> int:
+        """Bind (`port=0`: any free one) and serve; returns the bound port."""
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        sock = socket.socket(family, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+        config = uvicorn.Config(self.app, log_level="warning", access_log=False, lifespan="off",
+                                timeout_graceful_shutdown=2)
+        self._server = _Server(config)
+        self._task = asyncio.create_task(self._server.serve(sockets=[sock]))
+        while not self._server.started:
+            if self._task.done():
+                self._task.result()  # raises what stopped it
+            await asyncio.sleep(0.01)
+        return int(sock.getsockname()[1])
+
+    async def stop(self) -> None:
+        if self._server is not None and self._task is not None:
+            self._server.should_exit = True
+            await asyncio.gather(self._task, return_exceptions=True)

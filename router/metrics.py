@@ -1,0 +1,148 @@
+"""Prometheus metrics for the whole service, served by the router at `/metrics`.
+
+Receives lifecycle events from router.py (`started`, `tokens`, `ended`, `refused`,
+`prefilled`) and, at scrape time, reads the router's queue and every node's last `Status`
+(the NodePool polls each node every `status_interval_s`), so one scrape sees router and
+nodes alike. Hands prometheus-client a registry of its own per Router (tests run several).
+Names follow vLLM's (`vllm:` -> `pdserve:`). Nothing here blocks or talks to a node.
+
+Counting rules (a test checks them): every request the router saw ends in exactly one of
+`request_success_total{finished_reason}` and `request_failure_total{code}` (refusals before
+start included; a client that went away is code CANCELLED). TTFT is observed once per request
+that got a token, inter-token latency once per later token (a message of n tokens after a
+gap g observes g/n n times), end-to-end latency once per finished request.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING, Any
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+if TYPE_CHECKING:
+    from router.pool import Node
+    from router.request import RequestState
+
+LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
+                   7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0)
+
+
+class RouterMetrics:
+    def __init__(self, model_name: str, queue_depth: Callable[[], int], running: Callable[[], int],
+                 nodes: Callable[[], list[Node]]) -> None:
+        self.registry = CollectorRegistry()
+        r, labels = self.registry, ["model_name"]
+
+        def histogram(name: str, doc: str) -> Any:
+            return Histogram(f"pdserve:{name}", doc, labels, buckets=LATENCY_BUCKETS, registry=r).labels(model_name)
+
+        self.ttft = histogram("time_to_first_token_seconds", "Time to first token (router arrival to first token out)")
+        self.itl = histogram("inter_token_latency_seconds", "Time between output tokens")
+        self.e2e = histogram("e2e_request_latency_seconds", "End-to-end latency of finished requests")
+        self.success = Counter("pdserve:request_success", "Finished requests by finish reason",
+                               [*labels, "finished_reason"], registry=r)
+        self.failure = Counter("pdserve:request_failure", "Requests ended by an error (gRPC code name)",
+                               [*labels, "code"], registry=r)
+        self.prompt_tokens = Counter("pdserve:prompt_tokens", "Prompt tokens of started requests",
+                                     labels, registry=r).labels(model_name)
+        self.generation_tokens = Counter("pdserve:generation_tokens", "Output tokens sent to clients",
+                                         labels, registry=r).labels(model_name)
+        Gauge("pdserve:num_requests_waiting", "Requests queued for a decode node", registry=r).set_function(
+            lambda: float(queue_depth()))
+        Gauge("pdserve:num_requests_router", "Requests in flight in the router", registry=r).set_function(
+            lambda: float(running()))
+        self.model_name = model_name
+        r.register(NodeCollector(nodes))
+
+    def exposition(self) -> tuple[bytes, str]:
+        return generate_latest(self.registry), CONTENT_TYPE_LATEST
+
+    # ---- lifecycle events ---------------------------------------------------------------
+    def started(self, st: RequestState) -> None:
+        self.prompt_tokens.inc(len(st.prep.prompt_ids))
+
+    def tokens(self, st: RequestState, n: int) -> None:
+        """`n` new tokens of `st` went to its client now."""
+        if n <= 0:
+            return
+        now = time.monotonic()
+        self.generation_tokens.inc(n)
+        if st.last_token_at is None:
+            self.ttft.observe(now - st.arrival)
+            n -= 1
+        else:
+            gap = (now - st.last_token_at) / n
+            for _ in range(n):
+                self.itl.observe(gap)
+        st.last_token_at = now
+
+    def ended(self, st: RequestState) -> None:
+        terminal = st.terminal or "error:INTERNAL"
+        kind, _, what = terminal.partition(":")
+        if kind == "finished":
+            self.success.labels(self.model_name, what).inc()
+            self.e2e.observe(time.monotonic() - st.arrival)
+        else:
+            self.refused("CANCELLED" if kind == "cancelled" else what)
+
+    def refused(self, code: str) -> None:
+        self.failure.labels(self.model_name, code).inc()
+
+
+class NodeCollector:
+    """Per-node figures from each node's last Status, read at scrape time."""
+
+    def __init__(self, nodes: Callable[[], list[Node]]) -> None:
+        self.nodes = nodes
+
+    def describe(self) -> list:
+        return []  # collected on scrape only (the node set changes)
+
+    def collect(self) -> Iterator[Any]:
+        keys = ["node", "kind"]
+        running = GaugeMetricFamily("pdserve:node_running_requests", "Requests decoding (D) or prefilling (P)", labels=keys)
+        healthy = GaugeMetricFamily("pdserve:node_healthy", "1 while the router routes to the node", labels=keys)
+        used = GaugeMetricFamily("pdserve:kv_blocks_used", "KV cache blocks in use", labels=keys)
+        free = GaugeMetricFamily("pdserve:kv_blocks_free", "KV cache blocks free", labels=keys)
+        queued = GaugeMetricFamily("pdserve:node_queued_prompt_tokens", "Prompt tokens waiting (P)", labels=keys)
+        families = [running, healthy, used, free, queued, *self._counters(keys)]
+        for node in self.nodes():
+            s, key = node.status, [node.address, node.kind]
+            healthy.add_metric(key, 1.0 if node.healthy else 0.0)
+            if s is None:
+                continue
+            running.add_metric(key, s.running)
+            used.add_metric(key, s.total_blocks - s.free_blocks)
+            free.add_metric(key, s.free_blocks)
+            queued.add_metric(key, s.queued_tokens)
+            self._add_counters(families[5:], key, s)
+        yield from families
+
+    @staticmethod
+    def _counters(keys: list[str]) -> list[Any]:
+        return [
+            CounterMetricFamily("pdserve:prefill_tokens", "Prompt tokens prefilled (P); rate() = prefill tokens/s", labels=keys),
+            CounterMetricFamily("pdserve:prefill_seconds", "Seconds spent in prefill steps (P)", labels=keys),
+            CounterMetricFamily("pdserve:kv_transfer_bytes", "KV bytes pushed (P) or received (D)", labels=keys),
+            CounterMetricFamily("pdserve:kv_transfer_seconds", "Seconds from a transfer's start to its completion",
+                                labels=keys),
+            CounterMetricFamily("pdserve:spec_decode_num_draft_tokens", "MTP drafts verified, per draft position (D)",
+                                labels=[*keys, "position"]),
+            CounterMetricFamily("pdserve:spec_decode_num_accepted_tokens_per_pos",
+                                "MTP drafts accepted, per draft position (D)", labels=[*keys, "position"]),
+        ]
+
+    @staticmethod
+    def _add_counters(families: list[Any], key: list[str], s: Any) -> None:
+        tokens, seconds, kv_bytes, kv_seconds, drafts, accepted = families
+        tokens.add_metric(key, s.prefill_tokens)
+        seconds.add_metric(key, s.prefill_seconds)
+        kv_bytes.add_metric(key, s.kv_bytes)
+        kv_seconds.add_metric(key, s.kv_seconds)
+        for pos, (d, a) in enumerate(zip(s.draft_tokens, s.accepted_per_pos, strict=False)):
+            drafts.add_metric([*key, str(pos)], d)
+            accepted.add_metric([*key, str(pos)], a)

@@ -1,0 +1,220 @@
+"""OpenAI request and response shapes: an HTTP body -> a `GenerateRequest`; the lifecycle's
+`GenerateResponse`s -> completion / chat-completion objects and stream chunks.
+
+Receives JSON bodies already parsed (untrusted: every field is type-checked by pydantic and
+range-checked by router/validate.py, the same rules the gRPC door applies); hands http.py a
+`GenerateRequest` and a `Format` that turns responses into OpenAI's JSON. Never talks to a
+node and holds no request state: the lifecycle (router.py) owns that.
+
+Accepted as vLLM does: unknown fields are ignored; `n` > 1, `best_of` > 1, `echo`, `suffix`,
+penalties and `logit_bias` are refused with a 400 that names them; vLLM's extras `top_k`,
+`ignore_eos` and `stop_token_ids` are honoured.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict
+
+from protos import pdserve_pb2 as pb
+from router.client import build_request
+from router.validate import InvalidRequest, encode_messages
+
+INT32_MAX = 2**31 - 1
+
+
+class StreamOptions(BaseModel):
+    include_usage: bool = False
+
+
+class _Sampling(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    model: str | None = None
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    n: int | None = 1
+    best_of: int | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    frequency_penalty: float | None = 0.0
+    presence_penalty: float | None = 0.0
+    logit_bias: dict[str, float] | None = None
+
+    def check_unsupported(self) -> None:
+        if self.n not in (None, 1):
+            raise InvalidRequest(f"n must be 1 (one choice per request), got {self.n}")
+        if self.best_of not in (None, 1):
+            raise InvalidRequest(f"best_of must be 1, got {self.best_of}")
+        for name in ("frequency_penalty", "presence_penalty"):
+            if getattr(self, name) not in (None, 0.0):
+                raise InvalidRequest(f"{name} is not supported (must be 0)")
+        if self.logit_bias:
+            raise InvalidRequest("logit_bias is not supported")
+
+    def sampling_kwargs(self, max_tokens: int | None, max_model_len: int) -> dict[str, Any]:
+        stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        if self.seed is not None and self.seed < 0:
+            raise InvalidRequest(f"seed must be in 0..2**63-1, got {self.seed}")
+        top_k = self.top_k if self.top_k is not None and self.top_k > 0 else 0  # vLLM: -1 = off
+        return dict(temperature=1.0 if self.temperature is None else self.temperature,
+                    top_p=1.0 if self.top_p is None else self.top_p, top_k=min(top_k, INT32_MAX),
+                    seed=self.seed, max_tokens=max_model_len if max_tokens is None else min(max_tokens, INT32_MAX),
+                    stop=stop, stop_token_ids=[_int32(t) for t in self.stop_token_ids or []],
+                    ignore_eos=self.ignore_eos, model=self.model)
+
+
+class CompletionRequest(_Sampling):
+    prompt: str | list[str] | list[int] | list[list[int]]
+    logprobs: int | None = None
+    echo: bool = False
+    suffix: str | None = None
+
+    def to_generate(self, request_id: str, tokenizer: Any, max_model_len: int) -> pb.GenerateRequest:
+        self.check_unsupported()
+        if self.echo or self.suffix:
+            raise InvalidRequest("echo and suffix are not supported")
+        prompt: Any = self.prompt
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], str | list):
+            if len(prompt) != 1:
+                raise InvalidRequest(f"one prompt per request (batches are not supported), got {len(prompt)}")
+            prompt = prompt[0]
+        if isinstance(prompt, list):
+            prompt = [_int32(t) for t in prompt]
+        return build_request(prompt, logprobs=self.logprobs, request_id=request_id,
+                             **self.sampling_kwargs(self.max_tokens, max_model_len))
+
+
+class ContentPart(BaseModel):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[ContentPart] | None = None
+
+    def text(self) -> str:
+        if isinstance(self.content, list):
+            return "".join(p.text for p in self.content)
+        return self.content or ""
+
+
+class ChatCompletionRequest(_Sampling):
+    messages: list[ChatMessage]
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+
+    def to_generate(self, request_id: str, tokenizer: Any, max_model_len: int,
+                    max_prompt_bytes: int) -> pb.GenerateRequest:
+        self.check_unsupported()
+        if not self.messages:
+            raise InvalidRequest("messages is empty")
+        messages = [{"role": m.role, "content": m.text()} for m in self.messages]
+        size = sum(len(m["content"].encode("utf-8", errors="surrogatepass")) for m in messages)
+        if size > max_prompt_bytes:
+            raise InvalidRequest(f"prompt is {size} bytes; the limit is {max_prompt_bytes}")
+        if self.top_logprobs is not None and not self.logprobs:
+            raise InvalidRequest("top_logprobs needs logprobs=true")
+        logprobs = (self.top_logprobs or 0) if self.logprobs else None
+        max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+        return build_request(encode_messages(tokenizer, messages), logprobs=logprobs, request_id=request_id,
+                             **self.sampling_kwargs(max_tokens, max_model_len))
+
+
+def _int32(v: int) -> int:
+    if not -(2**31) <= v <= INT32_MAX:
+        raise InvalidRequest(f"token id {v} is out of range")
+    return v
+
+
+# ---- responses ------------------------------------------------------------------------------
+@dataclass
+class Format:
+    """Builds one request's OpenAI objects; `chat` picks chat.completion(.chunk) over text_completion."""
+
+    chat: bool
+    model: str
+    tokenizer: Any
+    logprobs: int | None  # None: no logprobs asked
+    id: str = field(default_factory=lambda: uuid.uuid4().hex)
+    created: int = field(default_factory=lambda: int(time.time()))
+    text_offset: int = 0  # completions' logprobs.text_offset
+
+    @property
+    def request_id(self) -> str:
+        return ("chatcmpl-" if self.chat else "cmpl-") + self.id
+
+    def _object(self, kind: str, choices: list[dict], usage: dict | None = None) -> dict:
+        out: dict[str, Any] = {"id": self.request_id, "object": kind, "created": self.created,
+                               "model": self.model, "choices": choices}
+        if usage is not None:
+            out["usage"] = usage
+        return out
+
+    def chunk(self, msg: pb.GenerateResponse, first: bool = False) -> dict:
+        """One stream chunk for `msg` (its new text, logprobs and, on the terminal, finish_reason)."""
+        reason = msg.finished.reason if msg.HasField("finished") else None
+        lps = self._logprobs(msg.logprobs) if self.logprobs is not None else None
+        if self.chat:
+            delta = {"role": "assistant", "content": msg.text} if first else {"content": msg.text}
+            choice = {"index": 0, "delta": delta if msg.text or first else {}, "logprobs": lps,
+                      "finish_reason": reason}
+            return self._object("chat.completion.chunk", [choice])
+        return self._object("text_completion", [{"index": 0, "text": msg.text, "logprobs": lps,
+                                                  "finish_reason": reason}])
+
+    def usage_chunk(self, msg: pb.GenerateResponse) -> dict:
+        return self._object("chat.completion.chunk" if self.chat else "text_completion", [], usage(msg))
+
+    def whole(self, msgs: list[pb.GenerateResponse]) -> dict:
+        """The non-streaming response: every message folded into one choice."""
+        last = msgs[-1]
+        text = "".join(m.text for m in msgs)
+        lps = self._logprobs([lp for m in msgs for lp in m.logprobs]) if self.logprobs is not None else None
+        choice: dict[str, Any] = {"index": 0, "logprobs": lps, "finish_reason": last.finished.reason}
+        if self.chat:
+            choice["message"] = {"role": "assistant", "content": text}
+            return self._object("chat.completion", [choice], usage(last))
+        choice["text"] = text
+        return self._object("text_completion", [choice], usage(last))
+
+    def _logprobs(self, lps: Any) -> dict:
+        if self.chat:
+            return {"content": [self._chat_entry(lp) for lp in lps]}
+        tokens = [self._token(lp.token_id) for lp in lps]
+        offsets = []
+        for t in tokens:
+            offsets.append(self.text_offset)
+            self.text_offset += len(t)
+        return {"tokens": tokens, "token_logprobs": [lp.logprob for lp in lps], "text_offset": offsets,
+                "top_logprobs": [{self._token(i): v for i, v in zip(lp.top_ids, lp.top_logprobs, strict=True)}
+                                 for lp in lps]}
+
+    def _chat_entry(self, lp: pb.TokenLogprob) -> dict:
+        tok = self._token(lp.token_id)
+        top = [{"token": (t := self._token(i)), "logprob": v, "bytes": list(t.encode("utf-8"))}
+               for i, v in zip(lp.top_ids, lp.top_logprobs, strict=True)]
+        return {"token": tok, "logprob": lp.logprob, "bytes": list(tok.encode("utf-8")), "top_logprobs": top}
+
+    def _token(self, token_id: int) -> str:
+        return self.tokenizer.decode([token_id], skip_special_tokens=False) if self.tokenizer else str(token_id)
+
+
+def usage(msg: pb.GenerateResponse) -> dict:
+    u = msg.finished.usage
+    return {"prompt_tokens": u.prompt_tokens, "completion_tokens": u.completion_tokens,
+            "total_tokens": u.prompt_tokens + u.completion_tokens}

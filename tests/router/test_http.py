@@ -1,0 +1,110 @@
+"""The HTTP front door against scripted fake nodes, through the official `openai` client:
+the same lifecycle as gRPC (same text, one terminal), OpenAI's error JSON and status codes,
+and a client that disconnects cancels its request and frees what the nodes hold."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import urllib.error
+import urllib.request
+
+import openai
+import pytest
+
+from router.client import build_request
+from tests.router.conftest import TINY, cluster
+
+
+def client(c) -> openai.AsyncOpenAI:
+    return openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{c.router.http_port}/v1", api_key="none",
+                              max_retries=0)
+
+
+async def test_completion_matches_grpc_streaming_and_not():
+    async with cluster(http_port=0) as c:
+        want = await c.client.generate(build_request("ab", max_tokens=8))
+        oa = client(c)
+        got = await oa.completions.create(model="tiny", prompt="ab", max_tokens=8, temperature=0)
+        assert got.choices[0].text == want["text"] == "chello w"
+        assert got.choices[0].finish_reason == "length"
+        assert (got.usage.prompt_tokens, got.usage.completion_tokens) == (3, 8)
+        stream = await oa.completions.create(model="tiny", prompt="ab", max_tokens=8, temperature=0, stream=True,
+                                             stream_options={"include_usage": True})
+        chunks = [ch async for ch in stream]
+        assert "".join(ch.choices[0].text for ch in chunks if ch.choices) == want["text"]
+        assert [ch.choices[0].finish_reason for ch in chunks if ch.choices][-1] == "length"
+        assert chunks[-1].usage.completion_tokens == 8 and not chunks[-1].choices
+        await c.settled()
+
+
+async def test_chat_with_logprobs_streaming_and_not():
+    async with cluster(http_port=0) as c:
+        oa = client(c)
+        msgs = [{"role": "user", "content": "ab"}]
+        got = await oa.chat.completions.create(model="tiny", messages=msgs, max_completion_tokens=5,
+                                               temperature=0, logprobs=True, top_logprobs=2)
+        choice = got.choices[0]
+        assert choice.message.role == "assistant" and choice.message.content == "chell"
+        assert [e.token for e in choice.logprobs.content] == list("chell")
+        assert all(len(e.top_logprobs) == 2 for e in choice.logprobs.content)
+        stream = await oa.chat.completions.create(model="tiny", messages=msgs, max_tokens=5, temperature=0,
+                                                  stream=True, logprobs=True)
+        chunks = [ch async for ch in stream]
+        assert chunks[0].choices[0].delta.role == "assistant"
+        assert "".join(ch.choices[0].delta.content or "" for ch in chunks) == "chell"
+        assert sum(len(ch.choices[0].logprobs.content) for ch in chunks if ch.choices[0].logprobs) == 5
+        models = await oa.models.list()
+        assert [m.id for m in models.data] == [TINY.name]
+        await c.settled()
+
+
+@pytest.mark.parametrize("kwargs, error, words", [
+    (dict(n=2), openai.BadRequestError, "n must be 1"),
+    (dict(model="gpt-4"), openai.NotFoundError, "does not exist"),
+    (dict(max_tokens=0), openai.BadRequestError, "max_tokens"),
+    (dict(logprobs=21), openai.BadRequestError, "logprobs"),
+    (dict(prompt=[5000]), openai.BadRequestError, "vocabulary"),
+    (dict(extra_body={"frequency_penalty": 1.0}), openai.BadRequestError, "frequency_penalty"),
+    (dict(temperature="hot"), openai.BadRequestError, "temperature"),
+])
+async def test_bad_requests_get_openai_errors(kwargs, error, words):
+    async with cluster(http_port=0) as c:
+        args = {"model": "tiny", "prompt": "ab", "max_tokens": 4, **kwargs}
+        with pytest.raises(error) as e:
+            await client(c).completions.create(**args)
+        assert words in e.value.body["message"]  # type: ignore[index]
+        assert c.router.metrics.failure._metrics  # counted
+        await c.settled()
+
+
+async def test_full_queue_is_429_and_no_decode_node_is_503():
+    async with cluster(http_port=0, queue_size=0) as c:
+        c.decode[0].refuse = True
+        with pytest.raises(openai.RateLimitError):
+            await client(c).completions.create(model="tiny", prompt="ab", max_tokens=4)
+        await c.decode[0].die()
+        await c.router.refresh()
+        with pytest.raises(openai.InternalServerError) as e:
+            await client(c).chat.completions.create(model="tiny", messages=[{"role": "user", "content": "x"}],
+                                                    stream=True)
+        assert e.value.status_code == 503
+        with pytest.raises(urllib.error.HTTPError) as err:
+            await asyncio.to_thread(urllib.request.urlopen, f"http://127.0.0.1:{c.router.http_port}/health")
+        assert err.value.code == 503 and json.loads(err.value.read())["decode_nodes"] == 0
+
+
+async def test_disconnected_clients_cancel_their_requests():
+    async with cluster(http_port=0, decode={"pause_after": 3}) as c:
+        oa = client(c)
+        stream = await oa.completions.create(model="tiny", prompt="ab", max_tokens=50, stream=True)
+        async for _chunk in stream:
+            break
+        await stream.close()
+        await c.until(lambda: c.router.counts["cancelled"] == 1)
+        task = asyncio.create_task(oa.completions.create(model="tiny", prompt="ab", max_tokens=50))
+        await c.until(lambda: len(c.decode[0].admitted) == 2)
+        task.cancel()  # the client closes its connection
+        await c.until(lambda: c.router.counts["cancelled"] == 2)
+        assert c.decode[0].aborts  # the nodes were told
+        await c.settled()
