@@ -29,6 +29,7 @@ def engine_config(cfg: ServiceConfig, role: str):
         num_blocks=cfg.cache.num_blocks,
         device=cfg.model.resolved_device(),
         enforce_eager=cfg.model.enforce_eager,
+        deterministic=cfg.model.deterministic,
     )
 
 

@@ -34,6 +34,7 @@ def _add_generate(sub: Any) -> None:
     p.add_argument("--dtype", default="auto", help="auto, float32, bfloat16, float16")
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs for the decode step")
+    p.add_argument("--deterministic", action="store_true", help="batch-invariant kernels: a greedy answer does not depend on the batch or on MTP (slower)")
     p.add_argument("--router", default=None, metavar="HOST:PORT", help="generate through a running service")
     p.set_defaults(func=cmd_generate)
 
@@ -136,7 +137,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
         max_tokens=args.max_tokens, logprobs=args.logprobs,
     )
     config = EngineConfig(num_speculative_tokens=args.spec_tokens, draft_vocab_size=args.draft_vocab,
-                          device=args.device, max_model_len=args.max_model_len, enforce_eager=args.enforce_eager)
+                          device=args.device, max_model_len=args.max_model_len, enforce_eager=args.enforce_eager,
+                          deterministic=args.deterministic)
     loaded = load_model(args.model or default_model(), device=args.device, dtype=args.dtype)
     engine = LLMEngine(loaded, config)
     prompts = [encode_prompt(loaded.tokenizer, p, args.raw) for p in args.prompts]

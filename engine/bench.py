@@ -61,6 +61,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtype", default="auto")
     p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs for the decode step")
+    p.add_argument("--deterministic", action="store_true", help="batch-invariant kernels (time their cost)")
     p.add_argument("--profile", action="store_true",
                    help=f"kernels per decode step and GPU-busy share over {PROFILE_STEPS} steps (torch profiler)")
     p.add_argument("--hf", action="store_true", help="also time Hugging Face generate on the same weights (CUDA)")
@@ -86,7 +87,8 @@ def _engine(loaded: LoadedModel, k: int, args: argparse.Namespace) -> tuple[LLME
                                             max_num_seqs=max(args.batch, 1), block_size=BLOCK_SIZE,
                                             num_blocks=1 + args.batch * per_seq,  # the whole batch at once
                                             max_num_batched_tokens=args.batch * args.prompt_len,
-                                            max_model_len=max_len, enforce_eager=args.enforce_eager))
+                                            max_model_len=max_len, enforce_eager=args.enforce_eager,
+                                            deterministic=args.deterministic))
     engine.generate(prompts[:1], SamplingParams(max_tokens=4, ignore_eos=True))  # warm-up
     return engine, prompts
 
@@ -109,7 +111,7 @@ def time_engine(loaded: LoadedModel, k: int, args: argparse.Namespace) -> dict:
     done = [r for r in engine.requests.values() if r.finished][-args.batch:]
     tokens = sum(len(r.output_ids) - 1 for r in done)
     out = {"model": loaded.name, "device": args.device, "dtype": str(next(loaded.model.parameters()).dtype),
-           "graphs": engine.runner.graphs is not None, "spec_tokens": k,
+           "graphs": engine.runner.graphs is not None, "deterministic": args.deterministic, "spec_tokens": k,
            "draft_vocab": (args.draft_vocab or None) if k else None, "batch": args.batch,
            "decode_tokens": tokens, "decode_steps": steps, "seconds": round(elapsed, 4),
            "tokens_per_s": round(tokens / elapsed, 1), "ms_per_step": round(1000 * elapsed / max(steps, 1), 3)}

@@ -110,7 +110,7 @@ def test_parse_overrides_reads_yaml_scalars():
         parse_overrides(["decode.num_nodes"])
 
 
-def test_enforce_eager_flag_reaches_the_engine_config():
+def test_enforce_eager_and_deterministic_flags_reach_the_engine_config():
     import argparse
 
     from deploy.actors import engine_config
@@ -118,7 +118,9 @@ def test_enforce_eager_flag_reaches_the_engine_config():
 
     parser = argparse.ArgumentParser()
     add_service_arguments(parser)
-    eager = service_config(parser.parse_args(["--enforce-eager"]))
+    eager = service_config(parser.parse_args(["--enforce-eager", "--deterministic"]))
     assert eager.model.enforce_eager and engine_config(eager, "decode").enforce_eager
+    assert engine_config(eager, "prefill").deterministic and engine_config(eager, "decode").deterministic
     default = service_config(parser.parse_args([]))
     assert not default.model.enforce_eager and not engine_config(default, "decode").enforce_eager
+    assert not engine_config(default, "prefill").deterministic
