@@ -9,7 +9,8 @@ limit (each request's last step is left out):
     (= 1 + the sum of acceptance_by_position);
 and the wall-clock tokens/s of both runs (prefill included, after a warm-up), and whether both
 runs gave the same tokens (they must when greedy). `--draft-vocab N` drafts over the model's N
-most frequent tokens (FR-Spec, engine/draft_vocab.py); the plain run is the same either way.
+most frequent tokens (FR-Spec, engine/draft_vocab.py); the plain run is the same either way, and
+`draft_vocab_coverage` is the share of its tokens inside those N.
 """
 
 from __future__ import annotations
@@ -20,6 +21,9 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+import torch
+
+from engine.draft_vocab import read_ranking
 from engine.engine import EngineConfig, LLMEngine
 from engine.loader import LoadedModel, default_model, load_model
 from engine.mtp_train import HELDOUT_PROMPTS, chat_ids, read_prompts
@@ -82,6 +86,17 @@ def by_position(counts: list[int], k: int) -> list[float]:
     return [sum(c > j for c in counts) / len(counts) for j in range(1, k + 1)]
 
 
+def draft_vocab_coverage(loaded: LoadedModel, size: int, outputs: list[list[int]]) -> float | None:
+    """Share of `outputs`' tokens inside the draft vocabulary of `size` (None: full vocabulary).
+    A draft can only be accepted where the target's token is inside."""
+    vocab = loaded.model.config.vocab_size
+    if not 0 < size < vocab or loaded.vocab_rank_path is None:
+        return None
+    tokens = torch.tensor([t for out in outputs for t in out], dtype=torch.int64)
+    inside = torch.isin(tokens, read_ranking(loaded.vocab_rank_path, vocab)[:size])
+    return round(float(inside.float().mean()), 4) if tokens.numel() else None
+
+
 def measure(loaded: LoadedModel, args: argparse.Namespace) -> dict:
     if args.spec_tokens <= 0:
         raise ValueError("--spec-tokens must be >= 1")
@@ -98,6 +113,7 @@ def measure(loaded: LoadedModel, args: argparse.Namespace) -> dict:
         "model": loaded.name, "mtp_trained": loaded.mtp_trained, "device": args.device,
         "dtype": str(next(loaded.model.parameters()).dtype).removeprefix("torch."),
         "spec_tokens": args.spec_tokens, "draft_vocab": args.draft_vocab or None,
+        "draft_vocab_coverage": draft_vocab_coverage(loaded, args.draft_vocab, plain.outputs),
         "temperature": args.temperature, "prompts": len(prompts),
         "prompts_file": Path(args.prompts).name, "max_tokens": args.max_tokens, "batch": args.batch,
         "decode_steps": len(mtp.step_counts),

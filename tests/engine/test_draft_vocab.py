@@ -4,6 +4,7 @@ one (zero outside the set, sums to 1); the ranking file and the command that mak
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import json
 
@@ -14,7 +15,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from deploy.cli import main
-from engine import model_runner
+from engine import acceptance, model_runner
 from engine.draft_vocab import DraftVocab, draft_tokens, rank_by_count, read_ranking, write_ranking
 from engine.engine import EngineConfig, LLMEngine
 from engine.model import CausalLM
@@ -284,3 +285,14 @@ def test_smollm2_ships_a_ranking_and_greedy_output_stays_exact(smollm2):
     plain = engine_for(smollm2, 0, max_model_len=128).generate(prompts, params)
     spec = engine_for(smollm2, 3, max_model_len=128, draft_vocab_size=2048).generate(prompts, params)
     assert [r.output_ids for r in spec] == [r.output_ids for r in plain]
+
+
+def test_bench_acceptance_reports_exactness_and_coverage(tiny, tmp_path):
+    vocab = tiny.model.config.vocab_size
+    ranked = ranked_tiny(tiny, tmp_path, torch.arange(vocab))  # ids 319, 318, ... first
+    parser = argparse.ArgumentParser()
+    acceptance.add_arguments(parser)
+    args = parser.parse_args(["--num-prompts", "2", "--max-tokens", "8", "--draft-vocab", "300", "--device", DEVICE])
+    result = acceptance.measure(ranked, args)
+    assert result["same_tokens_as_plain"] and result["draft_vocab"] == 300
+    assert 0.0 <= result["draft_vocab_coverage"] <= 1.0

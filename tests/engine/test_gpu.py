@@ -1,12 +1,15 @@
 """GPU-only checks (skipped without CUDA): the decode loop never syncs (I3) on the graph path
-and the eager path, the fast path (CUDA graphs + Triton kernels) gives the eager torch
-reference's tokens, bf16 runs."""
+and the eager path, also with a draft vocabulary; the fast path (CUDA graphs + Triton kernels)
+gives the eager torch reference's tokens; bf16 runs."""
 
 from __future__ import annotations
+
+import dataclasses
 
 import pytest
 import torch
 
+from engine.draft_vocab import write_ranking
 from engine.engine import EngineConfig, LLMEngine
 from engine.loader import load_model
 from engine.mtp_train import grow_head
@@ -46,12 +49,17 @@ def _run(eng: LLMEngine, checked: bool) -> int:
 
 
 @pytest.mark.parametrize("eager", [False, True])
-@pytest.mark.parametrize("k,features", [(0, False), (3, False), (3, True)])
-def test_decode_launch_never_syncs(k, features, eager):
+@pytest.mark.parametrize("k,features,draft_vocab", [(0, False, 0), (3, False, 0), (3, True, 0), (3, False, 64)])
+def test_decode_launch_never_syncs(k, features, draft_vocab, eager, tmp_path):
     loaded = load_model("tiny", device="cuda", dtype="bfloat16")
     if features:  # a head that also reads target layer 0, with a wider MLP
         grow_head(loaded.model, 192, (0,), seed=3)
-    eng = LLMEngine(loaded, EngineConfig(num_speculative_tokens=k, device="cuda", enforce_eager=eager))
+    if draft_vocab:  # drafts over 64 tokens of a made-up ranking
+        rank = tmp_path / "tiny.vocab_rank.safetensors"
+        write_ranking(rank, torch.arange(loaded.model.config.vocab_size) % 7, {})
+        loaded = dataclasses.replace(loaded, vocab_rank_path=str(rank))
+    eng = LLMEngine(loaded, EngineConfig(num_speculative_tokens=k, draft_vocab_size=draft_vocab, device="cuda",
+                                         enforce_eager=eager))
     assert (eng.runner.graphs is None) == eager
     _run(eng, checked=False)  # captures the graphs this mix of requests needs (a one-time sync each)
     assert _run(eng, checked=True) > 5
