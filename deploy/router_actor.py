@@ -23,8 +23,12 @@ class RouterActor:
         max_len = self.cfg.model.max_model_len or min(info.config.max_position_embeddings, 4096)
         self.router = Router(info, self.directory, self.cfg.router, max_model_len=max_len,
                              num_speculative_tokens=self.cfg.spec.num_speculative_tokens)
-        port = await self.router.start(self.cfg.router.port, self.cfg.router.host)
         host = self.cfg.router.host
+        if host == "auto":  # the Ray node's IP: reachable from other hosts, not every interface
+            import ray
+
+            host = ray.util.get_node_ip_address()
+        port = await self.router.start(self.cfg.router.port, host)
         return f"{'127.0.0.1' if host in ('0.0.0.0', '') else host}:{port}"
 
     async def set_nodes(self, kind: str, addresses: list[str]) -> None:
@@ -46,3 +50,16 @@ class RouterActor:
     async def stop(self) -> None:
         if self.router is not None:
             await self.router.stop()
+
+    async def status(self) -> dict[str, Any]:
+        """For `pdserve status`: the router's view (health, queue, its nodes' last Status)."""
+        import ray
+
+        if self.router is None:
+            return {"serving": False, "ray_node_id": ray.get_runtime_context().get_node_id()}
+        h = self.router.health()
+        nodes = {f"{k}/{a}": {"healthy": n.healthy, "last_error": n.last_error}
+                 for (k, a), n in self.router.pool.nodes.items()}
+        return {"serving": h.serving, "prefill_nodes": h.prefill_nodes, "decode_nodes": h.decode_nodes,
+                "running_requests": h.running_requests, "queued_requests": self.router.num_queued,
+                "nodes": nodes, "ray_node_id": ray.get_runtime_context().get_node_id()}
