@@ -36,6 +36,7 @@ from protos import node_pb2, pdserve_pb2, pdserve_pb2_grpc
 from protos.messages import FirstToken, MessageError, OutputItem
 from router.admission import AdmissionQueue
 from router.directory import NodeDirectory
+from router.grpc_health import add_health_servicer
 from router.policy import Policy, make_policy
 from router.pool import MAX_MESSAGE_BYTES, Node, NodePool
 from router.request import Interrupt, RequestState, is_terminal
@@ -92,6 +93,7 @@ class Router:
         self._server = grpc.aio.server(options=[("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
                                                 ("grpc.max_send_message_length", MAX_MESSAGE_BYTES)])
         pdserve_pb2_grpc.add_GenerationServicer_to_server(_Servicer(self), self._server)
+        add_health_servicer(self._server, lambda: self.health().serving)  # grpc.health.v1 (k8s probes)
         bound = self._server.add_insecure_port(f"[{host}]:{port}" if ":" in host else f"{host}:{port}")
         await self.pool.start()
         await self._server.start()
