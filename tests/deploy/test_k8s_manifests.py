@@ -160,6 +160,7 @@ def test_head_runs_the_service_with_the_configmap():
     assert "exec pdserve up --address auto --config /etc/pdserve/config.yaml" in head["args"][0]
     assert {"name": "pdserve-config", "mountPath": "/etc/pdserve", "readOnly": True} in head["volumeMounts"]
     assert raycluster()["metadata"]["annotations"]["ray.io/overwrite-container-cmd"] == "true"
+    assert raycluster()["spec"]["authOptions"] == {"mode": "token"}  # the driver gets the token by env
 
 
 def test_router_ports_probes_and_service_agree():

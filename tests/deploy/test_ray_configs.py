@@ -51,7 +51,8 @@ def test_unknown_key_is_rejected_by_ray_schema(name):
 def test_head_starts_pdserve_joining_the_cluster(name):
     config = load(name)
     start = " ".join(config["head_start_ray_commands"])
-    assert "pdserve up --address auto --config ~/pdserve.yaml" in start
+    assert "RAY_AUTH_MODE=token nohup pdserve up --address auto --config ~/pdserve.yaml" in start
+    assert config["file_mounts"]["~/.ray/auth_token"] == "~/.ray/auth_token"  # one token, every node
     assert config["file_mounts"]["~/pdserve.yaml"] == "deploy/ray/pdserve.yaml"
     assert any("pdserve-src" in c for c in config["setup_commands"])  # the package gets installed
     assert "--dashboard-host=0.0.0.0" not in start  # nothing listens on every interface
