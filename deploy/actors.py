@@ -33,10 +33,19 @@ def engine_config(cfg: ServiceConfig, role: str):
     )
 
 
+def bind_host(cfg: ServiceConfig) -> str:
+    """`cluster.node_host`, with 'auto' meaning this Ray node's IP (reachable from other hosts)."""
+    if cfg.cluster.node_host != "auto":
+        return cfg.cluster.node_host
+    import ray
+
+    return ray.util.get_node_ip_address()
+
+
 class NodeActor:
     """One prefill or decode node in its own process."""
 
-    def __init__(self, role: str, node_id: str, config_json: str, host: str = "127.0.0.1") -> None:
+    def __init__(self, role: str, node_id: str, config_json: str, host: str | None = None) -> None:
         import torch
 
         from engine.loader import load_model
@@ -47,8 +56,11 @@ class NodeActor:
         device = cfg.model.resolved_device()
         loaded = load_model(cfg.model.resolved_name(), device=device, dtype=cfg.model.dtype,
                             mtp_path=cfg.model.mtp_path)
+        host = host or bind_host(cfg)
         self.role, self.node_id, self.host = role, node_id, host
         kv: dict[str, Any] = {"kv_backend": cfg.kv_transfer.backend, "kv_timeout_s": cfg.kv_transfer.timeout_s}
+        if cfg.kv_transfer.backend == "tcp" and role == "decode":
+            kv["kv_options"] = {"host": host}  # the tcp receiver listens where the node serves
         if role == "prefill":
             from prefill_node.node import PrefillNode
             from prefill_node.server import DecodeClients, serve_prefill
@@ -71,8 +83,11 @@ class NodeActor:
         return f"{self.host}:{self.port}"
 
     def info(self) -> dict[str, Any]:
+        import ray
+
         return {"role": self.role, "node_id": self.node_id, "address": self.address(),
-                "pid": os.getpid(), "host": socket.gethostname(), **self.node.status()}
+                "pid": os.getpid(), "host": socket.gethostname(),
+                "ray_node_id": ray.get_runtime_context().get_node_id(), **self.node.status()}
 
     def stop(self) -> None:
         self.server.stop(grace=1)

@@ -1,4 +1,5 @@
-"""The `pdserve` command line: `generate` (single-process engine), `bench ...`, `train-mtp`, `draft-vocab`.
+"""The `pdserve` command line: `generate` (single-process engine), `up`/`status` (the service),
+`bench ...`, `train-mtp`, `draft-vocab`.
 
 Every user error (unknown model, prompt beyond the context, k < 0, logprobs > 20,
 temperature < 0, ...) prints one clear `error:` line on stderr and exits with status 2.
@@ -83,12 +84,25 @@ def _add_service(sub: Any) -> None:
     up.add_argument("--port", type=int, default=None, help="router gRPC port (default 50051)")
     up.add_argument("--http-port", type=int, default=None,
                     help="router HTTP port: OpenAI-compatible /v1, /metrics, /health (default 8000)")
-    up.add_argument("--address", default=None, help="an existing Ray cluster (default: start a local one)")
+    up.add_argument("--address", default=None,
+                    help="join this Ray cluster ('auto': the one this machine is part of; default: start a local one)")
     up.set_defaults(func=cli_service.cmd_up)
+    _add_status(sub)
     demo = sub.add_parser("demo", help="start the service locally, send a few real prompts, print timings")
     cli_service.add_service_arguments(demo)
     demo.add_argument("--max-tokens", type=int, default=48)
     demo.set_defaults(func=cli_service.cmd_demo, spec_tokens=3)
+
+
+def _add_status(sub: Any) -> None:
+    from deploy.status import cmd_status
+
+    p = sub.add_parser("status", help="a running service's nodes, placement, health, queue and free KV blocks")
+    p.add_argument("--address", default="auto", help="the service's Ray cluster (default: auto)")
+    p.add_argument("--namespace", default="pdserve", help="the service's Ray namespace (cluster.namespace)")
+    p.add_argument("--timeout", type=float, default=5.0, help="seconds to wait for each actor's answer")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_status)
 
 
 def build_parser() -> argparse.ArgumentParser:

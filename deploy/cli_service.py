@@ -58,7 +58,7 @@ def start_service(cfg: Any) -> tuple[Any, str]:
 
     init_ray(cfg, temp_dir=tempfile.mkdtemp(prefix="pdserve-ray-") if cfg.cluster.address is None else None)
     service = Service(cfg)
-    return service, service.start()
+    return service, service.start(timeout_s=cfg.cluster.start_timeout_s)
 
 
 def shutdown(service: Any) -> None:

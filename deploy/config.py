@@ -12,10 +12,14 @@ YAML layout (every section and key optional):
     spec: {num_speculative_tokens: 2, draft_vocab_size: 0}
     cache: {block_size: 16, num_blocks: null, kv_cache_bytes: 536870912}
     kv_transfer: {backend: ucx, timeout_s: 30}
-    prefill: {max_num_batched_tokens: 2048, num_nodes: 1, num_cpus: 1, num_gpus: 1}
-    decode: {max_num_seqs: 32, num_nodes: 1, num_cpus: 1, num_gpus: 1}
+    prefill: {max_num_batched_tokens: 2048, num_nodes: 1, num_cpus: 1, num_gpus: 1, resources: {}}
+    decode: {max_num_seqs: 32, num_nodes: 1, num_cpus: 1, num_gpus: 1, resources: {}}
     router: {host: 0.0.0.0, port: 50051, http_port: 8000, queue_size: 256, default_timeout_s: 600, ...}
-    cluster: {address: null, namespace: pdserve}
+    cluster: {address: null, namespace: pdserve, router_resources: {}, node_host: 127.0.0.1, start_timeout_s: 300}
+
+`router.host: auto` and `cluster.node_host: auto` bind the Ray node's own IP (multi-host).
+`resources` are Ray custom resources (`ray start --resources`, `resources:` of a `ray up` node
+type): with `{pdserve_decode: 1}` decode actors run only on nodes that offer it.
 """
 
 from __future__ import annotations
@@ -87,6 +91,7 @@ class PrefillConfig(_Section):
     num_nodes: int = Field(default=1, ge=1)
     num_cpus: float = Field(default=1.0, ge=0)
     num_gpus: float = Field(default=1.0, ge=0)
+    resources: dict[str, float] = Field(default_factory=dict)  # Ray resources each node needs ({pdserve_prefill: 1})
 
 
 class DecodeConfig(_Section):
@@ -94,6 +99,7 @@ class DecodeConfig(_Section):
     num_nodes: int = Field(default=1, ge=1)
     num_cpus: float = Field(default=1.0, ge=0)
     num_gpus: float = Field(default=1.0, ge=0)
+    resources: dict[str, float] = Field(default_factory=dict)  # Ray resources each node needs ({pdserve_decode: 1})
 
 
 class RouterConfig(_Section):
@@ -112,6 +118,9 @@ class RouterConfig(_Section):
 class ClusterConfig(_Section):
     address: str | None = None  # Ray address; None: start a local Ray
     namespace: str = "pdserve"
+    router_resources: dict[str, float] = Field(default_factory=dict)  # Ray resources the router needs
+    node_host: str = "127.0.0.1"  # where node gRPC (and tcp KV) servers bind; 'auto': the Ray node's IP
+    start_timeout_s: float = Field(default=300.0, gt=0)  # `pdserve up` waits this long for every node
 
 
 class ServiceConfig(_Section):

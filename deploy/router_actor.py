@@ -23,15 +23,23 @@ class RouterActor:
         max_len = self.cfg.model.max_model_len or min(info.config.max_position_embeddings, 4096)
         self.router = Router(info, self.directory, self.cfg.router, max_model_len=max_len,
                              num_speculative_tokens=self.cfg.spec.num_speculative_tokens)
-        port = await self.router.start(self.cfg.router.port, self.cfg.router.host)
+        port = await self.router.start(self.cfg.router.port, self._host())
         return self._address(port)
 
     async def http_address(self) -> str | None:
         """host:port of the OpenAI-compatible HTTP door (None when it is off)."""
         return None if self.router is None or self.router.http_port is None else self._address(self.router.http_port)
 
-    def _address(self, port: int) -> str:
+    def _host(self) -> str:
         host = self.cfg.router.host
+        if host == "auto":  # the Ray node's IP: reachable from other hosts, not every interface
+            import ray
+
+            host = ray.util.get_node_ip_address()
+        return host
+
+    def _address(self, port: int) -> str:
+        host = self._host()
         return f"{'127.0.0.1' if host in ('0.0.0.0', '') else host}:{port}"
 
     async def set_nodes(self, kind: str, addresses: list[str]) -> None:
@@ -53,3 +61,16 @@ class RouterActor:
     async def stop(self) -> None:
         if self.router is not None:
             await self.router.stop()
+
+    async def status(self) -> dict[str, Any]:
+        """For `pdserve status`: the router's view (health, queue, its nodes' last Status)."""
+        import ray
+
+        if self.router is None:
+            return {"serving": False, "ray_node_id": ray.get_runtime_context().get_node_id()}
+        h = self.router.health()
+        nodes = {f"{k}/{a}": {"healthy": n.healthy, "last_error": n.last_error}
+                 for (k, a), n in self.router.pool.nodes.items()}
+        return {"serving": h.serving, "prefill_nodes": h.prefill_nodes, "decode_nodes": h.decode_nodes,
+                "running_requests": h.running_requests, "queued_requests": self.router.num_queued,
+                "nodes": nodes, "ray_node_id": ray.get_runtime_context().get_node_id()}

@@ -1,8 +1,9 @@
 """Service: assembles router + N prefill + M decode actors on Ray and keeps them wired.
 
 Starts Ray (a local cluster, or joins `cluster.address`), creates the node actors (each
-restarts forever on death) and the router actor, then watches: every `status_interval_s`
-it asks each node actor for its address; a node that does not answer is taken out of the
+restarts forever on death, placed only on Ray nodes offering the section's `resources`) and
+the router actor, all named `pdserve-...` in the namespace (`pdserve status` finds them),
+then watches: every `status_interval_s` it asks each node actor for its address; a node that does not answer is taken out of the
 router's directory, and one that answers again (restarted: a new port) is put back.
 """
 
@@ -17,7 +18,12 @@ from typing import Any
 from deploy.config import ServiceConfig
 
 ROLES = ("prefill", "decode")
+ACTOR_PREFIX = "pdserve-"  # actors are named pdserve-router, pdserve-prefill-0, ... in the namespace
 log = logging.getLogger(__name__)
+
+
+def actor_name(what: str) -> str:
+    return f"{ACTOR_PREFIX}{what}"
 
 
 def init_ray(cfg: ServiceConfig, temp_dir: str | None = None, num_cpus: int | None = None) -> None:
@@ -70,14 +76,14 @@ class Service:
         from deploy.router_actor import RouterActor
 
         cfg_json = self.cfg.model_dump_json()
-        gpu = self.cfg.model.resolved_device().startswith("cuda")
         for role in ROLES:
             section = self.cfg.prefill if role == "prefill" else self.cfg.decode
             for i in range(section.num_nodes):
-                opts = dict(max_restarts=-1, max_task_retries=0, num_cpus=section.num_cpus,
-                            num_gpus=section.num_gpus if gpu else 0)
-                self.actors[(role, i)] = ray.remote(NodeActor).options(**opts).remote(role, f"{role}-{i}", cfg_json)
-        self.router = ray.remote(RouterActor).options(num_cpus=0, max_restarts=-1).remote(cfg_json)
+                self.actors[(role, i)] = ray.remote(NodeActor).options(**self._node_options(role, i)).remote(
+                    role, f"{role}-{i}", cfg_json)
+        self.router = ray.remote(RouterActor).options(
+            num_cpus=0, max_restarts=-1, name=actor_name("router"),
+            resources=dict(self.cfg.cluster.router_resources)).remote(cfg_json)
         self.router_address = ray.get(self.router.start.remote(), timeout=timeout_s)
         self.http_address = ray.get(self.router.http_address.remote(), timeout=timeout_s)
         deadline = time.monotonic() + timeout_s
@@ -89,6 +95,14 @@ class Service:
         self._watcher = threading.Thread(target=self._watch, name="service-watch", daemon=True)
         self._watcher.start()
         return self.router_address
+
+    def _node_options(self, role: str, index: int) -> dict[str, Any]:
+        """Ray options of one node actor: restarts forever, named, only where its resources are."""
+        section = self.cfg.prefill if role == "prefill" else self.cfg.decode
+        gpu = self.cfg.model.resolved_device().startswith("cuda")
+        return dict(max_restarts=-1, max_task_retries=0, num_cpus=section.num_cpus,
+                    num_gpus=section.num_gpus if gpu else 0, resources=dict(section.resources),
+                    name=actor_name(f"{role}-{index}"))
 
     def _poll_once(self, wait_s: float) -> dict[tuple[str, int], str | None]:
         import ray
@@ -145,3 +159,13 @@ class Service:
             ray.kill(h, no_restart=True)
         self.actors.clear()
         self.router = None
+        _wait_names_free(deadline=time.monotonic() + 30)
+
+
+def _wait_names_free(deadline: float) -> None:
+    """Killed actors give their names back once Ray has them dead; the next service reuses them."""
+    import ray
+
+    while (any(str(n).startswith(ACTOR_PREFIX) for n in ray.util.list_named_actors())
+           and time.monotonic() < deadline):
+        time.sleep(0.1)

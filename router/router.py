@@ -37,6 +37,7 @@ from protos import node_pb2, pdserve_pb2, pdserve_pb2_grpc
 from protos.messages import FirstToken, MessageError, OutputItem, TokenLogprobs
 from router.admission import AdmissionQueue
 from router.directory import NodeDirectory
+from router.grpc_health import add_health_servicer
 from router.http import HttpServer, build_app
 from router.metrics import RouterMetrics
 from router.policy import Policy, make_policy
@@ -103,6 +104,7 @@ class Router:
                                                 ("grpc.max_send_message_length", MAX_MESSAGE_BYTES)])
         pdserve_pb2_grpc.add_GenerationServicer_to_server(_Servicer(self), self._server)
         bound = self.grpc_port = self._server.add_insecure_port(f"[{host}]:{port}" if ":" in host else f"{host}:{port}")
+        add_health_servicer(self._server, lambda: self.health().serving)  # grpc.health.v1 (k8s probes)
         await self.pool.start()
         await self._server.start()
         if http_port is not None:
