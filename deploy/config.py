@@ -113,6 +113,9 @@ class RouterConfig(_Section):
     status_interval_s: float = Field(default=1.0, gt=0)  # node Status polls and health probes
     rpc_timeout_s: float = Field(default=5.0, gt=0)  # Reserve / Abort / Status calls to nodes
     prefill_retries: int = Field(default=2, ge=0)  # other prefill nodes tried after UNAVAILABLE
+    # With no healthy prefill or decode node, a new request waits this long for one (a node being
+    # replaced) before UNAVAILABLE; 0: answer at once. Bounded by the request's own deadline too.
+    node_wait_s: float = Field(default=0.0, ge=0)
 
 
 class ClusterConfig(_Section):

@@ -49,6 +49,7 @@ log = logging.getLogger(__name__)
 
 MAX_DRAFTS = 64  # bound on drafts in a first-token message (the router ignores them)
 SHUTDOWN_GRACE_S = 2.0
+NODE_WAIT_POLL_S = 0.05  # how often a request waiting for a healthy node looks again
 
 
 class RequestError(Exception):
@@ -222,7 +223,7 @@ class Router:
     async def _place(self, st: RequestState) -> FirstToken:
         tried: dict[str, str] = {}
         for attempt in range(self.config.prefill_retries + 1):
-            if not any(n.address not in tried for n in self.pool.healthy("prefill")):
+            if not await self._await_node("prefill", tried):
                 raise RequestError("UNAVAILABLE", _no_prefill_message(tried))  # before reserving
             decode, descriptor = await self._reserve(st, attempt)
             prefill = self._choose_prefill(exclude=tried)
@@ -270,10 +271,21 @@ class Router:
                                    f"router's queue ({self._queue.size}) is full")
             front = True
 
+    async def _await_node(self, kind: str, exclude: dict[str, str] | None = None) -> bool:
+        """Whether a healthy `kind` node (not in `exclude`) is there, waiting up to
+        `node_wait_s` for one to come (back); never longer, so a dead service still answers."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.config.node_wait_s
+        while not any(n.address not in (exclude or {}) for n in self.pool.healthy(kind)):  # type: ignore[arg-type]
+            if loop.time() >= deadline:
+                return False
+            await asyncio.sleep(NODE_WAIT_POLL_S)
+        return True
+
     async def _try_reserve(self, st: RequestState, attempt: int) -> tuple[Node, bytes] | None:
-        nodes = self.pool.healthy("decode")
-        if not nodes:
+        if not await self._await_node("decode"):
             raise RequestError("UNAVAILABLE", "no healthy decode node")
+        nodes = self.pool.healthy("decode")
         node_rid = f"{self.router_id}/{st.request_id}/{attempt}"
         req = node_pb2.ReserveRequest(request_id=node_rid, prompt_len=len(st.prep.prompt_ids),
                                       sampling=st.prep.sampling)

@@ -207,3 +207,28 @@ async def test_directory_add_and_remove_are_seen_by_the_router():
         assert (await collect(c, prompt="ab", max_tokens=3))[-1].finished.reason == "length"
         assert len(extra.admitted) == 1
         await c.settled()
+
+
+async def test_new_request_waits_for_a_replacement_decode_node_within_node_wait_s():
+    async with cluster(n_decode=1, node_wait_s=10.0) as c:
+        d0 = c.decode[0]
+        await d0.die()
+        await c.until(lambda: not c.router.pool.healthy("decode"))
+        waiting = asyncio.create_task(collect(c, prompt="ab", max_tokens=3))
+        await asyncio.sleep(0.3)
+        assert not waiting.done()  # no decode node: it waits instead of failing
+        back = FakeDecode("d0-replacement")
+        c.decode.append(back)
+        c.directory.replace("decode", d0.address, await back.start())
+        assert (await waiting)[-1].finished.reason == "length"
+        assert len(back.admitted) == 1
+        await c.settled()
+
+
+async def test_wait_for_a_node_is_bounded_by_node_wait_s():
+    async with cluster(n_decode=1, node_wait_s=0.2) as c:
+        await c.decode[0].die()
+        await c.until(lambda: not c.router.pool.healthy("decode"))
+        msgs = await collect(c, prompt="ab")
+        assert msgs[-1].error.code == "UNAVAILABLE" and "no healthy decode node" in msgs[-1].error.message
+        await c.settled()
