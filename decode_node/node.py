@@ -82,6 +82,8 @@ class DecodeNode(StepLoop):
         self.pending: dict[str, Pending] = {}
         self.requests: dict[str, Request] = {}  # admitted and not yet ended
         self._inbox: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
+        # request id -> {event: monotonic time} (first_received, kv_done, inserted); None: not kept
+        self.timings: dict[str, dict[str, float]] | None = None
         self._subscribers: list[queue.SimpleQueue[list[OutputItem] | None]] = []
         self._sub_lock = threading.Lock()
 
@@ -186,6 +188,7 @@ class DecodeNode(StepLoop):
         if msg.finished:  # the first token ended it: the router already has the terminal event
             self._end(p.request, msg.finished)
             return
+        self._mark(msg.request_id, "first_received")
         p.first = msg
 
     def _abort(self, rid: str, reason: str, items: list[OutputItem]) -> None:
@@ -199,6 +202,8 @@ class DecodeNode(StepLoop):
         now = time.monotonic()
         for rid, p in list(self.pending.items()):
             state = self.receiver.poll(rid)
+            if state.state == TransferState.DONE:
+                self._mark(rid, "kv_done")  # as seen here: a pending request is polled every ~2 ms
             if state.state == TransferState.FAILED:
                 self._error(p, f"KV transfer failed: {state.reason}", items)
             elif state.state == TransferState.DONE and p.first is not None:
@@ -219,12 +224,17 @@ class DecodeNode(StepLoop):
         req, msg = p.request, p.first
         self.kv_bytes += self.blocks.blocks_for(req.num_prompt_tokens) * self._kv_block_bytes
         del self.pending[req.request_id]
+        self._mark(req.request_id, "inserted")
         req.output_ids = [msg.token]
         drafts = list(msg.drafts) if self.k else None  # host values: staged with the step's other inserts
         probs = None
         if msg.draft_probs:
             probs = torch.frombuffer(bytearray(msg.draft_probs), dtype=torch.float32).view(self.k, self.vocab)
         self.batch.insert(req, msg.token, drafts, probs)
+
+    def _mark(self, request_id: str, event: str) -> None:
+        if self.timings is not None:
+            self.timings.setdefault(request_id, {}).setdefault(event, time.monotonic())
 
     def _error(self, p: Pending, message: str, items: list[OutputItem]) -> None:
         items.append(OutputItem(p.request.request_id, [], error=message))

@@ -7,7 +7,8 @@ real node classes (plain objects in this process; KV over `--kv-backend`); then 
 A background batch of `--background` long requests keeps the decode batch running, so every
 arrival (Poisson, `--rate` per second) is inserted into a running batch. Reports, for both:
 TTFT (submission to first token) and inter-token latency per token (an output item's gap
-over its token count) at p50/p90/p99, the background requests' inter-token latency before
+over its token count) at p50/p90/p99, the disaggregated TTFT's stages (queue, prefill compute,
+KV tail after it, first-token hand-off, the first decode step after the insert), the background requests' inter-token latency before
 and during the arrivals (the step time with and without continuous inserts), and with
 `--plot FILE.png` the ITL distributions of both. Greedy, random prompts, `ignore_eos`.
 """
@@ -103,6 +104,7 @@ class PDRun:
         self.prefill = PrefillNode(loaded_p, _config(args, args.prefill_device),
                                    lambda addr, msg: self.decode.first_token(msg), kv_backend=args.kv_backend,
                                    kv_timeout_s=30)
+        self.prefill.timings, self.decode.timings = {}, {}  # per-request events, for the breakdown
         self.loaded, self.lock = loaded_d, threading.Condition()
         self.traces: dict[str, Trace] = {}
         self._sub = self.decode.subscribe()
@@ -160,7 +162,24 @@ class PDRun:
         self.decode.stop()
 
 
-def run_pd(args, loaded_p, loaded_d, times, prompts, background) -> dict[str, Trace]:
+def breakdown(pd: PDRun, n: int) -> dict[str, float]:
+    """Median ms of each stage of the arrivals' first token: queued on P, prefill compute (to
+    the first token's read point), the KV still arriving after it (as D's loop sees it), the
+    first-token message's hand-off P -> D, and D's first decode step after the insert."""
+    spans: dict[str, list[float]] = {}
+    for i in range(n):
+        rid = f"r{i}"
+        p, d, tr = (pd.prefill.timings or {}).get(rid, {}), (pd.decode.timings or {}).get(rid, {}), pd.traces[rid]
+        stages = {"queue": (p.get("queued"), p.get("started")), "prefill_compute": (p.get("started"), p.get("computed")),
+                  "kv_tail": (p.get("computed"), d.get("kv_done")), "handoff": (p.get("first_sent"), d.get("first_received")),
+                  "first_decode_step": (d.get("inserted"), tr.items[0][0] if tr.items else None)}
+        for name, (a, b) in stages.items():
+            if a is not None and b is not None:
+                spans.setdefault(name, []).append(max(0.0, b - a))
+    return {name: round(1000 * pct(xs, 50), 3) for name, xs in spans.items()}
+
+
+def run_pd(args, loaded_p, loaded_d, times, prompts, background) -> tuple[dict[str, Trace], dict[str, float]]:
     pd = PDRun(args, loaded_p, loaded_d)
     try:
         for i, p in enumerate(background):
@@ -175,7 +194,7 @@ def run_pd(args, loaded_p, loaded_d, times, prompts, background) -> dict[str, Tr
             pd.abort(f"bg{i}")
         pd.wait(lambda: all(tr.ended for tr in pd.traces.values()))
         pd.traces["_start"] = Trace(submitted=start)
-        return pd.traces
+        return pd.traces, breakdown(pd, len(prompts))
     finally:
         pd.close()
 
@@ -297,11 +316,12 @@ def run(args: argparse.Namespace) -> int:
     with torch.no_grad():
         loaded_p, loaded_d = _load(args, args.prefill_device), _load(args, args.decode_device)
         times, prompts, background = workload(args, loaded_d.model.config.vocab_size)
-        pd_traces = run_pd(args, loaded_p, loaded_d, times, prompts, background)
+        pd_traces, stages = run_pd(args, loaded_p, loaded_d, times, prompts, background)
         colo_dev = args.colocated_device or args.decode_device
         colo_traces = run_colocated(args, loaded_d if colo_dev == args.decode_device else _load(args, colo_dev),
                                     times, prompts, background)
     pd, colo = summary(pd_traces, len(prompts)), summary(colo_traces, len(prompts))
+    pd["ttft_breakdown_ms_p50"] = stages
     same = all(pd_traces[f"r{i}"].tokens == colo_traces[f"r{i}"].tokens for i in range(len(prompts)))
     if args.plot:
         plot(args.plot, pd["itl_samples"], colo["itl_samples"])

@@ -72,6 +72,9 @@ class PrefillNode(StepLoop):
         self._kv_block_bytes = sum(sum(layout.block_bytes(i)) for i in range(layers_sent))  # one block, every layer
         self._sent_at: dict[str, float] = {}  # request id -> when its last layer was queued
         self.counters = {"prefill_tokens": 0, "prefill_seconds": 0.0, "kv_bytes": 0, "kv_seconds": 0.0}
+        # request id -> {event: monotonic time} (queued, started, computed, first_sent, kv_acked);
+        # None (serving): nothing kept. `pdserve bench pd` turns it on for the TTFT breakdown.
+        self.timings: dict[str, dict[str, float]] | None = None
         self._inbox: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
         self.waiting: list[PrefillJob] = []
         self.leased: dict[str, list[int]] = {}  # request id -> source blocks under lease
@@ -136,6 +139,7 @@ class PrefillNode(StepLoop):
             except queue.Empty:
                 return
             if kind == "submit":
+                self._mark(item.request_id, "queued")
                 self.waiting.append(item)
                 self.queued_tokens += len(item.prompt)
             else:
@@ -160,6 +164,8 @@ class PrefillNode(StepLoop):
             if not job.block_ids and not self._start(job):
                 break  # out of blocks: wait for leases to end
             n = min(job.remaining, budget)
+            if job.num_prefilled == 0:
+                self._mark(job.request_id, "started")
             plan.append((job, n))
             budget -= n
         return plan
@@ -196,6 +202,8 @@ class PrefillNode(StepLoop):
             self.counters["kv_bytes"] += self.blocks.blocks_for(len(j.prompt)) * self._kv_block_bytes
             self.waiting.remove(j)
         firsts = out.first_token.tolist()  # the prefill read point
+        for j in jobs:
+            self._mark(j.request_id, "computed")
         drafts = out.drafts.tolist() if out.drafts is not None else [[] for _ in jobs]
         probs = out.draft_probs.float().cpu() if out.draft_probs is not None else None
         lp_nums = {i: jobs[i].params.logprobs or 0 for i in out.logprob_rows}
@@ -203,6 +211,7 @@ class PrefillNode(StepLoop):
         for i, j in enumerate(jobs):
             msg = self._first_token(j, firsts[i], drafts[i], probs[i] if probs is not None else None, lps.get(i))
             try:
+                self._mark(j.request_id, "first_sent")
                 self.sink(j.decode_address, msg)
             except Exception as e:
                 self.sender.abort(j.request_id, f"first-token message not delivered: {e}")
@@ -229,6 +238,10 @@ class PrefillNode(StepLoop):
         if not job.future.done():
             job.future.set_exception(RuntimeError(reason))
 
+    def _mark(self, request_id: str, event: str, at: float | None = None) -> None:
+        if self.timings is not None:
+            self.timings.setdefault(request_id, {})[event] = time.monotonic() if at is None else at
+
     def _free_released(self) -> None:
         while True:
             try:
@@ -236,6 +249,8 @@ class PrefillNode(StepLoop):
             except queue.Empty:
                 return
             sent = self._sent_at.pop(rid, None)
+            if done:
+                self._mark(rid, "kv_acked", at)
             if done and sent is not None:
                 self.counters["kv_seconds"] += max(0.0, at - sent)
             blocks = self.leased.pop(rid, None)

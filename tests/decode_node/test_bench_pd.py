@@ -19,4 +19,7 @@ def test_bench_pd_reports_both_modes_with_the_same_tokens(tmp_path, capsys):
         figures = out[mode]
         assert set(figures["ttft_ms"]) == {"p50", "p90", "p99"} and figures["ttft_ms"]["p50"] > 0
         assert figures["itl_ms"]["p50"] > 0 and figures["background_itl_ms_before"] > 0
+    stages = out["disaggregated"]["ttft_breakdown_ms_p50"]
+    assert set(stages) == {"queue", "prefill_compute", "kv_tail", "handoff", "first_decode_step"}
+    assert stages["prefill_compute"] > 0 and stages["first_decode_step"] > 0
     assert png.stat().st_size > 1000
