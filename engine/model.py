@@ -261,13 +261,15 @@ class CausalLM(nn.Module):
             h = linear(torch.cat(parts, dim=-1), m.eh_proj.weight[:, : 2 * size])
         return m.block(positions, h, kv_cache, meta, backend)
 
-    def mtp_logits(self, mtp_hidden: torch.Tensor, head_weight: torch.Tensor | None = None) -> torch.Tensor:
+    def mtp_logits(self, mtp_hidden: torch.Tensor, head_weight: torch.Tensor | None = None,
+                   float32: bool = True) -> torch.Tensor:
         """Draft logits [R, V]; or [R, N] over the LM head rows `head_weight` [N, hidden] of a
-        draft vocabulary (engine/draft_vocab.py)."""
+        draft vocabulary (engine/draft_vocab.py). `float32=False` keeps the model dtype (drafting
+        takes an argmax, or casts itself before sampling)."""
         assert self.mtp is not None
         h = self.mtp.shared_head.norm(mtp_hidden)
         logits = self.lm_head(h) if head_weight is None else linear(h, head_weight)
-        return logits.float()
+        return logits.float() if float32 else logits
 
 
 def fuse_projections(model: CausalLM) -> None:

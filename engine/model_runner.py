@@ -189,7 +189,7 @@ class ModelRunner:
                 meta = self._meta_uniform(tables, base + j - 2, 1, masked, num_kv_blocks)
                 h = self.model.mtp_forward(drafts[-1], meta.positions, h, mtp_cache, meta, self.backend)
             dv = self.draft_vocab
-            logits = self.model.mtp_logits(h, dv.weight if dv is not None else None)
+            logits = self.model.mtp_logits(h, dv.weight if dv is not None else None, float32=False)
             token, p = draft_tokens(logits, st, base + j, dv)
             drafts.append(token)
             if p is not None:
