@@ -150,7 +150,7 @@ class OracleLogits:
             oracle.step = (runner, base, st, 0)
             return real_chain(runner, h, base, st, *rest)
 
-        def logits(model, h, head_weight=None):
+        def logits(model, h, head_weight=None, float32=True):
             runner, base, st, j = oracle.step
             oracle.step = (runner, base, st, j + 1)
             row = (st.seed.unsqueeze(1) == oracle.seeds.unsqueeze(0)).float().argmax(1)
