@@ -22,6 +22,7 @@ import argparse
 import asyncio
 import json
 import math
+import os
 import random
 import sys
 import time
@@ -163,7 +164,8 @@ async def sweep(args: argparse.Namespace, items: list[Item], rates: list[float])
 async def load(args: argparse.Namespace, items: list[Item], rate: float, bar: Any) -> list[Result]:
     rng = random.Random(args.seed + 1)
     limit = asyncio.Semaphore(args.max_concurrency or len(items))
-    send, close = _http_sender(args.base_url) if args.base_url else _grpc_sender(args.router)
+    key = getattr(args, "api_key", None) or os.environ.get("PDSERVE_API_KEY")
+    send, close = _http_sender(args.base_url, key) if args.base_url else _grpc_sender(args.router, key)
 
     async def one(item: Item) -> Result:
         async with limit:
@@ -182,10 +184,10 @@ async def load(args: argparse.Namespace, items: list[Item], rate: float, bar: An
         await close()
 
 
-def _grpc_sender(address: str) -> Any:
+def _grpc_sender(address: str, api_key: str | None) -> Any:
     from router.client import RouterClient, build_request
 
-    client = RouterClient(address)
+    client = RouterClient(address, api_key)
 
     async def send(item: Item) -> Result:
         req = build_request(item.prompt, chat=isinstance(item.prompt, str), max_tokens=item.output_len,
@@ -205,10 +207,10 @@ def _grpc_sender(address: str) -> Any:
     return send, client.close
 
 
-def _http_sender(base_url: str) -> Any:
+def _http_sender(base_url: str, api_key: str | None) -> Any:
     import openai
 
-    client = openai.AsyncOpenAI(base_url=base_url.rstrip("/") + "/v1", api_key="none", max_retries=0)
+    client = openai.AsyncOpenAI(base_url=base_url.rstrip("/") + "/v1", api_key=api_key or "none", max_retries=0)
 
     async def send(item: Item) -> Result:
         res, clock = Result(), _Clock()

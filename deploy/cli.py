@@ -37,6 +37,7 @@ def _add_generate(sub: Any) -> None:
     p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs for the decode step")
     p.add_argument("--deterministic", action="store_true", help="batch-invariant kernels: a greedy answer does not depend on the batch or on MTP (slower)")
     p.add_argument("--router", default=None, metavar="HOST:PORT", help="generate through a running service")
+    p.add_argument("--api-key", default=None, help="with --router: the service's key (default: $PDSERVE_API_KEY)")
     p.set_defaults(func=cmd_generate)
 
 

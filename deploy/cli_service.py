@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import signal
 import tempfile
 import threading
@@ -31,6 +32,9 @@ def service_config(args: argparse.Namespace, local: bool = False) -> Any:
         value = getattr(args, flag, None)
         if value is not None:
             overrides[key] = value
+    api_key = getattr(args, "api_key", None) or os.environ.get("PDSERVE_API_KEY")
+    if api_key and hasattr(args, "api_key"):  # the service's own key
+        overrides["router.api_key"] = api_key
     if local:
         overrides.setdefault("router.host", "127.0.0.1")
         overrides.setdefault("router.port", 0)
@@ -47,6 +51,8 @@ def add_service_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--draft-vocab", type=int, default=None, metavar="N",
                    help="MTP drafts score the model's N most frequent tokens (FR-Spec); 0 = all")
     p.add_argument("--device", default=None, help="cpu, cuda or auto")
+    p.add_argument("--api-key", default=None,
+                   help="clients must send 'authorization: Bearer KEY' (default: $PDSERVE_API_KEY; none: no auth)")
     p.add_argument("--deterministic", action="store_true", default=None, help="batch-invariant kernels: a greedy answer does not depend on the batch or on MTP (slower)")
     p.add_argument("--enforce-eager", action="store_true", default=None,
                    help="run the decode step eagerly, without CUDA graphs")
@@ -140,7 +146,7 @@ def generate_via_router(args: argparse.Namespace) -> int:
 
     results = run(args.router, args.prompts, chat=not args.raw, temperature=args.temperature, top_p=args.top_p,
                   top_k=args.top_k, seed=args.seed, max_tokens=args.max_tokens, logprobs=args.logprobs,
-                  model=args.model)
+                  model=args.model, api_key=args.api_key or os.environ.get("PDSERVE_API_KEY"))
     for out in results:
         if args.json:
             print(json.dumps(out))

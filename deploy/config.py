@@ -116,6 +116,9 @@ class RouterConfig(_Section):
     # With no healthy prefill or decode node, a new request waits this long for one (a node being
     # replaced) before UNAVAILABLE; 0: answer at once. Bounded by the request's own deadline too.
     node_wait_s: float = Field(default=0.0, ge=0)
+    # Clients must send `authorization: Bearer KEY` (gRPC metadata, HTTP header) for generation
+    # and models; health checks and /metrics stay open. None: no auth. `--api-key` or PDSERVE_API_KEY.
+    api_key: str | None = Field(default=None, min_length=1)
 
 
 class ClusterConfig(_Section):

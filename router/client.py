@@ -18,6 +18,7 @@ import grpc
 
 from protos import pdserve_pb2 as pb
 from protos import pdserve_pb2_grpc
+from router.auth import client_metadata
 
 CHANNEL_OPTIONS = [("grpc.max_receive_message_length", 64 << 20), ("grpc.max_send_message_length", 64 << 20)]
 
@@ -80,10 +81,11 @@ def result_json(responses: Sequence[pb.GenerateResponse], want_logprobs: bool) -
 class RouterClient:
     """Async client; `async with RouterClient("host:port") as c: ...`."""
 
-    def __init__(self, address: str) -> None:
+    def __init__(self, address: str, api_key: str | None = None) -> None:
         self.address = address
         self.channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
         self.stub = pdserve_pb2_grpc.GenerationStub(self.channel)
+        self.metadata = client_metadata(api_key)  # `authorization: Bearer KEY` on every call
 
     async def __aenter__(self) -> RouterClient:
         return self
@@ -96,7 +98,7 @@ class RouterClient:
 
     def stream(self, request: pb.GenerateRequest, timeout: float | None = None) -> Any:
         """The raw response stream (a grpc.aio call: iterate it, `.cancel()` it)."""
-        return self.stub.Generate(request, timeout=timeout)
+        return self.stub.Generate(request, timeout=timeout, metadata=self.metadata)
 
     async def responses(self, request: pb.GenerateRequest) -> AsyncIterator[pb.GenerateResponse]:
         """Responses until the terminal one; INVALID_ARGUMENT and other RPC failures raise RouterError."""
@@ -111,18 +113,19 @@ class RouterClient:
         return result_json(msgs, request.sampling.HasField("logprobs"))
 
     async def abort(self, request_id: str) -> bool:
-        return bool((await self.stub.Abort(pb.AbortRequest(request_id=request_id))).found)
+        return bool((await self.stub.Abort(pb.AbortRequest(request_id=request_id), metadata=self.metadata)).found)
 
     async def health(self) -> pb.HealthResponse:
         return await self.stub.Health(pb.HealthRequest())
 
     async def list_models(self) -> pb.ListModelsResponse:
-        return await self.stub.ListModels(pb.ListModelsRequest())
+        return await self.stub.ListModels(pb.ListModelsRequest(), metadata=self.metadata)
 
 
-async def generate_many(address: str, prompts: Sequence[str], **options: Any) -> list[dict]:
+async def generate_many(address: str, prompts: Sequence[str], api_key: str | None = None,
+                        **options: Any) -> list[dict]:
     """All prompts at once (the router batches them on the nodes); results in prompt order."""
-    async with RouterClient(address) as client:
+    async with RouterClient(address, api_key) as client:
         results = await asyncio.gather(*(client.generate(build_request(p, **options)) for p in prompts),
                                        return_exceptions=True)
     for r in results:
@@ -134,9 +137,9 @@ async def generate_many(address: str, prompts: Sequence[str], **options: Any) ->
 def generate_via_router(address: str, prompts: list[str], *, chat: bool, temperature: float = 0.0,
                         top_p: float = 1.0, top_k: int = 0, seed: int | None = None, max_tokens: int = 64,
                         logprobs: int | None = None, stop: Sequence[str] = (), ignore_eos: bool = False,
-                        model: str | None = None, timeout_s: float = 0.0) -> list[dict]:
+                        model: str | None = None, timeout_s: float = 0.0, api_key: str | None = None) -> list[dict]:
     """`pdserve generate --router HOST:PORT`: one dict per prompt, as `--json` prints locally."""
     return asyncio.run(generate_many(
-        address, prompts, chat=chat, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed,
+        address, prompts, api_key, chat=chat, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed,
         max_tokens=max_tokens, logprobs=logprobs, stop=stop, ignore_eos=ignore_eos, model=model,
         timeout_s=timeout_s))

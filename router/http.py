@@ -32,6 +32,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ValidationError
 
 from protos import pdserve_pb2 as pb
+from router.auth import authorized
 from router.openai_protocol import ChatCompletionRequest, CompletionRequest, Format
 from router.request import is_terminal
 from router.validate import InvalidRequest
@@ -69,11 +70,13 @@ def build_app(router: Router) -> FastAPI:
         return JSONResponse(body, status_code=200 if h.serving else 503)
 
     @app.get("/v1/models")
-    async def models() -> dict:
-        return {"object": "list", "data": [
+    async def models(raw: Request) -> Response:
+        if (denied := _denied(router, raw)) is not None:
+            return denied
+        return JSONResponse({"object": "list", "data": [
             {"id": m.name, "object": "model", "created": 0, "owned_by": "pdserve", "root": m.name,
              "max_model_len": m.max_model_len, "num_speculative_tokens": m.num_speculative_tokens}
-            for m in router.list_models().models]}
+            for m in router.list_models().models]})
 
     @app.get("/metrics")
     async def metrics() -> Response:
@@ -91,8 +94,21 @@ def build_app(router: Router) -> FastAPI:
     return app
 
 
+def _denied(router: Router, raw: Request) -> Response | None:
+    """401 in OpenAI's error JSON when an API key is set and the request lacks it (router/auth.py)."""
+    key = router.config.api_key
+    if key is None or authorized(raw.headers.get("authorization"), key):
+        return None
+    body = {"error": {"message": "missing or wrong API key (Authorization: Bearer KEY)",
+                      "type": "invalid_request_error", "param": None, "code": "invalid_api_key"}}
+    return JSONResponse(body, status_code=401)
+
+
 async def _generate(router: Router, raw: Request, model: type[BaseModel], chat: bool) -> Response:
     from router.router import RequestError
+
+    if (denied := _denied(router, raw)) is not None:
+        return denied
 
     try:
         gen, fmt, req = await _prepare(router, raw, model, chat)

@@ -36,6 +36,7 @@ from deploy.config import RouterConfig
 from protos import node_pb2, pdserve_pb2, pdserve_pb2_grpc
 from protos.messages import FirstToken, MessageError, OutputItem, TokenLogprobs
 from router.admission import AdmissionQueue
+from router.auth import ApiKeyInterceptor
 from router.directory import NodeDirectory
 from router.grpc_health import add_health_servicer
 from router.http import HttpServer, build_app
@@ -101,8 +102,10 @@ class Router:
         host = host if host is not None else self.config.host
         port = port if port is not None else self.config.port
         http_port = self.config.http_port if http_port == -1 else http_port
+        key = self.config.api_key
         self._server = grpc.aio.server(options=[("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-                                                ("grpc.max_send_message_length", MAX_MESSAGE_BYTES)])
+                                                ("grpc.max_send_message_length", MAX_MESSAGE_BYTES)],
+                                       interceptors=[ApiKeyInterceptor(key)] if key else None)
         pdserve_pb2_grpc.add_GenerationServicer_to_server(_Servicer(self), self._server)
         bound = self.grpc_port = self._server.add_insecure_port(f"[{host}]:{port}" if ":" in host else f"{host}:{port}")
         add_health_servicer(self._server, lambda: self.health().serving)  # grpc.health.v1 (k8s probes)

@@ -108,3 +108,20 @@ async def test_disconnected_clients_cancel_their_requests():
         await c.until(lambda: c.router.counts["cancelled"] == 2)
         assert c.decode[0].aborts  # the nodes were told
         await c.settled()
+
+
+async def test_api_key_is_required_on_v1_and_not_on_health():
+    async with cluster(http_port=0, api_key="s3cret") as c:
+        base = f"http://127.0.0.1:{c.router.http_port}"
+        for key in ("none", "s3cret-not"):
+            wrong = openai.AsyncOpenAI(base_url=f"{base}/v1", api_key=key, max_retries=0)
+            with pytest.raises(openai.AuthenticationError):
+                await wrong.completions.create(model="tiny", prompt="ab", max_tokens=3)
+            with pytest.raises(openai.AuthenticationError):
+                await wrong.models.list()
+        right = openai.AsyncOpenAI(base_url=f"{base}/v1", api_key="s3cret", max_retries=0)
+        got = await right.completions.create(model="tiny", prompt="ab", max_tokens=3, temperature=0)
+        assert got.choices[0].finish_reason == "length"
+        status = await asyncio.to_thread(lambda: urllib.request.urlopen(f"{base}/health").status)
+        assert status == 200  # probes need no key
+        await c.settled()

@@ -206,3 +206,23 @@ async def test_deadline_ends_with_deadline_exceeded_and_frees_nodes():
         await p.until(lambda: len(p.aborts) == 1)
         p.hold.set()
         await c.settled()
+
+
+async def test_api_key_refuses_grpc_calls_without_it_but_not_health():
+    from router.client import RouterClient
+
+    async with cluster(api_key="s3cret") as c:  # c.client sends no key
+        with pytest.raises(RouterError) as e:
+            await c.client.generate(build_request("ab", max_tokens=3))
+        assert e.value.code == "UNAUTHENTICATED"
+        assert (await c.client.health()).serving  # health checks stay open
+        for key in ("wrong", "s3cret"):
+            async with RouterClient(c.client.address, api_key=key) as keyed:
+                if key == "wrong":
+                    with pytest.raises(grpc.aio.AioRpcError) as err:
+                        await keyed.list_models()
+                    assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
+                else:
+                    assert (await keyed.generate(build_request("ab", max_tokens=3)))["finish_reason"] == "length"
+                    assert await keyed.abort("nope") is False
+        await c.settled()
