@@ -24,9 +24,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from engine.bench import SHAPES, random_model
+from engine.bench import SHAPES, load
 from engine.engine import EngineConfig, LLMEngine, resolve_request
-from engine.loader import LoadedModel, load_model
+from engine.loader import LoadedModel
 from engine.sampling_params import SamplingParams
 
 WARMUP_ITEMS = 3  # background outputs each before the timed phase starts
@@ -306,19 +306,13 @@ def plot(path: str, pd: list[float], colo: list[float]) -> None:
     fig.savefig(path, dpi=100)
 
 
-def _load(args: argparse.Namespace, device: str) -> LoadedModel:
-    if args.arch:
-        return random_model(args.arch, device, args.dtype)
-    return load_model(args.model, device=device, dtype=args.dtype)
-
-
 def run(args: argparse.Namespace) -> int:
     with torch.no_grad():
-        loaded_p, loaded_d = _load(args, args.prefill_device), _load(args, args.decode_device)
+        loaded_p, loaded_d = load(args, args.prefill_device), load(args, args.decode_device)
         times, prompts, background = workload(args, loaded_d.model.config.vocab_size)
         pd_traces, stages = run_pd(args, loaded_p, loaded_d, times, prompts, background)
         colo_dev = args.colocated_device or args.decode_device
-        colo_traces = run_colocated(args, loaded_d if colo_dev == args.decode_device else _load(args, colo_dev),
+        colo_traces = run_colocated(args, loaded_d if colo_dev == args.decode_device else load(args, colo_dev),
                                     times, prompts, background)
     pd, colo = summary(pd_traces, len(prompts)), summary(colo_traces, len(prompts))
     pd["ttft_breakdown_ms_p50"] = stages

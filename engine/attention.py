@@ -20,7 +20,7 @@ import torch
 
 from kernels._dispatch import invariant
 from kernels.paged_attention import paged_attention
-from kernels.rotary import rope_and_cache
+from kernels.rotary import rope_and_cache, write_kv
 
 TRASH_BLOCK = 0
 
@@ -61,14 +61,6 @@ class AttentionBackend(ABC):
         scale: float,
     ) -> torch.Tensor:
         """q: [T, Hq, D]; k, v: [T, Hkv, D]; returns [T, Hq, D]."""
-
-
-def write_kv(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:
-    """Scatter this step's K/V into their slots (no sync)."""
-    _, num_blocks, block_size, heads, dim = kv_cache.shape
-    flat = kv_cache.view(2, num_blocks * block_size, heads, dim)
-    flat[0].index_copy_(0, slots, k.to(kv_cache.dtype))
-    flat[1].index_copy_(0, slots, v.to(kv_cache.dtype))
 
 
 class TorchAttention(AttentionBackend):

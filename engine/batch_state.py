@@ -10,6 +10,7 @@ their number) or grows a block table (`set_blocks_no_sync`).
 
 from __future__ import annotations
 
+import struct
 from dataclasses import dataclass
 
 import torch
@@ -111,7 +112,7 @@ class BatchState:
     def _pack(self, slot: int, init: SlotInit) -> list[int]:
         """One row of host values: slot, scalars, the two floats' bits, stop ids, drafts, blocks."""
         first = init.first_token if isinstance(init.first_token, int) else -1
-        floats = torch.tensor([init.temperature, init.top_p], dtype=torch.float32).view(torch.int32).tolist()
+        floats = struct.unpack("<2i", struct.pack("<2f", init.temperature, init.top_p))  # fp32 bits
         drafts = init.drafts if isinstance(init.drafts, list) else [0] * self.k
         stops = list(init.stop_ids) + [-1] * (MAX_STOP_IDS - len(init.stop_ids))
         blocks = init.block_ids + [TRASH_BLOCK] * (self.block_tables.shape[1] - len(init.block_ids))

@@ -76,6 +76,13 @@ def random_model(arch: str, device: str, dtype: str) -> LoadedModel:
                        ranking_path_beside(mtp_path_default(arch)))
 
 
+def load(args: argparse.Namespace, device: str) -> LoadedModel:
+    """The model `--arch` (random weights of that shape) or `--model` names, on `device`."""
+    if args.arch:
+        return random_model(args.arch, device, args.dtype)
+    return load_model(args.model, device=device, dtype=args.dtype)
+
+
 def _engine(loaded: LoadedModel, k: int, args: argparse.Namespace) -> tuple[LLMEngine, list[list[int]]]:
     vocab = loaded.model.config.vocab_size
     g = torch.Generator().manual_seed(0)
@@ -223,10 +230,7 @@ def _sync(device: str) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    if args.arch:
-        loaded = random_model(args.arch, args.device, args.dtype)
-    else:
-        loaded = load_model(args.model, device=args.device, dtype=args.dtype)
+    loaded = load(args, args.device)
     with torch.no_grad():
         for k in sorted({0, args.spec_tokens}):
             print(json.dumps(time_engine(loaded, k, args)), flush=True)

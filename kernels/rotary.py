@@ -108,8 +108,8 @@ def _rotate_ref(x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin
     return (xf * c + rotated * s).to(x.dtype)
 
 
-def _write_kv_ref(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:
-    """`engine.attention.write_kv`, copied: engine imports this package, not the reverse."""
+def write_kv(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:
+    """Scatter K/V into their cache slots (no sync); the cache layout's one writer in torch."""
     _, num_blocks, block_size, heads, dim = kv_cache.shape
     flat = kv_cache.view(2, num_blocks * block_size, heads, dim)
     flat[0].index_copy_(0, slots, k.to(kv_cache.dtype))
@@ -120,7 +120,7 @@ def rope_and_cache_ref(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
     cos: torch.Tensor, sin: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor,
 ) -> torch.Tensor:
-    _write_kv_ref(kv_cache, _rotate_ref(k, positions, cos, sin), v, slot_mapping)
+    write_kv(kv_cache, _rotate_ref(k, positions, cos, sin), v, slot_mapping)
     return _rotate_ref(q, positions, cos, sin)
 
 

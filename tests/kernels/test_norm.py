@@ -4,32 +4,15 @@ dispatch to the reference off CUDA and inside `reference_kernels()`."""
 
 from __future__ import annotations
 
-import importlib
-import os
 from types import SimpleNamespace
 
 import pytest
 import torch
 
-# Without a GPU the Triton kernels run under Triton's interpreter, on CPU tensors. triton.jit
-# reads TRITON_INTERPRET when a kernel is defined, so this must precede importing `kernels`.
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-
-from kernels import _dispatch, norm  # noqa: E402
-
-# engine imports kernels, so an earlier test module may have defined them compiled: define them
-# again (enough because they call no @jit helper of triton.language, which stays as imported).
-if os.environ.get("TRITON_INTERPRET") == "1":
-    importlib.reload(norm)
+from kernels import _dispatch, norm
 
 EPS = 1e-5
 DTYPES = [torch.float32, torch.bfloat16]
-
-
-@pytest.fixture(params=["cuda" if torch.cuda.is_available() else "cpu"])
-def device(request) -> str:
-    return request.param
 
 
 def randn(*shape, dtype=torch.float32, device="cpu", seed=0) -> torch.Tensor:

@@ -1,28 +1,15 @@
 """The Triton paged-attention kernel against its torch reference, on CUDA when there is one and
 otherwise on the CPU through the Triton interpreter (small shapes: it runs numpy per program)."""
 
-import os
-import sys
+from dataclasses import dataclass
 
 import pytest
 import torch
+import torch.nn.functional as F
 
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-# Triton decides at @triton.jit decoration time whether a function runs under its interpreter,
-# its own tl.* helpers (tl.cdiv, tl.max, ...) included, so TRITON_INTERPRET must be set before
-# triton is first imported. torch does not import triton, so checking for CUDA first is safe.
-# Reloading kernels.paged_attention would not help once triton itself is imported compiled.
-if DEVICE == "cpu":
-    if "triton" in sys.modules and os.environ.get("TRITON_INTERPRET") != "1":
-        pytest.skip("triton was imported before TRITON_INTERPRET=1 could be set; set it in the "
-                    "environment or in tests/conftest.py", allow_module_level=True)
-    os.environ.setdefault("TRITON_INTERPRET", "1")
+import kernels.paged_attention as pa
 
-from dataclasses import dataclass  # noqa: E402
-
-import torch.nn.functional as F  # noqa: E402
-
-import kernels.paged_attention as pa  # noqa: E402
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # CPU: the interpreter (tests/conftest.py)
 
 TOLERANCE = {
     torch.float32: dict(atol=1e-5, rtol=1e-5),

@@ -5,31 +5,14 @@ dispatches to the reference off CUDA and inside `reference_kernels()`."""
 
 from __future__ import annotations
 
-import importlib
-import os
 from types import SimpleNamespace
 
 import pytest
 import torch
 
-# Without a GPU the Triton kernels run under Triton's interpreter, on CPU tensors. triton.jit
-# reads TRITON_INTERPRET when a kernel is defined, so this must precede importing `kernels`.
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-
-from kernels import _dispatch, rotary  # noqa: E402
-
-# engine imports kernels, so an earlier test module may have defined them compiled: define them
-# again (enough because they call no @jit helper of triton.language, which stays as imported).
-if os.environ.get("TRITON_INTERPRET") == "1":
-    importlib.reload(rotary)
+from kernels import _dispatch, rotary
 
 MAX_POSITIONS, NUM_BLOCKS, BLOCK_SIZE = 64, 5, 4
-
-
-@pytest.fixture(params=["cuda" if torch.cuda.is_available() else "cpu"])
-def device(request) -> str:
-    return request.param
 
 
 def make_case(tokens, hq, hkv, dim, dtype, device, cache_dtype=None, seed=0) -> SimpleNamespace:
