@@ -15,8 +15,9 @@ import torch
 import torch.nn.functional as F
 from triton.testing import do_bench
 
+from kernels._dispatch import batch_invariant
 from kernels.activation import silu_and_mul_ref, silu_and_mul_triton
-from kernels.linear import linear_invariant_triton
+from kernels.linear import linear_triton
 from kernels.norm import add_rms_norm_ref, add_rms_norm_triton, rms_norm_ref, rms_norm_triton
 from kernels.paged_attention import paged_attention_ref, paged_attention_triton
 from kernels.rotary import rope_and_cache_ref, rope_and_cache_triton
@@ -119,10 +120,11 @@ def invariant_linear_case(shape: str, m: int) -> None:
     g = torch.Generator(device=DEV).manual_seed(4)
     x = torch.randn(m, hidden, device=DEV, dtype=DT, generator=g)
     w = torch.randn(2 * inter, hidden, device=DEV, dtype=DT, generator=g)
-    batch = linear_invariant_triton(x, w)
-    err = max((linear_invariant_triton(x[i : i + 1], w) - batch[i : i + 1]).abs().max().item() for i in (0, m - 1))
-    record(f"invariant gate_up {shape} M={m} (ref = cuBLAS)", err, 0.0, lambda: linear_invariant_triton(x, w),
-           lambda: F.linear(x, w))
+    with batch_invariant():
+        batch = linear_triton(x, w)
+        err = max((linear_triton(x[i : i + 1], w) - batch[i : i + 1]).abs().max().item() for i in (0, m - 1))
+        record(f"invariant gate_up {shape} M={m} (ref = cuBLAS)", err, 0.0, lambda: linear_triton(x, w),
+               lambda: F.linear(x, w))
 
 
 def main() -> int:
@@ -139,7 +141,7 @@ def main() -> int:
             for t in (1, 128):
                 rope_case(shape, t)
                 silu_case(shape, t)
-            for m in (4, 64):
+            for m in (4, 64, 512):
                 invariant_linear_case(shape, m)
     widths = [max(len(str(r[i])) for r in ROWS + [("case", "max diff", "triton us", "ref us", "speedup")])
               for i in range(5)]

@@ -30,3 +30,6 @@ for dv in 0 16384 8192 4096; do
   python3 -m deploy.cli bench acceptance --model /tmp/smollm2.gguf --mtp engine/mtp_heads/smollm2.safetensors \
     --device cuda --spec-tokens 3 --draft-vocab $dv --json 2>>"$OUT/err.log" | tee -a "$OUT/acceptance.jsonl"
 done
+python3 benchmarks/gpu_deterministic.py --model /tmp/smollm2.gguf --mtp engine/mtp_heads/smollm2.safetensors \
+  --num-prompts 16 --max-tokens 96 2>>"$OUT/err.log" | tee "$OUT/deterministic.txt"
+tail -5 "$OUT/err.log"

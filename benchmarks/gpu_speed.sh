@@ -3,7 +3,8 @@
 # tests on CUDA and the kernels against their references at real shapes; `bench` times the
 # engine (CUDA graphs + Triton kernels) on SmolLM2- and Llama-3.2-1B-shaped random weights with
 # the copy floor and Hugging Face generate from the same processes. Needs .whl (gguf) carried.
-# Usage: bash benchmarks/gpu_speed.sh check|bench|all
+# `profile` takes the per-kernel profiles (top kernels) and the cost of --deterministic.
+# Usage: bash benchmarks/gpu_speed.sh check|bench|profile|all
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
@@ -28,5 +29,26 @@ if [[ $stage == bench || $stage == all ]]; then
   bench --arch smollm2 --batch 128 --max-tokens 128 --spec-tokens 3 --hf
   bench --arch llama-1b --batch 1 --max-tokens 128 --spec-tokens 3 --hf
   bench --arch llama-1b --batch 64 --max-tokens 128 --spec-tokens 3 --hf
+  python3 benchmarks/bench_table.py "$OUT/bench.jsonl"
+fi
+
+if [[ $stage == profile ]]; then
+  bench --arch smollm2 --batch 1 --max-tokens 64 --spec-tokens 3 --profile
+  bench --arch smollm2 --batch 32 --max-tokens 64 --spec-tokens 0 --profile
+  bench --arch llama-1b --batch 1 --max-tokens 64 --spec-tokens 3 --profile
+  bench --arch smollm2 --batch 128 --max-tokens 128 --spec-tokens 3
+  bench --arch llama-1b --batch 64 --max-tokens 64 --spec-tokens 3
+  bench --arch smollm2 --batch 1 --max-tokens 64 --spec-tokens 3 --deterministic
+  bench --arch smollm2 --batch 32 --max-tokens 64 --spec-tokens 0 --deterministic
+  bench --arch llama-1b --batch 1 --max-tokens 64 --spec-tokens 0 --deterministic
+  python3 benchmarks/bench_table.py "$OUT/bench.jsonl"
+file ]]; then
+  bench --arch smollm2 --batch 1 --max-tokens 64 --spec-tokens 3 --profile
+  bench --arch llama-1b --batch 1 --max-tokens 64 --spec-tokens 0 --profile
+  bench --arch smollm2 --batch 32 --max-tokens 64 --spec-tokens 0 --profile
+  bench --arch smollm2 --batch 1 --max-tokens 64 --spec-tokens 3 --draft-vocab 8192
+  bench --arch smollm2 --batch 1 --max-tokens 64 --spec-tokens 3 --deterministic
+  bench --arch smollm2 --batch 32 --max-tokens 64 --spec-tokens 0 --deterministic
+  bench --arch llama-1b --batch 1 --max-tokens 64 --spec-tokens 0 --deterministic
   python3 benchmarks/bench_table.py "$OUT/bench.jsonl"
 fi

@@ -150,7 +150,7 @@ def profile_decode(engine: LLMEngine, prompts: list[list[int]], params: Sampling
             "top_kernels": top_kernels(events)}
 
 
-def top_kernels(events: list, n: int = 12) -> list[tuple[str, float, float]]:
+def top_kernels(events: list, n: int = 25) -> list[tuple[str, float, float]]:
     """(name, us per step, launches per step) of the kernels that take the most time."""
     total: dict[str, list[float]] = {}
     for e in events:

@@ -25,9 +25,8 @@ from torch import nn
 
 from engine.attention import AttentionBackend, AttentionMetadata
 from engine.config import ArchConfig
-from kernels.activation import silu_and_mul
-from kernels.linear import linear
-from kernels.norm import add_rms_norm, rms_norm
+from kernels.linear import linear, linear_argmax
+from kernels.norm import rms_norm
 
 
 class Linear(nn.Linear):
@@ -46,9 +45,10 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return rms_norm(x, self.weight, self.eps)
 
-    def add_forward(self, delta: torch.Tensor | None, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(norm(residual + delta), residual + delta) in one launch on the GPU."""
-        return add_rms_norm(delta, residual, self.weight, self.eps)
+    @property
+    def spec(self) -> tuple[torch.Tensor, float]:
+        """(weight, eps): what `kernels.linear.linear(norm=...)` applies in front of a GEMM."""
+        return self.weight, self.eps
 
 
 def rope_inv_freq(config: ArchConfig) -> torch.Tensor:
@@ -117,20 +117,23 @@ class Attention(nn.Module):
         self.scale = c.head_dim**-0.5
         self.qkv: tuple[torch.Tensor, torch.Tensor | None] | None = None  # set by `fuse_projections`
 
-    def forward(self, positions, x, kv_cache, meta: AttentionMetadata, backend: AttentionBackend):
+    def forward(self, positions, x, kv_cache, meta: AttentionMetadata, backend: AttentionBackend, norm: RMSNorm):
+        """x + o_proj(attention(norm(x))) on the residual stream x: at decode sizes on a GPU the
+        norm runs inside the q/k/v GEMM and the add inside o_proj's (kernels/linear.py)."""
         t = x.shape[0]
-        q, k, v = self._project(x)
+        q, k, v = self._project(x, norm)
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         out = backend.rope_forward(self.rotary[0], positions, q, k, v, kv_cache, meta, self.scale)
-        return self.o_proj(out.reshape(t, -1))
+        return linear(out.reshape(t, -1), self.o_proj.weight, self.o_proj.bias, residual=x)
 
-    def _project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """q [T, Hq, D], k and v [T, Hkv, D]: views of one GEMM's output once fused."""
+    def _project(self, x: torch.Tensor, norm: RMSNorm) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q [T, Hq, D], k and v [T, Hkv, D] of norm(x): views of one GEMM's output once fused."""
         t, d = x.shape[0], self.head_dim
         if self.qkv is None or self.q_proj.weight.requires_grad:  # training reads the parameters
-            return (self.q_proj(x).view(t, -1, d), self.k_proj(x).view(t, -1, d), self.v_proj(x).view(t, -1, d))
-        out = linear(x, *self.qkv)
+            h = norm(x)
+            return (self.q_proj(h).view(t, -1, d), self.k_proj(h).view(t, -1, d), self.v_proj(h).view(t, -1, d))
+        out = linear(x, *self.qkv, norm=norm.spec)
         q, k, v = out.split([self.num_heads * d, self.num_kv_heads * d, self.num_kv_heads * d], dim=-1)
         return q.view(t, -1, d), k.view(t, -1, d), v.view(t, -1, d)
 
@@ -144,10 +147,13 @@ class MLP(nn.Module):
         self.down_proj = Linear(inter, config.hidden_size, bias=False)
         self.gate_up: torch.Tensor | None = None  # [2 * inter, hidden], set by `fuse_projections`
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, norm: RMSNorm) -> torch.Tensor:
+        """x + mlp(norm(x)) on the residual stream x; once fused, two GEMMs carry the norm,
+        silu * up and the add (kernels/linear.py)."""
         if self.gate_up is not None and not self.gate_proj.weight.requires_grad:
-            return self.down_proj(silu_and_mul(linear(x, self.gate_up)))
-        return self.down_proj(nn.functional.silu(self.gate_proj(x)) * self.up_proj(x))
+            return linear(linear(x, self.gate_up, norm=norm.spec), self.down_proj.weight, gated=True, residual=x)
+        h = norm(x)
+        return x + self.down_proj(nn.functional.silu(self.gate_proj(h)) * self.up_proj(h))
 
 
 class DecoderLayer(nn.Module):
@@ -159,17 +165,9 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(self, positions, x, kv_cache, meta, backend):
-        delta, x = self.residual_forward(positions, None, x, kv_cache, meta, backend)
-        return x + delta
-
-    def residual_forward(self, positions, delta, residual, kv_cache, meta, backend):
-        """The layer on the residual stream `residual + delta` (delta: the previous layer's MLP
-        output, or None); returns (this layer's MLP output, the stream before adding it), so
-        each add is fused with the norm that follows it."""
-        h, residual = self.input_layernorm.add_forward(delta, residual)
-        attn = self.self_attn(positions, h, kv_cache, meta, backend)
-        h, residual = self.post_attention_layernorm.add_forward(attn, residual)
-        return self.mlp(h), residual
+        """The layer on the residual stream x; returns the stream after it."""
+        x = self.self_attn(positions, x, kv_cache, meta, backend, self.input_layernorm)
+        return self.mlp(x, self.post_attention_layernorm)
 
 
 class LlamaModel(nn.Module):
@@ -230,20 +228,24 @@ class CausalLM(nn.Module):
         """
         wanted = self.config.mtp_feature_layers if self.mtp is not None else ()
         features = []
-        delta, x = None, self.model.embed_tokens(input_ids)
+        x = self.model.embed_tokens(input_ids)
         for i, (layer, cache) in enumerate(zip(self.model.layers, kv_caches, strict=False)):
-            delta, x = layer.residual_forward(positions, delta, x, cache, meta, backend)  # type: ignore[operator]
+            x = layer(positions, x, cache, meta, backend)
             if i in wanted:
-                features.append(x + delta)
+                features.append(x)
             if on_layer is not None:
                 on_layer(i)
-        h, _ = self.model.norm.add_forward(delta, x)
+        h = self.model.norm(x)
         return torch.cat([h, *features], dim=-1) if features else h
 
     def compute_logits(self, hidden: torch.Tensor, float32: bool = True) -> torch.Tensor:
         """LM-head logits; `float32=False` keeps the model dtype (an argmax needs no cast)."""
         logits = self.lm_head(hidden[..., : self.config.hidden_size])
         return logits.float() if float32 else logits
+
+    def greedy_ids(self, hidden: torch.Tensor) -> torch.Tensor:
+        """compute_logits(hidden).argmax(-1), without the logits where the fused kernel runs."""
+        return linear_argmax(hidden[..., : self.config.hidden_size], self.lm_head.weight)
 
     def mtp_forward(self, next_ids, positions, h_prev, kv_cache, meta, backend) -> torch.Tensor:
         """MTP at each position: (target hidden there, the token after it) -> pre-norm hidden.
@@ -270,6 +272,13 @@ class CausalLM(nn.Module):
         h = self.mtp.shared_head.norm(mtp_hidden)
         logits = self.lm_head(h) if head_weight is None else linear(h, head_weight)
         return logits.float() if float32 else logits
+
+    def mtp_greedy_ids(self, mtp_hidden: torch.Tensor, head_weight: torch.Tensor | None = None) -> torch.Tensor:
+        """mtp_logits(...).argmax(-1) (ids into `head_weight`'s rows when given), the head's
+        norm and the argmax inside the LM-head GEMM where the fused kernel runs."""
+        assert self.mtp is not None
+        weight = self.lm_head.weight if head_weight is None else head_weight
+        return linear_argmax(mtp_hidden, weight, norm=self.mtp.shared_head.norm.spec)
 
 
 def fuse_projections(model: CausalLM) -> None:

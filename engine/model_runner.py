@@ -188,13 +188,20 @@ class ModelRunner:
             if j > 1:
                 meta = self._meta_uniform(tables, base + j - 2, 1, masked, num_kv_blocks)
                 h = self.model.mtp_forward(drafts[-1], meta.positions, h, mtp_cache, meta, self.backend)
-            dv = self.draft_vocab
-            logits = self.model.mtp_logits(h, dv.weight if dv is not None else None, float32=False)
-            token, p = draft_tokens(logits, st, base + j, dv)
+            token, p = self._draft(h, st, base + j)
             drafts.append(token)
             if p is not None:
                 probs.append(p)
         return torch.stack(drafts, 1), (torch.stack(probs, 1) if probs else None)
+
+    def _draft(self, h: torch.Tensor, st: SamplingTensors, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """One draft per row from the MTP hidden h: (ids, their distributions or None if all greedy)."""
+        dv = self.draft_vocab
+        weight = dv.weight if dv is not None else None
+        if st.all_greedy:  # the argmax inside the head's GEMM: no logits written
+            ids = self.model.mtp_greedy_ids(h, weight)
+            return (dv.ids[ids] if dv is not None else ids), None
+        return draft_tokens(self.model.mtp_logits(h, weight, float32=False), st, positions, dv)
 
     # ---- prefill --------------------------------------------------------------------
     @_in_mode
@@ -311,23 +318,31 @@ class ModelRunner:
         inputs = torch.cat([s.last_token[rows].unsqueeze(1), s.drafts[rows]], 1)
         meta = self._meta_uniform(s.block_tables[rows], seq, k + 1, done, num_kv_blocks)
         hidden = self.model(inputs.reshape(-1), meta.positions, self.kv.layers, meta, self.backend)
-        logits = self.model.compute_logits(hidden, float32=not all_greedy).view(rows.shape[0], k + 1, -1)
-        if all_greedy:
-            ids, n_verified = logits.argmax(dim=-1), None
+        if all_greedy and lp_sel is None:  # the argmax inside the LM head's GEMM: no logits written
+            logits, ids, n_verified = None, self.model.greedy_ids(hidden).view(rows.shape[0], k + 1), None
         else:
-            s.ensure_draft_probs()
-            dprobs = s.draft_probs[rows] if s.draft_probs is not None else logits.new_zeros(rows.shape[0], 0, logits.shape[-1])
-            ids, n_verified = verify(logits, s.drafts[rows], dprobs, sampling, seq + 1)
+            logits = self.model.compute_logits(hidden, float32=not all_greedy).view(rows.shape[0], k + 1, -1)
+            ids, n_verified = self._verify(logits, rows, sampling, seq)
         tokens, n_emit, finished, new_len = accept_and_advance(
             ids, n_verified, rows, s.drafts, s.stop_ids, s.max_tokens, s.num_generated, s.seq_lens,
             s.last_token, s.done)
         lps = None
-        if lp_sel is not None:
+        if lp_sel is not None and logits is not None:
             flat = tokens[lp_sel].clamp(min=0).reshape(-1)
             lps = compute_logprobs(logits[lp_sel].reshape(flat.shape[0], -1), flat, num_top)
         if k:
             self._redraft(rows, tokens, n_emit, hidden, meta, new_len, sampling, done, num_kv_blocks)
         return StepOutputs(tokens, n_emit, finished, lps)
+
+    def _verify(self, logits: torch.Tensor, rows: torch.Tensor, sampling: SamplingTensors,
+                seq: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(target ids [R, k+1], verified counts or None when all greedy) from the logits."""
+        if sampling.all_greedy:
+            return logits.argmax(dim=-1), None
+        s = self.state
+        s.ensure_draft_probs()
+        dprobs = s.draft_probs[rows] if s.draft_probs is not None else logits.new_zeros(rows.shape[0], 0, logits.shape[-1])
+        return verify(logits, s.drafts[rows], dprobs, sampling, seq + 1)
 
     def _select_logprobs(self, lp: LogprobsTensors | None, lp_rows: list[int]) -> LogprobsTensors | None:
         """The rows that asked, out of logprobs a graph computed for every row (k+1 each)."""

@@ -1,17 +1,35 @@
-"""Linear layers, y = x @ w.T (+ b), with a batch-invariant path for `--deterministic`.
+"""Linear layers of a decode step, with the ops around them fused in, and a batch-invariant mode.
 
-    x [M, K] (rows contiguous in K), w [N, K] (an nn.Linear weight, rows contiguous), b [N] or None
+    linear(x, w, b=None, norm=None, gated=False, residual=None) = residual + F.linear(pre(x), w, b)
+        pre(x) = rms_norm(x, *norm)   with norm = (weight [K], eps)
+               = silu_and_mul(x)      with gated (x [M, 2K]: gate | up)
+               = x                    otherwise
+    linear_argmax(x, w, norm=None)  = argmax over n of linear(x, w, norm=norm)   (first on ties)
 
-`linear` is F.linear unless this thread is inside `kernels._dispatch.batch_invariant()`. Then a
-row's result must not depend on how many rows share the call (cuBLAS and CPU BLAS pick their
-tiling, split-K and kernels by M, so a row's reduction order changes with the batch):
-  * CUDA: `linear_invariant_triton`, one fixed tile configuration (BLOCK_M x BLOCK_N, K in
-    BLOCK_K steps accumulated in order, fp32) for every M, so each output element is summed
-    in the same order whatever M is; grid (cdiv(M, BLOCK_M), cdiv(N, BLOCK_N)), no split-K;
-  * elsewhere: `linear_invariant_ref`, one GEMV per row (slow, and exactly as invariant).
+    x [M, K] (rows contiguous in K), w [N, K] (an nn.Linear weight), b [N]; residual [M, N]
+
+Rounding follows the torch composition (`*_ref`): the norm's and silu's outputs and the GEMM's
+are rounded to the model dtype before the next op, the residual add rounds once more, and
+`linear_argmax` takes the argmax of the rounded logits. The kernel differs only in the order
+of its fp32 sums.
+
+One Triton kernel serves both uses (`_skinny_kernel`): a program computes a BM x BN output
+tile over a fixed share of K (split-K: SPLIT shares, summed in order by a second launch), with
+the norm or silu applied to x as it is loaded, and the bias, residual add or a per-tile argmax
+in its epilogue. At decode sizes (M <= FUSED_MAX_M) this is one launch where the torch
+composition takes two to four, and reads the weight once, as cuBLAS's GEMV does.
+
+Batch-invariant mode (`kernels._dispatch.batch_invariant()`, `--deterministic`): a row's result
+must not depend on how many rows share the call. cuBLAS and CPU BLAS pick tiling, split-K and
+kernels by M, so there:
+  * CUDA: the same kernel with BM = 16 for every M and the tile configuration chosen by the
+    weight's shape alone (`tile_config`): each output is summed in the same order whatever M is;
+  * elsewhere: one GEMV per row (`linear_invariant_ref`; slow, and exactly as invariant).
 """
 
 from __future__ import annotations
+
+import os
 
 import torch
 import torch.nn.functional as F
@@ -19,45 +37,196 @@ import triton
 import triton.language as tl
 
 from kernels._dispatch import invariant, use_triton
+from kernels.activation import silu_and_mul, silu_and_mul_ref
+from kernels.norm import rms_norm, rms_norm_ref
 
-BLOCK_M, BLOCK_N, BLOCK_K = 32, 64, 64
+FUSED_MAX_M = int(os.environ.get("PDSERVE_FUSED_MAX_M", "64"))  # rows up to which the kernel runs by default
+INVARIANT_BM = 16
+
+Norm = tuple[torch.Tensor, float]
+
+
+def tile_config(n: int, k: int) -> tuple[int, int, int]:
+    """(BN, BK, SPLIT) for a weight [n, k], from a sweep on an H100 (benchmarks/gpu_gemv.py):
+    narrow tiles keep enough programs in flight for the small weights, wide ones suit the large;
+    long rows are split in four so that a short N still fills the GPU. Shape only: the
+    batch-invariant mode relies on it not depending on M."""
+    bn = 64 if n >= 8192 else 16
+    bk = 256 if k >= 256 else max(16, triton.next_power_of_2(k))
+    split = 4 if k >= 4096 else 1
+    return bn, bk, split
 
 
 @triton.jit
-def _linear_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, stride_x, stride_w, stride_y,
-                   HAS_BIAS: tl.constexpr, PRECISION: tl.constexpr,
-                   BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
-    rm = tl.program_id(0) * BM + tl.arange(0, BM)
-    rn = tl.program_id(1) * BN + tl.arange(0, BN)
-    rk = tl.arange(0, BK)
-    acc = tl.zeros([BM, BN], dtype=tl.float32)
-    for k0 in range(0, K, BK):
-        kk = k0 + rk
-        a = tl.load(x_ptr + rm[:, None].to(tl.int64) * stride_x + kk[None, :],
-                    mask=(rm[:, None] < M) & (kk[None, :] < K), other=0.0)
-        b = tl.load(w_ptr + rn[:, None].to(tl.int64) * stride_w + kk[None, :],
-                    mask=(rn[:, None] < N) & (kk[None, :] < K), other=0.0)
-        acc += tl.dot(a, tl.trans(b), input_precision=PRECISION)
+def _epilogue(acc, rm, rn, M, N, b_ptr, r_ptr, stride_r, y_ptr, stride_y,
+              HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr):
+    mask = (rm[:, None] < M) & (rn[None, :] < N)
     if HAS_BIAS:
         acc += tl.load(b_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)[None, :]
-    out = y_ptr + rm[:, None].to(tl.int64) * stride_y + rn[None, :]
-    tl.store(out, acc.to(y_ptr.dtype.element_ty), mask=(rm[:, None] < M) & (rn[None, :] < N))
+    out = acc.to(y_ptr.dtype.element_ty)
+    if HAS_RES:  # torch: residual + round(x @ w.T), rounded again
+        r = tl.load(r_ptr + rm[:, None].to(tl.int64) * stride_r + rn[None, :], mask=mask, other=0.0)
+        out = (out.to(tl.float32) + r.to(tl.float32)).to(y_ptr.dtype.element_ty)
+    tl.store(y_ptr + rm[:, None].to(tl.int64) * stride_y + rn[None, :], out, mask=mask)
 
 
-def linear_invariant_triton(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
-    lead, k = x.shape[:-1], x.shape[-1]
-    x2 = x.reshape(-1, k)
-    if x2.stride(-1) != 1:
-        x2 = x2.contiguous()
-    assert w.stride(-1) == 1 and w.shape[1] == k, f"weight {tuple(w.shape)} does not take {k} inputs"
+@triton.jit
+def _load_a(x_ptr, rm, kk, M, K, stride_x, nw_ptr, inv, NORM: tl.constexpr, GATED: tl.constexpr):
+    """The [BM, BK] operand tile of pre(x): x, rms_norm(x) or silu(gate) * up, rounded as torch."""
+    dt = x_ptr.dtype.element_ty
+    rows = x_ptr + rm[:, None].to(tl.int64) * stride_x
+    mask = (rm[:, None] < M) & (kk[None, :] < K)
+    a = tl.load(rows + kk[None, :], mask=mask, other=0.0)
+    if GATED:
+        g = a.to(tl.float32)
+        u = tl.load(rows + K + kk[None, :], mask=mask, other=0.0).to(tl.float32)
+        a = ((g / (1.0 + tl.exp(-g))).to(dt).to(tl.float32) * u).to(dt)
+    if NORM:
+        nw = tl.load(nw_ptr + kk, mask=kk < K, other=0.0).to(tl.float32)
+        a = (nw[None, :] * (a.to(tl.float32) * inv[:, None]).to(dt).to(tl.float32)).to(dt)
+    return a
+
+
+@triton.jit
+def _inv_rms(x_ptr, rm, M, K, stride_x, eps, BM: tl.constexpr, BK: tl.constexpr):
+    """1 / rms of each of the tile's rows (the whole row, whatever share of K this program has)."""
+    rk = tl.arange(0, BK)
+    ss = tl.zeros([BM], dtype=tl.float32)
+    for k0 in range(0, K, BK):
+        kk = k0 + rk
+        v = tl.load(x_ptr + rm[:, None].to(tl.int64) * stride_x + kk[None, :],
+                    mask=(rm[:, None] < M) & (kk[None, :] < K), other=0.0).to(tl.float32)
+        ss += tl.sum(v * v, axis=1)
+    return tl.rsqrt(ss / K + eps)
+
+
+@triton.jit
+def _skinny_kernel(x_ptr, w_ptr, b_ptr, r_ptr, nw_ptr, y_ptr, ws_ptr, val_ptr, idx_ptr,
+                   M, N, K, stride_x, stride_w, stride_r, stride_y, k_per_split, eps,
+                   NORM: tl.constexpr, GATED: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr,
+                   ARGMAX: tl.constexpr, SPLIT: tl.constexpr, PRECISION: tl.constexpr,
+                   BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+    pid_m, pid_n, pid_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    rm = pid_m * BM + tl.arange(0, BM)
+    rn = pid_n * BN + tl.arange(0, BN)
+    rk = tl.arange(0, BK)
+    inv = tl.zeros([BM], dtype=tl.float32)
+    if NORM:
+        inv = _inv_rms(x_ptr, rm, M, K, stride_x, eps, BM, BK)
+    acc = tl.zeros([BM, BN], dtype=tl.float32)
+    k_lo = pid_k * k_per_split
+    for k0 in range(k_lo, k_lo + k_per_split, BK):  # in order: the same sum whatever M is
+        kk = k0 + rk
+        a = _load_a(x_ptr, rm, kk, M, K, stride_x, nw_ptr, inv, NORM, GATED)
+        w = tl.load(w_ptr + rn[:, None].to(tl.int64) * stride_w + kk[None, :],
+                    mask=(rn[:, None] < N) & (kk[None, :] < K), other=0.0)
+        acc += tl.dot(a, tl.trans(w), input_precision=PRECISION)
+    if ARGMAX:  # this tile's best column per row, of the logits rounded as torch would
+        logit = tl.where(rn[None, :] < N, acc.to(y_ptr.dtype.element_ty).to(tl.float32), float("-inf"))
+        best, at = tl.max(logit, axis=1, return_indices=True, return_indices_tie_break_left=True)
+        n_tiles = tl.num_programs(1)
+        tl.store(val_ptr + rm * n_tiles + pid_n, best, mask=rm < M)
+        tl.store(idx_ptr + rm * n_tiles + pid_n, pid_n * BN + at, mask=rm < M)
+    elif SPLIT == 1:
+        _epilogue(acc, rm, rn, M, N, b_ptr, r_ptr, stride_r, y_ptr, stride_y, HAS_BIAS, HAS_RES)
+    else:
+        part = ws_ptr + pid_k * M * N + rm[:, None] * N + rn[None, :]
+        tl.store(part, acc, mask=(rm[:, None] < M) & (rn[None, :] < N))
+
+
+@triton.jit
+def _sum_splits_kernel(ws_ptr, b_ptr, r_ptr, y_ptr, M, N, stride_r, stride_y,
+                       HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr, SPLIT: tl.constexpr,
+                       BM: tl.constexpr, BN: tl.constexpr):
+    rm = tl.program_id(0) * BM + tl.arange(0, BM)
+    rn = tl.program_id(1) * BN + tl.arange(0, BN)
+    mask = (rm[:, None] < M) & (rn[None, :] < N)
+    acc = tl.zeros([BM, BN], dtype=tl.float32)
+    for s in range(SPLIT):  # in order
+        acc += tl.load(ws_ptr + s * M * N + rm[:, None] * N + rn[None, :], mask=mask, other=0.0)
+    _epilogue(acc, rm, rn, M, N, b_ptr, r_ptr, stride_r, y_ptr, stride_y, HAS_BIAS, HAS_RES)
+
+
+@triton.jit
+def _argmax_tiles_kernel(val_ptr, idx_ptr, out_ptr, n_tiles, BLOCK: tl.constexpr):
+    """Per row, the best of the tiles' best columns (the first tile on ties: the lowest id)."""
+    row = tl.program_id(0)
+    t = tl.arange(0, BLOCK)
+    v = tl.load(val_ptr + row * n_tiles + t, mask=t < n_tiles, other=float("-inf"))
+    _, at = tl.max(v, axis=0, return_indices=True, return_indices_tie_break_left=True)
+    tl.store(out_ptr + row, tl.load(idx_ptr + row * n_tiles + at).to(tl.int64))
+
+
+def _rows(x: torch.Tensor) -> torch.Tensor:
+    x2 = x.reshape(-1, x.shape[-1])
+    return x2 if x2.stride(-1) == 1 else x2.contiguous()
+
+
+def _block_m(m: int) -> int:
+    return INVARIANT_BM if invariant() else min(64, max(16, triton.next_power_of_2(m)))
+
+
+def _launch(x2, w, b, norm, gated, residual, y, argmax_out=None) -> None:
     m, n = x2.shape[0], w.shape[0]
-    y = torch.empty(m, n, dtype=torch.promote_types(x.dtype, w.dtype), device=x.device)
-    if m:
-        grid = (triton.cdiv(m, BLOCK_M), triton.cdiv(n, BLOCK_N))
-        _linear_kernel[grid](x2, w, b if b is not None else w, y, m, n, k, x2.stride(0), w.stride(0), y.stride(0),
-                             HAS_BIAS=b is not None, PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
-                             BM=BLOCK_M, BN=BLOCK_N, BK=BLOCK_K, num_warps=4, num_stages=3)
-    return y.view(*lead, n)
+    k = x2.shape[1] // 2 if gated else x2.shape[1]
+    assert w.stride(-1) == 1 and w.shape[1] == k, f"weight {tuple(w.shape)} does not take {k} inputs"
+    bn, bk, split = tile_config(n, k)
+    bm = _block_m(m)
+    if argmax_out is not None:
+        split = 1
+    if bm * bk + bn * bk > 16384:
+        bk //= 2  # keep three stages in shared memory
+    k_per = triton.cdiv(triton.cdiv(k, split), bk) * bk
+    grid = (triton.cdiv(m, bm), triton.cdiv(n, bn), split)
+    ws = torch.empty(split, m, n, dtype=torch.float32, device=x2.device) if split > 1 else y
+    val = idx = y
+    if argmax_out is not None:
+        val = torch.empty(m, grid[1], dtype=torch.float32, device=x2.device)
+        idx = torch.empty(m, grid[1], dtype=torch.int32, device=x2.device)
+    r = residual if residual is not None else y
+    _skinny_kernel[grid](
+        x2, w, b if b is not None else w, r, norm[0] if norm else w, y, ws, val, idx,
+        m, n, k, x2.stride(0), w.stride(0), r.stride(0), y.stride(0), k_per, norm[1] if norm else 0.0,
+        NORM=norm is not None, GATED=gated, HAS_BIAS=b is not None, HAS_RES=residual is not None,
+        ARGMAX=argmax_out is not None, SPLIT=split, PRECISION="ieee" if x2.dtype == torch.float32 else "tf32",
+        BM=bm, BN=bn, BK=bk, num_warps=4, num_stages=3)
+    if argmax_out is not None:
+        _argmax_tiles_kernel[(m,)](val, idx, argmax_out, grid[1], BLOCK=triton.next_power_of_2(grid[1]))
+    elif split > 1:
+        _sum_splits_kernel[(triton.cdiv(m, bm), triton.cdiv(n, bn))](
+            ws, b if b is not None else ws, r, y, m, n, r.stride(0), y.stride(0),
+            HAS_BIAS=b is not None, HAS_RES=residual is not None, SPLIT=split, BM=bm, BN=bn)
+
+
+def linear_triton(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None, norm: Norm | None = None,
+                  gated: bool = False, residual: torch.Tensor | None = None) -> torch.Tensor:
+    x2 = _rows(x)
+    y = torch.empty(x2.shape[0], w.shape[0], dtype=x.dtype, device=x.device)
+    if x2.shape[0]:
+        _launch(x2, w, b, norm, gated, _rows(residual) if residual is not None else None, y)
+    return y.view(*x.shape[:-1], w.shape[0])
+
+
+def linear_argmax_triton(x: torch.Tensor, w: torch.Tensor, norm: Norm | None = None) -> torch.Tensor:
+    x2 = _rows(x)
+    out = torch.empty(x2.shape[0], dtype=torch.int64, device=x.device)
+    if x2.shape[0]:
+        _launch(x2, w, None, norm, False, None, torch.empty(0, 1, dtype=x.dtype, device=x.device), out)
+    return out.view(x.shape[:-1])
+
+
+def _pre(x: torch.Tensor, norm: Norm | None, gated: bool) -> torch.Tensor:
+    if norm is not None:
+        x = rms_norm_ref(x, norm[0], norm[1])
+    return silu_and_mul_ref(x) if gated else x
+
+
+def linear_ref(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None, norm: Norm | None = None,
+               gated: bool = False, residual: torch.Tensor | None = None) -> torch.Tensor:
+    """The torch composition; one GEMV per row (`linear_invariant_ref`) in batch-invariant mode."""
+    h = _pre(x, norm, gated)
+    y = linear_invariant_ref(h, w, b) if invariant() else F.linear(h, w, b)
+    return y if residual is None else residual + y
 
 
 def linear_invariant_ref(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
@@ -68,9 +237,28 @@ def linear_invariant_ref(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | Non
     return y.view(*x.shape[:-1], w.shape[0])
 
 
-def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
-    if not invariant():
-        return F.linear(x, w, b)
-    if use_triton(x, w):
-        return linear_invariant_triton(x, w, b)
-    return linear_invariant_ref(x, w, b)
+def _fused(x: torch.Tensor, *tensors: torch.Tensor) -> bool:
+    if not use_triton(x, *tensors):
+        return False
+    return invariant() or x.numel() // x.shape[-1] <= FUSED_MAX_M
+
+
+def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None, norm: Norm | None = None,
+           gated: bool = False, residual: torch.Tensor | None = None) -> torch.Tensor:
+    """residual + F.linear(pre(x), w, b): one Triton launch on CUDA at decode sizes and in the
+    batch-invariant mode; the torch composition otherwise (its norm and silu still Triton on CUDA)."""
+    assert not (norm is not None and gated), "a norm or a gate in front, not both"
+    if _fused(x, w):
+        return linear_triton(x, w, b, norm, gated, residual)
+    if use_triton(x, w):  # the norm and silu as their own kernels
+        x = rms_norm(x, *norm) if norm is not None else silu_and_mul(x) if gated else x
+        norm, gated = None, False
+    return linear_ref(x, w, b, norm, gated, residual)
+
+
+def linear_argmax(x: torch.Tensor, w: torch.Tensor, norm: Norm | None = None) -> torch.Tensor:
+    """The argmax row ids of linear(x, w, norm=norm) [..., N] (first on ties), without
+    writing the logits where the kernel runs."""
+    if _fused(x, w):
+        return linear_argmax_triton(x, w, norm)
+    return linear(x, w, norm=norm).argmax(dim=-1)

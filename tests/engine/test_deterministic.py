@@ -11,7 +11,7 @@ from engine.engine import EngineConfig, LLMEngine
 from engine.loader import load_model
 from engine.sampling_params import SamplingParams
 from kernels._dispatch import batch_invariant
-from kernels.linear import linear, linear_invariant_ref, linear_invariant_triton
+from kernels.linear import linear, linear_invariant_ref, linear_triton
 
 PROMPTS = [list(range(5, 5 + n)) for n in (3, 11, 17, 6, 24, 9, 2)]
 PARAMS = SamplingParams(max_tokens=12, ignore_eos=True, logprobs=2)
@@ -59,7 +59,8 @@ def test_invariant_linear_kernel_rows_do_not_depend_on_the_number_of_rows():
     # fp32: Triton's interpreter multiplies bf16 dot operands as raw bits. A row keeps its place
     # in its tile here; on the GPU, benchmarks/gpu_kernels.py checks rows alone against batches.
     x, w, b = _weights(torch.float32)
-    one, seven, forty = (linear_invariant_triton(x[:m], w, b) for m in (1, 7, 40))
+    with batch_invariant():
+        one, seven, forty = (linear_triton(x[:m], w, b) for m in (1, 7, 40))
     assert torch.equal(one, seven[:1]) and torch.equal(seven, forty[:7])
     torch.testing.assert_close(forty, torch.nn.functional.linear(x, w, b), atol=1e-4, rtol=1e-5)
 

@@ -1,0 +1,76 @@
+"""The fused decode GEMM (kernels/linear.py) against the torch composition it replaces: plain,
+bias, residual add, RMSNorm and silu * up in front, split-K, the in-GEMM argmax (first index
+on ties, across tiles too), the batch-invariant mode, and which path `linear` takes."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kernels import linear as L
+from kernels._dispatch import batch_invariant, triton_on_cpu
+
+
+def randn(*shape, device="cpu", seed=0, scale=1.0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return (scale * torch.randn(*shape, generator=g)).to(device)
+
+
+CASES = [  # (M, K, N, bias, norm, gated, residual)
+    (1, 64, 40, False, False, False, False),
+    (5, 300, 70, True, False, False, True),  # K and N not multiples of the tiles
+    (2, 96, 33, False, True, False, False),
+    (17, 80, 20, False, False, True, True),  # two row tiles
+    (3, 4160, 24, False, True, False, True),  # split-K in four, summed by the second launch
+]
+
+
+@pytest.mark.parametrize(("m", "k", "n", "bias", "norm", "gated", "res"), CASES)
+def test_fused_linear_matches_the_torch_composition(device, m, k, n, bias, norm, gated, res):
+    x = randn(m, 2 * k if gated else k, device=device)
+    w = randn(n, k, device=device, seed=1, scale=0.1)
+    b = randn(n, device=device, seed=2) if bias else None
+    nw = (randn(k, device=device, seed=3).abs() + 0.5, 1e-5) if norm else None
+    r = randn(m, n, device=device, seed=4) if res else None
+    out = L.linear_triton(x, w, b, nw, gated, r)
+    assert out.shape == (m, n)
+    torch.testing.assert_close(out, L.linear_ref(x, w, b, nw, gated, r), atol=2e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("norm", [False, True])
+def test_argmax_in_the_gemm_takes_the_first_of_tied_columns(device, norm):
+    x = randn(6, 64, device=device)
+    w = randn(1000, 64, device=device, seed=1)
+    w[[10, 900, 911]] = 5 * x[0] / x[0].norm()  # row 0: a tie across tiles and inside one
+    w[[300, 301]] = 5 * x[3] / x[3].norm()
+    nw = (torch.ones(64, device=device), 1e-6) if norm else None
+    ids = L.linear_argmax_triton(x, w, nw)
+    assert ids.dtype == torch.int64
+    assert torch.equal(ids, L.linear_ref(x, w, norm=nw).argmax(dim=-1))
+    assert ids[0] == 10 and ids[3] == 300
+
+
+def test_invariant_mode_rows_alone_equal_rows_in_a_batch(device):
+    x, w = randn(40, 4160, device=device), randn(24, 4160, device=device, seed=1)
+    r = randn(40, 24, device=device, seed=2)
+    with batch_invariant():
+        one, seven, forty = (L.linear_triton(x[:m], w, residual=r[:m]) for m in (1, 7, 40))
+    assert torch.equal(one, seven[:1]) and torch.equal(seven, forty[:7])
+
+
+def test_linear_runs_the_kernel_at_decode_sizes_and_the_composition_above(monkeypatch):
+    calls = []
+    monkeypatch.setattr(L, "linear_triton", lambda x, *a: calls.append(x.shape[0]) or L.linear_ref(x, *a))
+    w = randn(8, 16, seed=1)
+    with triton_on_cpu():
+        L.linear(randn(L.FUSED_MAX_M, 16), w)
+        L.linear(randn(L.FUSED_MAX_M + 1, 16), w)
+        with batch_invariant():
+            L.linear(randn(L.FUSED_MAX_M + 1, 16), w)
+    L.linear(randn(2, 16), w)  # CPU tensors outside triton_on_cpu: the reference
+    assert calls == [L.FUSED_MAX_M, L.FUSED_MAX_M + 1]
+
+
+def test_a_norm_and_a_gate_together_are_refused():
+    with pytest.raises(AssertionError, match="not both"):
+        L.linear(randn(2, 32), randn(4, 16), norm=(torch.ones(32), 1e-6), gated=True)
