@@ -42,13 +42,4 @@ if [[ $stage == profile ]]; then
   bench --arch smollm2 --batch 32 --max-tokens 64 --spec-tokens 0 --deterministic
   bench --arch llama-1b --batch 1 --max-tokens 64 --spec-tokens 0 --deterministic
   python3 benchmarks/bench_table.py "$OUT/bench.jsonl"
-file ]]; then
-  bench --arch smollm2 --batch 1 --max-tokens 64 --spec-tokens 3 --profile
-  bench --arch llama-1b --batch 1 --max-tokens 64 --spec-tokens 0 --profile
-  bench --arch smollm2 --batch 32 --max-tokens 64 --spec-tokens 0 --profile
-  bench --arch smollm2 --batch 1 --max-tokens 64 --spec-tokens 3 --draft-vocab 8192
-  bench --arch smollm2 --batch 1 --max-tokens 64 --spec-tokens 3 --deterministic
-  bench --arch smollm2 --batch 32 --max-tokens 64 --spec-tokens 0 --deterministic
-  bench --arch llama-1b --batch 1 --max-tokens 64 --spec-tokens 0 --deterministic
-  python3 benchmarks/bench_table.py "$OUT/bench.jsonl"
 fi

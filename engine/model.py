@@ -25,6 +25,7 @@ from torch import nn
 
 from engine.attention import AttentionBackend, AttentionMetadata
 from engine.config import ArchConfig
+from kernels.activation import silu_and_mul
 from kernels.linear import linear, linear_argmax
 from kernels.norm import rms_norm
 
@@ -148,10 +149,10 @@ class MLP(nn.Module):
         self.gate_up: torch.Tensor | None = None  # [2 * inter, hidden], set by `fuse_projections`
 
     def forward(self, x: torch.Tensor, norm: RMSNorm) -> torch.Tensor:
-        """x + mlp(norm(x)) on the residual stream x; once fused, two GEMMs carry the norm,
-        silu * up and the add (kernels/linear.py)."""
+        """x + mlp(norm(x)) on the residual stream x; once fused, the GEMMs carry the norm and
+        the add (kernels/linear.py)."""
         if self.gate_up is not None and not self.gate_proj.weight.requires_grad:
-            return linear(linear(x, self.gate_up, norm=norm.spec), self.down_proj.weight, gated=True, residual=x)
+            return linear(silu_and_mul(linear(x, self.gate_up, norm=norm.spec)), self.down_proj.weight, residual=x)
         h = norm(x)
         return x + self.down_proj(nn.functional.silu(self.gate_proj(h)) * self.up_proj(h))
 

@@ -1,23 +1,24 @@
 """Linear layers of a decode step, with the ops around them fused in, and a batch-invariant mode.
 
-    linear(x, w, b=None, norm=None, gated=False, residual=None) = residual + F.linear(pre(x), w, b)
-        pre(x) = rms_norm(x, *norm)   with norm = (weight [K], eps)
-               = silu_and_mul(x)      with gated (x [M, 2K]: gate | up)
-               = x                    otherwise
+    linear(x, w, b=None, norm=None, residual=None) = residual + F.linear(pre(x), w, b)
+        pre(x) = rms_norm(x, *norm)   with norm = (weight [K], eps), else x
     linear_argmax(x, w, norm=None)  = argmax over n of linear(x, w, norm=norm)   (first on ties)
 
     x [M, K] (rows contiguous in K), w [N, K] (an nn.Linear weight), b [N]; residual [M, N]
 
-Rounding follows the torch composition (`*_ref`): the norm's and silu's outputs and the GEMM's
-are rounded to the model dtype before the next op, the residual add rounds once more, and
-`linear_argmax` takes the argmax of the rounded logits. The kernel differs only in the order
-of its fp32 sums.
+The torch composition (`linear_ref`) rounds the norm's output and the GEMM's to the model dtype,
+and the residual add once more; `linear_argmax` takes the argmax of the rounded logits. The
+kernel rounds the GEMM and the add the same way; its norm is applied after the dot, as the
+row scale it is (rms_norm(x) @ w.T = (x * nw) @ w.T / rms(x), the sum of squares taken from
+the tiles the dot loads anyway), so its bf16 results differ from the composition's by the
+rounding of that product and the order of the fp32 sums.
 
 One Triton kernel serves both uses (`_skinny_kernel`): a program computes a BM x BN output
 tile over a fixed share of K (split-K: SPLIT shares, summed in order by a second launch), with
-the norm or silu applied to x as it is loaded, and the bias, residual add or a per-tile argmax
-in its epilogue. At decode sizes (M <= FUSED_MAX_M) this is one launch where the torch
-composition takes two to four, and reads the weight once, as cuBLAS's GEMV does.
+the bias, residual add or a per-tile argmax in its epilogue. At decode sizes
+(M <= FUSED_MAX_M) that is one launch where the torch composition takes two or three, reading
+the weight once, as cuBLAS's GEMV does. (silu * up stays its own kernel: loaded as the A
+operand, it kept Triton from pipelining the weight loads, 3x slower on an H100.)
 
 Batch-invariant mode (`kernels._dispatch.batch_invariant()`, `--deterministic`): a row's result
 must not depend on how many rows share the call. cuBLAS and CPU BLAS pick tiling, split-K and
@@ -37,7 +38,6 @@ import triton
 import triton.language as tl
 
 from kernels._dispatch import invariant, use_triton
-from kernels.activation import silu_and_mul, silu_and_mul_ref
 from kernels.norm import rms_norm, rms_norm_ref
 
 FUSED_MAX_M = int(os.environ.get("PDSERVE_FUSED_MAX_M", "64"))  # rows up to which the kernel runs by default
@@ -71,56 +71,31 @@ def _epilogue(acc, rm, rn, M, N, b_ptr, r_ptr, stride_r, y_ptr, stride_y,
 
 
 @triton.jit
-def _load_a(x_ptr, rm, kk, M, K, stride_x, nw_ptr, inv, NORM: tl.constexpr, GATED: tl.constexpr):
-    """The [BM, BK] operand tile of pre(x): x, rms_norm(x) or silu(gate) * up, rounded as torch."""
-    dt = x_ptr.dtype.element_ty
-    rows = x_ptr + rm[:, None].to(tl.int64) * stride_x
-    mask = (rm[:, None] < M) & (kk[None, :] < K)
-    a = tl.load(rows + kk[None, :], mask=mask, other=0.0)
-    if GATED:
-        g = a.to(tl.float32)
-        u = tl.load(rows + K + kk[None, :], mask=mask, other=0.0).to(tl.float32)
-        a = ((g / (1.0 + tl.exp(-g))).to(dt).to(tl.float32) * u).to(dt)
-    if NORM:
-        nw = tl.load(nw_ptr + kk, mask=kk < K, other=0.0).to(tl.float32)
-        a = (nw[None, :] * (a.to(tl.float32) * inv[:, None]).to(dt).to(tl.float32)).to(dt)
-    return a
-
-
-@triton.jit
-def _inv_rms(x_ptr, rm, M, K, stride_x, eps, BM: tl.constexpr, BK: tl.constexpr):
-    """1 / rms of each of the tile's rows (the whole row, whatever share of K this program has)."""
-    rk = tl.arange(0, BK)
-    ss = tl.zeros([BM], dtype=tl.float32)
-    for k0 in range(0, K, BK):
-        kk = k0 + rk
-        v = tl.load(x_ptr + rm[:, None].to(tl.int64) * stride_x + kk[None, :],
-                    mask=(rm[:, None] < M) & (kk[None, :] < K), other=0.0).to(tl.float32)
-        ss += tl.sum(v * v, axis=1)
-    return tl.rsqrt(ss / K + eps)
-
-
-@triton.jit
 def _skinny_kernel(x_ptr, w_ptr, b_ptr, r_ptr, nw_ptr, y_ptr, ws_ptr, val_ptr, idx_ptr,
                    M, N, K, stride_x, stride_w, stride_r, stride_y, k_per_split, eps,
-                   NORM: tl.constexpr, GATED: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr,
+                   NORM: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr,
                    ARGMAX: tl.constexpr, SPLIT: tl.constexpr, PRECISION: tl.constexpr,
                    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
     pid_m, pid_n, pid_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     rm = pid_m * BM + tl.arange(0, BM)
     rn = pid_n * BN + tl.arange(0, BN)
     rk = tl.arange(0, BK)
-    inv = tl.zeros([BM], dtype=tl.float32)
-    if NORM:
-        inv = _inv_rms(x_ptr, rm, M, K, stride_x, eps, BM, BK)
     acc = tl.zeros([BM, BN], dtype=tl.float32)
+    ss = tl.zeros([BM], dtype=tl.float32)  # NORM: each row's sum of squares (SPLIT is 1 then)
     k_lo = pid_k * k_per_split
     for k0 in range(k_lo, k_lo + k_per_split, BK):  # in order: the same sum whatever M is
         kk = k0 + rk
-        a = _load_a(x_ptr, rm, kk, M, K, stride_x, nw_ptr, inv, NORM, GATED)
+        a = tl.load(x_ptr + rm[:, None].to(tl.int64) * stride_x + kk[None, :],
+                    mask=(rm[:, None] < M) & (kk[None, :] < K), other=0.0)
+        if NORM:
+            af = a.to(tl.float32)
+            ss += tl.sum(af * af, axis=1)
+            a = (af * tl.load(nw_ptr + kk, mask=kk < K, other=0.0).to(tl.float32)[None, :]).to(a.dtype)
         w = tl.load(w_ptr + rn[:, None].to(tl.int64) * stride_w + kk[None, :],
                     mask=(rn[:, None] < N) & (kk[None, :] < K), other=0.0)
         acc += tl.dot(a, tl.trans(w), input_precision=PRECISION)
+    if NORM:
+        acc *= tl.rsqrt(ss / K + eps)[:, None]
     if ARGMAX:  # this tile's best column per row, of the logits rounded as torch would
         logit = tl.where(rn[None, :] < N, acc.to(y_ptr.dtype.element_ty).to(tl.float32), float("-inf"))
         best, at = tl.max(logit, axis=1, return_indices=True, return_indices_tie_break_left=True)
@@ -166,14 +141,13 @@ def _block_m(m: int) -> int:
     return INVARIANT_BM if invariant() else min(64, max(16, triton.next_power_of_2(m)))
 
 
-def _launch(x2, w, b, norm, gated, residual, y, argmax_out=None) -> None:
-    m, n = x2.shape[0], w.shape[0]
-    k = x2.shape[1] // 2 if gated else x2.shape[1]
-    assert w.stride(-1) == 1 and w.shape[1] == k, f"weight {tuple(w.shape)} does not take {k} inputs"
+def _launch(x2, w, b, norm, residual, y, argmax_out=None) -> None:
+    m, (n, k) = x2.shape[0], w.shape
+    assert w.stride(-1) == 1 and x2.shape[1] == k, f"weight {tuple(w.shape)} does not take {x2.shape[1]} inputs"
     bn, bk, split = tile_config(n, k)
     bm = _block_m(m)
-    if argmax_out is not None:
-        split = 1
+    if argmax_out is not None or norm is not None:
+        split = 1  # the argmax and the norm's row scale need the whole sum
     if bm * bk + bn * bk > 16384:
         bk //= 2  # keep three stages in shared memory
     k_per = triton.cdiv(triton.cdiv(k, split), bk) * bk
@@ -187,7 +161,7 @@ def _launch(x2, w, b, norm, gated, residual, y, argmax_out=None) -> None:
     _skinny_kernel[grid](
         x2, w, b if b is not None else w, r, norm[0] if norm else w, y, ws, val, idx,
         m, n, k, x2.stride(0), w.stride(0), r.stride(0), y.stride(0), k_per, norm[1] if norm else 0.0,
-        NORM=norm is not None, GATED=gated, HAS_BIAS=b is not None, HAS_RES=residual is not None,
+        NORM=norm is not None, HAS_BIAS=b is not None, HAS_RES=residual is not None,
         ARGMAX=argmax_out is not None, SPLIT=split, PRECISION="ieee" if x2.dtype == torch.float32 else "tf32",
         BM=bm, BN=bn, BK=bk, num_warps=4, num_stages=3)
     if argmax_out is not None:
@@ -199,11 +173,11 @@ def _launch(x2, w, b, norm, gated, residual, y, argmax_out=None) -> None:
 
 
 def linear_triton(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None, norm: Norm | None = None,
-                  gated: bool = False, residual: torch.Tensor | None = None) -> torch.Tensor:
+                  residual: torch.Tensor | None = None) -> torch.Tensor:
     x2 = _rows(x)
     y = torch.empty(x2.shape[0], w.shape[0], dtype=x.dtype, device=x.device)
     if x2.shape[0]:
-        _launch(x2, w, b, norm, gated, _rows(residual) if residual is not None else None, y)
+        _launch(x2, w, b, norm, _rows(residual) if residual is not None else None, y)
     return y.view(*x.shape[:-1], w.shape[0])
 
 
@@ -211,20 +185,14 @@ def linear_argmax_triton(x: torch.Tensor, w: torch.Tensor, norm: Norm | None = N
     x2 = _rows(x)
     out = torch.empty(x2.shape[0], dtype=torch.int64, device=x.device)
     if x2.shape[0]:
-        _launch(x2, w, None, norm, False, None, torch.empty(0, 1, dtype=x.dtype, device=x.device), out)
+        _launch(x2, w, None, norm, None, torch.empty(0, 1, dtype=x.dtype, device=x.device), out)
     return out.view(x.shape[:-1])
 
 
-def _pre(x: torch.Tensor, norm: Norm | None, gated: bool) -> torch.Tensor:
-    if norm is not None:
-        x = rms_norm_ref(x, norm[0], norm[1])
-    return silu_and_mul_ref(x) if gated else x
-
-
 def linear_ref(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None, norm: Norm | None = None,
-               gated: bool = False, residual: torch.Tensor | None = None) -> torch.Tensor:
+               residual: torch.Tensor | None = None) -> torch.Tensor:
     """The torch composition; one GEMV per row (`linear_invariant_ref`) in batch-invariant mode."""
-    h = _pre(x, norm, gated)
+    h = rms_norm_ref(x, *norm) if norm is not None else x
     y = linear_invariant_ref(h, w, b) if invariant() else F.linear(h, w, b)
     return y if residual is None else residual + y
 
@@ -244,16 +212,14 @@ def _fused(x: torch.Tensor, *tensors: torch.Tensor) -> bool:
 
 
 def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None, norm: Norm | None = None,
-           gated: bool = False, residual: torch.Tensor | None = None) -> torch.Tensor:
+           residual: torch.Tensor | None = None) -> torch.Tensor:
     """residual + F.linear(pre(x), w, b): one Triton launch on CUDA at decode sizes and in the
-    batch-invariant mode; the torch composition otherwise (its norm and silu still Triton on CUDA)."""
-    assert not (norm is not None and gated), "a norm or a gate in front, not both"
+    batch-invariant mode; the torch composition otherwise (its norm still a Triton kernel on CUDA)."""
     if _fused(x, w):
-        return linear_triton(x, w, b, norm, gated, residual)
-    if use_triton(x, w):  # the norm and silu as their own kernels
-        x = rms_norm(x, *norm) if norm is not None else silu_and_mul(x) if gated else x
-        norm, gated = None, False
-    return linear_ref(x, w, b, norm, gated, residual)
+        return linear_triton(x, w, b, norm, residual)
+    if norm is not None and use_triton(x, w):
+        x, norm = rms_norm(x, *norm), None
+    return linear_ref(x, w, b, norm, residual)
 
 
 def linear_argmax(x: torch.Tensor, w: torch.Tensor, norm: Norm | None = None) -> torch.Tensor:
