@@ -6,19 +6,17 @@
 
     x [M, K] (rows contiguous in K), w [N, K] (an nn.Linear weight), b [N]; residual [M, N]
 
-The torch composition (`linear_ref`) rounds the norm's output and the GEMM's to the model dtype,
-and the residual add once more; `linear_argmax` takes the argmax of the rounded logits. The
-kernel rounds the GEMM and the add the same way; its norm is applied after the dot, as the
-row scale it is (rms_norm(x) @ w.T = (x * nw) @ w.T / rms(x), the sum of squares taken from
-the tiles the dot loads anyway), so its bf16 results differ from the composition's by the
-rounding of that product and the order of the fp32 sums.
+Rounding follows the torch composition (`linear_ref`): the norm's output and the GEMM's are
+rounded to the model dtype, the residual add rounds once more, and `linear_argmax` takes the
+argmax of the rounded logits. The kernel differs only in the order of its fp32 sums.
 
 One Triton kernel serves both uses (`_skinny_kernel`): a program computes a BM x BN output
 tile over a fixed share of K (split-K: SPLIT shares, summed in order by a second launch), with
-the bias, residual add or a per-tile argmax in its epilogue. At decode sizes
-(M <= FUSED_MAX_M) that is one launch where the torch composition takes two or three, reading
-the weight once, as cuBLAS's GEMV does. (silu * up stays its own kernel: loaded as the A
-operand, it kept Triton from pipelining the weight loads, 3x slower on an H100.)
+the bias, residual add or a per-tile argmax in its epilogue: at decode sizes
+(M <= FUSED_MAX_M) one launch where cuBLAS + add takes two, and no logits written for an
+argmax. The norm stays its own kernel (`kernels.norm.rms_norm`), as does silu * up: applied to
+the A operand as it is loaded, either kept Triton from pipelining the weight loads (1.3-3x
+slower on an H100, benchmarks/gpu_gemv.py, 2026-11-23).
 
 Batch-invariant mode (`kernels._dispatch.batch_invariant()`, `--deterministic`): a row's result
 must not depend on how many rows share the call. cuBLAS and CPU BLAS pick tiling, split-K and
@@ -71,9 +69,9 @@ def _epilogue(acc, rm, rn, M, N, b_ptr, r_ptr, stride_r, y_ptr, stride_y,
 
 
 @triton.jit
-def _skinny_kernel(x_ptr, w_ptr, b_ptr, r_ptr, nw_ptr, y_ptr, ws_ptr, val_ptr, idx_ptr,
-                   M, N, K, stride_x, stride_w, stride_r, stride_y, k_per_split, eps,
-                   NORM: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr,
+def _skinny_kernel(x_ptr, w_ptr, b_ptr, r_ptr, y_ptr, ws_ptr, val_ptr, idx_ptr,
+                   M, N, K, stride_x, stride_w, stride_r, stride_y, k_per_split,
+                   HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr,
                    ARGMAX: tl.constexpr, SPLIT: tl.constexpr, PRECISION: tl.constexpr,
                    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
     pid_m, pid_n, pid_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
@@ -81,21 +79,14 @@ def _skinny_kernel(x_ptr, w_ptr, b_ptr, r_ptr, nw_ptr, y_ptr, ws_ptr, val_ptr, i
     rn = pid_n * BN + tl.arange(0, BN)
     rk = tl.arange(0, BK)
     acc = tl.zeros([BM, BN], dtype=tl.float32)
-    ss = tl.zeros([BM], dtype=tl.float32)  # NORM: each row's sum of squares (SPLIT is 1 then)
     k_lo = pid_k * k_per_split
     for k0 in range(k_lo, k_lo + k_per_split, BK):  # in order: the same sum whatever M is
         kk = k0 + rk
         a = tl.load(x_ptr + rm[:, None].to(tl.int64) * stride_x + kk[None, :],
                     mask=(rm[:, None] < M) & (kk[None, :] < K), other=0.0)
-        if NORM:
-            af = a.to(tl.float32)
-            ss += tl.sum(af * af, axis=1)
-            a = (af * tl.load(nw_ptr + kk, mask=kk < K, other=0.0).to(tl.float32)[None, :]).to(a.dtype)
         w = tl.load(w_ptr + rn[:, None].to(tl.int64) * stride_w + kk[None, :],
                     mask=(rn[:, None] < N) & (kk[None, :] < K), other=0.0)
         acc += tl.dot(a, tl.trans(w), input_precision=PRECISION)
-    if NORM:
-        acc *= tl.rsqrt(ss / K + eps)[:, None]
     if ARGMAX:  # this tile's best column per row, of the logits rounded as torch would
         logit = tl.where(rn[None, :] < N, acc.to(y_ptr.dtype.element_ty).to(tl.float32), float("-inf"))
         best, at = tl.max(logit, axis=1, return_indices=True, return_indices_tie_break_left=True)
@@ -141,13 +132,13 @@ def _block_m(m: int) -> int:
     return INVARIANT_BM if invariant() else min(64, max(16, triton.next_power_of_2(m)))
 
 
-def _launch(x2, w, b, norm, residual, y, argmax_out=None) -> None:
+def _launch(x2, w, b, residual, y, argmax_out=None) -> None:
     m, (n, k) = x2.shape[0], w.shape
     assert w.stride(-1) == 1 and x2.shape[1] == k, f"weight {tuple(w.shape)} does not take {x2.shape[1]} inputs"
     bn, bk, split = tile_config(n, k)
     bm = _block_m(m)
-    if argmax_out is not None or norm is not None:
-        split = 1  # the argmax and the norm's row scale need the whole sum
+    if argmax_out is not None:
+        split = 1  # the argmax needs the whole sum
     if bm * bk + bn * bk > 16384:
         bk //= 2  # keep three stages in shared memory
     k_per = triton.cdiv(triton.cdiv(k, split), bk) * bk
@@ -159,9 +150,9 @@ def _launch(x2, w, b, norm, residual, y, argmax_out=None) -> None:
         idx = torch.empty(m, grid[1], dtype=torch.int32, device=x2.device)
     r = residual if residual is not None else y
     _skinny_kernel[grid](
-        x2, w, b if b is not None else w, r, norm[0] if norm else w, y, ws, val, idx,
-        m, n, k, x2.stride(0), w.stride(0), r.stride(0), y.stride(0), k_per, norm[1] if norm else 0.0,
-        NORM=norm is not None, HAS_BIAS=b is not None, HAS_RES=residual is not None,
+        x2, w, b if b is not None else w, r, y, ws, val, idx,
+        m, n, k, x2.stride(0), w.stride(0), r.stride(0), y.stride(0), k_per,
+        HAS_BIAS=b is not None, HAS_RES=residual is not None,
         ARGMAX=argmax_out is not None, SPLIT=split, PRECISION="ieee" if x2.dtype == torch.float32 else "tf32",
         BM=bm, BN=bn, BK=bk, num_warps=4, num_stages=3)
     if argmax_out is not None:
@@ -174,19 +165,23 @@ def _launch(x2, w, b, norm, residual, y, argmax_out=None) -> None:
 
 def linear_triton(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None, norm: Norm | None = None,
                   residual: torch.Tensor | None = None) -> torch.Tensor:
-    x2 = _rows(x)
+    x2 = _rows(_norm(x, norm))
     y = torch.empty(x2.shape[0], w.shape[0], dtype=x.dtype, device=x.device)
     if x2.shape[0]:
-        _launch(x2, w, b, norm, _rows(residual) if residual is not None else None, y)
+        _launch(x2, w, b, _rows(residual) if residual is not None else None, y)
     return y.view(*x.shape[:-1], w.shape[0])
 
 
 def linear_argmax_triton(x: torch.Tensor, w: torch.Tensor, norm: Norm | None = None) -> torch.Tensor:
-    x2 = _rows(x)
+    x2 = _rows(_norm(x, norm))
     out = torch.empty(x2.shape[0], dtype=torch.int64, device=x.device)
     if x2.shape[0]:
-        _launch(x2, w, None, norm, None, torch.empty(0, 1, dtype=x.dtype, device=x.device), out)
+        _launch(x2, w, None, None, torch.empty(0, 1, dtype=x.dtype, device=x.device), out)
     return out.view(x.shape[:-1])
+
+
+def _norm(x: torch.Tensor, norm: Norm | None) -> torch.Tensor:
+    return x if norm is None else rms_norm(x, *norm)
 
 
 def linear_ref(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None, norm: Norm | None = None,
