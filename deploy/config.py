@@ -14,7 +14,8 @@ YAML layout (every section and key optional):
     kv_transfer: {backend: ucx, timeout_s: 30}
     prefill: {max_num_batched_tokens: 2048, num_nodes: 1, num_cpus: 1, num_gpus: 1, resources: {}}
     decode: {max_num_seqs: 32, num_nodes: 1, num_cpus: 1, num_gpus: 1, resources: {}}
-    router: {host: 0.0.0.0, port: 50051, http_port: 8000, queue_size: 256, default_timeout_s: 600, ...}
+    router: {host: 0.0.0.0, port: 50051, http_port: 8000, queue_size: 256, default_timeout_s: 600,
+             api_key: null, tls_cert: null, tls_key: null, ...}
     cluster: {address: null, namespace: pdserve, router_resources: {}, node_host: 127.0.0.1, start_timeout_s: 300}
 
 `router.host: auto` and `cluster.node_host: auto` bind the Ray node's own IP (multi-host).
@@ -28,7 +29,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 DTYPE_NAMES = ("auto", "float32", "fp32", "bfloat16", "bf16", "float16", "fp16")
 
@@ -118,7 +119,17 @@ class RouterConfig(_Section):
     node_wait_s: float = Field(default=0.0, ge=0)
     # Clients must send `authorization: Bearer KEY` (gRPC metadata, HTTP header) for generation
     # and models; health checks and /metrics stay open. None: no auth. `--api-key` or PDSERVE_API_KEY.
-    api_key: str | None = Field(default=None, min_length=1)
+    api_key: str | None = Field(default=None, min_length=1, repr=False)
+    # TLS on the gRPC and HTTP ports: a PEM certificate chain and its private key (both or
+    # neither; `--tls-cert`/`--tls-key`, vLLM's `--ssl-certfile`/`--ssl-keyfile`). None: plain text.
+    tls_cert: str | None = Field(default=None, min_length=1)
+    tls_key: str | None = Field(default=None, min_length=1)
+
+    @model_validator(mode="after")
+    def _cert_with_key(self) -> RouterConfig:
+        if (self.tls_cert is None) != (self.tls_key is None):
+            raise ValueError("tls_cert and tls_key go together (give both, or neither)")
+        return self
 
 
 class ClusterConfig(_Section):

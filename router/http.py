@@ -252,10 +252,11 @@ class _Server(uvicorn.Server):
 
 
 class HttpServer:
-    """uvicorn serving `app` as a task on the running loop."""
+    """uvicorn serving `app` as a task on the running loop (HTTPS with a certificate and key)."""
 
-    def __init__(self, app: FastAPI) -> None:
+    def __init__(self, app: FastAPI, tls_cert: str | None = None, tls_key: str | None = None) -> None:
         self.app = app
+        self.tls = {"ssl_certfile": tls_cert, "ssl_keyfile": tls_key} if tls_cert else {}
         self._server: _Server | None = None
         self._task: asyncio.Task[None] | None = None
 
@@ -266,7 +267,7 @@ class HttpServer:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind((host, port))
         config = uvicorn.Config(self.app, log_level="warning", access_log=False, lifespan="off",
-                                timeout_graceful_shutdown=2)
+                                timeout_graceful_shutdown=2, **self.tls)  # type: ignore[arg-type]
         self._server = _Server(config)
         self._task = asyncio.create_task(self._server.serve(sockets=[sock]))
         while not self._server.started:

@@ -44,6 +44,7 @@ from router.metrics import RouterMetrics
 from router.policy import Policy, make_policy
 from router.pool import MAX_MESSAGE_BYTES, Node, NodePool
 from router.request import Interrupt, RequestState, is_terminal
+from router.tls import server_credentials
 from router.validate import InvalidRequest, Limits, prepare
 
 log = logging.getLogger(__name__)
@@ -102,21 +103,32 @@ class Router:
         host = host if host is not None else self.config.host
         port = port if port is not None else self.config.port
         http_port = self.config.http_port if http_port == -1 else http_port
-        key = self.config.api_key
+        bound = self.grpc_port = self._serve_grpc(host, port)
+        await self.pool.start()
+        assert self._server is not None
+        await self._server.start()
+        if http_port is not None:
+            self.http = HttpServer(build_app(self), self.config.tls_cert, self.config.tls_key)
+            self.http_port = await self.http.start(host, http_port)
+        self._serving = True
+        tls = "TLS" if self.config.tls_cert else "plain text"
+        log.info("router %s serving %s on %s port %d (gRPC, %s)", self.router_id, self.model.name, host, bound, tls)
+        return bound
+
+    def _serve_grpc(self, host: str, port: int) -> int:
+        """Build the gRPC server (API-key interceptor, TLS when configured) and bind it to
+        `host` only; returns the bound port."""
+        key, cert = self.config.api_key, self.config.tls_cert
+        creds = server_credentials(cert, self.config.tls_key or "") if cert else None  # read first: clear errors
         self._server = grpc.aio.server(options=[("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
                                                 ("grpc.max_send_message_length", MAX_MESSAGE_BYTES)],
                                        interceptors=[ApiKeyInterceptor(key)] if key else None)
         pdserve_pb2_grpc.add_GenerationServicer_to_server(_Servicer(self), self._server)
-        bound = self.grpc_port = self._server.add_insecure_port(f"[{host}]:{port}" if ":" in host else f"{host}:{port}")
         add_health_servicer(self._server, lambda: self.health().serving)  # grpc.health.v1 (k8s probes)
-        await self.pool.start()
-        await self._server.start()
-        if http_port is not None:
-            self.http = HttpServer(build_app(self))
-            self.http_port = await self.http.start(host, http_port)
-        self._serving = True
-        log.info("router %s serving %s on port %d", self.router_id, self.model.name, bound)
-        return bound
+        address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+        if creds is None:
+            return self._server.add_insecure_port(address)
+        return self._server.add_secure_port(address, creds)
 
     async def stop(self) -> None:
         """End every request (UNAVAILABLE), free what nodes hold for them, stop serving."""
