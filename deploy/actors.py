@@ -59,6 +59,10 @@ class NodeActor:
         host = host or bind_host(cfg)
         self.role, self.node_id, self.host = role, node_id, host
         kv: dict[str, Any] = {"kv_backend": cfg.kv_transfer.backend, "kv_timeout_s": cfg.kv_transfer.timeout_s}
+        if cfg.kv_transfer.backend == "ucx":  # a local service's UCX listens on loopback only
+            from kvtransfer.ucx import restrict_to_loopback
+
+            restrict_to_loopback(host)
         if cfg.kv_transfer.backend == "tcp" and role == "decode":
             kv["kv_options"] = {"host": host}  # the tcp receiver listens where the node serves
         if role == "prefill":

@@ -95,7 +95,9 @@ def cmd_up(args: argparse.Namespace) -> int:
     service, address = start_service(cfg)
     tls = cfg.router.tls_cert is not None
     http = f"; OpenAI-compatible HTTP on {scheme(cfg)}://{service.http_address}/v1" if service.http_address else ""
-    print(f"router listening on {address} (gRPC{', TLS' if tls else ''}){http} (Ctrl-C to stop)", flush=True)
+    every = " (bound on every interface)" if cfg.router.host in ("0.0.0.0", "::", "") else ""
+    print(f"router listening on {address} (gRPC{', TLS' if tls else ''}){http}{every} (Ctrl-C to stop)",
+          flush=True)
     done = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: done.set())

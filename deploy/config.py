@@ -14,7 +14,7 @@ YAML layout (every section and key optional):
     kv_transfer: {backend: ucx, timeout_s: 30}
     prefill: {max_num_batched_tokens: 2048, num_nodes: 1, num_cpus: 1, num_gpus: 1, resources: {}}
     decode: {max_num_seqs: 32, num_nodes: 1, num_cpus: 1, num_gpus: 1, resources: {}}
-    router: {host: 0.0.0.0, port: 50051, http_port: 8000, queue_size: 256, default_timeout_s: 600,
+    router: {host: 127.0.0.1, port: 50051, http_port: 8000, queue_size: 256, default_timeout_s: 600,
              api_key: null, tls_cert: null, tls_key: null, ...}
     cluster: {address: null, namespace: pdserve, router_resources: {}, node_host: 127.0.0.1, start_timeout_s: 300}
 
@@ -104,7 +104,9 @@ class DecodeConfig(_Section):
 
 
 class RouterConfig(_Section):
-    host: str = "0.0.0.0"
+    # Where the gRPC and HTTP ports bind: loopback unless told (0.0.0.0: every interface; 'auto':
+    # the Ray node's IP, what deploy/ configs use).
+    host: str = "127.0.0.1"
     port: int = Field(default=50051, ge=0, le=65535)  # gRPC; 0: any free port
     http_port: int | None = Field(default=8000, ge=0, le=65535)  # OpenAI-compatible HTTP; None: off
     policy: Literal["least_load", "round_robin"] = "least_load"
@@ -136,7 +138,9 @@ class ClusterConfig(_Section):
     address: str | None = None  # Ray address; None: start a local Ray
     namespace: str = "pdserve"
     router_resources: dict[str, float] = Field(default_factory=dict)  # Ray resources the router needs
-    node_host: str = "127.0.0.1"  # where node gRPC (and tcp KV) servers bind; 'auto': the Ray node's IP
+    # where node gRPC servers and KV listeners bind (tcp: this address; ucx: loopback only when it
+    # is a loopback address); 'auto': the Ray node's IP
+    node_host: str = "127.0.0.1"
     start_timeout_s: float = Field(default=300.0, gt=0)  # `pdserve up` waits this long for every node
 
 

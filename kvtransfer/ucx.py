@@ -49,6 +49,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import ipaddress
 import logging
 import os
 import secrets
@@ -472,6 +473,26 @@ def _settle(fut: asyncio.Future[None], exc: BaseException | None) -> None:
         fut.set_result(None)
     else:
         fut.set_exception(exc)
+
+
+def restrict_to_loopback(host: str) -> bool:
+    """For a local service (``host`` a loopback address): make this process's UCX use only the
+    loopback network device, so its TCP listeners do not bind the machine's outward addresses
+    (shared memory and CUDA IPC are not network devices and stay). Must run before the first
+    UcxSender/UcxReceiver of the process (UCX reads it when its context is made); an explicit
+    ``UCX_NET_DEVICES`` wins. Other hosts are left alone: limiting UCX to one IP interface
+    would also turn off RDMA devices. Returns whether it restricted."""
+    try:
+        loopback = ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        loopback = host == "localhost"
+    if not loopback or "UCX_NET_DEVICES" in os.environ:
+        return False
+    with _runtime_lock:
+        if _runtime is not None:
+            raise RuntimeError("restrict_to_loopback() after UCX started in this process")
+        os.environ["UCX_NET_DEVICES"] = "lo"
+    return True
 
 
 def runtime() -> LoopThread:
