@@ -69,17 +69,17 @@ class NodeActor:
             from prefill_node.node import PrefillNode
             from prefill_node.server import DecodeClients, serve_prefill
 
-            self._clients = DecodeClients()
+            self._clients = DecodeClients(secret=cfg.cluster.secret)
             self.node: Any = PrefillNode(loaded, engine_config(cfg, role), self._clients.send_first_token, **kv)
             self.node.start()
-            self.server, self.port = serve_prefill(self.node, node_id, host)
+            self.server, self.port = serve_prefill(self.node, node_id, host, secret=cfg.cluster.secret)
         elif role == "decode":
             from decode_node.node import DecodeNode
             from decode_node.server import serve_decode
 
             self.node = DecodeNode(loaded, engine_config(cfg, role), **kv)
             self.node.start()
-            self.server, self.port = serve_decode(self.node, node_id, host)
+            self.server, self.port = serve_decode(self.node, node_id, host, secret=cfg.cluster.secret)
         else:
             raise ValueError(f"unknown node role {role!r}")
 

@@ -16,7 +16,8 @@ YAML layout (every section and key optional):
     decode: {max_num_seqs: 32, num_nodes: 1, num_cpus: 1, num_gpus: 1, resources: {}}
     router: {host: 127.0.0.1, port: 50051, http_port: 8000, queue_size: 256, default_timeout_s: 600,
              api_key: null, tls_cert: null, tls_key: null, ...}
-    cluster: {address: null, namespace: pdserve, router_resources: {}, node_host: 127.0.0.1, start_timeout_s: 300}
+    cluster: {address: null, namespace: pdserve, router_resources: {}, node_host: 127.0.0.1, start_timeout_s: 300,
+              secret: null, secret_file: null}
 
 `router.host: auto` and `cluster.node_host: auto` bind the Ray node's own IP (multi-host).
 `resources` are Ray custom resources (`ray start --resources`, `resources:` of a `ray up` node
@@ -25,6 +26,8 @@ type): with `{pdserve_decode: 1}` decode actors run only on nodes that offer it.
 
 from __future__ import annotations
 
+import os
+import secrets
 from pathlib import Path
 from typing import Any, Literal
 
@@ -142,6 +145,16 @@ class ClusterConfig(_Section):
     # is a loopback address); 'auto': the Ray node's IP
     node_host: str = "127.0.0.1"
     start_timeout_s: float = Field(default=300.0, gt=0)  # `pdserve up` waits this long for every node
+    # Shared by the router and the nodes: every node RPC must carry it. None: `secret_file`, else
+    # $PDSERVE_CLUSTER_SECRET, else `pdserve up` makes one (with_cluster_secret). Never logged.
+    secret: str | None = Field(default=None, min_length=16, repr=False)
+    secret_file: str | None = None  # a file holding it (e.g. a mounted Kubernetes Secret)
+
+    @model_validator(mode="after")
+    def _one_secret(self) -> ClusterConfig:
+        if self.secret is not None and self.secret_file is not None:
+            raise ValueError("give cluster.secret or cluster.secret_file, not both")
+        return self
 
 
 class ServiceConfig(_Section):
@@ -167,6 +180,30 @@ class ServiceConfig(_Section):
             return cls.model_validate(data)
         except ValidationError as e:
             raise ConfigError(_describe(e, path)) from None
+
+
+def with_cluster_secret(cfg: ServiceConfig, env: dict[str, str] | None = None) -> ServiceConfig:
+    """`cfg` with `cluster.secret` resolved: as given, else read from `cluster.secret_file`, else
+    $PDSERVE_CLUSTER_SECRET, else a new random one (this service's own)."""
+    c = cfg.cluster
+    secret = c.secret
+    if secret is None and c.secret_file is not None:
+        secret = _read_secret(Path(c.secret_file))
+    if secret is None:
+        secret = (os.environ if env is None else env).get("PDSERVE_CLUSTER_SECRET") or secrets.token_urlsafe(32)
+    if len(secret) < 16:
+        raise ConfigError("the cluster secret must be at least 16 characters")
+    return cfg.model_copy(update={"cluster": c.model_copy(update={"secret": secret, "secret_file": None})})
+
+
+def _read_secret(path: Path) -> str:
+    try:
+        secret = path.read_text().strip()
+    except (OSError, UnicodeDecodeError) as e:
+        raise ConfigError(f"cannot read the cluster secret file {path}: {getattr(e, 'strerror', None) or e}") from None
+    if not secret:
+        raise ConfigError(f"the cluster secret file {path} is empty")
+    return secret
 
 
 def parse_overrides(items: list[str]) -> dict[str, Any]:

@@ -65,10 +65,11 @@ class RequestError(Exception):
 class Router:
     def __init__(self, model: Any, directory: NodeDirectory, config: RouterConfig | None = None, *,
                  max_model_len: int | None = None, num_speculative_tokens: int | None = None,
-                 policy: Policy | None = None) -> None:
+                 policy: Policy | None = None, cluster_secret: str | None = None) -> None:
         """`model`: engine.loader.ModelInfo (name, config, tokenizer, eos_token_ids).
         `max_model_len`: the context the nodes serve (default min(model positions, 4096)).
-        `num_speculative_tokens`: for ListModels (default: what decode nodes report)."""
+        `num_speculative_tokens`: for ListModels (default: what decode nodes report).
+        `cluster_secret`: sent on every call to a node (nodes refuse calls without it)."""
         self.config = config or RouterConfig()
         self.model = model
         self.max_model_len = max_model_len or min(model.config.max_position_embeddings, 4096)
@@ -81,7 +82,7 @@ class Router:
             directory, vocab_size=model.config.vocab_size, subscriber=f"router-{self.router_id}",
             status_interval_s=self.config.status_interval_s, rpc_timeout_s=self.config.rpc_timeout_s,
             on_items=self._on_items, on_decode_failure=self._on_decode_failure,
-            on_capacity=self._on_capacity)
+            on_capacity=self._on_capacity, cluster_secret=cluster_secret)
         self.requests: dict[str, RequestState] = {}  # by client request id, in flight
         self._by_node_rid: dict[str, RequestState] = {}
         self._queue = AdmissionQueue(self.config.queue_size)
