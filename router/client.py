@@ -122,7 +122,7 @@ class RouterClient:
         return bool((await self.stub.Abort(pb.AbortRequest(request_id=request_id), metadata=self.metadata)).found)
 
     async def health(self) -> pb.HealthResponse:
-        return await self.stub.Health(pb.HealthRequest())
+        return await self.stub.Health(pb.HealthRequest(), metadata=self.metadata)  # the key: per-node detail
 
     async def list_models(self) -> pb.ListModelsResponse:
         return await self.stub.ListModels(pb.ListModelsRequest(), metadata=self.metadata)

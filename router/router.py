@@ -36,7 +36,7 @@ from deploy.config import RouterConfig
 from protos import node_pb2, pdserve_pb2, pdserve_pb2_grpc
 from protos.messages import FirstToken, MessageError, OutputItem, TokenLogprobs
 from router.admission import AdmissionQueue
-from router.auth import ApiKeyInterceptor
+from router.auth import ApiKeyInterceptor, authorized
 from router.directory import NodeDirectory
 from router.grpc_health import add_health_servicer
 from router.http import HttpServer, build_app
@@ -441,10 +441,21 @@ class Router:
         self._queue.wake_one()
 
     # ---- Abort / Health / ListModels ------------------------------------------------------
-    def health(self) -> pdserve_pb2.HealthResponse:
+    def health(self, nodes: bool = False) -> pdserve_pb2.HealthResponse:
+        """Serving or not, and the counts; `nodes`: every node's last Status too (free KV blocks,
+        running, queued, last error), so a leak is visible from outside."""
         p, d = len(self.pool.healthy("prefill")), len(self.pool.healthy("decode"))
-        return pdserve_pb2.HealthResponse(serving=self._serving and p > 0 and d > 0, prefill_nodes=p,
-                                          decode_nodes=d, running_requests=len(self.requests))
+        out = pdserve_pb2.HealthResponse(serving=self._serving and p > 0 and d > 0, prefill_nodes=p,
+                                         decode_nodes=d, running_requests=len(self.requests),
+                                         queued_requests=len(self._queue))
+        if nodes:
+            out.nodes.extend(_node_health(n) for _, n in sorted(self.pool.nodes.items()))
+        return out
+
+    def health_detail_allowed(self, authorization: str | None) -> bool:
+        """Per-node detail needs the API key when one is set (the summary stays open)."""
+        key = self.config.api_key
+        return key is None or authorized(authorization, key)
 
     def list_models(self) -> pdserve_pb2.ListModelsResponse:
         k = self.num_speculative_tokens
@@ -453,6 +464,16 @@ class Router:
         info = pdserve_pb2.ModelInfo(name=self.model.name, max_model_len=self.max_model_len,
                                      num_speculative_tokens=k)
         return pdserve_pb2.ListModelsResponse(models=[info])
+
+
+def _node_health(node: Node) -> pdserve_pb2.NodeHealth:
+    s = node.status
+    out = pdserve_pb2.NodeHealth(address=node.address, kind=node.kind, healthy=node.healthy,
+                                 last_error=node.last_error[:1024])
+    if s is not None:
+        out.node_id, out.free_kv_blocks, out.total_kv_blocks = s.node_id, s.free_blocks, s.total_blocks
+        out.running_requests, out.queued_prompt_tokens = s.running, s.queued_tokens
+    return out
 
 
 def _no_prefill_message(tried: dict[str, str]) -> str:
@@ -473,7 +494,8 @@ class _Servicer(pdserve_pb2_grpc.GenerationServicer):
         return pdserve_pb2.AbortResponse(found=await self.router.abort(request.request_id))
 
     async def Health(self, request: Any, context: Any) -> pdserve_pb2.HealthResponse:  # noqa: N802
-        return self.router.health()
+        header = dict(context.invocation_metadata() or ()).get("authorization")
+        return self.router.health(nodes=self.router.health_detail_allowed(header))
 
     async def ListModels(self, request: Any, context: Any) -> pdserve_pb2.ListModelsResponse:  # noqa: N802
         return self.router.list_models()
