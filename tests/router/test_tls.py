@@ -41,8 +41,13 @@ async def test_grpc_over_tls_needs_the_ca_and_the_key(tmp_path):
                 with pytest.raises(grpc.aio.AioRpcError) as err:
                     await bad.stub.Health(build_health(), timeout=5)
                 assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+        from deploy.cli import main
+
+        argv = ["generate", "--router", address, "--tls-ca", cert, "--api-key", KEY, "--json", "--max-tokens", "3", "hi"]
+        assert await asyncio.to_thread(main, argv) == 0  # pdserve generate --router over TLS
+        assert await asyncio.to_thread(main, argv[:3] + argv[5:]) == 2  # plain text: one error line
         await c.settled()
-        assert c.router.counts["finished:length"] == 1
+        assert c.router.counts["finished:length"] == 2
 
 
 def build_health():
