@@ -64,6 +64,7 @@ class DecodeServicer(node_pb2_grpc.DecodeControlServicer):
 
 
 def serve_decode(node: DecodeNode, node_id: str, host: str = "127.0.0.1", port: int = 0,
-                 workers: int = 32) -> tuple[grpc.Server, int]:
+                 workers: int = 32, secret: str | None = None) -> tuple[grpc.Server, int]:
+    """DecodeControl on `host`; with `secret` (the cluster secret) calls without it are refused."""
     return start_server(node_pb2_grpc.add_DecodeControlServicer_to_server, DecodeServicer(node, node_id),
-                        host, port, workers)
+                        host, port, workers, secret)

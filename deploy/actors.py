@@ -59,23 +59,27 @@ class NodeActor:
         host = host or bind_host(cfg)
         self.role, self.node_id, self.host = role, node_id, host
         kv: dict[str, Any] = {"kv_backend": cfg.kv_transfer.backend, "kv_timeout_s": cfg.kv_transfer.timeout_s}
+        if cfg.kv_transfer.backend == "ucx":  # a local service's UCX listens on loopback only
+            from kvtransfer.ucx import restrict_to_loopback
+
+            restrict_to_loopback(host)
         if cfg.kv_transfer.backend == "tcp" and role == "decode":
             kv["kv_options"] = {"host": host}  # the tcp receiver listens where the node serves
         if role == "prefill":
             from prefill_node.node import PrefillNode
             from prefill_node.server import DecodeClients, serve_prefill
 
-            self._clients = DecodeClients()
+            self._clients = DecodeClients(secret=cfg.cluster.secret)
             self.node: Any = PrefillNode(loaded, engine_config(cfg, role), self._clients.send_first_token, **kv)
             self.node.start()
-            self.server, self.port = serve_prefill(self.node, node_id, host)
+            self.server, self.port = serve_prefill(self.node, node_id, host, secret=cfg.cluster.secret)
         elif role == "decode":
             from decode_node.node import DecodeNode
             from decode_node.server import serve_decode
 
             self.node = DecodeNode(loaded, engine_config(cfg, role), **kv)
             self.node.start()
-            self.server, self.port = serve_decode(self.node, node_id, host)
+            self.server, self.port = serve_decode(self.node, node_id, host, secret=cfg.cluster.secret)
         else:
             raise ValueError(f"unknown node role {role!r}")
 

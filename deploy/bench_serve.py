@@ -64,6 +64,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     t.add_argument("--base-url", default=None, help="a router's HTTP address (OpenAI API), e.g. http://127.0.0.1:8000")
     t.add_argument("--launch", action="store_true", help="start a local service (the `pdserve up` flags below)")
     p.add_argument("--protocol", choices=("grpc", "http"), default="grpc", help="with --launch: which door to load")
+    p.add_argument("--tls-ca", default=None, metavar="PEM", help="speak TLS to the router, trusting this CA file "
+                   "('system': the system's roots; with --launch --tls-cert: default the certificate itself)")
     p.add_argument("--dataset", default="builtin", help="'builtin' (chat prompts), 'random' (token ids) or a JSONL "
                    "file of {\"prompt\": ..., \"output_len\": N}")
     p.add_argument("--num-prompts", type=int, default=50, help="requests per rate")
@@ -89,11 +91,13 @@ def run(args: argparse.Namespace) -> int:
     items = load_dataset(args)
     service = None
     if args.launch:
-        from deploy.cli_service import service_config, start_service
+        from deploy.cli_service import client_ca, scheme, service_config, start_service
 
-        service, args.router = start_service(service_config(args, local=True))
+        cfg = service_config(args, local=True)
+        service, args.router = start_service(cfg)
+        args.tls_ca = client_ca(args, cfg)
         if args.protocol == "http":
-            args.base_url, args.router = f"http://{service.http_address}", None
+            args.base_url, args.router = f"{scheme(cfg)}://{service.http_address}", None
     try:
         report = asyncio.run(sweep(args, items, rates))
     finally:
@@ -165,7 +169,8 @@ async def load(args: argparse.Namespace, items: list[Item], rate: float, bar: An
     rng = random.Random(args.seed + 1)
     limit = asyncio.Semaphore(args.max_concurrency or len(items))
     key = getattr(args, "api_key", None) or os.environ.get("PDSERVE_API_KEY")
-    send, close = _http_sender(args.base_url, key) if args.base_url else _grpc_sender(args.router, key)
+    ca = args.tls_ca
+    send, close = _http_sender(args.base_url, key, ca) if args.base_url else _grpc_sender(args.router, key, ca)
 
     async def one(item: Item) -> Result:
         async with limit:
@@ -184,10 +189,10 @@ async def load(args: argparse.Namespace, items: list[Item], rate: float, bar: An
         await close()
 
 
-def _grpc_sender(address: str, api_key: str | None) -> Any:
+def _grpc_sender(address: str, api_key: str | None, tls_ca: str | None) -> Any:
     from router.client import RouterClient, build_request
 
-    client = RouterClient(address, api_key)
+    client = RouterClient(address, api_key, tls_ca)
 
     async def send(item: Item) -> Result:
         req = build_request(item.prompt, chat=isinstance(item.prompt, str), max_tokens=item.output_len,
@@ -207,10 +212,16 @@ def _grpc_sender(address: str, api_key: str | None) -> Any:
     return send, client.close
 
 
-def _http_sender(base_url: str, api_key: str | None) -> Any:
+def _http_sender(base_url: str, api_key: str | None, tls_ca: str | None) -> Any:
+    import ssl
+
     import openai
 
-    client = openai.AsyncOpenAI(base_url=base_url.rstrip("/") + "/v1", api_key=api_key or "none", max_retries=0)
+    http = None  # https with the system's roots, or with this CA:
+    if tls_ca and tls_ca != "system":
+        http = openai.DefaultAsyncHttpxClient(verify=ssl.create_default_context(cafile=tls_ca))
+    client = openai.AsyncOpenAI(base_url=base_url.rstrip("/") + "/v1", api_key=api_key or "none", max_retries=0,
+                                http_client=http)
 
     async def send(item: Item) -> Result:
         res, clock = Result(), _Clock()

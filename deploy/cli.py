@@ -38,6 +38,8 @@ def _add_generate(sub: Any) -> None:
     p.add_argument("--deterministic", action="store_true", help="batch-invariant kernels: a greedy answer does not depend on the batch or on MTP (slower)")
     p.add_argument("--router", default=None, metavar="HOST:PORT", help="generate through a running service")
     p.add_argument("--api-key", default=None, help="with --router: the service's key (default: $PDSERVE_API_KEY)")
+    p.add_argument("--tls-ca", default=None, metavar="PEM",
+                   help="with --router: speak TLS, trusting this CA file ('system': the system's roots)")
     p.set_defaults(func=cmd_generate)
 
 
@@ -92,6 +94,8 @@ def _add_service(sub: Any) -> None:
     demo = sub.add_parser("demo", help="start the service locally, send a few real prompts, print timings")
     cli_service.add_service_arguments(demo)
     demo.add_argument("--max-tokens", type=int, default=48)
+    demo.add_argument("--tls-ca", default=None, metavar="PEM", help="with --tls-cert: the CA the demo's client "
+                      "trusts (default: the certificate itself, as when it is self-signed)")
     demo.set_defaults(func=cli_service.cmd_demo, spec_tokens=3)
 
 

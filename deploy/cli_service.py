@@ -28,7 +28,8 @@ def service_config(args: argparse.Namespace, local: bool = False) -> Any:
                       ("spec_tokens", "spec.num_speculative_tokens"), ("draft_vocab", "spec.draft_vocab_size"),
                       ("port", "router.port"), ("http_port", "router.http_port"),
                       ("address", "cluster.address"), ("device", "model.device"),
-                      ("enforce_eager", "model.enforce_eager"), ("deterministic", "model.deterministic")):
+                      ("enforce_eager", "model.enforce_eager"), ("deterministic", "model.deterministic"),
+                      ("tls_cert", "router.tls_cert"), ("tls_key", "router.tls_key")):
         value = getattr(args, flag, None)
         if value is not None:
             overrides[key] = value
@@ -53,6 +54,10 @@ def add_service_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default=None, help="cpu, cuda or auto")
     p.add_argument("--api-key", default=None,
                    help="clients must send 'authorization: Bearer KEY' (default: $PDSERVE_API_KEY; none: no auth)")
+    p.add_argument("--tls-cert", "--ssl-certfile", dest="tls_cert", default=None, metavar="PEM",
+                   help="serve the router's gRPC and HTTP ports over TLS with this certificate chain")
+    p.add_argument("--tls-key", "--ssl-keyfile", dest="tls_key", default=None, metavar="PEM",
+                   help="the private key of --tls-cert")
     p.add_argument("--deterministic", action="store_true", default=None, help="batch-invariant kernels: a greedy answer does not depend on the batch or on MTP (slower)")
     p.add_argument("--enforce-eager", action="store_true", default=None,
                    help="run the decode step eagerly, without CUDA graphs")
@@ -74,13 +79,25 @@ def shutdown(service: Any) -> None:
     ray.shutdown()
 
 
+def scheme(cfg: Any) -> str:
+    return "https" if cfg.router.tls_cert else "http"
+
+
+def client_ca(args: argparse.Namespace, cfg: Any) -> str | None:
+    """The CA a command's own client trusts: `--tls-ca`, else (a self-signed) `--tls-cert`."""
+    return getattr(args, "tls_ca", None) or cfg.router.tls_cert
+
+
 def cmd_up(args: argparse.Namespace) -> int:
     cfg = service_config(args)
     print(f"starting pdserve: {cfg.prefill.num_nodes} prefill + {cfg.decode.num_nodes} decode node(s), "
           f"model {cfg.model.resolved_name()}, k={cfg.spec.num_speculative_tokens} ...", flush=True)
     service, address = start_service(cfg)
-    http = f"; OpenAI-compatible HTTP on http://{service.http_address}/v1" if service.http_address else ""
-    print(f"router listening on {address} (gRPC){http} (Ctrl-C to stop)", flush=True)
+    tls = cfg.router.tls_cert is not None
+    http = f"; OpenAI-compatible HTTP on {scheme(cfg)}://{service.http_address}/v1" if service.http_address else ""
+    every = " (bound on every interface)" if cfg.router.host in ("0.0.0.0", "::", "") else ""
+    print(f"router listening on {address} (gRPC{', TLS' if tls else ''}){http}{every} (Ctrl-C to stop)",
+          flush=True)
     done = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: done.set())
@@ -90,13 +107,13 @@ def cmd_up(args: argparse.Namespace) -> int:
     return 0
 
 
-async def _timed_stream(address: str, prompt: str, max_tokens: int) -> dict:
+async def _timed_stream(address: str, prompt: str, max_tokens: int, cfg: Any, ca: str | None) -> dict:
     from router.client import RouterClient, build_request
 
     start = time.perf_counter()
     first = last = 0.0
     text, tokens, usage, reason = [], 0, None, ""
-    async with RouterClient(address) as client:
+    async with RouterClient(address, cfg.router.api_key, ca) as client:
         async for msg in client.responses(build_request(prompt, chat=True, max_tokens=max_tokens)):
             now = time.perf_counter() - start
             if msg.token_ids:
@@ -123,7 +140,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
           f"concurrent requests", flush=True)
     try:
         start = time.perf_counter()
-        results = asyncio.run(_gather(address, args.max_tokens))
+        results = asyncio.run(_gather(address, args.max_tokens, cfg, client_ca(args, cfg)))
         wall = time.perf_counter() - start
     finally:
         shutdown(service)
@@ -137,8 +154,8 @@ def cmd_demo(args: argparse.Namespace) -> int:
     return 0
 
 
-async def _gather(address: str, max_tokens: int) -> list[dict]:
-    return list(await asyncio.gather(*(_timed_stream(address, p, max_tokens) for p in DEMO_PROMPTS)))
+async def _gather(address: str, max_tokens: int, cfg: Any, ca: str | None) -> list[dict]:
+    return list(await asyncio.gather(*(_timed_stream(address, p, max_tokens, cfg, ca) for p in DEMO_PROMPTS)))
 
 
 def generate_via_router(args: argparse.Namespace) -> int:
@@ -146,7 +163,8 @@ def generate_via_router(args: argparse.Namespace) -> int:
 
     results = run(args.router, args.prompts, chat=not args.raw, temperature=args.temperature, top_p=args.top_p,
                   top_k=args.top_k, seed=args.seed, max_tokens=args.max_tokens, logprobs=args.logprobs,
-                  model=args.model, api_key=args.api_key or os.environ.get("PDSERVE_API_KEY"))
+                  model=args.model, api_key=args.api_key or os.environ.get("PDSERVE_API_KEY"),
+                  tls_ca=args.tls_ca)
     for out in results:
         if args.json:
             print(json.dumps(out))

@@ -14,8 +14,10 @@ YAML layout (every section and key optional):
     kv_transfer: {backend: ucx, timeout_s: 30}
     prefill: {max_num_batched_tokens: 2048, num_nodes: 1, num_cpus: 1, num_gpus: 1, resources: {}}
     decode: {max_num_seqs: 32, num_nodes: 1, num_cpus: 1, num_gpus: 1, resources: {}}
-    router: {host: 0.0.0.0, port: 50051, http_port: 8000, queue_size: 256, default_timeout_s: 600, ...}
-    cluster: {address: null, namespace: pdserve, router_resources: {}, node_host: 127.0.0.1, start_timeout_s: 300}
+    router: {host: 127.0.0.1, port: 50051, http_port: 8000, queue_size: 256, default_timeout_s: 600,
+             api_key: null, tls_cert: null, tls_key: null, ...}
+    cluster: {address: null, namespace: pdserve, router_resources: {}, node_host: 127.0.0.1, start_timeout_s: 300,
+              secret: null, secret_file: null}
 
 `router.host: auto` and `cluster.node_host: auto` bind the Ray node's own IP (multi-host).
 `resources` are Ray custom resources (`ray start --resources`, `resources:` of a `ray up` node
@@ -24,11 +26,13 @@ type): with `{pdserve_decode: 1}` decode actors run only on nodes that offer it.
 
 from __future__ import annotations
 
+import os
+import secrets
 from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 DTYPE_NAMES = ("auto", "float32", "fp32", "bfloat16", "bf16", "float16", "fp16")
 
@@ -103,7 +107,9 @@ class DecodeConfig(_Section):
 
 
 class RouterConfig(_Section):
-    host: str = "0.0.0.0"
+    # Where the gRPC and HTTP ports bind: loopback unless told (0.0.0.0: every interface; 'auto':
+    # the Ray node's IP, what deploy/ configs use).
+    host: str = "127.0.0.1"
     port: int = Field(default=50051, ge=0, le=65535)  # gRPC; 0: any free port
     http_port: int | None = Field(default=8000, ge=0, le=65535)  # OpenAI-compatible HTTP; None: off
     policy: Literal["least_load", "round_robin"] = "least_load"
@@ -118,15 +124,37 @@ class RouterConfig(_Section):
     node_wait_s: float = Field(default=0.0, ge=0)
     # Clients must send `authorization: Bearer KEY` (gRPC metadata, HTTP header) for generation
     # and models; health checks and /metrics stay open. None: no auth. `--api-key` or PDSERVE_API_KEY.
-    api_key: str | None = Field(default=None, min_length=1)
+    api_key: str | None = Field(default=None, min_length=1, repr=False)
+    # TLS on the gRPC and HTTP ports: a PEM certificate chain and its private key (both or
+    # neither; `--tls-cert`/`--tls-key`, vLLM's `--ssl-certfile`/`--ssl-keyfile`). None: plain text.
+    tls_cert: str | None = Field(default=None, min_length=1)
+    tls_key: str | None = Field(default=None, min_length=1)
+
+    @model_validator(mode="after")
+    def _cert_with_key(self) -> RouterConfig:
+        if (self.tls_cert is None) != (self.tls_key is None):
+            raise ValueError("tls_cert and tls_key go together (give both, or neither)")
+        return self
 
 
 class ClusterConfig(_Section):
     address: str | None = None  # Ray address; None: start a local Ray
     namespace: str = "pdserve"
     router_resources: dict[str, float] = Field(default_factory=dict)  # Ray resources the router needs
-    node_host: str = "127.0.0.1"  # where node gRPC (and tcp KV) servers bind; 'auto': the Ray node's IP
+    # where node gRPC servers and KV listeners bind (tcp: this address; ucx: loopback only when it
+    # is a loopback address); 'auto': the Ray node's IP
+    node_host: str = "127.0.0.1"
     start_timeout_s: float = Field(default=300.0, gt=0)  # `pdserve up` waits this long for every node
+    # Shared by the router and the nodes: every node RPC must carry it. None: `secret_file`, else
+    # $PDSERVE_CLUSTER_SECRET, else `pdserve up` makes one (with_cluster_secret). Never logged.
+    secret: str | None = Field(default=None, min_length=16, repr=False)
+    secret_file: str | None = None  # a file holding it (e.g. a mounted Kubernetes Secret)
+
+    @model_validator(mode="after")
+    def _one_secret(self) -> ClusterConfig:
+        if self.secret is not None and self.secret_file is not None:
+            raise ValueError("give cluster.secret or cluster.secret_file, not both")
+        return self
 
 
 class ServiceConfig(_Section):
@@ -152,6 +180,30 @@ class ServiceConfig(_Section):
             return cls.model_validate(data)
         except ValidationError as e:
             raise ConfigError(_describe(e, path)) from None
+
+
+def with_cluster_secret(cfg: ServiceConfig, env: dict[str, str] | None = None) -> ServiceConfig:
+    """`cfg` with `cluster.secret` resolved: as given, else read from `cluster.secret_file`, else
+    $PDSERVE_CLUSTER_SECRET, else a new random one (this service's own)."""
+    c = cfg.cluster
+    secret = c.secret
+    if secret is None and c.secret_file is not None:
+        secret = _read_secret(Path(c.secret_file))
+    if secret is None:
+        secret = (os.environ if env is None else env).get("PDSERVE_CLUSTER_SECRET") or secrets.token_urlsafe(32)
+    if len(secret) < 16:
+        raise ConfigError("the cluster secret must be at least 16 characters")
+    return cfg.model_copy(update={"cluster": c.model_copy(update={"secret": secret, "secret_file": None})})
+
+
+def _read_secret(path: Path) -> str:
+    try:
+        secret = path.read_text().strip()
+    except (OSError, UnicodeDecodeError) as e:
+        raise ConfigError(f"cannot read the cluster secret file {path}: {getattr(e, 'strerror', None) or e}") from None
+    if not secret:
+        raise ConfigError(f"the cluster secret file {path} is empty")
+    return secret
 
 
 def parse_overrides(items: list[str]) -> dict[str, Any]:

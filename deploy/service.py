@@ -15,7 +15,7 @@ import threading
 import time
 from typing import Any
 
-from deploy.config import ServiceConfig
+from deploy.config import ServiceConfig, with_cluster_secret
 
 ROLES = ("prefill", "decode")
 ACTOR_PREFIX = "pdserve-"  # actors are named pdserve-router, pdserve-prefill-0, ... in the namespace
@@ -59,7 +59,7 @@ def init_ray(cfg: ServiceConfig, temp_dir: str | None = None, num_cpus: int | No
 
 class Service:
     def __init__(self, cfg: ServiceConfig) -> None:
-        self.cfg = cfg
+        self.cfg = with_cluster_secret(cfg)  # router and nodes share it; made here when not given
         self.actors: dict[tuple[str, int], Any] = {}
         self.addresses: dict[tuple[str, int], str | None] = {}
         self.router: Any = None

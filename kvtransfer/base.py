@@ -5,7 +5,11 @@ A request's KV moves from a prefill node (the *sender*) to a decode node (the
 
 1. The receiver reserves destination blocks and calls ``expect``; it gets back a
    *descriptor*, a plain msgpack-able dict (its transport address, the block ids,
-   the layer ids and the byte layout). The router carries it to the prefill node.
+   the layer ids, the byte layout and a random transfer token). The router carries it
+   to the prefill node it picked: that introduction is the sender's only credential.
+   The receiver drops every message without the token before acting on it, and takes
+   data only from the connection an authenticated ``begin`` bound (tcp) or under tags
+   derived from the token (ucx), so no other sender can write a block (``wire.py``).
 2. The sender calls ``start(request_id, descriptor)``: the request's source blocks
    are now held under a lease.
 3. As each layer's KV is written, the sender calls ``send_layer``; the call only

@@ -37,7 +37,7 @@ class _LocalLink(Link):
         sent: Any = None,
     ) -> int:
         fut: concurrent.futures.Future[None] = concurrent.futures.Future()
-        self.receiver._thread.call(self.receiver._land, desc["rid"], layer, run, views, fut)
+        self.receiver._thread.call(self.receiver._land, self, desc["rid"], layer, run, views, fut)
         await asyncio.wrap_future(fut)
         return 1
 
@@ -63,10 +63,10 @@ class LocalReceiver(StreamingReceiver):
         except wire.WireError as exc:
             self._protocol_error(link, exc)
 
-    def _land(self, rid: str, layer: int, run: int, src: list[torch.Tensor],
+    def _land(self, link: _LocalLink, rid: str, layer: int, run: int, src: list[torch.Tensor],
               fut: concurrent.futures.Future[None]) -> None:
         try:
-            views = self._views_for(rid, layer, run, sum(v.numel() for v in src))
+            views = self._views_for(rid, layer, run, sum(v.numel() for v in src), link)
             for dst, s in zip(views or [], src, strict=bool(views)):
                 dst.copy_(s)
             self._on_run_done(rid, layer, run)

@@ -16,6 +16,7 @@ loop thread; callers read it under ``_lock``. A transport subclass provides
 from __future__ import annotations
 
 import asyncio
+import collections
 import concurrent.futures
 import logging
 import threading
@@ -34,7 +35,27 @@ from kvtransfer.loop import LoopThread
 
 log = logging.getLogger(__name__)
 
-_serials = iter(range(1, 1 << 62))  # process-wide: ucx data tags must not collide
+RECENT_SERIALS = 1 << 16
+_serials_lock = threading.Lock()
+_serials_recent: collections.deque[int] = collections.deque()
+_serials_taken: set[int] = set()
+
+
+def _new_token() -> tuple[bytes, int]:
+    """A transfer token and its serial, unlike the serials of this process's last
+    ``RECENT_SERIALS`` transfers (live ones included): ucx data tags must not collide, and a
+    stale message of an ended transfer must never match a new one's receive."""
+    with _serials_lock:
+        while True:
+            tok = wire.new_token()
+            serial = wire.token_serial(tok)
+            if serial not in _serials_taken:
+                break
+        _serials_taken.add(serial)
+        _serials_recent.append(serial)
+        if len(_serials_recent) > RECENT_SERIALS:
+            _serials_taken.discard(_serials_recent.popleft())
+    return tok, serial
 
 
 class ProtocolError(wire.WireError):
@@ -50,7 +71,8 @@ class _In:
     rid: str
     blocks: list[int]
     layers: list[int]
-    serial: int
+    tok: bytes  # the transfer token: every message of the sender must carry it
+    serial: int  # derived from ``tok`` (ucx data tags)
     deadline: float
     state: TransferState = TransferState.WAITING
     reason: str = ""
@@ -129,7 +151,7 @@ class StreamingReceiver(KVReceiver):
                 self.layout.check_blocks(layer, blocks)
         except (ValueError, IndexError) as exc:
             raise TransferError(f"{request_id}: {exc}") from None
-        rec = _In(request_id, blocks, layer_ids, next(_serials), time.monotonic() + self.timeout_s)
+        rec = _In(request_id, blocks, layer_ids, *_new_token(), time.monotonic() + self.timeout_s)
         with self._lock:
             if request_id in self._in:
                 raise TransferError(f"request {request_id!r} already expected")
@@ -139,7 +161,7 @@ class StreamingReceiver(KVReceiver):
         addr, tag = self._address()
         return wire.make(
             "desc", rid=request_id, backend=self.backend, addr=addr, tag=tag,
-            serial=rec.serial, lanes=self._lanes(), layers=layer_ids, blocks=blocks,
+            tok=rec.tok, lanes=self._lanes(), layers=layer_ids, blocks=blocks,
             layout=self.layout.signature(layer_ids),
         )
 
@@ -180,17 +202,29 @@ class StreamingReceiver(KVReceiver):
         }.get(kind)
         if handler is None:
             raise wire.WireError(f"receiver does not accept {kind!r} messages")
-        rec = self._lookup(msg["rid"])
+        rec = self.authenticate(msg)
         if rec.state.terminal:  # late message: tell a sender that begins too late
             if kind == "begin" and link is not None and rec.link is None:
                 rec.link = link
-                self._send(link, wire.make("ack", rid=rec.rid, ok=False, reason=rec.reason))
+                self._send(link, self._ack(rec, False, rec.reason))
             return
         bound = (rec.link is not None and rec.link is link) or (kind == "abort" and rec.link is None)
         if kind != "begin" and not bound:
             raise ProtocolError(rec.rid, f"{kind} before begin on this connection")
         rec.deadline = time.monotonic() + self.timeout_s
         handler(rec, msg, link)
+
+    def authenticate(self, msg: dict[str, Any]) -> _In:
+        """The request a sender's message names, if the message carries its token; else
+        AuthError, before anything else is done with the message."""
+        rec = self._lookup(msg["rid"])
+        if not wire.authentic(msg, rec.tok):
+            raise wire.AuthError(f"{rec.rid}: {msg['t']} without the transfer's token: not a sender the "
+                                 "router introduced")
+        return rec
+
+    def _ack(self, rec: _In, ok: bool, reason: str) -> dict[str, Any]:
+        return wire.make("ack", rid=rec.rid, tok=rec.tok, ok=ok, reason=reason[: wire.MAX_STR])
 
     def _lookup(self, rid: str) -> _In:
         with self._lock:
@@ -241,14 +275,17 @@ class StreamingReceiver(KVReceiver):
         self._fail(rec, f"sender aborted: {msg['reason']}", tell_peer=False)
 
     # -- loop side: data ---------------------------------------------------------------
-    def _views_for(self, rid: str, layer: int, run: int, nbytes: int) -> list[torch.Tensor] | None:
-        """Destination views of an announced, not yet landed run of ``nbytes`` bytes.
+    def _views_for(self, rid: str, layer: int, run: int, nbytes: int, link: Any) -> list[torch.Tensor] | None:
+        """Destination views of an announced, not yet landed run of ``nbytes`` bytes, for data
+        arriving on ``link``: only the link an authenticated ``begin`` bound may write.
 
         None when the request already ended (late data: the caller discards it).
         """
         rec = self._lookup(rid)
         if rec.state.terminal:
             return None
+        if rec.link is not link:
+            raise wire.AuthError(f"{rid}: data on a connection the transfer did not begin on")
         views = rec.views.get((layer, run))
         if views is None:
             raise ProtocolError(rid, f"data for unannounced run {run} of layer {layer}")
@@ -274,7 +311,7 @@ class StreamingReceiver(KVReceiver):
             return
         # The ack goes first: ending wakes the caller's thread waiting on this request, which
         # then holds the GIL while the ack would still be waiting to be posted.
-        self._send(rec.link, wire.make("ack", rid=rec.rid, ok=True, reason=""))
+        self._send(rec.link, self._ack(rec, True, ""))
         self._end(rec, TransferState.DONE, "")
 
     # -- loop side: endings -----------------------------------------------------------
@@ -296,7 +333,7 @@ class StreamingReceiver(KVReceiver):
             return
         self._end(rec, TransferState.FAILED, reason)
         if tell_peer and rec.link is not None:
-            self._send(rec.link, wire.make("ack", rid=rec.rid, ok=False, reason=reason[:wire.MAX_STR]))
+            self._send(rec.link, self._ack(rec, False, reason))
 
     def _send(self, link: Any, msg: dict[str, Any]) -> None:
         fut = asyncio.ensure_future(asyncio.wait_for(self._reply(link, msg), self.timeout_s))

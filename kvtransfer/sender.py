@@ -232,7 +232,7 @@ class StreamingSender(KVSender):
         out.link = await self._open(out.desc)
         addr, tag = self._reply_info()
         begin = wire.make(
-            "begin", rid=out.rid, reply=addr, ack_tag=tag, nblocks=len(out.desc["blocks"])
+            "begin", rid=out.rid, tok=out.desc["tok"], reply=addr, ack_tag=tag, nblocks=len(out.desc["blocks"])
         )
         await self._post_ctrl(out, begin)
         self._set_state(out, TransferState.TRANSFERRING, "")
@@ -254,7 +254,7 @@ class StreamingSender(KVSender):
         streaming = [f for f in out.pending if isinstance(f, asyncio.Task)]
         if streaming:  # coroutine links write in turn; posted (ucx) sends are ordered already
             await asyncio.gather(*streaming)
-        await self._post_ctrl(out, wire.make("finish", rid=out.rid, layers=len(out.sent)))
+        await self._post_ctrl(out, wire.make("finish", rid=out.rid, tok=out.desc["tok"], layers=len(out.sent)))
         out.deadline = time.monotonic() + self.timeout_s  # the ack must come in time
 
     async def _post_ctrl(self, out: _Out, msg: dict[str, Any]) -> None:
@@ -285,7 +285,8 @@ class StreamingSender(KVSender):
         announced = not self._preposted or runs != out.dst_runs
         if announced:
             pairs = [[r.index, r.count] for r in runs]
-            await self._post_ctrl(out, wire.make("layers", rid=out.rid, layers=layers, runs=pairs))
+            await self._post_ctrl(out, wire.make("layers", rid=out.rid, tok=out.desc["tok"], layers=layers,
+                                                 runs=pairs))
         # Every run's data is posted at once and never awaited here; a failure ends the lease.
         for layer in layers:
             for i, r in enumerate(runs):
@@ -323,7 +324,9 @@ class StreamingSender(KVSender):
         """An ``ack`` (or ``error``) from a receiver, already validated."""
         with self._lock:
             out = self._out.get(msg.get("rid", ""))
-        if msg["t"] == "ack" and out is not None:
+        if msg["t"] == "ack" and out is not None and not wire.authentic(msg, out.desc["tok"]):
+            log.warning("sender drops an ack for %s without the transfer's token", out.rid)
+        elif msg["t"] == "ack" and out is not None:
             state = TransferState.DONE if msg["ok"] else TransferState.FAILED
             reason = "" if msg["ok"] else f"receiver: {msg['reason']}"
             self._end(out, state, reason, False)
@@ -358,7 +361,7 @@ class StreamingSender(KVSender):
 
     async def _tell_abort(self, out: _Out, reason: str) -> None:
         try:
-            msg = wire.make("abort", rid=out.rid, reason=reason[: wire.MAX_STR])
+            msg = wire.make("abort", rid=out.rid, tok=out.desc["tok"], reason=reason[: wire.MAX_STR])
             link = out.link if out.link is not None else await asyncio.wait_for(
                 self._open(out.desc), timeout=1.0
             )

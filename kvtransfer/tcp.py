@@ -117,7 +117,7 @@ class TcpReceiver(StreamingReceiver):
     async def _read_loop(self, link: _Conn) -> None:
         while (msg := await read_msg(link.reader)) is not None:
             if msg["t"] == "data":
-                views = self._views_for(msg["rid"], msg["layer"], msg["run"], msg["nbytes"])
+                views = self._views_for(msg["rid"], msg["layer"], msg["run"], msg["nbytes"], link)
                 if views is None:
                     await _discard(link.reader, msg["nbytes"])
                     continue

@@ -10,10 +10,16 @@ registration or put/get, and large tagged sends already use UCX's zero-copy
 rendezvous protocol (the receiver pulls). Tags:
 - control to a receiver: ``CTRL | receiver id``; acks to a sender: ``ACK | sender id``;
   both carry ``wire.seal`` frames (magic, length, crc32) into a fixed buffer.
-- data: ``serial << 36 | layer << 24 | announced << 23 | run * planes + plane``, where
-  ``serial`` is unique per request in the receiving process, so a stale message never
-  matches another request's receive, and ``announced`` says the layer's runs came in a
-  ``layers`` message rather than being the destination's own (pre-posted) runs.
+- data: ``serial << 31 | layer << 21 | announced << 20 | run * planes + plane``, where
+  ``serial`` is 32 bits derived from the transfer token (``wire.token_serial``), unique among
+  the receiving process's recent requests, so a stale message never matches another request's
+  receive and a sender without the token (one the router did not introduce) cannot name a
+  posted receive; ``announced`` says the layer's runs came in a ``layers`` message rather than
+  being the destination's own (pre-posted) runs.
+- authentication: UCX messages carry no sender identity, so every control message carries the
+  transfer token and is dropped without it (``authenticate``), before ``begin`` makes an
+  endpoint or anything is posted for it. Pre-posted receives wait for data under tags only a
+  holder of the token can compute; guessing one means guessing 32 bits per pending request.
 
 Receives are posted as soon as ``expect`` is called (queued on the loop; ``expect`` does
 not wait), before the sender exists: every layer, over the destination's own runs
@@ -49,6 +55,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import ipaddress
 import logging
 import os
 import secrets
@@ -474,6 +481,26 @@ def _settle(fut: asyncio.Future[None], exc: BaseException | None) -> None:
         fut.set_exception(exc)
 
 
+def restrict_to_loopback(host: str) -> bool:
+    """For a local service (``host`` a loopback address): make this process's UCX use only the
+    loopback network device, so its TCP listeners do not bind the machine's outward addresses
+    (shared memory and CUDA IPC are not network devices and stay). Must run before the first
+    UcxSender/UcxReceiver of the process (UCX reads it when its context is made); an explicit
+    ``UCX_NET_DEVICES`` wins. Other hosts are left alone: limiting UCX to one IP interface
+    would also turn off RDMA devices. Returns whether it restricted."""
+    try:
+        loopback = ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        loopback = host == "localhost"
+    if not loopback or "UCX_NET_DEVICES" in os.environ:
+        return False
+    with _runtime_lock:
+        if _runtime is not None:
+            raise RuntimeError("restrict_to_loopback() after UCX started in this process")
+        os.environ["UCX_NET_DEVICES"] = "lo"
+    return True
+
+
 def runtime() -> LoopThread:
     """The process's ucxx loop thread, started on first use."""
     global _runtime
@@ -496,13 +523,15 @@ async def _start_driver() -> None:
     _driver = _Driver()
 
 
-ANNOUNCED = 1 << 23
+ANNOUNCED = 1 << 20
 
 
 def data_tag(serial: int, layer: int, index: int, announced: bool = False) -> int:
-    if layer >= 1 << 12 or index >= ANNOUNCED:
+    """``serial`` (32 bits, from the transfer token) << 31 | layer (10 bits) << 21 | announced |
+    message index (20 bits); bit 63 stays clear, so no data tag is a CTRL or ACK tag."""
+    if layer >= 1 << 10 or index >= ANNOUNCED:
         raise ValueError(f"layer {layer} or message {index} beyond the tag space")
-    return ((serial & ((1 << 27) - 1)) << 36) | (layer << 24) | (ANNOUNCED if announced else 0) | index
+    return ((serial & 0xFFFFFFFF) << 31) | (layer << 21) | (ANNOUNCED if announced else 0) | index
 
 
 def _buffer(view: Any) -> Any:
@@ -539,9 +568,9 @@ class _Peer(Link):
         """Post every plane's send at once; ``sent`` hears of each one's completion."""
         drv, n = driver(), len(views)
         ep = self.lanes[layer % len(self.lanes)]
+        serial = wire.token_serial(desc["tok"])  # a sender without the token sends under other tags
         for p, v in enumerate(views):
-            drv.send_data(ep, _buffer(v), data_tag(desc["serial"], layer, run * n + p, announced),
-                          sent or _ignore)
+            drv.send_data(ep, _buffer(v), data_tag(serial, layer, run * n + p, announced), sent or _ignore)
 
 
 class _CtrlReceiver:
@@ -630,6 +659,7 @@ class UcxReceiver(StreamingReceiver):
 
     def _dispatch(self, msg: dict[str, Any]) -> None:
         if msg["t"] == "begin":
+            self.authenticate(msg)  # before an endpoint is made to the address it names
             link: Any = self._peer(msg)
         else:
             with self._lock:

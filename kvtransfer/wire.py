@@ -11,6 +11,9 @@ Framing (``frame`` / ``unframe``): a 4-byte big-endian length, then the msgpack.
 
 from __future__ import annotations
 
+import hashlib
+import hmac
+import secrets
 import struct
 import zlib
 from collections.abc import Callable
@@ -18,9 +21,11 @@ from typing import Any
 
 import msgpack
 
-VERSION = 4  # 2: one ``layers`` announce covers every layer queued at once;
+VERSION = 5  # 2: one ``layers`` announce covers every layer queued at once;
 # 3: ucx announces only layers whose runs differ from the destination's (pre-posted) ones;
-# 4: ``desc`` names the receiver's data lanes (ucx: one worker address per lane)
+# 4: ``desc`` names the receiver's data lanes (ucx: one worker address per lane);
+# 5: the transfer token ``tok`` (see below) replaces ``serial``
+TOKEN_BYTES = 16
 MAX_MESSAGE_BYTES = 1 << 20
 MAX_LIST = 1 << 17
 MAX_STR = 1024
@@ -49,6 +54,10 @@ def _addr(v: Any) -> bool:
     return _str(v) or _bytes(v)
 
 
+def _tok(v: Any) -> bool:
+    return isinstance(v, bytes) and len(v) == TOKEN_BYTES
+
+
 def _ints(v: Any) -> bool:
     # ``type(x) is int`` (not isinstance: a bool is not a count), then one min/max: a
     # descriptor carries a few thousand block ids, and this runs on every hop.
@@ -68,24 +77,50 @@ def _list_of(v: Any, ok: Callable[[Any], bool]) -> bool:
     return isinstance(v, list) and len(v) <= MAX_LIST and all(ok(x) for x in v)
 
 
+# The transfer token: random bytes the receiver makes at ``expect``, carried only in the
+# descriptor (receiver -> router -> the sender the router picked) and in every control message
+# of the transfer; the receiver drops any message whose token is not the request's before it
+# acts on it (a connection is bound only by an authenticated ``begin``), so a sender the router
+# did not introduce cannot write a block. Ucx data tags derive from it (``token_serial``).
 _RID = {"rid": _str}
+_AUTH = {"rid": _str, "tok": _tok}
 SCHEMAS: dict[str, dict[str, Callable[[Any], bool]]] = {
     # Receiver -> router -> sender: where and what to send.
     "desc": {
-        **_RID, "backend": _str, "addr": _addr, "tag": _int, "serial": _int,
+        **_AUTH, "backend": _str, "addr": _addr, "tag": _int,
         "lanes": lambda v: _list_of(v, _addr) and len(v) <= MAX_LANES,
         "layers": _ints, "blocks": _ints, "layout": _int_lists,
     },
-    # Sender -> receiver.
-    "begin": {**_RID, "reply": _addr, "ack_tag": _int, "nblocks": _int},
-    "layers": {**_RID, "layers": _ints, "runs": _pairs},  # these layers' data follows, same runs
+    # Sender -> receiver. ``data`` (tcp) is accepted only on a connection an authenticated
+    # ``begin`` bound to the request.
+    "begin": {**_AUTH, "reply": _addr, "ack_tag": _int, "nblocks": _int},
+    "layers": {**_AUTH, "layers": _ints, "runs": _pairs},  # these layers' data follows, same runs
     "data": {**_RID, "layer": _int, "run": _int, "nbytes": _int},
-    "finish": {**_RID, "layers": _int},
-    "abort": {**_RID, "reason": _str},
+    "finish": {**_AUTH, "layers": _int},
+    "abort": {**_AUTH, "reason": _str},
     # Receiver -> sender. ``error`` closes the connection it arrives on.
-    "ack": {**_RID, "ok": lambda v: isinstance(v, bool), "reason": _str},
+    "ack": {**_AUTH, "ok": lambda v: isinstance(v, bool), "reason": _str},
     "error": {"reason": _str},
 }
+
+
+class AuthError(WireError):
+    """A message without the transfer's token: dropped (its connection closed), and the
+    request it names goes on, so a stranger cannot fail it either."""
+
+
+def new_token() -> bytes:
+    return secrets.token_bytes(TOKEN_BYTES)
+
+
+def token_serial(tok: bytes) -> int:
+    """32 bits derived from a transfer token (ucx data tags): known only to who holds the token."""
+    return int.from_bytes(hashlib.blake2b(tok, digest_size=4, person=b"pdkv-serial").digest(), "big")
+
+
+def authentic(msg: dict[str, Any], tok: bytes) -> bool:
+    """Whether a validated message carries ``tok`` (constant-time)."""
+    return hmac.compare_digest(msg["tok"], tok)
 
 
 def check(msg: Any) -> dict[str, Any]:

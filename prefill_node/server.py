@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import threading
 from concurrent import futures
+from typing import Any
 
 import grpc
 import msgpack
@@ -13,22 +14,24 @@ from prefill_node.node import PrefillJob, PrefillNode
 from protos import node_pb2, node_pb2_grpc
 from protos.convert import check_request_id, sampling_from_proto
 from protos.messages import FirstToken
-from protos.serving import GRPC_OPTIONS, start_server
+from protos.serving import GRPC_OPTIONS, start_server, with_secret
 
 
 class DecodeClients:
     """One channel per decode node address; `send_first_token` is the node's sink."""
 
-    def __init__(self, timeout_s: float = 10.0) -> None:
-        self._stubs: dict[str, node_pb2_grpc.DecodeControlStub] = {}
+    def __init__(self, timeout_s: float = 10.0, secret: str | None = None) -> None:
+        self._stubs: dict[str, Any] = {}
         self._lock = threading.Lock()
         self.timeout_s = timeout_s
+        self._secret = secret  # the cluster secret, sent on every call
 
-    def stub(self, address: str) -> node_pb2_grpc.DecodeControlStub:
+    def stub(self, address: str) -> Any:
+        """A DecodeControl stub for `address` (one channel per address, the secret on every call)."""
         with self._lock:
             if address not in self._stubs:
                 channel = grpc.insecure_channel(address, options=GRPC_OPTIONS)
-                self._stubs[address] = node_pb2_grpc.DecodeControlStub(channel)
+                self._stubs[address] = with_secret(node_pb2_grpc.DecodeControlStub(channel), self._secret)
             return self._stubs[address]
 
     def send_first_token(self, address: str, msg: FirstToken) -> None:
@@ -86,6 +89,7 @@ class PrefillServicer(node_pb2_grpc.PrefillControlServicer):
 
 
 def serve_prefill(node: PrefillNode, node_id: str, host: str = "127.0.0.1", port: int = 0,
-                  workers: int = 16) -> tuple[grpc.Server, int]:
+                  workers: int = 16, secret: str | None = None) -> tuple[grpc.Server, int]:
+    """PrefillControl on `host`; with `secret` (the cluster secret) calls without it are refused."""
     return start_server(node_pb2_grpc.add_PrefillControlServicer_to_server, PrefillServicer(node, node_id),
-                        host, port, workers)
+                        host, port, workers, secret)

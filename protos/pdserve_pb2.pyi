@@ -123,16 +123,42 @@ class HealthRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class HealthResponse(_message.Message):
-    __slots__ = ("serving", "prefill_nodes", "decode_nodes", "running_requests")
+    __slots__ = ("serving", "prefill_nodes", "decode_nodes", "running_requests", "queued_requests", "nodes")
     SERVING_FIELD_NUMBER: _ClassVar[int]
     PREFILL_NODES_FIELD_NUMBER: _ClassVar[int]
     DECODE_NODES_FIELD_NUMBER: _ClassVar[int]
     RUNNING_REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    QUEUED_REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    NODES_FIELD_NUMBER: _ClassVar[int]
     serving: bool
     prefill_nodes: int
     decode_nodes: int
     running_requests: int
-    def __init__(self, serving: _Optional[bool] = ..., prefill_nodes: _Optional[int] = ..., decode_nodes: _Optional[int] = ..., running_requests: _Optional[int] = ...) -> None: ...
+    queued_requests: int
+    nodes: _containers.RepeatedCompositeFieldContainer[NodeHealth]
+    def __init__(self, serving: _Optional[bool] = ..., prefill_nodes: _Optional[int] = ..., decode_nodes: _Optional[int] = ..., running_requests: _Optional[int] = ..., queued_requests: _Optional[int] = ..., nodes: _Optional[_Iterable[_Union[NodeHealth, _Mapping]]] = ...) -> None: ...
+
+class NodeHealth(_message.Message):
+    __slots__ = ("address", "kind", "node_id", "healthy", "free_kv_blocks", "total_kv_blocks", "running_requests", "queued_prompt_tokens", "last_error")
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    HEALTHY_FIELD_NUMBER: _ClassVar[int]
+    FREE_KV_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_KV_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    RUNNING_REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    QUEUED_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    LAST_ERROR_FIELD_NUMBER: _ClassVar[int]
+    address: str
+    kind: str
+    node_id: str
+    healthy: bool
+    free_kv_blocks: int
+    total_kv_blocks: int
+    running_requests: int
+    queued_prompt_tokens: int
+    last_error: str
+    def __init__(self, address: _Optional[str] = ..., kind: _Optional[str] = ..., node_id: _Optional[str] = ..., healthy: _Optional[bool] = ..., free_kv_blocks: _Optional[int] = ..., total_kv_blocks: _Optional[int] = ..., running_requests: _Optional[int] = ..., queued_prompt_tokens: _Optional[int] = ..., last_error: _Optional[str] = ...) -> None: ...
 
 class ListModelsRequest(_message.Message):
     __slots__ = ()

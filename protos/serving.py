@@ -1,7 +1,15 @@
-"""Starting the nodes' gRPC servers (threaded; the node loops do the real work)."""
+"""Starting the nodes' gRPC servers (threaded; the node loops do the real work), and the
+cluster secret that router and nodes share.
+
+With a secret, every node RPC (Reserve, FirstToken, Abort, Prefill, Outputs, Status) must carry
+it as `x-pdserve-cluster-secret` metadata, else UNAUTHENTICATED; it is compared in constant
+time and never logged. Callers add it with `with_secret(stub, secret)`.
+"""
 
 from __future__ import annotations
 
+import functools
+import hmac
 from collections.abc import Callable
 from concurrent import futures
 from typing import Any
@@ -12,13 +20,70 @@ from protos.messages import MAX_MESSAGE_BYTES
 
 GRPC_OPTIONS = [("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
                 ("grpc.max_send_message_length", MAX_MESSAGE_BYTES)]
+SECRET_HEADER = "x-pdserve-cluster-secret"
+REFUSED = "missing or wrong cluster secret"
+
+
+def secret_metadata(secret: str | None) -> tuple[tuple[str, str], ...] | None:
+    return ((SECRET_HEADER, secret),) if secret else None
+
+
+class _SecretStub:
+    """A stub whose every call carries the cluster secret's metadata."""
+
+    def __init__(self, stub: Any, metadata: tuple[tuple[str, str], ...] | None) -> None:
+        self._stub, self._metadata = stub, metadata
+
+    def __getattr__(self, name: str) -> Any:
+        return functools.partial(getattr(self._stub, name), metadata=self._metadata)
+
+
+def with_secret(stub: Any, secret: str | None) -> Any:
+    """`stub` as is without a secret; else a stub that sends it on every call."""
+    return stub if not secret else _SecretStub(stub, secret_metadata(secret))
+
+
+class SecretInterceptor(grpc.ServerInterceptor):
+    """Refuses (UNAUTHENTICATED) every call that does not carry the cluster secret."""
+
+    def __init__(self, secret: str) -> None:
+        self._secret = secret.encode()
+
+    def intercept_service(self, continuation: Any, details: Any) -> Any:
+        handler = continuation(details)
+        if handler is None:
+            return None
+        given = dict(details.invocation_metadata or ()).get(SECRET_HEADER, "")
+        if isinstance(given, str) and hmac.compare_digest(given.encode(), self._secret):
+            return handler
+        return _refusing(handler)
+
+
+def _refuse(request: Any, context: grpc.ServicerContext) -> Any:
+    context.abort(grpc.StatusCode.UNAUTHENTICATED, REFUSED)
+
+
+def _refuse_stream(request: Any, context: grpc.ServicerContext) -> Any:
+    context.abort(grpc.StatusCode.UNAUTHENTICATED, REFUSED)
+    yield  # pragma: no cover  (abort raises; this makes it a generator)
+
+
+def _refusing(handler: Any) -> Any:
+    io = (handler.request_deserializer, handler.response_serializer)
+    if handler.unary_unary is not None:
+        return grpc.unary_unary_rpc_method_handler(_refuse, *io)
+    if handler.unary_stream is not None:
+        return grpc.unary_stream_rpc_method_handler(_refuse_stream, *io)
+    raise ValueError("node services have no client-streaming methods")
 
 
 def start_server(register: Callable[[Any, grpc.Server], None], servicer: Any, host: str, port: int,
-                 workers: int) -> tuple[grpc.Server, int]:
-    """`register` is the generated `add_*Servicer_to_server`; returns the server and its port."""
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=workers), options=GRPC_OPTIONS)
+                 workers: int, secret: str | None = None) -> tuple[grpc.Server, int]:
+    """`register` is the generated `add_*Servicer_to_server`; binds `host` only; with `secret`
+    every call must carry it. Returns the server and its port."""
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=workers), options=GRPC_OPTIONS,
+                         interceptors=[SecretInterceptor(secret)] if secret else None)
     register(servicer, server)
-    bound = server.add_insecure_port(f"{host}:{port}")
+    bound = server.add_insecure_port(f"[{host}]:{port}" if ":" in host else f"{host}:{port}")
     server.start()
     return server, bound

@@ -19,6 +19,7 @@ import grpc
 from protos import pdserve_pb2 as pb
 from protos import pdserve_pb2_grpc
 from router.auth import client_metadata
+from router.tls import channel_credentials
 
 CHANNEL_OPTIONS = [("grpc.max_receive_message_length", 64 << 20), ("grpc.max_send_message_length", 64 << 20)]
 
@@ -79,11 +80,16 @@ def result_json(responses: Sequence[pb.GenerateResponse], want_logprobs: bool) -
 
 
 class RouterClient:
-    """Async client; `async with RouterClient("host:port") as c: ...`."""
+    """Async client; `async with RouterClient("host:port") as c: ...`. With `tls_ca` (a PEM CA
+    file, or "system" for the system's roots) it speaks TLS and checks the router's certificate."""
 
-    def __init__(self, address: str, api_key: str | None = None) -> None:
+    def __init__(self, address: str, api_key: str | None = None, tls_ca: str | None = None) -> None:
         self.address = address
-        self.channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+        if tls_ca:
+            creds = channel_credentials(None if tls_ca == "system" else tls_ca)
+            self.channel = grpc.aio.secure_channel(address, creds, options=CHANNEL_OPTIONS)
+        else:
+            self.channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
         self.stub = pdserve_pb2_grpc.GenerationStub(self.channel)
         self.metadata = client_metadata(api_key)  # `authorization: Bearer KEY` on every call
 
@@ -116,16 +122,16 @@ class RouterClient:
         return bool((await self.stub.Abort(pb.AbortRequest(request_id=request_id), metadata=self.metadata)).found)
 
     async def health(self) -> pb.HealthResponse:
-        return await self.stub.Health(pb.HealthRequest())
+        return await self.stub.Health(pb.HealthRequest(), metadata=self.metadata)  # the key: per-node detail
 
     async def list_models(self) -> pb.ListModelsResponse:
         return await self.stub.ListModels(pb.ListModelsRequest(), metadata=self.metadata)
 
 
 async def generate_many(address: str, prompts: Sequence[str], api_key: str | None = None,
-                        **options: Any) -> list[dict]:
+                        tls_ca: str | None = None, **options: Any) -> list[dict]:
     """All prompts at once (the router batches them on the nodes); results in prompt order."""
-    async with RouterClient(address, api_key) as client:
+    async with RouterClient(address, api_key, tls_ca) as client:
         results = await asyncio.gather(*(client.generate(build_request(p, **options)) for p in prompts),
                                        return_exceptions=True)
     for r in results:
@@ -137,9 +143,10 @@ async def generate_many(address: str, prompts: Sequence[str], api_key: str | Non
 def generate_via_router(address: str, prompts: list[str], *, chat: bool, temperature: float = 0.0,
                         top_p: float = 1.0, top_k: int = 0, seed: int | None = None, max_tokens: int = 64,
                         logprobs: int | None = None, stop: Sequence[str] = (), ignore_eos: bool = False,
-                        model: str | None = None, timeout_s: float = 0.0, api_key: str | None = None) -> list[dict]:
+                        model: str | None = None, timeout_s: float = 0.0, api_key: str | None = None,
+                        tls_ca: str | None = None) -> list[dict]:
     """`pdserve generate --router HOST:PORT`: one dict per prompt, as `--json` prints locally."""
     return asyncio.run(generate_many(
-        address, prompts, api_key, chat=chat, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed,
+        address, prompts, api_key, tls_ca, chat=chat, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed,
         max_tokens=max_tokens, logprobs=logprobs, stop=stop, ignore_eos=ignore_eos, model=model,
         timeout_s=timeout_s))

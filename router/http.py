@@ -59,15 +59,24 @@ def error_response(code: str, message: str) -> JSONResponse:
     return JSONResponse(error_body(code, message), status_code=STATUS.get(code, 500))
 
 
+def health_json(h: pb.HealthResponse) -> dict:
+    """`GET /health`'s body: the summary, and per node (with the key, when one is set) its
+    free/total KV blocks, running requests, queued prompt tokens and last error."""
+    nodes = [{"address": n.address, "kind": n.kind, "node_id": n.node_id, "healthy": n.healthy,
+              "free_kv_blocks": n.free_kv_blocks, "total_kv_blocks": n.total_kv_blocks,
+              "running_requests": n.running_requests, "queued_prompt_tokens": n.queued_prompt_tokens,
+              "last_error": n.last_error} for n in h.nodes]
+    return {"serving": h.serving, "prefill_nodes": h.prefill_nodes, "decode_nodes": h.decode_nodes,
+            "running_requests": h.running_requests, "queued_requests": h.queued_requests, "nodes": nodes}
+
+
 def build_app(router: Router) -> FastAPI:
     app = FastAPI(title="pdserve", docs_url=None, redoc_url=None, openapi_url=None)
 
     @app.get("/health")
-    async def health() -> Response:
-        h = router.health()
-        body = {"serving": h.serving, "prefill_nodes": h.prefill_nodes, "decode_nodes": h.decode_nodes,
-                "running_requests": h.running_requests}
-        return JSONResponse(body, status_code=200 if h.serving else 503)
+    async def health(raw: Request) -> Response:
+        h = router.health(nodes=router.health_detail_allowed(raw.headers.get("authorization")))
+        return JSONResponse(health_json(h), status_code=200 if h.serving else 503)
 
     @app.get("/v1/models")
     async def models(raw: Request) -> Response:
@@ -252,10 +261,11 @@ class _Server(uvicorn.Server):
 
 
 class HttpServer:
-    """uvicorn serving `app` as a task on the running loop."""
+    """uvicorn serving `app` as a task on the running loop (HTTPS with a certificate and key)."""
 
-    def __init__(self, app: FastAPI) -> None:
+    def __init__(self, app: FastAPI, tls_cert: str | None = None, tls_key: str | None = None) -> None:
         self.app = app
+        self.tls = {"ssl_certfile": tls_cert, "ssl_keyfile": tls_key} if tls_cert else {}
         self._server: _Server | None = None
         self._task: asyncio.Task[None] | None = None
 
@@ -266,7 +276,7 @@ class HttpServer:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind((host, port))
         config = uvicorn.Config(self.app, log_level="warning", access_log=False, lifespan="off",
-                                timeout_graceful_shutdown=2)
+                                timeout_graceful_shutdown=2, **self.tls)  # type: ignore[arg-type]
         self._server = _Server(config)
         self._task = asyncio.create_task(self._server.serve(sockets=[sock]))
         while not self._server.started:

@@ -108,8 +108,10 @@ class NodeCollector:
         healthy = GaugeMetricFamily("pdserve:node_healthy", "1 while the router routes to the node", labels=keys)
         used = GaugeMetricFamily("pdserve:kv_blocks_used", "KV cache blocks in use", labels=keys)
         free = GaugeMetricFamily("pdserve:kv_blocks_free", "KV cache blocks free", labels=keys)
+        total = GaugeMetricFamily("pdserve:kv_blocks_total", "KV cache blocks in all (free < total at rest: a leak)",
+                                  labels=keys)
         queued = GaugeMetricFamily("pdserve:node_queued_prompt_tokens", "Prompt tokens waiting (P)", labels=keys)
-        families = [running, healthy, used, free, queued, *self._counters(keys)]
+        families = [running, healthy, used, free, total, queued, *self._counters(keys)]
         for node in self.nodes():
             s, key = node.status, [node.address, node.kind]
             healthy.add_metric(key, 1.0 if node.healthy else 0.0)
@@ -118,8 +120,9 @@ class NodeCollector:
             running.add_metric(key, s.running)
             used.add_metric(key, s.total_blocks - s.free_blocks)
             free.add_metric(key, s.free_blocks)
+            total.add_metric(key, s.total_blocks)
             queued.add_metric(key, s.queued_tokens)
-            self._add_counters(families[5:], key, s)
+            self._add_counters(families[6:], key, s)
         yield from families
 
     @staticmethod

@@ -36,7 +36,7 @@ from deploy.config import RouterConfig
 from protos import node_pb2, pdserve_pb2, pdserve_pb2_grpc
 from protos.messages import FirstToken, MessageError, OutputItem, TokenLogprobs
 from router.admission import AdmissionQueue
-from router.auth import ApiKeyInterceptor
+from router.auth import ApiKeyInterceptor, authorized
 from router.directory import NodeDirectory
 from router.grpc_health import add_health_servicer
 from router.http import HttpServer, build_app
@@ -44,6 +44,7 @@ from router.metrics import RouterMetrics
 from router.policy import Policy, make_policy
 from router.pool import MAX_MESSAGE_BYTES, Node, NodePool
 from router.request import Interrupt, RequestState, is_terminal
+from router.tls import server_credentials
 from router.validate import InvalidRequest, Limits, prepare
 
 log = logging.getLogger(__name__)
@@ -64,10 +65,11 @@ class RequestError(Exception):
 class Router:
     def __init__(self, model: Any, directory: NodeDirectory, config: RouterConfig | None = None, *,
                  max_model_len: int | None = None, num_speculative_tokens: int | None = None,
-                 policy: Policy | None = None) -> None:
+                 policy: Policy | None = None, cluster_secret: str | None = None) -> None:
         """`model`: engine.loader.ModelInfo (name, config, tokenizer, eos_token_ids).
         `max_model_len`: the context the nodes serve (default min(model positions, 4096)).
-        `num_speculative_tokens`: for ListModels (default: what decode nodes report)."""
+        `num_speculative_tokens`: for ListModels (default: what decode nodes report).
+        `cluster_secret`: sent on every call to a node (nodes refuse calls without it)."""
         self.config = config or RouterConfig()
         self.model = model
         self.max_model_len = max_model_len or min(model.config.max_position_embeddings, 4096)
@@ -80,7 +82,7 @@ class Router:
             directory, vocab_size=model.config.vocab_size, subscriber=f"router-{self.router_id}",
             status_interval_s=self.config.status_interval_s, rpc_timeout_s=self.config.rpc_timeout_s,
             on_items=self._on_items, on_decode_failure=self._on_decode_failure,
-            on_capacity=self._on_capacity)
+            on_capacity=self._on_capacity, cluster_secret=cluster_secret)
         self.requests: dict[str, RequestState] = {}  # by client request id, in flight
         self._by_node_rid: dict[str, RequestState] = {}
         self._queue = AdmissionQueue(self.config.queue_size)
@@ -102,21 +104,32 @@ class Router:
         host = host if host is not None else self.config.host
         port = port if port is not None else self.config.port
         http_port = self.config.http_port if http_port == -1 else http_port
-        key = self.config.api_key
+        bound = self.grpc_port = self._serve_grpc(host, port)
+        await self.pool.start()
+        assert self._server is not None
+        await self._server.start()
+        if http_port is not None:
+            self.http = HttpServer(build_app(self), self.config.tls_cert, self.config.tls_key)
+            self.http_port = await self.http.start(host, http_port)
+        self._serving = True
+        tls = "TLS" if self.config.tls_cert else "plain text"
+        log.info("router %s serving %s on %s port %d (gRPC, %s)", self.router_id, self.model.name, host, bound, tls)
+        return bound
+
+    def _serve_grpc(self, host: str, port: int) -> int:
+        """Build the gRPC server (API-key interceptor, TLS when configured) and bind it to
+        `host` only; returns the bound port."""
+        key, cert = self.config.api_key, self.config.tls_cert
+        creds = server_credentials(cert, self.config.tls_key or "") if cert else None  # read first: clear errors
         self._server = grpc.aio.server(options=[("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
                                                 ("grpc.max_send_message_length", MAX_MESSAGE_BYTES)],
                                        interceptors=[ApiKeyInterceptor(key)] if key else None)
         pdserve_pb2_grpc.add_GenerationServicer_to_server(_Servicer(self), self._server)
-        bound = self.grpc_port = self._server.add_insecure_port(f"[{host}]:{port}" if ":" in host else f"{host}:{port}")
         add_health_servicer(self._server, lambda: self.health().serving)  # grpc.health.v1 (k8s probes)
-        await self.pool.start()
-        await self._server.start()
-        if http_port is not None:
-            self.http = HttpServer(build_app(self))
-            self.http_port = await self.http.start(host, http_port)
-        self._serving = True
-        log.info("router %s serving %s on port %d", self.router_id, self.model.name, bound)
-        return bound
+        address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+        if creds is None:
+            return self._server.add_insecure_port(address)
+        return self._server.add_secure_port(address, creds)
 
     async def stop(self) -> None:
         """End every request (UNAVAILABLE), free what nodes hold for them, stop serving."""
@@ -428,10 +441,21 @@ class Router:
         self._queue.wake_one()
 
     # ---- Abort / Health / ListModels ------------------------------------------------------
-    def health(self) -> pdserve_pb2.HealthResponse:
+    def health(self, nodes: bool = False) -> pdserve_pb2.HealthResponse:
+        """Serving or not, and the counts; `nodes`: every node's last Status too (free KV blocks,
+        running, queued, last error), so a leak is visible from outside."""
         p, d = len(self.pool.healthy("prefill")), len(self.pool.healthy("decode"))
-        return pdserve_pb2.HealthResponse(serving=self._serving and p > 0 and d > 0, prefill_nodes=p,
-                                          decode_nodes=d, running_requests=len(self.requests))
+        out = pdserve_pb2.HealthResponse(serving=self._serving and p > 0 and d > 0, prefill_nodes=p,
+                                         decode_nodes=d, running_requests=len(self.requests),
+                                         queued_requests=len(self._queue))
+        if nodes:
+            out.nodes.extend(_node_health(n) for _, n in sorted(self.pool.nodes.items()))
+        return out
+
+    def health_detail_allowed(self, authorization: str | None) -> bool:
+        """Per-node detail needs the API key when one is set (the summary stays open)."""
+        key = self.config.api_key
+        return key is None or authorized(authorization, key)
 
     def list_models(self) -> pdserve_pb2.ListModelsResponse:
         k = self.num_speculative_tokens
@@ -440,6 +464,16 @@ class Router:
         info = pdserve_pb2.ModelInfo(name=self.model.name, max_model_len=self.max_model_len,
                                      num_speculative_tokens=k)
         return pdserve_pb2.ListModelsResponse(models=[info])
+
+
+def _node_health(node: Node) -> pdserve_pb2.NodeHealth:
+    s = node.status
+    out = pdserve_pb2.NodeHealth(address=node.address, kind=node.kind, healthy=node.healthy,
+                                 last_error=node.last_error[:1024])
+    if s is not None:
+        out.node_id, out.free_kv_blocks, out.total_kv_blocks = s.node_id, s.free_blocks, s.total_blocks
+        out.running_requests, out.queued_prompt_tokens = s.running, s.queued_tokens
+    return out
 
 
 def _no_prefill_message(tried: dict[str, str]) -> str:
@@ -460,7 +494,8 @@ class _Servicer(pdserve_pb2_grpc.GenerationServicer):
         return pdserve_pb2.AbortResponse(found=await self.router.abort(request.request_id))
 
     async def Health(self, request: Any, context: Any) -> pdserve_pb2.HealthResponse:  # noqa: N802
-        return self.router.health()
+        header = dict(context.invocation_metadata() or ()).get("authorization")
+        return self.router.health(nodes=self.router.health_detail_allowed(header))
 
     async def ListModels(self, request: Any, context: Any) -> pdserve_pb2.ListModelsResponse:  # noqa: N802
         return self.router.list_models()

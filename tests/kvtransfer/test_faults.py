@@ -135,7 +135,8 @@ def test_tcp_bad_message_closes_only_its_connection(kind: str) -> None:
         victim_desc = receiver.expect("victim", [9], LAYERS)
         host, port = victim_desc["addr"].rsplit(":", 1)
         with socket.create_connection((host, int(port)), timeout=10) as sock:
-            sock.sendall(wire.frame(wire.make("begin", rid="victim", reply="", ack_tag=0, nblocks=1)))
+            sock.sendall(wire.frame(wire.make("begin", rid="victim", tok=victim_desc["tok"], reply="", ack_tag=0,
+                                              nblocks=1)))
             sock.sendall(BAD_TCP[kind])
             reply = sock.makefile("rb").read()  # until the receiver closes
         header_len = wire.frame_length(reply[:4])
@@ -158,7 +159,7 @@ def test_ucx_bad_messages_are_contained() -> None:
             _sealed({"v": wire.VERSION + 7, "t": "finish", "rid": "victim", "layers": 4}),
             _sealed({"v": wire.VERSION, "t": "finish", "rid": "victim", "layers": 4, "extra": 1}),
             bytes(wire.SEALED.size + wire.MAX_MESSAGE_BYTES + 1),  # over the receive buffer
-            wire.seal(wire.make("layers", rid="victim", layers=[0], runs=[[0, 1]])),  # before begin
+            wire.seal(wire.make("layers", rid="victim", tok=victim["tok"], layers=[0], runs=[[0, 1]])),  # before begin
         ]
         for payload in bad:
             attacker.call("raw_ucx", addr=victim["addr"], tag=victim["tag"], payload=payload)
@@ -187,7 +188,7 @@ def test_ucx_late_data_cannot_land_after_failure() -> None:
         status = receiver.wait("r", 10 * TIMEOUT)  # no sender ever begins: timed out
         assert status.state is TransferState.FAILED and "timed out" in status.reason
         plane = receiver.layout.run_views(0, 1, 2)[0]  # type: ignore[attr-defined]
-        tag = ucx.data_tag(desc["serial"], 0, 0)  # layer 0, run 0, plane 0: pre-posted
+        tag = ucx.data_tag(wire.token_serial(desc["tok"]), 0, 0)  # layer 0, run 0, plane 0: pre-posted
         lane = desc["lanes"][0]  # layer 0's lane, where its receives are posted
         late.call("raw_ucx", addr=lane, tag=tag, payload=b"\xff" * plane.numel())
         sender = _sender("ucx")  # the receiver keeps serving (and progressing its worker)
@@ -215,10 +216,10 @@ def test_ucx_sends_nobody_takes_are_polled_ever_less_often() -> None:
     sender.register(KVLayout(layers, 0))
     try:
         desc = dict(receiver.expect("r", list(range(64)), [0, 1]))
-        # Data tags no receive in this process is ever posted under (serials count up from 1;
-        # the tag keeps 27 bits of one). A used serial's stale sends would be taken by the
-        # next test's receives.
-        desc["serial"] = (1 << 27) - 1
+        # Data tags no receive in this process is posted under: another token's (the receiver
+        # drops this sender's control messages too). Stale sends under a used serial would be
+        # taken by the next test's receives.
+        desc["tok"] = wire.new_token()
         sender.start("r", desc)
         for layer in (0, 1):
             sender.send_layer("r", layer, list(range(64)))

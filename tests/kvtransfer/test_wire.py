@@ -7,9 +7,11 @@ import pytest
 
 from kvtransfer import wire
 
+TOK = b"t" * wire.TOKEN_BYTES
+
 
 def test_round_trip() -> None:
-    msg = wire.make("layers", rid="r1", layers=[3, 4], runs=[[0, 4], [4, 1]])
+    msg = wire.make("layers", rid="r1", tok=TOK, layers=[3, 4], runs=[[0, 4], [4, 1]])
     assert wire.decode(wire.encode(msg)) == msg
     assert wire.unframe(wire.frame(msg) + b"pad") == msg
     assert wire.unseal(wire.seal(msg) + b"\0" * 16) == msg
@@ -19,10 +21,13 @@ def test_round_trip() -> None:
     ({"v": wire.VERSION + 1, "t": "finish", "rid": "r", "layers": 1}, "wrong version"),
     ({"v": wire.VERSION, "t": "exec", "rid": "r"}, "unknown message type"),
     ({"v": wire.VERSION, "t": "finish", "rid": "r"}, "fields"),
-    ({"v": wire.VERSION, "t": "finish", "rid": "r", "layers": 1, "x": 0}, "fields"),
-    ({"v": wire.VERSION, "t": "finish", "rid": "r", "layers": -1}, "bad value"),
-    ({"v": wire.VERSION, "t": "finish", "rid": "r", "layers": True}, "bad value"),
-    ({"v": wire.VERSION, "t": "layers", "rid": "r", "layers": [0], "runs": [[0, 1, 2]]}, "bad value"),
+    ({"v": wire.VERSION, "t": "finish", "rid": "r", "tok": TOK, "layers": 1, "x": 0}, "fields"),
+    ({"v": wire.VERSION, "t": "finish", "rid": "r", "tok": TOK, "layers": -1}, "bad value"),
+    ({"v": wire.VERSION, "t": "finish", "rid": "r", "tok": TOK, "layers": True}, "bad value"),
+    ({"v": wire.VERSION, "t": "layers", "rid": "r", "tok": TOK, "layers": [0], "runs": [[0, 1, 2]]}, "bad value"),
+    ({"v": wire.VERSION, "t": "begin", "rid": "r", "reply": "", "ack_tag": 0, "nblocks": 1}, "fields"),  # no token
+    ({"v": wire.VERSION, "t": "finish", "rid": "r", "tok": b"short", "layers": 1}, "bad value for 'tok'"),
+    ({"v": wire.VERSION, "t": "finish", "rid": "r", "tok": "t" * 16, "layers": 1}, "bad value for 'tok'"),
     ([1, 2], "not a map"),
 ])
 def test_invalid_messages_are_named(bad: object, text: str) -> None:
