@@ -70,6 +70,11 @@ class PrefixCache:
     def hashes(self, prompt: list[int]) -> list[bytes]:
         return block_hashes(prompt, self.blocks.block_size, self.seed, self.lookahead) if self.enabled else []
 
+    def fits(self, hashes: list[bytes], need: int) -> bool:
+        """Whether `allocate` of `need` blocks for a prompt of these hashes would succeed now."""
+        cached = self.blocks.match(hashes)
+        return self.blocks.can_allocate(cached, need - len(cached))
+
     def allocate(self, prompt: list[int], hashes: list[bytes], need: int) -> tuple[list[int], int] | None:
         """`need` blocks for `prompt` with its longest cached prefix first, and the number of
         tokens those hold; None (nothing taken) when the free blocks do not suffice."""
@@ -78,7 +83,8 @@ class PrefixCache:
             return None
         block_ids = self.blocks.allocate_after(cached, need - len(cached))
         hit = len(cached) * self.blocks.block_size
-        self.stats.record(len(prompt), hit)
+        if self.enabled:
+            self.stats.record(len(prompt), hit)
         return block_ids, hit
 
     def register(self, block_ids: list[int], hashes: list[bytes], num_computed: int) -> None:

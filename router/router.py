@@ -64,17 +64,18 @@ class RequestError(Exception):
 class Router:
     def __init__(self, model: Any, directory: NodeDirectory, config: RouterConfig | None = None, *,
                  max_model_len: int | None = None, num_speculative_tokens: int | None = None,
-                 policy: Policy | None = None) -> None:
+                 policy: Policy | None = None, block_size: int = 16) -> None:
         """`model`: engine.loader.ModelInfo (name, config, tokenizer, eos_token_ids).
         `max_model_len`: the context the nodes serve (default min(model positions, 4096)).
-        `num_speculative_tokens`: for ListModels (default: what decode nodes report)."""
+        `num_speculative_tokens`: for ListModels (default: what decode nodes report).
+        `block_size`: the nodes' KV block size (the prefix policy's chunk of a prompt)."""
         self.config = config or RouterConfig()
         self.model = model
         self.max_model_len = max_model_len or min(model.config.max_position_embeddings, 4096)
         self.num_speculative_tokens = num_speculative_tokens
         self.limits = Limits(model.name, model.config.vocab_size, self.max_model_len,
                              self.config.max_prompt_bytes, self.config.default_timeout_s)
-        self.policy = policy or make_policy(self.config.policy)
+        self.policy = policy or make_policy(self.config.policy, **prefix_options(self.config, block_size))
         self.router_id = uuid.uuid4().hex[:8]
         self.pool = NodePool(
             directory, vocab_size=model.config.vocab_size, subscriber=f"router-{self.router_id}",
@@ -229,7 +230,7 @@ class Router:
             if not await self._await_node("prefill", tried):
                 raise RequestError("UNAVAILABLE", _no_prefill_message(tried))  # before reserving
             decode, descriptor = await self._reserve(st, attempt)
-            prefill = self._choose_prefill(exclude=tried)
+            prefill = self._choose_prefill(st.prep.prompt_ids, exclude=tried)
             req = node_pb2.PrefillRequest(
                 request_id=st.node_rid, prompt_token_ids=st.prep.prompt_ids, sampling=st.prep.sampling,
                 descriptor_msgpack=descriptor, decode_address=decode.address)
@@ -247,11 +248,12 @@ class Router:
             return self._read_first(st, prefill, payload)
         raise RequestError("UNAVAILABLE", _no_prefill_message(tried))
 
-    def _choose_prefill(self, exclude: dict[str, str]) -> Node:
+    def _choose_prefill(self, prompt: list[int], exclude: dict[str, str]) -> Node:
         nodes = [n for n in self.pool.healthy("prefill") if n.address not in exclude]
-        for load in self.policy.order_prefill([n.load() for n in nodes]):
+        for load in self.policy.order_prefill([n.load() for n in nodes], prompt):
             node = self.pool.find("prefill", load.address)
             if node is not None:
+                self.policy.routed(node.address, prompt)
                 return node
         raise RequestError("UNAVAILABLE", _no_prefill_message(exclude))
 
@@ -440,6 +442,14 @@ class Router:
         info = pdserve_pb2.ModelInfo(name=self.model.name, max_model_len=self.max_model_len,
                                      num_speculative_tokens=k)
         return pdserve_pb2.ListModelsResponse(models=[info])
+
+
+def prefix_options(config: RouterConfig, block_size: int) -> dict[str, Any]:
+    """The prefix policy's settings (no options for the other policies)."""
+    if config.policy != "prefix":
+        return {}
+    return {"block_size": block_size, "balance_abs_tokens": config.prefix_balance_abs_tokens,
+            "balance_rel": config.prefix_balance_rel, "view_blocks": config.prefix_view_blocks}
 
 
 def _no_prefill_message(tried: dict[str, str]) -> str:

@@ -154,3 +154,42 @@ def test_abort_on_decode_frees_blocks_and_ends_once(tiny):
         pair.close()
     assert pair.decode.blocks.num_free == pair.decode.blocks.capacity
     assert pair.prefill.blocks.num_free == pair.prefill.blocks.capacity
+
+
+def run_concurrently(pair, prompts, params, vocab, tag):
+    firsts, threads = {}, []
+    for i, p in enumerate(prompts):
+        def go(i=i, p=p):
+            firsts[f"{tag}{i}"] = pair.run(f"{tag}{i}", p, params, vocab)
+        threads.append(threading.Thread(target=go))
+        threads[-1].start()
+    for t in threads:
+        t.join()
+    pair.wait_terminal(list(firsts))
+    return [pair.tokens(f"{tag}{i}", firsts[f"{tag}{i}"]) for i in range(len(prompts))]
+
+
+@pytest.mark.parametrize("k", [0, 3])
+def test_pd_prefix_cache_hits_keep_greedy_output_and_return_blocks(tiny, k):
+    vocab = tiny.model.config.vocab_size
+    rng = random.Random(2)
+    system = [rng.randrange(vocab) for _ in range(40)]
+    turns = [[rng.randrange(vocab) for _ in range(12)] for _ in range(6)]
+    prompts = [system + turns[c] + turns[c + 1][: 3 + t] for c in range(3) for t in range(2)]
+    params = SamplingParams(max_tokens=10, ignore_eos=True)
+    ref = reference(tiny, prompts, params)
+    pair = Pair(tiny, k, enable_prefix_caching=True)
+    try:
+        assert run_concurrently(pair, prompts, params, vocab, "a") == ref
+        computed = pair.prefill.counters["prefill_tokens"]
+        assert run_concurrently(pair, prompts, params, vocab, "b") == ref
+        wait_until(lambda: pair.prefill.status()["free_blocks"] == pair.prefill.blocks.capacity)
+        s = pair.prefill.status()
+        assert s["prefix_hit_requests"] >= len(prompts) and s["prefix_hit_tokens"] >= 48 * len(prompts)
+        assert s["prefill_tokens"] - computed <= 16 * len(prompts)  # round b: at most the last block each
+        assert s["cached_blocks"] > 0
+    finally:
+        pair.close()
+    assert pair.decode.blocks.num_free == pair.decode.blocks.capacity
+    assert pair.prefill.blocks.num_free == pair.prefill.blocks.capacity
+    assert all(pair.prefill.blocks.refcount(b) == 0 for b in range(1, pair.prefill.blocks.num_blocks))

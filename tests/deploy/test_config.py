@@ -124,3 +124,22 @@ def test_enforce_eager_and_deterministic_flags_reach_the_engine_config():
     default = service_config(parser.parse_args([]))
     assert not default.model.enforce_eager and not engine_config(default, "decode").enforce_eager
     assert not engine_config(default, "prefill").deterministic
+
+
+def test_prefix_cache_flag_and_policy_reach_the_prefill_engine_and_the_router():
+    import argparse
+
+    from deploy.actors import engine_config
+    from deploy.cli_service import add_service_arguments, service_config
+
+    parser = argparse.ArgumentParser()
+    add_service_arguments(parser)
+    cfg = service_config(parser.parse_args(["--enable-prefix-caching", "--set", "router.policy=prefix"]))
+    assert cfg.prefill.prefix_cache and cfg.router.policy == "prefix"
+    assert engine_config(cfg, "prefill").enable_prefix_caching
+    assert not engine_config(cfg, "decode").enable_prefix_caching  # decode nodes cache nothing yet
+    assert not engine_config(service_config(parser.parse_args([])), "prefill").enable_prefix_caching
+    with pytest.raises(ConfigError, match="prefix_cahce"):
+        ServiceConfig.load(None, {"prefill.prefix_cahce": True})
+    with pytest.raises(ConfigError, match="router.policy"):
+        ServiceConfig.load(None, {"router.policy": "prefixx"})
