@@ -27,7 +27,7 @@ class NodeLoad:
     running: int = 0  # from the last Status
     queued_tokens: int = 0  # prefill: from the last Status
     inflight: int = 0  # this router's requests on the node now (reserved on D / prefilling on P)
-    inflight_tokens: int = 0  # prefill: prompt tokens of this router's outstanding prefills
+    inflight_tokens: int = 0  # prefill: prompt tokens this router's outstanding prefills compute (Policy.routed)
 
 
 class Policy(ABC):
@@ -41,8 +41,10 @@ class Policy(ABC):
     def order_prefill(self, nodes: Sequence[NodeLoad], prompt: Sequence[int] = ()) -> list[NodeLoad]:
         """All of `nodes`, best first, for a request of `prompt` (token ids)."""
 
-    def routed(self, address: str, prompt: Sequence[int]) -> None:  # noqa: B027 (optional hook)
-        """The router sent a prefill of `prompt` to the node at `address`."""
+    def routed(self, address: str, prompt: Sequence[int]) -> int:
+        """The router sends a prefill of `prompt` to the node at `address`; returns the prompt
+        tokens the node is expected to compute (what its outstanding load grows by)."""
+        return len(prompt)
 
 
 class RoundRobin(Policy):
@@ -143,16 +145,20 @@ class PrefixAware(Policy):
             n += 1
         return n * self.block_size
 
-    def routed(self, address: str, prompt: Sequence[int]) -> None:
+    def routed(self, address: str, prompt: Sequence[int]) -> int:
+        """Remember the prompt's chunks for `address`; the node computes what it did not hold."""
+        hashes = chunk_hashes(prompt, self.block_size)
+        work = len(prompt) - self.matched(address, hashes)
         view = self._views.setdefault(address, OrderedDict())
         self._views.move_to_end(address)
-        for h in chunk_hashes(prompt, self.block_size):
+        for h in hashes:
             view[h] = None
             view.move_to_end(h)
         while len(view) > self.view_blocks:
             view.popitem(last=False)
         while len(self._views) > self.MAX_VIEWS:
             self._views.popitem(last=False)
+        return work
 
 
 POLICIES: dict[str, type[Policy]] = {RoundRobin.name: RoundRobin, LeastLoad.name: LeastLoad,

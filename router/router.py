@@ -230,11 +230,11 @@ class Router:
             if not await self._await_node("prefill", tried):
                 raise RequestError("UNAVAILABLE", _no_prefill_message(tried))  # before reserving
             decode, descriptor = await self._reserve(st, attempt)
-            prefill = self._choose_prefill(st.prep.prompt_ids, exclude=tried)
+            prefill, work = self._choose_prefill(st.prep.prompt_ids, exclude=tried)
             req = node_pb2.PrefillRequest(
                 request_id=st.node_rid, prompt_token_ids=st.prep.prompt_ids, sampling=st.prep.sampling,
                 descriptor_msgpack=descriptor, decode_address=decode.address)
-            self._hold_prefill(st, prefill)
+            self._hold_prefill(st, prefill, work)
             try:
                 payload = await prefill.stub.Prefill(req)
             except grpc.aio.AioRpcError as e:
@@ -248,13 +248,13 @@ class Router:
             return self._read_first(st, prefill, payload)
         raise RequestError("UNAVAILABLE", _no_prefill_message(tried))
 
-    def _choose_prefill(self, prompt: list[int], exclude: dict[str, str]) -> Node:
+    def _choose_prefill(self, prompt: list[int], exclude: dict[str, str]) -> tuple[Node, int]:
+        """The prefill node to use, and the prompt tokens it is expected to compute."""
         nodes = [n for n in self.pool.healthy("prefill") if n.address not in exclude]
         for load in self.policy.order_prefill([n.load() for n in nodes], prompt):
             node = self.pool.find("prefill", load.address)
             if node is not None:
-                self.policy.routed(node.address, prompt)
-                return node
+                return node, self.policy.routed(node.address, prompt)
         raise RequestError("UNAVAILABLE", _no_prefill_message(exclude))
 
     async def _reserve(self, st: RequestState, attempt: int) -> tuple[Node, bytes]:
@@ -383,16 +383,16 @@ class Router:
         st.decode, st.decode_live = None, False
         self._by_node_rid.pop(st.node_rid, None)
 
-    def _hold_prefill(self, st: RequestState, node: Node) -> None:
-        st.prefill = node
+    def _hold_prefill(self, st: RequestState, node: Node, work: int) -> None:
+        st.prefill, st.prefill_work = node, work
         node.inflight += 1
-        node.inflight_tokens += len(st.prep.prompt_ids)
+        node.inflight_tokens += work
 
     def _drop_prefill(self, st: RequestState) -> None:
         if st.prefill is not None:
             st.prefill.inflight -= 1
-            st.prefill.inflight_tokens -= len(st.prep.prompt_ids)
-        st.prefill = None
+            st.prefill.inflight_tokens -= st.prefill_work
+        st.prefill, st.prefill_work = None, 0
 
     async def _abort_decode(self, st: RequestState, reason: str) -> None:
         node, rid = st.decode, st.node_rid

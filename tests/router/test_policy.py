@@ -117,8 +117,9 @@ def test_prefix_policy_prefers_the_node_sent_the_longest_prefix():
     pol = PrefixAware(block_size=4)
     nodes = [NodeLoad("a:1"), NodeLoad("b:1")]
     system = list(range(100, 120))
-    pol.routed("b:1", system + [1, 2, 3, 4, 5])
+    assert pol.routed("b:1", system + [1, 2, 3, 4, 5]) == 25  # nothing cached yet: all of it
     pol.routed("a:1", system[:8] + [7] * 9)
+    assert pol.routed("b:1", system + [6]) == 1  # 20 of 21 there
     assert order(pol, nodes, system + [9, 9, 9, 9, 9, 9]) == ["b:1", "a:1"]  # 20 tokens vs 8
     assert order(pol, nodes, system[:8] + [7] * 12) == ["a:1", "b:1"]
     assert pol.matched("b:1", chunk_hashes(system + [9], 4)) == 20
