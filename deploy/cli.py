@@ -58,6 +58,8 @@ BENCHES = [
     ("acceptance", "engine.acceptance", "MTP draft acceptance and tokens/s on held-out prompts (k = 0 vs k)"),
     ("pd", "deploy.bench_pd", "disaggregated (prefill + decode node) vs colocated: TTFT and ITL, same requests"),
     ("serve", "deploy.bench_serve", "load a router (gRPC or HTTP): TTFT/ITL/e2e percentiles, goodput, plots"),
+    ("prefix", "deploy.bench_prefix", "multi-turn chat on a local service without and with the prefix cache + "
+     "prefix routing: TTFT, prefill tokens computed"),
 ]
 
 
