@@ -193,3 +193,34 @@ def test_pd_prefix_cache_hits_keep_greedy_output_and_return_blocks(tiny, k):
     assert pair.decode.blocks.num_free == pair.decode.blocks.capacity
     assert pair.prefill.blocks.num_free == pair.prefill.blocks.capacity
     assert all(pair.prefill.blocks.refcount(b) == 0 for b in range(1, pair.prefill.blocks.num_blocks))
+
+
+def test_pd_aborts_of_prefills_sharing_cached_blocks_drop_their_references(tiny):
+    vocab = tiny.model.config.vocab_size
+    rng = random.Random(3)
+    system = [rng.randrange(vocab) for _ in range(64)]
+    prompts = [system + [rng.randrange(vocab) for _ in range(20)] for _ in range(6)]
+    params = SamplingParams(max_tokens=30, ignore_eos=True)
+    pair = Pair(tiny, 2, enable_prefix_caching=True, max_num_batched_tokens=16)
+    try:
+        run_concurrently(pair, prompts[:1], params, vocab, "warm")
+        ends = []
+        for i, p in enumerate(prompts):
+            req = resolve_request(f"x{i}", p, params, pair.eos, pair.max_model_len, random.Random(0), vocab)
+            res = pair.decode.reserve(f"x{i}", len(p), params, req.seed, req.stop_ids).result(timeout=30)
+            ends.append(pair.prefill.submit(PrefillJob(f"x{i}", p, params, req.seed, req.stop_ids,
+                                                       res.descriptor, "d0")))
+        wait_until(lambda: pair.prefill.leased, timeout=30)  # aborted started (sharing blocks), or queued
+        for i in range(len(prompts)):
+            pair.prefill.abort(f"x{i}", "client went away")
+        for i, f in enumerate(ends):
+            if f.exception(timeout=30) is None:
+                pair.decode.abort(f"x{i}", "client went away")  # it finished first: end it on D
+        pair.wait_terminal([f"x{i}" for i in range(len(prompts))])
+        wait_until(lambda: pair.prefill.status()["free_blocks"] == pair.prefill.blocks.capacity)
+        wait_until(lambda: pair.decode.status()["free_blocks"] == pair.decode.blocks.capacity)
+        assert pair.prefill.status()["prefix_hit_requests"] >= 1
+    finally:
+        pair.close()
+    assert all(pair.prefill.blocks.refcount(b) == 0 for b in range(1, pair.prefill.blocks.num_blocks))
+    assert pair.prefill.blocks.num_cached > 0

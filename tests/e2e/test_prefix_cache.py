@@ -58,10 +58,10 @@ def test_multi_turn_chat_hits_the_cache_and_keeps_greedy_output(service, tiny_re
     info = [i for (role, _), i in svc.node_info().items() if role == "prefill"]
     hits, queries = sum(i["prefix_hit_tokens"] for i in info), sum(i["prefix_query_tokens"] for i in info)
     assert queries == sum(len(p) for p, _ in asked)
-    # the prefix policy sends each turn where the previous one ran: it reuses all of that one's full blocks
-    n = 4  # conversations; asked is turn by turn, so asked[i - n] is asked[i]'s previous turn
-    sticky = sum((len(asked[i - n][0]) - 1) // 16 * 16 for i in range(n, len(asked)))
-    assert hits >= sticky > queries // 2
+    # Later turns reuse their history. (Not asserted here: that every turn goes where the previous one
+    # ran. With concurrent turns the policy may move one when the loads it sees, partly from Status
+    # polls 0.5 s old, outweigh the saving; tests/router/test_policy.py checks the routing itself.)
+    assert hits > queries // 2
     assert sum(i["prefill_tokens"] for i in info) == queries - hits
     assert sum(i["prefix_hit_requests"] for i in info) >= 12  # every turn after the first
     for _ in range(60):  # node figures reach /metrics with the router's next Status poll
