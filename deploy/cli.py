@@ -36,6 +36,8 @@ def _add_generate(sub: Any) -> None:
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs for the decode step")
     p.add_argument("--deterministic", action="store_true", help="batch-invariant kernels: a greedy answer does not depend on the batch or on MTP (slower)")
+    p.add_argument("--enable-prefix-caching", action="store_true",
+                   help="reuse the KV of prompt prefixes already computed (as vLLM's flag)")
     p.add_argument("--router", default=None, metavar="HOST:PORT", help="generate through a running service")
     p.add_argument("--api-key", default=None, help="with --router: the service's key (default: $PDSERVE_API_KEY)")
     p.add_argument("--tls-ca", default=None, metavar="PEM",
@@ -58,6 +60,8 @@ BENCHES = [
     ("acceptance", "engine.acceptance", "MTP draft acceptance and tokens/s on held-out prompts (k = 0 vs k)"),
     ("pd", "deploy.bench_pd", "disaggregated (prefill + decode node) vs colocated: TTFT and ITL, same requests"),
     ("serve", "deploy.bench_serve", "load a router (gRPC or HTTP): TTFT/ITL/e2e percentiles, goodput, plots"),
+    ("prefix", "deploy.bench_prefix", "multi-turn chat on a local service without and with the prefix cache + "
+     "prefix routing: TTFT, prefill tokens computed"),
 ]
 
 
@@ -157,7 +161,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     )
     config = EngineConfig(num_speculative_tokens=args.spec_tokens, draft_vocab_size=args.draft_vocab,
                           device=args.device, max_model_len=args.max_model_len, enforce_eager=args.enforce_eager,
-                          deterministic=args.deterministic)
+                          deterministic=args.deterministic, enable_prefix_caching=args.enable_prefix_caching)
     loaded = load_model(args.model or default_model(), device=args.device, dtype=args.dtype)
     engine = LLMEngine(loaded, config)
     prompts = [encode_prompt(loaded.tokenizer, p, args.raw) for p in args.prompts]

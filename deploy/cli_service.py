@@ -29,7 +29,8 @@ def service_config(args: argparse.Namespace, local: bool = False) -> Any:
                       ("port", "router.port"), ("http_port", "router.http_port"),
                       ("address", "cluster.address"), ("device", "model.device"),
                       ("enforce_eager", "model.enforce_eager"), ("deterministic", "model.deterministic"),
-                      ("tls_cert", "router.tls_cert"), ("tls_key", "router.tls_key")):
+                      ("tls_cert", "router.tls_cert"), ("tls_key", "router.tls_key"),
+                      ("enable_prefix_caching", "prefill.prefix_cache")):
         value = getattr(args, flag, None)
         if value is not None:
             overrides[key] = value
@@ -61,6 +62,9 @@ def add_service_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--deterministic", action="store_true", default=None, help="batch-invariant kernels: a greedy answer does not depend on the batch or on MTP (slower)")
     p.add_argument("--enforce-eager", action="store_true", default=None,
                    help="run the decode step eagerly, without CUDA graphs")
+    p.add_argument("--enable-prefix-caching", action="store_true", default=None,
+                   help="prefill nodes reuse the KV of prompt prefixes they computed (prefill.prefix_cache); "
+                   "pair with --set router.policy=prefix")
     p.add_argument("--set", action="append", metavar="KEY=VALUE", help="any config key, e.g. decode.max_num_seqs=64")
 
 

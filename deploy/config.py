@@ -12,9 +12,10 @@ YAML layout (every section and key optional):
     spec: {num_speculative_tokens: 2, draft_vocab_size: 0}
     cache: {block_size: 16, num_blocks: null, kv_cache_bytes: 536870912}
     kv_transfer: {backend: ucx, timeout_s: 30}
-    prefill: {max_num_batched_tokens: 2048, num_nodes: 1, num_cpus: 1, num_gpus: 1, resources: {}}
+    prefill: {max_num_batched_tokens: 2048, num_nodes: 1, num_cpus: 1, num_gpus: 1, resources: {},
+              prefix_cache: false}
     decode: {max_num_seqs: 32, num_nodes: 1, num_cpus: 1, num_gpus: 1, resources: {}}
-    router: {host: 127.0.0.1, port: 50051, http_port: 8000, queue_size: 256, default_timeout_s: 600,
+    router: {host: 127.0.0.1, port: 50051, http_port: 8000, policy: least_load, queue_size: 256, default_timeout_s: 600,
              api_key: null, tls_cert: null, tls_key: null, ...}
     cluster: {address: null, namespace: pdserve, router_resources: {}, node_host: 127.0.0.1, start_timeout_s: 300,
               secret: null, secret_file: null}
@@ -96,6 +97,9 @@ class PrefillConfig(_Section):
     num_cpus: float = Field(default=1.0, ge=0)
     num_gpus: float = Field(default=1.0, ge=0)
     resources: dict[str, float] = Field(default_factory=dict)  # Ray resources each node needs ({pdserve_prefill: 1})
+    # Keep computed KV blocks of prompts and start a prompt after its longest cached prefix
+    # (engine/prefix_cache.py); pair with `router.policy: prefix`. `--enable-prefix-caching`.
+    prefix_cache: bool = False
 
 
 class DecodeConfig(_Section):
@@ -112,7 +116,15 @@ class RouterConfig(_Section):
     host: str = "127.0.0.1"
     port: int = Field(default=50051, ge=0, le=65535)  # gRPC; 0: any free port
     http_port: int | None = Field(default=8000, ge=0, le=65535)  # OpenAI-compatible HTTP; None: off
-    policy: Literal["least_load", "round_robin"] = "least_load"
+    # prefix: the prefill node likely to hold the prompt's longest prefix, unless the load is
+    # unbalanced (router/policy.py); decode nodes by least load.
+    policy: Literal["least_load", "round_robin", "prefix"] = "least_load"
+    # prefix policy: prefill loads (queued prompt tokens) count as unbalanced when the busiest
+    # exceeds the idlest by more than `prefix_balance_abs_tokens` and by `prefix_balance_rel` times;
+    # then the least loaded node gets the request, whatever it caches.
+    prefix_balance_abs_tokens: int = Field(default=2048, ge=0)
+    prefix_balance_rel: float = Field(default=1.5, ge=1.0)
+    prefix_view_blocks: int = Field(default=65536, gt=0)  # per prefill node: block hashes remembered
     queue_size: int = Field(default=256, ge=0)  # requests waiting for a decode node; 0: no queue
     default_timeout_s: float = Field(default=600.0, gt=0)  # per request, when it gives none
     max_prompt_bytes: int = Field(default=1 << 20, gt=0)  # prompt text over this: INVALID_ARGUMENT

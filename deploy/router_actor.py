@@ -23,7 +23,8 @@ class RouterActor:
         max_len = self.cfg.model.max_model_len or min(info.config.max_position_embeddings, 4096)
         self.router = Router(info, self.directory, self.cfg.router, max_model_len=max_len,
                              num_speculative_tokens=self.cfg.spec.num_speculative_tokens,
-                             cluster_secret=self.cfg.cluster.secret)
+                             cluster_secret=self.cfg.cluster.secret,
+                             block_size=self.cfg.cache.block_size)
         port = await self.router.start(self.cfg.router.port, self._host())
         return self._address(port)
 

@@ -68,14 +68,24 @@ def render(state: dict[str, Any]) -> str:
              f"decode={r.get('decode_nodes', '-')}  running={r.get('running_requests', '-')} "
              f"queued={r.get('queued_requests', '-')}  on {r.get('ray_node_ip', '?')}",
              f"{'NODE':<20}{'ROLE':<9}{'STATE':<7}{'ADDRESS':<22}{'RAY NODE':<17}{'RUN':>5}{'QUEUED':>8}"
-             f"{'FREE KV':>9}{'TOTAL':>7}  RESOURCES"]
+             f"{'FREE KV':>9}{'TOTAL':>7}{'HIT TOK':>9}{'HIT REQ':>9}  RESOURCES"]
     for n in sorted(state["nodes"], key=lambda n: (ROLES.index(n.get("role", "prefill")), n["name"])):
+        tok, req = hit_rates(n)
         lines.append(f"{n['name']:<20}{n.get('role', '?'):<9}{n['state']:<7}{n.get('address', '-'):<22}"
                      f"{n.get('ray_node_ip', '?'):<17}{n.get('running', '-'):>5}{n.get('queued_tokens', '-'):>8}"
-                     f"{n.get('free_blocks', '-'):>9}{n.get('total_blocks', '-'):>7}  "
+                     f"{n.get('free_blocks', '-'):>9}{n.get('total_blocks', '-'):>7}{tok:>9}{req:>9}  "
                      f"{json.dumps(n.get('ray_node_resources', {}))}"
                      + (f"  ({n['error']})" if n.get("error") else ""))
     return "\n".join(lines)
+
+
+def hit_rates(node: dict[str, Any]) -> tuple[str, str]:
+    """A prefill node's prefix cache hit rates (tokens, requests) since it started; '-' when none."""
+    def pct(hits: Any, queries: Any) -> str:
+        return f"{100.0 * hits / queries:.1f}%" if queries else "-"
+
+    return (pct(node.get("prefix_hit_tokens", 0), node.get("prefix_query_tokens", 0)),
+            pct(node.get("prefix_hit_requests", 0), node.get("prefix_requests", 0)))
 
 
 def cmd_status(args: Any) -> int:

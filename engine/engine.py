@@ -7,7 +7,8 @@ integers and lists only; tensors live in the ModelRunner. The prefill and decode
 the same pieces (`ModelRunner.prefill`, `insert_no_sync`, `launch_decode`/`collect`).
 
 KV blocks are reserved for a request's whole life at admission (prompt + max_tokens + MTP
-room), so a running request never needs preemption; blocks are freed only after the decode
+room; with `enable_prefix_caching` its longest cached prefix is shared and prefill starts after
+it: engine/prefix_cache.py), so a running request never needs preemption; blocks are freed only after the decode
 step in flight has been collected, so no launched step can write into a reused block.
 """
 
@@ -27,6 +28,7 @@ from engine.kv_cache import BlockManager, KVCache
 from engine.loader import LoadedModel
 from engine.model import fuse_projections
 from engine.model_runner import ModelRunner, PrefillChunk, kv_room_needed, unpack_logprobs
+from engine.prefix_cache import PrefixCache
 from engine.request import Request, RequestOutput, TokenLogprob
 from engine.sampling_params import SamplingParams
 
@@ -47,6 +49,7 @@ class EngineConfig:
     deterministic: bool = False  # batch-invariant kernels: a greedy answer is the same in any batch
     block_shuffle_seed: int | None = None  # scatter block ids (tests)
     seed: int = 0  # draws per-request seeds when a request gives none
+    enable_prefix_caching: bool = False  # reuse computed KV blocks of earlier prompts (as vLLM's flag)
 
     def __post_init__(self) -> None:
         if self.num_speculative_tokens < 0:
@@ -86,6 +89,14 @@ def build_runner(loaded: LoadedModel, config: EngineConfig, decodes: bool = True
     if runner.graphs is not None:
         runner.graphs.capture_greedy()
     return runner, blocks, max_model_len
+
+
+def prefix_cache_for(loaded: LoadedModel, config: EngineConfig, blocks: BlockManager) -> PrefixCache:
+    """The scheduler's prefix cache (off unless `enable_prefix_caching`); keys carry the model's
+    identity, and with MTP (k > 0) the token after each block (engine/prefix_cache.py)."""
+    dtype = next(loaded.model.parameters()).dtype
+    k = config.num_speculative_tokens
+    return PrefixCache(blocks, f"{loaded.name}|{dtype}|mtp={k > 0}", 1 if k else 0, config.enable_prefix_caching)
 
 
 def draft_vocab_for(loaded: LoadedModel, config: EngineConfig) -> DraftVocab | None:
@@ -128,6 +139,7 @@ class LLMEngine:
         self.tokenizer = loaded.tokenizer
         self.k = config.num_speculative_tokens
         self.runner, self.blocks, self.max_model_len = build_runner(loaded, config)
+        self.prefix = prefix_cache_for(loaded, config, self.blocks)
         self.waiting: deque[Request] = deque()  # in arrival order; blocks taken at prefill start
         self.prefilling: list[Request] = []
         self.batch = DecodeBatch(self.runner, self.blocks, config.max_num_seqs)
@@ -186,15 +198,20 @@ class LLMEngine:
         return chunks, reqs
 
     def _admit(self, req: Request) -> bool:
-        """Reserve a slot and the request's whole KV room, or leave it waiting."""
+        """Reserve a slot and the request's whole KV room (its cached prefix shared), or leave it waiting."""
         need = self.blocks.blocks_for(kv_room_needed(len(req.prompt) + req.max_tokens, self.k))
         if need > self.blocks.capacity:
             self.waiting.popleft()
             self.batch.finish(req, "error: request needs more KV blocks than the cache has")
             return bool(self.waiting) and self._admit(self.waiting[0])
-        if not self.batch.free_slots or need > self.blocks.num_free:
+        if not self.batch.free_slots:
             return False
-        req.block_ids = self.blocks.allocate(need)
+        if not req.block_hashes:
+            req.block_hashes = self.prefix.hashes(req.prompt)
+        got = self.prefix.allocate(req.prompt, req.block_hashes, need)
+        if got is None:
+            return False
+        req.block_ids, req.num_prefilled = got  # prefill starts after the cached prefix
         req.slot = self.batch.take_slot()
         return True
 
@@ -202,6 +219,7 @@ class LLMEngine:
         out = self.runner.prefill(chunks)
         for c, req in zip(chunks, reqs, strict=True):
             req.num_prefilled = c.end
+            self.prefix.register(req.block_ids, req.block_hashes, c.end)
         if not out.last_rows:
             return []
         firsts = out.first_token.tolist()  # the prefill read point (not in the decode loop)

@@ -29,6 +29,7 @@ class Request:
     max_tokens: int
     num_prompt_tokens: int = -1
     block_ids: list[int] = field(default_factory=list)
+    block_hashes: list[bytes] = field(default_factory=list)  # prefix-cache keys of its full prompt blocks
     num_prefilled: int = 0
     slot: int | None = None
     output_ids: list[int] = field(default_factory=list)

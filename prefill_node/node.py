@@ -7,8 +7,13 @@ are handed to the KV sender (never blocking). Then the first token is sampled (w
 logprobs), the MTP module drafts k tokens and its layer is pushed too, and the first-token
 message goes to the decode node (through `first_token_sink`) and back to the caller.
 
+With the prefix cache on (`EngineConfig.enable_prefix_caching`), a job starts after its
+longest cached prefix (engine/prefix_cache.py) and its full prompt blocks are cached as they
+are computed. The decode node still receives every prompt block, cached ones included: it
+holds no cache of its own, so the whole prompt's KV crosses the wire.
+
 Source blocks stay leased until the decode node acknowledges, the job is aborted, or the
-lease expires; only then are they freed. One thread (the loop) owns the scheduler, the
+lease expires; only then are they freed (a cached block stays cached, evictable). One thread (the loop) owns the scheduler, the
 runner and the block manager; other threads only enqueue (`submit`, `abort`).
 """
 
@@ -23,7 +28,7 @@ from typing import Any
 
 import torch
 
-from engine.engine import EngineConfig, build_runner
+from engine.engine import EngineConfig, build_runner, prefix_cache_for
 from engine.loader import LoadedModel
 from engine.model_runner import PrefillChunk, PrefillOutput, kv_room_needed, unpack_logprobs
 from engine.sampling_params import SamplingParams
@@ -45,7 +50,8 @@ class PrefillJob:
     decode_address: str
     future: concurrent.futures.Future = field(default_factory=concurrent.futures.Future)
     block_ids: list[int] = field(default_factory=list)
-    num_prefilled: int = 0
+    block_hashes: list[bytes] = field(default_factory=list)  # prefix-cache keys of its full prompt blocks
+    num_prefilled: int = 0  # a cache hit starts it after the cached prefix
     aborted: str | None = None
 
     @property
@@ -62,6 +68,7 @@ class PrefillNode(StepLoop):
         self.loaded, self.config, self.sink = loaded, config, first_token_sink
         self.k = config.num_speculative_tokens
         self.runner, self.blocks, self.max_model_len = build_runner(loaded, config, decodes=False)
+        self.prefix = prefix_cache_for(loaded, config, self.blocks)
         self.num_layers = loaded.model.config.num_hidden_layers
         self._released: queue.SimpleQueue[tuple[str, bool, float]] = queue.SimpleQueue()
         self.sender = create_sender(kv_backend, timeout_s=kv_timeout_s, on_release=self._on_release,
@@ -96,7 +103,8 @@ class PrefillNode(StepLoop):
         """Load, and cumulative counters for /metrics: kv_seconds sums, per transfer, the time from
         its last layer queued to the decode node's acknowledgement (what compute did not hide)."""
         return {"free_blocks": self.blocks.num_free, "total_blocks": self.blocks.capacity,
-                "running": len(self.waiting), "queued_tokens": self.queued_tokens, **self.counters}
+                "running": len(self.waiting), "queued_tokens": self.queued_tokens, **self.counters,
+                **self.prefix.status()}
 
     def stop(self) -> None:
         self.stop_loop()
@@ -127,6 +135,7 @@ class PrefillNode(StepLoop):
         for (j, n) in jobs:
             j.num_prefilled += n
             self.queued_tokens -= n
+            self.prefix.register(j.block_ids, j.block_hashes, j.num_prefilled)
         self._complete(finishing, out, chunks)  # holds the step's read point
         self.counters["prefill_tokens"] += sum(n for _, n in jobs)
         self.counters["prefill_seconds"] += time.perf_counter() - start
@@ -156,23 +165,28 @@ class PrefillNode(StepLoop):
             self.sender.abort(request_id, reason)
 
     def _admit_and_plan(self) -> list[tuple[PrefillJob, int]]:
-        """FIFO under the token budget; a job gets its blocks when it starts."""
+        """FIFO under the token budget; a job gets its blocks (its cached prefix first) when it starts."""
         budget, plan = self.config.max_num_batched_tokens, []
         for job in list(self.waiting):
             if budget <= 0:
                 break
-            if not job.block_ids and not self._start(job):
-                break  # out of blocks: wait for leases to end
-            n = min(job.remaining, budget)
-            if job.num_prefilled == 0:
+            if not job.block_ids:
+                if not self._start(job):
+                    break  # out of blocks: wait for leases to end
+                if not job.block_ids:
+                    continue  # refused (bad descriptor)
                 self._mark(job.request_id, "started")
+            n = min(job.remaining, budget)
             plan.append((job, n))
             budget -= n
         return plan
 
     def _start(self, job: PrefillJob) -> bool:
+        """Take the job's blocks and start its transfer; False when the blocks are not there yet."""
         need = self.blocks.blocks_for(kv_room_needed(len(job.prompt), self.k))
-        if need > self.blocks.num_free:
+        if not job.block_hashes:
+            job.block_hashes = self.prefix.hashes(job.prompt)
+        if not self.prefix.fits(job.block_hashes, need):
             return False
         try:
             self.sender.start(job.request_id, job.descriptor)
@@ -181,7 +195,10 @@ class PrefillNode(StepLoop):
             self.queued_tokens -= job.remaining
             job.future.set_exception(ValueError(f"bad KV descriptor: {e}"))
             return True
-        job.block_ids = self.blocks.allocate(need)
+        got = self.prefix.allocate(job.prompt, job.block_hashes, need)
+        assert got is not None  # checked above; nothing ran in between
+        job.block_ids, job.num_prefilled = got
+        self.queued_tokens -= job.num_prefilled
         self.leased[job.request_id] = job.block_ids
         return True
 

@@ -91,7 +91,7 @@ class StatusRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class NodeStatus(_message.Message):
-    __slots__ = ("node_id", "kind", "healthy", "free_blocks", "total_blocks", "running", "queued_tokens", "num_speculative_tokens", "prefill_tokens", "prefill_seconds", "kv_bytes", "kv_seconds", "draft_tokens", "accepted_per_pos")
+    __slots__ = ("node_id", "kind", "healthy", "free_blocks", "total_blocks", "running", "queued_tokens", "num_speculative_tokens", "prefill_tokens", "prefill_seconds", "kv_bytes", "kv_seconds", "draft_tokens", "accepted_per_pos", "prefix_requests", "prefix_hit_requests", "prefix_query_tokens", "prefix_hit_tokens", "cached_blocks", "evicted_blocks")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     KIND_FIELD_NUMBER: _ClassVar[int]
     HEALTHY_FIELD_NUMBER: _ClassVar[int]
@@ -106,6 +106,12 @@ class NodeStatus(_message.Message):
     KV_SECONDS_FIELD_NUMBER: _ClassVar[int]
     DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     ACCEPTED_PER_POS_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_HIT_REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_QUERY_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_HIT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    CACHED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    EVICTED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     kind: str
     healthy: bool
@@ -120,4 +126,10 @@ class NodeStatus(_message.Message):
     kv_seconds: float
     draft_tokens: _containers.RepeatedScalarFieldContainer[int]
     accepted_per_pos: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, node_id: _Optional[str] = ..., kind: _Optional[str] = ..., healthy: _Optional[bool] = ..., free_blocks: _Optional[int] = ..., total_blocks: _Optional[int] = ..., running: _Optional[int] = ..., queued_tokens: _Optional[int] = ..., num_speculative_tokens: _Optional[int] = ..., prefill_tokens: _Optional[int] = ..., prefill_seconds: _Optional[float] = ..., kv_bytes: _Optional[int] = ..., kv_seconds: _Optional[float] = ..., draft_tokens: _Optional[_Iterable[int]] = ..., accepted_per_pos: _Optional[_Iterable[int]] = ...) -> None: ...
+    prefix_requests: int
+    prefix_hit_requests: int
+    prefix_query_tokens: int
+    prefix_hit_tokens: int
+    cached_blocks: int
+    evicted_blocks: int
+    def __init__(self, node_id: _Optional[str] = ..., kind: _Optional[str] = ..., healthy: _Optional[bool] = ..., free_blocks: _Optional[int] = ..., total_blocks: _Optional[int] = ..., running: _Optional[int] = ..., queued_tokens: _Optional[int] = ..., num_speculative_tokens: _Optional[int] = ..., prefill_tokens: _Optional[int] = ..., prefill_seconds: _Optional[float] = ..., kv_bytes: _Optional[int] = ..., kv_seconds: _Optional[float] = ..., draft_tokens: _Optional[_Iterable[int]] = ..., accepted_per_pos: _Optional[_Iterable[int]] = ..., prefix_requests: _Optional[int] = ..., prefix_hit_requests: _Optional[int] = ..., prefix_query_tokens: _Optional[int] = ..., prefix_hit_tokens: _Optional[int] = ..., cached_blocks: _Optional[int] = ..., evicted_blocks: _Optional[int] = ...) -> None: ...

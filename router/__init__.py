@@ -10,7 +10,7 @@ No Ray in here: deploy wraps Router in an actor.
 """
 
 from router.directory import NodeDirectory
-from router.policy import LeastLoad, Policy, RoundRobin, make_policy
+from router.policy import LeastLoad, Policy, PrefixAware, RoundRobin, make_policy
 from router.router import Router
 
-__all__ = ["LeastLoad", "NodeDirectory", "Policy", "RoundRobin", "Router", "make_policy"]
+__all__ = ["LeastLoad", "NodeDirectory", "Policy", "PrefixAware", "RoundRobin", "Router", "make_policy"]

@@ -111,6 +111,7 @@ class NodeCollector:
         total = GaugeMetricFamily("pdserve:kv_blocks_total", "KV cache blocks in all (free < total at rest: a leak)",
                                   labels=keys)
         queued = GaugeMetricFamily("pdserve:node_queued_prompt_tokens", "Prompt tokens waiting (P)", labels=keys)
+        prefix = self._prefix_families(keys)
         families = [running, healthy, used, free, total, queued, *self._counters(keys)]
         for node in self.nodes():
             s, key = node.status, [node.address, node.kind]
@@ -123,7 +124,9 @@ class NodeCollector:
             total.add_metric(key, s.total_blocks)
             queued.add_metric(key, s.queued_tokens)
             self._add_counters(families[6:], key, s)
-        yield from families
+            if node.kind == "prefill":
+                self._add_prefix(prefix, key, s)
+        yield from families + prefix
 
     @staticmethod
     def _counters(keys: list[str]) -> list[Any]:
@@ -138,6 +141,33 @@ class NodeCollector:
             CounterMetricFamily("pdserve:spec_decode_num_accepted_tokens_per_pos",
                                 "MTP drafts accepted, per draft position (D)", labels=[*keys, "position"]),
         ]
+
+    @staticmethod
+    def _prefix_families(keys: list[str]) -> list[Any]:
+        """Prefix cache of prefill nodes (as vLLM's prefix_cache_queries/hits, in tokens), by requests too."""
+        return [
+            CounterMetricFamily("pdserve:prefix_cache_queries", "Prompt tokens looked up in the prefix cache (P)",
+                                labels=keys),
+            CounterMetricFamily("pdserve:prefix_cache_hits", "Prompt tokens found in the prefix cache (P)", labels=keys),
+            CounterMetricFamily("pdserve:prefix_cache_query_requests", "Requests looked up in the prefix cache (P)",
+                                labels=keys),
+            CounterMetricFamily("pdserve:prefix_cache_hit_requests", "Requests that found a cached prefix (P)",
+                                labels=keys),
+            GaugeMetricFamily("pdserve:prefix_cache_hit_rate", "Hits / queries since the node started, "
+                              "of prompt tokens or of requests (P)", labels=[*keys, "of"]),
+            GaugeMetricFamily("pdserve:prefix_cache_blocks", "KV blocks held by the prefix cache (P)", labels=keys),
+        ]
+
+    @staticmethod
+    def _add_prefix(families: list[Any], key: list[str], s: Any) -> None:
+        queries, hits, query_reqs, hit_reqs, rate, blocks = families
+        queries.add_metric(key, s.prefix_query_tokens)
+        hits.add_metric(key, s.prefix_hit_tokens)
+        query_reqs.add_metric(key, s.prefix_requests)
+        hit_reqs.add_metric(key, s.prefix_hit_requests)
+        rate.add_metric([*key, "tokens"], s.prefix_hit_tokens / s.prefix_query_tokens if s.prefix_query_tokens else 0.0)
+        rate.add_metric([*key, "requests"], s.prefix_hit_requests / s.prefix_requests if s.prefix_requests else 0.0)
+        blocks.add_metric(key, s.cached_blocks)
 
     @staticmethod
     def _add_counters(families: list[Any], key: list[str], s: Any) -> None:

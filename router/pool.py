@@ -49,7 +49,7 @@ class Node:
     healthy: bool = False
     status: node_pb2.NodeStatus | None = None
     inflight: int = 0  # this router's requests reserved on (D) / prefilling on (P) the node
-    inflight_tokens: int = 0  # P: prompt tokens of those prefills
+    inflight_tokens: int = 0  # P: prompt tokens those prefills compute (less a cached prefix: Policy.routed)
     last_error: str = ""
     removed: bool = False
     subscription: asyncio.Task[None] | None = field(default=None, repr=False)

@@ -48,6 +48,7 @@ class RequestState:
     decode: Node | None = None  # holds a reservation for this request
     decode_live: bool = False  # D may still hold it (no terminal from D yet)
     prefill: Node | None = None  # a Prefill call is outstanding there
+    prefill_work: int = 0  # prompt tokens the policy expects it to compute (its inflight_tokens share)
     # results
     tokens: list[int] = field(default_factory=list)
     steps: int = 0

@@ -65,18 +65,19 @@ class RequestError(Exception):
 class Router:
     def __init__(self, model: Any, directory: NodeDirectory, config: RouterConfig | None = None, *,
                  max_model_len: int | None = None, num_speculative_tokens: int | None = None,
-                 policy: Policy | None = None, cluster_secret: str | None = None) -> None:
+                 policy: Policy | None = None, cluster_secret: str | None = None, block_size: int = 16) -> None:
         """`model`: engine.loader.ModelInfo (name, config, tokenizer, eos_token_ids).
         `max_model_len`: the context the nodes serve (default min(model positions, 4096)).
         `num_speculative_tokens`: for ListModels (default: what decode nodes report).
-        `cluster_secret`: sent on every call to a node (nodes refuse calls without it)."""
+        `cluster_secret`: sent on every call to a node (nodes refuse calls without it).
+        `block_size`: the nodes' KV block size (the prefix policy's chunk of a prompt)."""
         self.config = config or RouterConfig()
         self.model = model
         self.max_model_len = max_model_len or min(model.config.max_position_embeddings, 4096)
         self.num_speculative_tokens = num_speculative_tokens
         self.limits = Limits(model.name, model.config.vocab_size, self.max_model_len,
                              self.config.max_prompt_bytes, self.config.default_timeout_s)
-        self.policy = policy or make_policy(self.config.policy)
+        self.policy = policy or make_policy(self.config.policy, **prefix_options(self.config, block_size))
         self.router_id = uuid.uuid4().hex[:8]
         self.pool = NodePool(
             directory, vocab_size=model.config.vocab_size, subscriber=f"router-{self.router_id}",
@@ -242,11 +243,11 @@ class Router:
             if not await self._await_node("prefill", tried):
                 raise RequestError("UNAVAILABLE", _no_prefill_message(tried))  # before reserving
             decode, descriptor = await self._reserve(st, attempt)
-            prefill = self._choose_prefill(exclude=tried)
+            prefill, work = self._choose_prefill(st.prep.prompt_ids, exclude=tried)
             req = node_pb2.PrefillRequest(
                 request_id=st.node_rid, prompt_token_ids=st.prep.prompt_ids, sampling=st.prep.sampling,
                 descriptor_msgpack=descriptor, decode_address=decode.address)
-            self._hold_prefill(st, prefill)
+            self._hold_prefill(st, prefill, work)
             try:
                 payload = await prefill.stub.Prefill(req)
             except grpc.aio.AioRpcError as e:
@@ -260,12 +261,13 @@ class Router:
             return self._read_first(st, prefill, payload)
         raise RequestError("UNAVAILABLE", _no_prefill_message(tried))
 
-    def _choose_prefill(self, exclude: dict[str, str]) -> Node:
+    def _choose_prefill(self, prompt: list[int], exclude: dict[str, str]) -> tuple[Node, int]:
+        """The prefill node to use, and the prompt tokens it is expected to compute."""
         nodes = [n for n in self.pool.healthy("prefill") if n.address not in exclude]
-        for load in self.policy.order_prefill([n.load() for n in nodes]):
+        for load in self.policy.order_prefill([n.load() for n in nodes], prompt):
             node = self.pool.find("prefill", load.address)
             if node is not None:
-                return node
+                return node, self.policy.routed(node.address, prompt)
         raise RequestError("UNAVAILABLE", _no_prefill_message(exclude))
 
     async def _reserve(self, st: RequestState, attempt: int) -> tuple[Node, bytes]:
@@ -394,16 +396,16 @@ class Router:
         st.decode, st.decode_live = None, False
         self._by_node_rid.pop(st.node_rid, None)
 
-    def _hold_prefill(self, st: RequestState, node: Node) -> None:
-        st.prefill = node
+    def _hold_prefill(self, st: RequestState, node: Node, work: int) -> None:
+        st.prefill, st.prefill_work = node, work
         node.inflight += 1
-        node.inflight_tokens += len(st.prep.prompt_ids)
+        node.inflight_tokens += work
 
     def _drop_prefill(self, st: RequestState) -> None:
         if st.prefill is not None:
             st.prefill.inflight -= 1
-            st.prefill.inflight_tokens -= len(st.prep.prompt_ids)
-        st.prefill = None
+            st.prefill.inflight_tokens -= st.prefill_work
+        st.prefill, st.prefill_work = None, 0
 
     async def _abort_decode(self, st: RequestState, reason: str) -> None:
         node, rid = st.decode, st.node_rid
@@ -474,6 +476,14 @@ def _node_health(node: Node) -> pdserve_pb2.NodeHealth:
         out.node_id, out.free_kv_blocks, out.total_kv_blocks = s.node_id, s.free_blocks, s.total_blocks
         out.running_requests, out.queued_prompt_tokens = s.running, s.queued_tokens
     return out
+
+
+def prefix_options(config: RouterConfig, block_size: int) -> dict[str, Any]:
+    """The prefix policy's settings (no options for the other policies)."""
+    if config.policy != "prefix":
+        return {}
+    return {"block_size": block_size, "balance_abs_tokens": config.prefix_balance_abs_tokens,
+            "balance_rel": config.prefix_balance_rel, "view_blocks": config.prefix_view_blocks}
 
 
 def _no_prefill_message(tried: dict[str, str]) -> str:

@@ -154,3 +154,73 @@ def test_abort_on_decode_frees_blocks_and_ends_once(tiny):
         pair.close()
     assert pair.decode.blocks.num_free == pair.decode.blocks.capacity
     assert pair.prefill.blocks.num_free == pair.prefill.blocks.capacity
+
+
+def run_concurrently(pair, prompts, params, vocab, tag):
+    firsts, threads = {}, []
+    for i, p in enumerate(prompts):
+        def go(i=i, p=p):
+            firsts[f"{tag}{i}"] = pair.run(f"{tag}{i}", p, params, vocab)
+        threads.append(threading.Thread(target=go))
+        threads[-1].start()
+    for t in threads:
+        t.join()
+    pair.wait_terminal(list(firsts))
+    return [pair.tokens(f"{tag}{i}", firsts[f"{tag}{i}"]) for i in range(len(prompts))]
+
+
+@pytest.mark.parametrize("k", [0, 3])
+def test_pd_prefix_cache_hits_keep_greedy_output_and_return_blocks(tiny, k):
+    vocab = tiny.model.config.vocab_size
+    rng = random.Random(2)
+    system = [rng.randrange(vocab) for _ in range(40)]
+    turns = [[rng.randrange(vocab) for _ in range(12)] for _ in range(6)]
+    prompts = [system + turns[c] + turns[c + 1][: 3 + t] for c in range(3) for t in range(2)]
+    params = SamplingParams(max_tokens=10, ignore_eos=True)
+    ref = reference(tiny, prompts, params)
+    pair = Pair(tiny, k, enable_prefix_caching=True)
+    try:
+        assert run_concurrently(pair, prompts, params, vocab, "a") == ref
+        computed = pair.prefill.counters["prefill_tokens"]
+        assert run_concurrently(pair, prompts, params, vocab, "b") == ref
+        wait_until(lambda: pair.prefill.status()["free_blocks"] == pair.prefill.blocks.capacity)
+        s = pair.prefill.status()
+        assert s["prefix_hit_requests"] >= len(prompts) and s["prefix_hit_tokens"] >= 48 * len(prompts)
+        assert s["prefill_tokens"] - computed <= 16 * len(prompts)  # round b: at most the last block each
+        assert s["cached_blocks"] > 0
+    finally:
+        pair.close()
+    assert pair.decode.blocks.num_free == pair.decode.blocks.capacity
+    assert pair.prefill.blocks.num_free == pair.prefill.blocks.capacity
+    assert all(pair.prefill.blocks.refcount(b) == 0 for b in range(1, pair.prefill.blocks.num_blocks))
+
+
+def test_pd_aborts_of_prefills_sharing_cached_blocks_drop_their_references(tiny):
+    vocab = tiny.model.config.vocab_size
+    rng = random.Random(3)
+    system = [rng.randrange(vocab) for _ in range(64)]
+    prompts = [system + [rng.randrange(vocab) for _ in range(20)] for _ in range(6)]
+    params = SamplingParams(max_tokens=30, ignore_eos=True)
+    pair = Pair(tiny, 2, enable_prefix_caching=True, max_num_batched_tokens=16)
+    try:
+        run_concurrently(pair, prompts[:1], params, vocab, "warm")
+        ends = []
+        for i, p in enumerate(prompts):
+            req = resolve_request(f"x{i}", p, params, pair.eos, pair.max_model_len, random.Random(0), vocab)
+            res = pair.decode.reserve(f"x{i}", len(p), params, req.seed, req.stop_ids).result(timeout=30)
+            ends.append(pair.prefill.submit(PrefillJob(f"x{i}", p, params, req.seed, req.stop_ids,
+                                                       res.descriptor, "d0")))
+        wait_until(lambda: pair.prefill.leased, timeout=30)  # aborted started (sharing blocks), or queued
+        for i in range(len(prompts)):
+            pair.prefill.abort(f"x{i}", "client went away")
+        for i, f in enumerate(ends):
+            if f.exception(timeout=30) is None:
+                pair.decode.abort(f"x{i}", "client went away")  # it finished first: end it on D
+        pair.wait_terminal([f"x{i}" for i in range(len(prompts))])
+        wait_until(lambda: pair.prefill.status()["free_blocks"] == pair.prefill.blocks.capacity)
+        wait_until(lambda: pair.decode.status()["free_blocks"] == pair.decode.blocks.capacity)
+        assert pair.prefill.status()["prefix_hit_requests"] >= 1
+    finally:
+        pair.close()
+    assert all(pair.prefill.blocks.refcount(b) == 0 for b in range(1, pair.prefill.blocks.num_blocks))
+    assert pair.prefill.blocks.num_cached > 0

@@ -36,6 +36,13 @@ def test_generate_spec_tokens_do_not_change_greedy_output(capsys):
     assert plain[0]["logprobs"] is None
 
 
+def test_generate_with_prefix_caching_gives_the_same_greedy_output(capsys):
+    prompts = ["a shared beginning of a prompt, long enough to fill a few blocks: " + t for t in ("one", "two")]
+    plain = run_json(capsys, "--spec-tokens", "2", "--max-tokens", "8", *prompts)
+    cached = run_json(capsys, "--spec-tokens", "2", "--max-tokens", "8", "--enable-prefix-caching", *prompts)
+    assert [r["token_ids"] for r in cached] == [r["token_ids"] for r in plain]
+
+
 @pytest.mark.parametrize(
     "args, message",
     [

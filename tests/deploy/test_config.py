@@ -146,3 +146,22 @@ def test_cluster_secret_is_resolved_once_and_never_shown(tmp_path):
         with_cluster_secret(ServiceConfig(), env={"PDSERVE_CLUSTER_SECRET": "short"})
     with pytest.raises(ConfigError, match="not both"):
         ServiceConfig.load(None, {"cluster.secret": "x" * 16, "cluster.secret_file": "f"})
+
+
+def test_prefix_cache_flag_and_policy_reach_the_prefill_engine_and_the_router():
+    import argparse
+
+    from deploy.actors import engine_config
+    from deploy.cli_service import add_service_arguments, service_config
+
+    parser = argparse.ArgumentParser()
+    add_service_arguments(parser)
+    cfg = service_config(parser.parse_args(["--enable-prefix-caching", "--set", "router.policy=prefix"]))
+    assert cfg.prefill.prefix_cache and cfg.router.policy == "prefix"
+    assert engine_config(cfg, "prefill").enable_prefix_caching
+    assert not engine_config(cfg, "decode").enable_prefix_caching  # decode nodes cache nothing yet
+    assert not engine_config(service_config(parser.parse_args([])), "prefill").enable_prefix_caching
+    with pytest.raises(ConfigError, match="prefix_cahce"):
+        ServiceConfig.load(None, {"prefill.prefix_cahce": True})
+    with pytest.raises(ConfigError, match="router.policy"):
+        ServiceConfig.load(None, {"router.policy": "prefixx"})

@@ -7,8 +7,8 @@ import threading
 
 import pytest
 
-from router import LeastLoad, NodeDirectory, RoundRobin, make_policy
-from router.policy import NodeLoad
+from router import LeastLoad, NodeDirectory, PrefixAware, RoundRobin, make_policy
+from router.policy import NodeLoad, chunk_hashes
 from tests.router.conftest import MAX_MODEL_LEN, cluster
 from tests.router.test_lifecycle import collect
 
@@ -106,3 +106,67 @@ def test_node_directory_is_thread_safe_and_notifies():
         d.add("decode", "no-port")
     with pytest.raises(ValueError, match="node kind"):
         d.add("router", "x:1")  # type: ignore[arg-type]
+
+
+# ---- the prefix (cache-aware) policy ---------------------------------------------------------
+def order(policy, nodes, prompt):
+    return [n.address for n in policy.order_prefill(nodes, prompt)]
+
+
+def test_prefix_policy_prefers_the_node_sent_the_longest_prefix():
+    pol = PrefixAware(block_size=4)
+    nodes = [NodeLoad("a:1"), NodeLoad("b:1")]
+    system = list(range(100, 120))
+    assert pol.routed("b:1", system + [1, 2, 3, 4, 5]) == 25  # nothing cached yet: all of it
+    pol.routed("a:1", system[:8] + [7] * 9)
+    assert pol.routed("b:1", system + [6]) == 1  # 20 of 21 there
+    assert order(pol, nodes, system + [9, 9, 9, 9, 9, 9]) == ["b:1", "a:1"]  # 20 tokens vs 8
+    assert order(pol, nodes, system[:8] + [7] * 12) == ["a:1", "b:1"]
+    assert pol.matched("b:1", chunk_hashes(system + [9], 4)) == 20
+    assert pol.matched("b:1", chunk_hashes([5] + system, 4)) == 0  # a chain: the first chunk differs
+
+
+def test_prefix_policy_weighs_the_saving_against_the_load():
+    pol = PrefixAware(block_size=4, balance_abs_tokens=10_000)
+    prompt = list(range(41))
+    pol.routed("a:1", prompt)  # a has 40 of its tokens
+    assert order(pol, [NodeLoad("a:1", queued_tokens=30), NodeLoad("b:1")], prompt) == ["a:1", "b:1"]
+    assert order(pol, [NodeLoad("a:1", queued_tokens=50), NodeLoad("b:1")], prompt) == ["b:1", "a:1"]
+
+
+def test_prefix_policy_falls_back_to_least_load_when_unbalanced_or_nothing_matches():
+    pol = PrefixAware(block_size=4, balance_abs_tokens=100, balance_rel=2.0)
+    prompt = list(range(400))
+    pol.routed("a:1", prompt)
+    busy = [NodeLoad("a:1", queued_tokens=150), NodeLoad("b:1", queued_tokens=20)]
+    assert order(pol, busy, prompt) == ["b:1", "a:1"]  # 130 > 100 and 150 > 2 x 20
+    near = [NodeLoad("a:1", queued_tokens=150), NodeLoad("b:1", queued_tokens=80)]
+    assert order(pol, near, prompt) == ["a:1", "b:1"]  # 150 < 2 x 80: balanced enough
+    fresh = [NodeLoad("a:1"), NodeLoad("b:1", inflight_tokens=5, inflight=1), NodeLoad("c:1")]
+    assert order(pol, fresh, [1, 2, 3]) == ["c:1", "a:1", "b:1"]  # no match: least load, then least sent
+
+
+def test_prefix_policy_views_are_bounded_lru():
+    pol = PrefixAware(block_size=2, view_blocks=4)
+    old, new = list(range(9)), list(range(50, 59))  # 4 chunks each
+    pol.routed("a:1", old)
+    pol.routed("a:1", new)
+    assert pol.matched("a:1", chunk_hashes(old, 2)) == 0
+    assert pol.matched("a:1", chunk_hashes(new, 2)) == 8
+    assert make_policy("prefix", block_size=2).name == "prefix"
+    assert [n.address for n in pol.order_decode([NodeLoad("a:1", free_blocks=1), NodeLoad("b:1", free_blocks=9)])] \
+        == ["b:1", "a:1"]
+
+
+async def test_prefix_policy_through_the_router_keeps_a_conversation_on_one_prefill_node():
+    async with cluster(n_prefill=2, policy="prefix") as c:
+        p0, p1 = c.prefill
+        system = "You are a helpful assistant. Answer briefly and politely. "
+        for turn in range(3):
+            await collect(c, prompt=system + "Tell me about the sea. " * (turn + 1), max_tokens=2)
+        first = p0 if p0.calls else p1
+        assert len(first.calls) == 3  # every turn went where its prefix was
+        await collect(c, prompt="x" * 70, max_tokens=2)  # nothing in common: the node sent less
+        other = p1 if first is p0 else p0
+        assert len(other.calls) == 1
+        await c.settled()

@@ -1,0 +1,16 @@
+"""`pdserve status`'s table (render), without a cluster: prefix cache hit rates per prefill node."""
+
+from __future__ import annotations
+
+from deploy.status import hit_rates, render
+
+
+def test_status_table_shows_prefix_hit_rates_of_prefill_nodes():
+    prefill = {"name": "pdserve-prefill-0", "role": "prefill", "state": "up", "prefix_query_tokens": 400,
+               "prefix_hit_tokens": 300, "prefix_requests": 3, "prefix_hit_requests": 2}
+    decode = {"name": "pdserve-decode-0", "role": "decode", "state": "up"}
+    assert hit_rates(prefill) == ("75.0%", "66.7%")
+    assert hit_rates(decode) == ("-", "-")  # nothing looked up (a decode node, or the cache off)
+    lines = render({"router": {"state": "up", "serving": True}, "nodes": [decode, prefill]}).splitlines()
+    assert "HIT TOK" in lines[1] and "HIT REQ" in lines[1]
+    assert lines[2].startswith("pdserve-prefill-0") and "75.0%" in lines[2] and "66.7%" in lines[2]
