@@ -7,7 +7,9 @@ limit (each request's last step is left out):
   * acceptance_by_position[j-1]: the share of steps whose drafts 1..j were all accepted;
   * mean_accepted_per_step: tokens emitted per step, the bonus token included
     (= 1 + the sum of acceptance_by_position);
-and the wall-clock tokens/s of both runs (prefill included, after a warm-up), and whether both
+and the wall-clock tokens/s of both runs (prefill included, after a warm-up), their decode
+tokens/s (each request's tokens after its first over the time from its first token to its
+last: prefill and time to first token left out, as an inter-token latency), and whether both
 runs gave the same tokens (they must when greedy). `--draft-vocab N` drafts over the model's N
 most frequent tokens (FR-Spec, engine/draft_vocab.py); the plain run is the same either way, and
 `draft_vocab_coverage` is the share of its tokens inside those N.
@@ -53,6 +55,13 @@ class RunStats:
     seconds: float
     step_counts: list[int]  # tokens emitted by each full decode step
     outputs: list[list[int]]  # each request's tokens
+    decode_seconds: float = 0.0  # summed over requests: from its first token to its last
+
+    @property
+    def decode_tokens_per_s(self) -> float:
+        """Tokens after the first per second of decoding (prefill and first token left out)."""
+        after_first = sum(max(len(o) - 1, 0) for o in self.outputs)
+        return after_first / self.decode_seconds if self.decode_seconds else 0.0
 
     @property
     def tokens_per_s(self) -> float:
@@ -67,16 +76,21 @@ def run_engine(loaded: LoadedModel, k: int, prompts: list[list[int]], params: li
     engine.generate(prompts[:1], SamplingParams(max_tokens=4))  # warm-up
     start = time.perf_counter()
     ids = [engine.add_request(p, sp) for p, sp in zip(prompts, params, strict=True)]
-    seen: set[str] = set()
+    first: dict[str, float] = {}
+    decode_seconds = 0.0
     counts: list[int] = []
     while engine.has_unfinished():
-        for out in engine.step():
-            if out.request_id in seen and out.finish_reason is None:
+        outs = engine.step()
+        now = time.perf_counter()
+        for out in outs:
+            if out.request_id in first and out.finish_reason is None:
                 counts.append(len(out.new_token_ids))
-            seen.add(out.request_id)
+            first.setdefault(out.request_id, now)
+            if out.finish_reason is not None:
+                decode_seconds += now - first[out.request_id]
     seconds = time.perf_counter() - start
     outputs = [engine.requests[i].output_ids for i in ids]
-    return RunStats(sum(len(o) for o in outputs), seconds, counts, outputs)
+    return RunStats(sum(len(o) for o in outputs), seconds, counts, outputs, decode_seconds)
 
 
 def by_position(counts: list[int], k: int) -> list[float]:
@@ -123,6 +137,10 @@ def measure(loaded: LoadedModel, args: argparse.Namespace) -> dict:
         "tokens_per_s_mtp": round(mtp.tokens_per_s, 2),
         "tokens_plain": plain.tokens, "tokens_per_s_plain": round(plain.tokens_per_s, 2),
         "speedup": round(mtp.tokens_per_s / plain.tokens_per_s, 3) if plain.tokens_per_s else None,
+        "decode_tokens_per_s_mtp": round(mtp.decode_tokens_per_s, 2),
+        "decode_tokens_per_s_plain": round(plain.decode_tokens_per_s, 2),
+        "decode_speedup": round(mtp.decode_tokens_per_s / plain.decode_tokens_per_s, 3)
+        if plain.decode_tokens_per_s else None,
     }
 
 
@@ -142,6 +160,8 @@ def run(args: argparse.Namespace) -> int:
         print(f"  draft {j}: {100 * rate:.1f}% accepted")
     print(f"  tokens/s: {r['tokens_per_s_mtp']:.1f} with MTP, {r['tokens_per_s_plain']:.1f} without "
           f"({r['speedup']}x); same tokens as without MTP: {r['same_tokens_as_plain']}")
+    print(f"  decode tokens/s (after the first token): {r['decode_tokens_per_s_mtp']:.1f} with MTP, "
+          f"{r['decode_tokens_per_s_plain']:.1f} without ({r['decode_speedup']}x)")
     return 0
 
 

@@ -200,17 +200,23 @@ def linear_invariant_ref(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | Non
     return y.view(*x.shape[:-1], w.shape[0])
 
 
-def _fused(x: torch.Tensor, *tensors: torch.Tensor) -> bool:
-    if not use_triton(x, *tensors):
+def _fused(x: torch.Tensor, w: torch.Tensor, plain: bool = False) -> bool:
+    """Whether the Triton kernel runs: always in the batch-invariant mode; else at decode sizes,
+    except for a plain GEMM (no epilogue) of a weight under 8192 x 2048, where cuBLAS was as
+    fast or faster (Llama-1B's q/k/v: 7.5 against 8.4 us; benchmarks/gpu_gemv.py --sweep)."""
+    if not use_triton(x, w):
         return False
-    return invariant() or x.numel() // x.shape[-1] <= FUSED_MAX_M
+    if invariant():
+        return True
+    big = w.shape[0] >= 8192 and w.shape[1] >= 2048
+    return x.numel() // x.shape[-1] <= FUSED_MAX_M and (big or not plain)
 
 
 def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None, norm: Norm | None = None,
            residual: torch.Tensor | None = None) -> torch.Tensor:
     """residual + F.linear(pre(x), w, b): one Triton launch on CUDA at decode sizes and in the
     batch-invariant mode; the torch composition otherwise (its norm still a Triton kernel on CUDA)."""
-    if _fused(x, w):
+    if _fused(x, w, plain=residual is None):
         return linear_triton(x, w, b, norm, residual)
     if norm is not None and use_triton(x, w):
         x, norm = rms_norm(x, *norm), None

@@ -296,3 +296,5 @@ def test_bench_acceptance_reports_exactness_and_coverage(tiny, tmp_path):
     result = acceptance.measure(ranked, args)
     assert result["same_tokens_as_plain"] and result["draft_vocab"] == 300
     assert 0.0 <= result["draft_vocab_coverage"] <= 1.0
+    assert result["decode_tokens_per_s_plain"] > 0 and result["decode_tokens_per_s_mtp"] > 0
+    assert result["decode_speedup"] == round(result["decode_tokens_per_s_mtp"] / result["decode_tokens_per_s_plain"], 3)
