@@ -130,7 +130,7 @@ def test_rejection_sampling_with_a_draft_vocabulary_keeps_the_target_distributio
 
 
 class OracleLogits:
-    """`mtp_logits` that scores the reference continuation's next token highest (small seeded
+    """`mtp_logits` (and `mtp_greedy_ids`, its argmax) that scores the reference continuation's next token highest (small seeded
     noise elsewhere), at the draft vocabulary's ids when the runner has one: drafts are right
     whenever the right token is in the set."""
 
@@ -161,6 +161,7 @@ class OracleLogits:
 
         monkeypatch.setattr(model_runner.ModelRunner, "_draft_chain", chain)
         monkeypatch.setattr(CausalLM, "mtp_logits", logits)
+        monkeypatch.setattr(CausalLM, "mtp_greedy_ids", lambda model, h, head_weight=None: logits(model, h, head_weight).argmax(-1))
 
 
 def test_greedy_output_with_a_draft_vocabulary_equals_plain(tiny, tmp_path):
