@@ -224,3 +224,26 @@ def test_pd_aborts_of_prefills_sharing_cached_blocks_drop_their_references(tiny)
         pair.close()
     assert all(pair.prefill.blocks.refcount(b) == 0 for b in range(1, pair.prefill.blocks.num_blocks))
     assert pair.prefill.blocks.num_cached > 0
+
+
+def test_pd_deterministic_bf16_equals_the_engine_alone_bit_for_bit():
+    """`--deterministic` in bf16: a request decoded through P and D, among others, has the tokens
+    and the logprob bits of the same request decoded alone by the single-process engine."""
+    loaded = load_model("tiny", dtype="bfloat16")
+    vocab = loaded.model.config.vocab_size
+    rng = random.Random(2)
+    prompts = [[rng.randrange(vocab) for _ in range(n)] for n in (5, 33, 12, 48)]
+    params = SamplingParams(max_tokens=10, ignore_eos=True, logprobs=1)
+    alone = LLMEngine(loaded, EngineConfig(num_speculative_tokens=0, deterministic=True, max_num_seqs=1))
+    ref = [alone.generate([p], params)[0] for p in prompts]
+    pair = Pair(loaded, 3, deterministic=True)
+    try:
+        firsts = [pair.run(f"d{i}", p, params, vocab) for i, p in enumerate(prompts)]
+        pair.wait_terminal([f"d{i}" for i in range(len(prompts))])
+        for i, r in enumerate(ref):
+            assert pair.tokens(f"d{i}", firsts[i]) == r.output_ids
+            lps = [firsts[i].logprobs.logprob[0]] + [v for it in pair.outputs[f"d{i}"] if it.logprobs
+                                                      for v in it.logprobs.logprob]
+            assert lps == [x.logprob for x in r.logprobs]
+    finally:
+        pair.close()
