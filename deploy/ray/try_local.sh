@@ -1,0 +1,89 @@
+#!/usr/bin/env bash
+# `ray up deploy/ray/local.yaml`, tried for real on this one machine (issue 16):
+#   * an sshd of its own on 127.0.0.1:22 (Debian's openssh-server), in a PID namespace of its
+#     own, so that the config's `ray stop` reaches only the processes of this cluster;
+#   * a key made for the run, and a copy of local.yaml pointed at 127.0.0.1 as the head with no
+#     workers (the head offers the router, prefill and decode resources), whose setup reuses
+#     this checkout's .venv instead of installing one, and whose service runs `--model tiny`
+#     on the CPU (deploy/ray/pdserve.yaml with the GPU settings overridden);
+#   * `ray up`, then `pdserve status` and a generation through the router from outside the
+#     cluster, then `ray down`.
+# Needs root (sshd on port 22). Usage: bash deploy/ray/try_local.sh   (prints a transcript)
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+ROOT=$PWD
+BIN=$ROOT/.venv/bin
+WORK=$(mktemp -d /tmp/pdserve-ray-up.XXXX)
+export RAY_AUTH_MODE=token
+step() { printf '\n$ %s\n' "$*"; }
+
+start_sshd() {
+  ssh-keygen -q -t ed25519 -N '' -f "$WORK/key"
+  ssh-keygen -q -t ed25519 -N '' -f "$WORK/host_key"
+  cp "$WORK/key.pub" "$WORK/authorized_keys"
+  cat > "$WORK/sshd_config" <<EOF
+ListenAddress 127.0.0.1
+Port 22
+HostKey $WORK/host_key
+AuthorizedKeysFile $WORK/authorized_keys
+PermitRootLogin prohibit-password
+PasswordAuthentication no
+StrictModes no
+UsePAM no
+PidFile $WORK/sshd.pid
+EOF
+  mkdir -p /run/sshd
+  unshare --pid --fork --mount-proc /usr/sbin/sshd -D -f "$WORK/sshd_config" -E "$WORK/sshd.log" &
+  SSHD_NS=$!
+  for _ in $(seq 50); do
+    ssh -q -i "$WORK/key" -o StrictHostKeyChecking=no -o UserKnownHostsFile=/dev/null root@127.0.0.1 true && return
+    sleep 0.2
+  done
+  echo "sshd did not come up"; cat "$WORK/sshd.log"; exit 1
+}
+
+derive_configs() {  # $WORK/cluster.yaml and $WORK/pdserve.yaml from the shipped ones
+  "$BIN/python" - "$ROOT" "$WORK" <<'EOF'
+import sys, yaml
+root, work = sys.argv[1:]
+path = f"export PATH={root}/.venv/bin:$PATH; "
+c = yaml.safe_load(open(f"{root}/deploy/ray/local.yaml"))
+c["provider"].update(head_ip="127.0.0.1", worker_ips=[])
+c["auth"] = {"ssh_user": "root", "ssh_private_key": f"{work}/key"}
+c["file_mounts"]["~/pdserve.yaml"] = f"{work}/pdserve.yaml"
+c["setup_commands"] = [f"ln -sfn {root}/.venv ~/pdserve-venv"]  # this checkout's venv, no install
+head = c["head_start_ray_commands"]
+head[1] = head[1].replace('{"pdserve_router": 1}', '{"pdserve_router": 1, "pdserve_prefill": 1, "pdserve_decode": 1}')
+c["head_start_ray_commands"] = [path + cmd for cmd in head]
+c["worker_start_ray_commands"] = []
+yaml.safe_dump(c, open(f"{work}/cluster.yaml", "w"), sort_keys=False)
+s = yaml.safe_load(open(f"{root}/deploy/ray/pdserve.yaml"))
+s["model"] = {"name": "tiny", "device": "cpu"}
+s["cache"]["kv_cache_bytes"] = 64 << 20
+for kind in ("prefill", "decode"):
+    s[kind].update(num_nodes=1, num_cpus=0, num_gpus=0)
+s["cluster"]["start_timeout_s"] = 300
+yaml.safe_dump(s, open(f"{work}/pdserve.yaml", "w"), sort_keys=False)
+EOF
+}
+
+cleanup() {
+  step ray down -y cluster.yaml
+  "$BIN/ray" down -y "$WORK/cluster.yaml" 2>&1 | tail -3 || true
+  kill "${SSHD_NS:-0}" 2>/dev/null || true
+}
+
+start_sshd
+derive_configs
+[ -f ~/.ray/auth_token ] || "$BIN/ray" get-auth-token --generate > /dev/null
+trap cleanup EXIT
+step ray up -y cluster.yaml "(local provider, head 127.0.0.1 over SSH)"
+"$BIN/ray" up -y --no-config-cache "$WORK/cluster.yaml" 2>&1 | grep -v "^\s*$" | tail -15
+step pdserve generate --router 127.0.0.1:50051 --max-tokens 8 "hello"
+for _ in $(seq 60); do
+  out=$("$BIN/pdserve" generate --router 127.0.0.1:50051 --max-tokens 8 --json "hello" 2>&1) && break
+  sleep 2
+done
+echo "$out"
+step ray exec cluster.yaml "pdserve status"
+"$BIN/ray" exec "$WORK/cluster.yaml" "export PATH=$ROOT/.venv/bin:\$PATH RAY_AUTH_MODE=token; pdserve status --address auto" 2>&1 | tail -8
