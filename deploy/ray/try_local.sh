@@ -6,8 +6,8 @@
 #     workers (the head offers the router, prefill and decode resources), whose setup reuses
 #     this checkout's .venv instead of installing one, and whose service runs `--model tiny`
 #     on the CPU (deploy/ray/pdserve.yaml with the GPU settings overridden);
-#   * `ray up`, then `pdserve status` and a generation through the router from outside the
-#     cluster, then `ray down`.
+#   * `ray up`, then a generation through the router from outside the cluster and
+#     `pdserve status` through `ray exec`, then `ray down`.
 # Needs root (sshd on port 22). Usage: bash deploy/ray/try_local.sh   (prints a transcript)
 set -euo pipefail
 cd "$(dirname "$0")/../.."
@@ -34,7 +34,6 @@ PidFile $WORK/sshd.pid
 EOF
   mkdir -p /run/sshd
   unshare --pid --fork --mount-proc /usr/sbin/sshd -D -f "$WORK/sshd_config" -E "$WORK/sshd.log" &
-  SSHD_NS=$!
   for _ in $(seq 50); do
     ssh -q -i "$WORK/key" -o StrictHostKeyChecking=no -o UserKnownHostsFile=/dev/null root@127.0.0.1 true && return
     sleep 0.2
@@ -70,7 +69,7 @@ EOF
 cleanup() {
   step ray down -y cluster.yaml
   "$BIN/ray" down -y "$WORK/cluster.yaml" 2>&1 | tail -3 || true
-  kill "${SSHD_NS:-0}" 2>/dev/null || true
+  pkill -f "$WORK/sshd_config" || true  # the namespace's init: everything started in it goes too
 }
 
 start_sshd
@@ -78,12 +77,18 @@ derive_configs
 [ -f ~/.ray/auth_token ] || "$BIN/ray" get-auth-token --generate > /dev/null
 trap cleanup EXIT
 step ray up -y cluster.yaml "(local provider, head 127.0.0.1 over SSH)"
-"$BIN/ray" up -y --no-config-cache "$WORK/cluster.yaml" 2>&1 | grep -v "^\s*$" | tail -15
-step pdserve generate --router 127.0.0.1:50051 --max-tokens 8 "hello"
-for _ in $(seq 60); do
-  out=$("$BIN/pdserve" generate --router 127.0.0.1:50051 --max-tokens 8 --json "hello" 2>&1) && break
+SECONDS=0
+"$BIN/ray" up -y --no-config-cache "$WORK/cluster.yaml" > "$WORK/ray_up.log" 2>&1
+grep -E "SUCC|\[[0-9]/[0-9]\]|Running .*(ray start|pdserve up|ln -sfn)" "$WORK/ray_up.log" | sed 's/\x1b\[[0-9;]*m//g' | cut -c 1-220
+echo "(ray up: ${SECONDS} s)"
+# router.host `auto` binds the Ray node's IP: on this machine, its first address, not 127.0.0.1
+HEAD=$(hostname -I | awk '{print $1}')
+step pdserve generate --router "$HEAD:50051" --max-tokens 8 --json "hello"
+for _ in $(seq 90); do
+  out=$("$BIN/pdserve" generate --router "$HEAD:50051" --max-tokens 8 --json "hello" 2>&1) && break
   sleep 2
 done
 echo "$out"
+echo "(first generation answered ${SECONDS} s after ray up began)"
 step ray exec cluster.yaml "pdserve status"
 "$BIN/ray" exec "$WORK/cluster.yaml" "export PATH=$ROOT/.venv/bin:\$PATH RAY_AUTH_MODE=token; pdserve status --address auto" 2>&1 | tail -8
