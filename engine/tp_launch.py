@@ -3,8 +3,9 @@
 `spawn_ranks(size, fn, args, device)` starts `size` processes (spawn start method); rank r
 joins a group on 127.0.0.1 (gloo on the CPU; NCCL on CUDA, rank r on cuda:r), runs
 `fn(tp, *args)` and sends back what it returned (it must pickle: plain host values). The
-caller gets the values in rank order. A rank that fails ends the group: the error is raised
-with that rank's traceback and the other ranks (which may wait in a collective) are stopped.
+caller gets the values in rank order. A rank that fails ends the group: its error is raised
+(a user error as itself, ValueError and the like; anything else as a RuntimeError with the
+rank's traceback) and the other ranks (which may wait in a collective) are stopped.
 
 Rank-0 output rule: every rank runs the same steps on the same inputs and samples the same
 tokens; by convention `fn` returns (and prints) what the user sees on rank 0 only.
@@ -51,13 +52,17 @@ def init_group(rank: int, size: int, port: int, device: str) -> TPGroup:
     return TPGroup(rank, size)
 
 
+USER_ERRORS = (ValueError, FileNotFoundError, ModuleNotFoundError)  # raised again as such in the caller
+
+
 def _rank_main(rank: int, size: int, port: int, device: str, fn: Callable[..., Any], args: tuple,
                queue: Any) -> None:
     try:
         tp = init_group(rank, size, port, device)
         queue.put((rank, True, fn(tp, *args)))
-    except BaseException:
-        queue.put((rank, False, traceback.format_exc()))
+    except BaseException as e:
+        user = (type(e).__name__, str(e)) if isinstance(e, USER_ERRORS) else None
+        queue.put((rank, False, (traceback.format_exc(), user)))
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
@@ -78,16 +83,17 @@ def spawn_ranks(size: int, fn: Callable[..., Any], args: tuple = (), device: str
         while len(results) < size:
             rank, ok, value = queue.get(timeout=timeout)
             if not ok:
-                raise RuntimeError(_failures(queue, {rank: value}))
+                raise _failure(queue, {rank: value})
             results[rank] = value
     finally:
         _stop(procs, wait=len(results) == size)
     return [results[r] for r in range(size)]
 
 
-def _failures(queue: Any, failed: dict[int, str], grace_s: float = 2.0) -> str:
-    """The failing ranks' tracebacks; others that fail within `grace_s` (a rank left waiting
-    in a collective fails after the one that caused it) are named too."""
+def _failure(queue: Any, failed: dict[int, tuple], grace_s: float = 1.0) -> Exception:
+    """The error to raise: a rank's user error (ValueError, ...) as itself, else a RuntimeError
+    with every failing rank's traceback. Ranks that fail within `grace_s` count too (a rank left
+    waiting in a collective fails after the one that caused it)."""
     try:
         while True:
             rank, ok, value = queue.get(timeout=grace_s)
@@ -95,7 +101,11 @@ def _failures(queue: Any, failed: dict[int, str], grace_s: float = 2.0) -> str:
                 failed[rank] = value
     except Exception:  # queue.Empty: no more news
         pass
-    return "\n".join(f"tensor-parallel rank {r} failed:\n{tb}" for r, tb in sorted(failed.items()))
+    for rank, (_, user) in sorted(failed.items()):
+        if user is not None:
+            cls = next(c for c in USER_ERRORS if c.__name__ == user[0])
+            return cls(f"rank {rank}: {user[1]}")
+    return RuntimeError("\n".join(f"tensor-parallel rank {r} failed:\n{tb}" for r, (tb, _) in sorted(failed.items())))
 
 
 def _stop(procs: list[Any], wait: bool) -> None:

@@ -104,12 +104,14 @@ def test_smollm2_tp2_equals_tp1_with_uneven_heads():
     assert_same(out0, tp1)
 
 
-def _failing_rank(tp: TPGroup) -> None:
+def _failing_rank(tp: TPGroup, error: type[Exception]) -> None:
     if tp.rank == 1:
-        raise ValueError("rank one fails")
+        raise error("rank one fails")
     torch.distributed.barrier()  # rank 0 waits on rank 1 in a collective
 
 
 def test_a_failing_rank_ends_the_group_with_its_error():
-    with pytest.raises(RuntimeError, match="rank 1 failed(.|\n)*rank one fails"):
-        spawn_ranks(2, _failing_rank)
+    with pytest.raises(ValueError, match="^rank 1: rank one fails$"):
+        spawn_ranks(2, _failing_rank, (ValueError,))
+    with pytest.raises(RuntimeError, match="rank 1 failed(.|\n)*KeyError: 'rank one fails'"):
+        spawn_ranks(2, _failing_rank, (KeyError,))
