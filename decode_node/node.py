@@ -35,6 +35,7 @@ from engine.model_runner import kv_room_needed
 from engine.request import Request, RequestOutput
 from engine.sampling_params import SamplingParams
 from engine.step_loop import StepLoop
+from engine.tensor_parallel import TPGroup
 from kvtransfer import KVLayout, TransferState, create_receiver
 from protos.messages import FirstToken, OutputItem, TokenLogprobs
 
@@ -61,11 +62,12 @@ class DecodeNode(StepLoop):
 
     def __init__(self, loaded: LoadedModel, config: EngineConfig, kv_backend: str = "ucx",
                  kv_timeout_s: float = 10.0, admission_timeout_s: float = 30.0,
-                 kv_options: dict | None = None, kv_quarantine_s: float | None = None) -> None:
+                 kv_options: dict | None = None, kv_quarantine_s: float | None = None,
+                 tp: TPGroup | None = None) -> None:
         super().__init__()
         self.loaded, self.config = loaded, config
         self.k = config.num_speculative_tokens
-        self.runner, self.blocks, self.max_model_len = build_runner(loaded, config)
+        self.runner, self.blocks, self.max_model_len = build_runner(loaded, config, tp=tp)
         self.batch = DecodeBatch(self.runner, self.blocks, config.max_num_seqs)
         self.vocab = loaded.model.config.vocab_size
         self.num_layers = loaded.model.config.num_hidden_layers + (1 if self.k else 0)

@@ -33,6 +33,7 @@ from engine.loader import LoadedModel
 from engine.model_runner import PrefillChunk, PrefillOutput, kv_room_needed, unpack_logprobs
 from engine.sampling_params import SamplingParams
 from engine.step_loop import StepLoop
+from engine.tensor_parallel import TPGroup
 from kvtransfer import KVLayout, TransferState, TransferStatus, create_sender
 from protos.messages import FirstToken, TokenLogprobs
 
@@ -63,11 +64,12 @@ class PrefillNode(StepLoop):
     loop_name = "prefill-loop"
 
     def __init__(self, loaded: LoadedModel, config: EngineConfig, first_token_sink: FirstTokenSink,
-                 kv_backend: str = "ucx", kv_timeout_s: float = 10.0, kv_options: dict | None = None) -> None:
+                 kv_backend: str = "ucx", kv_timeout_s: float = 10.0, kv_options: dict | None = None,
+                 tp: TPGroup | None = None) -> None:
         super().__init__()
         self.loaded, self.config, self.sink = loaded, config, first_token_sink
         self.k = config.num_speculative_tokens
-        self.runner, self.blocks, self.max_model_len = build_runner(loaded, config, decodes=False)
+        self.runner, self.blocks, self.max_model_len = build_runner(loaded, config, decodes=False, tp=tp)
         self.prefix = prefix_cache_for(loaded, config, self.blocks)
         self.num_layers = loaded.model.config.num_hidden_layers
         self._released: queue.SimpleQueue[tuple[str, bool, float]] = queue.SimpleQueue()
@@ -265,14 +267,18 @@ class PrefillNode(StepLoop):
                 rid, done, at = self._released.get_nowait()
             except queue.Empty:
                 return
-            sent = self._sent_at.pop(rid, None)
-            if done:
-                self._mark(rid, "kv_acked", at)
-            if done and sent is not None:
-                self.counters["kv_seconds"] += max(0.0, at - sent)
-            blocks = self.leased.pop(rid, None)
-            if blocks is not None:
-                self.blocks.free(blocks)
+            self._release(rid, done, at)
+
+    def _release(self, rid: str, done: bool, at: float) -> None:
+        """The request's lease ended (its transfer DONE or not, at `at`): free its source blocks."""
+        sent = self._sent_at.pop(rid, None)
+        if done:
+            self._mark(rid, "kv_acked", at)
+        if done and sent is not None:
+            self.counters["kv_seconds"] += max(0.0, at - sent)
+        blocks = self.leased.pop(rid, None)
+        if blocks is not None:
+            self.blocks.free(blocks)
 
 
 def _event_after_queued_work(device: torch.device) -> Any:

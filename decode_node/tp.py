@@ -1,0 +1,114 @@
+"""TPDecodeNode: one rank of a decode node of TP size N (engine/tp_channel.py).
+
+Rank 0 is the node the router and prefill nodes talk to; its reservations, first-token
+messages and aborts reach ranks 1..N-1 through the channel, in order, and every rank applies
+them to the same scheduler. Each rank receives its own KV-head shard from the prefill rank of
+the same index: a reservation's descriptor is rank 0's with `tp_ranks` (the others'), and a
+request is inserted only when its KV is DONE on every rank (their states are all-gathered).
+Only rank 0 publishes output items.
+
+Differences from DecodeNode, so the ranks' block managers stay equal: a request that ends
+before insertion always has its blocks quarantined (on every rank, whatever its own transfer's
+state), and quarantine ends by rank 0's clock.
+"""
+
+from __future__ import annotations
+
+import collections
+import time
+from typing import Any
+
+from decode_node.node import DecodeNode, Reservation
+from engine.engine import EngineConfig
+from engine.loader import LoadedModel
+from engine.request import Request
+from engine.tensor_parallel import TPGroup
+from engine.tp_channel import Lockstep, TPChannel, with_ranks
+from kvtransfer import TransferState
+from protos import node_pb2
+from protos.convert import sampling_from_proto, sampling_to_proto
+from protos.messages import FirstToken, OutputItem
+
+
+class TPDecodeNode(Lockstep, DecodeNode):
+    loop_name = "tp-decode-loop"
+
+    def __init__(self, loaded: LoadedModel, config: EngineConfig, tp: TPGroup, **kw: Any) -> None:
+        DecodeNode.__init__(self, loaded, config, tp=tp, **kw)
+        self.channel = TPChannel(tp)
+        self.now, self.commands = time.monotonic(), []
+        self._futures: collections.deque = collections.deque()  # rank 0: reservations' futures, in order
+        self.emitted = 0  # output batches this rank published (rank 0 only ever does)
+
+    def _encode(self, kind: str, arg: Any) -> list[Any]:
+        if kind == "reserve":
+            rid, prompt_len, params, seed, stop_ids, fut = arg
+            self._futures.append(fut)
+            return [kind, rid, prompt_len, sampling_to_proto(params, seed, stop_ids).SerializeToString()]
+        if kind == "first":
+            return [kind, arg.pack()]
+        return [kind, *arg]
+
+    def _drain_inbox(self, items: list[OutputItem]) -> None:
+        reserved: list[tuple[str, Reservation]] = []
+        for cmd in self.commands:
+            if cmd[0] == "reserve":
+                params, seed, stops = sampling_from_proto(node_pb2.Sampling.FromString(cmd[3]), self.vocab)
+                reserved.append((cmd[1], self._reserve(cmd[1], cmd[2], params, seed, stops)))
+            elif cmd[0] == "first":
+                self._on_first(FirstToken.unpack(cmd[1], self.vocab, max_drafts=self.k), items)
+            else:
+                self._abort(cmd[1], cmd[2], items)
+        if reserved:
+            self._answer(reserved)
+
+    def _answer(self, reserved: list[tuple[str, Reservation]]) -> None:
+        """Gather every rank's descriptors; a reservation stands only where every rank admitted it."""
+        every = self.channel.gather([r.descriptor if r.admitted else None for _, r in reserved])
+        for i, (rid, res) in enumerate(reserved):
+            descs = [mine[i] for mine in every]
+            if res.admitted and None in descs:
+                self._end(self.requests[rid], "abort")
+                res = Reservation(False, "a tensor-parallel rank of the decode node refused it")
+            elif res.admitted:
+                res.descriptor = with_ranks(descs)
+            if self.channel.leader:
+                self._futures.popleft().set_result(res)
+
+    def _admit_ready(self, items: list[OutputItem]) -> None:
+        if not self.pending:
+            return
+        mine = {rid: [s.state.value, s.reason] for rid in self.pending for s in [self.receiver.poll(rid)]}
+        late = [rid for rid, p in self.pending.items() if time.monotonic() > p.deadline] if self.channel.leader else []
+        every = self.channel.gather([mine, late])
+        for rid, p in list(self.pending.items()):
+            states = [ranks[0][rid] for ranks in every]
+            failed = [reason for state, reason in states if state == TransferState.FAILED.value]
+            done = all(state == TransferState.DONE.value for state, _ in states)
+            if done:
+                self._mark(rid, "kv_done")
+            if failed:
+                self._error(p, f"KV transfer failed: {failed[0]}", items)
+            elif done and p.first is not None:
+                self._insert(p)
+            elif rid in every[0][1]:
+                self._error(p, f"KV or first token did not arrive within {self.admission_timeout_s}s", items)
+
+    def _end(self, req: Request, reason: str) -> None:
+        """As DecodeNode's, but a request ended before insertion is quarantined on every rank."""
+        if self.pending.pop(req.request_id, None) is not None:
+            if not self.receiver.poll(req.request_id).state.terminal:
+                self.receiver.abort(req.request_id, f"request ended: {reason}")
+            self.quarantine.append((self.now + self.kv_quarantine_s, req.block_ids))
+            req.block_ids = []
+        DecodeNode._end(self, req, reason)
+
+    def _release_quarantine(self) -> None:
+        for q in [q for q in self.quarantine if q[0] <= self.now]:
+            self.quarantine.remove(q)
+            self.blocks.free(q[1])
+
+    def _publish(self, items: list[OutputItem]) -> None:
+        if self.channel.leader and items:
+            self.emitted += 1
+            DecodeNode._publish(self, items)

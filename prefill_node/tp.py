@@ -1,0 +1,88 @@
+"""TPPrefillNode: one rank of a prefill node of TP size N (engine/tp_channel.py).
+
+Rank 0 is the node the router talks to; its prefill jobs and aborts reach ranks 1..N-1
+through the channel, in order, and every rank runs the same prefill steps. Rank r pushes
+its KV-head shard to rank r of the decode node (the descriptor's `tp_ranks`). Only rank 0
+sends the first-token message and answers the caller. A job's source blocks are freed when
+its lease has ended on every rank (the ranks' releases are all-gathered), so no rank frees a
+block another rank's transport may still read, and the ranks' block managers stay equal.
+"""
+
+from __future__ import annotations
+
+import collections
+import queue
+import time
+from typing import Any
+
+from engine.engine import EngineConfig
+from engine.loader import LoadedModel
+from engine.tensor_parallel import TPGroup
+from engine.tp_channel import Lockstep, TPChannel, rank_descriptor
+from prefill_node.node import FirstTokenSink, PrefillJob, PrefillNode
+from protos import node_pb2
+from protos.convert import sampling_from_proto, sampling_to_proto
+from protos.messages import FirstToken
+
+
+class TPPrefillNode(Lockstep, PrefillNode):
+    loop_name = "tp-prefill-loop"
+
+    def __init__(self, loaded: LoadedModel, config: EngineConfig, first_token_sink: FirstTokenSink,
+                 tp: TPGroup, **kw: Any) -> None:
+        self.emitted = 0  # first-token messages this rank sent (rank 0 only ever does)
+        self._leader_sink = first_token_sink
+        PrefillNode.__init__(self, loaded, config, self._send if tp.rank == 0 else self._not_sent, tp=tp, **kw)
+        self.channel = TPChannel(tp)
+        self.now, self.commands = time.monotonic(), []
+        self._jobs: collections.deque[PrefillJob] = collections.deque()  # rank 0: submitted jobs, in order
+        self._ended_on: dict[str, int] = {}  # request id -> ranks whose lease has ended
+
+    def _send(self, address: str, msg: FirstToken) -> None:
+        self.emitted += 1
+        self._leader_sink(address, msg)
+
+    def _not_sent(self, address: str, msg: FirstToken) -> None:
+        """Ranks 1..N-1 compute the first token too, and keep it to themselves."""
+
+    def _encode(self, kind: str, arg: Any) -> list[Any]:
+        if kind == "submit":
+            self._jobs.append(arg)
+            sampling = sampling_to_proto(arg.params, arg.seed, arg.stop_ids).SerializeToString()
+            return [kind, arg.request_id, arg.prompt, sampling, arg.descriptor, arg.decode_address]
+        return [kind, *arg]
+
+    def _drain_inbox(self) -> None:
+        for cmd in self.commands:
+            if cmd[0] == "submit":
+                job = self._job(*cmd[1:])
+                job.descriptor = rank_descriptor(job.descriptor, self.channel.rank, self.channel.size)
+                self._mark(job.request_id, "queued")
+                self.waiting.append(job)
+                self.queued_tokens += len(job.prompt)
+            else:
+                self._abort_now(cmd[1], cmd[2])
+
+    def _job(self, rid: str, prompt: list[int], sampling: bytes, descriptor: dict, address: str) -> PrefillJob:
+        """Rank 0: the submitted job itself (its caller waits on its future); else a copy."""
+        if self.channel.leader:
+            return self._jobs.popleft()
+        vocab = self.loaded.model.config.vocab_size
+        params, seed, stops = sampling_from_proto(node_pb2.Sampling.FromString(sampling), vocab)
+        return PrefillJob(rid, list(prompt), params, seed, stops, descriptor, address)
+
+    def _free_released(self) -> None:
+        mine = []
+        while True:
+            try:
+                mine.append(list(self._released.get_nowait()))
+            except queue.Empty:
+                break
+        if not self.leased:
+            return  # every rank agrees on the leases: none open, nothing to free
+        for rank_released in self.channel.gather(mine):
+            for rid, done, at in rank_released:
+                self._ended_on[rid] = self._ended_on.get(rid, 0) + 1
+                if self._ended_on[rid] == self.channel.size:
+                    del self._ended_on[rid]
+                    self._release(rid, done, at)

@@ -1,0 +1,150 @@
+"""A prefill node and a decode node of TP size 2: four processes (two real gloo groups on
+127.0.0.1), rank 0 of each behind its real gRPC server, KV over tcp rank to rank, driven with
+raw stubs the way the router drives them. Greedy output equals the single-process engine's
+(so each decode rank received its KV-head shard intact: either half wrong changes the tokens),
+only rank 0 of each node emitted messages, and every rank's blocks come back."""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+
+import grpc
+import torch.multiprocessing as mp
+
+from engine.engine import EngineConfig, LLMEngine
+from engine.loader import load_model
+from engine.sampling_params import SamplingParams
+from engine.tp_launch import free_port, init_group
+from protos import node_pb2, node_pb2_grpc
+from protos.convert import sampling_to_proto
+from protos.messages import FirstToken, unpack_outputs
+
+K = 2
+PARAMS = SamplingParams(max_tokens=10, ignore_eos=True)
+PROMPTS = [[3, 1, 4, 1, 5, 9, 2, 6], list(range(40, 77))]
+
+
+def _build(role: str, tp, k: int):
+    """The rank's node, started, and (rank 0) its gRPC server and port."""
+    from decode_node.server import serve_decode
+    from decode_node.tp import TPDecodeNode
+    from prefill_node.server import DecodeClients, serve_prefill
+    from prefill_node.tp import TPPrefillNode
+
+    cfg = EngineConfig(num_speculative_tokens=k, block_shuffle_seed=3 if role == "decode" else 4)
+    kv = {"kv_backend": "tcp", "kv_timeout_s": 10}
+    if role == "decode":
+        node = TPDecodeNode(load_model("tiny"), cfg, tp, kv_quarantine_s=0.3, **kv)
+    else:
+        node = TPPrefillNode(load_model("tiny"), cfg, DecodeClients().send_first_token, tp, **kv)
+    node.start()
+    if tp.rank:
+        return node, None, 0
+    serve = serve_decode if role == "decode" else serve_prefill
+    return node, *serve(node, f"{role}-0")
+
+
+def _rank_main(role: str, rank: int, port: int, k: int, reports, stop) -> None:
+    import torch.distributed as dist
+
+    tp = init_group(rank, 2, port, "cpu")
+    try:
+        node, server, grpc_port = _build(role, tp, k)
+        if server is not None:
+            reports.put(("address", role, f"127.0.0.1:{grpc_port}"))
+        stop.wait()
+        if server is not None:
+            server.stop(0)
+        node.stop()  # rank 0's loop tells the other ranks to stop; theirs returns then
+        reports.put(("end", role, rank, node.blocks.num_free, node.blocks.capacity, node.emitted))
+    except BaseException as e:
+        reports.put(("failed", role, rank, repr(e)))
+    finally:
+        dist.destroy_process_group()
+
+
+class Outputs:
+    """Reads the decode node's output stream into a queue."""
+
+    def __init__(self, stub) -> None:
+        self.items: queue.SimpleQueue = queue.SimpleQueue()
+        self.stream = stub.Outputs(node_pb2.OutputsRequest(subscriber="test"))
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self) -> None:
+        try:
+            for payload in self.stream:
+                for item in unpack_outputs(payload.msgpack, 10**6):
+                    self.items.put(item)
+        except grpc.RpcError:
+            pass
+
+
+def generate(d, p, daddr, outputs: Outputs, rid: str, prompt: list[int]) -> list[int]:
+    sampling = sampling_to_proto(PARAMS, 1, ())
+    res = d.Reserve(node_pb2.ReserveRequest(request_id=rid, prompt_len=len(prompt), sampling=sampling))
+    assert res.admitted, res.reason
+    reply = p.Prefill(node_pb2.PrefillRequest(request_id=rid, prompt_token_ids=prompt, sampling=sampling,
+                                              descriptor_msgpack=res.descriptor_msgpack, decode_address=daddr))
+    tokens = [FirstToken.unpack(reply.msgpack, 10**6, 8).token]
+    while True:
+        item = outputs.items.get(timeout=60)
+        assert item.request_id == rid and not item.error, item.error
+        tokens += item.tokens
+        if item.finish_reason:
+            return tokens
+
+
+def _wait_all_free(stubs, timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while any((s := stub.Status(node_pb2.StatusRequest())).free_blocks != s.total_blocks for stub in stubs):
+        assert time.monotonic() < deadline, "blocks did not come back"
+        time.sleep(0.05)
+
+
+def _start_groups(ctx, reports, stop) -> list:
+    procs = []
+    for role in ("prefill", "decode"):
+        port = free_port()
+        procs += [ctx.Process(target=_rank_main, args=(role, r, port, K, reports, stop), daemon=True)
+                  for r in range(2)]
+    for proc in procs:
+        proc.start()
+    return procs
+
+
+def _next(reports, kind: str) -> tuple:
+    msg = reports.get(timeout=300)
+    assert msg[0] == kind, msg
+    return msg
+
+
+def test_p_tp2_to_d_tp2_greedy_equals_single_process_and_only_rank0_emits():
+    ref = LLMEngine(load_model("tiny"), EngineConfig()).generate(PROMPTS, PARAMS)
+    ctx = mp.get_context("spawn")
+    reports, stop = ctx.Queue(), ctx.Event()
+    procs = _start_groups(ctx, reports, stop)
+    try:
+        addr = dict(_next(reports, "address")[1:] for _ in range(2))
+        d = node_pb2_grpc.DecodeControlStub(grpc.insecure_channel(addr["decode"]))
+        p = node_pb2_grpc.PrefillControlStub(grpc.insecure_channel(addr["prefill"]))
+        outputs = Outputs(d)
+        got = [generate(d, p, addr["decode"], outputs, f"r{i}", prompt) for i, prompt in enumerate(PROMPTS)]
+        assert got == [r.output_ids for r in ref]
+        _wait_all_free([d, p])
+        outputs.stream.cancel()
+        stop.set()
+        ends = sorted(_next(reports, "end")[1:] for _ in range(4))
+    finally:
+        stop.set()
+        for proc in procs:
+            proc.join(timeout=30)
+            if proc.is_alive():
+                proc.terminate()
+    assert [(role, rank, free == total) for role, rank, free, total, _ in ends] == [
+        ("decode", 0, True), ("decode", 1, True), ("prefill", 0, True), ("prefill", 1, True)]
+    emitted = {(role, rank): n for role, rank, _, _, n in ends}
+    assert emitted[("decode", 1)] == emitted[("prefill", 1)] == 0
+    assert emitted[("prefill", 0)] == len(PROMPTS) and emitted[("decode", 0)] > 0
