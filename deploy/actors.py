@@ -44,45 +44,45 @@ def bind_host(cfg: ServiceConfig) -> str:
 
 
 class NodeActor:
-    """One prefill or decode node in its own process."""
+    """One prefill or decode node in its own process (or, with `tp`, one rank of one)."""
+
+    server: Any = None
+    port: int | None = None
 
     def __init__(self, role: str, node_id: str, config_json: str, host: str | None = None) -> None:
+        cfg = ServiceConfig.model_validate_json(config_json)
+        self._serve(cfg, role, node_id, host or bind_host(cfg))
+
+    def _serve(self, cfg: ServiceConfig, role: str, node_id: str, host: str, tp: Any = None) -> None:
+        """Load the model, build and start the node; its gRPC server unless a rank > 0 of a TP group."""
         import torch
 
         from engine.loader import load_model
 
-        cfg = ServiceConfig.model_validate_json(config_json)
         threads = max(1, int(cfg.prefill.num_cpus if role == "prefill" else cfg.decode.num_cpus))
         torch.set_num_threads(threads)
-        device = cfg.model.resolved_device()
-        loaded = load_model(cfg.model.resolved_name(), device=device, dtype=cfg.model.dtype,
+        loaded = load_model(cfg.model.resolved_name(), device=cfg.model.resolved_device(), dtype=cfg.model.dtype,
                             mtp_path=cfg.model.mtp_path)
-        host = host or bind_host(cfg)
         self.role, self.node_id, self.host = role, node_id, host
-        kv: dict[str, Any] = {"kv_backend": cfg.kv_transfer.backend, "kv_timeout_s": cfg.kv_transfer.timeout_s}
-        if cfg.kv_transfer.backend == "ucx":  # a local service's UCX listens on loopback only
-            from kvtransfer.ucx import restrict_to_loopback
-
-            restrict_to_loopback(host)
-        if cfg.kv_transfer.backend == "tcp" and role == "decode":
-            kv["kv_options"] = {"host": host}  # the tcp receiver listens where the node serves
+        kv = _kv_options(cfg, role, host)
+        if tp is not None:
+            kv["tp"] = tp
         if role == "prefill":
-            from prefill_node.node import PrefillNode
             from prefill_node.server import DecodeClients, serve_prefill
 
             self._clients = DecodeClients(secret=cfg.cluster.secret)
-            self.node: Any = PrefillNode(loaded, engine_config(cfg, role), self._clients.send_first_token, **kv)
-            self.node.start()
-            self.server, self.port = serve_prefill(self.node, node_id, host, secret=cfg.cluster.secret)
+            self.node: Any = _prefill_class(tp)(loaded, engine_config(cfg, role), self._clients.send_first_token, **kv)
+            serve: Any = serve_prefill
         elif role == "decode":
-            from decode_node.node import DecodeNode
             from decode_node.server import serve_decode
 
-            self.node = DecodeNode(loaded, engine_config(cfg, role), **kv)
-            self.node.start()
-            self.server, self.port = serve_decode(self.node, node_id, host, secret=cfg.cluster.secret)
+            self.node = _decode_class(tp)(loaded, engine_config(cfg, role), **kv)
+            serve = serve_decode
         else:
             raise ValueError(f"unknown node role {role!r}")
+        self.node.start()
+        if tp is None or tp.rank == 0:
+            self.server, self.port = serve(self.node, node_id, host, secret=cfg.cluster.secret)
 
     def address(self) -> str:
         return f"{self.host}:{self.port}"
@@ -91,9 +91,73 @@ class NodeActor:
         import ray
 
         return {"role": self.role, "node_id": self.node_id, "address": self.address(),
-                "pid": os.getpid(), "host": socket.gethostname(),
+                "pid": os.getpid(), "host": socket.gethostname(), "emitted": getattr(self.node, "emitted", None),
                 "ray_node_id": ray.get_runtime_context().get_node_id(), **self.node.status()}
 
     def stop(self) -> None:
-        self.server.stop(grace=1)
+        if self.server is not None:
+            self.server.stop(grace=1)
         self.node.stop()
+
+
+def _kv_options(cfg: ServiceConfig, role: str, host: str) -> dict[str, Any]:
+    kv: dict[str, Any] = {"kv_backend": cfg.kv_transfer.backend, "kv_timeout_s": cfg.kv_transfer.timeout_s}
+    if cfg.kv_transfer.backend == "ucx":  # a local service's UCX listens on loopback only
+        from kvtransfer.ucx import restrict_to_loopback
+
+        restrict_to_loopback(host)
+    if cfg.kv_transfer.backend == "tcp" and role == "decode":
+        kv["kv_options"] = {"host": host}  # the tcp receiver listens where the node serves
+    return kv
+
+
+def _prefill_class(tp: Any) -> type:
+    if tp is None:
+        from prefill_node.node import PrefillNode
+
+        return PrefillNode
+    from prefill_node.tp import TPPrefillNode
+
+    return TPPrefillNode
+
+
+def _decode_class(tp: Any) -> type:
+    if tp is None:
+        from decode_node.node import DecodeNode
+
+        return DecodeNode
+    from decode_node.tp import TPDecodeNode
+
+    return TPDecodeNode
+
+
+class TPRankActor(NodeActor):
+    """Rank `rank` of a node of TP size `size`: built in two calls, since every rank must be
+    up to join the group: rank 0's `rendezvous()` names the group's address, then every rank's
+    `join(address)` joins it (gloo on the CPU, NCCL on its GPU) and builds its node."""
+
+    def __init__(self, role: str, node_id: str, config_json: str, rank: int, size: int) -> None:
+        self.cfg = ServiceConfig.model_validate_json(config_json)
+        self.role, self.node_id, self.rank, self.size = role, node_id, rank, size
+        self.host = bind_host(self.cfg)
+
+    def rendezvous(self) -> str:
+        with socket.socket() as s:
+            s.bind((self.host, 0))
+            return f"{self.host}:{s.getsockname()[1]}"
+
+    def join(self, address: str) -> None:
+        from datetime import timedelta
+
+        import torch.distributed as dist
+
+        from engine.tensor_parallel import TPGroup
+
+        cuda = self.cfg.model.resolved_device().startswith("cuda")
+        dist.init_process_group("nccl" if cuda else "gloo", init_method=f"tcp://{address}", rank=self.rank,
+                                world_size=self.size, timeout=timedelta(seconds=120))
+        self._serve(self.cfg, self.role, self.node_id, self.host, TPGroup(self.rank, self.size))
+
+    def address(self) -> str:
+        """Rank 0: where the node serves; the others: '' (alive)."""
+        return f"{self.host}:{self.port}" if self.rank == 0 else ""

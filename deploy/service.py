@@ -4,7 +4,9 @@ Starts Ray (a local cluster, or joins `cluster.address`), creates the node actor
 restarts forever on death, placed only on Ray nodes offering the section's `resources`) and
 the router actor, all named `pdserve-...` in the namespace (`pdserve status` finds them),
 then watches: every `status_interval_s` it asks each node actor for its address; a node that does not answer is taken out of the
-router's directory, and one that answers again (restarted: a new port) is put back.
+router's directory, and one that answers again (restarted: a new port) is put back. A node of
+TP size N > 1 is a placement group of N rank actors (deploy/tp_group.py): it answers when all
+its ranks do, and a rank's death restarts the whole group.
 """
 
 from __future__ import annotations
@@ -15,7 +17,8 @@ import threading
 import time
 from typing import Any
 
-from deploy.config import ConfigError, ServiceConfig, with_cluster_secret
+from deploy.config import ServiceConfig, with_cluster_secret
+from deploy.tp_group import TPNodeGroup
 
 ROLES = ("prefill", "decode")
 ACTOR_PREFIX = "pdserve-"  # actors are named pdserve-router, pdserve-prefill-0, ... in the namespace
@@ -36,7 +39,7 @@ def init_ray(cfg: ServiceConfig, temp_dir: str | None = None, num_cpus: int | No
     kwargs: dict[str, Any] = {"namespace": cfg.cluster.namespace, "include_dashboard": False,
                               "log_to_driver": False, "configure_logging": False}
     if cfg.cluster.address is None:
-        needed = cfg.prefill.num_nodes * cfg.prefill.num_cpus + cfg.decode.num_nodes * cfg.decode.num_cpus + 1
+        needed = sum(c.num_nodes * c.tp * c.num_cpus for c in (cfg.prefill, cfg.decode)) + 1
         kwargs.update(address="local", num_cpus=num_cpus or max(int(needed) + 1, os.cpu_count() or 1),
                       _temp_dir=temp_dir)
     else:
@@ -59,9 +62,6 @@ def init_ray(cfg: ServiceConfig, temp_dir: str | None = None, num_cpus: int | No
 
 class Service:
     def __init__(self, cfg: ServiceConfig) -> None:
-        if cfg.decode.tp > 1:  # config validation has made prefill.tp equal
-            raise ConfigError(f"decode.tp = prefill.tp = {cfg.decode.tp}: the service's nodes do not run tensor "
-                              "parallel yet (issue 15); `pdserve generate --tp N` does, in one process tree")
         self.cfg = with_cluster_secret(cfg)  # router and nodes share it; made here when not given
         self.actors: dict[tuple[str, int], Any] = {}
         self.addresses: dict[tuple[str, int], str | None] = {}
@@ -82,6 +82,10 @@ class Service:
         for role in ROLES:
             section = self.cfg.prefill if role == "prefill" else self.cfg.decode
             for i in range(section.num_nodes):
+                if section.tp > 1:
+                    self.actors[(role, i)] = TPNodeGroup(role, i, cfg_json, section.tp, self._node_options(role, i))
+                    self.actors[(role, i)].launch()
+                    continue
                 self.actors[(role, i)] = ray.remote(NodeActor).options(**self._node_options(role, i)).remote(
                     role, f"{role}-{i}", cfg_json)
         self.router = ray.remote(RouterActor).options(
@@ -110,13 +114,16 @@ class Service:
     def _poll_once(self, wait_s: float) -> dict[tuple[str, int], str | None]:
         import ray
 
-        refs = {key: h.address.remote() for key, h in self.actors.items()}
+        groups = {key: h for key, h in self.actors.items() if isinstance(h, TPNodeGroup)}
+        refs = {key: h.address.remote() for key, h in self.actors.items() if key not in groups}
         for key, ref in refs.items():
             try:
                 addr = ray.get(ref, timeout=wait_s)
             except Exception:
                 addr = None
             self.addresses[key] = addr
+        for key, group in groups.items():  # a TP node is up when all its ranks are; else it restarts
+            self.addresses[key] = group.poll(wait_s)
         for role in ROLES:
             live = [a for (r, _), a in sorted(self.addresses.items()) if r == role and a]
             ray.get(self.router.set_nodes.remote(role, live))
@@ -136,16 +143,23 @@ class Service:
             except Exception:  # Ray hiccup: try again next round
                 continue
 
-    def kill(self, role: str, index: int) -> None:
-        """Kill a node actor's process (Ray restarts it); for fault drills and tests."""
+    def kill(self, role: str, index: int, rank: int = 0) -> None:
+        """Kill a node actor's process (Ray restarts it; a TP node's whole group restarts); for
+        fault drills and tests."""
         import ray
 
-        ray.kill(self.actors[(role, index)], no_restart=False)
+        handle = self.actors[(role, index)]
+        if isinstance(handle, TPNodeGroup):
+            handle.kill(rank)
+        else:
+            ray.kill(handle, no_restart=False)
 
     def node_info(self) -> dict[tuple[str, int], dict]:
+        """Each node's info (a TP node: rank 0's, with `ranks`, every rank's)."""
         import ray
 
-        return {key: ray.get(h.info.remote(), timeout=30) for key, h in self.actors.items()}
+        return {key: h.info() if isinstance(h, TPNodeGroup) else ray.get(h.info.remote(), timeout=30)
+                for key, h in self.actors.items()}
 
     def stop(self) -> None:
         import ray
@@ -153,8 +167,10 @@ class Service:
         self._stop.set()
         if self._watcher is not None:
             self._watcher.join(timeout=5)
-        handles = list(self.actors.values()) + ([self.router] if self.router is not None else [])
-        for h in handles:
+        for group in [h for h in self.actors.values() if isinstance(h, TPNodeGroup)]:
+            group.stop()
+        handles = [h for h in self.actors.values() if not isinstance(h, TPNodeGroup)]
+        for h in handles + ([self.router] if self.router is not None else []):
             try:
                 ray.get(h.stop.remote(), timeout=10)
             except Exception:

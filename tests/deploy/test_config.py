@@ -181,10 +181,3 @@ def test_tp_sizes_are_powers_of_two_and_equal_for_prefill_and_decode():
         ServiceConfig.load(None, {"prefill.tp": 2, "decode.tp": 4})
     with pytest.raises(ConfigError, match=r"decode\.tp: .*power of two.*got 3"):
         ServiceConfig.load(None, {"prefill.tp": 3, "decode.tp": 3})
-
-
-def test_the_service_refuses_tp_until_its_nodes_run_it():
-    from deploy.service import Service
-
-    with pytest.raises(ConfigError, match="do not run tensor parallel yet"):
-        Service(ServiceConfig.load(None, {"prefill.tp": 2, "decode.tp": 2}))

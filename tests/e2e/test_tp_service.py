@@ -1,0 +1,60 @@
+"""1P(TP2) + 1D(TP2) on a local Ray cluster: each node a placement group of two rank actors
+(real gloo groups), KV rank to rank over tcp. Greedy output through the router equals the
+single-process engine's, only rank 0 of each node emitted messages, every rank's blocks come
+back, and killing one decode rank restarts its whole group, which serves again."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from engine.sampling_params import SamplingParams
+from tests.e2e.conftest import run_async, start_service
+from tests.e2e.test_service import generate_all, mixed_prompts
+
+pytestmark = pytest.mark.usefixtures("ray_cluster")
+
+TP = {"prefill.tp": 2, "decode.tp": 2, "kv_transfer.backend": "tcp"}
+
+
+def greedy_matches(address, tiny_reference, seed: int) -> None:
+    prompts = mixed_prompts(4, seed=seed)
+    results = run_async(generate_all(address, prompts, max_tokens=8, ignore_eos=True))
+    ref = tiny_reference(prompts, SamplingParams(max_tokens=8, ignore_eos=True))
+    assert [r["token_ids"] for r in results] == [r.output_ids for r in ref]
+
+
+def wait_every_rank_free(svc, timeout: float = 30.0) -> dict:
+    deadline = time.monotonic() + timeout
+    while True:
+        info = svc.node_info()
+        if all(r["free_blocks"] == r["total_blocks"] for i in info.values() for r in i["ranks"]):
+            return info
+        assert time.monotonic() < deadline, f"KV blocks not returned: {info}"
+        time.sleep(0.2)
+
+
+def wait_serving_again(svc, key, old: str, timeout: float = 240.0) -> None:
+    deadline = time.monotonic() + timeout
+    while svc.addresses.get(key) in (None, old):
+        assert time.monotonic() < deadline, "the TP group did not come back"
+        time.sleep(0.2)
+
+
+def test_1p_tp2_1d_tp2_equals_single_process_and_only_rank0_emits(tiny_reference):
+    svc, address = start_service(1, 1, 2, **TP)
+    try:
+        greedy_matches(address, tiny_reference, seed=5)
+        info = wait_every_rank_free(svc)
+        emitted = {(role, rank): r["emitted"] for (role, _), i in info.items() for rank, r in enumerate(i["ranks"])}
+        assert emitted[("prefill", 1)] == emitted[("decode", 1)] == 0
+        assert emitted[("prefill", 0)] == 4 and emitted[("decode", 0)] > 0
+        old = svc.addresses[("decode", 0)]
+        svc.kill("decode", 0, rank=1)
+        wait_serving_again(svc, ("decode", 0), old)
+        assert (svc.actors[("decode", 0)].launches, svc.actors[("prefill", 0)].launches) == (2, 1)
+        greedy_matches(svc.router_address, tiny_reference, seed=6)
+        wait_every_rank_free(svc)
+    finally:
+        svc.stop()
