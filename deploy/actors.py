@@ -159,5 +159,9 @@ class TPRankActor(NodeActor):
         self._serve(self.cfg, self.role, self.node_id, self.host, TPGroup(self.rank, self.size))
 
     def address(self) -> str:
-        """Rank 0: where the node serves; the others: '' (alive)."""
+        """Rank 0: where the node serves; the others: '' (alive). Raises when the rank's loop has
+        ended (a failed collective): the group must restart."""
+        thread = getattr(getattr(self, "node", None), "_thread", None)
+        if thread is None or not thread.is_alive():
+            raise RuntimeError(f"{self.node_id} rank {self.rank}: its loop is not running")
         return f"{self.host}:{self.port}" if self.rank == 0 else ""

@@ -32,7 +32,7 @@ def collect(timeout_s: float = 5.0) -> dict[str, Any]:
     for name, ref in refs.items():
         entry = _answer(ref, ready)
         entry["name"] = name
-        entry.setdefault("role", name[len(ACTOR_PREFIX):].rsplit("-", 1)[0])
+        entry.setdefault("role", name[len(ACTOR_PREFIX):].split("-", 1)[0])  # prefill-0, prefill-0-rank1
         entry.update(_placement(hosts.get(entry.get("ray_node_id", ""))))
         if name == f"{ACTOR_PREFIX}router":
             out["router"] = entry

@@ -2,7 +2,8 @@
 127.0.0.1), rank 0 of each behind its real gRPC server, KV over tcp rank to rank, driven with
 raw stubs the way the router drives them. Greedy output equals the single-process engine's
 (so each decode rank received its KV-head shard intact: either half wrong changes the tokens),
-only rank 0 of each node emitted messages, and every rank's blocks come back."""
+an abort ends its request once, only rank 0 of each node emitted messages, and every rank's
+blocks come back."""
 
 from __future__ import annotations
 
@@ -82,19 +83,23 @@ class Outputs:
             pass
 
 
-def generate(d, p, daddr, outputs: Outputs, rid: str, prompt: list[int]) -> list[int]:
-    sampling = sampling_to_proto(PARAMS, 1, ())
+def generate(d, p, daddr, outputs: Outputs, rid: str, prompt: list[int], params=PARAMS,
+             abort: bool = False) -> tuple[list[int], str]:
+    """(tokens, finish reason) of one request; `abort`: the router aborts it after its first token."""
+    sampling = sampling_to_proto(params, 1, ())
     res = d.Reserve(node_pb2.ReserveRequest(request_id=rid, prompt_len=len(prompt), sampling=sampling))
     assert res.admitted, res.reason
     reply = p.Prefill(node_pb2.PrefillRequest(request_id=rid, prompt_token_ids=prompt, sampling=sampling,
                                               descriptor_msgpack=res.descriptor_msgpack, decode_address=daddr))
     tokens = [FirstToken.unpack(reply.msgpack, 10**6, 8).token]
+    if abort:
+        d.Abort(node_pb2.AbortRequest(request_id=rid, reason="client went away"))
     while True:
         item = outputs.items.get(timeout=60)
         assert item.request_id == rid and not item.error, item.error
         tokens += item.tokens
         if item.finish_reason:
-            return tokens
+            return tokens, item.finish_reason
 
 
 def _wait_all_free(stubs, timeout: float = 30.0) -> None:
@@ -132,7 +137,10 @@ def test_p_tp2_to_d_tp2_greedy_equals_single_process_and_only_rank0_emits():
         p = node_pb2_grpc.PrefillControlStub(grpc.insecure_channel(addr["prefill"]))
         outputs = Outputs(d)
         got = [generate(d, p, addr["decode"], outputs, f"r{i}", prompt) for i, prompt in enumerate(PROMPTS)]
-        assert got == [r.output_ids for r in ref]
+        assert got == [(r.output_ids, "length") for r in ref]
+        long = SamplingParams(max_tokens=500, ignore_eos=True)
+        tokens, reason = generate(d, p, addr["decode"], outputs, "a", PROMPTS[0], long, abort=True)
+        assert reason == "abort" and len(tokens) < 500  # one terminal event, on every rank's scheduler
         _wait_all_free([d, p])
         outputs.stream.cancel()
         stop.set()
@@ -147,4 +155,4 @@ def test_p_tp2_to_d_tp2_greedy_equals_single_process_and_only_rank0_emits():
         ("decode", 0, True), ("decode", 1, True), ("prefill", 0, True), ("prefill", 1, True)]
     emitted = {(role, rank): n for role, rank, _, _, n in ends}
     assert emitted[("decode", 1)] == emitted[("prefill", 1)] == 0
-    assert emitted[("prefill", 0)] == len(PROMPTS) and emitted[("decode", 0)] > 0
+    assert emitted[("prefill", 0)] == len(PROMPTS) + 1 and emitted[("decode", 0)] > 0
