@@ -2,6 +2,7 @@
 127.0.0.1), rank 0 of each behind its real gRPC server, KV over tcp rank to rank, driven with
 raw stubs the way the router drives them. Greedy output equals the single-process engine's
 (so each decode rank received its KV-head shard intact: either half wrong changes the tokens),
+and so does a seeded sampled request's;
 an abort ends its request once, only rank 0 of each node emitted messages, and every rank's
 blocks come back."""
 
@@ -23,6 +24,7 @@ from protos.convert import sampling_to_proto
 from protos.messages import FirstToken, unpack_outputs
 
 K = 2
+VOCAB = 320  # tiny
 PARAMS = SamplingParams(max_tokens=10, ignore_eos=True)
 PROMPTS = [[3, 1, 4, 1, 5, 9, 2, 6], list(range(40, 77))]
 
@@ -77,7 +79,7 @@ class Outputs:
     def _read(self) -> None:
         try:
             for payload in self.stream:
-                for item in unpack_outputs(payload.msgpack, 10**6):
+                for item in unpack_outputs(payload.msgpack, VOCAB):
                     self.items.put(item)
         except grpc.RpcError:
             pass
@@ -86,12 +88,12 @@ class Outputs:
 def generate(d, p, daddr, outputs: Outputs, rid: str, prompt: list[int], params=PARAMS,
              abort: bool = False) -> tuple[list[int], str]:
     """(tokens, finish reason) of one request; `abort`: the router aborts it after its first token."""
-    sampling = sampling_to_proto(params, 1, ())
+    sampling = sampling_to_proto(params, 1 if params.seed is None else params.seed, ())
     res = d.Reserve(node_pb2.ReserveRequest(request_id=rid, prompt_len=len(prompt), sampling=sampling))
     assert res.admitted, res.reason
     reply = p.Prefill(node_pb2.PrefillRequest(request_id=rid, prompt_token_ids=prompt, sampling=sampling,
                                               descriptor_msgpack=res.descriptor_msgpack, decode_address=daddr))
-    tokens = [FirstToken.unpack(reply.msgpack, 10**6, 8).token]
+    tokens = [FirstToken.unpack(reply.msgpack, VOCAB, K).token]
     if abort:
         d.Abort(node_pb2.AbortRequest(request_id=rid, reason="client went away"))
     while True:
@@ -138,6 +140,9 @@ def test_p_tp2_to_d_tp2_greedy_equals_single_process_and_only_rank0_emits():
         outputs = Outputs(d)
         got = [generate(d, p, addr["decode"], outputs, f"r{i}", prompt) for i, prompt in enumerate(PROMPTS)]
         assert got == [(r.output_ids, "length") for r in ref]
+        sampled = SamplingParams(max_tokens=10, ignore_eos=True, temperature=0.8, seed=7)
+        want = LLMEngine(load_model("tiny"), EngineConfig(num_speculative_tokens=K)).generate(PROMPTS[1:], sampled)
+        assert generate(d, p, addr["decode"], outputs, "s", PROMPTS[1], sampled) == (want[0].output_ids, "length")
         long = SamplingParams(max_tokens=500, ignore_eos=True)
         tokens, reason = generate(d, p, addr["decode"], outputs, "a", PROMPTS[0], long, abort=True)
         assert reason == "abort" and len(tokens) < 500  # one terminal event, on every rank's scheduler
@@ -155,4 +160,4 @@ def test_p_tp2_to_d_tp2_greedy_equals_single_process_and_only_rank0_emits():
         ("decode", 0, True), ("decode", 1, True), ("prefill", 0, True), ("prefill", 1, True)]
     emitted = {(role, rank): n for role, rank, _, _, n in ends}
     assert emitted[("decode", 1)] == emitted[("prefill", 1)] == 0
-    assert emitted[("prefill", 0)] == len(PROMPTS) + 1 and emitted[("decode", 0)] > 0
+    assert emitted[("prefill", 0)] == len(PROMPTS) + 2 and emitted[("decode", 0)] > 0
