@@ -13,6 +13,7 @@ import threading
 import time
 
 import grpc
+import pytest
 import torch.multiprocessing as mp
 
 from engine.engine import EngineConfig, LLMEngine
@@ -23,7 +24,6 @@ from protos import node_pb2, node_pb2_grpc
 from protos.convert import sampling_to_proto
 from protos.messages import FirstToken, unpack_outputs
 
-K = 2
 VOCAB = 320  # tiny
 PARAMS = SamplingParams(max_tokens=10, ignore_eos=True)
 PROMPTS = [[3, 1, 4, 1, 5, 9, 2, 6], list(range(40, 77))]
@@ -86,14 +86,14 @@ class Outputs:
 
 
 def generate(d, p, daddr, outputs: Outputs, rid: str, prompt: list[int], params=PARAMS,
-             abort: bool = False) -> tuple[list[int], str]:
+             abort: bool = False, k: int = 2) -> tuple[list[int], str]:
     """(tokens, finish reason) of one request; `abort`: the router aborts it after its first token."""
     sampling = sampling_to_proto(params, 1 if params.seed is None else params.seed, ())
     res = d.Reserve(node_pb2.ReserveRequest(request_id=rid, prompt_len=len(prompt), sampling=sampling))
     assert res.admitted, res.reason
     reply = p.Prefill(node_pb2.PrefillRequest(request_id=rid, prompt_token_ids=prompt, sampling=sampling,
                                               descriptor_msgpack=res.descriptor_msgpack, decode_address=daddr))
-    tokens = [FirstToken.unpack(reply.msgpack, VOCAB, K).token]
+    tokens = [FirstToken.unpack(reply.msgpack, VOCAB, k).token]
     if abort:
         d.Abort(node_pb2.AbortRequest(request_id=rid, reason="client went away"))
     while True:
@@ -111,11 +111,11 @@ def _wait_all_free(stubs, timeout: float = 30.0) -> None:
         time.sleep(0.05)
 
 
-def _start_groups(ctx, reports, stop) -> list:
+def _start_groups(ctx, reports, stop, k: int) -> list:
     procs = []
     for role in ("prefill", "decode"):
         port = free_port()
-        procs += [ctx.Process(target=_rank_main, args=(role, r, port, K, reports, stop), daemon=True)
+        procs += [ctx.Process(target=_rank_main, args=(role, r, port, k, reports, stop), daemon=True)
                   for r in range(2)]
     for proc in procs:
         proc.start()
@@ -128,23 +128,24 @@ def _next(reports, kind: str) -> tuple:
     return msg
 
 
-def test_p_tp2_to_d_tp2_greedy_equals_single_process_and_only_rank0_emits():
+@pytest.mark.parametrize("k", [0, 2])
+def test_p_tp2_to_d_tp2_greedy_equals_single_process_and_only_rank0_emits(k):
     ref = LLMEngine(load_model("tiny"), EngineConfig()).generate(PROMPTS, PARAMS)
     ctx = mp.get_context("spawn")
     reports, stop = ctx.Queue(), ctx.Event()
-    procs = _start_groups(ctx, reports, stop)
+    procs = _start_groups(ctx, reports, stop, k)
     try:
         addr = dict(_next(reports, "address")[1:] for _ in range(2))
         d = node_pb2_grpc.DecodeControlStub(grpc.insecure_channel(addr["decode"]))
         p = node_pb2_grpc.PrefillControlStub(grpc.insecure_channel(addr["prefill"]))
         outputs = Outputs(d)
-        got = [generate(d, p, addr["decode"], outputs, f"r{i}", prompt) for i, prompt in enumerate(PROMPTS)]
+        got = [generate(d, p, addr["decode"], outputs, f"r{i}", prompt, k=k) for i, prompt in enumerate(PROMPTS)]
         assert got == [(r.output_ids, "length") for r in ref]
         sampled = SamplingParams(max_tokens=10, ignore_eos=True, temperature=0.8, seed=7)
-        want = LLMEngine(load_model("tiny"), EngineConfig(num_speculative_tokens=K)).generate(PROMPTS[1:], sampled)
-        assert generate(d, p, addr["decode"], outputs, "s", PROMPTS[1], sampled) == (want[0].output_ids, "length")
+        want = LLMEngine(load_model("tiny"), EngineConfig(num_speculative_tokens=k)).generate(PROMPTS[1:], sampled)
+        assert generate(d, p, addr["decode"], outputs, "s", PROMPTS[1], sampled, k=k) == (want[0].output_ids, "length")
         long = SamplingParams(max_tokens=500, ignore_eos=True)
-        tokens, reason = generate(d, p, addr["decode"], outputs, "a", PROMPTS[0], long, abort=True)
+        tokens, reason = generate(d, p, addr["decode"], outputs, "a", PROMPTS[0], long, abort=True, k=k)
         assert reason == "abort" and len(tokens) < 500  # one terminal event, on every rank's scheduler
         _wait_all_free([d, p])
         outputs.stream.cancel()
