@@ -1,16 +1,20 @@
 """1P(TP2) + 1D(TP2) on a local Ray cluster: each node a placement group of two rank actors
 (real gloo groups), KV rank to rank over tcp. Greedy output through the router equals the
 single-process engine's, only rank 0 of each node emitted messages, every rank's blocks come
-back, and killing one decode rank restarts its whole group, which serves again."""
+back, and killing one decode rank mid-stream ends every stream once, restarts the decode node's
+whole group (not the prefill node's), which serves again."""
 
 from __future__ import annotations
 
+import asyncio
 import time
 
 import pytest
 
 from engine.sampling_params import SamplingParams
+from router.client import RouterClient
 from tests.e2e.conftest import run_async, start_service
+from tests.e2e.test_faults import stream_until_end
 from tests.e2e.test_service import generate_all, mixed_prompts
 
 pytestmark = pytest.mark.usefixtures("ray_cluster")
@@ -42,6 +46,15 @@ def wait_serving_again(svc, key, old: str, timeout: float = 240.0) -> None:
         time.sleep(0.2)
 
 
+async def kill_rank_mid_stream(svc, address, n: int = 4) -> list:
+    async with RouterClient(address) as client:
+        started, counter = asyncio.Event(), [0]
+        tasks = [asyncio.create_task(stream_until_end(client, [i + 1, 2, 3], started, counter, n)) for i in range(n)]
+        await asyncio.wait_for(started.wait(), 60)
+        svc.kill("decode", 0, rank=1)
+        return await asyncio.wait_for(asyncio.gather(*tasks), 120)
+
+
 def test_1p_tp2_1d_tp2_equals_single_process_and_only_rank0_emits(tiny_reference):
     svc, address = start_service(1, 1, 2, **TP)
     try:
@@ -51,7 +64,9 @@ def test_1p_tp2_1d_tp2_equals_single_process_and_only_rank0_emits(tiny_reference
         assert emitted[("prefill", 1)] == emitted[("decode", 1)] == 0
         assert emitted[("prefill", 0)] == 4 and emitted[("decode", 0)] > 0
         old = svc.addresses[("decode", 0)]
-        svc.kill("decode", 0, rank=1)
+        results = run_async(kill_rank_mid_stream(svc, address))
+        assert all(len(terminals) == 1 for terminals, _ in results), "exactly one terminal per stream"
+        assert {terminals[0][0] for terminals, _ in results} == {"UNAVAILABLE"}
         wait_serving_again(svc, ("decode", 0), old)
         assert (svc.actors[("decode", 0)].launches, svc.actors[("prefill", 0)].launches) == (2, 1)
         greedy_matches(svc.router_address, tiny_reference, seed=6)
