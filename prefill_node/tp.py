@@ -5,7 +5,8 @@ through the channel, in order, and every rank runs the same prefill steps. Rank 
 its KV-head shard to rank r of the decode node (the descriptor's `tp_ranks`). Only rank 0
 sends the first-token message and answers the caller. A job's source blocks are freed when
 its lease has ended on every rank (the ranks' releases are all-gathered), so no rank frees a
-block another rank's transport may still read, and the ranks' block managers stay equal.
+block another rank's transport may still read, and the ranks' block managers stay equal; a
+job whose descriptor one rank refuses is refused on every rank.
 """
 
 from __future__ import annotations
@@ -71,6 +72,24 @@ class TPPrefillNode(Lockstep, PrefillNode):
         params, seed, stops = sampling_from_proto(node_pb2.Sampling.FromString(sampling), vocab)
         return PrefillJob(rid, list(prompt), params, seed, stops, descriptor, address)
 
+    def _start(self, job: PrefillJob) -> bool:
+        """As PrefillNode's, and the ranks agree: a descriptor one rank refuses, all refuse."""
+        if not PrefillNode._start(self, job):
+            return False  # out of blocks: the same on every rank
+        refused = self.channel.gather(not job.block_ids)
+        if any(refused) and job.block_ids:
+            self._undo_start(job)
+        return True
+
+    def _undo_start(self, job: PrefillJob) -> None:
+        """Another rank refused the job's descriptor: end it as if this rank had (nothing was sent yet)."""
+        self.sender.abort(job.request_id, "another tensor-parallel rank refused the KV descriptor")
+        self.blocks.free(self.leased.pop(job.request_id))
+        self.waiting.remove(job)
+        self.queued_tokens -= job.remaining
+        job.block_ids = []
+        job.future.set_exception(ValueError("bad KV descriptor: another tensor-parallel rank refused it"))
+
     def _free_released(self) -> None:
         mine = []
         while True:
@@ -82,6 +101,8 @@ class TPPrefillNode(Lockstep, PrefillNode):
             return  # every rank agrees on the leases: none open, nothing to free
         for rank_released in self.channel.gather(mine):
             for rid, done, at in rank_released:
+                if rid not in self.leased:
+                    continue  # an undone start's (`_undo_start`)
                 self._ended_on[rid] = self._ended_on.get(rid, 0) + 1
                 if self._ended_on[rid] == self.channel.size:
                     del self._ended_on[rid]

@@ -2,8 +2,8 @@
 127.0.0.1), rank 0 of each behind its real gRPC server, KV over tcp rank to rank, driven with
 raw stubs the way the router drives them. Greedy output equals the single-process engine's
 (so each decode rank received its KV-head shard intact: either half wrong changes the tokens),
-and so does a seeded sampled request's;
-an abort ends its request once, only rank 0 of each node emitted messages, and every rank's
+and so does a seeded sampled request's; a descriptor one prefill rank refuses is refused by
+both; an abort ends its request once, only rank 0 of each node emitted messages, and every rank's
 blocks come back."""
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ import threading
 import time
 
 import grpc
+import msgpack
 import pytest
 import torch.multiprocessing as mp
 
@@ -104,6 +105,23 @@ def generate(d, p, daddr, outputs: Outputs, rid: str, prompt: list[int], params=
             return tokens, item.finish_reason
 
 
+def refused_by_rank1(d, p, daddr, outputs: Outputs) -> None:
+    """A descriptor whose rank-1 part is broken: every prefill rank refuses the job (rank 0
+    alone would start it), the router's abort ends the reservation, the nodes serve on."""
+    sampling = sampling_to_proto(PARAMS, 1, ())
+    res = d.Reserve(node_pb2.ReserveRequest(request_id="bad", prompt_len=5, sampling=sampling))
+    desc = msgpack.unpackb(res.descriptor_msgpack, raw=False)
+    desc["tp_ranks"] = [{}]
+    with pytest.raises(grpc.RpcError) as err:
+        p.Prefill(node_pb2.PrefillRequest(request_id="bad", prompt_token_ids=[1, 2, 3, 4, 5], sampling=sampling,
+                                          descriptor_msgpack=msgpack.packb(desc), decode_address=daddr))
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "another tensor-parallel rank refused" in err.value.details()
+    d.Abort(node_pb2.AbortRequest(request_id="bad", reason="prefill refused"))
+    item = outputs.items.get(timeout=60)  # its one terminal: the abort, or rank 0's aborted transfer's error
+    assert item.request_id == "bad" and (item.finish_reason == "abort" or "KV transfer failed" in item.error)
+
+
 def _wait_all_free(stubs, timeout: float = 30.0) -> None:
     deadline = time.monotonic() + timeout
     while any((s := stub.Status(node_pb2.StatusRequest())).free_blocks != s.total_blocks for stub in stubs):
@@ -144,6 +162,7 @@ def test_p_tp2_to_d_tp2_greedy_equals_single_process_and_only_rank0_emits(k):
         sampled = SamplingParams(max_tokens=10, ignore_eos=True, temperature=0.8, seed=7)
         want = LLMEngine(load_model("tiny"), EngineConfig(num_speculative_tokens=k)).generate(PROMPTS[1:], sampled)
         assert generate(d, p, addr["decode"], outputs, "s", PROMPTS[1], sampled, k=k) == (want[0].output_ids, "length")
+        refused_by_rank1(d, p, addr["decode"], outputs)
         long = SamplingParams(max_tokens=500, ignore_eos=True)
         tokens, reason = generate(d, p, addr["decode"], outputs, "a", PROMPTS[0], long, abort=True, k=k)
         assert reason == "abort" and len(tokens) < 500  # one terminal event, on every rank's scheduler
