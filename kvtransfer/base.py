@@ -159,9 +159,14 @@ class KVReceiver(ABC):
 
     @abstractmethod
     def expect(
-        self, request_id: str, dst_block_ids: Sequence[int], layers: Sequence[int]
+        self, request_id: str, dst_block_ids: Sequence[int], layers: Sequence[int], skip: int = 0
     ) -> Descriptor:
-        """Reserve a transfer into ``dst_block_ids`` for ``layers``; return its descriptor."""
+        """Reserve a transfer into ``dst_block_ids`` for ``layers``; return its descriptor.
+
+        ``skip``: the receiver already holds the request's first ``skip`` blocks, so
+        ``dst_block_ids`` receive the sender's blocks from ``skip`` on. Carried in the
+        descriptor for the sender's caller, which validates it and sends only those.
+        """
 
     @abstractmethod
     def poll(self, request_id: str) -> TransferStatus:
