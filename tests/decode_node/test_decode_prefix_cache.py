@@ -209,3 +209,16 @@ def test_aborts_during_transfer_and_decode_drop_the_references_they_took(tiny):
         assert pair.decode.blocks.num_cached == cached + 1  # "dec" added its third block; failed ones nothing
     finally:
         pair.close()
+
+
+def test_decode_refuses_prompt_ids_that_do_not_match_the_reservation(tiny):
+    vocab = tiny.model.config.vocab_size
+    params = SamplingParams(max_tokens=5, ignore_eos=True)
+    pair = Pair(tiny, 0, decode_kw=D_CACHE)
+    try:
+        for rid, n, prompt in [("short", 5, [1, 2, 3]), ("vocab", 3, [1, vocab, 2]), ("neg", 2, [1, -1])]:
+            res = pair.decode.reserve(rid, n, params, 0, (), prompt).result(timeout=30)
+            assert not res.admitted and "inside the vocabulary" in res.reason
+        assert_no_leak(pair)
+    finally:
+        pair.close()
