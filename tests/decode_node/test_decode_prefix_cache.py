@@ -222,3 +222,33 @@ def test_decode_refuses_prompt_ids_that_do_not_match_the_reservation(tiny):
         assert_no_leak(pair)
     finally:
         pair.close()
+
+
+def test_decode_evictions_keep_output_and_never_take_a_pinned_block(tiny):
+    """A small decode cache: later prompts evict earlier cached blocks, output stays greedy-exact,
+    and a request's pinned cached prefix survives other reservations that run the node full."""
+    vocab = tiny.model.config.vocab_size
+    prompts = chat_prompts(vocab, seed=13)  # 55-57 tokens: 4 prompt blocks, 5 with the answer's room
+    params = SamplingParams(max_tokens=10, ignore_eos=True)
+    ref = reference(tiny, prompts, params)
+    pair = Pair(tiny, 0, decode_kw={**D_CACHE, "num_blocks": 7})  # 6 usable: one such request at a time
+    try:
+        for rnd in range(2):
+            for i, p in enumerate(prompts):
+                assert run_concurrently(pair, [p], params, vocab, f"r{rnd}-{i}") == [ref[i]]
+        assert pair.decode.blocks.evictions > 0
+        job = reserve_job(pair, "pin", prompts[-1], params, vocab)
+        pinned = pair.decode.blocks.match(pair.decode.prefix.hashes(prompts[-1]))[: job.descriptor["skip"]]
+        assert pinned and all(pair.decode.blocks.refcount(b) == 1 for b in pinned)
+        rng = random.Random(1)
+        fresh = [[rng.randrange(vocab) for _ in range(3)] for _ in range(2)]  # 1 block each with the answer
+        others = [pair.decode.reserve(f"o{i}", len(p), params, 0, (), p).result(timeout=30)
+                  for i, p in enumerate(fresh)]
+        assert [r.admitted for r in others] == [True, False]  # the last free blocks, then full: "pin" keeps its own
+        assert pair.decode.blocks.match(pair.decode.prefix.hashes(prompts[-1]))[: len(pinned)] == pinned
+        for rid in ["pin", "o0"]:
+            pair.decode.abort(rid, "test done")
+        pair.wait_terminal(["pin", "o0"])
+        assert_no_leak(pair)
+    finally:
+        pair.close()
