@@ -10,6 +10,7 @@ import random
 import time
 
 import pytest
+import torch
 
 from engine.sampling_params import SamplingParams
 from router.client import RouterClient, build_request
@@ -27,6 +28,16 @@ def service():
                                              "decode.prefix_cache": True})
     yield svc, address
     svc.stop()
+
+
+def block_bytes(k: int) -> int:
+    """One KV block of every layer (the MTP layer too when k > 0) of the tiny model, fp32."""
+    from engine.kv_cache import KVCache
+    from engine.loader import load_model_info
+
+    arch = load_model_info("tiny").config
+    return KVCache.bytes_per_block(arch.num_hidden_layers + (k > 0), 16, arch.num_key_value_heads, arch.head_dim,
+                                   torch.float32)
 
 
 async def chat(address, conversations: list[list[int]], turns: int, rng: random.Random):
@@ -72,14 +83,17 @@ def test_multi_turn_chat_hits_the_cache_and_keeps_greedy_output(service, tiny_re
     full = sum(-(-len(p) // 16) for p, _ in asked)  # prompt blocks, all sent without a decode-side cache
     sent, skipped = sum(i["kv_bytes"] for i in info), sum(i["kv_skipped_bytes"] for i in info)
     assert sent == decode["kv_bytes"] and skipped == decode["kv_skipped_bytes"]
-    assert (sent + skipped) % full == 0  # every prompt block either sent or held by the decode node
+    assert sent + skipped == full * block_bytes(k=3)  # every prompt block either sent or held by D
     assert skipped > sent and decode["prefix_hit_requests"] >= 12  # every turn after the first
     for _ in range(60):  # node figures reach /metrics with the router's next Status poll
         samples = scrape(svc)
-        if total(samples, "pdserve:prefix_cache_hits_total", kind="prefill") == hits:
+        if (total(samples, "pdserve:prefix_cache_hits_total", kind="prefill") == hits
+                and total(samples, "pdserve:kv_transfer_skipped_bytes_total", kind="decode") == skipped):
             break
         time.sleep(0.5)
     assert total(samples, "pdserve:prefix_cache_queries_total", kind="prefill") == queries
     assert total(samples, "pdserve:prefix_cache_hits_total", kind="prefill") == hits
+    assert total(samples, "pdserve:kv_transfer_skipped_bytes_total", kind="prefill") == skipped
+    assert total(samples, "pdserve:prefix_cache_hit_requests_total", kind="decode") == decode["prefix_hit_requests"]
     assert 0.5 < max(v for (n, ls), v in samples.items()
                      if n == "pdserve:prefix_cache_hit_rate" and ("of", "tokens") in ls) <= 1.0
