@@ -38,6 +38,8 @@ def _add_generate(sub: Any) -> None:
     p.add_argument("--deterministic", action="store_true", help="batch-invariant kernels: a greedy answer does not depend on the batch or on MTP (slower)")
     p.add_argument("--enable-prefix-caching", action="store_true",
                    help="reuse the KV of prompt prefixes already computed (as vLLM's flag)")
+    p.add_argument("--tp", type=int, default=1,
+                   help="tensor parallel: N local ranks (gloo on cpu, NCCL on cuda:0..N-1); rank 0 prints")
     p.add_argument("--router", default=None, metavar="HOST:PORT", help="generate through a running service")
     p.add_argument("--api-key", default=None, help="with --router: the service's key (default: $PDSERVE_API_KEY)")
     p.add_argument("--tls-ca", default=None, metavar="PEM",
@@ -151,35 +153,54 @@ def cmd_generate(args: argparse.Namespace) -> int:
         from deploy.cli_service import generate_via_router
 
         return generate_via_router(args)
+    if args.tp < 1 or args.tp & (args.tp - 1):
+        raise ValueError(f"--tp must be a power of two (1, 2, 4, ...), got {args.tp}")
+    if args.tp == 1:
+        return generate_rank(None, args)
+    from engine.tp_launch import spawn_ranks
+
+    return max(spawn_ranks(args.tp, generate_rank, (args,), device=args.device))
+
+
+def generate_rank(tp: Any, args: argparse.Namespace) -> int:
+    """`pdserve generate` alone (tp None) or on one rank of a local TP group: every rank runs the
+    same engine on the same prompts; rank 0 alone prints."""
     from engine.engine import EngineConfig, LLMEngine
     from engine.loader import default_model, load_model
     from engine.sampling_params import SamplingParams
+    from engine.tp_launch import rank_device
 
     params = SamplingParams(
         temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed,
         max_tokens=args.max_tokens, logprobs=args.logprobs,
     )
+    device = rank_device(args.device, tp.rank if tp is not None else 0)
     config = EngineConfig(num_speculative_tokens=args.spec_tokens, draft_vocab_size=args.draft_vocab,
-                          device=args.device, max_model_len=args.max_model_len, enforce_eager=args.enforce_eager,
+                          device=device, max_model_len=args.max_model_len, enforce_eager=args.enforce_eager,
                           deterministic=args.deterministic, enable_prefix_caching=args.enable_prefix_caching)
-    loaded = load_model(args.model or default_model(), device=args.device, dtype=args.dtype)
-    engine = LLMEngine(loaded, config)
+    loaded = load_model(args.model or default_model(), device=device, dtype=args.dtype)
+    engine = LLMEngine(loaded, config, tp=tp)
     prompts = [encode_prompt(loaded.tokenizer, p, args.raw) for p in args.prompts]
     start = time.perf_counter()
     results = engine.generate(prompts, params)
-    elapsed = time.perf_counter() - start
+    if tp is None or tp.rank == 0:
+        print_results(loaded.tokenizer, results, args.json, time.perf_counter() - start)
+    return 0
+
+
+def print_results(tokenizer: Any, results: list[Any], as_json: bool, elapsed: float) -> None:
     for req in results:
-        out = result_json(loaded.tokenizer, req)
-        if args.json:
+        out = result_json(tokenizer, req)
+        if as_json:
             print(json.dumps(out))
         else:
             s = out["stats"]
             print(f"{out['text']}\n  [{len(req.output_ids)} tokens, {req.finish_reason}, "
                   f"{s['mean_accepted_per_step']:.2f} tokens/step]")
-    if not args.json:
+    sys.stdout.flush()  # a rank's output leaves before its process ends
+    if not as_json:
         total = sum(len(r.output_ids) for r in results)
         print(f"{total} tokens in {elapsed:.2f} s ({total / elapsed:.1f} tok/s)", file=sys.stderr)
-    return 0
 
 
 def main(argv: list[str] | None = None) -> int:

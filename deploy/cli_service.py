@@ -30,7 +30,8 @@ def service_config(args: argparse.Namespace, local: bool = False) -> Any:
                       ("address", "cluster.address"), ("device", "model.device"),
                       ("enforce_eager", "model.enforce_eager"), ("deterministic", "model.deterministic"),
                       ("tls_cert", "router.tls_cert"), ("tls_key", "router.tls_key"),
-                      ("enable_prefix_caching", "prefill.prefix_cache")):
+                      ("enable_prefix_caching", "prefill.prefix_cache"),
+                      ("prefill_tp", "prefill.tp"), ("decode_tp", "decode.tp")):
         value = getattr(args, flag, None)
         if value is not None:
             overrides[key] = value
@@ -49,6 +50,8 @@ def add_service_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None)
     p.add_argument("--prefill", type=int, default=None, help="prefill nodes")
     p.add_argument("--decode", type=int, default=None, help="decode nodes")
+    p.add_argument("--prefill-tp", type=int, default=None, help="tensor-parallel ranks per prefill node")
+    p.add_argument("--decode-tp", type=int, default=None, help="tensor-parallel ranks per decode node (= --prefill-tp)")
     p.add_argument("--spec-tokens", type=int, default=None, help="MTP draft tokens per step (k)")
     p.add_argument("--draft-vocab", type=int, default=None, metavar="N",
                    help="MTP drafts score the model's N most frequent tokens (FR-Spec); 0 = all")

@@ -12,9 +12,9 @@ YAML layout (every section and key optional):
     spec: {num_speculative_tokens: 2, draft_vocab_size: 0}
     cache: {block_size: 16, num_blocks: null, kv_cache_bytes: 536870912}
     kv_transfer: {backend: ucx, timeout_s: 30}
-    prefill: {max_num_batched_tokens: 2048, num_nodes: 1, num_cpus: 1, num_gpus: 1, resources: {},
+    prefill: {max_num_batched_tokens: 2048, tp: 1, num_nodes: 1, num_cpus: 1, num_gpus: 1, resources: {},
               prefix_cache: false}
-    decode: {max_num_seqs: 32, num_nodes: 1, num_cpus: 1, num_gpus: 1, resources: {}, prefix_cache: false}
+    decode: {max_num_seqs: 32, tp: 1, num_nodes: 1, num_cpus: 1, num_gpus: 1, resources: {}, prefix_cache: false}
     router: {host: 127.0.0.1, port: 50051, http_port: 8000, policy: least_load, queue_size: 256, default_timeout_s: 600,
              api_key: null, tls_cert: null, tls_key: null, ...}
     cluster: {address: null, namespace: pdserve, router_resources: {}, node_host: 127.0.0.1, start_timeout_s: 300,
@@ -91,8 +91,20 @@ class KVTransferConfig(_Section):
     timeout_s: float = Field(default=30.0, gt=0)
 
 
-class PrefillConfig(_Section):
+class _NodeSection(_Section):
+    """A node kind's section: its `tp` (tensor-parallel ranks per node, one GPU each) is a power of two."""
+
+    @field_validator("tp", check_fields=False)
+    @classmethod
+    def _power_of_two(cls, v: int) -> int:
+        if v < 1 or v & (v - 1):
+            raise ValueError(f"must be a power of two (1, 2, 4, ...), got {v}")
+        return v
+
+
+class PrefillConfig(_NodeSection):
     max_num_batched_tokens: int = Field(default=2048, gt=0)
+    tp: int = 1  # must equal decode.tp
     num_nodes: int = Field(default=1, ge=1)
     num_cpus: float = Field(default=1.0, ge=0)
     num_gpus: float = Field(default=1.0, ge=0)
@@ -102,8 +114,9 @@ class PrefillConfig(_Section):
     prefix_cache: bool = False
 
 
-class DecodeConfig(_Section):
+class DecodeConfig(_NodeSection):
     max_num_seqs: int = Field(default=32, gt=0)
+    tp: int = 1  # must equal prefill.tp
     num_nodes: int = Field(default=1, ge=1)
     num_cpus: float = Field(default=1.0, ge=0)
     num_gpus: float = Field(default=1.0, ge=0)
@@ -181,6 +194,13 @@ class ServiceConfig(_Section):
     decode: DecodeConfig = Field(default_factory=DecodeConfig)
     router: RouterConfig = Field(default_factory=RouterConfig)
     cluster: ClusterConfig = Field(default_factory=ClusterConfig)
+
+    @model_validator(mode="after")
+    def _same_tp(self) -> ServiceConfig:
+        if self.prefill.tp != self.decode.tp:
+            raise ValueError(f"prefill.tp ({self.prefill.tp}) and decode.tp ({self.decode.tp}) differ: each prefill "
+                             "rank sends its KV-head shard to the decode rank of the same index, so both must be equal")
+        return self
 
     @classmethod
     def load(cls, path: str | Path | None = None, overrides: dict[str, Any] | None = None) -> ServiceConfig:

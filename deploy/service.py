@@ -15,7 +15,7 @@ import threading
 import time
 from typing import Any
 
-from deploy.config import ServiceConfig, with_cluster_secret
+from deploy.config import ConfigError, ServiceConfig, with_cluster_secret
 
 ROLES = ("prefill", "decode")
 ACTOR_PREFIX = "pdserve-"  # actors are named pdserve-router, pdserve-prefill-0, ... in the namespace
@@ -59,6 +59,9 @@ def init_ray(cfg: ServiceConfig, temp_dir: str | None = None, num_cpus: int | No
 
 class Service:
     def __init__(self, cfg: ServiceConfig) -> None:
+        if cfg.decode.tp > 1:  # config validation has made prefill.tp equal
+            raise ConfigError(f"decode.tp = prefill.tp = {cfg.decode.tp}: the service's nodes do not run tensor "
+                              "parallel yet (issue 15); `pdserve generate --tp N` does, in one process tree")
         self.cfg = with_cluster_secret(cfg)  # router and nodes share it; made here when not given
         self.actors: dict[tuple[str, int], Any] = {}
         self.addresses: dict[tuple[str, int], str | None] = {}

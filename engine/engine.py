@@ -31,6 +31,7 @@ from engine.model_runner import ModelRunner, PrefillChunk, kv_room_needed, unpac
 from engine.prefix_cache import PrefixCache
 from engine.request import Request, RequestOutput, TokenLogprob
 from engine.sampling_params import SamplingParams
+from engine.tensor_parallel import TPCausalLM, TPGroup, apply_tensor_parallel, max_kv_heads
 
 
 @dataclass(frozen=True)
@@ -60,35 +61,50 @@ class EngineConfig:
             raise ValueError("block_size, max_num_seqs and max_num_batched_tokens must be > 0")
 
 
-def build_runner(loaded: LoadedModel, config: EngineConfig, decodes: bool = True) -> tuple[ModelRunner, BlockManager, int]:
+def build_runner(loaded: LoadedModel, config: EngineConfig, decodes: bool = True,
+                 tp: TPGroup | None = None) -> tuple[ModelRunner, BlockManager, int]:
     """The runner, its block manager and the context length, sized from `config`.
 
-    On CUDA the model's projections are fused and, unless `enforce_eager` or the runner never
-    `decodes` (a prefill node), the decode step's CUDA graphs are captured here."""
+    With `tp` (a group of size > 1) the model is sharded for this rank first (in place:
+    engine/tensor_parallel.py); every rank gets the same number of KV blocks. On CUDA the
+    model's projections are fused and, unless `enforce_eager` or the runner never `decodes`
+    (a prefill node), the decode step's CUDA graphs are captured here."""
     k = config.num_speculative_tokens
     if k and loaded.model.mtp is None:
         raise ValueError("this model has no MTP module; use num_speculative_tokens=0")
     arch = loaded.model.config
     max_model_len = config.max_model_len or min(arch.max_position_embeddings, 4096)
-    dtype = next(loaded.model.parameters()).dtype
-    layers = arch.num_hidden_layers + (1 if k else 0)
-    per_seq = -(-kv_room_needed(max_model_len, k) // config.block_size)
-    per_block = KVCache.bytes_per_block(layers, config.block_size, arch.num_key_value_heads, arch.head_dim, dtype)
-    num_blocks = config.num_blocks or min(1 + config.max_num_seqs * per_seq, config.kv_cache_bytes // per_block)
+    num_blocks = _num_blocks(loaded, config, max_model_len, tp.size if tp is not None else 1)
     blocks = BlockManager(num_blocks, config.block_size, config.block_shuffle_seed)
+    draft_vocab = draft_vocab_for(loaded, config)  # from the whole LM head: replicated under TP
+    if tp is not None and tp.size > 1:
+        apply_tensor_parallel(loaded.model, tp)
     device = torch.device(config.device)
     if device.type == "cuda":
         fuse_projections(loaded.model)
     graphs = device.type == "cuda" and decodes and not config.enforce_eager
     runner = ModelRunner(
         loaded.model, get_backend(config.attention_backend, config.device), k, num_blocks,
-        config.block_size, config.max_num_seqs, max_model_len, device, dtype, cuda_graphs=graphs,
-        deterministic=config.deterministic,
-        draft_vocab=draft_vocab_for(loaded, config),
+        config.block_size, config.max_num_seqs, max_model_len, device, next(loaded.model.parameters()).dtype,
+        cuda_graphs=graphs, deterministic=config.deterministic, draft_vocab=draft_vocab,
     )
     if runner.graphs is not None:
         runner.graphs.capture_greedy()
     return runner, blocks, max_model_len
+
+
+def _num_blocks(loaded: LoadedModel, config: EngineConfig, max_model_len: int, tp_size: int) -> int:
+    """KV blocks: room for `max_num_seqs` whole contexts, capped by `kv_cache_bytes` of this
+    rank's cache (sized for the most KV heads a rank of the TP group holds)."""
+    arch, k = loaded.model.config, config.num_speculative_tokens
+    if config.num_blocks:
+        return config.num_blocks
+    dtype = next(loaded.model.parameters()).dtype
+    layers = arch.num_hidden_layers + (1 if k else 0)
+    per_seq = -(-kv_room_needed(max_model_len, k) // config.block_size)
+    heads = max_kv_heads(arch, tp_size)
+    per_block = KVCache.bytes_per_block(layers, config.block_size, heads, arch.head_dim, dtype)
+    return min(1 + config.max_num_seqs * per_seq, config.kv_cache_bytes // per_block)
 
 
 def prefix_cache_for(loaded: LoadedModel, config: EngineConfig, blocks: BlockManager) -> PrefixCache:
@@ -110,6 +126,9 @@ def draft_vocab_for(loaded: LoadedModel, config: EngineConfig) -> DraftVocab | N
             f"a draft vocabulary of {n} tokens needs a vocabulary ranking, and model {loaded.name!r} has none "
             "beside its MTP head (make one with `pdserve draft-vocab`); 0 drafts over the full vocabulary"
         )
+    if isinstance(loaded.model, TPCausalLM):
+        raise ValueError("a draft vocabulary is gathered from the whole LM head: load the model again "
+                         "(this one is already sharded for tensor parallelism)")
     ranking = read_ranking(loaded.vocab_rank_path, vocab)
     return DraftVocab.build(loaded.model.lm_head.weight, ranking, n)
 
@@ -134,11 +153,14 @@ def resolve_request(
 
 
 class LLMEngine:
-    def __init__(self, loaded: LoadedModel, config: EngineConfig) -> None:
+    """With `tp`, this process is one rank of a TP group: every rank runs the same engine on the
+    same requests (the same scheduling, the same sampled tokens); rank 0 reports them."""
+
+    def __init__(self, loaded: LoadedModel, config: EngineConfig, tp: TPGroup | None = None) -> None:
         self.loaded, self.config = loaded, config
         self.tokenizer = loaded.tokenizer
         self.k = config.num_speculative_tokens
-        self.runner, self.blocks, self.max_model_len = build_runner(loaded, config)
+        self.runner, self.blocks, self.max_model_len = build_runner(loaded, config, tp=tp)
         self.prefix = prefix_cache_for(loaded, config, self.blocks)
         self.waiting: deque[Request] = deque()  # in arrival order; blocks taken at prefill start
         self.prefilling: list[Request] = []

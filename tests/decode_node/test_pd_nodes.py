@@ -94,19 +94,8 @@ def test_pd_greedy_equals_single_process(tiny, k, backend):
     params = SamplingParams(max_tokens=20, ignore_eos=True)
     pair = Pair(tiny, k, backend=backend)
     try:
-        firsts = {}
-        threads = []
-        for i, p in enumerate(prompts):
-            def go(i=i, p=p):
-                firsts[f"r{i}"] = pair.run(f"r{i}", p, params, vocab)
-            threads.append(threading.Thread(target=go))
-            threads[-1].start()
-        for t in threads:
-            t.join()
-        pair.wait_terminal(list(firsts))
-        got = [pair.tokens(f"r{i}", firsts[f"r{i}"]) for i in range(len(prompts))]
-        assert got == reference(tiny, prompts, params)
-        terminals = [sum(1 for it in pair.outputs[r] if it.finish_reason or it.error) for r in firsts]
+        assert run_concurrently(pair, prompts, params, vocab, "r") == reference(tiny, prompts, params)
+        terminals = [sum(1 for it in pair.outputs[f"r{i}"] if it.finish_reason or it.error) for i in range(len(prompts))]
         assert terminals == [1] * len(prompts)
     finally:
         pair.close()

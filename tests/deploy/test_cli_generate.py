@@ -60,3 +60,25 @@ def test_bad_input_exits_nonzero_with_clear_message(args, message):
     assert proc.returncode == 2
     assert message in proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+def test_generate_tp2_prints_what_tp1_prints_from_rank_0_only(capfd):
+    args = ["generate", "--model", "tiny", "--json", "--spec-tokens", "3", "--max-tokens", "8", "--logprobs", "2",
+            "one", "two words"]
+    assert main(args) == 0
+    one = capfd.readouterr().out.splitlines()
+    assert main([*args, "--tp", "2"]) == 0  # two processes share this stdout: each line once means rank 0 alone
+    two = capfd.readouterr().out.splitlines()
+    assert len(one) == 2 and len(two) == 2
+    for a, b in zip(map(json.loads, two), map(json.loads, one), strict=True):
+        assert a["token_ids"] == b["token_ids"] and a["text"] == b["text"]
+        assert [lp["logprob"] for lp in a["logprobs"]] == pytest.approx([lp["logprob"] for lp in b["logprobs"]], abs=1e-4)
+
+
+def test_generate_tp_errors_are_clear():
+    bad = subprocess.run([sys.executable, "-m", "deploy.cli", "generate", "--model", "tiny", "--tp", "3", "x"],
+                         capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 2 and "--tp must be a power of two" in bad.stderr
+    long = subprocess.run([sys.executable, "-m", "deploy.cli", "generate", "--model", "tiny", "--tp", "2",
+                           "--max-model-len", "16", "x" * 40], capture_output=True, text=True, timeout=120)
+    assert long.returncode == 2 and "error: rank 0: prompt is" in long.stderr

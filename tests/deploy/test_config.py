@@ -168,3 +168,26 @@ def test_prefix_cache_flag_and_policy_reach_the_prefill_engine_and_the_router():
         ServiceConfig.load(None, {"prefill.prefix_cahce": True})
     with pytest.raises(ConfigError, match="router.policy"):
         ServiceConfig.load(None, {"router.policy": "prefixx"})
+
+
+def test_tp_sizes_are_powers_of_two_and_equal_for_prefill_and_decode():
+    import argparse
+
+    from deploy.cli_service import add_service_arguments, service_config
+
+    parser = argparse.ArgumentParser()
+    add_service_arguments(parser)
+    cfg = service_config(parser.parse_args(["--prefill-tp", "2", "--decode-tp", "2"]))
+    assert (cfg.prefill.tp, cfg.decode.tp) == (2, 2)
+    assert ServiceConfig.load(None, {}).decode.tp == 1
+    with pytest.raises(ConfigError, match=r"prefill\.tp \(2\) and decode\.tp \(4\) differ"):
+        ServiceConfig.load(None, {"prefill.tp": 2, "decode.tp": 4})
+    with pytest.raises(ConfigError, match=r"decode\.tp: .*power of two.*got 3"):
+        ServiceConfig.load(None, {"prefill.tp": 3, "decode.tp": 3})
+
+
+def test_the_service_refuses_tp_until_its_nodes_run_it():
+    from deploy.service import Service
+
+    with pytest.raises(ConfigError, match="do not run tensor parallel yet"):
+        Service(ServiceConfig.load(None, {"prefill.tp": 2, "decode.tp": 2}))
