@@ -12,9 +12,19 @@ One thread (the loop) owns the batch, the runner and the block manager; other th
 only enqueue commands and wait on futures. A reservation whose KV or first token does not
 arrive within `admission_timeout_s` ends with an error and frees its blocks.
 
+Prefix cache (`EngineConfig.enable_prefix_caching`, config `decode.prefix_cache`): given the
+prompt's token ids at `reserve`, the node hashes them as a prefill node does (engine/prefix_cache.py:
+model identity, and with MTP the token after each block, so a cached block is valid for the MTP
+layer too), takes its longest cached prefix first (one reference each: pinned, never evicted while
+the request holds it), and names that count in the descriptor (`skip`); only the blocks after it
+are expected, and the prefill node sends only those. When the transfer is DONE the request's full
+prompt blocks before its last token are registered (decode never writes into them); they stay
+cached, evictable, once the request ends. A transfer that fails registers nothing.
+
 Blocks of a request that ends before its KV transfer is DONE are quarantined for
 `kv_quarantine_s` before reuse: a transport may still land late bytes for it (ucx cannot
-cancel a posted receive), and they must not overwrite another request's KV.
+cancel a posted receive), and they must not overwrite another request's KV. Its cached prefix
+blocks were never a destination: their references are dropped at once.
 """
 
 from __future__ import annotations
@@ -29,7 +39,7 @@ from typing import Any
 import torch
 
 from engine.decode_batch import DecodeBatch
-from engine.engine import EngineConfig, build_runner
+from engine.engine import EngineConfig, build_runner, prefix_cache_for
 from engine.loader import LoadedModel
 from engine.model_runner import kv_room_needed
 from engine.request import Request, RequestOutput
@@ -48,6 +58,7 @@ class Pending:
     deadline: float
     first: FirstToken | None = None
     kv_done: bool = False
+    skip: int = 0  # leading prompt blocks taken from the prefix cache (not transferred)
 
 
 @dataclass
@@ -68,6 +79,7 @@ class DecodeNode(StepLoop):
         self.loaded, self.config = loaded, config
         self.k = config.num_speculative_tokens
         self.runner, self.blocks, self.max_model_len = build_runner(loaded, config, tp=tp)
+        self.prefix = prefix_cache_for(loaded, config, self.blocks)
         self.batch = DecodeBatch(self.runner, self.blocks, config.max_num_seqs)
         self.vocab = loaded.model.config.vocab_size
         self.num_layers = loaded.model.config.num_hidden_layers + (1 if self.k else 0)
@@ -76,6 +88,7 @@ class DecodeNode(StepLoop):
         self.receiver.register(layout)
         self._kv_block_bytes = sum(sum(layout.block_bytes(i)) for i in range(self.num_layers))
         self.kv_bytes = 0  # KV received (for /metrics)
+        self.kv_skipped_bytes = 0  # KV not transferred: the prefix cache held those blocks
         self.draft_tokens = [0] * self.k  # per draft position: verified, accepted (for /metrics)
         self.accepted_per_pos = [0] * self.k
         self.admission_timeout_s = admission_timeout_s
@@ -91,10 +104,11 @@ class DecodeNode(StepLoop):
 
     # ---- any thread ------------------------------------------------------------------
     def reserve(self, request_id: str, prompt_len: int, params: SamplingParams, seed: int,
-                stop_ids: tuple[int, ...]) -> concurrent.futures.Future:
-        """Ask the loop to admit a request; the future gives a Reservation."""
+                stop_ids: tuple[int, ...], prompt: list[int] | None = None) -> concurrent.futures.Future:
+        """Ask the loop to admit a request; the future gives a Reservation. `prompt` (its token
+        ids, optional) lets the prefix cache supply the blocks it holds."""
         fut: concurrent.futures.Future = concurrent.futures.Future()
-        self._inbox.put(("reserve", (request_id, prompt_len, params, seed, stop_ids, fut)))
+        self._inbox.put(("reserve", (request_id, prompt_len, params, seed, stop_ids, prompt, fut)))
         self.wake()
         return fut
 
@@ -120,7 +134,8 @@ class DecodeNode(StepLoop):
     def status(self) -> dict[str, Any]:
         return {"free_blocks": self.blocks.num_free, "total_blocks": self.blocks.capacity,
                 "running": len(self.requests), "queued_tokens": 0, "kv_bytes": self.kv_bytes,
-                "draft_tokens": list(self.draft_tokens), "accepted_per_pos": list(self.accepted_per_pos)}
+                "kv_skipped_bytes": self.kv_skipped_bytes, "draft_tokens": list(self.draft_tokens),
+                "accepted_per_pos": list(self.accepted_per_pos), **self.prefix.status()}
 
     def stop(self) -> None:
         self.stop_loop()
@@ -161,27 +176,39 @@ class DecodeNode(StepLoop):
                 self._abort(rid, reason, items)
 
     def _reserve(self, rid: str, prompt_len: int, params: SamplingParams, seed: int,
-                 stop_ids: tuple[int, ...]) -> Reservation:
-        if rid in self.requests:
-            return Reservation(False, f"request {rid!r} is already on this decode node")
-        if not 0 < prompt_len < self.max_model_len:
-            return Reservation(False, f"prompt of {prompt_len} tokens does not fit the context {self.max_model_len}")
+                 stop_ids: tuple[int, ...], prompt: list[int] | None) -> Reservation:
+        refusal = self._refusal(rid, prompt_len, prompt)
+        if refusal:
+            return Reservation(False, refusal)
         max_tokens = min(params.max_tokens, self.max_model_len - prompt_len)
         need = self.blocks.blocks_for(kv_room_needed(prompt_len + max_tokens, self.k))
-        if need > self.blocks.num_free or not self.batch.free_slots:
+        hashes = self.prefix.hashes(prompt) if prompt else []
+        if not self.batch.free_slots or not self.prefix.fits(hashes, need):
             return Reservation(False, f"decode node full ({self.blocks.num_free} free blocks, need {need})")
         req = Request(rid, [], params, seed, stop_ids, max_tokens, num_prompt_tokens=prompt_len)
-        req.block_ids = self.blocks.allocate(need)
+        got = self.prefix.allocate(prompt or [], hashes, need)
+        assert got is not None  # checked above; nothing ran in between
+        req.block_ids, req.block_hashes, skip = got[0], hashes, got[1] // self.blocks.block_size
         req.slot = self.batch.take_slot()
-        kv_blocks = req.block_ids[: self.blocks.blocks_for(prompt_len)]
+        kv_blocks = req.block_ids[skip : self.blocks.blocks_for(prompt_len)]
         try:
-            descriptor = self.receiver.expect(rid, kv_blocks, list(range(self.num_layers)))
+            descriptor = self.receiver.expect(rid, kv_blocks, list(range(self.num_layers)), skip=skip)
         except Exception as e:
             self.batch.finish(req, "abort")
             return Reservation(False, f"kv receiver refused: {e}")
         self.requests[rid] = req
-        self.pending[rid] = Pending(req, time.monotonic() + self.admission_timeout_s)
+        self.pending[rid] = Pending(req, time.monotonic() + self.admission_timeout_s, skip=skip)
         return Reservation(True, "", descriptor)
+
+    def _refusal(self, rid: str, prompt_len: int, prompt: list[int] | None) -> str:
+        """Why a reservation cannot even be tried ('' when it can)."""
+        if rid in self.requests:
+            return f"request {rid!r} is already on this decode node"
+        if not 0 < prompt_len < self.max_model_len:
+            return f"prompt of {prompt_len} tokens does not fit the context {self.max_model_len}"
+        if prompt and (len(prompt) != prompt_len or any(not 0 <= t < self.vocab for t in prompt)):
+            return f"prompt token ids must be {prompt_len} ids inside the vocabulary"
+        return ""
 
     def _on_first(self, msg: FirstToken, items: list[OutputItem]) -> None:
         p = self.pending.get(msg.request_id)
@@ -205,7 +232,7 @@ class DecodeNode(StepLoop):
         for rid, p in list(self.pending.items()):
             state = self.receiver.poll(rid)
             if state.state == TransferState.DONE:
-                self._mark(rid, "kv_done")  # as seen here: a pending request is polled every ~2 ms
+                self._kv_landed(p)
             if state.state == TransferState.FAILED:
                 self._error(p, f"KV transfer failed: {state.reason}", items)
             elif state.state == TransferState.DONE and p.first is not None:
@@ -221,10 +248,19 @@ class DecodeNode(StepLoop):
                 self.draft_tokens[pos] += 1
                 self.accepted_per_pos[pos] += pos < accepted
 
+    def _kv_landed(self, p: Pending) -> None:
+        """The request's transfer is DONE (once per request): count it, cache its full prompt blocks."""
+        if p.kv_done:
+            return
+        p.kv_done, req = True, p.request
+        self._mark(req.request_id, "kv_done")  # as seen here: a pending request is polled every ~2 ms
+        self.kv_bytes += (self.blocks.blocks_for(req.num_prompt_tokens) - p.skip) * self._kv_block_bytes
+        self.kv_skipped_bytes += p.skip * self._kv_block_bytes
+        self.prefix.register(req.block_ids, req.block_hashes, req.num_prompt_tokens)
+
     def _insert(self, p: Pending) -> None:
         assert p.first is not None
         req, msg = p.request, p.first
-        self.kv_bytes += self.blocks.blocks_for(req.num_prompt_tokens) * self._kv_block_bytes
         del self.pending[req.request_id]
         self._mark(req.request_id, "inserted")
         req.output_ids = [msg.token]
@@ -245,12 +281,16 @@ class DecodeNode(StepLoop):
     def _end(self, req: Request, reason: str) -> None:
         """Forget a request; if its KV may still be arriving, stop it and quarantine its blocks."""
         self.requests.pop(req.request_id, None)
-        if self.pending.pop(req.request_id, None) is not None:
+        pending = self.pending.pop(req.request_id, None)
+        if pending is not None:
             state = self.receiver.poll(req.request_id).state
-            if state != TransferState.DONE:
+            if state == TransferState.DONE:
+                self._kv_landed(pending)  # complete KV: worth caching though the request ends
+            else:
                 if not state.terminal:
                     self.receiver.abort(req.request_id, f"request ended: {reason}")
-                self.quarantine.append((time.monotonic() + self.kv_quarantine_s, req.block_ids))
+                self.blocks.free(req.block_ids[: pending.skip])  # cached: never a destination
+                self.quarantine.append((time.monotonic() + self.kv_quarantine_s, req.block_ids[pending.skip :]))
                 req.block_ids = []
         if not req.finished:
             self.batch.finish(req, reason)

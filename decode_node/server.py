@@ -24,9 +24,10 @@ class DecodeServicer(node_pb2_grpc.DecodeControlServicer):
         try:
             rid = check_request_id(request.request_id)
             params, seed, stops = sampling_from_proto(request.sampling, self.vocab)
+            prompt = list(request.prompt_token_ids) or None  # the node checks them against prompt_len
         except ValueError as e:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
-        res = self.node.reserve(rid, request.prompt_len, params, seed, stops).result(timeout=30)
+        res = self.node.reserve(rid, request.prompt_len, params, seed, stops, prompt).result(timeout=30)
         data = msgpack.packb(res.descriptor, use_bin_type=True) if res.admitted else b""
         return node_pb2.ReserveReply(admitted=res.admitted, reason=res.reason, descriptor_msgpack=data)
 

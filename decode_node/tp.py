@@ -7,9 +7,10 @@ the same index: a reservation's descriptor is rank 0's with `tp_ranks` (the othe
 request is inserted only when its KV is DONE on every rank (their states are all-gathered).
 Only rank 0 publishes output items.
 
-Differences from DecodeNode, so the ranks' block managers stay equal: a request that ends
-before insertion always has its blocks quarantined (on every rank, whatever its own transfer's
-state), and quarantine ends by rank 0's clock.
+Differences from DecodeNode, so the ranks' block managers and prefix caches stay equal: a
+request's KV has landed when it has on every rank (then its blocks are cached, on every rank);
+one that ends before that has its blocks quarantined on every rank, whatever its own transfer's
+state, and quarantine ends by rank 0's clock.
 """
 
 from __future__ import annotations
@@ -42,9 +43,9 @@ class TPDecodeNode(Lockstep, DecodeNode):
 
     def _encode(self, kind: str, arg: Any) -> list[Any]:
         if kind == "reserve":
-            rid, prompt_len, params, seed, stop_ids, fut = arg
+            rid, prompt_len, params, seed, stop_ids, prompt, fut = arg
             self._futures.append(fut)
-            return [kind, rid, prompt_len, sampling_to_proto(params, seed, stop_ids).SerializeToString()]
+            return [kind, rid, prompt_len, sampling_to_proto(params, seed, stop_ids).SerializeToString(), prompt]
         if kind == "first":
             return [kind, arg.pack()]
         return [kind, *arg]
@@ -54,7 +55,7 @@ class TPDecodeNode(Lockstep, DecodeNode):
         for cmd in self.commands:
             if cmd[0] == "reserve":
                 params, seed, stops = sampling_from_proto(node_pb2.Sampling.FromString(cmd[3]), self.vocab)
-                reserved.append((cmd[1], self._reserve(cmd[1], cmd[2], params, seed, stops)))
+                reserved.append((cmd[1], self._reserve(cmd[1], cmd[2], params, seed, stops, cmd[4])))
             elif cmd[0] == "first":
                 self._on_first(FirstToken.unpack(cmd[1], self.vocab, max_drafts=self.k), items)
             else:
@@ -86,7 +87,7 @@ class TPDecodeNode(Lockstep, DecodeNode):
             failed = [reason for state, reason in states if state == TransferState.FAILED.value]
             done = all(state == TransferState.DONE.value for state, _ in states)
             if done:
-                self._mark(rid, "kv_done")
+                self._kv_landed(p)  # on every rank at once: their prefix caches stay equal
             if failed:
                 self._error(p, f"KV transfer failed: {failed[0]}", items)
             elif done and p.first is not None:
@@ -95,11 +96,14 @@ class TPDecodeNode(Lockstep, DecodeNode):
                 self._error(p, f"KV or first token did not arrive within {self.admission_timeout_s}s", items)
 
     def _end(self, req: Request, reason: str) -> None:
-        """As DecodeNode's, but a request ended before insertion is quarantined on every rank."""
-        if self.pending.pop(req.request_id, None) is not None:
+        """As DecodeNode's, but whether the KV landed is the ranks' agreed view (`kv_done`), not
+        this rank's: unless it landed on every rank, every rank quarantines the request's blocks."""
+        pending = self.pending.pop(req.request_id, None)
+        if pending is not None and not pending.kv_done:
             if not self.receiver.poll(req.request_id).state.terminal:
                 self.receiver.abort(req.request_id, f"request ended: {reason}")
-            self.quarantine.append((self.now + self.kv_quarantine_s, req.block_ids))
+            self.blocks.free(req.block_ids[: pending.skip])  # cached: never a destination
+            self.quarantine.append((self.now + self.kv_quarantine_s, req.block_ids[pending.skip :]))
             req.block_ids = []
         DecodeNode._end(self, req, reason)
 

@@ -30,7 +30,7 @@ def engine_config(cfg: ServiceConfig, role: str):
         device=cfg.model.resolved_device(),
         enforce_eager=cfg.model.enforce_eager,
         deterministic=cfg.model.deterministic,
-        enable_prefix_caching=cfg.prefill.prefix_cache and role == "prefill",
+        enable_prefix_caching=cfg.prefill.prefix_cache if role == "prefill" else cfg.decode.prefix_cache,
     )
 
 

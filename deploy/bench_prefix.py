@@ -6,8 +6,10 @@ chats run at once, each `--turns` turns; every prompt is a shared system prompt
 and a new user turn (`--user-len` tokens, random ids); answers are `--output-len` tokens
 (EOS ignored). The same workload runs twice in one process, each time on a fresh service on one
 local Ray cluster: `baseline` (prefill.prefix_cache off, router.policy least_load) and `prefix`
-(cache on, router.policy prefix). Hands back, per run: TTFT p50/p90/p99 (client side, over every
-turn), prompt tokens sent, prompt tokens the prefill nodes computed, per-node hit rates; and the
+(cache on, router.policy prefix; with `--decode-prefix-cache` the decode nodes cache too, so
+only the blocks they lack cross the wire). Hands back, per run: TTFT p50/p90/p99 (client side,
+over every turn), prompt tokens sent, prompt tokens the prefill nodes computed, KV bytes the
+prefill nodes pushed (and did not, the decode node holding them), per-node hit rates; and the
 ratios baseline / prefix. Both runs are greedy, so they must give the same tokens (`same_tokens`).
 """
 
@@ -34,6 +36,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--user-len", type=int, default=48, help="tokens per user turn")
     p.add_argument("--output-len", type=int, default=16, help="tokens per answer")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--decode-prefix-cache", action="store_true",
+                   help="the prefix run also turns on decode.prefix_cache: only missing KV blocks are sent")
     p.add_argument("--json", default=None, metavar="FILE", help="write the report here (default: stdout)")
     add_service_arguments(p)
 
@@ -67,7 +71,8 @@ def run_arm(args: argparse.Namespace, arm: str) -> tuple[dict[str, Any], list[li
     from deploy.cli_service import service_config, start_service
     from engine.loader import load_model_info
 
-    cfg = service_config(argparse.Namespace(**{**vars(args), "set": (args.set or []) + ARMS[arm]}), local=True)
+    sets = ARMS[arm] + (["decode.prefix_cache=true"] if arm == "prefix" and args.decode_prefix_cache else [])
+    cfg = service_config(argparse.Namespace(**{**vars(args), "set": (args.set or []) + sets}), local=True)
     vocab = load_model_info(cfg.model.resolved_name()).config.vocab_size
     service, address = start_service(cfg)
     try:
@@ -134,7 +139,8 @@ async def one_turn(client: Any, prompt: list[int], output_len: int) -> tuple[flo
 
 
 def prefill_counters(service: Any) -> dict[str, dict[str, int]]:
-    keys = ("prefill_tokens", "prefix_query_tokens", "prefix_hit_tokens", "prefix_requests", "prefix_hit_requests")
+    keys = ("prefill_tokens", "prefix_query_tokens", "prefix_hit_tokens", "prefix_requests", "prefix_hit_requests",
+            "kv_bytes", "kv_skipped_bytes")
     return {f"prefill-{i}": {k: int(info.get(k, 0)) for k in keys}
             for (role, i), info in service.node_info().items() if role == "prefill"}
 
@@ -149,7 +155,8 @@ def summary(ttfts: list[float], prompt_tokens: int, before: dict, after: dict, w
              for n, d in delta.items()}
     return {"requests": len(ttfts), "wall_s": round(wall, 2), "ttft": percentiles(ttfts),
             "prompt_tokens": prompt_tokens, "prefill_tokens_computed": sum(d["prefill_tokens"] for d in delta.values()),
-            "nodes": nodes}
+            "kv_bytes_sent": sum(d["kv_bytes"] for d in delta.values()),
+            "kv_bytes_not_sent": sum(d["kv_skipped_bytes"] for d in delta.values()), "nodes": nodes}
 
 
 def ratios(base: dict[str, Any], cached: dict[str, Any]) -> dict[str, Any]:
@@ -158,7 +165,8 @@ def ratios(base: dict[str, Any], cached: dict[str, Any]) -> dict[str, Any]:
 
     out = {"prefill_tokens_cut": cut(base["prefill_tokens_computed"], cached["prefill_tokens_computed"]),
            "ttft_p50_cut": cut(base["ttft"]["p50_ms"], cached["ttft"]["p50_ms"]),
-           "ttft_p99_cut": cut(base["ttft"]["p99_ms"], cached["ttft"]["p99_ms"])}
+           "ttft_p99_cut": cut(base["ttft"]["p99_ms"], cached["ttft"]["p99_ms"]),
+           "kv_bytes_cut": cut(base["kv_bytes_sent"], cached["kv_bytes_sent"])}
     out["goal_prefill_tokens_3x"] = out["prefill_tokens_cut"] >= 3
     out["goal_ttft_p50_2x"] = out["ttft_p50_cut"] >= 2
     return out

@@ -14,7 +14,7 @@ YAML layout (every section and key optional):
     kv_transfer: {backend: ucx, timeout_s: 30}
     prefill: {max_num_batched_tokens: 2048, tp: 1, num_nodes: 1, num_cpus: 1, num_gpus: 1, resources: {},
               prefix_cache: false}
-    decode: {max_num_seqs: 32, tp: 1, num_nodes: 1, num_cpus: 1, num_gpus: 1, resources: {}}
+    decode: {max_num_seqs: 32, tp: 1, num_nodes: 1, num_cpus: 1, num_gpus: 1, resources: {}, prefix_cache: false}
     router: {host: 127.0.0.1, port: 50051, http_port: 8000, policy: least_load, queue_size: 256, default_timeout_s: 600,
              api_key: null, tls_cert: null, tls_key: null, ...}
     cluster: {address: null, namespace: pdserve, router_resources: {}, node_host: 127.0.0.1, start_timeout_s: 300,
@@ -121,6 +121,9 @@ class DecodeConfig(_NodeSection):
     num_cpus: float = Field(default=1.0, ge=0)
     num_gpus: float = Field(default=1.0, ge=0)
     resources: dict[str, float] = Field(default_factory=dict)  # Ray resources each node needs ({pdserve_decode: 1})
+    # Keep received KV blocks of prompts; at Reserve the prompt's cached prefix is taken from here
+    # and only the rest crosses the wire (decode_node/node.py).
+    prefix_cache: bool = False
 
 
 class RouterConfig(_Section):

@@ -80,7 +80,7 @@ def render(state: dict[str, Any]) -> str:
 
 
 def hit_rates(node: dict[str, Any]) -> tuple[str, str]:
-    """A prefill node's prefix cache hit rates (tokens, requests) since it started; '-' when none."""
+    """A node's prefix cache hit rates (tokens, requests) since it started; '-' when none."""
     def pct(hits: Any, queries: Any) -> str:
         return f"{100.0 * hits / queries:.1f}%" if queries else "-"
 

@@ -10,6 +10,8 @@ A request's KV moves from a prefill node (the *sender*) to a decode node (the
    The receiver drops every message without the token before acting on it, and takes
    data only from the connection an authenticated ``begin`` bound (tcp) or under tags
    derived from the token (ucx), so no other sender can write a block (``wire.py``).
+   With a prefix cache on the receiver's side, the descriptor's ``skip`` says how many of the
+   request's leading blocks the receiver holds already; only the rest is expected.
 2. The sender calls ``start(request_id, descriptor)``: the request's source blocks
    are now held under a lease.
 3. As each layer's KV is written, the sender calls ``send_layer``; the call only
@@ -159,9 +161,14 @@ class KVReceiver(ABC):
 
     @abstractmethod
     def expect(
-        self, request_id: str, dst_block_ids: Sequence[int], layers: Sequence[int]
+        self, request_id: str, dst_block_ids: Sequence[int], layers: Sequence[int], skip: int = 0
     ) -> Descriptor:
-        """Reserve a transfer into ``dst_block_ids`` for ``layers``; return its descriptor."""
+        """Reserve a transfer into ``dst_block_ids`` for ``layers``; return its descriptor.
+
+        ``skip``: the receiver already holds the request's first ``skip`` blocks, so
+        ``dst_block_ids`` receive the sender's blocks from ``skip`` on. Carried in the
+        descriptor for the sender's caller, which validates it and sends only those.
+        """
 
     @abstractmethod
     def poll(self, request_id: str) -> TransferStatus:

@@ -139,7 +139,7 @@ class StreamingReceiver(KVReceiver):
         self.layout = layout
 
     def expect(
-        self, request_id: str, dst_block_ids: Sequence[int], layers: Sequence[int]
+        self, request_id: str, dst_block_ids: Sequence[int], layers: Sequence[int], skip: int = 0
     ) -> Descriptor:
         if self.layout is None:
             raise TransferError("register() the KV layout before expect()")
@@ -162,7 +162,7 @@ class StreamingReceiver(KVReceiver):
         return wire.make(
             "desc", rid=request_id, backend=self.backend, addr=addr, tag=tag,
             tok=rec.tok, lanes=self._lanes(), layers=layer_ids, blocks=blocks,
-            layout=self.layout.signature(layer_ids),
+            layout=self.layout.signature(layer_ids), skip=int(skip),
         )
 
     def poll(self, request_id: str) -> TransferStatus:

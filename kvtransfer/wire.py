@@ -21,10 +21,11 @@ from typing import Any
 
 import msgpack
 
-VERSION = 5  # 2: one ``layers`` announce covers every layer queued at once;
+VERSION = 6  # 2: one ``layers`` announce covers every layer queued at once;
 # 3: ucx announces only layers whose runs differ from the destination's (pre-posted) ones;
 # 4: ``desc`` names the receiver's data lanes (ucx: one worker address per lane);
-# 5: the transfer token ``tok`` (see below) replaces ``serial``
+# 5: the transfer token ``tok`` (see below) replaces ``serial``;
+# 6: ``desc`` says how many of the request's leading blocks the receiver holds already (``skip``)
 TOKEN_BYTES = 16
 MAX_MESSAGE_BYTES = 1 << 20
 MAX_LIST = 1 << 17
@@ -85,11 +86,13 @@ def _list_of(v: Any, ok: Callable[[Any], bool]) -> bool:
 _RID = {"rid": _str}
 _AUTH = {"rid": _str, "tok": _tok}
 SCHEMAS: dict[str, dict[str, Callable[[Any], bool]]] = {
-    # Receiver -> router -> sender: where and what to send.
+    # Receiver -> router -> sender: where and what to send. ``skip``: the receiver holds the
+    # request's first ``skip`` blocks already (a decode-side prefix cache); ``blocks`` are the
+    # destinations of the blocks after them. The sender's caller checks it against the prompt.
     "desc": {
         **_AUTH, "backend": _str, "addr": _addr, "tag": _int,
         "lanes": lambda v: _list_of(v, _addr) and len(v) <= MAX_LANES,
-        "layers": _ints, "blocks": _ints, "layout": _int_lists,
+        "layers": _ints, "blocks": _ints, "layout": _int_lists, "skip": _int,
     },
     # Sender -> receiver. ``data`` (tcp) is accepted only on a connection an authenticated
     # ``begin`` bound to the request.

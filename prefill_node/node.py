@@ -9,8 +9,12 @@ message goes to the decode node (through `first_token_sink`) and back to the cal
 
 With the prefix cache on (`EngineConfig.enable_prefix_caching`), a job starts after its
 longest cached prefix (engine/prefix_cache.py) and its full prompt blocks are cached as they
-are computed. The decode node still receives every prompt block, cached ones included: it
-holds no cache of its own, so the whole prompt's KV crosses the wire.
+are computed. Independently, a decode node with its own prefix cache says in the descriptor
+(`skip`) how many leading prompt blocks it holds (pinned there for the request); only the blocks
+after them are sent, for every layer, the MTP layer included. `skip` comes from the network: it
+is checked against the prompt (never past its full blocks before the last token, and the
+destination list must cover exactly the rest) before the transfer starts, and a job whose
+descriptor fails the check is refused. The prefill node never guesses what the decode node holds.
 
 Source blocks stay leased until the decode node acknowledges, the job is aborted, or the
 lease expires; only then are they freed (a cached block stays cached, evictable). One thread (the loop) owns the scheduler, the
@@ -53,6 +57,7 @@ class PrefillJob:
     block_ids: list[int] = field(default_factory=list)
     block_hashes: list[bytes] = field(default_factory=list)  # prefix-cache keys of its full prompt blocks
     num_prefilled: int = 0  # a cache hit starts it after the cached prefix
+    skip: int = 0  # leading prompt blocks the decode node holds already: not sent
     aborted: str | None = None
 
     @property
@@ -80,7 +85,8 @@ class PrefillNode(StepLoop):
         layers_sent = self.num_layers + (1 if self.k else 0)
         self._kv_block_bytes = sum(sum(layout.block_bytes(i)) for i in range(layers_sent))  # one block, every layer
         self._sent_at: dict[str, float] = {}  # request id -> when its last layer was queued
-        self.counters = {"prefill_tokens": 0, "prefill_seconds": 0.0, "kv_bytes": 0, "kv_seconds": 0.0}
+        self.counters = {"prefill_tokens": 0, "prefill_seconds": 0.0, "kv_bytes": 0, "kv_seconds": 0.0,
+                         "kv_skipped_bytes": 0}  # not sent: the decode node held those blocks
         # request id -> {event: monotonic time} (queued, started, computed, first_sent, kv_acked);
         # None (serving): nothing kept. `pdserve bench pd` turns it on for the TTFT breakdown.
         self.timings: dict[str, dict[str, float]] | None = None
@@ -191,6 +197,7 @@ class PrefillNode(StepLoop):
         if not self.prefix.fits(job.block_hashes, need):
             return False
         try:
+            job.skip = self._decode_holds(job)
             self.sender.start(job.request_id, job.descriptor)
         except Exception as e:
             self.waiting.remove(job)
@@ -204,11 +211,23 @@ class PrefillNode(StepLoop):
         self.leased[job.request_id] = job.block_ids
         return True
 
+    def _decode_holds(self, job: PrefillJob) -> int:
+        """The descriptor's `skip` (prompt blocks the decode node holds), validated: at most the
+        prompt's full blocks before its last token, and one destination per block after them."""
+        skip, dst = job.descriptor.get("skip", 0), job.descriptor.get("blocks")
+        full = (len(job.prompt) - 1) // self.blocks.block_size
+        if type(skip) is not int or not 0 <= skip <= full:
+            raise ValueError(f"skip {skip!r} outside 0..{full} (the prompt's full blocks before its last token)")
+        rest = self.blocks.blocks_for(len(job.prompt)) - skip
+        if not isinstance(dst, list) or len(dst) != rest:
+            raise ValueError(f"{len(dst) if isinstance(dst, list) else dst!r} destination blocks for {rest} to send")
+        return skip
+
     def _push_layer(self, jobs: list[PrefillJob], layer: int) -> None:
         ready = _event_after_queued_work(self.runner.device)
         for j in jobs:
             nb = self.blocks.blocks_for(len(j.prompt))
-            self.sender.send_layer(j.request_id, layer, j.block_ids[:nb], ready=ready)
+            self.sender.send_layer(j.request_id, layer, j.block_ids[j.skip : nb], ready=ready)
 
     def _complete(self, jobs: list[PrefillJob], out: PrefillOutput, chunks: list[PrefillChunk]) -> None:
         if not jobs:
@@ -218,7 +237,8 @@ class PrefillNode(StepLoop):
         for j in jobs:
             self.sender.finish(j.request_id)
             self._sent_at[j.request_id] = time.monotonic()
-            self.counters["kv_bytes"] += self.blocks.blocks_for(len(j.prompt)) * self._kv_block_bytes
+            self.counters["kv_bytes"] += (self.blocks.blocks_for(len(j.prompt)) - j.skip) * self._kv_block_bytes
+            self.counters["kv_skipped_bytes"] += j.skip * self._kv_block_bytes
             self.waiting.remove(j)
         firsts = out.first_token.tolist()  # the prefill read point
         for j in jobs:

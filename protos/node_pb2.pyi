@@ -25,14 +25,16 @@ class Sampling(_message.Message):
     def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., seed: _Optional[int] = ..., max_tokens: _Optional[int] = ..., logprobs: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class ReserveRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_len", "sampling")
+    __slots__ = ("request_id", "prompt_len", "sampling", "prompt_token_ids")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_LEN_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_len: int
     sampling: Sampling
-    def __init__(self, request_id: _Optional[str] = ..., prompt_len: _Optional[int] = ..., sampling: _Optional[_Union[Sampling, _Mapping]] = ...) -> None: ...
+    prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, request_id: _Optional[str] = ..., prompt_len: _Optional[int] = ..., sampling: _Optional[_Union[Sampling, _Mapping]] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class ReserveReply(_message.Message):
     __slots__ = ("admitted", "reason", "descriptor_msgpack")
@@ -91,7 +93,7 @@ class StatusRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class NodeStatus(_message.Message):
-    __slots__ = ("node_id", "kind", "healthy", "free_blocks", "total_blocks", "running", "queued_tokens", "num_speculative_tokens", "prefill_tokens", "prefill_seconds", "kv_bytes", "kv_seconds", "draft_tokens", "accepted_per_pos", "prefix_requests", "prefix_hit_requests", "prefix_query_tokens", "prefix_hit_tokens", "cached_blocks", "evicted_blocks")
+    __slots__ = ("node_id", "kind", "healthy", "free_blocks", "total_blocks", "running", "queued_tokens", "num_speculative_tokens", "prefill_tokens", "prefill_seconds", "kv_bytes", "kv_seconds", "draft_tokens", "accepted_per_pos", "prefix_requests", "prefix_hit_requests", "prefix_query_tokens", "prefix_hit_tokens", "cached_blocks", "evicted_blocks", "kv_skipped_bytes")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     KIND_FIELD_NUMBER: _ClassVar[int]
     HEALTHY_FIELD_NUMBER: _ClassVar[int]
@@ -112,6 +114,7 @@ class NodeStatus(_message.Message):
     PREFIX_HIT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     CACHED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     EVICTED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    KV_SKIPPED_BYTES_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     kind: str
     healthy: bool
@@ -132,4 +135,5 @@ class NodeStatus(_message.Message):
     prefix_hit_tokens: int
     cached_blocks: int
     evicted_blocks: int
-    def __init__(self, node_id: _Optional[str] = ..., kind: _Optional[str] = ..., healthy: _Optional[bool] = ..., free_blocks: _Optional[int] = ..., total_blocks: _Optional[int] = ..., running: _Optional[int] = ..., queued_tokens: _Optional[int] = ..., num_speculative_tokens: _Optional[int] = ..., prefill_tokens: _Optional[int] = ..., prefill_seconds: _Optional[float] = ..., kv_bytes: _Optional[int] = ..., kv_seconds: _Optional[float] = ..., draft_tokens: _Optional[_Iterable[int]] = ..., accepted_per_pos: _Optional[_Iterable[int]] = ..., prefix_requests: _Optional[int] = ..., prefix_hit_requests: _Optional[int] = ..., prefix_query_tokens: _Optional[int] = ..., prefix_hit_tokens: _Optional[int] = ..., cached_blocks: _Optional[int] = ..., evicted_blocks: _Optional[int] = ...) -> None: ...
+    kv_skipped_bytes: int
+    def __init__(self, node_id: _Optional[str] = ..., kind: _Optional[str] = ..., healthy: _Optional[bool] = ..., free_blocks: _Optional[int] = ..., total_blocks: _Optional[int] = ..., running: _Optional[int] = ..., queued_tokens: _Optional[int] = ..., num_speculative_tokens: _Optional[int] = ..., prefill_tokens: _Optional[int] = ..., prefill_seconds: _Optional[float] = ..., kv_bytes: _Optional[int] = ..., kv_seconds: _Optional[float] = ..., draft_tokens: _Optional[_Iterable[int]] = ..., accepted_per_pos: _Optional[_Iterable[int]] = ..., prefix_requests: _Optional[int] = ..., prefix_hit_requests: _Optional[int] = ..., prefix_query_tokens: _Optional[int] = ..., prefix_hit_tokens: _Optional[int] = ..., cached_blocks: _Optional[int] = ..., evicted_blocks: _Optional[int] = ..., kv_skipped_bytes: _Optional[int] = ...) -> None: ...

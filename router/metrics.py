@@ -124,8 +124,7 @@ class NodeCollector:
             total.add_metric(key, s.total_blocks)
             queued.add_metric(key, s.queued_tokens)
             self._add_counters(families[6:], key, s)
-            if node.kind == "prefill":
-                self._add_prefix(prefix, key, s)
+            self._add_prefix(prefix, key, s)
         yield from families + prefix
 
     @staticmethod
@@ -136,6 +135,8 @@ class NodeCollector:
             CounterMetricFamily("pdserve:kv_transfer_bytes", "KV bytes pushed (P) or received (D)", labels=keys),
             CounterMetricFamily("pdserve:kv_transfer_seconds", "Seconds from a transfer's start to its completion",
                                 labels=keys),
+            CounterMetricFamily("pdserve:kv_transfer_skipped_bytes", "KV bytes not pushed (P) or received (D): "
+                                "the decode node's prefix cache held them", labels=keys),
             CounterMetricFamily("pdserve:spec_decode_num_draft_tokens", "MTP drafts verified, per draft position (D)",
                                 labels=[*keys, "position"]),
             CounterMetricFamily("pdserve:spec_decode_num_accepted_tokens_per_pos",
@@ -144,18 +145,19 @@ class NodeCollector:
 
     @staticmethod
     def _prefix_families(keys: list[str]) -> list[Any]:
-        """Prefix cache of prefill nodes (as vLLM's prefix_cache_queries/hits, in tokens), by requests too."""
+        """Prefix cache of prefill and decode nodes (as vLLM's prefix_cache_queries/hits, in tokens), by
+        requests too; select with the `kind` label (0 where a node's cache is off)."""
         return [
-            CounterMetricFamily("pdserve:prefix_cache_queries", "Prompt tokens looked up in the prefix cache (P)",
+            CounterMetricFamily("pdserve:prefix_cache_queries", "Prompt tokens looked up in the prefix cache (P, D)",
                                 labels=keys),
-            CounterMetricFamily("pdserve:prefix_cache_hits", "Prompt tokens found in the prefix cache (P)", labels=keys),
-            CounterMetricFamily("pdserve:prefix_cache_query_requests", "Requests looked up in the prefix cache (P)",
+            CounterMetricFamily("pdserve:prefix_cache_hits", "Prompt tokens found in the prefix cache (P, D)", labels=keys),
+            CounterMetricFamily("pdserve:prefix_cache_query_requests", "Requests looked up in the prefix cache (P, D)",
                                 labels=keys),
-            CounterMetricFamily("pdserve:prefix_cache_hit_requests", "Requests that found a cached prefix (P)",
+            CounterMetricFamily("pdserve:prefix_cache_hit_requests", "Requests that found a cached prefix (P, D)",
                                 labels=keys),
             GaugeMetricFamily("pdserve:prefix_cache_hit_rate", "Hits / queries since the node started, "
-                              "of prompt tokens or of requests (P)", labels=[*keys, "of"]),
-            GaugeMetricFamily("pdserve:prefix_cache_blocks", "KV blocks held by the prefix cache (P)", labels=keys),
+                              "of prompt tokens or of requests (P, D)", labels=[*keys, "of"]),
+            GaugeMetricFamily("pdserve:prefix_cache_blocks", "KV blocks held by the prefix cache (P, D)", labels=keys),
         ]
 
     @staticmethod
@@ -171,11 +173,12 @@ class NodeCollector:
 
     @staticmethod
     def _add_counters(families: list[Any], key: list[str], s: Any) -> None:
-        tokens, seconds, kv_bytes, kv_seconds, drafts, accepted = families
+        tokens, seconds, kv_bytes, kv_seconds, kv_skipped, drafts, accepted = families
         tokens.add_metric(key, s.prefill_tokens)
         seconds.add_metric(key, s.prefill_seconds)
         kv_bytes.add_metric(key, s.kv_bytes)
         kv_seconds.add_metric(key, s.kv_seconds)
+        kv_skipped.add_metric(key, s.kv_skipped_bytes)
         for pos, (d, a) in enumerate(zip(s.draft_tokens, s.accepted_per_pos, strict=False)):
             drafts.add_metric([*key, str(pos)], d)
             accepted.add_metric([*key, str(pos)], a)

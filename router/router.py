@@ -306,7 +306,7 @@ class Router:
         nodes = self.pool.healthy("decode")
         node_rid = f"{self.router_id}/{st.request_id}/{attempt}"
         req = node_pb2.ReserveRequest(request_id=node_rid, prompt_len=len(st.prep.prompt_ids),
-                                      sampling=st.prep.sampling)
+                                      sampling=st.prep.sampling, prompt_token_ids=st.prep.prompt_ids)
         for load in self.policy.order_decode([n.load() for n in nodes]):
             node = self.pool.find("decode", load.address)
             if node is None or not node.healthy:

@@ -70,6 +70,10 @@ cleanup() {
   step ray down -y cluster.yaml
   "$BIN/ray" down -y "$WORK/cluster.yaml" 2>&1 | tail -3 || true
   pkill -f "$WORK/sshd_config" || true  # the namespace's init: everything started in it goes too
+  # Ray leaves this cluster's address as the machine's "current" one: `--address auto` elsewhere
+  # would find the dead cluster
+  [ "$(cat /tmp/ray/ray_current_cluster 2>/dev/null)" = "$(hostname -I | awk '{print $1}'):6379" ] &&
+    rm -f /tmp/ray/ray_current_cluster || true
 }
 
 start_sshd

@@ -25,8 +25,8 @@ def tiny():
 class Pair:
     """One P and one D wired directly: the first-token sink calls D, outputs are collected."""
 
-    def __init__(self, loaded, k, backend="local", **kw):
-        cfg = EngineConfig(num_speculative_tokens=k, block_shuffle_seed=3, **kw)
+    def __init__(self, loaded, k, backend="local", decode_kw=None, **kw):
+        cfg = EngineConfig(num_speculative_tokens=k, block_shuffle_seed=3, **{**kw, **(decode_kw or {})})
         self.decode = DecodeNode(loaded, cfg, kv_backend=backend, kv_timeout_s=5, kv_quarantine_s=0.3)
         self.prefill = PrefillNode(loaded, EngineConfig(num_speculative_tokens=k, block_shuffle_seed=4, **kw),
                                    lambda addr, msg: self.decode.first_token(msg), kv_backend=backend, kv_timeout_s=5)
@@ -49,7 +49,7 @@ class Pair:
 
     def run(self, rid, prompt, params, vocab):
         req = resolve_request(rid, prompt, params, self.eos, self.max_model_len, random.Random(0), vocab)
-        res = self.decode.reserve(rid, len(prompt), params, req.seed, req.stop_ids).result(timeout=30)
+        res = self.decode.reserve(rid, len(prompt), params, req.seed, req.stop_ids, prompt).result(timeout=30)
         assert res.admitted, res.reason
         job = PrefillJob(rid, prompt, params, req.seed, req.stop_ids, res.descriptor, "d0")
         first: FirstToken = self.prefill.submit(job).result(timeout=60)

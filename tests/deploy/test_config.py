@@ -159,7 +159,10 @@ def test_prefix_cache_flag_and_policy_reach_the_prefill_engine_and_the_router():
     cfg = service_config(parser.parse_args(["--enable-prefix-caching", "--set", "router.policy=prefix"]))
     assert cfg.prefill.prefix_cache and cfg.router.policy == "prefix"
     assert engine_config(cfg, "prefill").enable_prefix_caching
-    assert not engine_config(cfg, "decode").enable_prefix_caching  # decode nodes cache nothing yet
+    assert not engine_config(cfg, "decode").enable_prefix_caching  # decode.prefix_cache is its own switch
+    both = service_config(parser.parse_args(["--set", "decode.prefix_cache=true"]))
+    assert engine_config(both, "decode").enable_prefix_caching
+    assert not engine_config(both, "prefill").enable_prefix_caching
     assert not engine_config(service_config(parser.parse_args([])), "prefill").enable_prefix_caching
     with pytest.raises(ConfigError, match="prefix_cahce"):
         ServiceConfig.load(None, {"prefill.prefix_cahce": True})

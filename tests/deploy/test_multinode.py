@@ -88,7 +88,8 @@ def test_actors_placed_by_resources_and_greedy_output_equals_local_engine(cluste
 
     nodes, service, address = cluster
     resources = {n["NodeID"]: n["Resources"] for n in ray.nodes() if n["Alive"]}
-    placed = {a.name: a.node_id for a in list_actors(filters=[("state", "=", "ALIVE")]) if a.name}
+    alive = list_actors(address=nodes.address, filters=[("state", "=", "ALIVE")])  # not "auto": other clusters may run
+    placed = {a.name: a.node_id for a in alive if a.name}
     for name in ("pdserve-router", "pdserve-prefill-0", "pdserve-decode-0"):
         role = name.split("-")[1]
         offered = {r for r in ROLE_RESOURCES.values() if r in resources[placed[name]]}

@@ -1,6 +1,7 @@
 """Prefix caching through the service on a local Ray cluster: 2 prefill nodes with the cache,
-the prefix routing policy, a multi-turn chat; greedy output equals the single-process engine
-without a cache, the cache hits, its hit rates reach /metrics, and every KV block comes back."""
+the prefix routing policy, a decode node with its own cache, a multi-turn chat; greedy output
+equals the single-process engine without a cache, the caches hit, only the KV blocks the decode
+node lacks cross the wire, hit rates reach /metrics, and every KV block comes back."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import random
 import time
 
 import pytest
+import torch
 
 from engine.sampling_params import SamplingParams
 from router.client import RouterClient, build_request
@@ -22,9 +24,20 @@ MAX_TOKENS = 8
 
 @pytest.fixture(scope="module")
 def service():
-    svc, address = start_service(2, 1, 3, **{"prefill.prefix_cache": True, "router.policy": "prefix"})
+    svc, address = start_service(2, 1, 3, **{"prefill.prefix_cache": True, "router.policy": "prefix",
+                                             "decode.prefix_cache": True})
     yield svc, address
     svc.stop()
+
+
+def block_bytes(k: int) -> int:
+    """One KV block of every layer (the MTP layer too when k > 0) of the tiny model, fp32."""
+    from engine.kv_cache import KVCache
+    from engine.loader import load_model_info
+
+    arch = load_model_info("tiny").config
+    return KVCache.bytes_per_block(arch.num_hidden_layers + (k > 0), 16, arch.num_key_value_heads, arch.head_dim,
+                                   torch.float32)
 
 
 async def chat(address, conversations: list[list[int]], turns: int, rng: random.Random):
@@ -55,7 +68,9 @@ def test_multi_turn_chat_hits_the_cache_and_keeps_greedy_output(service, tiny_re
     ref = tiny_reference([p for p, _ in asked], SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True))
     assert [a for _, a in asked] == [r.output_ids for r in ref]
     wait_blocks_returned(svc)
-    info = [i for (role, _), i in svc.node_info().items() if role == "prefill"]
+    nodes = svc.node_info()
+    info = [i for (role, _), i in nodes.items() if role == "prefill"]
+    decode = [i for (role, _), i in nodes.items() if role == "decode"][0]
     hits, queries = sum(i["prefix_hit_tokens"] for i in info), sum(i["prefix_query_tokens"] for i in info)
     assert queries == sum(len(p) for p, _ in asked)
     # Later turns reuse their history. (Not asserted here: that every turn goes where the previous one
@@ -64,12 +79,21 @@ def test_multi_turn_chat_hits_the_cache_and_keeps_greedy_output(service, tiny_re
     assert hits > queries // 2
     assert sum(i["prefill_tokens"] for i in info) == queries - hits
     assert sum(i["prefix_hit_requests"] for i in info) >= 12  # every turn after the first
+    # the decode node held each turn's history: only the rest crossed the wire
+    full = sum(-(-len(p) // 16) for p, _ in asked)  # prompt blocks, all sent without a decode-side cache
+    sent, skipped = sum(i["kv_bytes"] for i in info), sum(i["kv_skipped_bytes"] for i in info)
+    assert sent == decode["kv_bytes"] and skipped == decode["kv_skipped_bytes"]
+    assert sent + skipped == full * block_bytes(k=3)  # every prompt block either sent or held by D
+    assert skipped > sent and decode["prefix_hit_requests"] >= 12  # every turn after the first
     for _ in range(60):  # node figures reach /metrics with the router's next Status poll
         samples = scrape(svc)
-        if total(samples, "pdserve:prefix_cache_hits_total") == hits:
+        if (total(samples, "pdserve:prefix_cache_hits_total", kind="prefill") == hits
+                and total(samples, "pdserve:kv_transfer_skipped_bytes_total", kind="decode") == skipped):
             break
         time.sleep(0.5)
-    assert total(samples, "pdserve:prefix_cache_queries_total") == queries
-    assert total(samples, "pdserve:prefix_cache_hits_total") == hits
+    assert total(samples, "pdserve:prefix_cache_queries_total", kind="prefill") == queries
+    assert total(samples, "pdserve:prefix_cache_hits_total", kind="prefill") == hits
+    assert total(samples, "pdserve:kv_transfer_skipped_bytes_total", kind="prefill") == skipped
+    assert total(samples, "pdserve:prefix_cache_hit_requests_total", kind="decode") == decode["prefix_hit_requests"]
     assert 0.5 < max(v for (n, ls), v in samples.items()
                      if n == "pdserve:prefix_cache_hit_rate" and ("of", "tokens") in ls) <= 1.0

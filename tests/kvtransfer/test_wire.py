@@ -44,3 +44,15 @@ def test_oversized_garbage_and_corrupt_frames() -> None:
     sealed[-1] ^= 1
     with pytest.raises(wire.WireError, match="checksum"):
         wire.unseal(sealed)
+
+
+def test_descriptor_skip_is_a_required_non_negative_int() -> None:
+    desc = wire.make("desc", rid="r", tok=TOK, backend="tcp", addr="127.0.0.1:1", tag=0, lanes=[],
+                     layers=[0], blocks=[5, 6], layout=[[1, 2]], skip=3)
+    assert wire.decode(wire.encode(desc))["skip"] == 3
+    for bad, text in [({"skip": -1}, "bad value for 'skip'"), ({"skip": True}, "bad value for 'skip'"),
+                      ({"skip": "3"}, "bad value for 'skip'")]:
+        with pytest.raises(wire.WireError, match=text):
+            wire.check({**desc, **bad})
+    with pytest.raises(wire.WireError, match="fields"):
+        wire.check({k: v for k, v in desc.items() if k != "skip"})
