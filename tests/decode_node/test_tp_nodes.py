@@ -2,7 +2,8 @@
 127.0.0.1), rank 0 of each behind its real gRPC server, KV over tcp rank to rank, driven with
 raw stubs the way the router drives them. Greedy output equals the single-process engine's
 (so each decode rank received its KV-head shard intact: either half wrong changes the tokens),
-and so does a seeded sampled request's; a descriptor one prefill rank refuses is refused by
+and so does a seeded sampled request's, whose prompt prefix both decode ranks had cached (k > 0:
+both nodes cache prefixes, so only the uncached blocks cross); a descriptor one prefill rank refuses is refused by
 both; an abort ends its request once, only rank 0 of each node emitted messages, and every rank's
 blocks come back."""
 
@@ -37,7 +38,8 @@ def _build(role: str, tp, k: int):
     from prefill_node.server import DecodeClients, serve_prefill
     from prefill_node.tp import TPPrefillNode
 
-    cfg = EngineConfig(num_speculative_tokens=k, block_shuffle_seed=3 if role == "decode" else 4)
+    cfg = EngineConfig(num_speculative_tokens=k, block_shuffle_seed=3 if role == "decode" else 4,
+                       enable_prefix_caching=k > 0)  # with k > 0 both nodes cache prompt prefixes
     kv = {"kv_backend": "tcp", "kv_timeout_s": 10}
     if role == "decode":
         node = TPDecodeNode(load_model("tiny"), cfg, tp, kv_quarantine_s=0.3, **kv)
@@ -90,7 +92,8 @@ def generate(d, p, daddr, outputs: Outputs, rid: str, prompt: list[int], params=
              abort: bool = False, k: int = 2) -> tuple[list[int], str]:
     """(tokens, finish reason) of one request; `abort`: the router aborts it after its first token."""
     sampling = sampling_to_proto(params, 1 if params.seed is None else params.seed, ())
-    res = d.Reserve(node_pb2.ReserveRequest(request_id=rid, prompt_len=len(prompt), sampling=sampling))
+    res = d.Reserve(node_pb2.ReserveRequest(request_id=rid, prompt_len=len(prompt), sampling=sampling,
+                                            prompt_token_ids=prompt))
     assert res.admitted, res.reason
     reply = p.Prefill(node_pb2.PrefillRequest(request_id=rid, prompt_token_ids=prompt, sampling=sampling,
                                               descriptor_msgpack=res.descriptor_msgpack, decode_address=daddr))
@@ -162,6 +165,8 @@ def test_p_tp2_to_d_tp2_greedy_equals_single_process_and_only_rank0_emits(k):
         sampled = SamplingParams(max_tokens=10, ignore_eos=True, temperature=0.8, seed=7)
         want = LLMEngine(load_model("tiny"), EngineConfig(num_speculative_tokens=k)).generate(PROMPTS[1:], sampled)
         assert generate(d, p, addr["decode"], outputs, "s", PROMPTS[1], sampled, k=k) == (want[0].output_ids, "length")
+        skipped = d.Status(node_pb2.StatusRequest()).kv_skipped_bytes
+        assert (skipped > 0) == (k > 0)  # "s" repeats r1's prompt: its 2 full blocks stayed on both decode ranks
         refused_by_rank1(d, p, addr["decode"], outputs)
         long = SamplingParams(max_tokens=500, ignore_eos=True)
         tokens, reason = generate(d, p, addr["decode"], outputs, "a", PROMPTS[0], long, abort=True, k=k)
