@@ -16,7 +16,7 @@ YAML layout (every section and key optional):
               prefix_cache: false}
     decode: {max_num_seqs: 32, num_nodes: 1, num_cpus: 1, num_gpus: 1, resources: {}}
     router: {host: 127.0.0.1, port: 50051, http_port: 8000, policy: least_load, queue_size: 256, default_timeout_s: 600,
-             api_key: null, tls_cert: null, tls_key: null, ...}
+             api_key: null, tls_cert: null, tls_key: null, migrate: true, max_migrations: 3, ...}
     cluster: {address: null, namespace: pdserve, router_resources: {}, node_host: 127.0.0.1, start_timeout_s: 300,
               secret: null, secret_file: null}
 
@@ -131,6 +131,11 @@ class RouterConfig(_Section):
     status_interval_s: float = Field(default=1.0, gt=0)  # node Status polls and health probes
     rpc_timeout_s: float = Field(default=5.0, gt=0)  # Reserve / Abort / Status calls to nodes
     prefill_retries: int = Field(default=2, ge=0)  # other prefill nodes tried after UNAVAILABLE
+    # A request whose decode node is lost moves to another one: prompt + the tokens already
+    # streamed are prefilled again and the stream goes on (each token once); at most
+    # `max_migrations` times per request, then UNAVAILABLE. False: such requests end UNAVAILABLE.
+    migrate: bool = True
+    max_migrations: int = Field(default=3, ge=0)
     # With no healthy prefill or decode node, a new request waits this long for one (a node being
     # replaced) before UNAVAILABLE; 0: answer at once. Bounded by the request's own deadline too.
     node_wait_s: float = Field(default=0.0, ge=0)

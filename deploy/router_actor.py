@@ -75,4 +75,5 @@ class RouterActor:
                  for (k, a), n in self.router.pool.nodes.items()}
         return {"serving": h.serving, "prefill_nodes": h.prefill_nodes, "decode_nodes": h.decode_nodes,
                 "running_requests": h.running_requests, "queued_requests": self.router.num_queued,
+                "migrations": self.router.migrations, "terminals": dict(self.router.counts),
                 "nodes": nodes, "ray_node_id": ray.get_runtime_context().get_node_id()}
