@@ -58,6 +58,7 @@ class RequestState:
     lost: asyncio.Future[str] | None = None  # set (a reason) when `decode` fails; one per placement
     attempt: int = 0  # placements tried (node-side ids carry it)
     migrations: int = 0  # times moved to another decode node
+    moved_from: str = ""  # why it last moved (named in an error that ends it while moving)
     # results
     tokens: list[int] = field(default_factory=list)
     steps: int = 0

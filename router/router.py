@@ -12,11 +12,12 @@ aborted and the driver places it again with prompt + tokens already streamed, at
 `router.max_migrations` times, else one UNAVAILABLE terminal.
 
 The driver task is the only writer of a request's placement; anything else ends a request by
-`RequestState.interrupt` (client Abort, client cancel, decode node failure, router stop),
-which cancels the driver; a decode node failure only `lose`s its requests' placements (the
-driver, awaiting that node, wakes up and migrates). `_driver_done` runs however the driver ended: it sends the terminal
-if none was sent (the terminal guarantee) and `_release` frees what nodes still hold (Abort to
-D unless D already ended the request, Abort to P if a Prefill call was outstanding).
+`RequestState.interrupt` (client Abort, client cancel, router stop), which cancels the driver.
+A decode node failure only `lose`s its requests' placements: each driver, awaiting that node
+(`_unless_lost`), wakes up and migrates. `_driver_done` runs however the driver ended: it sends
+the terminal if none was sent (the terminal guarantee) and `_release` frees what nodes still
+hold (Abort to D unless D already ended the request, Abort to P if a Prefill call was
+outstanding).
 
 Careful: node-side request ids are per attempt (`router/request/attempt`), so an old
 attempt's late output items can never reach a retried one. Nothing here may block the loop.
@@ -230,7 +231,8 @@ class Router:
         except TimeoutError:
             st.fail("DEADLINE_EXCEEDED", f"request {st.request_id!r} passed its {st.prep.timeout_s:g} s deadline")
         except RequestError as e:
-            st.fail(e.code, e.message)
+            moving = f"; it was moving off a lost decode node ({st.moved_from})" if st.moved_from else ""
+            st.fail(e.code, e.message + moving)
 
     def _driver_done(self, st: RequestState, task: asyncio.Task[None]) -> None:
         """Runs however the driver ended (even cancelled before it started): the terminal
@@ -263,6 +265,7 @@ class Router:
             raise RequestError("UNAVAILABLE", f"{reason} (the request already moved {st.migrations} times, "
                                               f"router.max_migrations)")
         st.migrations += 1
+        st.moved_from = reason
         self.migrations += 1
         self.metrics.migrations.inc()
         log.info("request %s moves to another decode node after %d tokens: %s", st.request_id,

@@ -139,6 +139,19 @@ async def test_attempt_the_decode_node_gives_up_on_is_placed_again():
         await c.settled()
 
 
+async def test_request_with_no_decode_node_left_to_move_to_ends_with_one_error_naming_both():
+    async with cluster(n_decode=1, decode={"pause_after": 2}) as c:
+        d0 = c.decode[0]
+        stream = c.client.stream(build_request("ab", max_tokens=40))
+        await stream.read()
+        await d0.die()
+        msgs = await read_to_end(stream)
+        err = msgs[-1].error
+        assert err.code == "UNAVAILABLE" and "no healthy decode node" in err.message and d0.address in err.message
+        assert sum(m.HasField("error") or m.HasField("finished") for m in msgs) == 1
+        await c.settled()
+
+
 async def test_request_that_cannot_move_again_ends_with_one_clear_error():
     async with cluster(n_decode=2, decode={"pause_after": 4}, max_migrations=1) as c:
         d0, d1 = c.decode
