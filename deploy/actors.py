@@ -66,6 +66,8 @@ class NodeActor:
             restrict_to_loopback(host)
         if cfg.kv_transfer.backend == "tcp" and role == "decode":
             kv["kv_options"] = {"host": host}  # the tcp receiver listens where the node serves
+        if cfg.kv_transfer.faults.any and role == "prefill":  # a fault drill: its KV links misbehave
+            kv["kv_options"] = {"faults": cfg.kv_transfer.faults.model_dump()}
         if role == "prefill":
             from prefill_node.node import PrefillNode
             from prefill_node.server import DecodeClients, serve_prefill

@@ -5,14 +5,17 @@ greedy requests of mixed lengths (random prompt ids, `--min-prompt`..`--max-prom
 `--min-output`..`--max-output` tokens, EOS ignored), sent `--concurrency` at a time (default
 twice what the decode nodes can hold: overload). While they run, together and repeatedly:
 node actor kills (decode and prefill in turn, every `--kill-every` s; Ray restarts them), Abort
-storms (every `--abort-every` s, Abort for a `--abort-fraction` of the requests in flight), and
-client cancels (a `--cancel-fraction` of requests walk away at a random token).
+storms (every `--abort-every` s, Abort for a `--abort-fraction` of the requests in flight),
+client cancels (a `--cancel-fraction` of requests walk away at a random token), and KV transfer
+faults (`--kv-faults P`: each KV message from a prefill node dropped, delayed, duplicated and,
+over tcp, truncated with probability P each; kvtransfer/faults.py).
 
 Hands back a table: requests sent / finished correctly (tokens equal the single-process engine's
 greedy output; an aborted or cancelled one, a prefix of it) / ended with a clean error (exactly
 one terminal error with a message) / lost (no terminal message) / duplicated (more than one
 terminal) / wrong tokens (a token duplicated, missing or different) / leaked KV blocks (every
-node's free blocks back to its total, waited for) / migrations. Exit status 1 unless lost,
+node's free blocks back to its total, waited for) / migrations / the router's resident memory
+before and after (it is never killed here). Exit status 1 unless lost,
 duplicated, wrong and leaked are all 0.
 """
 
@@ -67,6 +70,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--abort-every", type=float, default=1.0, help="seconds between Abort storms (0: none)")
     p.add_argument("--abort-fraction", type=float, default=0.05, help="share of in-flight requests each storm aborts")
     p.add_argument("--cancel-fraction", type=float, default=0.1, help="share of requests whose client walks away")
+    p.add_argument("--kv-faults", type=float, default=0.005,
+                   help="probability that a KV message is dropped, and the same for delayed, duplicated and "
+                   "(tcp) truncated (kv_transfer.faults; 0: none)")
     p.add_argument("--deadline-s", type=float, default=600.0, help="per request (the router's deadline too)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", default=None, metavar="FILE", help="write the report here too")
@@ -80,7 +86,7 @@ def run(args: argparse.Namespace) -> int:
     for key, value in DEFAULTS.items():
         if getattr(args, key, None) is None:
             setattr(args, key, value)
-    args.set = SERVICE_DEFAULTS + (args.set or [])  # the user's --set wins
+    args.set = SERVICE_DEFAULTS + kv_fault_overrides(args) + (args.set or [])  # the user's --set wins
     cfg = service_config(args, local=True)
     jobs = make_jobs(args, load_model_info(cfg.model.resolved_name()).config.vocab_size)
     reference = reference_tokens(cfg.model.resolved_name(), jobs)
@@ -96,6 +102,12 @@ def run(args: argparse.Namespace) -> int:
         Path(args.json).write_text(text + "\n")
     print(text)
     return 0 if report["clean"] else 1
+
+
+def kv_fault_overrides(args: argparse.Namespace) -> list[str]:
+    p = args.kv_faults
+    kinds = ["drop", "delay", "duplicate"] + (["truncate"] if "kv_transfer.backend=tcp" in (args.set or []) else [])
+    return [f"kv_transfer.faults.{k}={p}" for k in kinds] if p > 0 else []
 
 
 def make_jobs(args: argparse.Namespace, vocab: int) -> list[Job]:
@@ -125,6 +137,7 @@ def chaos(service: Any, address: str, jobs: list[Job], reference: list[list[int]
     """Run `jobs` under the faults; the report (leaks waited for, the router's migrations)."""
     import ray
 
+    before = ray.get(service.router.status.remote(), timeout=60)
     start = time.perf_counter()
     outcomes, faults = asyncio.run(drive(service, address, jobs, args, args.concurrency or default_concurrency))
     wall = time.perf_counter() - start
@@ -133,7 +146,8 @@ def chaos(service: Any, address: str, jobs: list[Job], reference: list[list[int]
     report = tally(jobs, reference, outcomes)
     report.update(leaked_blocks=leaked, migrations=status.get("migrations", 0), faults=faults,
                   wall_s=round(wall, 1), concurrency=args.concurrency or default_concurrency,
-                  router_terminals=status.get("terminals", {}))
+                  router_terminals=status.get("terminals", {}),
+                  router_rss_mb={"before": before.get("rss_mb"), "after": status.get("rss_mb")})
     report["clean"] = not (report["lost"] or report["duplicated"] or report["wrong_tokens"] or report["finished_wrong"]
                            or report["error_without_message"] or leaked)
     return report

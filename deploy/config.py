@@ -11,7 +11,7 @@ YAML layout (every section and key optional):
             deterministic: false}
     spec: {num_speculative_tokens: 2, draft_vocab_size: 0}
     cache: {block_size: 16, num_blocks: null, kv_cache_bytes: 536870912}
-    kv_transfer: {backend: ucx, timeout_s: 30}
+    kv_transfer: {backend: ucx, timeout_s: 30, faults: {drop: 0, delay: 0, duplicate: 0, truncate: 0}}
     prefill: {max_num_batched_tokens: 2048, num_nodes: 1, num_cpus: 1, num_gpus: 1, resources: {},
               prefix_cache: false}
     decode: {max_num_seqs: 32, num_nodes: 1, num_cpus: 1, num_gpus: 1, resources: {}}
@@ -86,9 +86,31 @@ class CacheConfig(_Section):
     kv_cache_bytes: int = Field(default=512 << 20, gt=0)
 
 
+class KVFaultsConfig(_Section):
+    """Fault drills only (`pdserve bench chaos`): prefill nodes' KV links drop, delay, duplicate or
+    truncate (tcp only) each message with these probabilities (kvtransfer/faults.py). All 0: off."""
+
+    drop: float = Field(default=0.0, ge=0, le=1)
+    delay: float = Field(default=0.0, ge=0, le=1)
+    duplicate: float = Field(default=0.0, ge=0, le=1)
+    truncate: float = Field(default=0.0, ge=0, le=1)
+    delay_s: float = Field(default=0.05, ge=0)  # a delayed message waits up to this long
+
+    @property
+    def any(self) -> bool:
+        return bool(self.drop or self.delay or self.duplicate or self.truncate)
+
+    @model_validator(mode="after")
+    def _at_most_one(self) -> KVFaultsConfig:
+        if self.drop + self.delay + self.duplicate + self.truncate > 1:
+            raise ValueError("the fault probabilities must sum to at most 1")
+        return self
+
+
 class KVTransferConfig(_Section):
     backend: Literal["ucx", "tcp", "local"] = "ucx"
     timeout_s: float = Field(default=30.0, gt=0)
+    faults: KVFaultsConfig = Field(default_factory=KVFaultsConfig)
 
 
 class PrefillConfig(_Section):

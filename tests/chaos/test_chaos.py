@@ -1,6 +1,6 @@
 """Faults together under load (the fast case of `pdserve bench chaos`): 2 prefill + 2 decode
-nodes with k=3 at twice their capacity, node actors of both kinds killed in turn, Abort storms
-and client cancels. Nothing is lost or duplicated, every finished request's tokens equal the
+nodes with k=3 at twice their capacity, node actors of both kinds killed in turn, Abort storms,
+client cancels and KV messages dropped, delayed and duplicated (1% each). Nothing is lost or duplicated, every finished request's tokens equal the
 single-process engine's greedy output (aborted and cancelled ones a prefix of it), and every KV
 block comes back."""
 
@@ -24,7 +24,8 @@ def test_kills_aborts_cancels_and_overload_together_lose_nothing(tiny_reference)
     jobs = make_jobs(args, vocab=320)
     ref = tiny_reference([j.prompt for j in jobs], [SamplingParams(max_tokens=j.max_tokens, ignore_eos=True)
                                                     for j in jobs])
-    service, address = start_service(2, 2, 3, **{"router.node_wait_s": 60, "decode.max_num_seqs": 32})
+    faults = {f"kv_transfer.faults.{k}": 0.01 for k in ("drop", "delay", "duplicate")}
+    service, address = start_service(2, 2, 3, **{"router.node_wait_s": 60, "decode.max_num_seqs": 32, **faults})
     try:
         report = chaos(service, address, jobs, [r.output_ids for r in ref], args, default_concurrency=128)
     finally:

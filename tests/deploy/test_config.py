@@ -165,3 +165,15 @@ def test_prefix_cache_flag_and_policy_reach_the_prefill_engine_and_the_router():
         ServiceConfig.load(None, {"prefill.prefix_cahce": True})
     with pytest.raises(ConfigError, match="router.policy"):
         ServiceConfig.load(None, {"router.policy": "prefixx"})
+
+
+def test_kv_fault_drills_are_off_by_default_and_checked():
+    from deploy.config import ConfigError, ServiceConfig
+
+    assert not ServiceConfig.load(None).kv_transfer.faults.any
+    cfg = ServiceConfig.load(None, {"kv_transfer.faults.drop": 0.01, "kv_transfer.faults.truncate": 0.02})
+    assert cfg.kv_transfer.faults.any and cfg.kv_transfer.faults.truncate == 0.02
+    with pytest.raises(ConfigError, match="sum to at most 1"):
+        ServiceConfig.load(None, {"kv_transfer.faults.drop": 0.6, "kv_transfer.faults.delay": 0.6})
+    with pytest.raises(ConfigError, match="unknown config key"):
+        ServiceConfig.load(None, {"kv_transfer.faults.corrupt": 0.1})
