@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: venv test demo lint typecheck pytest protos clean
+.PHONY: venv test demo lint typecheck pytest fuzz protos clean
 
 venv: $(STAMP)
 
@@ -26,6 +26,13 @@ pytest: venv
 	$(BIN)/python -m pytest -q -p no:cacheprovider tests
 
 test: lint typecheck pytest
+
+# The long fuzz run (issue 18): every fuzz test with FUZZ_EXAMPLES cases, fresh random inputs.
+FUZZ_EXAMPLES ?= 10000
+fuzz: venv
+	PDSERVE_FUZZ_EXAMPLES=$(FUZZ_EXAMPLES) PDSERVE_FUZZ_RANDOM=1 $(BIN)/python -m pytest -q -p no:cacheprovider \
+		tests/protos/test_fuzz_messages.py tests/kvtransfer/test_fuzz_wire.py tests/router/test_fuzz_validate.py \
+		tests/router/test_fuzz_http.py
 
 demo: venv
 	$(BIN)/pdserve demo

@@ -64,6 +64,8 @@ BENCHES = [
     ("serve", "deploy.bench_serve", "load a router (gRPC or HTTP): TTFT/ITL/e2e percentiles, goodput, plots"),
     ("prefix", "deploy.bench_prefix", "multi-turn chat on a local service without and with the prefix cache + "
      "prefix routing: TTFT, prefill tokens computed"),
+    ("chaos", "deploy.bench_chaos", "faults together under load on a local service (node kills, Abort storms, "
+     "client cancels, 2x overload): sent / correct / clean error / lost / duplicated / leaked blocks"),
 ]
 
 

@@ -11,12 +11,12 @@ YAML layout (every section and key optional):
             deterministic: false}
     spec: {num_speculative_tokens: 2, draft_vocab_size: 0}
     cache: {block_size: 16, num_blocks: null, kv_cache_bytes: 536870912}
-    kv_transfer: {backend: ucx, timeout_s: 30}
+    kv_transfer: {backend: ucx, timeout_s: 30, faults: {drop: 0, delay: 0, duplicate: 0, truncate: 0}}
     prefill: {max_num_batched_tokens: 2048, tp: 1, num_nodes: 1, num_cpus: 1, num_gpus: 1, resources: {},
               prefix_cache: false}
     decode: {max_num_seqs: 32, tp: 1, num_nodes: 1, num_cpus: 1, num_gpus: 1, resources: {}, prefix_cache: false}
     router: {host: 127.0.0.1, port: 50051, http_port: 8000, policy: least_load, queue_size: 256, default_timeout_s: 600,
-             api_key: null, tls_cert: null, tls_key: null, ...}
+             api_key: null, tls_cert: null, tls_key: null, migrate: true, max_migrations: 3, ...}
     cluster: {address: null, namespace: pdserve, router_resources: {}, node_host: 127.0.0.1, start_timeout_s: 300,
               secret: null, secret_file: null}
 
@@ -86,9 +86,31 @@ class CacheConfig(_Section):
     kv_cache_bytes: int = Field(default=512 << 20, gt=0)
 
 
+class KVFaultsConfig(_Section):
+    """Fault drills only (`pdserve bench chaos`): prefill nodes' KV links drop, delay, duplicate or
+    truncate (tcp only) each message with these probabilities (kvtransfer/faults.py). All 0: off."""
+
+    drop: float = Field(default=0.0, ge=0, le=1)
+    delay: float = Field(default=0.0, ge=0, le=1)
+    duplicate: float = Field(default=0.0, ge=0, le=1)
+    truncate: float = Field(default=0.0, ge=0, le=1)
+    delay_s: float = Field(default=0.05, ge=0)  # a delayed message waits up to this long
+
+    @property
+    def any(self) -> bool:
+        return bool(self.drop or self.delay or self.duplicate or self.truncate)
+
+    @model_validator(mode="after")
+    def _at_most_one(self) -> KVFaultsConfig:
+        if self.drop + self.delay + self.duplicate + self.truncate > 1:
+            raise ValueError("the fault probabilities must sum to at most 1")
+        return self
+
+
 class KVTransferConfig(_Section):
     backend: Literal["ucx", "tcp", "local"] = "ucx"
     timeout_s: float = Field(default=30.0, gt=0)
+    faults: KVFaultsConfig = Field(default_factory=KVFaultsConfig)
 
 
 class _NodeSection(_Section):
@@ -147,6 +169,11 @@ class RouterConfig(_Section):
     status_interval_s: float = Field(default=1.0, gt=0)  # node Status polls and health probes
     rpc_timeout_s: float = Field(default=5.0, gt=0)  # Reserve / Abort / Status calls to nodes
     prefill_retries: int = Field(default=2, ge=0)  # other prefill nodes tried after UNAVAILABLE
+    # A request whose decode node is lost moves to another one: prompt + the tokens already
+    # streamed are prefilled again and the stream goes on (each token once); at most
+    # `max_migrations` times per request, then UNAVAILABLE. False: such requests end UNAVAILABLE.
+    migrate: bool = True
+    max_migrations: int = Field(default=3, ge=0)
     # With no healthy prefill or decode node, a new request waits this long for one (a node being
     # replaced) before UNAVAILABLE; 0: answer at once. Bounded by the request's own deadline too.
     node_wait_s: float = Field(default=0.0, ge=0)

@@ -2,9 +2,20 @@
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 from deploy.config import ServiceConfig
+
+
+def rss_mb() -> float:
+    """This process's resident memory in MiB (Linux; -1 elsewhere)."""
+    try:
+        with open("/proc/self/statm") as f:
+            pages = int(f.read().split()[1])
+    except (OSError, ValueError, IndexError):
+        return -1.0
+    return round(pages * os.sysconf("SC_PAGE_SIZE") / 2**20, 1)
 
 
 class RouterActor:
@@ -75,4 +86,5 @@ class RouterActor:
                  for (k, a), n in self.router.pool.nodes.items()}
         return {"serving": h.serving, "prefill_nodes": h.prefill_nodes, "decode_nodes": h.decode_nodes,
                 "running_requests": h.running_requests, "queued_requests": self.router.num_queued,
+                "migrations": self.router.migrations, "terminals": dict(self.router.counts), "rss_mb": rss_mb(),
                 "nodes": nodes, "ray_node_id": ray.get_runtime_context().get_node_id()}

@@ -25,8 +25,16 @@ def _cls(backend: str, which: int) -> Any:
     return getattr(importlib.import_module(module), names[which])
 
 
-def create_sender(backend: str, **options: Any) -> KVSender:
+def create_sender(backend: str, faults: dict[str, Any] | None = None, **options: Any) -> KVSender:
+    """A sender of `backend`; `faults` (fault drills only: kvtransfer/faults.py) makes its links
+    drop, delay, duplicate or truncate messages with the given probabilities."""
     sender: KVSender = _cls(backend, 0)(**options)
+    if faults:
+        from kvtransfer.faults import Faults, with_faults
+
+        spec = Faults(**faults)
+        if spec.any:
+            sender = with_faults(sender, spec)
     return sender
 
 

@@ -202,6 +202,8 @@ def seal(msg: dict[str, Any]) -> bytes:
 
 def unseal(buf: bytes | bytearray | memoryview) -> dict[str, Any]:
     """Inverse of ``seal``; the caller clears the header bytes before each receive."""
+    if len(buf) < SEALED.size:
+        raise WireError(f"sealed frame of {len(buf)} bytes has no header")
     magic, n, crc = SEALED.unpack(bytes(buf[: SEALED.size]))
     if magic != MAGIC:
         raise WireError(f"bad magic {magic!r}: not a kvtransfer control message")

@@ -72,8 +72,8 @@ class PrefillServicer(node_pb2_grpc.PrefillControlServicer):
             context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, "prefill did not finish in time")
         except ValueError as e:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
-        except ConnectionError as e:
-            context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
+        except ConnectionError as e:  # the decode node, not this one: the router moves the request
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e))
         except Exception as e:
             context.abort(grpc.StatusCode.ABORTED, str(e))
         return node_pb2.Payload(msgpack=msg.pack())

@@ -51,6 +51,8 @@ class RouterMetrics:
                                      labels, registry=r).labels(model_name)
         self.generation_tokens = Counter("pdserve:generation_tokens", "Output tokens sent to clients",
                                          labels, registry=r).labels(model_name)
+        self.migrations = Counter("pdserve:request_migrations", "Requests moved to another decode node "
+                                  "(each move counts)", labels, registry=r).labels(model_name)
         Gauge("pdserve:num_requests_waiting", "Requests queued for a decode node", registry=r).set_function(
             lambda: float(queue_depth()))
         Gauge("pdserve:num_requests_router", "Requests in flight in the router", registry=r).set_function(

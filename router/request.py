@@ -6,8 +6,13 @@ message. The terminal guarantee lives here: `finish`/`fail` close the request on
 calls are no-ops, and nothing is emitted after the terminal message.
 
 Who owns what: the lifecycle (router.py) drives the request and is the only writer of the
-placement fields (`decode`, `prefill`, `node_rid`, `decode_live`); the NodePool's output
-reader only appends to `events`; anyone may `interrupt` (client abort, node failure).
+placement fields (`decode`, `prefill`, `node_rid`, `decode_live`, `lost`); the NodePool's
+output reader only appends to `events`; anyone may `interrupt` (client abort, router stop) or
+`lose` the decode node (it failed: the lifecycle moves the request elsewhere, `migrate`).
+
+A migrated attempt resumes: its prompt is the original one plus every token already streamed
+(`resume_prompt`) and its max_tokens what is left (`resume_sampling`), so the client sees each
+token once and max_tokens counts what was emitted before the move.
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from protos import node_pb2
 from protos import pdserve_pb2 as pb
 from protos.messages import OutputItem, TokenLogprobs
 from router.detokenize import TextStream
@@ -49,6 +55,10 @@ class RequestState:
     decode_live: bool = False  # D may still hold it (no terminal from D yet)
     prefill: Node | None = None  # a Prefill call is outstanding there
     prefill_work: int = 0  # prompt tokens the policy expects it to compute (its inflight_tokens share)
+    lost: asyncio.Future[str] | None = None  # set (a reason) when `decode` fails; one per placement
+    attempt: int = 0  # placements tried (node-side ids carry it)
+    migrations: int = 0  # times moved to another decode node
+    moved_from: str = ""  # why it last moved (named in an error that ends it while moving)
     # results
     tokens: list[int] = field(default_factory=list)
     steps: int = 0
@@ -77,6 +87,26 @@ class RequestState:
         if self.task is not None:
             self.task.cancel()
         return True
+
+    def lose(self, reason: str) -> None:
+        """The decode node of this placement failed: wake the lifecycle to move the request."""
+        if self.lost is not None and not self.lost.done():
+            self.lost.set_result(reason)
+
+    # ---- what a (re)placement sends -----------------------------------------------------
+    def resume_prompt(self) -> list[int]:
+        """The prompt to prefill: the client's, then every token it has already been sent."""
+        return self.prep.prompt_ids + self.tokens
+
+    def resume_sampling(self) -> node_pb2.Sampling:
+        """The request's sampling, max_tokens less the tokens already sent (same seed: the
+        noise behind a token depends on its position, not on which node draws it)."""
+        if not self.tokens:
+            return self.prep.sampling
+        s = node_pb2.Sampling()
+        s.CopyFrom(self.prep.sampling)
+        s.max_tokens -= len(self.tokens)
+        return s
 
     # ---- emitting -----------------------------------------------------------------------
     def add_tokens(self, tokens: list[int], logprobs: TokenLogprobs | None) -> bool:

@@ -6,12 +6,18 @@ A request's path through this file:
   RESOURCE_EXHAUSTED) -> Prefill on a prefill node P (UNAVAILABLE -> abort on D, re-reserve,
   another P) -> P's first token streamed at once -> D's output items (routed here by the
   NodePool's one Outputs subscription per D) -> detokenize, stop strings -> one terminal.
+A lost placement (D's stream broke, P could not reach D, D reported the attempt failed) raises
+`AttemptLost` in the driver, which migrates the request (`router.migrate`): the old attempt is
+aborted and the driver places it again with prompt + tokens already streamed, at most
+`router.max_migrations` times, else one UNAVAILABLE terminal.
 
 The driver task is the only writer of a request's placement; anything else ends a request by
-`RequestState.interrupt` (client Abort, client cancel, decode node failure, router stop),
-which cancels the driver. `_driver_done` runs however the driver ended: it sends the terminal
-if none was sent (the terminal guarantee) and `_release` frees what nodes still hold (Abort to
-D unless D already ended the request, Abort to P if a Prefill call was outstanding).
+`RequestState.interrupt` (client Abort, client cancel, router stop), which cancels the driver.
+A decode node failure only `lose`s its requests' placements: each driver, awaiting that node
+(`_unless_lost`), wakes up and migrates. `_driver_done` runs however the driver ended: it sends
+the terminal if none was sent (the terminal guarantee) and `_release` frees what nodes still
+hold (Abort to D unless D already ended the request, Abort to P if a Prefill call was
+outstanding).
 
 Careful: node-side request ids are per attempt (`router/request/attempt`), so an old
 attempt's late output items can never reach a retried one. Nothing here may block the loop.
@@ -62,6 +68,11 @@ class RequestError(Exception):
         self.code, self.message = code, message
 
 
+class AttemptLost(Exception):
+    """This placement of a request is lost (its decode node failed or gave up on it); the
+    request may move to another decode node."""
+
+
 class Router:
     def __init__(self, model: Any, directory: NodeDirectory, config: RouterConfig | None = None, *,
                  max_model_len: int | None = None, num_speculative_tokens: int | None = None,
@@ -91,6 +102,7 @@ class Router:
         self._server: grpc.aio.Server | None = None
         self._serving = False
         self.counts: Counter[str] = Counter()  # terminal kinds ("finished:stop", "error:UNAVAILABLE", ...)
+        self.migrations = 0  # requests moved to another decode node (each move counts)
         self.metrics = RouterMetrics(model.name, lambda: len(self._queue), lambda: len(self.requests),
                                      lambda: list(self.pool.nodes.values()))
         self.http: HttpServer | None = None
@@ -209,12 +221,18 @@ class Router:
     async def _drive(self, st: RequestState) -> None:
         try:
             async with asyncio.timeout(st.prep.timeout_s):
-                first = await self._place(st)
-                await self._stream(st, first)
+                while True:
+                    try:
+                        first = await self._place(st)
+                        await self._stream(st, first)
+                        return
+                    except AttemptLost as e:
+                        self._migrate(st, str(e))
         except TimeoutError:
             st.fail("DEADLINE_EXCEEDED", f"request {st.request_id!r} passed its {st.prep.timeout_s:g} s deadline")
         except RequestError as e:
-            st.fail(e.code, e.message)
+            moving = f"; it was moving off a lost decode node ({st.moved_from})" if st.moved_from else ""
+            st.fail(e.code, e.message + moving)
 
     def _driver_done(self, st: RequestState, task: asyncio.Task[None]) -> None:
         """Runs however the driver ended (even cancelled before it started): the terminal
@@ -236,30 +254,78 @@ class Router:
                 st.fail("INTERNAL", "the request ended without a result")
         self._release(st)
 
+    # ---- migration ------------------------------------------------------------------------
+    def _migrate(self, st: RequestState, reason: str) -> None:
+        """Give up a lost placement (Abort to its D if D may still hold it); RequestError when the
+        request may not move again, else the driver places it anew (resume_prompt)."""
+        self._spawn_abort_decode(st, f"migrating: {reason}")
+        if not self.config.migrate:
+            raise RequestError("UNAVAILABLE", reason)
+        if st.migrations >= self.config.max_migrations:
+            raise RequestError("UNAVAILABLE", f"{reason} (the request already moved {st.migrations} times, "
+                                              f"router.max_migrations)")
+        st.migrations += 1
+        st.moved_from = reason
+        self.migrations += 1
+        self.metrics.migrations.inc()
+        log.info("request %s moves to another decode node after %d tokens: %s", st.request_id,
+                 len(st.tokens), reason)
+
+    async def _unless_lost(self, st: RequestState, aw: Any) -> Any:
+        """`await aw`, unless the placement is lost first: then `aw` is cancelled, AttemptLost."""
+        task, lost = asyncio.ensure_future(aw), st.lost
+        if lost is None:
+            return await task
+        try:
+            await asyncio.wait((task, lost), return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            if not task.done():
+                task.cancel()  # also when the driver itself was cancelled
+        if task.done() and not task.cancelled():
+            return task.result()
+        raise AttemptLost(lost.result())
+
     # ---- placement: reserve on D, prefill on P --------------------------------------------
     async def _place(self, st: RequestState) -> FirstToken:
         tried: dict[str, str] = {}
-        for attempt in range(self.config.prefill_retries + 1):
+        prompt, sampling = st.resume_prompt(), st.resume_sampling()
+        for _ in range(self.config.prefill_retries + 1):
             if not await self._await_node("prefill", tried):
                 raise RequestError("UNAVAILABLE", _no_prefill_message(tried))  # before reserving
-            decode, descriptor = await self._reserve(st, attempt)
-            prefill, work = self._choose_prefill(st.prep.prompt_ids, exclude=tried)
+            st.attempt += 1
+            decode, descriptor = await self._reserve(st, st.attempt, prompt, sampling)
+            prefill, work = self._choose_prefill(prompt, exclude=tried)
             req = node_pb2.PrefillRequest(
-                request_id=st.node_rid, prompt_token_ids=st.prep.prompt_ids, sampling=st.prep.sampling,
+                request_id=st.node_rid, prompt_token_ids=prompt, sampling=sampling,
                 descriptor_msgpack=descriptor, decode_address=decode.address)
-            self._hold_prefill(st, prefill, work)
-            try:
-                payload = await prefill.stub.Prefill(req)
-            except grpc.aio.AioRpcError as e:
-                self._drop_prefill(st)
-                if not self.pool.rpc_failed(prefill, e, "Prefill"):
-                    raise RequestError(e.code().name, f"prefill node {prefill.address}: {e.details()}") from None
-                tried[prefill.address] = e.details() or "unavailable"
-                await self._abort_decode(st, "the prefill node failed; retrying elsewhere")
-                continue
-            self._drop_prefill(st)
-            return self._read_first(st, prefill, payload)
+            payload = await self._prefill(st, prefill, work, req)
+            if payload is not None:
+                return self._read_first(st, prefill, payload)
+            tried[prefill.address] = prefill.last_error or "unavailable"
+            await self._abort_decode(st, "the prefill node failed; retrying elsewhere")
         raise RequestError("UNAVAILABLE", _no_prefill_message(tried))
+
+    async def _prefill(self, st: RequestState, prefill: Node, work: int,
+                       req: node_pb2.PrefillRequest) -> node_pb2.Payload | None:
+        """The Prefill call; None when the prefill node is unavailable (try another). AttemptLost
+        when the decode node fails meanwhile (the call is cancelled and P told to drop it), or P
+        could not reach it (FAILED_PRECONDITION)."""
+        self._hold_prefill(st, prefill, work)  # still held if the driver is cancelled: _release aborts P
+        try:
+            payload: node_pb2.Payload = await self._unless_lost(st, prefill.stub.Prefill(req))
+        except AttemptLost:
+            self._drop_prefill(st)
+            self.pool.spawn(self._send_abort(prefill, st.node_rid, "the decode node was lost"))
+            raise
+        except grpc.aio.AioRpcError as e:
+            self._drop_prefill(st)
+            if e.code() == grpc.StatusCode.FAILED_PRECONDITION:
+                raise AttemptLost(f"prefill node {prefill.address}: {e.details()}") from None
+            if not self.pool.rpc_failed(prefill, e, "Prefill"):
+                raise RequestError(e.code().name, f"prefill node {prefill.address}: {e.details()}") from None
+            return None
+        self._drop_prefill(st)
+        return payload
 
     def _choose_prefill(self, prompt: list[int], exclude: dict[str, str]) -> tuple[Node, int]:
         """The prefill node to use, and the prompt tokens it is expected to compute."""
@@ -270,13 +336,16 @@ class Router:
                 return node, self.policy.routed(node.address, prompt)
         raise RequestError("UNAVAILABLE", _no_prefill_message(exclude))
 
-    async def _reserve(self, st: RequestState, attempt: int) -> tuple[Node, bytes]:
+    async def _reserve(self, st: RequestState, attempt: int, prompt: list[int],
+                       sampling: node_pb2.Sampling) -> tuple[Node, bytes]:
         """Reserve on the first decode node (policy order) that admits; queue when none does."""
         wait, front = len(self._queue) > 0, False  # FIFO: do not pass those already waiting
+        req = node_pb2.ReserveRequest(request_id=f"{self.router_id}/{st.request_id}/{attempt}",
+                                      prompt_len=len(prompt), sampling=sampling, prompt_token_ids=prompt)
         while True:
             if not wait:
                 seen = self._queue.epoch
-                found = await self._try_reserve(st, attempt)
+                found = await self._try_reserve(st, req)
                 if found is not None:
                     if len(self._queue):
                         self._queue.wake_one()  # capacity may remain for the next one
@@ -300,13 +369,11 @@ class Router:
             await asyncio.sleep(NODE_WAIT_POLL_S)
         return True
 
-    async def _try_reserve(self, st: RequestState, attempt: int) -> tuple[Node, bytes] | None:
+    async def _try_reserve(self, st: RequestState, req: node_pb2.ReserveRequest) -> tuple[Node, bytes] | None:
         if not await self._await_node("decode"):
             raise RequestError("UNAVAILABLE", "no healthy decode node")
         nodes = self.pool.healthy("decode")
-        node_rid = f"{self.router_id}/{st.request_id}/{attempt}"
-        req = node_pb2.ReserveRequest(request_id=node_rid, prompt_len=len(st.prep.prompt_ids),
-                                      sampling=st.prep.sampling, prompt_token_ids=st.prep.prompt_ids)
+        node_rid = req.request_id
         for load in self.policy.order_decode([n.load() for n in nodes]):
             node = self.pool.find("decode", load.address)
             if node is None or not node.healthy:
@@ -343,16 +410,16 @@ class Router:
             st.finish("stop" if st.text.stopped else first.finished or st.stop_reason)
             return
         while True:
-            item = await st.events.get()
+            item = await self._next_item(st)
             st.steps, st.accepted = st.steps + item.steps, st.accepted + item.accepted
             complete = self._add_tokens(st, item.tokens, item.logprobs)
             if item.finish_reason is not None or item.error is not None:
                 st.decode_live = False
             if st.text.stopped:
                 st.finish("stop")
-            elif item.error is not None:
+            elif item.error is not None:  # D gave up on this attempt (its KV never came, ...): move it
                 assert st.decode is not None
-                st.fail("INTERNAL", f"decode node {st.decode.address}: {item.error}")
+                raise AttemptLost(f"decode node {st.decode.address}: {item.error}")
             elif item.finish_reason is not None:
                 st.finish(item.finish_reason)
             elif complete:
@@ -360,6 +427,14 @@ class Router:
             else:
                 continue
             return
+
+    async def _next_item(self, st: RequestState) -> OutputItem:
+        """The next output item from the decode node; AttemptLost once it failed and every item it
+        sent before is read (those tokens count: they are not computed again)."""
+        if not st.events.empty():
+            return st.events.get_nowait()
+        item: OutputItem = await self._unless_lost(st, st.events.get())
+        return item
 
     def _add_tokens(self, st: RequestState, tokens: list[int], logprobs: TokenLogprobs | None) -> bool:
         before = len(st.tokens)
@@ -377,7 +452,7 @@ class Router:
     def _on_decode_failure(self, node: Node, reason: str) -> None:
         for st in list(self.requests.values()):
             if st.decode is node:
-                st.interrupt(Interrupt("UNAVAILABLE", f"decode node {node.address} failed: {reason}"))
+                st.lose(f"decode node {node.address} failed: {reason}")
 
     def _on_capacity(self) -> None:
         self._queue.wake_one()
@@ -387,6 +462,7 @@ class Router:
         if st.node_rid != node_rid:  # a new attempt: nothing of an older one may be read
             st.events = asyncio.Queue()
         st.decode, st.decode_live, st.node_rid = node, True, node_rid
+        st.lost = asyncio.get_running_loop().create_future()
         node.inflight += 1
         self._by_node_rid[node_rid] = st
 

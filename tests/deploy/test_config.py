@@ -184,3 +184,15 @@ def test_tp_sizes_are_powers_of_two_and_equal_for_prefill_and_decode():
         ServiceConfig.load(None, {"prefill.tp": 2, "decode.tp": 4})
     with pytest.raises(ConfigError, match=r"decode\.tp: .*power of two.*got 3"):
         ServiceConfig.load(None, {"prefill.tp": 3, "decode.tp": 3})
+
+
+def test_kv_fault_drills_are_off_by_default_and_checked():
+    from deploy.config import ConfigError, ServiceConfig
+
+    assert not ServiceConfig.load(None).kv_transfer.faults.any
+    cfg = ServiceConfig.load(None, {"kv_transfer.faults.drop": 0.01, "kv_transfer.faults.truncate": 0.02})
+    assert cfg.kv_transfer.faults.any and cfg.kv_transfer.faults.truncate == 0.02
+    with pytest.raises(ConfigError, match="sum to at most 1"):
+        ServiceConfig.load(None, {"kv_transfer.faults.drop": 0.6, "kv_transfer.faults.delay": 0.6})
+    with pytest.raises(ConfigError, match="unknown config key"):
+        ServiceConfig.load(None, {"kv_transfer.faults.corrupt": 0.1})

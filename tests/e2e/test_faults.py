@@ -1,5 +1,6 @@
-"""Faults on a live local Ray cluster: a decode actor killed mid-stream, a prefill actor
-killed with requests in flight. Nothing hangs; every stream ends exactly once."""
+"""Faults on a live local Ray cluster: a decode actor killed mid-stream (its requests move to the
+other decode node, or, with migration off, end UNAVAILABLE), a prefill actor killed with
+requests in flight. Nothing hangs; every stream ends exactly once; KV blocks come back."""
 
 from __future__ import annotations
 
@@ -25,12 +26,14 @@ async def wait_for_nodes(client, prefill, decode, timeout=120.0):
         await asyncio.sleep(0.2)
 
 
-async def stream_until_end(client, prompt, started: asyncio.Event, counter: list[int], n: int):
-    """Consume one stream; returns the terminal message kinds seen and the token count."""
-    terminals, tokens = [], 0
-    async for msg in client.stream(build_request(prompt, max_tokens=2000, ignore_eos=True)):
-        tokens += len(msg.token_ids)
-        if tokens >= 3 and tokens - len(msg.token_ids) < 3:
+async def stream_until_end(client, request, started: asyncio.Event, counter: list[int], n: int):
+    """Consume one stream; returns the terminal messages seen and the tokens streamed. The n-th
+    stream to pass its 3rd token sets `started`."""
+    terminals, tokens = [], []
+    async for msg in client.stream(request):
+        before = len(tokens)
+        tokens += msg.token_ids
+        if len(tokens) >= 3 > before:
             counter[0] += 1
             if counter[0] == n:
                 started.set()
@@ -41,32 +44,73 @@ async def stream_until_end(client, prompt, started: asyncio.Event, counter: list
     return terminals, tokens
 
 
-def test_decode_actor_killed_mid_stream(tiny_reference):
-    service, address = start_service(1, 2, 2)
-    try:
-        async def main():
-            async with RouterClient(address) as client:
-                started, counter = asyncio.Event(), [0]
-                tasks = [asyncio.create_task(stream_until_end(client, [i + 1, 2, 3], started, counter, 8))
-                         for i in range(8)]
-                await asyncio.wait_for(started.wait(), 60)
-                service.kill("decode", 0)
-                results = await asyncio.wait_for(asyncio.gather(*tasks), 120)
-                after = await client.generate(build_request([9, 9, 9], max_tokens=8, ignore_eos=True))
-                await wait_for_nodes(client, 1, 2)
-                return results, after
+def kill_mid_stream(service, address, requests):
+    """Start the streams, kill decode node 0 once all have 3 tokens; every stream's result."""
+    async def main():
+        async with RouterClient(address) as client:
+            started, counter = asyncio.Event(), [0]
+            tasks = [asyncio.create_task(stream_until_end(client, r, started, counter, len(requests)))
+                     for r in requests]
+            await asyncio.wait_for(started.wait(), 120)
+            service.kill("decode", 0)
+            results = await asyncio.wait_for(asyncio.gather(*tasks), 240)
+            await wait_for_nodes(client, 1, 2)
+            return results
 
-        results, after = run_async(main())
-        kinds = [t[0][0] for t, _ in results]
-        assert all(len(t) == 1 for t, _ in results), "exactly one terminal per stream"
-        assert "UNAVAILABLE" in kinds, "requests on the killed decode node end with an error"
-        assert all(k in ("UNAVAILABLE", "finished") for k in kinds)
-        assert all("decode" in t[0][1] for t, _ in results if t[0][0] == "UNAVAILABLE")
-        ref = tiny_reference([[9, 9, 9]], SamplingParams(max_tokens=8, ignore_eos=True))
-        assert after["token_ids"] == ref[0].output_ids  # new requests go to the live node
+    return run_async(main())
+
+
+@pytest.mark.parametrize("k", [0, 2])
+def test_decode_actor_killed_mid_stream_requests_move_and_finish_exactly(tiny_reference, k):
+    """Both decode nodes serve streams; one is killed: its requests are prefilled again (prompt +
+    tokens sent) and finish on the other, each token once. Greedy ones equal the single-process
+    engine. Seeded sampled ones too without MTP (the noise behind a token is keyed by seed and
+    position); with MTP a moved one's later tokens follow the same distribution but not the same
+    draws (the drafts recomputed by P differ from those D would have made), so only its length
+    is checked."""
+    import ray
+
+    service, address = start_service(1, 2, k)
+    prompts = [[i + 1, 2, 3] for i in range(8)]
+    params = [SamplingParams(max_tokens=160, ignore_eos=True, temperature=0.9 if i % 2 else 0.0, seed=i)
+              for i in range(len(prompts))]
+    requests = [build_request(p, max_tokens=160, ignore_eos=True, temperature=sp.temperature, seed=sp.seed)
+                for p, sp in zip(prompts, params, strict=True)]
+    try:
+        results = kill_mid_stream(service, address, requests)
+        status = ray.get(service.router.status.remote())
         wait_blocks_returned(service, timeout=60)
     finally:
         service.stop()
+    assert all(t == [("finished", "length")] for t, _ in results), [t for t, _ in results]
+    ref = tiny_reference(prompts, params, k=k)
+    exact = [i for i, sp in enumerate(params) if k == 0 or sp.temperature == 0]
+    assert [results[i][1] for i in exact] == [ref[i].output_ids for i in exact]
+    assert all(len(toks) == 160 for _, toks in results)
+    assert status["migrations"] >= 1, status  # the killed node held some of them
+
+
+def test_without_migration_decode_actor_killed_mid_stream_fails_its_requests(tiny_reference):
+    service, address = start_service(1, 2, 2, **{"router.migrate": False})
+    try:
+        results = kill_mid_stream(service, address,
+                                  [build_request([i + 1, 2, 3], max_tokens=2000, ignore_eos=True) for i in range(8)])
+        after = run_async(_one(address, build_request([9, 9, 9], max_tokens=8, ignore_eos=True)))
+        wait_blocks_returned(service, timeout=60)
+    finally:
+        service.stop()
+    kinds = [t[0][0] for t, _ in results]
+    assert all(len(t) == 1 for t, _ in results), "exactly one terminal per stream"
+    assert "UNAVAILABLE" in kinds, "requests on the killed decode node end with an error"
+    assert all(k in ("UNAVAILABLE", "finished") for k in kinds)
+    assert all("decode" in t[0][1] for t, _ in results if t[0][0] == "UNAVAILABLE")
+    ref = tiny_reference([[9, 9, 9]], SamplingParams(max_tokens=8, ignore_eos=True))
+    assert after["token_ids"] == ref[0].output_ids  # new requests go to the live node
+
+
+async def _one(address, request):
+    async with RouterClient(address) as client:
+        return await client.generate(request)
 
 
 def test_prefill_actor_killed_requests_retried(tiny_reference):

@@ -22,6 +22,8 @@ FakeDecode:
     A request ends with one terminal item: "stop" at a stop id, "length" at max_tokens
     (the first token counts), "abort" after Abort. Logprobs are fixed (-0.25, rank 1).
   - `pause_after=n`: a request stops after n tokens (first token included) until `resume()`.
+  - `fail_transfers=n`: the next n first-token messages end their request with an error item,
+    as a real D does when the KV transfer fails (its prefill node died mid-transfer).
   - `die()` stops the server at once (streams break); `start(port)` can bring a new one up
     at the same address. Status can be told to report `free_blocks_report` instead of the
     real count (least-load tests) and `report_unhealthy`.
@@ -126,6 +128,7 @@ class FakeDecode(_Server, node_pb2_grpc.DecodeControlServicer):
         self.pause_after = pause_after
         self.k = num_speculative_tokens
         self.refuse = False
+        self.fail_transfers = 0
         self.reserve_gate: asyncio.Event | None = None  # Reserve decides, then waits for it
         self.free_blocks_report: int | None = None
         self.report_unhealthy = False
@@ -195,6 +198,10 @@ class FakeDecode(_Server, node_pb2_grpc.DecodeControlServicer):
             return node_pb2.Ack(ok=False, reason="unknown request")
         if first.finished:
             del self.seqs[first.request_id]  # released silently: the router sends the terminal
+        elif self.fail_transfers > 0:
+            self.fail_transfers -= 1
+            del self.seqs[first.request_id]
+            self._publish([OutputItem(first.request_id, [], error="KV transfer failed: sender gone (test)")])
         else:
             seq.started, seq.generated = True, 1
             self._work.set()
@@ -283,6 +290,7 @@ class FakePrefill(_Server, node_pb2_grpc.PrefillControlServicer):
         self.hold_failure: asyncio.Event | None = None  # when to fail, after the first token
         self.hold: asyncio.Event | None = None
         self.calls: list[str] = []
+        self.prompts: list[tuple[list[int], int]] = []  # per call: prompt ids, max_tokens
         self.aborts: list[str] = []
         self.active: set[str] = set()
         self._decode_stubs: dict[str, node_pb2_grpc.DecodeControlStub] = {}
@@ -302,6 +310,7 @@ class FakePrefill(_Server, node_pb2_grpc.PrefillControlServicer):
 
     async def Prefill(self, request, context):  # noqa: N802
         self.calls.append(request.request_id)
+        self.prompts.append((list(request.prompt_token_ids), request.sampling.max_tokens))
         if self.fail:
             self.changed()
             await context.abort(grpc.StatusCode.UNAVAILABLE, f"prefill node {self.name} is down (test)")

@@ -8,7 +8,7 @@ import asyncio
 from router.client import build_request
 from tests.router.conftest import cluster
 from tests.router.fake_nodes import FakeDecode
-from tests.router.test_lifecycle import collect, text
+from tests.router.test_lifecycle import collect, text, tokens
 
 
 async def test_capacity_news_during_a_refused_retry_is_not_lost():
@@ -62,8 +62,8 @@ async def test_queue_of_zero_answers_at_once_and_deadline_applies_while_queued()
         await c.settled()
 
 
-async def test_decode_node_death_fails_its_requests_and_new_ones_go_to_the_live_node():
-    async with cluster(n_decode=2, decode={"pause_after": 3}) as c:
+async def test_without_migration_decode_node_death_fails_its_requests_and_new_ones_go_to_the_live_node():
+    async with cluster(n_decode=2, decode={"pause_after": 3}, migrate=False) as c:
         d0, d1 = c.decode
         d1.free_blocks_report = 5  # least-load prefers d0 (1000 free blocks)
         await c.router.refresh()
@@ -88,6 +88,83 @@ async def test_decode_node_death_fails_its_requests_and_new_ones_go_to_the_live_
         c.directory.replace("decode", d0.address, await d2.start())
         await c.until(lambda: len(c.router.pool.healthy("decode")) == 2)
         assert {n.address for n in c.router.pool.healthy("decode")} == {d1.address, d2.address}
+        await c.settled()
+
+
+async def read_to_end(stream) -> list:
+    msgs = []
+    while not msgs or not (msgs[-1].HasField("error") or msgs[-1].HasField("finished")):
+        msgs.append(await stream.read())
+    return msgs
+
+
+async def start_on_d0(c, max_tokens: int):
+    """A stream placed on d0 (d1 reports few free blocks), read until d0 pauses it after 4 tokens."""
+    c.decode[1].free_blocks_report = 5
+    await c.router.refresh()
+    stream = c.client.stream(build_request("ab", max_tokens=max_tokens))
+    msgs = [await stream.read()]
+    while len(tokens(msgs)) < 4:
+        msgs.append(await stream.read())
+    assert len(c.decode[0].admitted) == 1 and not c.decode[1].admitted
+    return stream, msgs
+
+
+async def test_decode_node_death_moves_its_request_every_token_once():
+    async with cluster(n_decode=2, decode={"pause_after": 4}) as c:
+        d0, d1 = c.decode
+        stream, msgs = await start_on_d0(c, max_tokens=10)
+        d1.resume()
+        await d0.die()
+        msgs += await read_to_end(stream)
+        assert not any(m.HasField("error") for m in msgs) and msgs[-1].finished.reason == "length"
+        assert text(msgs) == "chel" + "m" + "hello"  # P's first token after "...l", then d1's script
+        assert len(tokens(msgs)) == 10 == msgs[-1].finished.usage.completion_tokens
+        p = c.prefill[0]
+        prompt = list(msgs[0].prompt_token_ids)
+        assert p.prompts == [(prompt, 10), (prompt + tokens(msgs)[:4], 6)]  # max_tokens counts what was sent
+        assert len(d1.admitted) == 1 and c.router.migrations == 1
+        await c.settled()
+
+
+async def test_attempt_the_decode_node_gives_up_on_is_placed_again():
+    """D ends an attempt with an error (its KV never came: the prefill node died mid-transfer):
+    the request is placed again and finishes; P's first token was sent once."""
+    async with cluster(n_decode=1) as c:
+        c.decode[0].fail_transfers = 1
+        msgs = await collect(c, prompt="ab", max_tokens=6)
+        assert msgs[-1].finished.reason == "length" and text(msgs) == "c" + "dhell"
+        p = c.prefill[0]
+        assert [(len(q), n) for q, n in p.prompts] == [(3, 6), (4, 5)] and c.router.migrations == 1
+        await c.settled()
+
+
+async def test_request_with_no_decode_node_left_to_move_to_ends_with_one_error_naming_both():
+    async with cluster(n_decode=1, decode={"pause_after": 2}) as c:
+        d0 = c.decode[0]
+        stream = c.client.stream(build_request("ab", max_tokens=40))
+        await stream.read()
+        await d0.die()
+        msgs = await read_to_end(stream)
+        err = msgs[-1].error
+        assert err.code == "UNAVAILABLE" and "no healthy decode node" in err.message and d0.address in err.message
+        assert sum(m.HasField("error") or m.HasField("finished") for m in msgs) == 1
+        await c.settled()
+
+
+async def test_request_that_cannot_move_again_ends_with_one_clear_error():
+    async with cluster(n_decode=2, decode={"pause_after": 4}, max_migrations=1) as c:
+        d0, d1 = c.decode
+        stream, msgs = await start_on_d0(c, max_tokens=40)
+        await d0.die()
+        await d1.until(lambda: len(d1.admitted) == 1 and d1.held == 1)
+        await c.until(lambda: any(st.decode is not None and st.decode.address == d1.address
+                                  and st.prefill is None for st in c.router.requests.values()))
+        await d1.die()
+        msgs += await read_to_end(stream)
+        err = msgs[-1].error
+        assert err.code == "UNAVAILABLE" and d1.address in err.message and "max_migrations" in err.message
+        assert sum(m.HasField("error") or m.HasField("finished") for m in msgs) == 1
         await c.settled()
 
 
@@ -197,15 +274,13 @@ async def test_directory_add_and_remove_are_seen_by_the_router():
         c.decode.append(extra)
         await asyncio.to_thread(c.directory.add, "decode", await extra.start())  # from another thread
         await c.until(lambda: len(c.router.pool.healthy("decode")) == 2)
-        c.directory.remove("decode", d0.address)
-        last = await stream.read()
-        while not (last.HasField("error") or last.HasField("finished")):
-            last = await stream.read()
-        assert last.error.code == "UNAVAILABLE" and "removed" in last.error.message
-        await d0.until(lambda: d0.held == 0)  # the router gave its reservation back
         extra.resume()
+        c.directory.remove("decode", d0.address)  # its request moves to the node still listed
+        msgs = await read_to_end(stream)
+        assert msgs[-1].finished.reason == "length" and msgs[-1].finished.usage.completion_tokens == 20
+        await d0.until(lambda: d0.held == 0)  # the router gave its reservation back
         assert (await collect(c, prompt="ab", max_tokens=3))[-1].finished.reason == "length"
-        assert len(extra.admitted) == 1
+        assert len(extra.admitted) == 2
         await c.settled()
 
 
