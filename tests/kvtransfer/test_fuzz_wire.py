@@ -23,7 +23,7 @@ from tests.kvtransfer.peer import block_bytes, make_cache
 TOK = b"k" * wire.TOKEN_BYTES
 VALID = {
     "desc": wire.make("desc", rid="r", tok=TOK, backend="tcp", addr="127.0.0.1:1", tag=0, lanes=[],
-                      layers=[0, 1], blocks=[4, 5], layout=[[1, 2]]),
+                      layers=[0, 1], blocks=[4, 5], layout=[[1, 2]], skip=0),
     "begin": wire.make("begin", rid="r", tok=TOK, reply="", ack_tag=0, nblocks=3),
     "layers": wire.make("layers", rid="r", tok=TOK, layers=[0, 1], runs=[[0, 3]]),
     "data": wire.make("data", rid="r", layer=0, run=0, nbytes=64),
