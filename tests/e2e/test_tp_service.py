@@ -12,7 +12,7 @@ import time
 import pytest
 
 from engine.sampling_params import SamplingParams
-from router.client import RouterClient
+from router.client import RouterClient, build_request
 from tests.e2e.conftest import run_async, start_service
 from tests.e2e.test_faults import stream_until_end
 from tests.e2e.test_service import generate_all, mixed_prompts
@@ -49,7 +49,8 @@ def wait_serving_again(svc, key, old: str, timeout: float = 240.0) -> None:
 async def kill_rank_mid_stream(svc, address, n: int = 4) -> list:
     async with RouterClient(address) as client:
         started, counter = asyncio.Event(), [0]
-        tasks = [asyncio.create_task(stream_until_end(client, [i + 1, 2, 3], started, counter, n)) for i in range(n)]
+        requests = [build_request([i + 1, 2, 3], max_tokens=2000, ignore_eos=True) for i in range(n)]
+        tasks = [asyncio.create_task(stream_until_end(client, r, started, counter, n)) for r in requests]
         await asyncio.wait_for(started.wait(), 60)
         svc.kill("decode", 0, rank=1)
         return await asyncio.wait_for(asyncio.gather(*tasks), 120)
