@@ -1,5 +1,6 @@
 """Skinny GEMMs (decode: M = 1..32 rows) of the SmolLM2 and Llama-3.2-1B shapes on a GPU:
-cuBLAS (F.linear) against a Triton split-K kernel over a sweep of tile configurations.
+cuBLAS (F.linear) against kernels/linear.py's split-K kernel over a sweep of tile configurations
+(`--sweep`; what `tile_config` was chosen from).
 
 Each case runs inside a CUDA graph over enough weight copies that they do not fit in L2 (as in
 a decode step, where every layer's weights come from HBM), timed with events; us per call and
@@ -17,8 +18,6 @@ import sys
 
 import torch
 import torch.nn.functional as F
-import triton
-import triton.language as tl
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -29,52 +28,14 @@ SHAPES = {  # name: (K, N)
     "llama qkv": (2048, 3072), "llama o": (2048, 2048), "llama gate_up": (2048, 16384),
     "llama down": (8192, 2048), "llama head": (2048, 128256),
 }
-CONFIGS = [dict(BN=bn, BK=bk, SPLIT=s, warps=w) for bn, bk, s, w in
-           itertools.product((16, 32, 64), (128, 256), (1, 2, 4, 8), (4,))]
+CONFIGS = [dict(BN=bn, BK=bk, SPLIT=s) for bn, bk, s in itertools.product((16, 32, 64), (128, 256), (1, 2, 4, 8))]
 
 
-@triton.jit
-def _skinny(x_ptr, w_ptr, out_ptr, M, N, K, k_per_split,
-            BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, SPLIT: tl.constexpr):
-    pid_n, pid_k = tl.program_id(0), tl.program_id(1)
-    rm = tl.arange(0, BM)
-    rn = pid_n * BN + tl.arange(0, BN)
-    rk = tl.arange(0, BK)
-    acc = tl.zeros([BM, BN], dtype=tl.float32)
-    k_lo = pid_k * k_per_split
-    for k0 in range(k_lo, k_lo + k_per_split, BK):
-        kk = k0 + rk
-        a = tl.load(x_ptr + rm[:, None] * K + kk[None, :], mask=(rm[:, None] < M) & (kk[None, :] < K), other=0.0)
-        b = tl.load(w_ptr + rn[:, None].to(tl.int64) * K + kk[None, :], mask=(rn[:, None] < N) & (kk[None, :] < K),
-                    other=0.0)
-        acc += tl.dot(a, tl.trans(b))
-    if SPLIT == 1:
-        tl.store(out_ptr + rm[:, None] * N + rn[None, :], acc.to(out_ptr.dtype.element_ty),
-                 mask=(rm[:, None] < M) & (rn[None, :] < N))
-    else:
-        base = out_ptr + pid_k * M * N
-        tl.store(base + rm[:, None] * N + rn[None, :], acc, mask=(rm[:, None] < M) & (rn[None, :] < N))
+def sweep(x: torch.Tensor, w: torch.Tensor, c: dict) -> torch.Tensor:
+    """kernels.linear's kernel with the tile configuration `c` instead of its own choice."""
+    from kernels.linear import linear_triton
 
-
-@triton.jit
-def _sum_splits(ws_ptr, y_ptr, MN, SPLIT: tl.constexpr, BLOCK: tl.constexpr):
-    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    acc = tl.zeros([BLOCK], dtype=tl.float32)
-    for s in range(SPLIT):  # in order: the same sum whatever M is
-        acc += tl.load(ws_ptr + s * MN + offs, mask=offs < MN, other=0.0)
-    tl.store(y_ptr + offs, acc.to(y_ptr.dtype.element_ty), mask=offs < MN)
-
-
-def skinny(x: torch.Tensor, w: torch.Tensor, y: torch.Tensor, ws: torch.Tensor, c: dict) -> None:
-    m, k = x.shape
-    n = w.shape[0]
-    k_per = triton.cdiv(triton.cdiv(k, c["SPLIT"]), c["BK"]) * c["BK"]
-    out = y if c["SPLIT"] == 1 else ws
-    _skinny[(triton.cdiv(n, c["BN"]), c["SPLIT"])](x, w, out, m, n, k, k_per, BM=max(16, triton.next_power_of_2(m)),
-                                                    BN=c["BN"], BK=c["BK"], SPLIT=c["SPLIT"], num_warps=c["warps"],
-                                                    num_stages=3)
-    if c["SPLIT"] > 1:
-        _sum_splits[(triton.cdiv(m * n, 1024),)](ws, y, m * n, SPLIT=c["SPLIT"], BLOCK=1024)
+    return linear_triton(x, w, config=(c["BN"], c["BK"], c["SPLIT"]))
 
 
 def graph_us(fn, copies: int) -> float:
@@ -105,20 +66,18 @@ def case(name: str, k: int, n: int, m: int) -> dict:
     ws_list = [torch.randn(n, k, device=DEV, dtype=DT) * 0.05 for _ in range(copies)]
     x = torch.randn(m, k, device=DEV, dtype=DT)
     ref = F.linear(x.float(), ws_list[0].float())
-    y = torch.empty(m, n, device=DEV, dtype=DT)
-    ws = torch.empty(8, m, n, device=DEV, dtype=torch.float32)
     bytes_ = k * n * 2
     cublas = graph_us(lambda: [F.linear(x, w) for w in ws_list], copies)
     best = (float("inf"), None)
     for c in CONFIGS:
         if c["SPLIT"] * c["BK"] > k:
             continue
-        skinny(x, ws_list[0], y, ws, c)
+        y = sweep(x, ws_list[0], c)
         err = ((y.float() - ref).norm() / ref.norm()).item()
         if not err < 1e-2:
             print(f"  {name} M={m} {c}: rel err {err:.2e}", file=sys.stderr)
             continue
-        t = graph_us(lambda c=c: [skinny(x, w, y, ws, c) for w in ws_list], copies)
+        t = graph_us(lambda c=c: [sweep(x, w, c) for w in ws_list], copies)
         best = min(best, (t, c), key=lambda p: p[0])
     row = {"case": name, "M": m, "cublas_us": round(cublas, 2), "cublas_tb_s": round(bytes_ / cublas / 1e6, 2),
            "triton_us": round(best[0], 2), "triton_tb_s": round(bytes_ / best[0] / 1e6, 2), "config": best[1]}

@@ -132,10 +132,10 @@ def _block_m(m: int) -> int:
     return INVARIANT_BM if invariant() else min(64, max(16, triton.next_power_of_2(m)))
 
 
-def _launch(x2, w, b, residual, y, argmax_out=None) -> None:
+def _launch(x2, w, b, residual, y, argmax_out=None, config: tuple[int, int, int] | None = None) -> None:
     m, (n, k) = x2.shape[0], w.shape
     assert w.stride(-1) == 1 and x2.shape[1] == k, f"weight {tuple(w.shape)} does not take {x2.shape[1]} inputs"
-    bn, bk, split = tile_config(n, k)
+    bn, bk, split = config or tile_config(n, k)
     bm = _block_m(m)
     if argmax_out is not None:
         split = 1  # the argmax needs the whole sum
@@ -164,11 +164,12 @@ def _launch(x2, w, b, residual, y, argmax_out=None) -> None:
 
 
 def linear_triton(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None, norm: Norm | None = None,
-                  residual: torch.Tensor | None = None) -> torch.Tensor:
+                  residual: torch.Tensor | None = None, config: tuple[int, int, int] | None = None) -> torch.Tensor:
+    """`config`: (BN, BK, SPLIT) instead of `tile_config`'s (benchmarks/gpu_gemv.py sweeps them)."""
     x2 = _rows(_norm(x, norm))
     y = torch.empty(x2.shape[0], w.shape[0], dtype=x.dtype, device=x.device)
     if x2.shape[0]:
-        _launch(x2, w, b, _rows(residual) if residual is not None else None, y)
+        _launch(x2, w, b, _rows(residual) if residual is not None else None, y, config=config)
     return y.view(*x.shape[:-1], w.shape[0])
 
 

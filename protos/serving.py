@@ -56,7 +56,7 @@ class SecretInterceptor(grpc.ServerInterceptor):
         given = dict(details.invocation_metadata or ()).get(SECRET_HEADER, "")
         if isinstance(given, str) and hmac.compare_digest(given.encode(), self._secret):
             return handler
-        return _refusing(handler)
+        return refusing(handler, _refuse, _refuse_stream)
 
 
 def _refuse(request: Any, context: grpc.ServicerContext) -> Any:
@@ -68,13 +68,16 @@ def _refuse_stream(request: Any, context: grpc.ServicerContext) -> Any:
     yield  # pragma: no cover  (abort raises; this makes it a generator)
 
 
-def _refusing(handler: Any) -> Any:
+def refusing(handler: Any, refuse: Callable[..., Any], refuse_stream: Callable[..., Any]) -> Any:
+    """A handler of `handler`'s kind and (de)serializers that answers with `refuse` (unary) or
+    `refuse_stream` (server-streaming): what an auth interceptor hands back instead. The node
+    services and the client API have no client-streaming methods."""
     io = (handler.request_deserializer, handler.response_serializer)
     if handler.unary_unary is not None:
-        return grpc.unary_unary_rpc_method_handler(_refuse, *io)
+        return grpc.unary_unary_rpc_method_handler(refuse, *io)
     if handler.unary_stream is not None:
-        return grpc.unary_stream_rpc_method_handler(_refuse_stream, *io)
-    raise ValueError("node services have no client-streaming methods")
+        return grpc.unary_stream_rpc_method_handler(refuse_stream, *io)
+    raise ValueError("no client-streaming method is served")
 
 
 def start_server(register: Callable[[Any, grpc.Server], None], servicer: Any, host: str, port: int,

@@ -14,6 +14,8 @@ from typing import Any
 
 import grpc
 
+from protos.serving import refusing
+
 OPEN_GRPC_METHODS = ("/pdserve.v1.Generation/Health", "/grpc.health.v1.Health/")
 
 
@@ -35,7 +37,7 @@ class ApiKeyInterceptor(grpc.aio.ServerInterceptor):
         if handler is None or details.method.startswith(OPEN_GRPC_METHODS):
             return handler
         header = dict(details.invocation_metadata or ()).get("authorization")
-        return handler if authorized(header, self.key) else _refusing(handler)
+        return handler if authorized(header, self.key) else refusing(handler, _refuse, _refuse_stream)
 
 
 async def _refuse(request: Any, context: Any) -> Any:
@@ -45,16 +47,6 @@ async def _refuse(request: Any, context: Any) -> Any:
 async def _refuse_stream(request: Any, context: Any) -> Any:
     await _refuse(request, context)
     yield  # pragma: no cover  (abort raises; this makes it an async generator)
-
-
-def _refusing(handler: Any) -> Any:
-    """A handler of the same kind and (de)serializers that answers UNAUTHENTICATED."""
-    io = (handler.request_deserializer, handler.response_serializer)
-    if handler.unary_unary is not None:
-        return grpc.unary_unary_rpc_method_handler(_refuse, *io)
-    if handler.unary_stream is not None:
-        return grpc.unary_stream_rpc_method_handler(_refuse_stream, *io)
-    raise ValueError("the client API has no client-streaming methods")
 
 
 def client_metadata(key: str | None) -> tuple[tuple[str, str], ...] | None:

@@ -21,7 +21,7 @@ from engine.loader import load_model
 from engine.sampling_params import SamplingParams
 from router.client import RouterClient, build_request
 from tests.deploy.ray_nodes import RayNodes
-from tests.e2e.conftest import BASE, run_async
+from tests.e2e.conftest import BASE, run_async, stream_until_end, wait_blocks_returned
 
 ROLE_RESOURCES = {"prefill": "pdserve_prefill", "decode": "pdserve_decode", "router": "pdserve_router"}
 PROMPTS = [[(5 * i + j) % 256 for j in range(3 + 7 * i)] for i in range(6)]
@@ -72,16 +72,6 @@ async def generate_all(address: str) -> list[dict]:
                                            for p in PROMPTS)))
 
 
-def wait_blocks_returned(service: Service, timeout: float = 60.0) -> None:
-    deadline = time.monotonic() + timeout
-    while True:
-        info = service.node_info()
-        if all(i["free_blocks"] == i["total_blocks"] for i in info.values()):
-            return
-        assert time.monotonic() < deadline, f"KV blocks not returned: {info}"
-        time.sleep(0.2)
-
-
 def test_actors_placed_by_resources_and_greedy_output_equals_local_engine(cluster, reference):
     import ray
     from ray.util.state import list_actors
@@ -96,7 +86,7 @@ def test_actors_placed_by_resources_and_greedy_output_equals_local_engine(cluste
         assert offered == {ROLE_RESOURCES[role]}, f"{name} placed on a node offering {offered}"
     assert len({placed["pdserve-prefill-0"], placed["pdserve-decode-0"]}) == 2  # KV crosses raylets
     assert [r["token_ids"] for r in run_async(generate_all(address))] == reference
-    wait_blocks_returned(service)
+    wait_blocks_returned(service, timeout=60.0)
 
 
 def test_status_lists_nodes_placement_and_health(cluster):
@@ -109,22 +99,6 @@ def test_status_lists_nodes_placement_and_health(cluster):
     table = render(state)
     print(f"\n{table}")
     assert "pdserve-decode-0" in table and "pdserve_decode" in table
-
-
-async def stream(client, prompt, started: asyncio.Event, counter: list[int], n: int):
-    """One long stream; returns its terminal messages and token count."""
-    terminals, tokens = [], 0
-    async for msg in client.stream(build_request(prompt, max_tokens=2000, ignore_eos=True)):
-        tokens += len(msg.token_ids)
-        if tokens >= 3 and tokens - len(msg.token_ids) < 3:
-            counter[0] += 1
-            if counter[0] == n:
-                started.set()
-        if msg.HasField("finished"):
-            terminals.append(("finished", msg.finished.reason))
-        if msg.HasField("error"):
-            terminals.append((msg.error.code, msg.error.message))
-    return terminals, tokens
 
 
 async def one_terminal(client, prompt) -> list[tuple[str, str]]:
@@ -150,7 +124,8 @@ def test_decode_host_dies_and_a_replacement_serves_without_restart(cluster, refe
     async def main():
         async with RouterClient(address) as client:
             started, counter = asyncio.Event(), [0]
-            tasks = [asyncio.create_task(stream(client, [i + 1, 2, 3], started, counter, 6)) for i in range(6)]
+            requests = [build_request([i + 1, 2, 3], max_tokens=2000, ignore_eos=True) for i in range(6)]
+            tasks = [asyncio.create_task(stream_until_end(client, r, started, counter, 6)) for r in requests]
             await asyncio.wait_for(started.wait(), 120)
             t_kill = time.monotonic()
             nodes.kill("decode-host")
@@ -175,4 +150,4 @@ def test_decode_host_dies_and_a_replacement_serves_without_restart(cluster, refe
     assert kinds <= {"UNAVAILABLE", "finished"} and "UNAVAILABLE" in kinds
     assert len(during) == 1 and during[0][0] == "UNAVAILABLE", during  # no decode host: a clear error
     assert [r["token_ids"] for r in after] == reference  # served again, by the replacement
-    wait_blocks_returned(service)
+    wait_blocks_returned(service, timeout=60.0)

@@ -49,6 +49,24 @@ def wait_blocks_returned(service: Service, timeout: float = 30.0) -> None:
         time.sleep(0.2)
 
 
+async def stream_until_end(client, request, started: asyncio.Event, counter: list[int], n: int):
+    """Consume one stream; returns the terminal messages seen and the tokens streamed. The n-th
+    stream to pass its 3rd token sets `started`."""
+    terminals, tokens = [], []
+    async for msg in client.stream(request):
+        before = len(tokens)
+        tokens += msg.token_ids
+        if len(tokens) >= 3 > before:
+            counter[0] += 1
+            if counter[0] == n:
+                started.set()
+        if msg.HasField("finished"):
+            terminals.append(("finished", msg.finished.reason))
+        if msg.HasField("error"):
+            terminals.append((msg.error.code, msg.error.message))
+    return terminals, tokens
+
+
 @pytest.fixture(scope="session")
 def tiny_reference():
     loaded = load_model("tiny")

@@ -11,7 +11,7 @@ import pytest
 
 from engine.sampling_params import SamplingParams
 from router.client import RouterClient, build_request
-from tests.e2e.conftest import run_async, start_service, wait_blocks_returned
+from tests.e2e.conftest import run_async, start_service, stream_until_end, wait_blocks_returned
 
 pytestmark = pytest.mark.usefixtures("ray_cluster")
 
@@ -24,24 +24,6 @@ async def wait_for_nodes(client, prefill, decode, timeout=120.0):
             return
         assert time.monotonic() < deadline, f"nodes did not rejoin: {h}"
         await asyncio.sleep(0.2)
-
-
-async def stream_until_end(client, request, started: asyncio.Event, counter: list[int], n: int):
-    """Consume one stream; returns the terminal messages seen and the tokens streamed. The n-th
-    stream to pass its 3rd token sets `started`."""
-    terminals, tokens = [], []
-    async for msg in client.stream(request):
-        before = len(tokens)
-        tokens += msg.token_ids
-        if len(tokens) >= 3 > before:
-            counter[0] += 1
-            if counter[0] == n:
-                started.set()
-        if msg.HasField("finished"):
-            terminals.append(("finished", msg.finished.reason))
-        if msg.HasField("error"):
-            terminals.append((msg.error.code, msg.error.message))
-    return terminals, tokens
 
 
 def kill_mid_stream(service, address, requests):

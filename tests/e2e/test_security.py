@@ -26,7 +26,8 @@ KEY = "e2e-api-key"
 def secured(tmp_path_factory):
     cert, key = self_signed(tmp_path_factory.mktemp("tls"))
     svc, address = start_service(1, 1, 2, **{"router.api_key": KEY, "router.tls_cert": cert,
-                                             "router.tls_key": key})
+                                             "router.tls_key": key,
+                                             "router.node_wait_s": 30})  # a first request waits for the nodes' first status
     yield svc, address, cert
     svc.stop()
 

@@ -13,8 +13,7 @@ import pytest
 
 from engine.sampling_params import SamplingParams
 from router.client import RouterClient, build_request
-from tests.e2e.conftest import run_async, start_service
-from tests.e2e.test_faults import stream_until_end
+from tests.e2e.conftest import run_async, start_service, stream_until_end
 from tests.e2e.test_service import generate_all, mixed_prompts
 
 pytestmark = pytest.mark.usefixtures("ray_cluster")
