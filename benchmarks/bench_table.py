@@ -28,6 +28,7 @@ def rows(lines: list[dict]) -> list[list[str]]:
 def _row(e: dict) -> list[str]:
     mode = ("graph" if e.get("graphs") else "eager") + (" det" if e.get("deterministic") else "")
     mode += f" dv{e['draft_vocab']}" if e.get("draft_vocab") else ""
+    mode += " pdl" if e.get("pdl") else ""
     return [e["model"], str(e["batch"]), mode, str(e["spec_tokens"]),
             f"{e['ms_per_step']:.3f}", f"{e['tokens_per_s']:.0f}", str(e.get("kernels_per_step", "")),
             str(e.get("gpu_busy", "")), str(e.get("floor", "")), str(e.get("hf", ""))]

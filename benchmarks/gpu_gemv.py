@@ -87,8 +87,9 @@ def case(name: str, k: int, n: int, m: int) -> dict:
 
 def fused_case(name: str, k: int, n: int, m: int, op: str) -> dict:
     """kernels.linear.linear (one launch) against the torch composition it replaces (norm
-    kernel, cuBLAS, add; or cuBLAS + argmax), weights rotated as above."""
-    from kernels.linear import linear, linear_argmax, linear_ref
+    kernel, cuBLAS, add; cuBLAS + silu * up; or cuBLAS + argmax), weights rotated as above."""
+    from kernels.activation import silu_and_mul
+    from kernels.linear import linear, linear_argmax, linear_glu, linear_glu_ref, linear_ref
     from kernels.norm import rms_norm
 
     copies = max(2, -(-(120 << 20) // (k * n * 2)))
@@ -102,6 +103,9 @@ def fused_case(name: str, k: int, n: int, m: int, op: str) -> dict:
     elif op == "res":
         fused, comp = (lambda w: linear(x, w, residual=r)), (lambda w: r + F.linear(x, w))
         ref = linear_ref(x.float(), w_list[0].float(), residual=r.float())
+    elif op == "glu":  # w = [gate; up]
+        fused, comp = (lambda w: linear_glu(x, w)), (lambda w: silu_and_mul(F.linear(x, w)))
+        ref = linear_glu_ref(x.float(), w_list[0].float())
     else:  # argmax
         fused, comp = (lambda w: linear_argmax(x, w)), (lambda w: F.linear(x, w).argmax(-1))
         ref = None
@@ -117,7 +121,8 @@ def fused_case(name: str, k: int, n: int, m: int, op: str) -> dict:
     return row
 
 
-FUSED = [("smol", 576, 960, "norm"), ("smol", 576, 576, "res"), ("smol", 1536, 576, "res"),
+FUSED = [("smol", 576, 960, "norm"), ("smol", 576, 576, "res"), ("smol", 1536, 576, "res"), ("smol", 576, 3072, "glu"),
+         ("llama", 2048, 16384, "glu"),
          ("smol", 576, 49152, "argmax"), ("llama", 2048, 3072, "norm"), ("llama", 2048, 16384, "norm"),
          ("llama", 8192, 2048, "res"), ("llama", 2048, 2048, "res"), ("llama", 2048, 128256, "argmax")]
 

@@ -4,7 +4,8 @@
 # engine (CUDA graphs + Triton kernels) on SmolLM2- and Llama-3.2-1B-shaped random weights with
 # the copy floor and Hugging Face generate from the same processes. Needs .whl (gguf) carried.
 # `profile` takes the per-kernel profiles (top kernels) and the cost of --deterministic.
-# Usage: bash benchmarks/gpu_speed.sh check|bench|profile|all
+# `pdl` times the key rows with programmatic dependent launch off, then on (PDSERVE_PDL).
+# Usage: bash benchmarks/gpu_speed.sh check|bench|profile|pdl|all
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
@@ -27,8 +28,17 @@ if [[ $stage == bench || $stage == all ]]; then
   bench --arch smollm2 --batch 1 --max-tokens 64 --spec-tokens 3 --enforce-eager
   bench --arch smollm2 --batch 32 --max-tokens 128 --spec-tokens 3 --profile
   bench --arch smollm2 --batch 128 --max-tokens 128 --spec-tokens 3 --hf
-  bench --arch llama-1b --batch 1 --max-tokens 128 --spec-tokens 3 --hf
+  bench --arch llama-1b --batch 1 --max-tokens 128 --spec-tokens 3 --profile --hf
   bench --arch llama-1b --batch 64 --max-tokens 128 --spec-tokens 3 --hf
+  python3 benchmarks/bench_table.py "$OUT/bench.jsonl"
+fi
+
+if [[ $stage == pdl ]]; then  # programmatic dependent launch off and on, same code otherwise
+  for pdl in 0 1; do
+    PDSERVE_PDL=$pdl bench --arch smollm2 --batch 1 --max-tokens 64 --spec-tokens 3 --profile
+    PDSERVE_PDL=$pdl bench --arch smollm2 --batch 32 --max-tokens 64 --spec-tokens 0 --profile
+    PDSERVE_PDL=$pdl bench --arch llama-1b --batch 1 --max-tokens 64 --spec-tokens 3 --profile
+  done
   python3 benchmarks/bench_table.py "$OUT/bench.jsonl"
 fi
 

@@ -118,13 +118,21 @@ def time_engine(loaded: LoadedModel, k: int, args: argparse.Namespace) -> dict:
     done = [r for r in engine.requests.values() if r.finished][-args.batch:]
     tokens = sum(len(r.output_ids) - 1 for r in done)
     out = {"model": loaded.name, "device": args.device, "dtype": str(next(loaded.model.parameters()).dtype),
-           "graphs": engine.runner.graphs is not None, "deterministic": args.deterministic, "spec_tokens": k,
+           "graphs": engine.runner.graphs is not None, "deterministic": args.deterministic, "pdl": _pdl(args.device),
+           "spec_tokens": k,
            "draft_vocab": (args.draft_vocab or None) if k else None, "batch": args.batch,
            "decode_tokens": tokens, "decode_steps": steps, "seconds": round(elapsed, 4),
            "tokens_per_s": round(tokens / elapsed, 1), "ms_per_step": round(1000 * elapsed / max(steps, 1), 3)}
     if args.profile and args.device.startswith("cuda"):
         out.update(profile_decode(engine, prompts, params))
     return out
+
+
+def _pdl(device: str) -> bool:
+    """Whether the Triton kernels launch with programmatic dependent launch here (kernels/pdl.py)."""
+    from kernels.pdl import pdl_args
+
+    return pdl_args(torch.empty(0, device=device))["PDL"]
 
 
 def profile_decode(engine: LLMEngine, prompts: list[list[int]], params: SamplingParams) -> dict:
@@ -137,7 +145,9 @@ def profile_decode(engine: LLMEngine, prompts: list[list[int]], params: Sampling
     for _ in range(4):
         engine.step()  # prefill + the first launches
     torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+    # CUDA activity only: tracing every host op as well would slow the host enough to starve
+    # the GPU (the loop is launch-ahead by one step), and the figure would measure the profiler
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(PROFILE_STEPS):
             engine.step()
         torch.cuda.synchronize()
@@ -146,8 +156,9 @@ def profile_decode(engine: LLMEngine, prompts: list[list[int]], params: Sampling
     events = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
     spans = sorted((e.time_range.start, e.time_range.end) for e in events)
     return {"kernels_per_step": round(len(spans) / PROFILE_STEPS, 1), "gpu_busy": round(busy_share(spans), 4),
+            "profiled_ms_per_step": round((max(e for _, e in spans) - spans[0][0]) / 1e3 / PROFILE_STEPS, 3) if spans else None,
             "gpu_us_per_step": round(sum(e - s for s, e in spans) / PROFILE_STEPS, 1),
-            "top_kernels": top_kernels(events)}
+            "top_kernels": top_kernels(events), "top_gaps": top_gaps(events)}
 
 
 def top_kernels(events: list, n: int = 25) -> list[tuple[str, float, float]]:
@@ -159,6 +170,23 @@ def top_kernels(events: list, n: int = 25) -> list[tuple[str, float, float]]:
         t[1] += 1
     ranked = sorted(total.items(), key=lambda kv: -kv[1][0])[:n]
     return [(name, round(us / PROFILE_STEPS, 1), round(c / PROFILE_STEPS, 1)) for name, (us, c) in ranked]
+
+
+def top_gaps(events: list, n: int = 10) -> list[tuple[str, str, float, float]]:
+    """Where the GPU idles: (kernel before, kernel after, idle us per step, gaps per step) for
+    the idle intervals between kernels (none running), summed by the pair around them."""
+    ranked = sorted(events, key=lambda e: e.time_range.start)
+    total: dict[tuple[str, str], list[float]] = {}
+    last, end = None, float("-inf")
+    for e in ranked:
+        if last is not None and e.time_range.start > end:
+            t = total.setdefault((last.name[:40], e.name[:40]), [0.0, 0.0])
+            t[0] += e.time_range.start - end
+            t[1] += 1
+        if e.time_range.end >= end:
+            last, end = e, e.time_range.end
+    top = sorted(total.items(), key=lambda kv: -kv[1][0])[:n]
+    return [(a, b, round(us / PROFILE_STEPS, 2), round(c / PROFILE_STEPS, 1)) for (a, b), (us, c) in top]
 
 
 def busy_share(spans: list[tuple[float, float]]) -> float:

@@ -25,8 +25,7 @@ from torch import nn
 
 from engine.attention import AttentionBackend, AttentionMetadata
 from engine.config import ArchConfig
-from kernels.activation import silu_and_mul
-from kernels.linear import linear, linear_argmax
+from kernels.linear import linear, linear_argmax, linear_glu
 from kernels.norm import rms_norm
 
 
@@ -152,7 +151,7 @@ class MLP(nn.Module):
         """x + mlp(norm(x)) on the residual stream x; once fused, the GEMMs carry the norm and
         the add (kernels/linear.py)."""
         if self.gate_up is not None and not self.gate_proj.weight.requires_grad:
-            return linear(silu_and_mul(linear(x, self.gate_up, norm=norm.spec)), self.down_proj.weight, residual=x)
+            return linear(linear_glu(x, self.gate_up, norm=norm.spec), self.down_proj.weight, residual=x)
         h = norm(x)
         return x + self.down_proj(nn.functional.silu(self.gate_proj(h)) * self.up_proj(h))
 

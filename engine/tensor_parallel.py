@@ -38,8 +38,7 @@ from torch import nn
 
 from engine.config import ArchConfig
 from engine.model import MLP, Attention, CausalLM, DecoderLayer, RMSNorm, fuse_projections
-from kernels.activation import silu_and_mul
-from kernels.linear import linear
+from kernels.linear import linear, linear_glu
 
 
 @dataclass(frozen=True)
@@ -138,7 +137,7 @@ class TPMLP(MLP):
 
     def forward(self, x: torch.Tensor, norm: RMSNorm) -> torch.Tensor:
         if self.gate_up is not None:
-            act = silu_and_mul(linear(x, self.gate_up, norm=norm.spec))
+            act = linear_glu(x, self.gate_up, norm=norm.spec)
         else:
             h = norm(x)
             act = F.silu(self.gate_proj(h)) * self.up_proj(h)

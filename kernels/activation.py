@@ -19,10 +19,12 @@ import triton
 import triton.language as tl
 
 from kernels._dispatch import use_triton
+from kernels.pdl import pdl_args, wait_for_previous
 
 
 @triton.jit
-def _silu_and_mul_kernel(gate_up_ptr, out_ptr, stride_in, stride_out, INTER, BLOCK: tl.constexpr):
+def _silu_and_mul_kernel(gate_up_ptr, out_ptr, stride_in, stride_out, INTER, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    wait_for_previous(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < INTER
@@ -41,7 +43,7 @@ def silu_and_mul_triton(gate_up: torch.Tensor) -> torch.Tensor:
     block = min(triton.next_power_of_2(inter), 1024)
     _silu_and_mul_kernel[(x.shape[0], triton.cdiv(inter, block))](
         x, out, x.stride(0), out.stride(0), inter,
-        BLOCK=block, num_warps=4, enable_fp_fusion=False,
+        BLOCK=block, num_warps=4, enable_fp_fusion=False, **pdl_args(x),
     )
     return out.view(*gate_up.shape[:-1], inter)
 

@@ -26,12 +26,14 @@ import triton
 import triton.language as tl
 
 from kernels._dispatch import use_triton
+from kernels.pdl import pdl_args, wait_for_previous
 
 
 @triton.jit
 def _tail_kernel(ids_ptr, n_in_ptr, rows_ptr, drafts_ptr, stops_ptr, max_tokens_ptr, num_gen_ptr,
                  seq_ptr, last_ptr, done_ptr, tok_out_ptr, n_out_ptr, fin_out_ptr, len_out_ptr,
-                 K1: tl.constexpr, KB: tl.constexpr, M: tl.constexpr, GREEDY: tl.constexpr):
+                 K1: tl.constexpr, KB: tl.constexpr, M: tl.constexpr, GREEDY: tl.constexpr, PDL: tl.constexpr):
+    wait_for_previous(PDL)
     r = tl.program_id(0)
     row = tl.load(rows_ptr + r)
     j = tl.arange(0, KB)
@@ -85,7 +87,7 @@ def accept_and_advance_triton(ids, n_emit, rows, drafts, stop_ids, max_tokens, n
     _tail_kernel[(r,)](
         ids.contiguous(), n_emit if n_emit is not None else n, rows, drafts, stop_ids, max_tokens, num_generated,
         seq_lens, last_token, done, tokens, n, finished, new_len,
-        K1=k1, KB=triton.next_power_of_2(k1), M=m, GREEDY=n_emit is None, num_warps=1,
+        K1=k1, KB=triton.next_power_of_2(k1), M=m, GREEDY=n_emit is None, num_warps=1, **pdl_args(ids),
     )
     return tokens, n, finished, new_len
 

@@ -3,6 +3,7 @@
     linear(x, w, b=None, norm=None, residual=None) = residual + F.linear(pre(x), w, b)
         pre(x) = rms_norm(x, *norm)   with norm = (weight [K], eps), else x
     linear_argmax(x, w, norm=None)  = argmax over n of linear(x, w, norm=norm)   (first on ties)
+    linear_glu(x, w, norm=None)     = silu(g) * u,  [g | u] = linear(x, w, norm=norm)  (w = [gate; up])
 
     x [M, K] (rows contiguous in K), w [N, K] (an nn.Linear weight), b [N]; residual [M, N]
 
@@ -10,13 +11,14 @@ Rounding follows the torch composition (`linear_ref`): the norm's output and the
 rounded to the model dtype, the residual add rounds once more, and `linear_argmax` takes the
 argmax of the rounded logits. The kernel differs only in the order of its fp32 sums.
 
-One Triton kernel serves both uses (`_skinny_kernel`): a program computes a BM x BN output
+One Triton kernel serves all three (`_skinny_kernel`): a program computes a BM x BN output
 tile over a fixed share of K (split-K: SPLIT shares, summed in order by a second launch), with
-the bias, residual add or a per-tile argmax in its epilogue: at decode sizes
-(M <= FUSED_MAX_M) one launch where cuBLAS + add takes two, and no logits written for an
-argmax. The norm stays its own kernel (`kernels.norm.rms_norm`), as does silu * up: applied to
-the A operand as it is loaded, either kept Triton from pipelining the weight loads (1.3-3x
-slower on an H100, benchmarks/gpu_gemv.py, 2026-11-23).
+the bias, residual add, silu(gate) * up (the program reads a block of gate rows and the
+matching up rows into two accumulators) or a per-tile argmax in its epilogue: at decode sizes
+(M <= FUSED_MAX_M) one launch where cuBLAS + an elementwise op takes two, and no logits
+written for an argmax. The norm stays its own kernel (`kernels.norm.rms_norm`): applied to the
+A operand as it is loaded, it kept Triton from pipelining the weight loads (1.3-3x slower on
+an H100, benchmarks/gpu_gemv.py, 2026-11-23), as silu * up did on the down projection's A.
 
 Batch-invariant mode (`kernels._dispatch.batch_invariant()`, `--deterministic`): a row's result
 must not depend on how many rows share the call. cuBLAS and CPU BLAS pick tiling, split-K and
@@ -36,7 +38,9 @@ import triton
 import triton.language as tl
 
 from kernels._dispatch import invariant, use_triton
+from kernels.activation import silu_and_mul, silu_and_mul_ref
 from kernels.norm import rms_norm, rms_norm_ref
+from kernels.pdl import pdl_args, wait_for_previous
 
 FUSED_MAX_M = int(os.environ.get("PDSERVE_FUSED_MAX_M", "64"))  # rows up to which the kernel runs by default
 INVARIANT_BM = 16
@@ -56,12 +60,23 @@ def tile_config(n: int, k: int) -> tuple[int, int, int]:
 
 
 @triton.jit
-def _epilogue(acc, rm, rn, M, N, b_ptr, r_ptr, stride_r, y_ptr, stride_y,
-              HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr):
+def _silu_mul(gate, up, dtype: tl.constexpr):
+    """silu(gate) * up as `kernels.activation` computes it from the rounded GEMM outputs."""
+    g = gate.to(dtype).to(tl.float32)
+    silu = (g / (1.0 + tl.exp(-g))).to(dtype).to(tl.float32)
+    return (silu * up.to(dtype).to(tl.float32)).to(dtype)
+
+
+@triton.jit
+def _epilogue(acc, acc_up, rm, rn, M, N, b_ptr, r_ptr, stride_r, y_ptr, stride_y,
+              HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr, GLU: tl.constexpr):
     mask = (rm[:, None] < M) & (rn[None, :] < N)
     if HAS_BIAS:
         acc += tl.load(b_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)[None, :]
-    out = acc.to(y_ptr.dtype.element_ty)
+    if GLU:
+        out = _silu_mul(acc, acc_up, y_ptr.dtype.element_ty)
+    else:
+        out = acc.to(y_ptr.dtype.element_ty)
     if HAS_RES:  # torch: residual + round(x @ w.T), rounded again
         r = tl.load(r_ptr + rm[:, None].to(tl.int64) * stride_r + rn[None, :], mask=mask, other=0.0)
         out = (out.to(tl.float32) + r.to(tl.float32)).to(y_ptr.dtype.element_ty)
@@ -72,21 +87,26 @@ def _epilogue(acc, rm, rn, M, N, b_ptr, r_ptr, stride_r, y_ptr, stride_y,
 def _skinny_kernel(x_ptr, w_ptr, b_ptr, r_ptr, y_ptr, ws_ptr, val_ptr, idx_ptr,
                    M, N, K, stride_x, stride_w, stride_r, stride_y, k_per_split,
                    HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr,
-                   ARGMAX: tl.constexpr, SPLIT: tl.constexpr, PRECISION: tl.constexpr,
-                   BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+                   ARGMAX: tl.constexpr, SPLIT: tl.constexpr, PRECISION: tl.constexpr, GLU: tl.constexpr,
+                   BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, PDL: tl.constexpr):
+    wait_for_previous(PDL)
     pid_m, pid_n, pid_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     rm = pid_m * BM + tl.arange(0, BM)
     rn = pid_n * BN + tl.arange(0, BN)
     rk = tl.arange(0, BK)
     acc = tl.zeros([BM, BN], dtype=tl.float32)
+    acc_up = tl.zeros([BM, BN], dtype=tl.float32)  # GLU: the up half's columns (weight rows N + rn)
     k_lo = pid_k * k_per_split
     for k0 in range(k_lo, k_lo + k_per_split, BK):  # in order: the same sum whatever M is
         kk = k0 + rk
         a = tl.load(x_ptr + rm[:, None].to(tl.int64) * stride_x + kk[None, :],
                     mask=(rm[:, None] < M) & (kk[None, :] < K), other=0.0)
-        w = tl.load(w_ptr + rn[:, None].to(tl.int64) * stride_w + kk[None, :],
-                    mask=(rn[:, None] < N) & (kk[None, :] < K), other=0.0)
-        acc += tl.dot(a, tl.trans(w), input_precision=PRECISION)
+        w_rows = w_ptr + rn[:, None].to(tl.int64) * stride_w + kk[None, :]
+        w_mask = (rn[:, None] < N) & (kk[None, :] < K)
+        acc += tl.dot(a, tl.trans(tl.load(w_rows, mask=w_mask, other=0.0)), input_precision=PRECISION)
+        if GLU:
+            w_up = tl.load(w_rows + N * stride_w, mask=w_mask, other=0.0)
+            acc_up += tl.dot(a, tl.trans(w_up), input_precision=PRECISION)
     if ARGMAX:  # this tile's best column per row, of the logits rounded as torch would
         logit = tl.where(rn[None, :] < N, acc.to(y_ptr.dtype.element_ty).to(tl.float32), float("-inf"))
         best, at = tl.max(logit, axis=1, return_indices=True, return_indices_tie_break_left=True)
@@ -94,7 +114,7 @@ def _skinny_kernel(x_ptr, w_ptr, b_ptr, r_ptr, y_ptr, ws_ptr, val_ptr, idx_ptr,
         tl.store(val_ptr + rm * n_tiles + pid_n, best, mask=rm < M)
         tl.store(idx_ptr + rm * n_tiles + pid_n, pid_n * BN + at, mask=rm < M)
     elif SPLIT == 1:
-        _epilogue(acc, rm, rn, M, N, b_ptr, r_ptr, stride_r, y_ptr, stride_y, HAS_BIAS, HAS_RES)
+        _epilogue(acc, acc_up, rm, rn, M, N, b_ptr, r_ptr, stride_r, y_ptr, stride_y, HAS_BIAS, HAS_RES, GLU)
     else:
         part = ws_ptr + pid_k * M * N + rm[:, None] * N + rn[None, :]
         tl.store(part, acc, mask=(rm[:, None] < M) & (rn[None, :] < N))
@@ -103,19 +123,21 @@ def _skinny_kernel(x_ptr, w_ptr, b_ptr, r_ptr, y_ptr, ws_ptr, val_ptr, idx_ptr,
 @triton.jit
 def _sum_splits_kernel(ws_ptr, b_ptr, r_ptr, y_ptr, M, N, stride_r, stride_y,
                        HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr, SPLIT: tl.constexpr,
-                       BM: tl.constexpr, BN: tl.constexpr):
+                       BM: tl.constexpr, BN: tl.constexpr, PDL: tl.constexpr):
+    wait_for_previous(PDL)
     rm = tl.program_id(0) * BM + tl.arange(0, BM)
     rn = tl.program_id(1) * BN + tl.arange(0, BN)
     mask = (rm[:, None] < M) & (rn[None, :] < N)
     acc = tl.zeros([BM, BN], dtype=tl.float32)
     for s in range(SPLIT):  # in order
         acc += tl.load(ws_ptr + s * M * N + rm[:, None] * N + rn[None, :], mask=mask, other=0.0)
-    _epilogue(acc, rm, rn, M, N, b_ptr, r_ptr, stride_r, y_ptr, stride_y, HAS_BIAS, HAS_RES)
+    _epilogue(acc, acc, rm, rn, M, N, b_ptr, r_ptr, stride_r, y_ptr, stride_y, HAS_BIAS, HAS_RES, False)
 
 
 @triton.jit
-def _argmax_tiles_kernel(val_ptr, idx_ptr, out_ptr, n_tiles, BLOCK: tl.constexpr):
+def _argmax_tiles_kernel(val_ptr, idx_ptr, out_ptr, n_tiles, BLOCK: tl.constexpr, PDL: tl.constexpr):
     """Per row, the best of the tiles' best columns (the first tile on ties: the lowest id)."""
+    wait_for_previous(PDL)
     row = tl.program_id(0)
     t = tl.arange(0, BLOCK)
     v = tl.load(val_ptr + row * n_tiles + t, mask=t < n_tiles, other=float("-inf"))
@@ -132,18 +154,24 @@ def _block_m(m: int) -> int:
     return INVARIANT_BM if invariant() else min(64, max(16, triton.next_power_of_2(m)))
 
 
-def _launch(x2, w, b, residual, y, argmax_out=None, config: tuple[int, int, int] | None = None) -> None:
+def _launch(x2, w, b, residual, y, argmax_out=None, config: tuple[int, int, int] | None = None,
+            glu: bool = False) -> None:
+    """One GEMM launch (and its split-K sum or argmax pass). `glu`: y = silu(x @ gate.T) * (x @ up.T)
+    with w = [gate; up] stacked by rows, one output column per gate/up row pair."""
     m, (n, k) = x2.shape[0], w.shape
     assert w.stride(-1) == 1 and x2.shape[1] == k, f"weight {tuple(w.shape)} does not take {x2.shape[1]} inputs"
     bn, bk, split = config or tile_config(n, k)
-    bm = _block_m(m)
-    if argmax_out is not None:
-        split = 1  # the argmax needs the whole sum
-    if bm * bk + bn * bk > 16384:
+    bm, n_out = _block_m(m), n
+    if glu:
+        assert n % 2 == 0 and b is None and residual is None, "gate/up GEMM: an even weight, no bias or add"
+        n_out, bn = n // 2, max(16, bn // 2)  # each program reads bn rows of gate and bn of up
+    if argmax_out is not None or glu:
+        split = 1  # the argmax and silu * up need the whole sum
+    while bm * bk + (2 if glu else 1) * bn * bk > 16384 and bk > 16:
         bk //= 2  # keep three stages in shared memory
     k_per = triton.cdiv(triton.cdiv(k, split), bk) * bk
-    grid = (triton.cdiv(m, bm), triton.cdiv(n, bn), split)
-    ws = torch.empty(split, m, n, dtype=torch.float32, device=x2.device) if split > 1 else y
+    grid = (triton.cdiv(m, bm), triton.cdiv(n_out, bn), split)
+    ws = torch.empty(split, m, n_out, dtype=torch.float32, device=x2.device) if split > 1 else y
     val = idx = y
     if argmax_out is not None:
         val = torch.empty(m, grid[1], dtype=torch.float32, device=x2.device)
@@ -151,16 +179,17 @@ def _launch(x2, w, b, residual, y, argmax_out=None, config: tuple[int, int, int]
     r = residual if residual is not None else y
     _skinny_kernel[grid](
         x2, w, b if b is not None else w, r, y, ws, val, idx,
-        m, n, k, x2.stride(0), w.stride(0), r.stride(0), y.stride(0), k_per,
+        m, n_out, k, x2.stride(0), w.stride(0), r.stride(0), y.stride(0), k_per,
         HAS_BIAS=b is not None, HAS_RES=residual is not None,
         ARGMAX=argmax_out is not None, SPLIT=split, PRECISION="ieee" if x2.dtype == torch.float32 else "tf32",
-        BM=bm, BN=bn, BK=bk, num_warps=4, num_stages=3)
+        GLU=glu, BM=bm, BN=bn, BK=bk, num_warps=4, num_stages=3, **pdl_args(x2))
     if argmax_out is not None:
-        _argmax_tiles_kernel[(m,)](val, idx, argmax_out, grid[1], BLOCK=triton.next_power_of_2(grid[1]))
+        _argmax_tiles_kernel[(m,)](val, idx, argmax_out, grid[1], BLOCK=triton.next_power_of_2(grid[1]),
+                                   **pdl_args(x2))
     elif split > 1:
-        _sum_splits_kernel[(triton.cdiv(m, bm), triton.cdiv(n, bn))](
-            ws, b if b is not None else ws, r, y, m, n, r.stride(0), y.stride(0),
-            HAS_BIAS=b is not None, HAS_RES=residual is not None, SPLIT=split, BM=bm, BN=bn)
+        _sum_splits_kernel[(triton.cdiv(m, bm), triton.cdiv(n_out, bn))](
+            ws, b if b is not None else ws, r, y, m, n_out, r.stride(0), y.stride(0),
+            HAS_BIAS=b is not None, HAS_RES=residual is not None, SPLIT=split, BM=bm, BN=bn, **pdl_args(x2))
 
 
 def linear_triton(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None, norm: Norm | None = None,
@@ -171,6 +200,15 @@ def linear_triton(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = Non
     if x2.shape[0]:
         _launch(x2, w, b, _rows(residual) if residual is not None else None, y, config=config)
     return y.view(*x.shape[:-1], w.shape[0])
+
+
+def linear_glu_triton(x: torch.Tensor, w: torch.Tensor, norm: Norm | None = None,
+                      config: tuple[int, int, int] | None = None) -> torch.Tensor:
+    x2 = _rows(_norm(x, norm))
+    y = torch.empty(x2.shape[0], w.shape[0] // 2, dtype=x.dtype, device=x.device)
+    if x2.shape[0]:
+        _launch(x2, w, None, None, y, config=config, glu=True)
+    return y.view(*x.shape[:-1], w.shape[0] // 2)
 
 
 def linear_argmax_triton(x: torch.Tensor, w: torch.Tensor, norm: Norm | None = None) -> torch.Tensor:
@@ -203,14 +241,16 @@ def linear_invariant_ref(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | Non
 
 def _fused(x: torch.Tensor, w: torch.Tensor, plain: bool = False) -> bool:
     """Whether the Triton kernel runs: always in the batch-invariant mode; else at decode sizes,
-    except for a plain GEMM (no epilogue) of a weight under 8192 x 2048, where cuBLAS was as
-    fast or faster (Llama-1B's q/k/v: 7.5 against 8.4 us; benchmarks/gpu_gemv.py --sweep)."""
+    except for a plain GEMM (no epilogue) of a weight under 8192 x 2048 without programmatic
+    dependent launch (kernels/pdl.py), where cuBLAS was as fast or faster (Llama-1B's q/k/v: 7.5
+    against 8.4 us; benchmarks/gpu_gemv.py --sweep). With PDL the kernel's launch overlaps the
+    kernel before it, which a cuBLAS launch does not."""
     if not use_triton(x, w):
         return False
     if invariant():
         return True
     big = w.shape[0] >= 8192 and w.shape[1] >= 2048
-    return x.numel() // x.shape[-1] <= FUSED_MAX_M and (big or not plain)
+    return x.numel() // x.shape[-1] <= FUSED_MAX_M and (big or not plain or pdl_args(x)["PDL"])
 
 
 def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None, norm: Norm | None = None,
@@ -222,6 +262,18 @@ def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None, norm
     if norm is not None and use_triton(x, w):
         x, norm = rms_norm(x, *norm), None
     return linear_ref(x, w, b, norm, residual)
+
+
+def linear_glu(x: torch.Tensor, w: torch.Tensor, norm: Norm | None = None) -> torch.Tensor:
+    """silu(gate) * up of linear(x, w, norm=norm) with w = [gate; up] (a fused [2I, K] weight):
+    one launch where the kernel runs, the GEMM then `kernels.activation.silu_and_mul` otherwise."""
+    if _fused(x, w):
+        return linear_glu_triton(x, w, norm)
+    return silu_and_mul(linear(x, w, norm=norm))
+
+
+def linear_glu_ref(x: torch.Tensor, w: torch.Tensor, norm: Norm | None = None) -> torch.Tensor:
+    return silu_and_mul_ref(linear_ref(x, w, norm=norm))
 
 
 def linear_argmax(x: torch.Tensor, w: torch.Tensor, norm: Norm | None = None) -> torch.Tensor:

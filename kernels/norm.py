@@ -21,6 +21,7 @@ import triton
 import triton.language as tl
 
 from kernels._dispatch import use_triton
+from kernels.pdl import pdl_args, wait_for_previous
 
 
 @triton.jit
@@ -34,7 +35,9 @@ def _add_rms_norm_kernel(
     stride_delta, stride_residual, stride_out, stride_sum,  # row strides, in elements
     H, eps,
     HAS_DELTA: tl.constexpr, BLOCK: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    wait_for_previous(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < H
@@ -79,7 +82,7 @@ def add_rms_norm_triton(
         d.stride(0), r.stride(0), out.stride(0), s.stride(0),
         h, eps,
         HAS_DELTA=delta is not None, BLOCK=block,
-        num_warps=min(max(block // 256, 1), 8), enable_fp_fusion=False,
+        num_warps=min(max(block // 256, 1), 8), enable_fp_fusion=False, **pdl_args(r),
     )
     new_residual = residual if delta is None else s.view(residual.shape)
     return out.view(residual.shape), new_residual

@@ -42,6 +42,7 @@ import triton
 import triton.language as tl
 
 from kernels._dispatch import use_triton
+from kernels.pdl import pdl_args, wait_for_previous
 
 HEAD_DIMS = (16, 32, 64, 128)
 _LOG2E = math.log2(math.e)
@@ -91,7 +92,9 @@ def _paged_attention_kernel(
     G: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr,
     DTYPE: tl.constexpr, PRECISION: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    wait_for_previous(PDL)
     row = tl.program_id(0)
     q_tile_start = tl.program_id(1) * BLOCK_Q
     kv_head = tl.program_id(2) // NUM_SPLITS
@@ -142,8 +145,10 @@ def _combine_splits_kernel(
     ws_acc_ptr, ws_max_ptr, ws_sum_ptr, out_ptr,
     stride_ws_split, stride_ws_t, stride_ot, stride_oh,
     NUM_SPLITS: tl.constexpr, SPLITS_POW2: tl.constexpr, HEAD_DIM: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """out[t, h] = sum_s 2^(m_s - m) acc_s / sum_s 2^(m_s - m) l_s, with m = max_s m_s."""
+    wait_for_previous(PDL)
     token = tl.program_id(0)
     head = tl.program_id(1)
     splits = tl.arange(0, SPLITS_POW2)
@@ -236,14 +241,14 @@ def paged_attention_triton(
         G=group, BLOCK_Q=tiles.block_q, BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n,
         BLOCK_SIZE=block_size, HEAD_DIM=head_dim, NUM_SPLITS=num_splits, DTYPE=dtype,
         PRECISION="ieee" if dtype == tl.float32 else "tf32",  # ieee: fp32 stays fp32, no TF32
-        num_warps=tiles.num_warps, num_stages=2,
+        num_warps=tiles.num_warps, num_stages=2, **pdl_args(q),
     )
     if num_splits > 1:
         _combine_splits_kernel[(num_tokens, num_q_heads)](
             ws_acc, ws_max, ws_sum, out, ws_max.stride(0), ws_max.stride(1),
             out.stride(0), out.stride(1),
             NUM_SPLITS=num_splits, SPLITS_POW2=triton.next_power_of_2(num_splits),
-            HEAD_DIM=head_dim, num_warps=1 if head_dim <= 64 else 2,
+            HEAD_DIM=head_dim, num_warps=1 if head_dim <= 64 else 2, **pdl_args(q),
         )
     return out
 

@@ -25,6 +25,7 @@ import triton
 import triton.language as tl
 
 from kernels._dispatch import use_triton
+from kernels.pdl import pdl_args, wait_for_previous
 
 
 @triton.jit
@@ -42,7 +43,9 @@ def _rope_and_cache_kernel(
     stride_cos, stride_sin, stride_cache_kv, stride_cache_slot, stride_cache_h,
     HQ, HKV, HALF,
     BLOCK_HQ: tl.constexpr, BLOCK_HKV: tl.constexpr, BLOCK_HALF: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    wait_for_previous(PDL)
     t = tl.program_id(0).to(tl.int64)
     pos = tl.load(positions_ptr + t)
     slot = tl.load(slots_ptr + t)
@@ -93,7 +96,7 @@ def rope_and_cache_triton(
         cos.stride(0), sin.stride(0), kv_cache.stride(0), kv_cache.stride(2), kv_cache.stride(3),
         hq, hkv, half,
         BLOCK_HQ=triton.next_power_of_2(hq), BLOCK_HKV=triton.next_power_of_2(hkv),
-        BLOCK_HALF=triton.next_power_of_2(half), num_warps=4, enable_fp_fusion=False,
+        BLOCK_HALF=triton.next_power_of_2(half), num_warps=4, enable_fp_fusion=False, **pdl_args(q),
     )
     return q_out
 

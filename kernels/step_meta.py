@@ -19,6 +19,7 @@ import triton
 import triton.language as tl
 
 from kernels._dispatch import use_triton
+from kernels.pdl import pdl_args, wait_for_previous
 
 TRASH_BLOCK = 0  # engine.attention.TRASH_BLOCK; kernels do not import the engine
 
@@ -26,7 +27,8 @@ TRASH_BLOCK = 0  # engine.attention.TRASH_BLOCK; kernels do not import the engin
 @triton.jit
 def _uniform_meta_kernel(tables_ptr, start_ptr, masked_ptr, pos_ptr, slot_ptr, seq_ptr, qstart_ptr,
                          row_ptr, col_ptr, W, stride_t, R,
-                         Q: tl.constexpr, QB: tl.constexpr, BS: tl.constexpr, HAS_MASK: tl.constexpr):
+                         Q: tl.constexpr, QB: tl.constexpr, BS: tl.constexpr, HAS_MASK: tl.constexpr, PDL: tl.constexpr):
+    wait_for_previous(PDL)
     r = tl.program_id(0)
     j = tl.arange(0, QB)
     ok = j < Q
@@ -66,7 +68,7 @@ def uniform_meta_triton(tables: torch.Tensor, start: torch.Tensor, masked: torch
     _uniform_meta_kernel[(rows,)](
         tables, start, masked if masked is not None else start, pos, slots, seq, qstart, row, col,
         width, tables.stride(0), rows,
-        Q=q, QB=triton.next_power_of_2(q), BS=block_size, HAS_MASK=masked is not None, num_warps=1,
+        Q=q, QB=triton.next_power_of_2(q), BS=block_size, HAS_MASK=masked is not None, num_warps=1, **pdl_args(tables),
     )
     return pos, slots, seq, qstart, row, col
 

@@ -1,6 +1,6 @@
 """The fused decode GEMM (kernels/linear.py) against the torch composition it replaces: plain,
-bias, residual add, RMSNorm in front, split-K, the in-GEMM argmax (first index
-on ties, across tiles too), the batch-invariant mode, and which path `linear` takes."""
+bias, residual add, RMSNorm in front, split-K, silu(gate) * up in the epilogue, the in-GEMM
+argmax (first index on ties, across tiles too), the batch-invariant mode, and which path `linear` takes."""
 
 from __future__ import annotations
 
@@ -49,6 +49,16 @@ def test_argmax_in_the_gemm_takes_the_first_of_tied_columns(device, norm):
     assert ids.dtype == torch.int64
     assert torch.equal(ids, L.linear_ref(x, w, norm=nw).argmax(dim=-1))
     assert ids[0] == 10 and ids[3] == 300
+
+
+@pytest.mark.parametrize(("m", "k", "inter", "norm"), [(1, 64, 40, False), (17, 96, 33, True), (3, 300, 16, False)])
+def test_gate_up_gemm_with_silu_in_its_epilogue_matches_the_composition(device, m, k, inter, norm):
+    x = randn(m, k, device=device)
+    w = randn(2 * inter, k, device=device, seed=1, scale=0.3)
+    nw = (randn(k, device=device, seed=3).abs() + 0.5, 1e-5) if norm else None
+    out = L.linear_glu_triton(x, w, nw)
+    assert out.shape == (m, inter)
+    torch.testing.assert_close(out, L.linear_glu_ref(x, w, nw), atol=5e-5, rtol=1e-5)
 
 
 def test_invariant_mode_rows_alone_equal_rows_in_a_batch(device):

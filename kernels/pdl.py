@@ -1,0 +1,59 @@
+"""Programmatic dependent launch (PDL): the next kernel of a decode step starts before this one ends.
+
+A decode step is one CUDA graph of a few hundred short, dependent kernels; between two of
+them the GPU idles for the launch latency (~0.5 us on an H100, 288 kernels a SmolLM2 step).
+With PDL (Hopper and later) a kernel launched with `launch_pdl=True` may start as soon as
+every program of the kernel before it has called `gdc_launch_dependents`, and waits in
+`gdc_wait` until that kernel has finished and its writes are visible.
+
+Every kernel in kernels/ therefore opens with `wait_for_previous(PDL)`, before any load or
+store: with it, a kernel never reads or writes anything before the previous one is done, so
+the results are the same with PDL on or off. Careful: a kernel launched with `launch_pdl`
+that reads memory before `wait_for_previous` races the kernel before it.
+
+Off on the CPU (the interpreter), before Hopper, when this Triton has no `launch_pdl`, or
+with PDSERVE_PDL=0.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+try:
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+except ImportError:  # a Triton without grid dependency control: PDL stays off
+    gdc_wait = gdc_launch_dependents = None
+
+
+@triton.jit
+def wait_for_previous(PDL: tl.constexpr):
+    """Wait for the previous kernel (PDL on), then let the next one be scheduled."""
+    if PDL:
+        gdc_wait()
+        gdc_launch_dependents()
+
+
+@functools.cache
+def _supported(device_index: int) -> bool:
+    if gdc_wait is None or os.environ.get("TRITON_INTERPRET") == "1":
+        return False
+    try:
+        from triton.backends.nvidia.compiler import CUDAOptions
+    except ImportError:
+        return False
+    has_option = "launch_pdl" in getattr(CUDAOptions, "__dataclass_fields__", {})
+    return has_option and torch.cuda.get_device_capability(device_index) >= (9, 0)
+
+
+def pdl_args(t: torch.Tensor) -> dict[str, bool]:
+    """The launch arguments for a kernel working on t: `PDL` (its constexpr) and `launch_pdl`."""
+    if not t.is_cuda or os.environ.get("PDSERVE_PDL", "1") == "0":
+        return {"PDL": False, "launch_pdl": False}
+    index = t.device.index if t.device.index is not None else torch.cuda.current_device()
+    on = _supported(index)
+    return {"PDL": on, "launch_pdl": on}
