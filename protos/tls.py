@@ -30,9 +30,9 @@ class TlsError(ValueError):
 
 
 def read_pem(path: str, what: str) -> bytes:
-    """The bytes of a PEM file; TlsError when it cannot be read or holds no PEM block."""
+    """The bytes of a PEM file (`~` expanded); TlsError when it cannot be read or holds no PEM block."""
     try:
-        data = Path(path).read_bytes()
+        data = Path(path).expanduser().read_bytes()
     except OSError as e:
         raise TlsError(f"cannot read the TLS {what} file {path}: {e.strerror or e}") from None
     if b"-----BEGIN " not in data:
