@@ -10,9 +10,12 @@ from __future__ import annotations
 
 import os
 import socket
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from deploy.config import ServiceConfig
+
+if TYPE_CHECKING:
+    from protos.tls import NodeTls
 
 
 def engine_config(cfg: ServiceConfig, role: str):
@@ -43,7 +46,7 @@ def bind_host(cfg: ServiceConfig) -> str:
     return ray.util.get_node_ip_address()
 
 
-def node_tls(cfg: ServiceConfig) -> Any:
+def node_tls(cfg: ServiceConfig) -> NodeTls | None:
     """The node channels' mutual TLS (protos/tls.py `NodeTls`), read and checked from this host's
     `cluster.node_tls_*` files; None when off."""
     c = cfg.cluster
