@@ -10,9 +10,12 @@ from __future__ import annotations
 
 import os
 import socket
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from deploy.config import ServiceConfig
+
+if TYPE_CHECKING:
+    from protos.tls import NodeTls
 
 
 def engine_config(cfg: ServiceConfig, role: str):
@@ -43,6 +46,18 @@ def bind_host(cfg: ServiceConfig) -> str:
     return ray.util.get_node_ip_address()
 
 
+def node_tls(cfg: ServiceConfig) -> NodeTls | None:
+    """The node channels' mutual TLS (protos/tls.py `NodeTls`), read and checked from this host's
+    `cluster.node_tls_*` files; None when off."""
+    c = cfg.cluster
+    if not c.node_tls:
+        return None
+    from protos.tls import NodeTls
+
+    assert c.node_tls_ca is not None and c.node_tls_cert is not None and c.node_tls_key is not None
+    return NodeTls.load(c.node_tls_ca, c.node_tls_cert, c.node_tls_key, c.node_tls_name)
+
+
 class NodeActor:
     """One prefill or decode node in its own process (or, with `tp`, one rank of one)."""
 
@@ -61,6 +76,7 @@ class NodeActor:
 
         threads = max(1, int(cfg.prefill.num_cpus if role == "prefill" else cfg.decode.num_cpus))
         torch.set_num_threads(threads)
+        tls = node_tls(cfg)  # before the model: a bad file fails the actor at once
         loaded = load_model(cfg.model.resolved_name(), device=cfg.model.resolved_device(), dtype=cfg.model.dtype,
                             mtp_path=cfg.model.mtp_path)
         self.role, self.node_id, self.host = role, node_id, host
@@ -70,7 +86,7 @@ class NodeActor:
         if role == "prefill":
             from prefill_node.server import DecodeClients, serve_prefill
 
-            self._clients = DecodeClients(secret=cfg.cluster.secret)
+            self._clients = DecodeClients(secret=cfg.cluster.secret, tls=tls)
             self.node: Any = _prefill_class(tp)(loaded, engine_config(cfg, role), self._clients.send_first_token, **kv)
             serve: Any = serve_prefill
         elif role == "decode":
@@ -82,7 +98,7 @@ class NodeActor:
             raise ValueError(f"unknown node role {role!r}")
         self.node.start()
         if tp is None or tp.rank == 0:
-            self.server, self.port = serve(self.node, node_id, host, secret=cfg.cluster.secret)
+            self.server, self.port = serve(self.node, node_id, host, secret=cfg.cluster.secret, tls=tls)
 
     def address(self) -> str:
         return f"{self.host}:{self.port}"

@@ -1,5 +1,5 @@
 """The `pdserve` command line: `generate` (single-process engine), `up`/`status` (the service),
-`bench ...`, `train-mtp`, `draft-vocab`.
+`bench ...`, `train-mtp`, `draft-vocab`, `certs`.
 
 Every user error (unknown model, prompt beyond the context, k < 0, logprobs > 20,
 temperature < 0, ...) prints one clear `error:` line on stderr and exits with status 2.
@@ -85,6 +85,8 @@ def _add_train_mtp(sub: Any) -> None:
                    "(pdserve train-mtp --help)")  # listed for --help; `main` dispatches it
     sub.add_parser("draft-vocab", help="rank a model's vocabulary by how often it writes each token, "
                    "for --draft-vocab (pdserve draft-vocab --help)")  # as train-mtp
+    sub.add_parser("certs", help="write a development CA and a certificate for node mutual TLS and the "
+                   "router's TLS (pdserve certs --help)")  # as train-mtp
 
 
 def _add_service(sub: Any) -> None:
@@ -214,6 +216,8 @@ def main(argv: list[str] | None = None) -> int:
             return _run_module("engine.mtp_train", "pdserve train-mtp", argv[1:])
         if argv and argv[0] == "draft-vocab":
             return _run_module("engine.vocab_rank", "pdserve draft-vocab", argv[1:])
+        if argv and argv[0] == "certs":
+            return _run_module("deploy.certs", "pdserve certs", argv[1:])
         args = build_parser().parse_args(argv)
         return int(args.func(args))
     except (ValueError, FileNotFoundError, ModuleNotFoundError) as e:

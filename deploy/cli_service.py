@@ -30,6 +30,8 @@ def service_config(args: argparse.Namespace, local: bool = False) -> Any:
                       ("address", "cluster.address"), ("device", "model.device"),
                       ("enforce_eager", "model.enforce_eager"), ("deterministic", "model.deterministic"),
                       ("tls_cert", "router.tls_cert"), ("tls_key", "router.tls_key"),
+                      ("node_tls_ca", "cluster.node_tls_ca"), ("node_tls_cert", "cluster.node_tls_cert"),
+                      ("node_tls_key", "cluster.node_tls_key"),
                       ("enable_prefix_caching", "prefill.prefix_cache"),
                       ("prefill_tp", "prefill.tp"), ("decode_tp", "decode.tp")):
         value = getattr(args, flag, None)
@@ -62,6 +64,12 @@ def add_service_arguments(p: argparse.ArgumentParser) -> None:
                    help="serve the router's gRPC and HTTP ports over TLS with this certificate chain")
     p.add_argument("--tls-key", "--ssl-keyfile", dest="tls_key", default=None, metavar="PEM",
                    help="the private key of --tls-cert")
+    p.add_argument("--node-tls-ca", default=None, metavar="PEM",
+                   help="mutual TLS between router and nodes: the cluster CA (with --node-tls-cert/-key)")
+    p.add_argument("--node-tls-cert", default=None, metavar="PEM",
+                   help="the node certificate chain every node serves and the router and prefill nodes present; "
+                   "it must name pdserve-node (pdserve certs makes one)")
+    p.add_argument("--node-tls-key", default=None, metavar="PEM", help="the private key of --node-tls-cert")
     p.add_argument("--deterministic", action="store_true", default=None, help="batch-invariant kernels: a greedy answer does not depend on the batch or on MTP (slower)")
     p.add_argument("--enforce-eager", action="store_true", default=None,
                    help="run the decode step eagerly, without CUDA graphs")
@@ -72,8 +80,10 @@ def add_service_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def start_service(cfg: Any) -> tuple[Any, str]:
+    from deploy.actors import node_tls
     from deploy.service import Service, init_ray
 
+    node_tls(cfg)  # unusable node TLS files: one clear error before Ray starts
     init_ray(cfg, temp_dir=tempfile.mkdtemp(prefix="pdserve-ray-") if cfg.cluster.address is None else None)
     service = Service(cfg)
     return service, service.start(timeout_s=cfg.cluster.start_timeout_s)

@@ -18,7 +18,8 @@ YAML layout (every section and key optional):
     router: {host: 127.0.0.1, port: 50051, http_port: 8000, policy: least_load, queue_size: 256, default_timeout_s: 600,
              api_key: null, tls_cert: null, tls_key: null, migrate: true, max_migrations: 3, ...}
     cluster: {address: null, namespace: pdserve, router_resources: {}, node_host: 127.0.0.1, start_timeout_s: 300,
-              secret: null, secret_file: null}
+              secret: null, secret_file: null, node_tls_ca: null, node_tls_cert: null, node_tls_key: null,
+              node_tls_name: pdserve-node}
 
 `router.host: auto` and `cluster.node_host: auto` bind the Ray node's own IP (multi-host).
 `resources` are Ray custom resources (`ray start --resources`, `resources:` of a `ray up` node
@@ -204,12 +205,33 @@ class ClusterConfig(_Section):
     # $PDSERVE_CLUSTER_SECRET, else `pdserve up` makes one (with_cluster_secret). Never logged.
     secret: str | None = Field(default=None, min_length=16, repr=False)
     secret_file: str | None = None  # a file holding it (e.g. a mounted Kubernetes Secret)
+    # Mutual TLS on the node control channels (protos/tls.py): PEM files of the cluster CA and of
+    # the node certificate chain and its key (all three or none; `--node-tls-ca/-cert/-key`). Every
+    # process (router, nodes) reads them at these paths on its own host: in Kubernetes, a Secret
+    # holding ca.crt, tls.crt and tls.key mounted in every pod. The certificate must name
+    # `node_tls_name` (subjectAltName DNS): nodes are checked against it, not their IPs.
+    # `pdserve certs --out DIR` makes a development set. None: plain text (the secret still applies).
+    node_tls_ca: str | None = Field(default=None, min_length=1)
+    node_tls_cert: str | None = Field(default=None, min_length=1)
+    node_tls_key: str | None = Field(default=None, min_length=1)
+    node_tls_name: str = Field(default="pdserve-node", min_length=1)
 
     @model_validator(mode="after")
     def _one_secret(self) -> ClusterConfig:
         if self.secret is not None and self.secret_file is not None:
             raise ValueError("give cluster.secret or cluster.secret_file, not both")
         return self
+
+    @model_validator(mode="after")
+    def _node_tls_files_together(self) -> ClusterConfig:
+        given = [f is not None for f in (self.node_tls_ca, self.node_tls_cert, self.node_tls_key)]
+        if any(given) and not all(given):
+            raise ValueError("node_tls_ca, node_tls_cert and node_tls_key go together (give all three, or none)")
+        return self
+
+    @property
+    def node_tls(self) -> bool:
+        return self.node_tls_cert is not None
 
 
 class ServiceConfig(_Section):

@@ -27,6 +27,7 @@ class RouterActor:
         self.router: Any = None
 
     async def start(self) -> str:
+        from deploy.actors import node_tls
         from engine.loader import load_model_info
         from router.router import Router
 
@@ -34,7 +35,7 @@ class RouterActor:
         max_len = self.cfg.model.max_model_len or min(info.config.max_position_embeddings, 4096)
         self.router = Router(info, self.directory, self.cfg.router, max_model_len=max_len,
                              num_speculative_tokens=self.cfg.spec.num_speculative_tokens,
-                             cluster_secret=self.cfg.cluster.secret,
+                             cluster_secret=self.cfg.cluster.secret, node_tls=node_tls(self.cfg),
                              block_size=self.cfg.cache.block_size)
         port = await self.router.start(self.cfg.router.port, self._host())
         return self._address(port)

@@ -17,6 +17,7 @@ import threading
 import time
 from typing import Any
 
+from deploy.actors import node_tls
 from deploy.config import ServiceConfig, with_cluster_secret
 from deploy.tp_group import TPNodeGroup
 
@@ -63,6 +64,7 @@ def init_ray(cfg: ServiceConfig, temp_dir: str | None = None, num_cpus: int | No
 class Service:
     def __init__(self, cfg: ServiceConfig) -> None:
         self.cfg = with_cluster_secret(cfg)  # router and nodes share it; made here when not given
+        node_tls(self.cfg)  # node TLS files checked here first: a clear error before any actor starts
         self.actors: dict[tuple[str, int], Any] = {}
         self.addresses: dict[tuple[str, int], str | None] = {}
         self.router: Any = None

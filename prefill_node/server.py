@@ -15,22 +15,25 @@ from protos import node_pb2, node_pb2_grpc
 from protos.convert import check_request_id, sampling_from_proto
 from protos.messages import FirstToken
 from protos.serving import GRPC_OPTIONS, start_server, with_secret
+from protos.tls import NodeTls, node_channel
 
 
 class DecodeClients:
-    """One channel per decode node address; `send_first_token` is the node's sink."""
+    """One channel per decode node address; `send_first_token` is the node's sink. With `tls`
+    the channels are mutual TLS (this node presents its certificate)."""
 
-    def __init__(self, timeout_s: float = 10.0, secret: str | None = None) -> None:
+    def __init__(self, timeout_s: float = 10.0, secret: str | None = None, tls: NodeTls | None = None) -> None:
         self._stubs: dict[str, Any] = {}
         self._lock = threading.Lock()
         self.timeout_s = timeout_s
         self._secret = secret  # the cluster secret, sent on every call
+        self._tls = tls
 
     def stub(self, address: str) -> Any:
         """A DecodeControl stub for `address` (one channel per address, the secret on every call)."""
         with self._lock:
             if address not in self._stubs:
-                channel = grpc.insecure_channel(address, options=GRPC_OPTIONS)
+                channel = node_channel(address, self._tls, GRPC_OPTIONS)
                 self._stubs[address] = with_secret(node_pb2_grpc.DecodeControlStub(channel), self._secret)
             return self._stubs[address]
 
@@ -89,7 +92,9 @@ class PrefillServicer(node_pb2_grpc.PrefillControlServicer):
 
 
 def serve_prefill(node: PrefillNode, node_id: str, host: str = "127.0.0.1", port: int = 0,
-                  workers: int = 16, secret: str | None = None) -> tuple[grpc.Server, int]:
-    """PrefillControl on `host`; with `secret` (the cluster secret) calls without it are refused."""
+                  workers: int = 16, secret: str | None = None,
+                  tls: NodeTls | None = None) -> tuple[grpc.Server, int]:
+    """PrefillControl on `host`; with `secret` (the cluster secret) calls without it are refused;
+    with `tls`, mutual TLS only."""
     return start_server(node_pb2_grpc.add_PrefillControlServicer_to_server, PrefillServicer(node, node_id),
-                        host, port, workers, secret)
+                        host, port, workers, secret, tls)

@@ -1,5 +1,7 @@
 """Starting the nodes' gRPC servers (threaded; the node loops do the real work), and the
-cluster secret that router and nodes share.
+cluster secret that router and nodes share. With a `NodeTls` (protos/tls.py) a server speaks
+mutual TLS only: plain-text clients and clients without a certificate the cluster CA signed fail
+their handshake (UNAVAILABLE); the secret is checked as well.
 
 With a secret, every node RPC (Reserve, FirstToken, Abort, Prefill, Outputs, Status) must carry
 it as `x-pdserve-cluster-secret` metadata, else UNAUTHENTICATED; it is compared in constant
@@ -17,6 +19,7 @@ from typing import Any
 import grpc
 
 from protos.messages import MAX_MESSAGE_BYTES
+from protos.tls import NodeTls
 
 GRPC_OPTIONS = [("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
                 ("grpc.max_send_message_length", MAX_MESSAGE_BYTES)]
@@ -81,12 +84,14 @@ def refusing(handler: Any, refuse: Callable[..., Any], refuse_stream: Callable[.
 
 
 def start_server(register: Callable[[Any, grpc.Server], None], servicer: Any, host: str, port: int,
-                 workers: int, secret: str | None = None) -> tuple[grpc.Server, int]:
+                 workers: int, secret: str | None = None, tls: NodeTls | None = None) -> tuple[grpc.Server, int]:
     """`register` is the generated `add_*Servicer_to_server`; binds `host` only; with `secret`
-    every call must carry it. Returns the server and its port."""
+    every call must carry it; with `tls` it serves mutual TLS only. Returns the server and its port."""
+    creds = tls.server_credentials() if tls is not None else None
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=workers), options=GRPC_OPTIONS,
                          interceptors=[SecretInterceptor(secret)] if secret else None)
     register(servicer, server)
-    bound = server.add_insecure_port(f"[{host}]:{port}" if ":" in host else f"{host}:{port}")
+    address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+    bound = server.add_secure_port(address, creds) if creds is not None else server.add_insecure_port(address)
     server.start()
     return server, bound

@@ -30,6 +30,7 @@ import grpc
 from protos import node_pb2, node_pb2_grpc
 from protos.messages import MessageError, OutputItem, unpack_outputs
 from protos.serving import with_secret
+from protos.tls import NodeTls, node_aio_channel
 from router.directory import KINDS, Kind, NodeDirectory
 from router.policy import NodeLoad
 
@@ -65,9 +66,11 @@ class NodePool:
                  status_interval_s: float, rpc_timeout_s: float,
                  on_items: Callable[[Node, list[OutputItem]], None],
                  on_decode_failure: Callable[[Node, str], None],
-                 on_capacity: Callable[[], None], cluster_secret: str | None = None) -> None:
+                 on_capacity: Callable[[], None], cluster_secret: str | None = None,
+                 node_tls: NodeTls | None = None) -> None:
         self.directory = directory
         self._secret = cluster_secret  # sent on every node call (protos/serving.py)
+        self._tls = node_tls  # mutual TLS on every node channel (protos/tls.py); None: plain text
         self.vocab_size, self.subscriber = vocab_size, subscriber
         self.status_interval_s, self.rpc_timeout_s = status_interval_s, rpc_timeout_s
         self.on_items, self.on_decode_failure, self.on_capacity = on_items, on_decode_failure, on_capacity
@@ -189,7 +192,7 @@ class NodePool:
                 self._retired.remove((node, since))
                 self.spawn(node.channel.close(grace=self.rpc_timeout_s))
         for kind, address in wanted - set(self.nodes):
-            channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+            channel = node_aio_channel(address, self._tls, CHANNEL_OPTIONS)
             stub_cls = node_pb2_grpc.DecodeControlStub if kind == "decode" else node_pb2_grpc.PrefillControlStub
             stub = with_secret(stub_cls(channel), self._secret)
             self.nodes[(kind, address)] = Node(kind, address, channel, stub)

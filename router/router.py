@@ -41,6 +41,7 @@ import grpc
 from deploy.config import RouterConfig
 from protos import node_pb2, pdserve_pb2, pdserve_pb2_grpc
 from protos.messages import FirstToken, MessageError, OutputItem, TokenLogprobs
+from protos.tls import NodeTls
 from router.admission import AdmissionQueue
 from router.auth import ApiKeyInterceptor, authorized
 from router.directory import NodeDirectory
@@ -76,11 +77,13 @@ class AttemptLost(Exception):
 class Router:
     def __init__(self, model: Any, directory: NodeDirectory, config: RouterConfig | None = None, *,
                  max_model_len: int | None = None, num_speculative_tokens: int | None = None,
-                 policy: Policy | None = None, cluster_secret: str | None = None, block_size: int = 16) -> None:
+                 policy: Policy | None = None, cluster_secret: str | None = None, node_tls: NodeTls | None = None,
+                 block_size: int = 16) -> None:
         """`model`: engine.loader.ModelInfo (name, config, tokenizer, eos_token_ids).
         `max_model_len`: the context the nodes serve (default min(model positions, 4096)).
         `num_speculative_tokens`: for ListModels (default: what decode nodes report).
         `cluster_secret`: sent on every call to a node (nodes refuse calls without it).
+        `node_tls`: mutual TLS on the node channels (protos/tls.py; None: plain text).
         `block_size`: the nodes' KV block size (the prefix policy's chunk of a prompt)."""
         self.config = config or RouterConfig()
         self.model = model
@@ -94,7 +97,7 @@ class Router:
             directory, vocab_size=model.config.vocab_size, subscriber=f"router-{self.router_id}",
             status_interval_s=self.config.status_interval_s, rpc_timeout_s=self.config.rpc_timeout_s,
             on_items=self._on_items, on_decode_failure=self._on_decode_failure,
-            on_capacity=self._on_capacity, cluster_secret=cluster_secret)
+            on_capacity=self._on_capacity, cluster_secret=cluster_secret, node_tls=node_tls)
         self.requests: dict[str, RequestState] = {}  # by client request id, in flight
         self._by_node_rid: dict[str, RequestState] = {}
         self._queue = AdmissionQueue(self.config.queue_size)

@@ -5,28 +5,16 @@ Receives PEM file paths (a certificate chain and its private key on the server; 
 the client); hands on gRPC credentials. A file that is missing, unreadable or not PEM is a
 `TlsError` (a ValueError: the CLI prints one `error:` line) naming the file, raised before any
 port is bound. The HTTP door gets the same files through uvicorn (`ssl_certfile`/`ssl_keyfile`).
+Node control channels have their own mutual TLS: protos/tls.py.
 """
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import grpc
 
+from protos.tls import TlsError, read_pem
 
-class TlsError(ValueError):
-    """A certificate, key or CA file that cannot be used."""
-
-
-def read_pem(path: str, what: str) -> bytes:
-    """The bytes of a PEM file; TlsError when it cannot be read or holds no PEM block."""
-    try:
-        data = Path(path).read_bytes()
-    except OSError as e:
-        raise TlsError(f"cannot read the TLS {what} file {path}: {e.strerror or e}") from None
-    if b"-----BEGIN " not in data:
-        raise TlsError(f"the TLS {what} file {path} is not PEM (no -----BEGIN line)")
-    return data
+__all__ = ["TlsError", "channel_credentials", "read_pem", "server_credentials"]
 
 
 def server_credentials(cert: str, key: str) -> grpc.ServerCredentials:

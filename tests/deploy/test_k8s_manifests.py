@@ -184,3 +184,16 @@ def test_dockerfile_installs_every_package():
         assert f"COPY --chown=ray:users {name} {name}" in text
     ray_version = raycluster()["spec"]["rayVersion"]
     assert f"rayproject/ray:{ray_version}-" in text
+
+
+def test_every_pod_mounts_the_node_tls_secret_where_the_config_points():
+    c = service_config().cluster
+    files = {c.node_tls_ca, c.node_tls_cert, c.node_tls_key}
+    assert {Path(f).name for f in files if f} == {"ca.crt", "tls.crt", "tls.key"}  # a TLS Secret's keys + ca.crt
+    (directory,) = {str(Path(f).parent) for f in files if f}
+    for group, template in pod_templates(raycluster()).items():  # the router and every node read them
+        spec = template["spec"]
+        volumes = {v["name"]: v for v in spec["volumes"]}
+        mounts = [m for m in spec["containers"][0]["volumeMounts"] if m["mountPath"] == directory]
+        assert len(mounts) == 1 and mounts[0]["readOnly"], group
+        assert volumes[mounts[0]["name"]]["secret"]["secretName"] == "pdserve-node-tls", group
