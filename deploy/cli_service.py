@@ -84,9 +84,20 @@ def start_service(cfg: Any) -> tuple[Any, str]:
     from deploy.service import Service, init_ray
 
     node_tls(cfg)  # unusable node TLS files: one clear error before Ray starts
+    check_tp_fits(cfg)
     init_ray(cfg, temp_dir=tempfile.mkdtemp(prefix="pdserve-ray-") if cfg.cluster.address is None else None)
     service = Service(cfg)
     return service, service.start(timeout_s=cfg.cluster.start_timeout_s)
+
+
+def check_tp_fits(cfg: Any) -> None:
+    """On a local cluster (the model is on this host), a TP size the model does not split over
+    is an error before any actor starts, not rank groups failing and restarting until the start
+    times out. (prefill.tp equals decode.tp: the config checks it.)"""
+    if cfg.decode.tp > 1 and cfg.cluster.address is None:
+        from deploy.cli import check_tp_model
+
+        check_tp_model(cfg.model.resolved_name(), cfg.decode.tp, "decode.tp")
 
 
 def shutdown(service: Any) -> None:

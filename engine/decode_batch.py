@@ -7,6 +7,10 @@ Requests inserted between two steps are written into the batch state together, r
 before the next launch (one packed copy for all of them: `BatchState.insert_many_no_sync`).
 Used by the single-process LLMEngine and by the decode node.
 
+The launch is sized before the step in flight is read, from host integers only
+(`plan_launch`): the rows that really run (next_real_bsz) and next_real_bsz * (k + 1) query
+tokens, never from sequence lengths the host learns one step late.
+
 Rules an editor must keep:
   * a request's KV blocks are freed only after the step in flight has been collected
     (`_free_after_collect`), so no launched step writes into a block handed to someone else;
@@ -17,6 +21,7 @@ Rules an editor must keep:
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
@@ -26,6 +31,38 @@ from engine.model_runner import DecodeHandle, ModelRunner
 from engine.request import Request, RequestOutput, TokenLogprob
 
 InFlight = tuple[DecodeHandle, list[Request], dict[int, int]]
+
+
+@dataclass(frozen=True)
+class LaunchPlan:
+    """The rows the next decode launch runs (`slots`, in slot order) and its size."""
+
+    slots: list[int]
+    tokens_per_row: int  # k + 1: each row verifies its last token and k drafts
+
+    @property
+    def num_tokens(self) -> int:
+        """The launch's query tokens: next_real_bsz * (k + 1)."""
+        return len(self.slots) * self.tokens_per_row
+
+
+def plan_launch(known: dict[int, tuple[int, int]], in_flight: set[int], k: int) -> LaunchPlan:
+    """The next launch, decided before the step in flight is read: integers only, no tensor.
+
+    `known`: slot -> (tokens generated as far as the host has read, max_tokens) for every
+    request of the batch, those inserted before this launch included; requests known to have
+    ended (finished, aborted) are gone from it. `in_flight`: the slots of the step launched and
+    not yet read. Each of them emits at least one token in that step, so a row with
+    generated + 1 >= max_tokens surely finishes there: the next launch would only mask it, so
+    it does not run (a stop token or a multi-token acceptance cannot be foreseen: such rows run
+    masked). next_real_bsz = len(slots) picks the CUDA-graph bucket; KV room needs no
+    prediction (admission reserved each request's whole life: `kv_room_needed`).
+    """
+    def ends_in_flight(slot: int) -> bool:
+        generated, max_tokens = known[slot]
+        return slot in in_flight and generated + 1 >= max_tokens
+
+    return LaunchPlan([s for s in sorted(known) if not ends_in_flight(s)], k + 1)
 
 
 class DecodeBatch:
@@ -60,19 +97,27 @@ class DecodeBatch:
         self.running[req.slot] = req
 
     def step(self) -> list[RequestOutput]:
-        """Launch the next decode step (if any request runs), then read the previous one."""
+        """Launch the next decode step (if any row really runs: `plan`), then read the previous one."""
         previous = self._inflight
         if self._to_insert:
             self.runner.insert_many_no_sync(list(self._to_insert.items()))
             self._to_insert.clear()
-        self._inflight = self._launch() if self.running else None
+        plan = self.plan(previous)
+        self._inflight = self._launch(plan.slots) if plan.slots else None
         outputs = self._collect(*previous) if previous is not None else []
         if previous is not None:
             self._free_deferred()
         return outputs
 
-    def _launch(self) -> InFlight:
-        slots = sorted(self.running)
+    def plan(self, in_flight: InFlight | None) -> LaunchPlan:
+        """The next launch's rows, from what the host knows before reading `in_flight` (a slot
+        counts as in flight only while the request that step runs on it still holds it)."""
+        known = {s: (len(r.output_ids), r.max_tokens) for s, r in self.running.items()}
+        mine = set() if in_flight is None else {
+            s for s, r in zip(in_flight[0].slots, in_flight[1], strict=True) if self.running.get(s) is r}
+        return plan_launch(known, mine, self.runner.k)
+
+    def _launch(self, slots: list[int]) -> InFlight:
         reqs = [self.running[s] for s in slots]
         sampled = [r.params for r in reqs if not r.params.greedy]
         flags = (not sampled, any(p.top_k > 0 or p.top_p < 1.0 for p in sampled))

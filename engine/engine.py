@@ -31,7 +31,13 @@ from engine.model_runner import ModelRunner, PrefillChunk, kv_room_needed, unpac
 from engine.prefix_cache import PrefixCache
 from engine.request import Request, RequestOutput, TokenLogprob
 from engine.sampling_params import SamplingParams
-from engine.tensor_parallel import TPCausalLM, TPGroup, apply_tensor_parallel, max_kv_heads
+from engine.tensor_parallel import (
+    TPCausalLM,
+    TPGroup,
+    apply_tensor_parallel,
+    full_config,
+    max_kv_heads,
+)
 
 
 @dataclass(frozen=True)
@@ -95,8 +101,9 @@ def build_runner(loaded: LoadedModel, config: EngineConfig, decodes: bool = True
 
 def _num_blocks(loaded: LoadedModel, config: EngineConfig, max_model_len: int, tp_size: int) -> int:
     """KV blocks: room for `max_num_seqs` whole contexts, capped by `kv_cache_bytes` of this
-    rank's cache (sized for the most KV heads a rank of the TP group holds)."""
-    arch, k = loaded.model.config, config.num_speculative_tokens
+    rank's cache (sized for the most KV heads a rank of the TP group holds, from the whole
+    model's config: the same count when an engine gets a model sharded already)."""
+    arch, k = full_config(loaded.model), config.num_speculative_tokens
     if config.num_blocks:
         return config.num_blocks
     dtype = next(loaded.model.parameters()).dtype

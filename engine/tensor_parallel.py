@@ -16,7 +16,8 @@ A row-parallel GEMM runs without its fused residual add: the partial sums are al
 and the residual is added once after (`x + all_reduce(o_proj(attn))`).
 
 Hands on the model with `config` replaced by the rank's local view (its query and KV head
-counts: the runner sizes this rank's KV cache from it) and `TPGroup` on it as `tp`. After
+counts: the runner sizes this rank's KV cache from it), the whole model's as `full_config`
+(what every rank sizes its block count from, so they agree), and `TPGroup` on it as `tp`. After
 every collective every rank holds the same tensor, so every rank samples the same tokens
 (counter-based noise); rank 0 alone reports them (engine/tp_launch.py).
 
@@ -113,6 +114,20 @@ def max_kv_heads(config: ArchConfig, size: int) -> int:
     return max(len(plan(config, size, r).kv_heads) for r in range(size))
 
 
+def check_tp_size(config: ArchConfig, size: int) -> None:
+    """Plan every rank's shard: raises plan's clear error for a size the model does not split
+    over (not a power of two, its vocabulary or its heads). Launchers call it before any rank
+    starts, so a bad size is one error line, not N processes failing."""
+    for rank in range(max(size, 1)):
+        plan(config, size, rank)
+
+
+def full_config(model: CausalLM) -> ArchConfig:
+    """The whole model's config, also when `model` is already sharded (its `config` is then
+    the rank's local view)."""
+    return model.full_config if isinstance(model, TPCausalLM) else model.config
+
+
 # ---------------------------------------------------------------- parallel modules
 
 
@@ -182,6 +197,7 @@ class TPCausalLM(CausalLM):
     """A sharded CausalLM: the greedy paths take the distributed argmax."""
 
     tp: TPGroup
+    full_config: ArchConfig  # before sharding (`config` is this rank's view)
     lm_head: ParallelLMHead  # type: ignore[assignment]
 
     def greedy_ids(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -265,9 +281,11 @@ def apply_tensor_parallel(model: CausalLM, tp: TPGroup) -> TPCausalLM:
         for layer in layers:
             _shard_layer(layer, shard, tp)
         _shard_vocab(model, shard, tp)
-    model.config = dataclasses.replace(model.config, num_attention_heads=len(shard.q_heads),
+    whole = model.config
+    model.config = dataclasses.replace(whole, num_attention_heads=len(shard.q_heads),
                                        num_key_value_heads=len(shard.kv_heads))
     _become(model, TPCausalLM, tp)
+    object.__setattr__(model, "full_config", whole)
     if fused:
         fuse_projections(model)
     return model  # type: ignore[return-value]

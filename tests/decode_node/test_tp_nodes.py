@@ -5,7 +5,8 @@ raw stubs the way the router drives them. Greedy output equals the single-proces
 and so does a seeded sampled request's, whose prompt prefix both decode ranks had cached (k > 0:
 both nodes cache prefixes, so only the uncached blocks cross); a descriptor one prefill rank refuses is refused by
 both; an abort ends its request once, only rank 0 of each node emitted messages, and every rank's
-blocks come back."""
+blocks come back. At TP size 4 (eight processes; tiny's KV heads replicated) greedy output is
+the single-process engine's too."""
 
 from __future__ import annotations
 
@@ -52,10 +53,10 @@ def _build(role: str, tp, k: int):
     return node, *serve(node, f"{role}-0")
 
 
-def _rank_main(role: str, rank: int, port: int, k: int, reports, stop) -> None:
+def _rank_main(role: str, rank: int, size: int, port: int, k: int, reports, stop) -> None:
     import torch.distributed as dist
 
-    tp = init_group(rank, 2, port, "cpu")
+    tp = init_group(rank, size, port, "cpu")
     try:
         node, server, grpc_port = _build(role, tp, k)
         if server is not None:
@@ -132,12 +133,12 @@ def _wait_all_free(stubs, timeout: float = 30.0) -> None:
         time.sleep(0.05)
 
 
-def _start_groups(ctx, reports, stop, k: int) -> list:
+def _start_groups(ctx, reports, stop, k: int, size: int = 2) -> list:
     procs = []
     for role in ("prefill", "decode"):
         port = free_port()
-        procs += [ctx.Process(target=_rank_main, args=(role, r, port, k, reports, stop), daemon=True)
-                  for r in range(2)]
+        procs += [ctx.Process(target=_rank_main, args=(role, r, size, port, k, reports, stop), daemon=True)
+                  for r in range(size)]
     for proc in procs:
         proc.start()
     return procs
@@ -186,3 +187,31 @@ def test_p_tp2_to_d_tp2_greedy_equals_single_process_and_only_rank0_emits(k):
     emitted = {(role, rank): n for role, rank, _, _, n in ends}
     assert emitted[("decode", 1)] == emitted[("prefill", 1)] == 0
     assert emitted[("prefill", 0)] == len(PROMPTS) + 2 and emitted[("decode", 0)] > 0
+
+
+def test_p_tp4_to_d_tp4_with_replicated_kv_heads_greedy_equals_single_process():
+    """tiny's 2 KV heads over 4 ranks: each cached on two ranks of each node, each decode rank
+    receiving its own copy from the prefill rank of its index."""
+    ref = LLMEngine(load_model("tiny"), EngineConfig()).generate(PROMPTS, PARAMS)
+    ctx = mp.get_context("spawn")
+    reports, stop = ctx.Queue(), ctx.Event()
+    procs = _start_groups(ctx, reports, stop, k=2, size=4)
+    try:
+        addr = dict(_next(reports, "address")[1:] for _ in range(2))
+        d = node_pb2_grpc.DecodeControlStub(grpc.insecure_channel(addr["decode"]))
+        p = node_pb2_grpc.PrefillControlStub(grpc.insecure_channel(addr["prefill"]))
+        outputs = Outputs(d)
+        got = [generate(d, p, addr["decode"], outputs, f"r{i}", prompt) for i, prompt in enumerate(PROMPTS)]
+        assert got == [(r.output_ids, "length") for r in ref]
+        _wait_all_free([d, p])
+        outputs.stream.cancel()
+        stop.set()
+        ends = sorted(_next(reports, "end")[1:] for _ in range(8))
+    finally:
+        stop.set()
+        for proc in procs:
+            proc.join(timeout=30)
+            if proc.is_alive():
+                proc.terminate()
+    assert all(free == total for _, _, free, total, _ in ends)
+    assert [n > 0 for role, rank, _, _, n in ends] == [rank == 0 for role, rank, _, _, _ in ends]

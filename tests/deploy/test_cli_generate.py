@@ -62,15 +62,16 @@ def test_bad_input_exits_nonzero_with_clear_message(args, message):
     assert "Traceback" not in proc.stderr
 
 
-def test_generate_tp2_prints_what_tp1_prints_from_rank_0_only(capfd):
+@pytest.mark.parametrize("tp", [2, 4])
+def test_generate_tp_prints_what_tp1_prints_from_rank_0_only(capfd, tp):
     args = ["generate", "--model", "tiny", "--json", "--spec-tokens", "3", "--max-tokens", "8", "--logprobs", "2",
             "one", "two words"]
     assert main(args) == 0
     one = capfd.readouterr().out.splitlines()
-    assert main([*args, "--tp", "2"]) == 0  # two processes share this stdout: each line once means rank 0 alone
-    two = capfd.readouterr().out.splitlines()
-    assert len(one) == 2 and len(two) == 2
-    for a, b in zip(map(json.loads, two), map(json.loads, one), strict=True):
+    assert main([*args, "--tp", str(tp)]) == 0  # the ranks share this stdout: each line once means rank 0 alone
+    ranked = capfd.readouterr().out.splitlines()
+    assert len(one) == 2 and len(ranked) == 2
+    for a, b in zip(map(json.loads, ranked), map(json.loads, one), strict=True):
         assert a["token_ids"] == b["token_ids"] and a["text"] == b["text"]
         assert [lp["logprob"] for lp in a["logprobs"]] == pytest.approx([lp["logprob"] for lp in b["logprobs"]], abs=1e-4)
 
@@ -82,3 +83,7 @@ def test_generate_tp_errors_are_clear():
     long = subprocess.run([sys.executable, "-m", "deploy.cli", "generate", "--model", "tiny", "--tp", "2",
                            "--max-model-len", "16", "x" * 40], capture_output=True, text=True, timeout=120)
     assert long.returncode == 2 and "error: rank 0: prompt is" in long.stderr
+    heads = subprocess.run([sys.executable, "-m", "deploy.cli", "generate", "--model", "tiny", "--tp", "8", "x"],
+                           capture_output=True, text=True, timeout=120)  # 2 KV heads of 2 query heads each
+    assert heads.returncode == 2 and "Traceback" not in heads.stderr
+    assert "error: --tp 8 does not fit model 'tiny': cannot split 4 query / 2 KV heads over 8 ranks" in heads.stderr

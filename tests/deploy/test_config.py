@@ -186,6 +186,16 @@ def test_tp_sizes_are_powers_of_two_and_equal_for_prefill_and_decode():
         ServiceConfig.load(None, {"prefill.tp": 3, "decode.tp": 3})
 
 
+def test_a_tp_size_the_model_does_not_split_over_is_an_error_before_the_service_starts():
+    from deploy.cli_service import check_tp_fits
+
+    with pytest.raises(ValueError, match="decode.tp 8 does not fit model 'tiny': cannot split 4 query / 2 KV"):
+        check_tp_fits(ServiceConfig.load(None, {"model.name": "tiny", "prefill.tp": 8, "decode.tp": 8}))
+    check_tp_fits(ServiceConfig.load(None, {"model.name": "tiny", "prefill.tp": 4, "decode.tp": 4}))
+    remote = {"model.name": "tiny", "prefill.tp": 8, "decode.tp": 8, "cluster.address": "10.0.0.1:6379"}
+    check_tp_fits(ServiceConfig.load(None, remote))  # the model is on the cluster's hosts: they check it
+
+
 def test_kv_fault_drills_are_off_by_default_and_checked():
     from deploy.config import ConfigError, ServiceConfig
 

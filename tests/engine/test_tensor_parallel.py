@@ -1,8 +1,9 @@
-"""Tensor parallelism on the CPU: real gloo groups of 2 local processes on 127.0.0.1.
+"""Tensor parallelism on the CPU: real gloo groups of 2 (and 4) local processes on 127.0.0.1.
 
 Greedy TP=2 equals TP=1 token for token (k = 0 and k = 3; tiny and SmolLM2, whose 9 query /
 3 KV heads split unevenly), logprobs agree within fp32 tolerance, a seeded sampled request
-gives the same tokens, and every rank samples the same tokens as rank 0."""
+gives the same tokens, and every rank samples the same tokens as rank 0. TP=4 on tiny (2 KV
+heads over 4 ranks: each KV head replicated on two ranks) equals TP=1 too."""
 
 from __future__ import annotations
 
@@ -10,11 +11,11 @@ import pytest
 import torch
 
 from engine.config import ArchConfig
-from engine.engine import EngineConfig, LLMEngine
+from engine.engine import EngineConfig, LLMEngine, build_runner
 from engine.loader import load_model
 from engine.model import fuse_projections
 from engine.sampling_params import SamplingParams
-from engine.tensor_parallel import TPGroup, head_split, max_kv_heads, plan
+from engine.tensor_parallel import TPGroup, full_config, head_split, max_kv_heads, plan
 from engine.tp_launch import spawn_ranks
 from tests.engine.conftest import smollm2_installed
 
@@ -97,6 +98,28 @@ def test_tiny_tp2_equals_tp1():
     assert out1 == out0  # every rank sampled the same tokens (and logprobs)
     assert_same(out0, tp1)
     assert all(len(ids) == 12 for case in tp1 for ids, _ in case)
+
+
+def test_tiny_tp4_replicates_kv_heads_and_equals_tp1():
+    lengths = [5, 23]
+    cases = TINY_CASES[:2]  # greedy with logprobs, k = 0 and k = 3
+    _, tp1 = run_cases("tiny", lengths, cases, None)
+    ranks = spawn_ranks(4, rank_cases, ("tiny", lengths, cases))
+    assert [heads for heads, _ in ranks] == [1, 1, 1, 1]  # 2 KV heads, each cached on two ranks
+    assert all(out == ranks[0][1] for _, out in ranks)
+    assert_same(ranks[0][1], tp1)
+    assert all(len(ids) == 12 for case in tp1 for ids, _ in case)
+
+
+def test_a_second_engine_on_a_sharded_model_sizes_its_cache_from_the_whole_model():
+    loaded = load_model("tiny", dtype="float32")
+    config = EngineConfig(kv_cache_bytes=96 << 10, num_speculative_tokens=3)  # the byte cap sets the count
+    rank1 = TPGroup(1, 4)  # sharding and building a runner issue no collective: no group needed
+    _, first, _ = build_runner(loaded, config, tp=rank1)
+    assert loaded.model.config.num_key_value_heads == 1 and full_config(loaded.model).num_key_value_heads == 2
+    _, second, _ = build_runner(loaded, config, tp=rank1)  # the model is sharded already
+    assert second.capacity == first.capacity == 16 - 1  # 96 KiB / (3 layers x 16 positions x 1 head x 16
+    # x K,V x 4 B), less the trash block
 
 
 def test_fused_projections_are_split_too():
