@@ -9,6 +9,7 @@ written, the transfer is still waiting, and the introduced sender then completes
 
 from __future__ import annotations
 
+import itertools
 import logging
 import socket
 
@@ -179,11 +180,14 @@ def session(draw: st.DrawFn, rid: str, tok: bytes) -> bytes:
     return b"".join(wire.frame(m) + b"\xab" * n for m, n in msgs)
 
 
+_OWN_IDS = itertools.count()  # unique request ids: the receiver forgets finished ones, so its size repeats
+
+
 @fuzz_settings(120)
 @given(st.data())
 def test_a_sender_with_the_token_writes_only_its_own_blocks(tcp_receiver, data: st.DataObject) -> None:
     receiver, _desc, dst, dims, errors = tcp_receiver
-    rid = f"own-{len(receiver._in)}"
+    rid = f"own-{next(_OWN_IDS)}"
     desc = receiver.expect(rid, OWN, LAYERS)
     send_and_close(desc["addr"], data.draw(session(rid, desc["tok"])))
     assert not errors.records, [r.getMessage() for r in errors.records]
