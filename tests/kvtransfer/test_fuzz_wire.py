@@ -109,7 +109,8 @@ class _Errors(logging.Handler):
 @pytest.fixture(scope="module")
 def tcp_receiver():
     dst, dims = make_cache(NUM_BLOCKS, seed=None)
-    receiver = create_receiver("tcp", timeout_s=120)
+    # "r" waits through the whole fuzz for its real sender (the last test): longer than a long run
+    receiver = create_receiver("tcp", timeout_s=3600)
     receiver.register(KVLayout(dst, dims))
     desc = receiver.expect("r", DST, LAYERS)
     errors = _Errors()
