@@ -20,7 +20,10 @@ hold (Abort to D unless D already ended the request, Abort to P if a Prefill cal
 outstanding).
 
 Careful: node-side request ids are per attempt (`router/request/attempt`), so an old
-attempt's late output items can never reach a retried one. Nothing here may block the loop.
+attempt's late output items can never reach a retried one. `router` is this instance's id
+(`router_id`, new at every start) and also its Outputs subscriber name: a decode node drops an
+instance's requests when that instance's last Outputs stream to it ends (decode_node/node.py,
+"Owners"), so requests of a router that died (and was restarted by Ray) never hold KV blocks. Nothing here may block the loop.
 """
 
 from __future__ import annotations
@@ -91,7 +94,7 @@ class Router:
         self.policy = policy or make_policy(self.config.policy, **prefix_options(self.config, block_size))
         self.router_id = uuid.uuid4().hex[:8]
         self.pool = NodePool(
-            directory, vocab_size=model.config.vocab_size, subscriber=f"router-{self.router_id}",
+            directory, vocab_size=model.config.vocab_size, subscriber=self.router_id,
             status_interval_s=self.config.status_interval_s, rpc_timeout_s=self.config.rpc_timeout_s,
             on_items=self._on_items, on_decode_failure=self._on_decode_failure,
             on_capacity=self._on_capacity, cluster_secret=cluster_secret)
