@@ -21,12 +21,12 @@ are expected, and the prefill node sends only those. When the transfer is DONE t
 prompt blocks before its last token are registered (decode never writes into them); they stay
 cached, evictable, once the request ends. A transfer that fails registers nothing.
 
-Owners (a router instance, ARCHITECTURE "router restarts"): a subscriber may name itself (`subscribe(owner)`),
-and a request whose id begins with `owner + "/"` is that owner's. When the owner's last open
-output stream ends (the router died, or it gave up the stream: either way it has already counted
-those requests as lost), the loop aborts every request of that owner and refuses its new
-reservations until it subscribes again, so a dead router's requests never hold blocks here. A
-request whose id names no subscribed owner is never touched by this rule.
+Owners (a router instance; restarts: deploy/router_actor.py): a subscriber may name itself
+(`subscribe(owner)`), and a request whose id begins with `owner + "/"` is that owner's. When the
+owner's last open output stream ends (the router died, or it gave up the stream: either way it
+has already counted those requests as lost), the loop aborts every request of that owner and
+refuses its new reservations until it subscribes again, so a dead router's requests never hold
+blocks here. Requests of an owner that never subscribed are never touched by this rule.
 
 Blocks of a request that ends before its KV transfer is DONE are quarantined for
 `kv_quarantine_s` before reuse: a transport may still land late bytes for it (ucx cannot

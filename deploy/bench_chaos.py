@@ -310,11 +310,15 @@ async def inject(service: Any, client: Any, inflight: set[str], args: argparse.N
 
 
 async def kill_router(service: Any, injected: Injected) -> None:
-    """Kill the router actor (Ray restarts it), first keeping the counts it made."""
+    """Kill the router actor (Ray restarts it), first keeping the counts it made (marked unread
+    when it did not answer in time: then they are missing from the report's sums)."""
     import ray
 
-    status = await asyncio.to_thread(ray.get, service.router.status.remote(), timeout=60)
-    injected.routers.append(instance_counts(status))
+    try:
+        status: dict[str, Any] = await asyncio.to_thread(ray.get, service.router.status.remote(), timeout=60)
+        injected.routers.append(instance_counts(status))
+    except Exception as e:
+        injected.routers.append({"terminals": {}, "migrations": 0, "unread": repr(e)[:200]})
     await asyncio.to_thread(service.kill_router)
     injected.faults["killed_router"] += 1
 
