@@ -293,11 +293,7 @@ class Router:
         tried: dict[str, str] = {}
         prompt, sampling = st.resume_prompt(), st.resume_sampling()
         for _ in range(self.config.prefill_retries + 1):
-            if not await self._await_node("prefill", tried):
-                raise RequestError("UNAVAILABLE", _no_prefill_message(tried))  # before reserving
-            st.attempt += 1
-            decode, descriptor = await self._reserve(st, st.attempt, prompt, sampling)
-            prefill, work = self._choose_prefill(prompt, exclude=tried)
+            decode, descriptor, prefill, work = await self._reserve_pair(st, prompt, sampling, tried)
             req = node_pb2.PrefillRequest(
                 request_id=st.node_rid, prompt_token_ids=prompt, sampling=sampling,
                 descriptor_msgpack=descriptor, decode_address=decode.address)
@@ -307,6 +303,24 @@ class Router:
             tried[prefill.address] = prefill.last_error or "unavailable"
             await self._abort_decode(st, "the prefill node failed; retrying elsewhere")
         raise RequestError("UNAVAILABLE", _no_prefill_message(tried))
+
+    async def _reserve_pair(self, st: RequestState, prompt: list[int], sampling: node_pb2.Sampling,
+                            tried: dict[str, str]) -> tuple[Node, bytes, Node, int]:
+        """A decode reservation and the prefill node to fill it (with its work). When every prefill
+        node went down while the reservation waited (node restarts), the reservation is given back
+        and the request waits for one (`_await_node`, at most `node_wait_s` each time) rather than
+        failing; the driver's deadline bounds the whole."""
+        while True:
+            if not await self._await_node("prefill", tried):
+                raise RequestError("UNAVAILABLE", _no_prefill_message(tried))  # before reserving
+            st.attempt += 1
+            decode, descriptor = await self._reserve(st, st.attempt, prompt, sampling)
+            try:
+                prefill, work = self._choose_prefill(prompt, exclude=tried)
+            except RequestError:
+                await self._abort_decode(st, "no prefill node is up now; reserving again once one is")
+                continue
+            return decode, descriptor, prefill, work
 
     async def _prefill(self, st: RequestState, prefill: Node, work: int,
                        req: node_pb2.PrefillRequest) -> node_pb2.Payload | None:
