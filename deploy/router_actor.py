@@ -52,13 +52,12 @@ class RouterActor:
             self.router = router
             return self._address(bound)
 
-    async def ensure_serving(self, port: int, http_port: int | None) -> bool:
+    async def ensure_serving(self, port: int, http_port: int | None) -> str:
         """Start serving on these ports unless serving already (a process Ray restarted is not);
-        True when it started now."""
-        if self.router is not None:
-            return False
-        await self.start(port, http_port)
-        return True
+        returns the serving router's instance id (new at every start)."""
+        if self.router is None:
+            await self.start(port, http_port)
+        return str(self.router.router_id)
 
     async def http_address(self) -> str | None:
         """host:port of the OpenAI-compatible HTTP door (None when it is off)."""

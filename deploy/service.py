@@ -10,7 +10,7 @@ its ranks do, and a rank's death restarts the whole group.
 
 The router actor restarts forever too. Each round the watcher hands it the node list and asks
 it to serve (`ensure_serving`) on the ports it first bound, so a router Ray restarted re-discovers
-its nodes and serves again at the same address (`router_restarts` counts those starts). Its
+its nodes and serves again at the same address (`router_restarts` counts the new instances). Its
 requests in flight die with it (clients see UNAVAILABLE; nodes drop them: deploy/router_actor.py).
 """
 
@@ -73,7 +73,8 @@ class Service:
         self.router: Any = None
         self.router_address = ""
         self.http_address: str | None = None  # host:port of the router's HTTP door
-        self.router_restarts = 0  # times the watcher started a router that Ray had restarted
+        self.router_restarts = 0  # router instances after the first seen serving (Ray restarted it)
+        self._router_instance = ""
         self._router_ports: tuple[int, int | None] = (0, None)  # gRPC, HTTP: kept across restarts
         self._stop = threading.Event()
         self._watcher: threading.Thread | None = None
@@ -135,10 +136,17 @@ class Service:
         for role in ROLES:
             live = [a for (r, _), a in sorted(self.addresses.items()) if r == role and a]
             ray.get(self.router.set_nodes.remote(role, live), timeout=60.0)
-        if ray.get(self.router.ensure_serving.remote(*self._router_ports), timeout=60.0):
-            self.router_restarts += 1
-            log.warning("the router was restarted; serving again on %s", self.router_address)
+        self._router_serving(ray.get(self.router.ensure_serving.remote(*self._router_ports), timeout=60.0))
         return dict(self.addresses)
+
+    def _router_serving(self, instance: str) -> None:
+        """Count a new router instance serving (one that Ray restarted), however late the news
+        comes: a call that started it may have timed out here, the next one names it."""
+        if instance != self._router_instance:
+            if self._router_instance:
+                self.router_restarts += 1
+                log.warning("the router was restarted; serving again on %s", self.router_address)
+            self._router_instance = instance
 
     def _router_sees(self, want: tuple[int, int]) -> bool:
         import ray
