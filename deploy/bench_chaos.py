@@ -9,8 +9,9 @@ storms (every `--abort-every` s, Abort for a `--abort-fraction` of the requests 
 client cancels (a `--cancel-fraction` of requests walk away at a random token), and KV transfer
 faults (`--kv-faults P`: each KV message from a prefill node dropped, delayed, duplicated and,
 over tcp, truncated with probability P each; kvtransfer/faults.py), and router restarts (the
-router actor killed every `--router-restart-every` s; Ray restarts it and the service's watcher
-makes it serve again at the same address with its nodes: deploy/service.py).
+router actor killed `--router-restart-every` s after it last came back, one kill at a time; Ray
+restarts it and the service's watcher makes it serve again at the same address with its nodes:
+deploy/service.py).
 
 The client, as a client that retries would, waits for the router (gRPC wait_for_ready) before a
 request starts; a stream open when the router dies breaks, and that broken stream (UNAVAILABLE) is
@@ -93,7 +94,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-output", type=int, default=48)
     p.add_argument("--kill-every", type=float, default=4.0, help="seconds between node actor kills (0: none)")
     p.add_argument("--router-restart-every", type=float, default=60.0,
-                   help="seconds between router actor kills (Ray restarts it; 0: none)")
+                   help="seconds from the router's last restart to its next kill (Ray restarts it; 0: none)")
     p.add_argument("--abort-every", type=float, default=1.0, help="seconds between Abort storms (0: none)")
     p.add_argument("--abort-fraction", type=float, default=0.05, help="share of in-flight requests each storm aborts")
     p.add_argument("--cancel-fraction", type=float, default=0.1, help="share of requests whose client walks away")
@@ -104,7 +105,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--reference-cache", default=None, metavar="FILE",
                    help="keep the single-process reference output here and reuse it when the model and the "
-                   "requests are the same (10,000 requests take ~30 min on a small CPU)")
+                   "requests are the same (10,000 requests take minutes to half an hour on a small CPU)")
     p.add_argument("--json", default=None, metavar="FILE", help="write the report here too")
     add_service_arguments(p)
 
