@@ -21,6 +21,13 @@ are expected, and the prefill node sends only those. When the transfer is DONE t
 prompt blocks before its last token are registered (decode never writes into them); they stay
 cached, evictable, once the request ends. A transfer that fails registers nothing.
 
+Owners (a router instance; restarts: deploy/router_actor.py): a subscriber may name itself
+(`subscribe(owner)`), and a request whose id begins with `owner + "/"` is that owner's. When the
+owner's last open output stream ends (the router died, or it gave up the stream: either way it
+has already counted those requests as lost), the loop aborts every request of that owner and
+refuses its new reservations until it subscribes again, so a dead router's requests never hold
+blocks here. Requests of an owner that never subscribed are never touched by this rule.
+
 Blocks of a request that ends before its KV transfer is DONE are quarantined for
 `kv_quarantine_s` before reuse: a transport may still land late bytes for it (ucx cannot
 cancel a posted receive), and they must not overwrite another request's KV. Its cached prefix
@@ -33,6 +40,8 @@ import concurrent.futures
 import queue
 import threading
 import time
+from collections import Counter
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -48,6 +57,12 @@ from engine.step_loop import StepLoop
 from engine.tensor_parallel import TPGroup
 from kvtransfer import KVLayout, TransferState, create_receiver
 from protos.messages import FirstToken, OutputItem, TokenLogprobs
+
+
+def owner_of(request_id: str) -> str:
+    """The owner named by a request id (`owner/...`); '' when it names none."""
+    head, sep, _ = request_id.partition("/")
+    return head if sep else ""
 
 
 @dataclass
@@ -101,6 +116,9 @@ class DecodeNode(StepLoop):
         self.timings: dict[str, dict[str, float]] | None = None
         self._subscribers: list[queue.SimpleQueue[list[OutputItem] | None]] = []
         self._sub_lock = threading.Lock()
+        self._owner_streams: Counter[str] = Counter()  # owner -> open output streams (under _sub_lock)
+        self._gone_owners: set[str] = set()  # owners whose last stream ended (loop thread)
+        self.orphans_dropped = 0  # requests aborted because their owner's stream ended
 
     # ---- any thread ------------------------------------------------------------------
     def reserve(self, request_id: str, prompt_len: int, params: SamplingParams, seed: int,
@@ -120,16 +138,28 @@ class DecodeNode(StepLoop):
         self._inbox.put(("abort", (request_id, reason)))
         self.wake()
 
-    def subscribe(self) -> queue.SimpleQueue[list[OutputItem] | None]:
+    def subscribe(self, owner: str = "") -> queue.SimpleQueue[list[OutputItem] | None]:
+        """A new output stream; `owner` (optional) names the requests it owns (ids `owner/...`)."""
         q: queue.SimpleQueue[list[OutputItem] | None] = queue.SimpleQueue()
         with self._sub_lock:
             self._subscribers.append(q)
+            if owner:
+                self._owner_streams[owner] += 1
+                self._inbox.put(("owner_back", (owner,)))  # before any Reserve the owner sends next
         return q
 
-    def unsubscribe(self, q: queue.SimpleQueue) -> None:
+    def unsubscribe(self, q: queue.SimpleQueue, owner: str = "") -> None:
+        """End a stream; the owner's last one ending drops the owner's requests (loop thread)."""
         with self._sub_lock:
-            if q in self._subscribers:
-                self._subscribers.remove(q)
+            if q not in self._subscribers:
+                return
+            self._subscribers.remove(q)
+            if owner:
+                self._owner_streams[owner] -= 1
+                if self._owner_streams[owner] <= 0:
+                    del self._owner_streams[owner]
+                    self._inbox.put(("owner_gone", (owner,)))
+        self.wake()
 
     def status(self) -> dict[str, Any]:
         return {"free_blocks": self.blocks.num_free, "total_blocks": self.blocks.capacity,
@@ -172,8 +202,16 @@ class DecodeNode(StepLoop):
             elif kind == "first":
                 self._on_first(arg, items)
             else:
-                rid, reason = arg
-                self._abort(rid, reason, items)
+                self._command(kind, arg, items)
+
+    def _command(self, kind: str, args: Sequence[Any], items: list[OutputItem]) -> None:
+        """A command whose arguments are plain values: abort, or news of an owner's streams."""
+        if kind == "abort":
+            self._abort(args[0], args[1], items)
+        elif kind == "owner_back":
+            self._gone_owners.discard(args[0])
+        elif kind == "owner_gone":
+            self._drop_owner(args[0], items)
 
     def _reserve(self, rid: str, prompt_len: int, params: SamplingParams, seed: int,
                  stop_ids: tuple[int, ...], prompt: list[int] | None) -> Reservation:
@@ -204,11 +242,20 @@ class DecodeNode(StepLoop):
         """Why a reservation cannot even be tried ('' when it can)."""
         if rid in self.requests:
             return f"request {rid!r} is already on this decode node"
+        if owner_of(rid) in self._gone_owners:
+            return f"the router that sent {rid!r} has no output stream open here"
         if not 0 < prompt_len < self.max_model_len:
             return f"prompt of {prompt_len} tokens does not fit the context {self.max_model_len}"
         if prompt and (len(prompt) != prompt_len or any(not 0 <= t < self.vocab for t in prompt)):
             return f"prompt token ids must be {prompt_len} ids inside the vocabulary"
         return ""
+
+    def _drop_owner(self, owner: str, items: list[OutputItem]) -> None:
+        """The owner's last output stream ended: abort its requests, refuse its new ones."""
+        self._gone_owners.add(owner)
+        for rid in [r for r in self.requests if owner_of(r) == owner]:
+            self.orphans_dropped += 1
+            self._abort(rid, f"its router ({owner}) is gone", items)
 
     def _on_first(self, msg: FirstToken, items: list[OutputItem]) -> None:
         p = self.pending.get(msg.request_id)

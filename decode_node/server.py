@@ -1,5 +1,9 @@
 """The decode node's gRPC face (DecodeControl): reservations, first-token messages from
-prefill nodes, aborts, and the multiplexed output stream (one per subscriber)."""
+prefill nodes, aborts, and the multiplexed output stream (one per subscriber).
+
+An Outputs stream's `subscriber` is its owner (a router instance id; DecodeNode "Owners"):
+when the owner's last stream ends (the router is gone: its connection closed), the node drops
+that owner's requests. The stream loop notices a gone caller within OUTPUTS_POLL_S."""
 
 from __future__ import annotations
 
@@ -14,6 +18,9 @@ from protos.convert import check_request_id, sampling_from_proto
 from protos.messages import FirstToken, MessageError, pack_outputs
 from protos.serving import start_server
 from protos.tls import NodeTls
+
+MAX_SUBSCRIBER = 128
+OUTPUTS_POLL_S = 0.5  # how often an idle output stream checks that its caller is still there
 
 
 class DecodeServicer(node_pb2_grpc.DecodeControlServicer):
@@ -45,19 +52,22 @@ class DecodeServicer(node_pb2_grpc.DecodeControlServicer):
         return node_pb2.Ack(ok=True)
 
     def Outputs(self, request, context):
-        q = self.node.subscribe()
+        owner = request.subscriber
+        if len(owner) > MAX_SUBSCRIBER or "/" in owner:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"subscriber: at most {MAX_SUBSCRIBER} characters, no '/'")
+        q = self.node.subscribe(owner)
         context.send_initial_metadata(())  # tells the subscriber it is registered: nothing is missed
         try:
             while context.is_active():
                 try:
-                    items = q.get(timeout=0.5)
+                    items = q.get(timeout=OUTPUTS_POLL_S)
                 except queue.Empty:
                     continue
                 if items is None:  # the node is stopping
                     return
                 yield node_pb2.Payload(msgpack=pack_outputs(items))
         finally:
-            self.node.unsubscribe(q)
+            self.node.unsubscribe(q, owner)
 
     def Status(self, request, context):
         s = self.node.status()

@@ -59,7 +59,7 @@ class TPDecodeNode(Lockstep, DecodeNode):
             elif cmd[0] == "first":
                 self._on_first(FirstToken.unpack(cmd[1], self.vocab, max_drafts=self.k), items)
             else:
-                self._abort(cmd[1], cmd[2], items)
+                self._command(cmd[0], cmd[1:], items)
         if reserved:
             self._answer(reserved)
 

@@ -8,11 +8,11 @@ Ray only places, watches and restarts the processes. Each actor restarts forever
 
 from __future__ import annotations
 
-import os
 import socket
 from typing import TYPE_CHECKING, Any
 
 from deploy.config import ServiceConfig
+from deploy.procmem import process_memory
 
 if TYPE_CHECKING:
     from protos.tls import NodeTls
@@ -106,8 +106,9 @@ class NodeActor:
     def info(self) -> dict[str, Any]:
         import ray
 
-        return {"role": self.role, "node_id": self.node_id, "address": self.address(),
-                "pid": os.getpid(), "host": socket.gethostname(), "emitted": getattr(self.node, "emitted", None),
+        return {"role": self.role, "node_id": self.node_id, "address": self.address(), **process_memory(),
+                "host": socket.gethostname(), "emitted": getattr(self.node, "emitted", None),
+                "orphans_dropped": getattr(self.node, "orphans_dropped", None),
                 "ray_node_id": ray.get_runtime_context().get_node_id(), **self.node.status()}
 
     def stop(self) -> None:

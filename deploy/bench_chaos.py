@@ -8,23 +8,35 @@ node actor kills (decode and prefill in turn, every `--kill-every` s; Ray restar
 storms (every `--abort-every` s, Abort for a `--abort-fraction` of the requests in flight),
 client cancels (a `--cancel-fraction` of requests walk away at a random token), and KV transfer
 faults (`--kv-faults P`: each KV message from a prefill node dropped, delayed, duplicated and,
-over tcp, truncated with probability P each; kvtransfer/faults.py).
+over tcp, truncated with probability P each; kvtransfer/faults.py), and router restarts (the
+router actor killed `--router-restart-every` s after it last came back, one kill at a time; Ray
+restarts it and the service's watcher makes it serve again at the same address with its nodes:
+deploy/service.py).
+
+The client, as a client that retries would, waits for the router (gRPC wait_for_ready) before a
+request starts; a stream open when the router dies breaks, and that broken stream (UNAVAILABLE) is
+the request's one terminal error: a clean error, never lost. A transport error after the terminal
+message is not a second terminal. Every call has a deadline (`--deadline-s` + 30 s), so nothing
+hangs: a request past it counts as lost.
 
 Hands back a table: requests sent / finished correctly (tokens equal the single-process engine's
 greedy output; an aborted or cancelled one, a prefix of it) / ended with a clean error (exactly
 one terminal error with a message) / lost (no terminal message) / duplicated (more than one
 terminal) / wrong tokens (a token duplicated, missing or different) / leaked KV blocks (every
-node's free blocks back to its total, waited for) / migrations / the router's resident memory
-before and after (it is never killed here). Exit status 1 unless lost,
-duplicated, wrong and leaked are all 0.
+node's free blocks back to its total, waited for) / migrations (summed over router instances) /
+router restarts / each process kind's resident memory (router, prefill, decode: the largest
+before and after, the peak; a killed process's successor is a new process, counted as replaced,
+so its figures start again). Exit status 1 unless lost, duplicated, wrong and leaked are all 0.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import hashlib
 import json
 import random
+import re
 import time
 from collections import Counter
 from dataclasses import dataclass, field
@@ -35,6 +47,10 @@ DEFAULTS = {"prefill": 2, "decode": 2, "spec_tokens": 3}
 # A killed node is back after its restart (seconds): new requests wait for one that long
 # rather than failing at once while every node of a kind is down.
 SERVICE_DEFAULTS = ["router.node_wait_s=60"]
+# A restarted router serves at the same address: look for it again soon (gRPC's default backoff
+# grows to minutes).
+RECONNECT_OPTIONS = [("grpc.initial_reconnect_backoff_ms", 200), ("grpc.min_reconnect_backoff_ms", 200),
+                     ("grpc.max_reconnect_backoff_ms", 1000)]
 
 
 @dataclass
@@ -50,11 +66,21 @@ class Job:
 
 
 @dataclass
+class Injected:
+    """What the injector did: fault counts, and each killed router instance's own counts (read
+    just before its kill)."""
+
+    faults: Counter[str] = field(default_factory=Counter)
+    routers: list[dict[str, Any]] = field(default_factory=list)
+
+
+@dataclass
 class Outcome:
     tokens: list[int] = field(default_factory=list)
     terminals: list[tuple[str, str]] = field(default_factory=list)  # ("finished", reason) or (code, message)
     cancelled: bool = False
     timed_out: bool = False
+    broke_after_terminal: bool = False  # the transport failed after the terminal message: not a 2nd terminal
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -67,6 +93,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--min-output", type=int, default=4)
     p.add_argument("--max-output", type=int, default=48)
     p.add_argument("--kill-every", type=float, default=4.0, help="seconds between node actor kills (0: none)")
+    p.add_argument("--router-restart-every", type=float, default=60.0,
+                   help="seconds from the router's last restart to its next kill (Ray restarts it; 0: none)")
     p.add_argument("--abort-every", type=float, default=1.0, help="seconds between Abort storms (0: none)")
     p.add_argument("--abort-fraction", type=float, default=0.05, help="share of in-flight requests each storm aborts")
     p.add_argument("--cancel-fraction", type=float, default=0.1, help="share of requests whose client walks away")
@@ -75,6 +103,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "(tcp) truncated (kv_transfer.faults; 0: none)")
     p.add_argument("--deadline-s", type=float, default=600.0, help="per request (the router's deadline too)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--reference-cache", default=None, metavar="FILE",
+                   help="keep the single-process reference output here and reuse it when the model and the "
+                   "requests are the same (10,000 requests take minutes to half an hour on a small CPU)")
     p.add_argument("--json", default=None, metavar="FILE", help="write the report here too")
     add_service_arguments(p)
 
@@ -89,7 +120,7 @@ def run(args: argparse.Namespace) -> int:
     args.set = SERVICE_DEFAULTS + kv_fault_overrides(args) + (args.set or [])  # the user's --set wins
     cfg = service_config(args, local=True)
     jobs = make_jobs(args, load_model_info(cfg.model.resolved_name()).config.vocab_size)
-    reference = reference_tokens(cfg.model.resolved_name(), jobs)
+    reference = cached_reference(args.reference_cache, cfg.model.resolved_name(), jobs)
     service, address = start_service(cfg)
     try:
         report = chaos(service, address, jobs, reference, args, 2 * cfg.decode.num_nodes * cfg.decode.max_num_seqs)
@@ -121,6 +152,20 @@ def make_jobs(args: argparse.Namespace, vocab: int) -> list[Job]:
     return jobs
 
 
+def cached_reference(path: str | None, model: str, jobs: list[Job]) -> list[list[int]]:
+    """`reference_tokens`, read from `path` when it holds this model's output for these very
+    requests (a digest of model, prompts and lengths), else computed (and written there)."""
+    digest = hashlib.sha256(json.dumps([model, [[j.prompt, j.max_tokens] for j in jobs]]).encode()).hexdigest()
+    if path and Path(path).exists():
+        cached = json.loads(Path(path).read_text())
+        if cached.get("digest") == digest:
+            return [list(map(int, t)) for t in cached["tokens"]]
+    tokens = reference_tokens(model, jobs)
+    if path:
+        Path(path).write_text(json.dumps({"digest": digest, "tokens": tokens}))
+    return tokens
+
+
 def reference_tokens(model: str, jobs: list[Job]) -> list[list[int]]:
     """Greedy output of the single-process engine (no MTP) for every job."""
     from engine.engine import EngineConfig, LLMEngine
@@ -134,43 +179,86 @@ def reference_tokens(model: str, jobs: list[Job]) -> list[list[int]]:
 
 def chaos(service: Any, address: str, jobs: list[Job], reference: list[list[int]], args: argparse.Namespace,
           default_concurrency: int) -> dict[str, Any]:
-    """Run `jobs` under the faults; the report (leaks waited for, the router's migrations)."""
+    """Run `jobs` under the faults; the report (leaks waited for, migrations, memory)."""
     import ray
 
-    before = ray.get(service.router.status.remote(), timeout=60)
+    before = processes(service)
     start = time.perf_counter()
-    outcomes, faults = asyncio.run(drive(service, address, jobs, args, args.concurrency or default_concurrency))
+    outcomes, injected = asyncio.run(drive(service, address, jobs, args, args.concurrency or default_concurrency))
     wall = time.perf_counter() - start
+    wait_router_back(service, injected.faults["killed_router"], timeout_s=180)
     leaked = blocks_leaked(service, timeout_s=120)
-    status = ray.get(service.router.status.remote(), timeout=60)
+    routers = injected.routers + [instance_counts(ray.get(service.router.status.remote(), timeout=60))]
     report = tally(jobs, reference, outcomes)
-    report.update(leaked_blocks=leaked, migrations=status.get("migrations", 0), faults=faults,
-                  wall_s=round(wall, 1), concurrency=args.concurrency or default_concurrency,
-                  router_terminals=status.get("terminals", {}),
-                  router_rss_mb={"before": before.get("rss_mb"), "after": status.get("rss_mb")})
+    report.update(leaked_blocks=leaked, migrations=sum(r["migrations"] for r in routers),
+                  router_restarts=service.router_restarts, faults=dict(injected.faults), wall_s=round(wall, 1),
+                  concurrency=args.concurrency or default_concurrency,
+                  router_terminals=dict(sum((Counter(r["terminals"]) for r in routers), Counter())),
+                  router_instances=routers, memory=memory_report(before, processes(service)))
     report["clean"] = not (report["lost"] or report["duplicated"] or report["wrong_tokens"] or report["finished_wrong"]
                            or report["error_without_message"] or leaked)
     return report
 
 
+def instance_counts(status: dict[str, Any]) -> dict[str, Any]:
+    """One router instance's own counts (a restarted one counts from 0)."""
+    return {"terminals": status.get("terminals", {}), "migrations": status.get("migrations", 0)}
+
+
+def wait_router_back(service: Any, kills: int, timeout_s: float) -> None:
+    """Until the service's watcher has made the router serve again after each of `kills` (one
+    kill at a time: the injector waits for the last restart before the next)."""
+    deadline = time.monotonic() + timeout_s
+    while service.router_restarts < kills and time.monotonic() < deadline:
+        time.sleep(0.2)
+
+
+def processes(service: Any) -> dict[str, dict[str, Any]]:
+    """Every process of the service by name (router, prefill-0, ...): pid, rss_mb, max_rss_mb."""
+    import ray
+
+    keys = ("pid", "rss_mb", "max_rss_mb")
+    out = {"router": {k: v for k, v in ray.get(service.router.status.remote(), timeout=60).items() if k in keys}}
+    info = node_info_when_up(service, timeout_s=120) or {}
+    out.update({f"{role}-{i}": {k: node[k] for k in keys} for (role, i), node in info.items()})
+    return out
+
+
+def memory_report(before: dict[str, dict[str, Any]], after: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """Per kind: the largest resident memory (MiB) before and after, the largest peak, and how many
+    processes were replaced (killed and restarted: a new process, its figures start again)."""
+    out: dict[str, Any] = {}
+    for kind in ("router", "prefill", "decode"):
+        names = [n for n in after if n.split("-")[0] == kind]
+        out[kind] = {"rss_mb_before": max((before[n]["rss_mb"] for n in names if n in before), default=None),
+                     "rss_mb_after": max(after[n]["rss_mb"] for n in names),
+                     "max_rss_mb_after": max(after[n]["max_rss_mb"] for n in names),
+                     "processes": len(names),
+                     "replaced": sum(n not in before or before[n]["pid"] != after[n]["pid"] for n in names)}
+    out["note"] = ("rss_mb: resident memory now (VmRSS), max_rss_mb: its peak (VmHWM); a replaced process "
+                   "was killed and restarted during the run, so its 'after' figures are a new process's")
+    return out
+
+
 async def drive(service: Any, address: str, jobs: list[Job], args: argparse.Namespace,
-                concurrency: int) -> tuple[list[Outcome], dict[str, int]]:
+                concurrency: int) -> tuple[list[Outcome], Injected]:
     from router.client import RouterClient
 
-    gate, inflight, faults = asyncio.Semaphore(concurrency), set[str](), Counter[str]()
-    async with RouterClient(address) as client:
+    gate, inflight, injected = asyncio.Semaphore(concurrency), set[str](), Injected()
+    async with RouterClient(address, options=RECONNECT_OPTIONS) as client:
         done = asyncio.Event()
-        injector = asyncio.create_task(inject(service, client, inflight, args, done, faults))
+        injector = asyncio.create_task(inject(service, client, inflight, args, done, injected))
         try:
             outcomes = await asyncio.gather(*(one(client, gate, inflight, j, args.deadline_s) for j in jobs))
         finally:
             done.set()
             await injector
-    return list(outcomes), dict(faults)
+    return list(outcomes), injected
 
 
 async def one(client: Any, gate: asyncio.Semaphore, inflight: set[str], job: Job, deadline_s: float) -> Outcome:
-    """One stream, read to its end (or until the client walks away as planned)."""
+    """One stream, read to its end (or until the client walks away as planned). A stream that
+    breaks before its terminal message (the router died) ends with that error as its terminal."""
     import grpc
 
     from router.client import build_request
@@ -180,14 +268,16 @@ async def one(client: Any, gate: asyncio.Semaphore, inflight: set[str], job: Job
                             timeout_s=deadline_s)
     async with gate:
         inflight.add(job.request_id)
-        call = client.stream(request, timeout=deadline_s + 30)
+        call = client.stream(request, timeout=deadline_s + 30, wait_for_ready=True)
         try:
             await read_stream(call, job, out)
         except grpc.aio.AioRpcError as e:
-            if e.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
+            if out.terminals:
+                out.broke_after_terminal = True
+            elif e.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
                 out.timed_out = True
-            else:
-                out.terminals.append((e.code().name, e.details() or ""))  # refused before it started
+            else:  # refused, or the stream broke: its one terminal
+                out.terminals.append((e.code().name, e.details() or f"the stream ended with {e.code().name}"))
         finally:
             call.cancel()
             inflight.discard(job.request_id)
@@ -207,14 +297,17 @@ async def read_stream(call: Any, job: Job, out: Outcome) -> None:
 
 
 async def inject(service: Any, client: Any, inflight: set[str], args: argparse.Namespace,
-                 done: asyncio.Event, faults: Counter[str]) -> None:
-    """Kill node actors in turn and send Abort storms until `done`."""
-    rng = random.Random(args.seed + 1)
+                 done: asyncio.Event, injected: Injected) -> None:
+    """Kill node actors in turn, kill the router (`router_restart_every` s after it last came
+    back) and send Abort storms until `done`."""
+    rng, faults = random.Random(args.seed + 1), injected.faults
     victims = [(role, i) for i in range(max(service.cfg.prefill.num_nodes, service.cfg.decode.num_nodes))
                for role in ("decode", "prefill")
                if i < (service.cfg.decode.num_nodes if role == "decode" else service.cfg.prefill.num_nodes)]
     loop = asyncio.get_running_loop()
+    restart_every = getattr(args, "router_restart_every", 0.0)
     next_kill, next_abort, turn = loop.time() + args.kill_every, loop.time() + args.abort_every, 0
+    next_restart: float | None = loop.time() + restart_every
     while not done.is_set():
         now = loop.time()
         if args.kill_every > 0 and now >= next_kill:
@@ -222,11 +315,13 @@ async def inject(service: Any, client: Any, inflight: set[str], args: argparse.N
             await asyncio.to_thread(service.kill, role, index)
             faults[f"killed_{role}"] += 1
             turn, next_kill = turn + 1, now + args.kill_every
+        if next_restart is None and service.router_restarts >= faults["killed_router"]:  # back: count again
+            next_restart = now + restart_every
+        if restart_every > 0 and next_restart is not None and now >= next_restart:
+            await kill_router(service, injected)
+            next_restart = None
         if args.abort_every > 0 and now >= next_abort and inflight:
-            chosen = rng.sample(sorted(inflight), max(1, int(len(inflight) * args.abort_fraction)))
-            found = await asyncio.gather(*(client.abort(rid) for rid in chosen), return_exceptions=True)
-            faults["abort_rpcs"] += len(chosen)
-            faults["aborted_found"] += sum(f is True for f in found)
+            await abort_storm(client, rng, inflight, args.abort_fraction, faults)
             next_abort = now + args.abort_every
         try:
             await asyncio.wait_for(done.wait(), 0.1)
@@ -234,10 +329,33 @@ async def inject(service: Any, client: Any, inflight: set[str], args: argparse.N
             pass
 
 
+async def kill_router(service: Any, injected: Injected) -> None:
+    """Kill the router actor (Ray restarts it), first keeping the counts it made (marked unread
+    when it did not answer in time: then they are missing from the report's sums)."""
+    import ray
+
+    try:
+        status: dict[str, Any] = await asyncio.to_thread(ray.get, service.router.status.remote(), timeout=60)
+        injected.routers.append(instance_counts(status))
+    except Exception as e:
+        injected.routers.append({"terminals": {}, "migrations": 0, "unread": repr(e)[:200]})
+    await asyncio.to_thread(service.kill_router)
+    injected.faults["killed_router"] += 1
+
+
+async def abort_storm(client: Any, rng: random.Random, inflight: set[str], fraction: float,
+                      faults: Counter[str]) -> None:
+    chosen = rng.sample(sorted(inflight), max(1, int(len(inflight) * fraction)))
+    found = await asyncio.gather(*(client.abort(rid) for rid in chosen), return_exceptions=True)
+    faults["abort_rpcs"] += len(chosen)
+    faults["aborted_found"] += sum(f is True for f in found)
+
+
 def tally(jobs: list[Job], reference: list[list[int]], outcomes: list[Outcome]) -> dict[str, Any]:
     """Sort every request into the report's rows."""
     rows: Counter[str] = Counter(sent=len(jobs))
     errors: Counter[str] = Counter()
+    kinds: Counter[str] = Counter()
     examples: dict[str, str] = {}
     for job, ref, out in zip(jobs, reference, outcomes, strict=True):
         rows[classify(job, ref, out)] += 1
@@ -247,10 +365,19 @@ def tally(jobs: list[Job], reference: list[list[int]], outcomes: list[Outcome]) 
             rows["wrong_tokens"] += 1
         if out.terminals and out.terminals[0][0] != "finished":
             errors[out.terminals[0][0]] += 1
+            kinds[error_kind(out.terminals[0][1])] += 1
             examples.setdefault(out.terminals[0][0], out.terminals[0][1][:300])
     keys = ("sent", "finished_correct", "aborted_correct", "cancelled_by_client", "clean_error", "lost",
             "duplicated", "wrong_tokens", "finished_wrong", "error_without_message")
-    return {**{k: rows[k] for k in keys}, "errors_by_code": dict(errors), "error_examples": examples}
+    return {**{k: rows[k] for k in keys}, "errors_by_code": dict(errors), "error_examples": examples,
+            "errors_by_kind": dict(kinds.most_common(12))}
+
+
+def error_kind(message: str) -> str:
+    """An error message without its addresses, ids and numbers (up to its first "("), to
+    group errors by cause."""
+    head = message.split("(", 1)[0]
+    return re.sub(r"\d+(\.\d+)*(:\d+)?", "N", head).strip()[:120]
 
 
 def classify(job: Job, ref: list[int], out: Outcome) -> str:
@@ -269,14 +396,22 @@ def blocks_leaked(service: Any, timeout_s: float) -> int:
     """KV blocks not back on their node once every lease and quarantine could have ended."""
     deadline = time.monotonic() + timeout_s
     while True:
-        try:
-            info = service.node_info()
-        except Exception:  # a node still restarting: ask again
-            info = None
-        if info is not None:
-            leaked = sum(i["total_blocks"] - i["free_blocks"] for i in info.values())
-            if leaked == 0 or time.monotonic() > deadline:
-                return int(leaked)
-        elif time.monotonic() > deadline:
+        info = node_info_when_up(service, timeout_s=max(0.0, deadline - time.monotonic()))
+        if info is None:
             return -1
+        leaked = sum(i["total_blocks"] - i["free_blocks"] for i in info.values())
+        if leaked == 0 or time.monotonic() > deadline:
+            return int(leaked)
+        time.sleep(0.5)
+
+
+def node_info_when_up(service: Any, timeout_s: float) -> dict | None:
+    """Every node's info, asking again while one is still restarting; None past `timeout_s`."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            return dict(service.node_info())
+        except Exception:
+            if time.monotonic() > deadline:
+                return None
         time.sleep(0.5)

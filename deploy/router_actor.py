@@ -1,21 +1,22 @@
-"""Thin async Ray actor around the plain Router (its gRPC server runs on the actor's loop)."""
+"""Thin async Ray actor around the plain Router (its gRPC server runs on the actor's loop).
+
+Restarts: the actor restarts forever (deploy/service.py). Ray re-runs only `__init__` in the new
+process, so a restarted actor serves nothing and knows no node until the service's watcher gives
+it the node list (`set_nodes`) and calls `ensure_serving` with the ports its predecessor bound:
+clients keep the same address. The new Router has a new instance id; the dead one's requests are
+dropped by the decode nodes once its Outputs streams end (decode_node/node.py, "Owners"), and
+prefill nodes drop a Prefill whose caller went away. Requests in flight at the death end at the
+client with a broken stream (gRPC UNAVAILABLE); none is carried over.
+"""
 
 from __future__ import annotations
 
-import os
+import asyncio
+import contextlib
 from typing import Any
 
 from deploy.config import ServiceConfig
-
-
-def rss_mb() -> float:
-    """This process's resident memory in MiB (Linux; -1 elsewhere)."""
-    try:
-        with open("/proc/self/statm") as f:
-            pages = int(f.read().split()[1])
-    except (OSError, ValueError, IndexError):
-        return -1.0
-    return round(pages * os.sysconf("SC_PAGE_SIZE") / 2**20, 1)
+from deploy.procmem import process_memory
 
 
 class RouterActor:
@@ -25,20 +26,40 @@ class RouterActor:
         self.cfg = ServiceConfig.model_validate_json(config_json)
         self.directory = NodeDirectory()
         self.router: Any = None
+        self._starting = asyncio.Lock()
 
-    async def start(self) -> str:
+    async def start(self, port: int | None = None, http_port: int | None = -1) -> str:
+        """Serve, once (later calls return the address): gRPC on `port`, HTTP on `http_port`
+        (defaults: the config's; -1: the config's HTTP port, None: no HTTP). Never leaves a
+        half-started router behind: a failed start stops what it started and raises."""
         from deploy.actors import node_tls
         from engine.loader import load_model_info
         from router.router import Router
 
-        info = load_model_info(self.cfg.model.resolved_name())
-        max_len = self.cfg.model.max_model_len or min(info.config.max_position_embeddings, 4096)
-        self.router = Router(info, self.directory, self.cfg.router, max_model_len=max_len,
-                             num_speculative_tokens=self.cfg.spec.num_speculative_tokens,
-                             cluster_secret=self.cfg.cluster.secret, node_tls=node_tls(self.cfg),
-                             block_size=self.cfg.cache.block_size)
-        port = await self.router.start(self.cfg.router.port, self._host())
-        return self._address(port)
+        async with self._starting:
+            if self.router is not None:
+                return self._address(self.router.grpc_port)
+            info = load_model_info(self.cfg.model.resolved_name())
+            max_len = self.cfg.model.max_model_len or min(info.config.max_position_embeddings, 4096)
+            router = Router(info, self.directory, self.cfg.router, max_model_len=max_len,
+                            num_speculative_tokens=self.cfg.spec.num_speculative_tokens,
+                            cluster_secret=self.cfg.cluster.secret, node_tls=node_tls(self.cfg),
+                            block_size=self.cfg.cache.block_size)
+            try:
+                bound = await router.start(self.cfg.router.port if port is None else port, self._host(), http_port)
+            except BaseException:
+                with contextlib.suppress(Exception):
+                    await router.stop()
+                raise
+            self.router = router
+            return self._address(bound)
+
+    async def ensure_serving(self, port: int, http_port: int | None) -> str:
+        """Start serving on these ports unless serving already (a process Ray restarted is not);
+        returns the serving router's instance id (new at every start)."""
+        if self.router is None:
+            await self.start(port, http_port)
+        return str(self.router.router_id)
 
     async def http_address(self) -> str | None:
         """host:port of the OpenAI-compatible HTTP door (None when it is off)."""
@@ -81,11 +102,11 @@ class RouterActor:
         import ray
 
         if self.router is None:
-            return {"serving": False, "ray_node_id": ray.get_runtime_context().get_node_id()}
+            return {"serving": False, "ray_node_id": ray.get_runtime_context().get_node_id(), **process_memory()}
         h = self.router.health()
         nodes = {f"{k}/{a}": {"healthy": n.healthy, "last_error": n.last_error}
                  for (k, a), n in self.router.pool.nodes.items()}
         return {"serving": h.serving, "prefill_nodes": h.prefill_nodes, "decode_nodes": h.decode_nodes,
                 "running_requests": h.running_requests, "queued_requests": self.router.num_queued,
-                "migrations": self.router.migrations, "terminals": dict(self.router.counts), "rss_mb": rss_mb(),
+                "migrations": self.router.migrations, "terminals": dict(self.router.counts), **process_memory(),
                 "nodes": nodes, "ray_node_id": ray.get_runtime_context().get_node_id()}

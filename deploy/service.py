@@ -7,6 +7,11 @@ then watches: every `status_interval_s` it asks each node actor for its address;
 router's directory, and one that answers again (restarted: a new port) is put back. A node of
 TP size N > 1 is a placement group of N rank actors (deploy/tp_group.py): it answers when all
 its ranks do, and a rank's death restarts the whole group.
+
+The router actor restarts forever too. Each round the watcher hands it the node list and asks
+it to serve (`ensure_serving`) on the ports it first bound, so a router Ray restarted re-discovers
+its nodes and serves again at the same address (`router_restarts` counts the new instances). Its
+requests in flight die with it (clients see UNAVAILABLE; nodes drop them: deploy/router_actor.py).
 """
 
 from __future__ import annotations
@@ -70,6 +75,9 @@ class Service:
         self.router: Any = None
         self.router_address = ""
         self.http_address: str | None = None  # host:port of the router's HTTP door
+        self.router_restarts = 0  # router instances after the first seen serving (Ray restarted it)
+        self._router_instance = ""
+        self._router_ports: tuple[int, int | None] = (0, None)  # gRPC, HTTP: kept across restarts
         self._stop = threading.Event()
         self._watcher: threading.Thread | None = None
 
@@ -95,6 +103,7 @@ class Service:
             resources=dict(self.cfg.cluster.router_resources)).remote(cfg_json)
         self.router_address = ray.get(self.router.start.remote(), timeout=timeout_s)
         self.http_address = ray.get(self.router.http_address.remote(), timeout=timeout_s)
+        self._router_ports = (_port(self.router_address), _port(self.http_address) if self.http_address else None)
         deadline = time.monotonic() + timeout_s
         want = (self.cfg.prefill.num_nodes, self.cfg.decode.num_nodes)
         while not all(self._poll_once(wait_s=5.0).values()) or not self._router_sees(want):
@@ -128,8 +137,18 @@ class Service:
             self.addresses[key] = group.poll(wait_s)
         for role in ROLES:
             live = [a for (r, _), a in sorted(self.addresses.items()) if r == role and a]
-            ray.get(self.router.set_nodes.remote(role, live))
+            ray.get(self.router.set_nodes.remote(role, live), timeout=60.0)
+        self._router_serving(ray.get(self.router.ensure_serving.remote(*self._router_ports), timeout=60.0))
         return dict(self.addresses)
+
+    def _router_serving(self, instance: str) -> None:
+        """Count a new router instance serving (one that Ray restarted), however late the news
+        comes: a call that started it may have timed out here, the next one names it."""
+        if instance != self._router_instance:
+            if self._router_instance:
+                self.router_restarts += 1
+                log.warning("the router was restarted; serving again on %s", self.router_address)
+            self._router_instance = instance
 
     def _router_sees(self, want: tuple[int, int]) -> bool:
         import ray
@@ -156,6 +175,12 @@ class Service:
         else:
             ray.kill(handle, no_restart=False)
 
+    def kill_router(self) -> None:
+        """Kill the router actor's process (Ray restarts it; the watcher makes it serve again)."""
+        import ray
+
+        ray.kill(self.router, no_restart=False)
+
     def node_info(self) -> dict[tuple[str, int], dict]:
         """Each node's info (a TP node: rank 0's, with `ranks`, every rank's)."""
         import ray
@@ -181,6 +206,10 @@ class Service:
         self.actors.clear()
         self.router = None
         _wait_names_free(deadline=time.monotonic() + 30)
+
+
+def _port(address: str) -> int:
+    return int(address.rsplit(":", 1)[1])
 
 
 def _wait_names_free(deadline: float) -> None:

@@ -83,13 +83,16 @@ class RouterClient:
     """Async client; `async with RouterClient("host:port") as c: ...`. With `tls_ca` (a PEM CA
     file, or "system" for the system's roots) it speaks TLS and checks the router's certificate."""
 
-    def __init__(self, address: str, api_key: str | None = None, tls_ca: str | None = None) -> None:
+    def __init__(self, address: str, api_key: str | None = None, tls_ca: str | None = None,
+                 options: Sequence[tuple[str, Any]] = ()) -> None:
+        """`options`: more gRPC channel options (e.g. reconnect backoff)."""
         self.address = address
+        opts = CHANNEL_OPTIONS + list(options)
         if tls_ca:
             creds = channel_credentials(None if tls_ca == "system" else tls_ca)
-            self.channel = grpc.aio.secure_channel(address, creds, options=CHANNEL_OPTIONS)
+            self.channel = grpc.aio.secure_channel(address, creds, options=opts)
         else:
-            self.channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+            self.channel = grpc.aio.insecure_channel(address, options=opts)
         self.stub = pdserve_pb2_grpc.GenerationStub(self.channel)
         self.metadata = client_metadata(api_key)  # `authorization: Bearer KEY` on every call
 
@@ -102,9 +105,12 @@ class RouterClient:
     async def close(self) -> None:
         await self.channel.close()
 
-    def stream(self, request: pb.GenerateRequest, timeout: float | None = None) -> Any:
-        """The raw response stream (a grpc.aio call: iterate it, `.cancel()` it)."""
-        return self.stub.Generate(request, timeout=timeout, metadata=self.metadata)
+    def stream(self, request: pb.GenerateRequest, timeout: float | None = None,
+               wait_for_ready: bool | None = None) -> Any:
+        """The raw response stream (a grpc.aio call: iterate it, `.cancel()` it). `wait_for_ready`:
+        while the router cannot be reached, wait for it (until `timeout`) instead of failing at once
+        with UNAVAILABLE; a stream that breaks once started ends with UNAVAILABLE either way."""
+        return self.stub.Generate(request, timeout=timeout, metadata=self.metadata, wait_for_ready=wait_for_ready)
 
     async def responses(self, request: pb.GenerateRequest) -> AsyncIterator[pb.GenerateResponse]:
         """Responses until the terminal one; INVALID_ARGUMENT and other RPC failures raise RouterError."""

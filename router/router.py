@@ -20,7 +20,10 @@ hold (Abort to D unless D already ended the request, Abort to P if a Prefill cal
 outstanding).
 
 Careful: node-side request ids are per attempt (`router/request/attempt`), so an old
-attempt's late output items can never reach a retried one. Nothing here may block the loop.
+attempt's late output items can never reach a retried one. `router` is this instance's id
+(`router_id`, new at every start) and also its Outputs subscriber name: a decode node drops an
+instance's requests when that instance's last Outputs stream to it ends (decode_node/node.py,
+"Owners"), so requests of a router that died (and was restarted by Ray) never hold KV blocks. Nothing here may block the loop.
 """
 
 from __future__ import annotations
@@ -94,7 +97,7 @@ class Router:
         self.policy = policy or make_policy(self.config.policy, **prefix_options(self.config, block_size))
         self.router_id = uuid.uuid4().hex[:8]
         self.pool = NodePool(
-            directory, vocab_size=model.config.vocab_size, subscriber=f"router-{self.router_id}",
+            directory, vocab_size=model.config.vocab_size, subscriber=self.router_id,
             status_interval_s=self.config.status_interval_s, rpc_timeout_s=self.config.rpc_timeout_s,
             on_items=self._on_items, on_decode_failure=self._on_decode_failure,
             on_capacity=self._on_capacity, cluster_secret=cluster_secret, node_tls=node_tls)
@@ -293,11 +296,7 @@ class Router:
         tried: dict[str, str] = {}
         prompt, sampling = st.resume_prompt(), st.resume_sampling()
         for _ in range(self.config.prefill_retries + 1):
-            if not await self._await_node("prefill", tried):
-                raise RequestError("UNAVAILABLE", _no_prefill_message(tried))  # before reserving
-            st.attempt += 1
-            decode, descriptor = await self._reserve(st, st.attempt, prompt, sampling)
-            prefill, work = self._choose_prefill(prompt, exclude=tried)
+            decode, descriptor, prefill, work = await self._reserve_pair(st, prompt, sampling, tried)
             req = node_pb2.PrefillRequest(
                 request_id=st.node_rid, prompt_token_ids=prompt, sampling=sampling,
                 descriptor_msgpack=descriptor, decode_address=decode.address)
@@ -307,6 +306,24 @@ class Router:
             tried[prefill.address] = prefill.last_error or "unavailable"
             await self._abort_decode(st, "the prefill node failed; retrying elsewhere")
         raise RequestError("UNAVAILABLE", _no_prefill_message(tried))
+
+    async def _reserve_pair(self, st: RequestState, prompt: list[int], sampling: node_pb2.Sampling,
+                            tried: dict[str, str]) -> tuple[Node, bytes, Node, int]:
+        """A decode reservation and the prefill node to fill it (with its work). When every prefill
+        node went down while the reservation waited (node restarts), the reservation is given back
+        and the request waits for one (`_await_node`, at most `node_wait_s` each time) rather than
+        failing; the driver's deadline bounds the whole."""
+        while True:
+            if not await self._await_node("prefill", tried):
+                raise RequestError("UNAVAILABLE", _no_prefill_message(tried))  # before reserving
+            st.attempt += 1
+            decode, descriptor = await self._reserve(st, st.attempt, prompt, sampling)
+            try:
+                prefill, work = self._choose_prefill(prompt, exclude=tried)
+            except RequestError:
+                await self._abort_decode(st, "no prefill node is up now; reserving again once one is")
+                continue
+            return decode, descriptor, prefill, work
 
     async def _prefill(self, st: RequestState, prefill: Node, work: int,
                        req: node_pb2.PrefillRequest) -> node_pb2.Payload | None:

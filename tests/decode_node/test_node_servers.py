@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import queue
 import threading
+import time
 
 import grpc
 import pytest
@@ -103,3 +104,46 @@ def test_bad_node_messages_are_refused_and_nodes_keep_serving(cluster, call, cod
     assert err.value.code() == code
     tokens, last = generate(d, p, daddr, outputs, f"after-{id(call)}", [7, 7, 7], SamplingParams(max_tokens=4))
     assert len(tokens) <= 4 and (last.finish_reason or last.error) is not None
+
+
+def wait_until(cond, timeout=30.0):
+    """Poll a condition the node's threads make true (a stream's end is noticed by its poll)."""
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, "condition not reached"
+        time.sleep(0.05)
+
+
+def test_an_owners_last_output_stream_ending_drops_its_requests_and_only_them(cluster):
+    """A router instance's requests (ids `owner/...`) are dropped when its last Outputs stream
+    ends (the router died), their blocks come back, its new reservations are refused until it
+    subscribes again; another owner's requests are untouched."""
+    loaded, d, p, daddr, outputs, decode, prefill = cluster
+    sampling = sampling_to_proto(SamplingParams(max_tokens=8, ignore_eos=True), 1, ())
+
+    def reserve(rid):
+        return d.Reserve(node_pb2.ReserveRequest(request_id=rid, prompt_len=5, sampling=sampling))
+
+    streams = [d.Outputs(node_pb2.OutputsRequest(subscriber="r1")) for _ in range(2)]
+    for s in streams:
+        s.initial_metadata()  # registered
+    assert reserve("r1/a/1").admitted and reserve("r2/a/1").admitted
+    streams[0].cancel()
+    wait_until(lambda: decode._owner_streams["r1"] == 1)
+    assert "r1/a/1" in decode.requests  # one stream of its owner is still open
+    streams[1].cancel()
+    wait_until(lambda: "r1/a/1" not in decode.requests)
+    assert "r2/a/1" in decode.requests and decode.orphans_dropped == 1
+    refused = reserve("r1/b/1")
+    assert not refused.admitted and "no output stream" in refused.reason
+    again = d.Outputs(node_pb2.OutputsRequest(subscriber="r1"))
+    again.initial_metadata()
+    assert reserve("r1/c/1").admitted
+    for rid in ("r2/a/1", "r1/c/1"):
+        d.Abort(node_pb2.AbortRequest(request_id=rid, reason="test"))
+    again.cancel()
+    status = d.Status(node_pb2.StatusRequest())
+    wait_until(lambda: decode.status()["free_blocks"] == status.total_blocks)  # after the quarantine
+    with pytest.raises(grpc.RpcError) as err:
+        next(iter(d.Outputs(node_pb2.OutputsRequest(subscriber="a/b"))))
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT

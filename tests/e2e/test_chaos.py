@@ -1,8 +1,9 @@
 """Faults together under load (the fast case of `pdserve bench chaos`): 2 prefill + 2 decode
-nodes with k=3 at twice their capacity, node actors of both kinds killed in turn, Abort storms,
-client cancels and KV messages dropped, delayed and duplicated (1% each). Nothing is lost or duplicated, every finished request's tokens equal the
-single-process engine's greedy output (aborted and cancelled ones a prefix of it), and every KV
-block comes back."""
+nodes with k=3 at twice their capacity, node actors of both kinds killed in turn, the router
+actor killed (Ray restarts it), Abort storms, client cancels and KV messages dropped, delayed and
+duplicated (1% each). Nothing is lost or duplicated (a stream broken by the router's death ends
+with one clean UNAVAILABLE), every finished request's tokens equal the single-process engine's
+greedy output (aborted and cancelled ones a prefix of it), and every KV block comes back."""
 
 from __future__ import annotations
 
@@ -17,10 +18,10 @@ from tests.e2e.conftest import start_service
 pytestmark = pytest.mark.usefixtures("ray_cluster")
 
 
-def test_kills_aborts_cancels_and_overload_together_lose_nothing(tiny_reference):
-    args = argparse.Namespace(requests=160, min_prompt=4, max_prompt=64, min_output=8, max_output=64,
+def test_kills_router_restarts_aborts_cancels_and_overload_together_lose_nothing(tiny_reference):
+    args = argparse.Namespace(requests=240, min_prompt=4, max_prompt=64, min_output=8, max_output=64,
                               cancel_fraction=0.1, seed=1, concurrency=None, kill_every=2.5, abort_every=1.0,
-                              abort_fraction=0.05, deadline_s=300.0)
+                              abort_fraction=0.05, router_restart_every=3.0, deadline_s=300.0)
     jobs = make_jobs(args, vocab=320)
     ref = tiny_reference([j.prompt for j in jobs], [SamplingParams(max_tokens=j.max_tokens, ignore_eos=True)
                                                     for j in jobs])
@@ -31,8 +32,12 @@ def test_kills_aborts_cancels_and_overload_together_lose_nothing(tiny_reference)
     finally:
         service.stop()
     assert report["clean"], report
-    assert report["sent"] == 160 and report["lost"] == report["duplicated"] == report["wrong_tokens"] == 0
+    assert report["sent"] == 240 and report["lost"] == report["duplicated"] == report["wrong_tokens"] == 0
     assert report["leaked_blocks"] == 0 and report["finished_correct"] > 0
     assert report["faults"].get("killed_decode", 0) >= 1 and report["faults"].get("abort_rpcs", 0) >= 1, report
+    assert report["faults"].get("killed_router", 0) >= 1, report
+    assert report["router_restarts"] == report["faults"]["killed_router"], report  # each came back and served
+    assert any(r["terminals"] for r in report["router_instances"][1:]), report  # a restarted router served
+    assert report["memory"]["router"]["replaced"] == 1 and report["memory"]["decode"]["replaced"] >= 1, report
     ends = sum(report[k] for k in ("finished_correct", "aborted_correct", "cancelled_by_client", "clean_error"))
-    assert ends == 160, report  # every request in exactly one row
+    assert ends == 240, report  # every request in exactly one row

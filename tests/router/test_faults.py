@@ -307,3 +307,22 @@ async def test_wait_for_a_node_is_bounded_by_node_wait_s():
         msgs = await collect(c, prompt="ab")
         assert msgs[-1].error.code == "UNAVAILABLE" and "no healthy decode node" in msgs[-1].error.message
         await c.settled()
+
+
+async def test_prefill_nodes_gone_while_a_reservation_waited_make_it_wait_not_fail():
+    """Every prefill node goes down while a request's Reserve is out (node restarts): the
+    reservation is given back and the request waits for a prefill node (`node_wait_s`), then
+    finishes, instead of ending UNAVAILABLE "no healthy prefill node"."""
+    async with cluster(node_wait_s=30.0) as c:
+        d = c.decode[0]
+        d.reserve_gate = asyncio.Event()
+        request = asyncio.create_task(collect(c, prompt="ab", max_tokens=4))
+        await c.until(lambda: len(d.reserves) == 1)
+        c.router.pool.mark_failed(c.router.pool.find("prefill", c.prefill[0].address), "down (test)")
+        d.reserve_gate.set()
+        await c.until(lambda: len(d.aborts) == 1)  # the reservation went back
+        await c.router.refresh()  # a Status round: the prefill node is back
+        msgs = await asyncio.wait_for(request, 10)
+        assert text(msgs) == "chel" and msgs[-1].finished.reason == "length"
+        assert len(d.reserves) == 2
+        await c.settled()
