@@ -17,7 +17,7 @@ from engine.sampling_params import SamplingParams
 from protos import node_pb2, node_pb2_grpc
 from protos.tls import NodeTls, node_channel
 from router.client import RouterClient, RouterError, build_request
-from tests.e2e.conftest import run_async, start_service, wait_blocks_returned
+from tests.e2e.conftest import router_health_settled, run_async, start_service, wait_blocks_returned
 from tests.listening import listening
 from tests.tlscert import self_signed
 
@@ -57,19 +57,6 @@ def test_tls_and_key_serve_greedy_output_equal_to_single_process(secured, tiny_r
     wait_blocks_returned(svc)
 
 
-async def _health_settled(address: str, cert: str, timeout: float = 30.0):
-    """The router's Health once every node is healthy with all its blocks free: its view is the
-    nodes' last Status (polled every status_interval_s), so it follows the nodes a poll late."""
-    async with RouterClient(address, KEY, tls_ca=cert) as client:
-        deadline = asyncio.get_running_loop().time() + timeout
-        while True:
-            health = await client.health()
-            settled = all(n.healthy and n.free_kv_blocks == n.total_kv_blocks > 0 for n in health.nodes)
-            if settled or asyncio.get_running_loop().time() > deadline:
-                return health
-            await asyncio.sleep(0.1)
-
-
 def _node_status(channel: grpc.Channel, role: str) -> node_pb2.NodeStatus:
     stub = (node_pb2_grpc.DecodeControlStub if role == "decode" else node_pb2_grpc.PrefillControlStub)(channel)
     return stub.Status(node_pb2.StatusRequest(), timeout=10)
@@ -78,7 +65,7 @@ def _node_status(channel: grpc.Channel, role: str) -> node_pb2.NodeStatus:
 def test_nodes_need_the_cluster_certificate_and_the_secret_and_health_shows_their_blocks(secured):
     svc, address, cert = secured
     assert svc.cfg.cluster.secret and len(svc.cfg.cluster.secret) >= 32
-    health = run_async(_health_settled(address, cert))
+    health = run_async(router_health_settled(address, api_key=KEY, tls_ca=cert))
     assert {n.kind for n in health.nodes} == {"prefill", "decode"}
     assert all(n.healthy and n.free_kv_blocks == n.total_kv_blocks > 0 for n in health.nodes)
     c = svc.cfg.cluster

@@ -13,7 +13,7 @@ import pytest
 
 from engine.sampling_params import SamplingParams
 from router.client import RouterClient, build_request
-from tests.e2e.conftest import run_async, start_service, stream_until_end
+from tests.e2e.conftest import router_health_settled, run_async, start_service, stream_until_end
 from tests.e2e.test_service import generate_all, mixed_prompts
 
 pytestmark = pytest.mark.usefixtures("ray_cluster")
@@ -69,6 +69,8 @@ def test_1p_tp2_1d_tp2_equals_single_process_and_only_rank0_emits(tiny_reference
         assert {terminals[0][0] for terminals, _ in results} == {"UNAVAILABLE"}
         wait_serving_again(svc, ("decode", 0), old)
         assert (svc.actors[("decode", 0)].launches, svc.actors[("prefill", 0)].launches) == (2, 1)
+        health = run_async(router_health_settled(svc.router_address))
+        assert all(n.healthy for n in health.nodes), "the router never saw the restarted node healthy"
         greedy_matches(svc.router_address, tiny_reference, seed=6)
         wait_every_rank_free(svc)
     finally:
