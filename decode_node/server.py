@@ -16,7 +16,7 @@ from decode_node.node import DecodeNode
 from protos import node_pb2, node_pb2_grpc
 from protos.convert import check_request_id, sampling_from_proto
 from protos.messages import FirstToken, MessageError, pack_outputs
-from protos.serving import start_server
+from protos.serving import KEEPALIVE_S, start_server
 from protos.tls import NodeTls
 
 MAX_SUBSCRIBER = 128
@@ -77,8 +77,9 @@ class DecodeServicer(node_pb2_grpc.DecodeControlServicer):
 
 def serve_decode(node: DecodeNode, node_id: str, host: str = "127.0.0.1", port: int = 0,
                  workers: int = 32, secret: str | None = None,
-                 tls: NodeTls | None = None) -> tuple[grpc.Server, int]:
+                 tls: NodeTls | None = None,
+                 keepalive_s: float = KEEPALIVE_S) -> tuple[grpc.Server, int]:
     """DecodeControl on `host`; with `secret` (the cluster secret) calls without it are refused;
     with `tls`, mutual TLS only."""
     return start_server(node_pb2_grpc.add_DecodeControlServicer_to_server, DecodeServicer(node, node_id),
-                        host, port, workers, secret, tls)
+                        host, port, workers, secret, tls, keepalive_s)

@@ -14,7 +14,7 @@ from prefill_node.node import PrefillJob, PrefillNode
 from protos import node_pb2, node_pb2_grpc
 from protos.convert import check_request_id, sampling_from_proto
 from protos.messages import FirstToken
-from protos.serving import GRPC_OPTIONS, start_server, with_secret
+from protos.serving import GRPC_OPTIONS, KEEPALIVE_S, start_server, with_secret
 from protos.tls import NodeTls, node_channel
 
 
@@ -93,8 +93,9 @@ class PrefillServicer(node_pb2_grpc.PrefillControlServicer):
 
 def serve_prefill(node: PrefillNode, node_id: str, host: str = "127.0.0.1", port: int = 0,
                   workers: int = 16, secret: str | None = None,
-                  tls: NodeTls | None = None) -> tuple[grpc.Server, int]:
+                  tls: NodeTls | None = None,
+                  keepalive_s: float = KEEPALIVE_S) -> tuple[grpc.Server, int]:
     """PrefillControl on `host`; with `secret` (the cluster secret) calls without it are refused;
     with `tls`, mutual TLS only."""
     return start_server(node_pb2_grpc.add_PrefillControlServicer_to_server, PrefillServicer(node, node_id),
-                        host, port, workers, secret, tls)
+                        host, port, workers, secret, tls, keepalive_s)

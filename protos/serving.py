@@ -6,6 +6,12 @@ their handshake (UNAVAILABLE); the secret is checked as well.
 With a secret, every node RPC (Reserve, FirstToken, Abort, Prefill, Outputs, Status) must carry
 it as `x-pdserve-cluster-secret` metadata, else UNAUTHENTICATED; it is compared in constant
 time and never logged. Callers add it with `with_secret(stub, secret)`.
+
+Keepalive: a server pings each client connection every `keepalive_s` and closes it when a
+ping goes unanswered for as long again. A router whose host vanishes without resetting its
+connections (power loss, a network partition) thereby ends its Outputs streams within about
+2 x keepalive_s, and the decode node drops that router's requests (decode_node/node.py,
+"Owners") instead of holding their blocks until TCP gives up.
 """
 
 from __future__ import annotations
@@ -23,6 +29,16 @@ from protos.tls import NodeTls
 
 GRPC_OPTIONS = [("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
                 ("grpc.max_send_message_length", MAX_MESSAGE_BYTES)]
+KEEPALIVE_S = 20.0
+
+
+def keepalive_options(seconds: float) -> list[tuple[str, int]]:
+    """Server options: ping every `seconds` (with or without calls and data), close on no answer."""
+    ms = max(int(seconds * 1000), 1)
+    return [("grpc.keepalive_time_ms", ms), ("grpc.keepalive_timeout_ms", ms),
+            ("grpc.keepalive_permit_without_calls", 1), ("grpc.http2.max_pings_without_data", 0),
+            ("grpc.http2.min_time_between_pings_ms", ms),  # else 5 min between pings on an idle stream
+            ("grpc.http2.ping_timeout_ms", ms)]  # else a minute before an unanswered ping counts
 SECRET_HEADER = "x-pdserve-cluster-secret"
 REFUSED = "missing or wrong cluster secret"
 
@@ -84,11 +100,14 @@ def refusing(handler: Any, refuse: Callable[..., Any], refuse_stream: Callable[.
 
 
 def start_server(register: Callable[[Any, grpc.Server], None], servicer: Any, host: str, port: int,
-                 workers: int, secret: str | None = None, tls: NodeTls | None = None) -> tuple[grpc.Server, int]:
+                 workers: int, secret: str | None = None, tls: NodeTls | None = None,
+                 keepalive_s: float = KEEPALIVE_S) -> tuple[grpc.Server, int]:
     """`register` is the generated `add_*Servicer_to_server`; binds `host` only; with `secret`
-    every call must carry it; with `tls` it serves mutual TLS only. Returns the server and its port."""
+    every call must carry it; with `tls` it serves mutual TLS only; pings clients every
+    `keepalive_s`. Returns the server and its port."""
     creds = tls.server_credentials() if tls is not None else None
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=workers), options=GRPC_OPTIONS,
+    options = GRPC_OPTIONS + keepalive_options(keepalive_s)
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=workers), options=options,
                          interceptors=[SecretInterceptor(secret)] if secret else None)
     register(servicer, server)
     address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"

@@ -3,7 +3,11 @@ raw stubs the way the router drives them; malformed node messages are refused cl
 
 from __future__ import annotations
 
+import os
 import queue
+import signal
+import subprocess
+import sys
 import threading
 import time
 
@@ -147,3 +151,36 @@ def test_an_owners_last_output_stream_ending_drops_its_requests_and_only_them(cl
     with pytest.raises(grpc.RpcError) as err:
         next(iter(d.Outputs(node_pb2.OutputsRequest(subscriber="a/b"))))
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+
+
+FROZEN_ROUTER = """
+import sys, time, grpc
+from protos import node_pb2, node_pb2_grpc
+stream = node_pb2_grpc.DecodeControlStub(grpc.insecure_channel(sys.argv[1])).Outputs(
+    node_pb2.OutputsRequest(subscriber="frozen"))
+stream.initial_metadata()  # registered
+print("ready", flush=True)
+time.sleep(600)
+"""
+
+
+def test_a_router_that_stops_answering_loses_its_stream_to_keepalive_and_its_requests(cluster):
+    """A router process that freezes (SIGSTOP: its connection stays open, as when its host
+    vanishes) stops answering the server's keepalive pings; the server closes the connection,
+    the owner's last stream ends, and the decode node drops the owner's request."""
+    loaded, d, p, daddr, outputs, decode, prefill = cluster
+    server, port = serve_decode(decode, "d0-keepalive", keepalive_s=0.5)
+    child = subprocess.Popen([sys.executable, "-c", FROZEN_ROUTER, f"127.0.0.1:{port}"], stdout=subprocess.PIPE,
+                             text=True, env={**os.environ, "PYTHONPATH": os.getcwd()})
+    try:
+        assert child.stdout is not None and child.stdout.readline().strip() == "ready"
+        sampling = sampling_to_proto(SamplingParams(max_tokens=8, ignore_eos=True), 1, ())
+        assert d.Reserve(node_pb2.ReserveRequest(request_id="frozen/a/1", prompt_len=5, sampling=sampling)).admitted
+        dropped = decode.orphans_dropped
+        os.kill(child.pid, signal.SIGSTOP)
+        wait_until(lambda: "frozen/a/1" not in decode.requests, timeout=30)
+        assert decode.orphans_dropped == dropped + 1
+    finally:
+        child.kill()
+        child.wait()
+        server.stop(0)
