@@ -177,19 +177,19 @@ def _launch(x2, w, b, residual, y, argmax_out=None, config: tuple[int, int, int]
         val = torch.empty(m, grid[1], dtype=torch.float32, device=x2.device)
         idx = torch.empty(m, grid[1], dtype=torch.int32, device=x2.device)
     r = residual if residual is not None else y
+    pdl = pdl_args(x2)
     _skinny_kernel[grid](
         x2, w, b if b is not None else w, r, y, ws, val, idx,
         m, n_out, k, x2.stride(0), w.stride(0), r.stride(0), y.stride(0), k_per,
         HAS_BIAS=b is not None, HAS_RES=residual is not None,
         ARGMAX=argmax_out is not None, SPLIT=split, PRECISION="ieee" if x2.dtype == torch.float32 else "tf32",
-        GLU=glu, BM=bm, BN=bn, BK=bk, num_warps=4, num_stages=3, **pdl_args(x2))
+        GLU=glu, BM=bm, BN=bn, BK=bk, num_warps=4, num_stages=3, **pdl)
     if argmax_out is not None:
-        _argmax_tiles_kernel[(m,)](val, idx, argmax_out, grid[1], BLOCK=triton.next_power_of_2(grid[1]),
-                                   **pdl_args(x2))
+        _argmax_tiles_kernel[(m,)](val, idx, argmax_out, grid[1], BLOCK=triton.next_power_of_2(grid[1]), **pdl)
     elif split > 1:
         _sum_splits_kernel[(triton.cdiv(m, bm), triton.cdiv(n_out, bn))](
             ws, b if b is not None else ws, r, y, m, n_out, r.stride(0), y.stride(0),
-            HAS_BIAS=b is not None, HAS_RES=residual is not None, SPLIT=split, BM=bm, BN=bn, **pdl_args(x2))
+            HAS_BIAS=b is not None, HAS_RES=residual is not None, SPLIT=split, BM=bm, BN=bn, **pdl)
 
 
 def linear_triton(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None, norm: Norm | None = None,

@@ -13,6 +13,7 @@ from __future__ import annotations
 import queue
 import threading
 import time
+from contextlib import contextmanager
 
 import grpc
 import msgpack
@@ -150,38 +151,51 @@ def _next(reports, kind: str) -> tuple:
     return msg
 
 
-@pytest.mark.parametrize("k", [0, 2])
-def test_p_tp2_to_d_tp2_greedy_equals_single_process_and_only_rank0_emits(k):
-    ref = LLMEngine(load_model("tiny"), EngineConfig()).generate(PROMPTS, PARAMS)
+@contextmanager
+def tp_groups(k: int, size: int = 2):
+    """A prefill and a decode group of `size` ranks (spawned processes), driven as the router
+    would: yields (decode stub, prefill stub, decode address, outputs, finish), where finish()
+    waits for every block back, ends the groups and returns each rank's end report, sorted."""
     ctx = mp.get_context("spawn")
     reports, stop = ctx.Queue(), ctx.Event()
-    procs = _start_groups(ctx, reports, stop, k)
+    procs = _start_groups(ctx, reports, stop, k, size)
     try:
         addr = dict(_next(reports, "address")[1:] for _ in range(2))
         d = node_pb2_grpc.DecodeControlStub(grpc.insecure_channel(addr["decode"]))
         p = node_pb2_grpc.PrefillControlStub(grpc.insecure_channel(addr["prefill"]))
         outputs = Outputs(d)
-        got = [generate(d, p, addr["decode"], outputs, f"r{i}", prompt, k=k) for i, prompt in enumerate(PROMPTS)]
-        assert got == [(r.output_ids, "length") for r in ref]
-        sampled = SamplingParams(max_tokens=10, ignore_eos=True, temperature=0.8, seed=7)
-        want = LLMEngine(load_model("tiny"), EngineConfig(num_speculative_tokens=k)).generate(PROMPTS[1:], sampled)
-        assert generate(d, p, addr["decode"], outputs, "s", PROMPTS[1], sampled, k=k) == (want[0].output_ids, "length")
-        skipped = d.Status(node_pb2.StatusRequest()).kv_skipped_bytes
-        assert (skipped > 0) == (k > 0)  # "s" repeats r1's prompt: its 2 full blocks stayed on both decode ranks
-        refused_by_rank1(d, p, addr["decode"], outputs)
-        long = SamplingParams(max_tokens=500, ignore_eos=True)
-        tokens, reason = generate(d, p, addr["decode"], outputs, "a", PROMPTS[0], long, abort=True, k=k)
-        assert reason == "abort" and len(tokens) < 500  # one terminal event, on every rank's scheduler
-        _wait_all_free([d, p])
-        outputs.stream.cancel()
-        stop.set()
-        ends = sorted(_next(reports, "end")[1:] for _ in range(4))
+
+        def finish() -> list:
+            _wait_all_free([d, p])
+            outputs.stream.cancel()
+            stop.set()
+            return sorted(_next(reports, "end")[1:] for _ in range(2 * size))
+
+        yield d, p, addr["decode"], outputs, finish
     finally:
         stop.set()
         for proc in procs:
             proc.join(timeout=30)
             if proc.is_alive():
                 proc.terminate()
+
+
+@pytest.mark.parametrize("k", [0, 2])
+def test_p_tp2_to_d_tp2_greedy_equals_single_process_and_only_rank0_emits(k):
+    ref = LLMEngine(load_model("tiny"), EngineConfig()).generate(PROMPTS, PARAMS)
+    with tp_groups(k) as (d, p, daddr, outputs, finish):
+        got = [generate(d, p, daddr, outputs, f"r{i}", prompt, k=k) for i, prompt in enumerate(PROMPTS)]
+        assert got == [(r.output_ids, "length") for r in ref]
+        sampled = SamplingParams(max_tokens=10, ignore_eos=True, temperature=0.8, seed=7)
+        want = LLMEngine(load_model("tiny"), EngineConfig(num_speculative_tokens=k)).generate(PROMPTS[1:], sampled)
+        assert generate(d, p, daddr, outputs, "s", PROMPTS[1], sampled, k=k) == (want[0].output_ids, "length")
+        skipped = d.Status(node_pb2.StatusRequest()).kv_skipped_bytes
+        assert (skipped > 0) == (k > 0)  # "s" repeats r1's prompt: its 2 full blocks stayed on both decode ranks
+        refused_by_rank1(d, p, daddr, outputs)
+        long = SamplingParams(max_tokens=500, ignore_eos=True)
+        tokens, reason = generate(d, p, daddr, outputs, "a", PROMPTS[0], long, abort=True, k=k)
+        assert reason == "abort" and len(tokens) < 500  # one terminal event, on every rank's scheduler
+        ends = finish()
     assert [(role, rank, free == total) for role, rank, free, total, _ in ends] == [
         ("decode", 0, True), ("decode", 1, True), ("prefill", 0, True), ("prefill", 1, True)]
     emitted = {(role, rank): n for role, rank, _, _, n in ends}
@@ -193,25 +207,9 @@ def test_p_tp4_to_d_tp4_with_replicated_kv_heads_greedy_equals_single_process():
     """tiny's 2 KV heads over 4 ranks: each cached on two ranks of each node, each decode rank
     receiving its own copy from the prefill rank of its index."""
     ref = LLMEngine(load_model("tiny"), EngineConfig()).generate(PROMPTS, PARAMS)
-    ctx = mp.get_context("spawn")
-    reports, stop = ctx.Queue(), ctx.Event()
-    procs = _start_groups(ctx, reports, stop, k=2, size=4)
-    try:
-        addr = dict(_next(reports, "address")[1:] for _ in range(2))
-        d = node_pb2_grpc.DecodeControlStub(grpc.insecure_channel(addr["decode"]))
-        p = node_pb2_grpc.PrefillControlStub(grpc.insecure_channel(addr["prefill"]))
-        outputs = Outputs(d)
-        got = [generate(d, p, addr["decode"], outputs, f"r{i}", prompt) for i, prompt in enumerate(PROMPTS)]
+    with tp_groups(k=2, size=4) as (d, p, daddr, outputs, finish):
+        got = [generate(d, p, daddr, outputs, f"r{i}", prompt) for i, prompt in enumerate(PROMPTS)]
         assert got == [(r.output_ids, "length") for r in ref]
-        _wait_all_free([d, p])
-        outputs.stream.cancel()
-        stop.set()
-        ends = sorted(_next(reports, "end")[1:] for _ in range(8))
-    finally:
-        stop.set()
-        for proc in procs:
-            proc.join(timeout=30)
-            if proc.is_alive():
-                proc.terminate()
+        ends = finish()
     assert all(free == total for _, _, free, total, _ in ends)
     assert [n > 0 for role, rank, _, _, n in ends] == [rank == 0 for role, rank, _, _, _ in ends]
