@@ -29,9 +29,11 @@ def _row(e: dict) -> list[str]:
     mode = ("graph" if e.get("graphs") else "eager") + (" det" if e.get("deterministic") else "")
     mode += f" dv{e['draft_vocab']}" if e.get("draft_vocab") else ""
     mode += " pdl" if e.get("pdl") else ""
+    mode += f" tp{e['tp']} {e['all_reduce']}" if e.get("tp", 1) > 1 else ""
     return [e["model"], str(e["batch"]), mode, str(e["spec_tokens"]),
             f"{e['ms_per_step']:.3f}", f"{e['tokens_per_s']:.0f}", str(e.get("kernels_per_step", "")),
-            str(e.get("gpu_busy", "")), str(e.get("floor", "")), str(e.get("hf", ""))]
+            str(e.get("gpu_busy", "")), str(e.get("all_reduce_us_per_step", "")),
+            str(e.get("floor", "")), str(e.get("hf", ""))]
 
 
 def main(path: str) -> None:
@@ -40,7 +42,7 @@ def main(path: str) -> None:
         line = line.strip()
         if line.startswith("{"):
             lines.append(json.loads(line))
-    head = ["model", "batch", "mode", "k", "ms/step", "tok/s", "kernels/step", "gpu busy", "floor ms", "HF ms/step"]
+    head = ["model", "batch", "mode", "k", "ms/step", "tok/s", "kernels/step", "gpu busy", "coll us/step", "floor ms", "HF ms/step"]
     table = [head] + rows(lines)
     widths = [max(len(r[i]) for r in table) for i in range(len(head))]
     for r in table:

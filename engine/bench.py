@@ -34,6 +34,8 @@ from engine.loader import (
 from engine.model import load_weights
 from engine.model_runner import kv_room_needed
 from engine.sampling_params import SamplingParams
+from engine.tensor_parallel import TPGroup
+from engine.tp_allreduce import choose as choose_all_reduce
 
 SHAPES = {
     "smollm2": dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
@@ -44,6 +46,11 @@ SHAPES = {
                      rope_scaling={"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0,
                                    "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
                      max_position_embeddings=8192, tie_word_embeddings=True),
+    "llama-8b": dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                     num_attention_heads=32, num_key_value_heads=8, head_dim=128, rope_theta=500000.0,
+                     rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                   "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
+                     max_position_embeddings=8192, tie_word_embeddings=False),
 }
 PROFILE_STEPS = 20
 BLOCK_SIZE = 16
@@ -56,6 +63,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--draft-vocab", type=int, default=0, metavar="N",
                    help="MTP drafts score the N most frequent tokens (FR-Spec); 0 = all")
     p.add_argument("--batch", type=int, default=8)
+    p.add_argument("--batches", default=None, metavar="B1,B2,...",
+                   help="time each of these batch sizes in turn on the one loaded model (instead of --batch)")
+    p.add_argument("--tp", type=int, default=1,
+                   help="tensor-parallel ranks: N local processes (cuda:0..N-1 on CUDA); rank 0 prints")
     p.add_argument("--prompt-len", type=int, default=64)
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--device", default="cpu")
@@ -68,12 +79,36 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def random_model(arch: str, device: str, dtype: str) -> LoadedModel:
-    config = ArchConfig(**SHAPES[arch], eos_token_ids=())  # type: ignore[arg-type]
-    model = build_model(config)
-    load_weights(model, *random_weights(model, 0))
+    """Seeded random weights of shape `arch`; on CUDA drawn on the device (an 8B shape would be
+    32 GB of fp32 on the host), the same on every GPU (every TP rank shards the same model)."""
+    config = shape_config(arch)
+    if device.startswith("cuda"):
+        model = build_model(config, device=device)
+        fill_random_(model, 0)
+    else:
+        model = build_model(config)
+        load_weights(model, *random_weights(model, 0))
     torch_dtype = resolve_dtype(dtype, device)
     return LoadedModel(f"random-{arch}", _materialize(model, device, torch_dtype), None, (), False,
                        ranking_path_beside(mtp_path_default(arch)))
+
+
+def shape_config(arch: str) -> ArchConfig:
+    return ArchConfig(**SHAPES[arch], eos_token_ids=())  # type: ignore[arg-type]
+
+
+@torch.no_grad()
+def fill_random_(model: torch.nn.Module, seed: int) -> None:
+    """Every parameter drawn in place on its device, scaled as engine/tiny.py `random_tensors`."""
+    g = torch.Generator(next(model.parameters()).device).manual_seed(seed)
+    for name, p in model.named_parameters():
+        p.normal_(generator=g)
+        if name.endswith("norm.weight"):
+            p.mul_(0.1).add_(1.0)
+        elif name.endswith("bias"):
+            p.mul_(0.1)
+        elif not name.endswith("embed_tokens.weight"):
+            p.div_(p.shape[-1] ** 0.5)
 
 
 def load(args: argparse.Namespace, device: str) -> LoadedModel:
@@ -83,7 +118,8 @@ def load(args: argparse.Namespace, device: str) -> LoadedModel:
     return load_model(args.model, device=device, dtype=args.dtype)
 
 
-def _engine(loaded: LoadedModel, k: int, args: argparse.Namespace) -> tuple[LLMEngine, list[list[int]]]:
+def _engine(loaded: LoadedModel, k: int, args: argparse.Namespace,
+            tp: TPGroup | None = None) -> tuple[LLMEngine, list[list[int]]]:
     vocab = loaded.model.config.vocab_size
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(0, vocab, (args.prompt_len,), generator=g).tolist() for _ in range(args.batch)]
@@ -95,13 +131,13 @@ def _engine(loaded: LoadedModel, k: int, args: argparse.Namespace) -> tuple[LLME
                                             num_blocks=1 + args.batch * per_seq,  # the whole batch at once
                                             max_num_batched_tokens=args.batch * args.prompt_len,
                                             max_model_len=max_len, enforce_eager=args.enforce_eager,
-                                            deterministic=args.deterministic))
+                                            deterministic=args.deterministic), tp=tp)
     engine.generate(prompts[:1], SamplingParams(max_tokens=4, ignore_eos=True))  # warm-up
     return engine, prompts
 
 
-def time_engine(loaded: LoadedModel, k: int, args: argparse.Namespace) -> dict:
-    engine, prompts = _engine(loaded, k, args)
+def time_engine(loaded: LoadedModel, k: int, args: argparse.Namespace, tp: TPGroup | None = None) -> dict:
+    engine, prompts = _engine(loaded, k, args, tp)
     params = SamplingParams(max_tokens=args.max_tokens, ignore_eos=True)
     _sync(args.device)
     for p in prompts:
@@ -119,13 +155,21 @@ def time_engine(loaded: LoadedModel, k: int, args: argparse.Namespace) -> dict:
     tokens = sum(len(r.output_ids) - 1 for r in done)
     out = {"model": loaded.name, "device": args.device, "dtype": str(next(loaded.model.parameters()).dtype),
            "graphs": engine.runner.graphs is not None, "deterministic": args.deterministic, "pdl": _pdl(args.device),
-           "spec_tokens": k,
+           "spec_tokens": k, "tp": tp.size if tp is not None else 1, "all_reduce": _all_reduce(loaded, tp),
            "draft_vocab": (args.draft_vocab or None) if k else None, "batch": args.batch,
            "decode_tokens": tokens, "decode_steps": steps, "seconds": round(elapsed, 4),
            "tokens_per_s": round(tokens / elapsed, 1), "ms_per_step": round(1000 * elapsed / max(steps, 1), 3)}
     if args.profile and args.device.startswith("cuda"):
         out.update(profile_decode(engine, prompts, params))
     return out
+
+
+def _all_reduce(loaded: LoadedModel, tp: TPGroup | None) -> str | None:
+    """How the TP layers all-reduce ('symm', 'nccl', 'gloo'); None without TP."""
+    if tp is None or tp.size == 1:
+        return None
+    fast = loaded.model.tp.fast  # type: ignore[union-attr]
+    return "symm" if fast is not None else choose_all_reduce(next(loaded.model.parameters()).device, tp.size)
 
 
 def _pdl(device: str) -> bool:
@@ -158,7 +202,15 @@ def profile_decode(engine: LLMEngine, prompts: list[list[int]], params: Sampling
     return {"kernels_per_step": round(len(spans) / PROFILE_STEPS, 1), "gpu_busy": round(busy_share(spans), 4),
             "profiled_ms_per_step": round((max(e for _, e in spans) - spans[0][0]) / 1e3 / PROFILE_STEPS, 3) if spans else None,
             "gpu_us_per_step": round(sum(e - s for s, e in spans) / PROFILE_STEPS, 1),
+            "all_reduce_us_per_step": round(sum(e.time_range.end - e.time_range.start for e in events
+                                                if _is_collective(e.name)) / PROFILE_STEPS, 1),
             "top_kernels": top_kernels(events), "top_gaps": top_gaps(events)}
+
+
+def _is_collective(name: str) -> bool:
+    """A TP collective's kernel: NCCL's, or symmetric memory's one-shot all-reduce."""
+    low = name.lower()
+    return "nccl" in low or "all_reduce" in low
 
 
 def top_kernels(events: list, n: int = 25) -> list[tuple[str, float, float]]:
@@ -258,15 +310,45 @@ def _sync(device: str) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.tp == 1:
+        return bench_rank(None, args)
+    if args.hf:
+        raise ValueError("--hf times one GPU: use it with --tp 1")
+    from engine.tensor_parallel import check_tp_size
+    from engine.tp_launch import spawn_ranks
+
+    if args.arch:  # a named model's ranks each raise the same clear error
+        check_tp_size(shape_config(args.arch), args.tp)
+    return max(spawn_ranks(args.tp, bench_rank, (args,), device=args.device))
+
+
+def bench_rank(tp: TPGroup | None, args: argparse.Namespace) -> int:
+    """The bench alone (tp None) or on one rank of a local TP group; rank 0 prints."""
+    from engine.tp_launch import rank_device
+
+    args = argparse.Namespace(**{**vars(args), "device": rank_device(args.device, tp.rank if tp else 0)})
+    show = tp is None or tp.rank == 0
     loaded = load(args, args.device)
     with torch.no_grad():
-        for k in sorted({0, args.spec_tokens}):
-            print(json.dumps(time_engine(loaded, k, args)), flush=True)
-        if args.device.startswith("cuda"):
+        for batch in _batches(args):
+            for k in sorted({0, args.spec_tokens}):
+                out = time_engine(loaded, k, argparse.Namespace(**{**vars(args), "batch": batch}), tp)
+                if show:
+                    print(json.dumps(out), flush=True)
+        if args.device.startswith("cuda") and show:
             print(json.dumps(copy_floor(loaded)), flush=True)
             if args.hf:
                 print(json.dumps(time_hf(loaded, args)), flush=True)
     return 0
+
+
+def _batches(args: argparse.Namespace) -> list[int]:
+    if not args.batches:
+        return [args.batch]
+    try:
+        return [int(b) for b in args.batches.split(",")]
+    except ValueError:
+        raise ValueError(f"--batches takes batch sizes separated by commas, got {args.batches!r}") from None
 
 
 if __name__ == "__main__":

@@ -56,9 +56,9 @@ def resolve_dtype(dtype: str | None, device: str) -> torch.dtype:
         raise ValueError(f"unknown dtype {dtype!r}; known: {sorted(DTYPES)}") from None
 
 
-def build_model(config: ArchConfig, with_mtp: bool = True) -> CausalLM:
-    """An fp32 CPU model with uninitialized weights; `load_weights` fills every parameter."""
-    with torch.device("cpu"), _no_init():
+def build_model(config: ArchConfig, with_mtp: bool = True, device: str = "cpu") -> CausalLM:
+    """An fp32 model with uninitialized weights on `device`; `load_weights` fills every parameter."""
+    with torch.device(device), _no_init():
         return CausalLM(config, config.max_position_embeddings + POSITION_SLACK, with_mtp)
 
 

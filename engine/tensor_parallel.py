@@ -12,8 +12,10 @@ Receives a model holding the full weights on every rank of a TP group and the gr
     (each rank's best, then the best of those: the lowest id on ties, as a single device);
   * the MTP's eh_proj, norms and the rotary tables stay replicated; so does a draft
     vocabulary's head (built before this transform: engine/engine.py `build_runner`).
-A row-parallel GEMM runs without its fused residual add: the partial sums are all-reduced
-and the residual is added once after (`x + all_reduce(o_proj(attn))`).
+A row-parallel GEMM keeps its fused residual add on rank 0 alone, so the all-reduce of the
+ranks' partial sums is the layer's output (`all_reduce(o_proj(attn) + (x on rank 0))`): no
+separate add. On GPUs those all-reduces go through symmetric memory, one kernel each
+(engine/tp_allreduce.py).
 
 Hands on the model with `config` replaced by the rank's local view (its query and KV head
 counts: the runner sizes this rank's KV cache from it), the whole model's as `full_config`
@@ -22,7 +24,8 @@ every collective every rank holds the same tensor, so every rank samples the sam
 (counter-based noise); rank 0 alone reports them (engine/tp_launch.py).
 
 Careful when editing: every rank must issue the same collectives in the same order, so
-nothing here may branch on the rank except the shard boundaries; and fused projections
+nothing here may branch on the rank except the shard boundaries and what a rank adds into its
+own partial sums (`TPGroup.residual`); and fused projections
 (`fuse_projections`) are views into one tensor: sharding unfuses, shards, then refuses.
 """
 
@@ -39,6 +42,8 @@ from torch import nn
 
 from engine.config import ArchConfig
 from engine.model import MLP, Attention, CausalLM, DecoderLayer, RMSNorm, fuse_projections
+from engine.tp_allreduce import SymmAllReduce
+from engine.tp_allreduce import make as make_all_reduce
 from kernels.linear import linear, linear_glu
 
 
@@ -49,12 +54,20 @@ class TPGroup:
     rank: int
     size: int
     group: Any = None  # a ProcessGroup; None: the default (world) group
+    fast: SymmAllReduce | None = None  # GPUs: the one-shot all-reduce (engine/tp_allreduce.py)
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """Sum of `x` over the ranks, in place; every rank gets the same tensor."""
+        if self.fast is not None and self.fast.accepts(x):
+            return self.fast(x)
         if self.size > 1:
             dist.all_reduce(x, group=self.group)
         return x
+
+    def residual(self, x: torch.Tensor) -> torch.Tensor | None:
+        """What this rank adds to its partial sums of a row-parallel GEMM: the residual stream
+        on rank 0 alone, so the all-reduce of the partial sums is the layer's output."""
+        return x if self.rank == 0 else None
 
     def all_gather(self, x: torch.Tensor) -> list[torch.Tensor]:
         """Every rank's `x` (same shape on each), in rank order."""
@@ -142,7 +155,7 @@ class TPAttention(Attention):
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         out = backend.rope_forward(self.rotary[0], positions, q, k, v, kv_cache, meta, self.scale)
-        return x + self.tp.all_reduce(linear(out.reshape(t, -1), self.o_proj.weight))
+        return self.tp.all_reduce(linear(out.reshape(t, -1), self.o_proj.weight, residual=self.tp.residual(x)))
 
 
 class TPMLP(MLP):
@@ -156,7 +169,7 @@ class TPMLP(MLP):
         else:
             h = norm(x)
             act = F.silu(self.gate_proj(h)) * self.up_proj(h)
-        return x + self.tp.all_reduce(linear(act, self.down_proj.weight))
+        return self.tp.all_reduce(linear(act, self.down_proj.weight, residual=self.tp.residual(x)))
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -273,6 +286,8 @@ def apply_tensor_parallel(model: CausalLM, tp: TPGroup) -> TPCausalLM:
             raise ValueError(f"the model is already sharded for rank {model.tp.rank} of {model.tp.size}")
         return model  # already sharded for this rank (a second engine on the same loaded model)
     shard = plan(model.config, tp.size, tp.rank)
+    weight = model.model.embed_tokens.weight
+    tp = dataclasses.replace(tp, fast=make_all_reduce(tp.group, tp.size, weight.device, weight.dtype))
     fused = model.model.layers[0].self_attn.qkv is not None  # type: ignore[union-attr]
     layers: list[DecoderLayer] = [*model.model.layers]  # type: ignore[list-item]
     if model.mtp is not None:

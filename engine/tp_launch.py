@@ -40,15 +40,19 @@ def rank_device(device: str, rank: int) -> str:
     return f"cuda:{rank}" if device.startswith("cuda") else device
 
 
-def init_group(rank: int, size: int, port: int, device: str) -> TPGroup:
-    """Join the local group of `size` ranks rendezvousing at 127.0.0.1:port."""
+def init_group(rank: int, size: int, port: int, device: str, store_outside: bool = False) -> TPGroup:
+    """Join the local group of `size` ranks rendezvousing at 127.0.0.1:port: a store rank 0
+    serves, or with `store_outside` one the launching process serves (`spawn_ranks`)."""
     cuda = device.startswith("cuda")
     if cuda:
         torch.cuda.set_device(rank)
     else:
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // size))  # the ranks share the cores
-    dist.init_process_group("nccl" if cuda else "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=size, timeout=timedelta(seconds=COLLECTIVE_TIMEOUT_S))
+    timeout = timedelta(seconds=COLLECTIVE_TIMEOUT_S)
+    where: dict[str, Any] = (
+        {"store": dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timeout)} if store_outside
+        else {"init_method": f"tcp://127.0.0.1:{port}"})
+    dist.init_process_group("nccl" if cuda else "gloo", rank=rank, world_size=size, timeout=timeout, **where)
     return TPGroup(rank, size)
 
 
@@ -58,7 +62,7 @@ USER_ERRORS = (ValueError, FileNotFoundError, ModuleNotFoundError)  # raised aga
 def _rank_main(rank: int, size: int, port: int, device: str, fn: Callable[..., Any], args: tuple,
                queue: Any) -> None:
     try:
-        tp = init_group(rank, size, port, device)
+        tp = init_group(rank, size, port, device, store_outside=True)
         queue.put((rank, True, fn(tp, *args)))
     except BaseException as e:
         user = (type(e).__name__, str(e)) if isinstance(e, USER_ERRORS) else None
@@ -73,7 +77,11 @@ def spawn_ranks(size: int, fn: Callable[..., Any], args: tuple = (), device: str
     """fn(tp, *args) on `size` local ranks; their return values in rank order."""
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
-    port = free_port()
+    # the group's store lives here, not in rank 0: a rank 0 that ends first would leave the
+    # others' NCCL watchdogs polling a closed store (a warning with a C++ trace at every exit)
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
+                          timeout=timedelta(seconds=COLLECTIVE_TIMEOUT_S))
+    port = store.port
     procs = [ctx.Process(target=_rank_main, args=(r, size, port, device, fn, args, queue), daemon=True)
              for r in range(size)]
     for p in procs:
@@ -87,6 +95,9 @@ def spawn_ranks(size: int, fn: Callable[..., Any], args: tuple = (), device: str
             results[rank] = value
     finally:
         _stop(procs, wait=len(results) == size)
+        queue.close()
+        queue.join_thread()
+        del store  # after every rank has ended
     return [results[r] for r in range(size)]
 
 

@@ -16,7 +16,7 @@ from engine.loader import load_model
 from engine.model import fuse_projections
 from engine.sampling_params import SamplingParams
 from engine.tensor_parallel import TPGroup, full_config, head_split, max_kv_heads, plan
-from engine.tp_launch import spawn_ranks
+from engine.tp_launch import rank_device, spawn_ranks
 from tests.engine.conftest import smollm2_installed
 
 GREEDY_LP = SamplingParams(max_tokens=12, ignore_eos=True, logprobs=3)
@@ -32,16 +32,18 @@ def prompts_of(lengths: list[int], vocab: int) -> list[list[int]]:
 
 
 def run_cases(model: str, lengths: list[int], cases, tp: TPGroup | None,
-              fused: bool = False) -> tuple[int, list[list[tuple]]]:
+              fused: bool = False, device: str = "cpu") -> tuple[int, list[list[tuple]]]:
     """(KV heads in this rank's cache, per case per prompt: (output ids, [(logprob, rank, top ids)...])).
-    `fused`: q/k/v and gate/up fused (as on a GPU) before the model is sharded."""
-    loaded = load_model(model, dtype="float32")
+    `fused`: q/k/v and gate/up fused (as on a GPU) before the model is sharded. On CUDA, rank r
+    runs on cuda:r (with the decode step's CUDA graphs)."""
+    device = rank_device(device, tp.rank if tp is not None else 0)
+    loaded = load_model(model, device=device, dtype="float32")
     if fused:
         fuse_projections(loaded.model)
     prompts = prompts_of(lengths, loaded.model.config.vocab_size)
     out, heads = [], 0
     for k, params in cases:
-        config = EngineConfig(num_speculative_tokens=k, block_shuffle_seed=7, max_num_batched_tokens=20)
+        config = EngineConfig(num_speculative_tokens=k, block_shuffle_seed=7, max_num_batched_tokens=20, device=device)
         engine = LLMEngine(loaded, config, tp=tp)
         reqs = engine.generate(prompts, params)
         heads = engine.runner.kv.layers[0].shape[3]
@@ -50,17 +52,18 @@ def run_cases(model: str, lengths: list[int], cases, tp: TPGroup | None,
     return heads, out
 
 
-def rank_cases(tp: TPGroup, model: str, lengths: list[int], cases, fused: bool = False) -> tuple[int, list[list[tuple]]]:
-    return run_cases(model, lengths, cases, tp, fused)
+def rank_cases(tp: TPGroup, model: str, lengths: list[int], cases, fused: bool = False,
+               device: str = "cpu") -> tuple[int, list[list[tuple]]]:
+    return run_cases(model, lengths, cases, tp, fused, device)
 
 
-def assert_same(tp2, tp1) -> None:
+def assert_same(tp2, tp1, tol: float = 1e-4) -> None:
     for case2, case1 in zip(tp2, tp1, strict=True):
         for (ids2, lps2), (ids1, lps1) in zip(case2, case1, strict=True):
             assert ids2 == ids1
             assert len(lps2) == len(lps1)
             for (lp2, rank2, top2), (lp1, rank1, top1) in zip(lps2, lps1, strict=True):
-                assert lp2 == pytest.approx(lp1, abs=1e-4)
+                assert lp2 == pytest.approx(lp1, abs=tol)
                 assert (rank2, top2) == (rank1, top1)
 
 
