@@ -46,7 +46,7 @@ if [[ $stage == mtp* ]]; then  # MTP (k = 3) beside k = 0 at batch 1, TP=1 and T
   python3 benchmarks/bench_table.py "$OUT/mtp.jsonl"
 fi
 
-if [[ $stage == generate || $stage == check+generate || $stage == *+generate || $stage == all ]]; then
+if [[ $stage == *generate || $stage == all ]]; then
   for tp in 1 2; do
     for k in 0 3; do
       python3 -m deploy.cli generate --model tiny --device cuda --dtype float32 --tp $tp --spec-tokens $k \

@@ -35,7 +35,7 @@ from engine.model import load_weights
 from engine.model_runner import kv_room_needed
 from engine.sampling_params import SamplingParams
 from engine.tensor_parallel import TPGroup
-from engine.tp_allreduce import choose as choose_all_reduce
+from engine.tiny import scale_random_
 
 SHAPES = {
     "smollm2": dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
@@ -102,13 +102,7 @@ def fill_random_(model: torch.nn.Module, seed: int) -> None:
     """Every parameter drawn in place on its device, scaled as engine/tiny.py `random_tensors`."""
     g = torch.Generator(next(model.parameters()).device).manual_seed(seed)
     for name, p in model.named_parameters():
-        p.normal_(generator=g)
-        if name.endswith("norm.weight"):
-            p.mul_(0.1).add_(1.0)
-        elif name.endswith("bias"):
-            p.mul_(0.1)
-        elif not name.endswith("embed_tokens.weight"):
-            p.div_(p.shape[-1] ** 0.5)
+        scale_random_(name, p.normal_(generator=g))
 
 
 def load(args: argparse.Namespace, device: str) -> LoadedModel:
@@ -168,8 +162,9 @@ def _all_reduce(loaded: LoadedModel, tp: TPGroup | None) -> str | None:
     """How the TP layers all-reduce ('symm', 'nccl', 'gloo'); None without TP."""
     if tp is None or tp.size == 1:
         return None
-    fast = loaded.model.tp.fast  # type: ignore[union-attr]
-    return "symm" if fast is not None else choose_all_reduce(next(loaded.model.parameters()).device, tp.size)
+    if loaded.model.tp.fast is not None:  # type: ignore[union-attr]
+        return "symm"
+    return "nccl" if next(loaded.model.parameters()).device.type == "cuda" else "gloo"
 
 
 def _pdl(device: str) -> bool:

@@ -37,17 +37,20 @@ def tiny_config() -> ArchConfig:
 def random_tensors(model: torch.nn.Module, seed: int) -> dict[str, torch.Tensor]:
     """Seeded random weights for every parameter of `model`, by name (HF + `mtp.*` names)."""
     g = torch.Generator().manual_seed(seed)
-    out = {}
-    for name, p in model.named_parameters(remove_duplicate=False):
-        if name.endswith("norm.weight"):
-            out[name] = 1.0 + 0.1 * torch.randn(p.shape, generator=g)
-        elif name.endswith("bias"):
-            out[name] = 0.1 * torch.randn(p.shape, generator=g)
-        elif name.endswith("embed_tokens.weight"):
-            out[name] = torch.randn(p.shape, generator=g)
-        else:
-            out[name] = torch.randn(p.shape, generator=g) / p.shape[-1] ** 0.5
-    return out
+    return {name: scale_random_(name, torch.randn(p.shape, generator=g))
+            for name, p in model.named_parameters(remove_duplicate=False)}
+
+
+def scale_random_(name: str, t: torch.Tensor) -> torch.Tensor:
+    """Standard-normal draws `t` of parameter `name`, scaled in place for a sane forward: norms
+    near 1, biases small, the embedding as drawn, weights by 1/sqrt(fan-in)."""
+    if name.endswith("norm.weight"):
+        return t.mul_(0.1).add_(1.0)
+    if name.endswith("bias"):
+        return t.mul_(0.1)
+    if name.endswith("embed_tokens.weight"):
+        return t
+    return t.div_(t.shape[-1] ** 0.5)
 
 
 class ByteTokenizer:
