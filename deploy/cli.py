@@ -58,6 +58,7 @@ def _add_bench(sub: Any) -> None:
 # so one benchmark's dependencies (ucxx for kv) never stop the others.
 BENCHES = [
     ("engine", "engine.bench", "single-process engine throughput (k = 0 and k)"),
+    ("prefill", "engine.bench_prefill", "time to first token in one process (k = 0 and k), HF forward and the floor"),
     ("kv", "kvtransfer.bench", "KV transfer bandwidth between two processes"),
     ("acceptance", "engine.acceptance", "MTP draft acceptance and tokens/s on held-out prompts (k = 0 vs k)"),
     ("pd", "deploy.bench_pd", "disaggregated (prefill + decode node) vs colocated: TTFT and ITL, same requests"),

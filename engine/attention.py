@@ -19,8 +19,10 @@ from dataclasses import dataclass
 import torch
 
 from kernels._dispatch import invariant
+from kernels.flash_prefill import flash_prefill, triton_preferred
+from kernels.flash_varlen import flash_varlen, flash_varlen_usable
 from kernels.paged_attention import paged_attention
-from kernels.rotary import rope_and_cache, write_kv
+from kernels.rotary import rope_and_cache, rope_and_cache_with_k, write_kv
 
 TRASH_BLOCK = 0
 
@@ -37,6 +39,9 @@ class AttentionMetadata:
     seq_lens: torch.Tensor | None = None  # [R] int64: keys per row after this step's writes
     query_start: torch.Tensor | None = None  # [R+1] int64: row r's tokens are [start[r], start[r+1])
     num_splits: int = 1  # host-known: split-KV partitions per row (flash-decoding)
+    fresh: bool = False  # host-known: no row has keys before this step's (a prompt's first chunk):
+    #                      attention may read this step's K/V directly instead of the cache
+    cu_seqlens: torch.Tensor | None = None  # query_start as int32 (flash attention's), fresh steps
 
     @property
     def num_rows(self) -> int:
@@ -98,9 +103,22 @@ class TorchAttention(AttentionBackend):
 class TritonAttention(AttentionBackend):
     """The GPU path: rotary fused with the K/V write, then paged attention over the cache
     (`kernels/`). Needs `meta.seq_lens` and `meta.query_start`. Off CUDA the kernels' launchers
-    run their torch references, so this backend also runs (slowly) on the CPU."""
+    run their torch references, so this backend also runs (slowly) on the CPU.
+
+    A fresh prefill step (`meta.fresh`: no cached prefix) in 16-bit on CUDA attends over the
+    step's own rotated K/V with a Triton flash kernel (kernels/flash_prefill.py), or flash
+    attention 2's varlen kernel for short steps where it is faster (kernels/flash_varlen.py); the
+    paged kernel serves chunked prefill over earlier chunks, cached prefixes, fp32, and the
+    batch-invariant mode (whose reduction order must match decode's)."""
 
     def rope_forward(self, rope, positions, q, k, v, kv_cache, meta, scale):
+        if meta.fresh and not invariant() and flash_varlen_usable(q, kv_cache):
+            cu = meta.cu_seqlens if meta.cu_seqlens is not None else meta.query_start
+            assert cu is not None, "metadata lacks query_start"
+            q, k = rope_and_cache_with_k(q, k, v, positions, rope.cos, rope.sin, kv_cache, meta.slot_mapping)
+            if triton_preferred(meta.max_q, meta.num_rows):
+                return flash_prefill(q, k, v, cu, meta.max_q, scale)
+            return flash_varlen(q, k, v, cu, meta.max_q, scale)
         q = rope_and_cache(q, k, v, positions, rope.cos, rope.sin, kv_cache, meta.slot_mapping)
         return self._attend(q, kv_cache, meta, scale)
 

@@ -20,18 +20,27 @@ host right after the replay, in stream order).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 
-from engine.batch_state import to_device_no_sync
-
-if TYPE_CHECKING:
-    from engine.model_runner import ModelRunner, StepOutputs
+from engine.batch_state import BatchState, to_device_no_sync
 
 MAX_TOP_LOGPROBS = 20  # graphs that carry logprobs compute this many; rows keep what they asked
 
 GraphKey = tuple[int, bool, bool, bool]  # (bucket, all_greedy, needs_filter, logprobs)
+StepOutputs = Any  # engine.model_runner.StepOutputs: the step's static output tensors
+
+
+class DecodeRunner(Protocol):
+    """What the decode graphs use of the ModelRunner."""
+
+    state: BatchState
+    device: torch.device
+    max_blocks: int
+
+    def decode_step(self, rows: torch.Tensor, flags: tuple[bool, bool], lp_sel: Any, num_top: int,
+                    num_kv_blocks: int) -> StepOutputs: ...
 
 
 def bucket_sizes(max_batch: int) -> list[int]:
@@ -44,7 +53,7 @@ def bucket_sizes(max_batch: int) -> list[int]:
 
 
 class DecodeGraphs:
-    def __init__(self, runner: ModelRunner, max_batch: int) -> None:
+    def __init__(self, runner: DecodeRunner, max_batch: int) -> None:
         self.runner = runner
         self.max_batch = max_batch
         self.buckets = bucket_sizes(max_batch)

@@ -27,7 +27,8 @@ from engine.draft_vocab import DraftVocab, read_ranking
 from engine.kv_cache import BlockManager, KVCache
 from engine.loader import LoadedModel
 from engine.model import fuse_projections
-from engine.model_runner import ModelRunner, PrefillChunk, kv_room_needed, unpack_logprobs
+from engine.model_runner import MAX_GRAPH_TOKENS, ModelRunner, kv_room_needed, unpack_logprobs
+from engine.prefill_step import PrefillChunk
 from engine.prefix_cache import PrefixCache
 from engine.request import Request, RequestOutput, TokenLogprob
 from engine.sampling_params import SamplingParams
@@ -74,7 +75,8 @@ def build_runner(loaded: LoadedModel, config: EngineConfig, decodes: bool = True
     With `tp` (a group of size > 1) the model is sharded for this rank first (in place:
     engine/tensor_parallel.py); every rank gets the same number of KV blocks. On CUDA the
     model's projections are fused and, unless `enforce_eager` or the runner never `decodes`
-    (a prefill node), the decode step's CUDA graphs are captured here."""
+    (a prefill node), the decode step's CUDA graphs are captured here; prefill steps get CUDA
+    graphs too (captured on first use), unless `enforce_eager`."""
     k = config.num_speculative_tokens
     if k and loaded.model.mtp is None:
         raise ValueError("this model has no MTP module; use num_speculative_tokens=0")
@@ -88,11 +90,13 @@ def build_runner(loaded: LoadedModel, config: EngineConfig, decodes: bool = True
     device = torch.device(config.device)
     if device.type == "cuda":
         fuse_projections(loaded.model)
-    graphs = device.type == "cuda" and decodes and not config.enforce_eager
+    graphs = device.type == "cuda" and not config.enforce_eager
+    single = tp is None or tp.size == 1  # prefill graphs are not tried under TP yet
     runner = ModelRunner(
         loaded.model, get_backend(config.attention_backend, config.device), k, num_blocks,
         config.block_size, config.max_num_seqs, max_model_len, device, next(loaded.model.parameters()).dtype,
-        cuda_graphs=graphs, deterministic=config.deterministic, draft_vocab=draft_vocab,
+        cuda_graphs=graphs and decodes, deterministic=config.deterministic, draft_vocab=draft_vocab,
+        prefill_graph_tokens=min(config.max_num_batched_tokens, MAX_GRAPH_TOKENS) if graphs and single else 0,
     )
     if runner.graphs is not None:
         runner.graphs.capture_greedy()

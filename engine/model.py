@@ -232,7 +232,7 @@ class CausalLM(nn.Module):
         for i, (layer, cache) in enumerate(zip(self.model.layers, kv_caches, strict=False)):
             x = layer(positions, x, cache, meta, backend)
             if i in wanted:
-                features.append(x)
+                features.append(x.clone())  # the next layer's residual add may update x in place
             if on_layer is not None:
                 on_layer(i)
         h = self.model.norm(x)

@@ -19,20 +19,15 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.attention import TRASH_BLOCK, AttentionBackend, AttentionMetadata
+from engine.attention import AttentionBackend, AttentionMetadata
 from engine.batch_state import BatchState, SlotInit, to_device_no_sync
 from engine.cuda_graphs import DecodeGraphs
 from engine.draft_vocab import DraftVocab, draft_tokens
 from engine.kv_cache import KVCache
 from engine.model import CausalLM
-from engine.sampler import (
-    STREAM_SAMPLE,
-    LogprobsTensors,
-    SamplingTensors,
-    compute_logprobs,
-    sample,
-)
-from engine.sampling_params import SamplingParams
+from engine.prefill_graphs import LayerReady, PrefillGraphs
+from engine.prefill_step import PrefillChunk, PrefillInputs, PrefillResult, key_for, prefill_forward
+from engine.sampler import LogprobsTensors, SamplingTensors, compute_logprobs
 from engine.spec_decode import verify
 from kernels._dispatch import batch_invariant
 from kernels.decode_tail import accept_and_advance
@@ -40,6 +35,8 @@ from kernels.step_meta import uniform_meta
 
 SPLIT_BLOCKS = 16  # KV blocks per split-KV partition in decode
 FULL_GRID = 264  # programs that fill an H100 twice (132 SMs)
+MAX_GRAPH_ROWS = 64  # prefill graphs' largest row bucket
+MAX_GRAPH_TOKENS = 8192  # prefill graphs' largest token bucket: beyond it compute hides the launches
 
 
 def decode_splits(rows: int, kv_heads: int, num_kv_blocks: int) -> int:
@@ -68,26 +65,6 @@ def _in_mode(method):
 def kv_room_needed(num_tokens: int, k: int) -> int:
     """KV positions a request of `num_tokens` may write in its next step (verify + MTP chain)."""
     return num_tokens + 2 * k + 1
-
-
-@dataclass
-class PrefillChunk:
-    """One request's slice [start, end) of its prompt for this step."""
-
-    prompt: list[int]
-    start: int
-    end: int
-    block_ids: list[int]
-    params: SamplingParams
-    seed: int
-
-    @property
-    def logprobs(self) -> int | None:
-        return self.params.logprobs
-
-    @property
-    def is_last(self) -> bool:
-        return self.end == len(self.prompt)
 
 
 @dataclass
@@ -148,7 +125,11 @@ class ModelRunner:
         cuda_graphs: bool = False,
         deterministic: bool = False,
         draft_vocab: DraftVocab | None = None,
+        prefill_graph_tokens: int = 0,
     ) -> None:
+        """`cuda_graphs`: the decode step as CUDA graphs; `prefill_graph_tokens` > 0: prefill
+        steps of up to that many tokens (and up to `max_num_seqs`, at most 64, rows) as CUDA
+        graphs too (engine/prefill_graphs.py)."""
         cfg = model.config
         self.model, self.backend, self.k = model, backend, k
         self.draft_vocab = draft_vocab  # None: drafts score the full vocabulary
@@ -161,6 +142,8 @@ class ModelRunner:
         self.state = BatchState(max_num_seqs, k, self.max_blocks, cfg.vocab_size, device)
         self._arange_k1 = torch.arange(k + 1, device=device)
         self.graphs = DecodeGraphs(self, max_num_seqs) if cuda_graphs else None
+        self.prefill_graphs = (PrefillGraphs(self, prefill_graph_tokens, min(max_num_seqs, MAX_GRAPH_ROWS))
+                               if prefill_graph_tokens > 0 else None)
 
     # ---- shared helpers -------------------------------------------------------------
     def _meta_uniform(self, tables, start, q, masked, num_kv_blocks) -> AttentionMetadata:
@@ -175,7 +158,7 @@ class ModelRunner:
             num_splits=decode_splits(rows, self.model.config.num_key_value_heads, num_kv_blocks),
         )
 
-    def _draft_chain(
+    def draft_chain(
         self, h: torch.Tensor, base: torch.Tensor, st: SamplingTensors, tables, masked, num_kv_blocks
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """k drafts from the MTP hidden at position base-1; draft j lands at base + j.
@@ -205,75 +188,42 @@ class ModelRunner:
 
     # ---- prefill --------------------------------------------------------------------
     @_in_mode
-    def prefill(self, chunks: list[PrefillChunk], on_layer: Callable[[int], None] | None = None) -> PrefillOutput:
+    def prefill(self, chunks: list[PrefillChunk], on_layer: LayerReady | None = None) -> PrefillOutput:
         """Run target (+ MTP) over prompt chunks; sample first tokens and drafts for finished prompts.
 
-        `on_layer(i)` is called after target layer i is queued (see CausalLM.forward).
+        `on_layer(i, ready)` hands out target layer i once its work is queued: `ready` is a CUDA
+        event after the layer (a graph replay queues every layer at once), or None when the
+        layer is the last work queued. Replays a prefill graph when the step fits one
+        (engine/prefill_graphs.py), else runs the same step eagerly at its exact size.
         """
-        dev, bs = self.device, self.block_size
-        ids: list[int] = []
-        pos: list[int] = []
-        rows: list[int] = []
-        cols: list[int] = []
-        slots: list[int] = []
-        next_ids: list[int] = []
-        for r, c in enumerate(chunks):
-            n = c.end - c.start
-            ids += c.prompt[c.start : c.end]
-            pos += range(c.start, c.end)
-            rows += [r] * n
-            cols += range(n)
-            slots += [c.block_ids[p // bs] * bs + p % bs for p in range(c.start, c.end)]
-            next_ids += c.prompt[c.start + 1 : c.end + 1] + ([0] if c.is_last else [])
-        width = max(-(-c.end // bs) for c in chunks)
-        tables = [c.block_ids[:width] + [TRASH_BLOCK] * (width - len(c.block_ids[:width])) for c in chunks]
-        starts = [0]
-        for c in chunks:
-            starts.append(starts[-1] + c.end - c.start)
-        t = lambda x: to_device_no_sync(x, torch.long, dev)  # noqa: E731
-        meta = AttentionMetadata(t(slots), t(pos), t(tables), t(rows), t(cols),
-                                 max(c.end - c.start for c in chunks), width,
-                                 seq_lens=t([c.end for c in chunks]), query_start=t(starts))
-        hidden = self.model(t(ids), meta.positions, self.kv.layers, meta, self.backend, on_layer)
-        return self._finish_prefill(chunks, hidden, meta, t(next_ids))
+        n = sum(c.end - c.start for c in chunks)
+        if self.prefill_graphs is not None and self.prefill_graphs.fits(n, len(chunks)):
+            return self._last_rows(chunks, self.prefill_graphs.run(chunks, on_layer))
+        inp = PrefillInputs(n, len(chunks), self.max_blocks, self.device)
+        inp.fill_no_sync(chunks)
+        key = key_for(chunks, n, len(chunks), max(c.end - c.start for c in chunks))
+        hook = (lambda i: on_layer(i, None)) if on_layer is not None else None
+        return self._last_rows(chunks, prefill_forward(self, inp, key, hook))
 
-    def _finish_prefill(self, chunks, hidden, meta, next_ids) -> PrefillOutput:
-        last_rows = [r for r, c in enumerate(chunks) if c.is_last]
-        ends, acc = [], 0
-        for c in chunks:
-            acc += c.end - c.start
-            ends.append(acc - 1)
-        idx = to_device_no_sync([ends[r] for r in last_rows], torch.long, self.device)
-        lp_rows = [i for i, r in enumerate(last_rows) if chunks[r].logprobs is not None]
-        out = PrefillOutput(last_rows, torch.empty(0, dtype=torch.long), None, lp_rows, None, None)
-        if last_rows:
-            st = SamplingTensors.from_params(
-                [chunks[r].params for r in last_rows], [chunks[r].seed for r in last_rows], self.device
-            )
-            logits = self.model.compute_logits(hidden[idx])
-            base = to_device_no_sync([len(chunks[r].prompt) for r in last_rows], torch.long, self.device)
-            out.first_token = sample(logits, st, base, STREAM_SAMPLE)
-            out.logprobs = self._logprobs(logits, out.first_token, lp_rows, [chunks[r] for r in last_rows])
-            next_ids = next_ids.index_put((idx,), out.first_token)
-        if self.k:
-            mtp_cache = self.kv.layers[self.num_target_layers]
-            mh = self.model.mtp_forward(next_ids, meta.positions, hidden, mtp_cache, meta, self.backend)
-            if last_rows:
-                width = max(-(-kv_room_needed(len(chunks[r].prompt), self.k) // self.block_size) for r in last_rows)
-                tables = self._pad_tables([chunks[r].block_ids for r in last_rows], width)
-                out.drafts, out.draft_probs = self._draft_chain(mh[idx], base, st, tables, None, width)
-        return out
+    def _last_rows(self, chunks: list[PrefillChunk], res: PrefillResult) -> PrefillOutput:
+        """The rows whose prompt finished this step, out of a step's per-row results."""
+        last = [r for r, c in enumerate(chunks) if c.is_last]
+        lp_rows = [i for i, r in enumerate(last) if chunks[r].logprobs is not None]
+        pick = self._picker(last)
+        lps = None
+        if res.logprobs is not None and lp_rows:
+            sel = self._picker([last[i] for i in lp_rows])
+            lps = LogprobsTensors(*(sel(t) for t in astuple_lp(res.logprobs)))
+        return PrefillOutput(last, pick(res.first_token), lps, lp_rows,
+                             pick(res.drafts) if res.drafts is not None else None,
+                             pick(res.draft_probs) if res.draft_probs is not None else None)
 
-    def _pad_tables(self, block_lists: list[list[int]], width: int) -> torch.Tensor:
-        rows = [b[:width] + [TRASH_BLOCK] * (width - len(b[:width])) for b in block_lists]
-        return to_device_no_sync(rows, torch.long, self.device)
-
-    def _logprobs(self, logits, tokens, lp_rows, chunks_or_nums) -> LogprobsTensors | None:
-        if not lp_rows:
-            return None
-        num_top = max(getattr(c, "logprobs", c) or 0 for c in (chunks_or_nums[i] for i in lp_rows))
-        sel = to_device_no_sync(lp_rows, torch.long, self.device)
-        return compute_logprobs(logits[sel], tokens[sel], num_top)
+    def _picker(self, rows: list[int]) -> Callable[[torch.Tensor], torch.Tensor]:
+        """x -> x[rows]: a view when the rows are 0..n-1 (the usual case), else one gather."""
+        if rows == list(range(len(rows))):
+            return lambda x: x[: len(rows)]
+        idx = to_device_no_sync(rows, torch.long, self.device)
+        return lambda x: x.index_select(0, idx)
 
     # ---- insert ---------------------------------------------------------------------
     def insert_many_no_sync(self, inits: list[tuple[int, SlotInit]]) -> None:
@@ -365,7 +315,7 @@ class ModelRunner:
         mtp_ids = tokens.clamp(min=0).reshape(-1)
         mh = self.model.mtp_forward(mtp_ids, meta.positions, hidden, mtp_cache, meta, self.backend)
         pick = (n_emit - 1).clamp(min=0) + torch.arange(r, device=self.device) * (k + 1)
-        drafts, probs = self._draft_chain(mh[pick], new_len, st, meta.block_tables, masked, num_kv_blocks)
+        drafts, probs = self.draft_chain(mh[pick], new_len, st, meta.block_tables, masked, num_kv_blocks)
         s.drafts[rows] = drafts
         if probs is not None:
             s.ensure_draft_probs()

@@ -9,7 +9,8 @@
 
 Rounding follows the torch composition (`linear_ref`): the norm's output and the GEMM's are
 rounded to the model dtype, the residual add rounds once more, and `linear_argmax` takes the
-argmax of the rounded logits. The kernel differs only in the order of its fp32 sums.
+argmax of the rounded logits. The kernel differs only in the order of its fp32 sums. Above
+decode sizes on CUDA, a residual add runs in cuBLAS's epilogue (`_addmm`), rounded once.
 
 One Triton kernel serves all three (`_skinny_kernel`): a program computes a BM x BN output
 tile over a fixed share of K (split-K: SPLIT shares, summed in order by a second launch), with
@@ -256,12 +257,30 @@ def _fused(x: torch.Tensor, w: torch.Tensor, plain: bool = False) -> bool:
 def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None, norm: Norm | None = None,
            residual: torch.Tensor | None = None) -> torch.Tensor:
     """residual + F.linear(pre(x), w, b): one Triton launch on CUDA at decode sizes and in the
-    batch-invariant mode; the torch composition otherwise (its norm still a Triton kernel on CUDA)."""
+    batch-invariant mode; the torch composition otherwise (its norm still a Triton kernel on CUDA,
+    its add in cuBLAS's epilogue). `residual` may come back updated in place (`_addmm`): pass
+    one that is not read afterwards (the decoder's residual stream)."""
     if _fused(x, w, plain=residual is None):
         return linear_triton(x, w, b, norm, residual)
     if norm is not None and use_triton(x, w):
         x, norm = rms_norm(x, *norm), None
+    if residual is not None and b is None and x.is_cuda and not invariant():
+        return _addmm(x, w, residual)
     return linear_ref(x, w, b, norm, residual)
+
+
+def _addmm(x: torch.Tensor, w: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+    """residual + x @ w.T as one cuBLAS GEMM with the add in its epilogue (beta = 1), at
+    prefill sizes: one launch and one pass over the output fewer. Outside autograd the sum is
+    written into `residual` itself (C = D: no copy of C first) and it is returned. It rounds
+    once where the torch composition rounds the product first (fp32 sums either way)."""
+    n = w.shape[0]
+    x2, r2 = x.reshape(-1, x.shape[-1]), residual.reshape(-1, n)
+    grads = torch.is_grad_enabled() and (x.requires_grad or w.requires_grad or residual.requires_grad)
+    if grads or r2.data_ptr() != residual.data_ptr() or not r2.is_contiguous():
+        return torch.addmm(r2, x2, w.t()).view(*residual.shape[:-1], n)
+    r2.addmm_(x2, w.t())
+    return residual
 
 
 def linear_glu(x: torch.Tensor, w: torch.Tensor, norm: Norm | None = None) -> torch.Tensor:

@@ -14,7 +14,8 @@ Shapes: q [T, Hq, D], k and v [T, Hkv, D], last dim contiguous, other strides fr
 one fused projection [T, (Hq + 2 Hkv) D] are fine); positions, slot_mapping [T] int64;
 cos, sin [max_positions, D] fp32; kv_cache [2, num_blocks, block_size, Hkv, D] contiguous
 (0: K, 1: V), slot = block_id * block_size + offset. Returns q_rot [T, Hq, D] contiguous in
-q's dtype. One program per token. Slots may repeat (padding writes the trash block): one
+q's dtype; `rope_and_cache_with_k` also returns k_rot [T, Hkv, D] in k's dtype (what a fresh
+prefill's flash attention reads instead of the cache). One program per token. Slots may repeat (padding writes the trash block): one
 of the writers wins.
 """
 
@@ -38,12 +39,12 @@ def _rotate(row_ptrs, mask, cos1, cos2, sin1, sin2, HALF):
 
 @triton.jit
 def _rope_and_cache_kernel(
-    q_ptr, k_ptr, v_ptr, positions_ptr, cos_ptr, sin_ptr, cache_ptr, slots_ptr, q_out_ptr,
+    q_ptr, k_ptr, v_ptr, positions_ptr, cos_ptr, sin_ptr, cache_ptr, slots_ptr, q_out_ptr, k_out_ptr,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
     stride_cos, stride_sin, stride_cache_kv, stride_cache_slot, stride_cache_h,
     HQ, HKV, HALF,
     BLOCK_HQ: tl.constexpr, BLOCK_HKV: tl.constexpr, BLOCK_HALF: tl.constexpr,
-    PDL: tl.constexpr,
+    K_OUT: tl.constexpr, PDL: tl.constexpr,
 ):
     wait_for_previous(PDL)
     t = tl.program_id(0).to(tl.int64)
@@ -70,6 +71,10 @@ def _rope_and_cache_kernel(
     cache_ty = cache_ptr.dtype.element_ty
     tl.store(k_dst, o1.to(k_ptr.dtype.element_ty).to(cache_ty), mask=mask)
     tl.store(k_dst + HALF, o2.to(k_ptr.dtype.element_ty).to(cache_ty), mask=mask)
+    if K_OUT:  # [T, Hkv, D] contiguous
+        k_out = k_out_ptr + (t * HKV + hk) * (2 * HALF) + d
+        tl.store(k_out, o1.to(k_out_ptr.dtype.element_ty), mask=mask)
+        tl.store(k_out + HALF, o2.to(k_out_ptr.dtype.element_ty), mask=mask)
 
     v_src = v_ptr + t * stride_vt + hk * stride_vh + d
     v_dst = k_dst + stride_cache_kv
@@ -80,7 +85,9 @@ def _rope_and_cache_kernel(
 def rope_and_cache_triton(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
     cos: torch.Tensor, sin: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor,
+    k_out: torch.Tensor | None = None,
 ) -> torch.Tensor:
+    """`k_out` [T, Hkv, D] contiguous: also receives rotated k."""
     t, hq, dim = q.shape
     hkv = k.shape[1]
     assert k.shape == v.shape == (t, hkv, dim) and dim % 2 == 0, "q [T, Hq, D], k and v [T, Hkv, D], D even"
@@ -89,14 +96,16 @@ def rope_and_cache_triton(
     assert kv_cache.is_contiguous() and kv_cache.shape[3:] == (hkv, dim), "kv_cache [2, N, B, Hkv, D]"
     q_out = torch.empty((t, hq, dim), dtype=q.dtype, device=q.device)
     half = dim // 2
+    assert k_out is None or (k_out.shape == k.shape and k_out.is_contiguous())
     _rope_and_cache_kernel[(t,)](
-        q, k, v, positions, cos, sin, kv_cache, slot_mapping, q_out,
+        q, k, v, positions, cos, sin, kv_cache, slot_mapping, q_out, k_out if k_out is not None else q_out,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         q_out.stride(0), q_out.stride(1),
         cos.stride(0), sin.stride(0), kv_cache.stride(0), kv_cache.stride(2), kv_cache.stride(3),
         hq, hkv, half,
         BLOCK_HQ=triton.next_power_of_2(hq), BLOCK_HKV=triton.next_power_of_2(hkv),
-        BLOCK_HALF=triton.next_power_of_2(half), num_warps=4, enable_fp_fusion=False, **pdl_args(q),
+        BLOCK_HALF=triton.next_power_of_2(half), K_OUT=k_out is not None, num_warps=4, enable_fp_fusion=False,
+        **pdl_args(q),
     )
     return q_out
 
@@ -136,3 +145,17 @@ def rope_and_cache(
     if use_triton(*args):
         return rope_and_cache_triton(*args)
     return rope_and_cache_ref(*args)
+
+
+def rope_and_cache_with_k(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
+    cos: torch.Tensor, sin: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`rope_and_cache`, also returning rotated k [T, Hkv, D] (contiguous, k's dtype)."""
+    args = (q, k, v, positions, cos, sin, kv_cache, slot_mapping)
+    if use_triton(*args):
+        k_rot = torch.empty(k.shape, dtype=k.dtype, device=k.device)
+        return rope_and_cache_triton(*args, k_out=k_rot), k_rot
+    k_rot = _rotate_ref(k, positions, cos, sin)
+    write_kv(kv_cache, k_rot, v, slot_mapping)
+    return _rotate_ref(q, positions, cos, sin), k_rot

@@ -34,7 +34,8 @@ import torch
 
 from engine.engine import EngineConfig, build_runner, prefix_cache_for
 from engine.loader import LoadedModel
-from engine.model_runner import PrefillChunk, PrefillOutput, kv_room_needed, unpack_logprobs
+from engine.model_runner import PrefillOutput, kv_room_needed, unpack_logprobs
+from engine.prefill_step import PrefillChunk
 from engine.sampling_params import SamplingParams
 from engine.step_loop import StepLoop
 from engine.tensor_parallel import TPGroup
@@ -135,7 +136,7 @@ class PrefillNode(StepLoop):
         finishing = [j for (j, _), c in zip(jobs, chunks, strict=True) if c.is_last]
         start = time.perf_counter()
         try:
-            out = self.runner.prefill(chunks, on_layer=lambda layer: self._push_layer(finishing, layer))
+            out = self.runner.prefill(chunks, on_layer=lambda layer, ready: self._push_layer(finishing, layer, ready))
         except Exception as e:  # a failed step fails its jobs, the node keeps serving
             for j, _ in jobs:
                 self._fail(j, f"prefill failed: {e}")
@@ -223,8 +224,11 @@ class PrefillNode(StepLoop):
             raise ValueError(f"{len(dst) if isinstance(dst, list) else dst!r} destination blocks for {rest} to send")
         return skip
 
-    def _push_layer(self, jobs: list[PrefillJob], layer: int) -> None:
-        ready = _event_after_queued_work(self.runner.device)
+    def _push_layer(self, jobs: list[PrefillJob], layer: int, ready: Any = None) -> None:
+        """Send `layer` of `jobs` once `ready` (a CUDA event after it) has passed; None: after
+        the work queued so far."""
+        if ready is None:
+            ready = _event_after_queued_work(self.runner.device)
         for j in jobs:
             nb = self.blocks.blocks_for(len(j.prompt))
             self.sender.send_layer(j.request_id, layer, j.block_ids[j.skip : nb], ready=ready)

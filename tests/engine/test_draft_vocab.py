@@ -143,7 +143,7 @@ class OracleLogits:
         self.vocab_size, self.gen = vocab_size, torch.Generator().manual_seed(0)
 
     def install(self, monkeypatch) -> None:
-        real_chain = model_runner.ModelRunner._draft_chain
+        real_chain = model_runner.ModelRunner.draft_chain
         oracle = self
 
         def chain(runner, h, base, st, *rest):
@@ -159,7 +159,7 @@ class OracleLogits:
             full = full.scatter(1, right.unsqueeze(1), 10.0)
             return full if head_weight is None else full[:, runner.draft_vocab.ids]
 
-        monkeypatch.setattr(model_runner.ModelRunner, "_draft_chain", chain)
+        monkeypatch.setattr(model_runner.ModelRunner, "draft_chain", chain)
         monkeypatch.setattr(CausalLM, "mtp_logits", logits)
         monkeypatch.setattr(CausalLM, "mtp_greedy_ids", lambda model, h, head_weight=None: logits(model, h, head_weight).argmax(-1))
 

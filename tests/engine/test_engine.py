@@ -69,7 +69,7 @@ def test_greedy_with_oracle_drafts_accepts_all_and_matches(tiny, k, monkeypatch)
     params = [SamplingParams(max_tokens=21, ignore_eos=True, seed=100 + i) for i in range(3)]
     plain = engine_for(tiny, 0).generate(prompts, params)
     oracle = OracleDrafts({100 + i: p + r.output_ids for i, (p, r) in enumerate(zip(prompts, plain, strict=True))})
-    monkeypatch.setattr(ModelRunner, "_draft_chain", lambda self, *a: oracle(self, *a))
+    monkeypatch.setattr(ModelRunner, "draft_chain", lambda self, *a: oracle(self, *a))
     spec = engine_for(tiny, k).generate(prompts, params)
     assert [r.output_ids for r in spec] == [r.output_ids for r in plain]
     for r in spec:  # every step accepts all k drafts plus the bonus, except where max_tokens cuts

@@ -115,3 +115,25 @@ def test_public_function_runs_the_reference_off_cuda_and_in_reference_kernels(de
     q, cache = run(rotary.rope_and_cache, c)
     assert_same(q, ref_q, exact=device == "cpu")  # the kernel on CUDA: bit for bit as well
     assert_same(cache, ref_cache, exact=device == "cpu")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_with_k_also_returns_the_rotated_k_it_wrote(device, dtype):
+    """`rope_and_cache_with_k` (fresh prefill's flash attention reads it): the kernel's k_rot
+    equals the reference's and the rotated k in the cache, and q_rot and the cache are those of
+    `rope_and_cache`."""
+    c = make_case(9, 6, 2, 32, dtype, device, seed=5)
+    with _dispatch.triton_on_cpu():
+        (q_rot, k_rot), cache = run(rotary.rope_and_cache_with_k, c)
+        q_plain, cache_plain = run(rotary.rope_and_cache, c)
+    (q_ref, k_ref), _ = run(with_k_ref, c)
+    assert torch.equal(q_rot, q_plain) and torch.equal(cache, cache_plain)
+    assert_same(k_rot, k_ref, exact=dtype == torch.float32)
+    flat = cache.view(2, -1, 2, 32)
+    assert torch.equal(flat[0][c.slots], k_rot.to(cache.dtype))
+
+
+def with_k_ref(q, k, v, positions, cos, sin, kv_cache, slots):
+    """The reference path of `rope_and_cache_with_k` (what it runs off CUDA)."""
+    with _dispatch.reference_kernels():
+        return rotary.rope_and_cache_with_k(q, k, v, positions, cos, sin, kv_cache, slots)

@@ -1,0 +1,103 @@
+"""PrefillGraphs: the whole prefill step as one CUDA graph per (tokens, rows) bucket.
+
+A step of n tokens in r rows replays the graph of the smallest buckets T >= n, R >= r
+(powers of two; T from 16 up to `max_tokens`, R up to `max_rows`): its chunks are packed into
+that bucket's `PrefillInputs` (padding tokens write the trash block, padding rows have no
+tokens), then one replay runs `prefill_forward`: metadata kernel, every layer, first tokens,
+logprobs and the MTP drafts. The host cost no longer grows with the layers. Graphs are keyed by
+`PrefillKey` (buckets, the longest chunk's power of two, which bounds the attention grid,
+sampling flags, logprobs, fresh or not) and captured on first use
+(lazily: a capture is ~100 launches' worth of host time once per key, and the keys a server
+meets are few). Steps beyond the largest bucket run eagerly, where compute hides the launches.
+
+Layer-wise KV push: the graph records an external CUDA event after each target layer; after
+the replay, `on_layer(i, event)` hands each to the caller (the prefill node's sender waits on
+event i before sending layer i, so KV leaves while later layers compute).
+
+Careful when editing: graphs share one memory pool of their own (not the decode graphs'); a
+replay overwrites the static outputs of the previous prefill replay, so a step's outputs
+must be read, or copied in stream order, before the next prefill step (both callers do:
+the engine and the prefill node read first tokens to the host at once).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from engine.prefill_step import (
+    PrefillChunk,
+    PrefillInputs,
+    PrefillKey,
+    PrefillResult,
+    PrefillRunner,
+    key_for,
+    prefill_forward,
+)
+
+MAX_TOP_LOGPROBS = 20  # graphs with logprobs compute this many; rows keep what they asked
+MIN_TOKENS = 16
+
+LayerReady = Callable[[int, Any], None]  # (layer, CUDA event after it, or None: already queued)
+
+
+def pow2_buckets(low: int, high: int) -> list[int]:
+    """low, 2 low, 4 low, ... below `high`, then `high`."""
+    sizes, b = [], low
+    while b < high:
+        sizes.append(b)
+        b *= 2
+    return sizes + [high]
+
+
+class PrefillGraphs:
+    def __init__(self, runner: PrefillRunner, max_tokens: int, max_rows: int) -> None:
+        self.runner = runner
+        self.token_buckets = pow2_buckets(MIN_TOKENS, max(max_tokens, MIN_TOKENS))
+        self.row_buckets = pow2_buckets(1, max(max_rows, 1))
+        self.inputs: dict[tuple[int, int], PrefillInputs] = {}
+        self.graphs: dict[PrefillKey, tuple[torch.cuda.CUDAGraph, PrefillResult, list[Any]]] = {}
+        self.pool: Any = None
+
+    def fits(self, num_tokens: int, num_rows: int) -> bool:
+        return num_tokens <= self.token_buckets[-1] and num_rows <= self.row_buckets[-1]
+
+    def run(self, chunks: list[PrefillChunk], on_layer: LayerReady | None = None) -> PrefillResult:
+        """Pack `chunks` into their bucket, replay (capturing on first use), hand out the layer
+        events. Never syncs, except the one-time capture."""
+        n = sum(c.end - c.start for c in chunks)
+        t = next(b for b in self.token_buckets if b >= n)
+        r = next(b for b in self.row_buckets if b >= len(chunks))
+        longest = max(c.end - c.start for c in chunks)
+        key = key_for(chunks, t, r, max_q=next(b for b in self.token_buckets if b >= longest))
+        if key.top_logprobs is not None:
+            key = dataclasses.replace(key, top_logprobs=MAX_TOP_LOGPROBS)
+        inp = self.inputs.get((t, r))
+        if inp is None:
+            inp = self.inputs[(t, r)] = PrefillInputs(t, r, self.runner.max_blocks, self.runner.device)
+        inp.fill_no_sync(chunks)
+        if key not in self.graphs:
+            self._capture(key, inp)
+        graph, out, events = self.graphs[key]
+        graph.replay()
+        if on_layer is not None:
+            for layer, event in enumerate(events):
+                on_layer(layer, event)
+        return out
+
+    def _capture(self, key: PrefillKey, inp: PrefillInputs) -> None:
+        r = self.runner
+        side = torch.cuda.Stream(r.device)
+        side.wait_stream(torch.cuda.current_stream(r.device))
+        with torch.cuda.stream(side), torch.no_grad():
+            prefill_forward(r, inp, key)  # warm-up: compiles kernels (the same writes the replay makes)
+        torch.cuda.current_stream(r.device).wait_stream(side)
+        events = [torch.cuda.Event(external=True) for _ in range(r.num_target_layers)]
+        graph = torch.cuda.CUDAGraph()
+        with torch.no_grad(), torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
+            out = prefill_forward(r, inp, key, on_layer=lambda i: events[i].record())
+        self.pool = graph.pool()
+        self.graphs[key] = (graph, out, events)

@@ -1,0 +1,87 @@
+"""GPU-only (skipped without CUDA): prefill as CUDA graphs (engine/prefill_graphs.py).
+
+In fp32 the graphs give eager's greedy tokens and logprobs; a prefill step launches without a
+sync once its graph is captured (I3 covers prefill); chunked prefill and cached prefixes give
+one-shot prefill's tokens through the graphs; the per-layer events a replay hands out come in
+layer order and each has completed once the step has."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine.engine import EngineConfig, LLMEngine
+from engine.loader import load_model
+from engine.prefill_step import PrefillChunk
+from engine.sampling_params import SamplingParams
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+PROMPTS = [list(range(3, 3 + n)) for n in (5, 17, 33, 2, 70)]
+
+
+def engine(k: int, dtype: str = "float32", **kw) -> LLMEngine:
+    return LLMEngine(load_model("tiny", device="cuda", dtype=dtype), EngineConfig(num_speculative_tokens=k, device="cuda", **kw))
+
+
+@pytest.mark.parametrize("k", [0, 3])
+def test_prefill_graphs_give_eager_tokens_and_logprobs_fp32(k):
+    params = [SamplingParams(max_tokens=24, ignore_eos=True, logprobs=2),
+              SamplingParams(max_tokens=24, ignore_eos=True, temperature=0.8, top_p=0.9, seed=4, logprobs=1)]
+    fast = engine(k)
+    assert fast.runner.prefill_graphs is not None
+    got = [fast.generate(PROMPTS, p) for p in params]
+    assert fast.runner.prefill_graphs.graphs, "the prefills replayed graphs"
+    eager = engine(k, enforce_eager=True)
+    assert eager.runner.prefill_graphs is None
+    want = [eager.generate(PROMPTS, p) for p in params]
+    for a_run, b_run in zip(got, want, strict=True):
+        assert [r.output_ids for r in a_run] == [r.output_ids for r in b_run]
+        for a, b in zip(a_run, b_run, strict=True):
+            assert [lp.logprob for lp in a.logprobs] == pytest.approx([lp.logprob for lp in b.logprobs], abs=1e-4)
+
+
+@pytest.mark.parametrize("k", [0, 3])
+def test_prefill_step_never_syncs_once_captured(k):
+    eng = engine(k)
+    runner = eng.runner
+    params = SamplingParams(max_tokens=4, ignore_eos=True, logprobs=3)
+    blocks = eng.blocks.allocate(eng.blocks.blocks_for(64))
+    chunks = [PrefillChunk(list(range(1, 41)), 0, 40, blocks, params, 7)]
+    runner.prefill(chunks)  # captures
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        out = runner.prefill(chunks)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert out.first_token.shape == (1,) and (out.drafts is not None) == (k > 0)
+    eng.blocks.free(blocks)
+
+
+def test_chunked_and_cached_prefixes_give_one_shot_tokens_through_graphs():
+    shared = list(range(10, 58))  # three full blocks
+    prompts = [shared + [5, 6, 7], shared + [9], list(range(100, 140))]
+    params = SamplingParams(max_tokens=20, ignore_eos=True)
+    one_shot = [r.output_ids for r in engine(3).generate(prompts, params)]
+    chunked = engine(3, max_num_batched_tokens=16)
+    assert [r.output_ids for r in chunked.generate(prompts, params)] == one_shot
+    cached = engine(3, enable_prefix_caching=True)
+    cached.generate(prompts[:1], params)  # leaves the shared blocks cached
+    assert [r.output_ids for r in cached.generate(prompts, params)] == one_shot
+    assert any(not key.fresh for key in cached.runner.prefill_graphs.graphs), "a step ran after a cached prefix"
+
+
+def test_layer_events_come_in_order_and_have_completed_with_the_step():
+    eng = engine(3, dtype="bfloat16")
+    seen: list[tuple[int, object]] = []
+    blocks = eng.blocks.allocate(eng.blocks.blocks_for(200))
+    chunk = PrefillChunk(list(range(1, 151)), 0, 150, blocks, SamplingParams(max_tokens=2), 1)
+    eng.runner.prefill([chunk], on_layer=lambda i, ready: seen.append((i, ready)))
+    first = eng.runner.prefill([chunk], on_layer=lambda i, ready: seen.append((i, ready))).first_token
+    layers = eng.runner.num_target_layers
+    assert [i for i, _ in seen] == list(range(layers)) * 2
+    assert all(isinstance(e, torch.cuda.Event) for _, e in seen)
+    first.tolist()
+    assert all(e.query() for _, e in seen[layers:])
+    eng.blocks.free(blocks)
