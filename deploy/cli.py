@@ -161,24 +161,11 @@ def cmd_generate(args: argparse.Namespace) -> int:
         raise ValueError(f"--tp must be a power of two (1, 2, 4, ...), got {args.tp}")
     if args.tp == 1:
         return generate_rank(None, args)
+    from engine.tp_launch import check_tp_model, spawn_ranks
+
     check_tp_model(args.model, args.tp, "--tp")
-    from engine.tp_launch import spawn_ranks
 
     return max(spawn_ranks(args.tp, generate_rank, (args,), device=args.device))
-
-
-def check_tp_model(model: str | None, tp: int, setting: str) -> None:
-    """Before any rank starts: a TP size (given as `setting`) that the model's heads or vocabulary
-    do not split over is a clear error (engine/tensor_parallel.py `plan`), from its config alone."""
-    from engine.loader import default_model, load_model_info
-    from engine.tensor_parallel import check_tp_size
-
-    name = model or default_model()
-    config = load_model_info(name).config
-    try:
-        check_tp_size(config, tp)
-    except ValueError as e:
-        raise ValueError(f"{setting} {tp} does not fit model {name!r}: {e}") from None
 
 
 def generate_rank(tp: Any, args: argparse.Namespace) -> int:
