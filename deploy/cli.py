@@ -14,6 +14,8 @@ import sys
 import time
 from typing import Any
 
+from bench import BENCHES
+
 
 def _add_generate(sub: Any) -> None:
     p = sub.add_parser("generate", help="generate text locally with the single-process engine")
@@ -52,21 +54,6 @@ def _add_bench(sub: Any) -> None:
     kinds = p.add_subparsers(dest="bench", required=True)
     for name, _, text in BENCHES:
         kinds.add_parser(name, help=text)  # listed for --help; `main` dispatches these itself
-
-
-# Each benchmark module has add_arguments(parser) and run(args); it is imported only when run,
-# so one benchmark's dependencies (ucxx for kv) never stop the others.
-BENCHES = [
-    ("engine", "engine.bench", "single-process engine throughput (k = 0 and k)"),
-    ("kv", "kvtransfer.bench", "KV transfer bandwidth between two processes"),
-    ("acceptance", "engine.acceptance", "MTP draft acceptance and tokens/s on held-out prompts (k = 0 vs k)"),
-    ("pd", "deploy.bench_pd", "disaggregated (prefill + decode node) vs colocated: TTFT and ITL, same requests"),
-    ("serve", "deploy.bench_serve", "load a router (gRPC or HTTP): TTFT/ITL/e2e percentiles, goodput, plots"),
-    ("prefix", "deploy.bench_prefix", "multi-turn chat on a local service without and with the prefix cache + "
-     "prefix routing: TTFT, prefill tokens computed"),
-    ("chaos", "deploy.bench_chaos", "faults together under load on a local service (node kills, Abort storms, "
-     "client cancels, 2x overload): sent / correct / clean error / lost / duplicated / leaked blocks"),
-]
 
 
 def _run_bench(name: str, argv: list[str]) -> int:

@@ -21,8 +21,8 @@ GGUF=/tmp/g/SmolLM2-135M-Instruct.Q4_1.gguf
 if [ "${1:-1}" = part ]; then
   mkdir -p /tmp/g && cp .gguf_split/a/part_00 /tmp/g/part_00
   [ -n "${TIMINGS:-}" ] || exit 0
-  python3 -m benchmarks.dense_sampler --rows 1024 --new 256
-  python3 -m benchmarks.mtp_train_step --batch-tokens 16384
+  python3 -m bench.gpu.dense_sampler --rows 1024 --new 256
+  python3 -m bench.gpu.mtp_train_step --batch-tokens 16384
   exit 0
 fi
 [ -d /tmp/site/gguf ] || python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl

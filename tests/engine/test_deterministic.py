@@ -57,7 +57,7 @@ def test_invariant_linear_reference_row_alone_equals_row_in_a_batch():
 
 def test_invariant_linear_kernel_rows_do_not_depend_on_the_number_of_rows():
     # fp32: Triton's interpreter multiplies bf16 dot operands as raw bits. A row keeps its place
-    # in its tile here; on the GPU, benchmarks/gpu_kernels.py checks rows alone against batches.
+    # in its tile here; on the GPU, bench/gpu/gpu_kernels.py checks rows alone against batches.
     x, w, b = _weights(torch.float32)
     with batch_invariant():
         one, seven, forty = (linear_triton(x[:m], w, b) for m in (1, 7, 40))

@@ -5,7 +5,7 @@ before each step's first kernel in `top_gaps`), the host took longer to finish o
 bookkeeping and launch the next than the GPU took to run the step in flight. This runs the
 same engine as `bench engine` (random weights of `--arch`, `--batch` requests decoding
 together) and prints the wall time per step and the functions that take the host's time.
-Usage: python benchmarks/host_profile.py --arch smollm2 --batch 32 --device cuda [--spec-tokens 0]
+Usage: python bench/gpu/host_profile.py --arch smollm2 --batch 32 --device cuda [--spec-tokens 0]
 """
 
 from __future__ import annotations
@@ -17,9 +17,9 @@ import pstats
 import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
-from engine.bench import _engine, add_arguments, load  # noqa: E402
+from bench.engine import _engine, add_arguments, load  # noqa: E402
 from engine.sampling_params import SamplingParams  # noqa: E402
 
 

@@ -1,6 +1,6 @@
 """Throughput of `engine.dense_sampler.DenseSampler` (the training-data sampler) on random weights
 of a real shape, with and without CUDA graphs, and whether greedy rows agree between the two:
-python -m benchmarks.dense_sampler [--rows R ...] [--new N]."""
+python -m bench.gpu.dense_sampler [--rows R ...] [--new N]."""
 
 import argparse
 import random
@@ -8,7 +8,7 @@ import time
 
 import torch
 
-from engine.bench import random_model
+from bench.engine import random_model
 from engine.dense_sampler import DenseSampler
 
 p = argparse.ArgumentParser()

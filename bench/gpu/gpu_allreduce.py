@@ -2,7 +2,7 @@
 REPS back-to-back in-place sums of [rows, hidden] bf16, replayed and timed; symmetric memory's
 one-shot kernel (engine/tp_allreduce.py) beside NCCL's. Nothing else runs, so this is each
 path's floor; inside a step a rank also waits for the slower rank's GEMM.
-Usage: python benchmarks/gpu_allreduce.py [--hidden 4096]   (two CUDA devices)"""
+Usage: python bench/gpu/gpu_allreduce.py [--hidden 4096]   (two CUDA devices)"""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from engine.tensor_parallel import TPGroup  # noqa: E402
 from engine.tp_allreduce import SymmAllReduce  # noqa: E402
 from engine.tp_launch import spawn_ranks  # noqa: E402

@@ -6,7 +6,7 @@ Each case runs inside a CUDA graph over enough weight copies that they do not fi
 a decode step, where every layer's weights come from HBM), timed with events; us per call and
 the weight-read bandwidth it reaches. Prints the best Triton config per (shape, M) beside cuBLAS.
 First the fused kernel of kernels/linear.py against the composition it replaces, at M = 1..64.
-Usage: python benchmarks/gpu_gemv.py [--sweep]
+Usage: python bench/gpu/gpu_gemv.py [--sweep]
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import sys
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 DEV, DT = "cuda", torch.bfloat16
 SHAPES = {  # name: (K, N)

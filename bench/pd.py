@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from engine.bench import SHAPES, load
+from bench.engine import SHAPES, load
 from engine.engine import EngineConfig, LLMEngine, resolve_request
 from engine.loader import LoadedModel
 from engine.sampling_params import SamplingParams

@@ -347,6 +347,6 @@ def _batches(args: argparse.Namespace) -> list[int]:
 
 
 if __name__ == "__main__":
-    parser = argparse.ArgumentParser(prog="python -m engine.bench")
+    parser = argparse.ArgumentParser(prog="python -m bench.engine")
     add_arguments(parser)
     raise SystemExit(run(parser.parse_args()))

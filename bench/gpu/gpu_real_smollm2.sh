@@ -3,10 +3,10 @@
 # decoding, tokens/s and acceptance, with and without the FR-Spec draft vocabulary.
 # The GGUF (98 MB) is over one call's carry limit, so it travels in three parts, one per call,
 # while the machine stays warm (30 s between calls):
-#   here, once:    bash benchmarks/gpu_real_smollm2.sh split     (writes .gguf_parts/xa[abc] + sha256, ignored)
-#   device call 1: carry [".whl", ".gguf_parts/xaa", ".gguf_parts/sha256"]  bash benchmarks/gpu_real_smollm2.sh stash xaa
-#   device call 2: carry [".whl", ".gguf_parts/xab", ".gguf_parts/sha256"]  bash benchmarks/gpu_real_smollm2.sh stash xab
-#   device call 3: carry [".whl", ".gguf_parts/xac", ".gguf_parts/sha256"]  bash benchmarks/gpu_real_smollm2.sh run xac
+#   here, once:    bash bench/gpu/gpu_real_smollm2.sh split     (writes .gguf_parts/xa[abc] + sha256, ignored)
+#   device call 1: carry [".whl", ".gguf_parts/xaa", ".gguf_parts/sha256"]  bash bench/gpu/gpu_real_smollm2.sh stash xaa
+#   device call 2: carry [".whl", ".gguf_parts/xab", ".gguf_parts/sha256"]  bash bench/gpu/gpu_real_smollm2.sh stash xab
+#   device call 3: carry [".whl", ".gguf_parts/xac", ".gguf_parts/sha256"]  bash bench/gpu/gpu_real_smollm2.sh run xac
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 STASH=/tmp/gguf_parts
@@ -30,6 +30,6 @@ for dv in 0 16384 8192 4096; do
   python3 -m deploy.cli bench acceptance --model /tmp/smollm2.gguf --mtp engine/mtp_heads/smollm2.safetensors \
     --device cuda --spec-tokens 3 --draft-vocab $dv --json 2>>"$OUT/err.log" | tee -a "$OUT/acceptance.jsonl"
 done
-python3 benchmarks/gpu_deterministic.py --model /tmp/smollm2.gguf --mtp engine/mtp_heads/smollm2.safetensors \
+python3 bench/gpu/gpu_deterministic.py --model /tmp/smollm2.gguf --mtp engine/mtp_heads/smollm2.safetensors \
   --num-prompts 16 --max-tokens 96 2>>"$OUT/err.log" | tee "$OUT/deterministic.txt"
 tail -5 "$OUT/err.log"

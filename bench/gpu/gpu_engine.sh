@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Engine on one GPU (device tool): the engine test suite in fp32 on CUDA, the no-sync checks,
 # `pdserve generate --model tiny` in bf16, and engine throughput on tiny and SmolLM2-shaped
-# random weights. Needs .whl (gguf) carried. Usage: bash benchmarks/gpu_engine.sh
+# random weights. Needs .whl (gguf) carried. Usage: bash bench/gpu/gpu_engine.sh
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1

@@ -7,7 +7,7 @@
 # then TP=2 at batch 1 profiled with PDL off (kernel spans then hold no waiting); a table last.
 # `generate`: `pdserve generate --tp 2` against --tp 1 on tiny, whole outputs compared.
 # `mtp ARCH`: k = 3 beside k = 0 at batch 1, TP=1 and TP=2. Needs pydantic's wheels for `generate`.
-# Usage: bash benchmarks/gpu_tp.sh check | bench llama-1b llama-8b | mtp llama-8b | generate | check+generate
+# Usage: bash bench/gpu/gpu_tp.sh check | bench llama-1b llama-8b | mtp llama-8b | generate | check+generate
 #        | mtp+generate llama-8b | all ARCH...
 set -uo pipefail
 export PYTHONUNBUFFERED=1
@@ -21,7 +21,7 @@ python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', tr
 if [[ $stage == check* || $stage == all ]]; then
   nvidia-smi topo -m | head -3
   python3 -m pytest -q -p no:cacheprovider tests/engine/test_gpu_tp.py 2>&1 | tee "$OUT/tests.log" | tail -8
-  python3 benchmarks/gpu_allreduce.py 2>&1 | tee "$OUT/allreduce.txt"
+  python3 bench/gpu/gpu_allreduce.py 2>&1 | tee "$OUT/allreduce.txt"
 fi
 
 bench() {  # one engine bench, JSON lines appended to tp.jsonl
@@ -35,7 +35,7 @@ if [[ $stage == bench || $stage == all ]]; then
     PDSERVE_TP_ALLREDUCE=nccl bench --arch "$arch" --tp 2 --spec-tokens 0 --batches 1,64
     PDSERVE_PDL=0 bench --arch "$arch" --tp 2 --spec-tokens 0 --batch 1
   done
-  python3 benchmarks/bench_table.py "$OUT/tp.jsonl"
+  python3 bench/gpu/bench_table.py "$OUT/tp.jsonl"
 fi
 
 if [[ $stage == mtp* ]]; then  # MTP (k = 3) beside k = 0 at batch 1, TP=1 and TP=2 (timed, not profiled)
@@ -43,7 +43,7 @@ if [[ $stage == mtp* ]]; then  # MTP (k = 3) beside k = 0 at batch 1, TP=1 and T
     python3 -m deploy.cli bench engine --device cuda --max-tokens 64 --arch "${1:-llama-8b}" --tp $tp --spec-tokens 3 \
       --batch 1 2>&1 | grep -v -i "warn" | tee -a "$OUT/mtp.jsonl" | cut -c1-300
   done
-  python3 benchmarks/bench_table.py "$OUT/mtp.jsonl"
+  python3 bench/gpu/bench_table.py "$OUT/mtp.jsonl"
 fi
 
 if [[ $stage == *generate || $stage == all ]]; then

@@ -1,5 +1,5 @@
 """Time of one `engine.mtp_train.train_step` on random weights of a real shape, with the top
-CUDA kernels: python -m benchmarks.mtp_train_step [--batch-tokens N] [--levels K]."""
+CUDA kernels: python -m bench.gpu.mtp_train_step [--batch-tokens N] [--levels K]."""
 
 import argparse
 import random
@@ -7,8 +7,8 @@ import time
 
 import torch
 
+from bench.engine import random_model
 from engine import mtp_train as mt
-from engine.bench import random_model
 
 p = argparse.ArgumentParser()
 p.add_argument("--arch", default="smollm2")

@@ -5,7 +5,7 @@
 # the copy floor and Hugging Face generate from the same processes. Needs .whl (gguf) carried.
 # `profile` takes the per-kernel profiles (top kernels) and the cost of --deterministic.
 # `pdl` times the key rows with programmatic dependent launch off, then on (PDSERVE_PDL).
-# Usage: bash benchmarks/gpu_speed.sh check|bench|profile|pdl|all
+# Usage: bash bench/gpu/gpu_speed.sh check|bench|profile|pdl|all
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
@@ -17,7 +17,7 @@ python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', tr
 
 if [[ $stage == check || $stage == all ]]; then
   python3 -m pytest -q -p no:cacheprovider -x tests/kernels tests/engine/test_gpu.py 2>&1 | tee "$OUT/tests.log" | tail -8
-  python3 benchmarks/gpu_kernels.py 2>&1 | tee "$OUT/kernels.txt"
+  python3 bench/gpu/gpu_kernels.py 2>&1 | tee "$OUT/kernels.txt"
 fi
 
 bench() {  # one engine bench, JSON lines appended to bench.jsonl
@@ -30,7 +30,7 @@ if [[ $stage == bench || $stage == all ]]; then
   bench --arch smollm2 --batch 128 --max-tokens 128 --spec-tokens 3 --hf
   bench --arch llama-1b --batch 1 --max-tokens 128 --spec-tokens 3 --profile --hf
   bench --arch llama-1b --batch 64 --max-tokens 128 --spec-tokens 3 --hf
-  python3 benchmarks/bench_table.py "$OUT/bench.jsonl"
+  python3 bench/gpu/bench_table.py "$OUT/bench.jsonl"
 fi
 
 if [[ $stage == pdl ]]; then  # programmatic dependent launch off and on, same code otherwise
@@ -39,7 +39,7 @@ if [[ $stage == pdl ]]; then  # programmatic dependent launch off and on, same c
     PDSERVE_PDL=$pdl bench --arch smollm2 --batch 32 --max-tokens 64 --spec-tokens 0 --profile
     PDSERVE_PDL=$pdl bench --arch llama-1b --batch 1 --max-tokens 64 --spec-tokens 3 --profile
   done
-  python3 benchmarks/bench_table.py "$OUT/bench.jsonl"
+  python3 bench/gpu/bench_table.py "$OUT/bench.jsonl"
 fi
 
 if [[ $stage == profile ]]; then
@@ -51,5 +51,5 @@ if [[ $stage == profile ]]; then
   bench --arch smollm2 --batch 1 --max-tokens 64 --spec-tokens 3 --deterministic
   bench --arch smollm2 --batch 32 --max-tokens 64 --spec-tokens 0 --deterministic
   bench --arch llama-1b --batch 1 --max-tokens 64 --spec-tokens 0 --deterministic
-  python3 benchmarks/bench_table.py "$OUT/bench.jsonl"
+  python3 bench/gpu/bench_table.py "$OUT/bench.jsonl"
 fi

@@ -4,7 +4,7 @@ For each kernel and shape: the largest absolute difference from the reference (b
 the reference in the same dtype), and the time of each (triton.testing.do_bench, median us).
 Prefill attention is also timed against torch's flash SDPA on contiguous K/V, the library
 kernel a prefill without a cached prefix could use. Prints one table; exits 1 if any
-difference is over its tolerance. Usage: python benchmarks/gpu_kernels.py
+difference is over its tolerance. Usage: python bench/gpu/gpu_kernels.py
 """
 
 from __future__ import annotations

@@ -146,7 +146,7 @@ def prefill_counters(service: Any) -> dict[str, dict[str, int]]:
 
 
 def summary(ttfts: list[float], prompt_tokens: int, before: dict, after: dict, wall: float) -> dict[str, Any]:
-    from deploy.bench_serve import percentiles
+    from bench.serve import percentiles
 
     delta = {n: {k: after[n][k] - before[n][k] for k in after[n]} for n in after}
     nodes = {n: {"prefill_tokens": d["prefill_tokens"],

@@ -4,10 +4,10 @@
 # libucx-cu13 (Python 3.12) from the wheels in $WHEELS (default .whl13/) into $SITE (/tmp/site)
 # with pip --target, offline. Needs torch, numpy and msgpack in $PYTHON; a C compiler
 # (cc) for perftest's resident-memory floor. Run from anywhere:
-#   bash kvtransfer/cpu_bench_many_cores.sh
+#   bash bench/cpu/kv_many_cores.sh
 # Prints the machine, then one JSON line per bench run (also appended to /tmp/kv_cpu_bench.jsonl).
 set -euo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 PY=${PYTHON:-python3}
 WHEELS=${WHEELS:-.whl13}
 SITE=${SITE:-/tmp/site}
@@ -22,7 +22,7 @@ echo "   THP $(cat /sys/kernel/mm/transparent_hugepage/enabled), C compiler: $(c
 "$PY" -c 'import ucxx, torch; print("   ucxx", ucxx.__version__, "ucx", ucxx.get_ucx_version(), "torch", torch.__version__)'
 
 run() {  # each: our 64 MiB transfer (32 x 2 MiB) interleaved with the three perftest floors
-  "$PY" -m kvtransfer.bench --backend ucx --device cpu --rounds 3 --iters 9 --json "$@" \
+  "$PY" -m bench.kv --backend ucx --device cpu --rounds 3 --iters 9 --json "$@" \
     | tail -1 | tee -a /tmp/kv_cpu_bench.jsonl
 }
 for rep in 1 2; do

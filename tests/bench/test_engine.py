@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from engine.bench import add_arguments, fill_random_, run
+from bench.engine import add_arguments, fill_random_, run
 from engine.loader import build_model
 from engine.tiny import random_tensors, tiny_config
 

@@ -2,7 +2,7 @@
 k=3) and inside batches of 16 and 64 (k=0 and k=3), with and without `--deterministic`, token for
 token against the k=0 batch-1 run; plus the mode's cost in decode time per token.
 
-    python benchmarks/gpu_deterministic.py --model /tmp/smollm2.gguf \
+    python bench/gpu/gpu_deterministic.py --model /tmp/smollm2.gguf \
         --mtp engine/mtp_heads/smollm2.safetensors --num-prompts 16 --max-tokens 96
 
 The batch-64 run fills the batch with 48 other prompts (random token ids) decoding beside the

@@ -2,7 +2,7 @@
 # GPU-busy share of the decode loop (device tool): SmolLM2 shape at batch 1 and 32 with
 # programmatic dependent launch off and on, the profile's own step time beside the timed one,
 # and where the remaining idle time sits (the kernels around each gap). Needs .whl (gguf).
-# Usage: bash benchmarks/gpu_busy.sh
+# Usage: bash bench/gpu/gpu_busy.sh
 set -uo pipefail
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1

@@ -3,11 +3,11 @@
 #
 # Expects: torch with CUDA, msgpack, numpy, and ucxx-cu13 / libucxx-cu13 / libucx-cu13
 # installed to /tmp/site with PYTHONPATH including it (ray/pydantic not needed).
-# Run from the repository root:  bash kvtransfer/gpu_bench.sh
+# Run from the repository root:  bash bench/gpu/kv.sh
 # Prints, per shape: our GB/s, ucx_perftest (-m cuda) GB/s, the torch cuda:0->cuda:1
 # copy ceiling and both ratios; then the same as JSON lines for BENCHMARKS.md.
 set -euo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 PY=${PYTHON:-python3}
 export PYTHONPATH="${PYTHONPATH:-/tmp/site}:$(pwd)"
 export UCX_WARN_UNUSED_ENV_VARS=n
@@ -32,7 +32,7 @@ LD_LIBRARY_PATH="$LIBUCX/lib" "$LIBUCX/bin/ucx_info" -d | grep -E "Transport|Dev
 
 echo "== correctness on GPU (two processes, tcp and ucx; bytes verified: intact)"
 for backend in ucx tcp; do
-  "$PY" -m kvtransfer.bench --backend "$backend" --device cuda --layers 4 --blocks 64 \
+  "$PY" -m bench.kv --backend "$backend" --device cuda --layers 4 --blocks 64 \
       --block-bytes 4096 --iters 1 --json
 done
 
@@ -41,9 +41,9 @@ for shape in "32 256 65536" "32 1024 65536" "61 256 36864"; do
   set -- $shape
   # 32 x 256 x 64 KiB = 512 MiB; 32 x 1024 x 64 KiB = 2 GiB;
   # 61 layers x 256 blocks x 36 KiB: a 4k-token request of a DeepSeek-V3-like MLA cache.
-  "$PY" -m kvtransfer.bench --backend ucx --device cuda --layers "$1" --blocks "$2" \
+  "$PY" -m bench.kv --backend ucx --device cuda --layers "$1" --blocks "$2" \
       --block-bytes "$3" --iters 10
-  "$PY" -m kvtransfer.bench --backend ucx --device cuda --layers "$1" --blocks "$2" \
+  "$PY" -m bench.kv --backend ucx --device cuda --layers "$1" --blocks "$2" \
       --block-bytes "$3" --iters 10 --json | tee -a /tmp/kv_gpu_bench.jsonl
 done
 echo "== JSON lines in /tmp/kv_gpu_bench.jsonl"

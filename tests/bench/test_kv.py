@@ -9,12 +9,12 @@ import sys
 
 import pytest
 
-from kvtransfer import bench
+from bench import kv
 
 
 @pytest.mark.parametrize("backend", ["tcp", "ucx"])
 def test_bench_moves_every_byte_with_transfers_in_flight(backend: str, capsys: pytest.CaptureFixture[str]) -> None:
-    code = bench.main(["--backend", backend, "--layers", "3", "--blocks", "8", "--block-bytes", "4096",
+    code = kv.main(["--backend", backend, "--layers", "3", "--blocks", "8", "--block-bytes", "4096",
                        "--iters", "2", "--rounds", "1", "--inflight", "3", "--no-thp", "--json"])
     result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert code == 0 and result["intact"] is True
@@ -24,7 +24,7 @@ def test_bench_moves_every_byte_with_transfers_in_flight(backend: str, capsys: p
 
 def test_resident_shim_faults_in_large_anonymous_mappings() -> None:
     """perftest's floor with resident buffers relies on the shim writing every page it maps."""
-    shim = bench._resident_shim()
+    shim = kv._resident_shim()
     if shim is None:
         pytest.skip("no C compiler")
     probe = ("import mmap; rss = lambda: int(open('/proc/self/statm').read().split()[1]); before = rss(); "

@@ -1,8 +1,8 @@
-"""One table from `pdserve bench engine` JSON lines (benchmarks/gpu_speed.sh writes them).
+"""One table from `pdserve bench engine` JSON lines (bench/gpu/gpu_speed.sh writes them).
 
 Each bench process prints its engine rows (one per k), then the copy floor, then (with --hf)
 Hugging Face generate; the floor and HF figures apply to the engine rows before them.
-Usage: python benchmarks/bench_table.py bench.jsonl
+Usage: python bench/gpu/bench_table.py bench.jsonl
 """
 
 from __future__ import annotations
