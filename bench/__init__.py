@@ -10,7 +10,7 @@ reports and plots that BENCHMARKS.md cites in bench/results/.
 BENCHES = [
     ("engine", "bench.engine", "single-process engine throughput (k = 0 and k)"),
     ("kv", "bench.kv", "KV transfer bandwidth between two processes"),
-    ("acceptance", "engine.acceptance", "MTP draft acceptance and tokens/s on held-out prompts (k = 0 vs k)"),
+    ("acceptance", "bench.acceptance", "MTP draft acceptance and tokens/s on held-out prompts (k = 0 vs k)"),
     ("pd", "bench.pd", "disaggregated (prefill + decode node) vs colocated: TTFT and ITL, same requests"),
     ("serve", "bench.serve", "load a router (gRPC or HTTP): TTFT/ITL/e2e percentiles, goodput, plots"),
     ("prefix", "bench.prefix", "multi-turn chat on a local service without and with the prefix cache + "

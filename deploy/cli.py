@@ -202,9 +202,9 @@ def main(argv: list[str] | None = None) -> int:
         if len(argv) >= 2 and argv[0] == "bench" and argv[1] in {n for n, _, _ in BENCHES}:
             return _run_bench(argv[1], argv[2:])
         if argv and argv[0] == "train-mtp":
-            return _run_module("engine.mtp_train", "pdserve train-mtp", argv[1:])
+            return _run_module("mtp.train", "pdserve train-mtp", argv[1:])
         if argv and argv[0] == "draft-vocab":
-            return _run_module("engine.vocab_rank", "pdserve draft-vocab", argv[1:])
+            return _run_module("mtp.vocab_rank", "pdserve draft-vocab", argv[1:])
         if argv and argv[0] == "certs":
             return _run_module("deploy.certs", "pdserve certs", argv[1:])
         args = build_parser().parse_args(argv)

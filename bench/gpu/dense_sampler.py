@@ -1,4 +1,4 @@
-"""Throughput of `engine.dense_sampler.DenseSampler` (the training-data sampler) on random weights
+"""Throughput of `mtp.dense_sampler.DenseSampler` (the training-data sampler) on random weights
 of a real shape, with and without CUDA graphs, and whether greedy rows agree between the two:
 python -m bench.gpu.dense_sampler [--rows R ...] [--new N]."""
 
@@ -9,7 +9,7 @@ import time
 import torch
 
 from bench.engine import random_model
-from engine.dense_sampler import DenseSampler
+from mtp.dense_sampler import DenseSampler
 
 p = argparse.ArgumentParser()
 p.add_argument("--arch", default="smollm2")

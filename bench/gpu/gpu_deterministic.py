@@ -19,8 +19,8 @@ import torch
 
 from engine.engine import EngineConfig, LLMEngine
 from engine.loader import load_model
-from engine.mtp_train import HELDOUT_PROMPTS, chat_ids, read_prompts
 from engine.sampling_params import SamplingParams
+from mtp.prompts import HELDOUT_PROMPTS, chat_ids, read_prompts
 
 RUNS = [("k0-b1", 0, 1), ("k3-b1", 3, 1), ("k0-b16", 0, 16), ("k3-b16", 3, 16), ("k0-b64", 0, 64), ("k3-b64", 3, 64)]
 

@@ -1,4 +1,4 @@
-"""Time of one `engine.mtp_train.train_step` on random weights of a real shape, with the top
+"""Time of one `mtp.loop.train_step` on random weights of a real shape, with the top
 CUDA kernels: python -m bench.gpu.mtp_train_step [--batch-tokens N] [--levels K]."""
 
 import argparse
@@ -8,7 +8,7 @@ import time
 import torch
 
 from bench.engine import random_model
-from engine import mtp_train as mt
+from mtp import loop as mt
 
 p = argparse.ArgumentParser()
 p.add_argument("--arch", default="smollm2")

@@ -80,7 +80,7 @@ def test_linear_takes_the_invariant_path_only_in_the_mode(monkeypatch):
 def test_smollm2_bf16_greedy_answer_depends_on_batching_only_without_the_mode():
     """On this CPU, in bf16, the haiku prompt's greedy answer changes at its 9th token when it is
     decoded in a batch of four instead of alone with k=3 drafts; `--deterministic` removes that."""
-    from engine.mtp_train import HELDOUT_PROMPTS, chat_ids, read_prompts
+    from mtp.prompts import HELDOUT_PROMPTS, chat_ids, read_prompts
 
     from .conftest import smollm2_installed
 

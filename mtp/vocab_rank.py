@@ -1,7 +1,7 @@
 """`pdserve draft-vocab`: rank a model's vocabulary by how often the model itself writes each token.
 
 Receives a model reference. Answers training prompts with the single-process engine (k = 0):
-the written prompts of engine/mtp_heads/train_prompts.txt and the topic x form prompts that
+the written prompts of mtp/prompt_lists/train_prompts.txt and the topic x form prompts that
 `pdserve train-mtp` also uses, shuffled, never the held-out prompts that `pdserve bench
 acceptance` reads (any equal to one is dropped). A share of the answers is greedy, the rest
 sampled at `--temperature`. Counts the answers' tokens until `--tokens` are counted, plus the
@@ -26,8 +26,8 @@ import torch
 from engine.draft_vocab import rank_by_count, write_ranking
 from engine.engine import EngineConfig, LLMEngine
 from engine.loader import LoadedModel, load_model
-from engine.mtp_train import HELDOUT_PROMPTS, chat_ids, read_prompts, training_prompts
 from engine.sampling_params import SamplingParams
+from mtp.prompts import HELDOUT_PROMPTS, chat_ids, read_prompts, training_prompts
 
 COVERAGE_SIZES = (2048, 4096, 8192, 16384, 32768)
 
@@ -116,6 +116,6 @@ def run(args: argparse.Namespace) -> int:
 
 
 if __name__ == "__main__":
-    parser = argparse.ArgumentParser(prog="python -m engine.vocab_rank")
+    parser = argparse.ArgumentParser(prog="python -m mtp.vocab_rank")
     add_arguments(parser)
     raise SystemExit(run(parser.parse_args()))

@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # How engine/mtp_heads/smollm2.safetensors is made, on one H100/H200 through the device tool.
-# The GGUF (98 MB) is over the tool's 64 MiB carry limit: a first call carries .gguf_split/a
-# and leaves its half in /tmp/g/part_00 (`bash train_smollm2.sh part`; with TIMINGS=1 it also
-# times the sampler and a training step); the next calls, on the same warm machine, carry
-# .gguf_split/b (the second half and the first head's data) and install the gguf wheel.
+# Run from the repository root. The GGUF (98 MB) is over the tool's 64 MiB carry limit: a
+# first call carries .gguf_split/a and leaves its half in /tmp/g/part_00
+# (`bash mtp/runs/train_smollm2.sh part`; with TIMINGS=1 it also times the sampler and a
+# training step); the next calls, on the same warm machine, carry .gguf_split/b (the second
+# half and the first head's data) and install the gguf wheel.
 #   stage 1: prompts = written + topic x form + 1000 package docstrings + up to 40k requests
 #            the model writes itself from its chat template's user turn; continuations from
 #            the dense sampler (CUDA graphs); training starts from the shipped head.
@@ -47,7 +48,7 @@ else
   ARGS=(--init /tmp/run1/smollm2.safetensors --extra-data /tmp/run1/smollm2.data.safetensors
         --lr "${LRS[1]}" --seed "${SEEDS[1]}")
 fi
-python3 -m engine.mtp_train "${COMMON[@]}" "${ARGS[@]}" --out $RUN/smollm2.safetensors 2>&1 \
+python3 -m mtp.train "${COMMON[@]}" "${ARGS[@]}" --out $RUN/smollm2.safetensors 2>&1 \
   | tr '\r' '\n' | tee "$OUT/train.log" | grep -v "it/s\]$" | tail -20
 cp $RUN/smollm2.safetensors $RUN/smollm2.loss.png $RUN/smollm2.loss.json "$OUT/"
 ls -la "$OUT"

@@ -11,15 +11,37 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from engine import mtp_train as mt
 from engine.attention import AttentionMetadata, TorchAttention
-from engine.dense_sampler import DenseSampler, sample_dense
 from engine.engine import EngineConfig, LLMEngine
 from engine.kv_cache import KVCache
 from engine.loader import load_model, mtp_path_default
 from engine.model import mtp_state_dict
 from engine.sampling_params import SamplingParams
 from engine.tiny import random_tensors
+from mtp import train as train_mtp
+from mtp.data import (
+    DataConfig,
+    generate_data,
+    keep_self_prompt,
+    load_data,
+    save_data,
+    self_prompts,
+    user_turn_prefix,
+)
+from mtp.dense_sampler import DenseSampler, sample_dense
+from mtp.files import save_head, write_line_png
+from mtp.forward import chain_mask, mtp_chain, shift_left, target_hidden
+from mtp.loop import (
+    TrainConfig,
+    answer_marker,
+    answer_starts,
+    evaluate,
+    grow_head,
+    init_head,
+    prepare_for_training,
+    train,
+)
+from mtp.prompts import HELDOUT_PROMPTS, chat_ids, read_prompts, training_prompts
 from tests.engine.conftest import DEVICE
 
 BS = 16
@@ -38,7 +60,7 @@ def featured_tiny():
     """`tiny` whose MTP head also reads target layer 0 and has a wider MLP, all weights random
     (so the feature path carries weight)."""
     loaded = load_model("tiny", device=DEVICE, dtype="float32")
-    mt.grow_head(loaded.model, 192, (0,), seed=3)
+    grow_head(loaded.model, 192, (0,), seed=3)
     assert loaded.model.mtp is not None
     loaded.model.mtp.load_state_dict(random_tensors(loaded.model.mtp, 7))
     return loaded
@@ -51,9 +73,9 @@ def test_training_forward_matches_the_paged_engine_path(tiny, head):
     model, cfg = tiny.model, tiny.model.config
     n, levels = 21, 3
     ids = torch.randint(0, cfg.vocab_size, (1, n), generator=torch.Generator().manual_seed(0)).to(DEVICE)
-    dense_h = mt.target_hidden(model, ids)
+    dense_h = target_hidden(model, ids)
     with torch.no_grad():
-        chain = mt.mtp_chain(model, ids, dense_h, levels)
+        chain = mtp_chain(model, ids, dense_h, levels)
     nb = -(-(n + levels) // BS)
     kv = KVCache(cfg.num_hidden_layers + 1, nb + 1, BS, cfg.num_key_value_heads, cfg.head_dim, torch.float32, DEVICE)
     backend, meta = TorchAttention(), paged_meta(list(range(n)), nb)
@@ -61,7 +83,7 @@ def test_training_forward_matches_the_paged_engine_path(tiny, head):
     torch.testing.assert_close(dense_h[0], paged_h, rtol=1e-4, atol=1e-4)
     mtp_cache = kv.layers[-1]
     for p in (0, 7, n - levels - 1):
-        h = model.mtp_forward(mt.shift_left(ids, 1)[0], meta.positions, paged_h, mtp_cache, meta, backend)[p]
+        h = model.mtp_forward(shift_left(ids, 1)[0], meta.positions, paged_h, mtp_cache, meta, backend)[p]
         torch.testing.assert_close(chain[0][0, p], h, rtol=1e-4, atol=1e-4)
         for j in range(2, levels + 1):  # the engine's chain step j: position p+j-1, token at p+j
             m = paged_meta([p + j - 1], nb)
@@ -71,26 +93,26 @@ def test_training_forward_matches_the_paged_engine_path(tiny, head):
 
 def tiny_sequences(loaded, tokens: int) -> list[list[int]]:
     prompts = ["hello there", "the quick brown fox", "pdserve", "a b c d e", "once upon a time"]
-    cfg = mt.DataConfig(tokens=tokens, max_new_tokens=32, seed=1, max_num_seqs=8)
-    return mt.generate_data(loaded, prompts, cfg, DEVICE)
+    cfg = DataConfig(tokens=tokens, max_new_tokens=32, seed=1, max_num_seqs=8)
+    return generate_data(loaded, prompts, cfg, DEVICE)
 
 
 def test_training_lowers_the_loss_and_the_head_loads_back_bit_exactly(tmp_path):
     loaded = load_model("tiny", device=DEVICE, dtype="float32")
     seqs = tiny_sequences(loaded, 400)
     assert sum(len(s) for s in seqs) >= 400
-    cfg = mt.TrainConfig(steps=25, levels=2, lr=3e-3, batch_tokens=512, max_len=96, log_every=5)
-    mt.prepare_for_training(loaded.model)
-    mt.init_head(loaded.model, cfg.seed)
-    before = mt.evaluate(loaded.model, seqs, cfg, DEVICE)
-    state = mt.train(loaded.model, seqs, cfg, DEVICE, None, resume=False)
-    after = mt.evaluate(loaded.model, seqs, cfg, DEVICE)
+    cfg = TrainConfig(steps=25, levels=2, lr=3e-3, batch_tokens=512, max_len=96, log_every=5)
+    prepare_for_training(loaded.model)
+    init_head(loaded.model, cfg.seed)
+    before = evaluate(loaded.model, seqs, cfg, DEVICE)
+    state = train(loaded.model, seqs, cfg, DEVICE, None, resume=False)
+    after = evaluate(loaded.model, seqs, cfg, DEVICE)
     assert state.step == 25
     assert sum(after["kl"]) < 0.8 * sum(before["kl"]), (before, after)
 
     for dtype in (torch.float32, torch.bfloat16):
         path = tmp_path / f"head-{dtype}.safetensors"
-        saved = mt.save_head(loaded.model, path, dtype, {"note": "test"})
+        saved = save_head(loaded.model, path, dtype, {"note": "test"})
         back = load_model("tiny", device=DEVICE, dtype="float32", mtp_path=str(path))
         assert back.mtp_trained
         for key, value in mtp_state_dict(back.model).items():
@@ -105,8 +127,8 @@ def test_train_mtp_command_writes_the_head_and_its_report(tmp_path):
     args = ["--model", "tiny", "--out", str(out), "--tokens", "300", "--steps", "4", "--batch-tokens", "256",
             "--max-len", "64", "--max-new-tokens", "24", "--levels", "2"]
     parser = argparse.ArgumentParser()
-    mt.add_arguments(parser)
-    assert mt.run(parser.parse_args(args)) == 0
+    train_mtp.add_arguments(parser)
+    assert train_mtp.run(parser.parse_args(args)) == 0
     report = json.loads(out.with_suffix(".loss.json").read_text())
     assert report["steps"] == 4 and report["tokens"] >= 300
     assert len(report["heldout_agree"]) == 2 and all(0 <= a <= 1 for a in report["heldout_agree"])
@@ -119,17 +141,17 @@ def test_grown_head_computes_what_it_grew_from():
     model = loaded.model
     ids = torch.randint(0, model.config.vocab_size, (2, 17), generator=torch.Generator().manual_seed(1)).to(DEVICE)
     with torch.no_grad():
-        before = mt.mtp_chain(model, ids, mt.target_hidden(model, ids), 3)
-    mt.grow_head(model, 256, (0,), seed=5)
+        before = mtp_chain(model, ids, target_hidden(model, ids), 3)
+    grow_head(model, 256, (0,), seed=5)
     assert model.config.mtp_mlp_size == 256 and model.config.mtp_feature_layers == (0,)
-    hidden = mt.target_hidden(model, ids)
+    hidden = target_hidden(model, ids)
     assert hidden.shape[-1] == 2 * model.config.hidden_size
     with torch.no_grad():
-        after = mt.mtp_chain(model, ids, hidden, 3)
+        after = mtp_chain(model, ids, hidden, 3)
     for a, b in zip(before, after, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
     with pytest.raises(ValueError, match="feature layers"):
-        mt.grow_head(model, 0, (1,), seed=5)  # the last layer's output is the final hidden state
+        grow_head(model, 0, (1,), seed=5)  # the last layer's output is the final hidden state
 
 
 def test_head_with_features_trains_saves_loads_back_and_keeps_greedy_exact(tmp_path):
@@ -138,8 +160,8 @@ def test_head_with_features_trains_saves_loads_back_and_keeps_greedy_exact(tmp_p
             "--max-len", "64", "--max-new-tokens", "24", "--levels", "2", "--lr", "1e-2",
             "--mtp-intermediate", "192", "--feature-layers", "0"]
     parser = argparse.ArgumentParser()
-    mt.add_arguments(parser)
-    assert mt.run(parser.parse_args(args)) == 0
+    train_mtp.add_arguments(parser)
+    assert train_mtp.run(parser.parse_args(args)) == 0
     back = load_model("tiny", device=DEVICE, dtype="float32", mtp_path=str(out))
     assert back.model.config.mtp_feature_layers == (0,) and back.model.config.mtp_mlp_size == 192
     saved = load_file(str(out))
@@ -164,9 +186,9 @@ def test_training_resumes_from_its_checkpoint(tmp_path):
     loaded = load_model("tiny", device=DEVICE, dtype="float32")
     seqs = tiny_sequences(loaded, 150)
     ckpt = tmp_path / "head.ckpt.pt"
-    cfg = mt.TrainConfig(steps=6, levels=2, batch_tokens=256, max_len=64, log_every=1)
-    mt.train(loaded.model, seqs, mt.TrainConfig(**{**cfg.__dict__, "steps": 3}), DEVICE, ckpt, resume=False)
-    state = mt.train(loaded.model, seqs, cfg, DEVICE, ckpt, resume=True)
+    cfg = TrainConfig(steps=6, levels=2, batch_tokens=256, max_len=64, log_every=1)
+    train(loaded.model, seqs, TrainConfig(**{**cfg.__dict__, "steps": 3}), DEVICE, ckpt, resume=False)
+    state = train(loaded.model, seqs, cfg, DEVICE, ckpt, resume=True)
     assert state.step == 6
     assert [h["step"] for h in state.history] == [1, 2, 3, 4, 5, 6]
 
@@ -195,15 +217,15 @@ def test_dense_sampler_reused_across_waves_stays_exact(tiny):
 
 def test_data_file_round_trips_and_loss_png_is_written(tmp_path):
     seqs = [[1, 2, 3, 4], [5, 6, 7, 8, 9, 10]]
-    mt.save_data(seqs, tmp_path / "d.safetensors")
-    assert mt.load_data(tmp_path / "d.safetensors") == seqs
+    save_data(seqs, tmp_path / "d.safetensors")
+    assert load_data(tmp_path / "d.safetensors") == seqs
     png = tmp_path / "curve.png"
-    mt.write_line_png(png, [1, 2, 3], [[3.0, 2.0, 1.0], [4.0, 3.0, 2.5]])
+    write_line_png(png, [1, 2, 3], [[3.0, 2.0, 1.0], [4.0, 3.0, 2.5]])
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 def test_chain_mask_matches_what_the_engine_cache_holds():
-    m = mt.chain_mask(3, 4, torch.device("cpu"))
+    m = chain_mask(3, 4, torch.device("cpu"))
     assert m.shape == (4, 12)
     assert m[2, :4].tolist() == [True, True, True, False]  # level-1 keys 0..i
     assert m[2, 4:8].tolist() == [False, False, True, False]  # level-2 key of index i
@@ -212,22 +234,22 @@ def test_chain_mask_matches_what_the_engine_cache_holds():
 
 def test_loss_counts_answer_positions_only():
     ids = torch.tensor([[5, 1, 2, 9, 1, 2, 7, 8], [3, 3, 3, 3, 3, 3, 3, 3], [1, 2, 4, 4, 4, 4, 1, 2]])
-    assert mt.answer_starts(ids, (1, 2)).tolist() == [6, 0, 8]
-    assert mt.answer_starts(ids, ()).tolist() == [0, 0, 0]
+    assert answer_starts(ids, (1, 2)).tolist() == [6, 0, 8]
+    assert answer_starts(ids, ()).tolist() == [0, 0, 0]
 
 
 @pytest.mark.smollm2
 def test_answer_marker_is_the_assistant_turn_opener(smollm2):
     smollm2_tokenizer = smollm2.tokenizer
-    marker = mt.answer_marker(smollm2_tokenizer)
+    marker = answer_marker(smollm2_tokenizer)
     assert smollm2_tokenizer.decode(list(marker), skip_special_tokens=False) == "<|im_start|>assistant\n"
-    ids = torch.tensor([mt.chat_ids(smollm2_tokenizer, "hi") + [42, 43]])
-    assert mt.answer_starts(ids, marker).tolist() == [ids.shape[1] - 2]
+    ids = torch.tensor([chat_ids(smollm2_tokenizer, "hi") + [42, 43]])
+    assert answer_starts(ids, marker).tolist() == [ids.shape[1] - 2]
 
 
 def test_heldout_prompts_are_not_training_prompts():
-    held = set(mt.read_prompts(mt.HELDOUT_PROMPTS))
-    train = set(mt.training_prompts(0, 0))
+    held = set(read_prompts(HELDOUT_PROMPTS))
+    train = set(training_prompts(0, 0))
     assert len(held) >= 12
     assert not held & train
 
@@ -235,7 +257,7 @@ def test_heldout_prompts_are_not_training_prompts():
 @pytest.mark.smollm2
 def test_shipped_smollm2_head_loads_by_default_and_keeps_greedy_exact(smollm2):
     assert mtp_path_default("smollm2") is not None and smollm2.mtp_trained
-    prompts = [mt.chat_ids(smollm2.tokenizer, p) for p in mt.read_prompts(mt.HELDOUT_PROMPTS)[:3]]
+    prompts = [chat_ids(smollm2.tokenizer, p) for p in read_prompts(HELDOUT_PROMPTS)[:3]]
     params = SamplingParams(max_tokens=24, ignore_eos=True)
     plain = LLMEngine(smollm2, EngineConfig(num_speculative_tokens=0, device=DEVICE)).generate(prompts, params)
     spec = LLMEngine(smollm2, EngineConfig(num_speculative_tokens=3, device=DEVICE)).generate(prompts, params)
@@ -245,22 +267,22 @@ def test_shipped_smollm2_head_loads_by_default_and_keeps_greedy_exact(smollm2):
 
 
 def test_self_prompt_filter():
-    assert mt.keep_self_prompt("  How do I delete cookies from my browser?  ")
-    assert not mt.keep_self_prompt("Hi there")  # too short
-    assert not mt.keep_self_prompt("word " * 100)  # too long
-    assert not mt.keep_self_prompt("Frozen Elix yak Potassium đồng Joi đồng Joi ? ?")  # not plain text
+    assert keep_self_prompt("  How do I delete cookies from my browser?  ")
+    assert not keep_self_prompt("Hi there")  # too short
+    assert not keep_self_prompt("word " * 100)  # too long
+    assert not keep_self_prompt("Frozen Elix yak Potassium đồng Joi đồng Joi ? ?")  # not plain text
 
 
 def test_self_prompts_need_a_chat_template(tiny):
     with pytest.raises(ValueError, match="chat template"):
-        mt.user_turn_prefix(tiny.tokenizer)
+        user_turn_prefix(tiny.tokenizer)
 
 
 @pytest.mark.smollm2
 def test_smollm2_writes_its_own_user_requests(smollm2):
-    prefix = smollm2.tokenizer.decode(mt.user_turn_prefix(smollm2.tokenizer), skip_special_tokens=False)
+    prefix = smollm2.tokenizer.decode(user_turn_prefix(smollm2.tokenizer), skip_special_tokens=False)
     assert prefix.endswith("<|im_start|>user\n") and "<|im_start|>system" in prefix
-    prompts = mt.self_prompts(smollm2, 3, mt.DataConfig(tokens=1, max_num_seqs=6, seed=3, seconds=120), max_new=64)
-    held = set(mt.read_prompts(mt.HELDOUT_PROMPTS))
+    prompts = self_prompts(smollm2, 3, DataConfig(tokens=1, max_num_seqs=6, seed=3, seconds=120), max_new=64)
+    held = set(read_prompts(HELDOUT_PROMPTS))
     assert prompts and len(set(prompts)) == len(prompts)
-    assert all(mt.keep_self_prompt(p) and p not in held for p in prompts)
+    assert all(keep_self_prompt(p) and p not in held for p in prompts)

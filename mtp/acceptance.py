@@ -1,7 +1,8 @@
-"""`pdserve bench acceptance`: how many MTP drafts the target accepts, on held-out prompts.
+"""How many MTP drafts the target accepts, on held-out prompts (`pdserve bench acceptance`,
+whose command line is bench/acceptance.py).
 
 Runs the single-process engine twice over the same chat-templated prompts (default:
-engine/mtp_heads/heldout_prompts.txt, never used in training): with k drafts per step and
+mtp/prompt_lists/heldout_prompts.txt, never used in training): with k drafts per step and
 without MTP. Reports, from the decode steps that were not cut short by a stop or the length
 limit (each request's last step is left out):
   * acceptance_by_position[j-1]: the share of steps whose drafts 1..j were all accepted;
@@ -18,7 +19,6 @@ most frequent tokens (FR-Spec, engine/draft_vocab.py); the plain run is the same
 from __future__ import annotations
 
 import argparse
-import json
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,26 +27,9 @@ import torch
 
 from engine.draft_vocab import read_ranking
 from engine.engine import EngineConfig, LLMEngine
-from engine.loader import LoadedModel, default_model, load_model
-from engine.mtp_train import HELDOUT_PROMPTS, chat_ids, read_prompts
+from engine.loader import LoadedModel
 from engine.sampling_params import SamplingParams
-
-
-def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default=None, help="tiny, smollm2 (default when installed), a path")
-    p.add_argument("--spec-tokens", type=int, default=3, help="k, draft tokens per step")
-    p.add_argument("--draft-vocab", type=int, default=0, metavar="N",
-                   help="drafts score the model's N most frequent tokens (FR-Spec); 0 = all")
-    p.add_argument("--prompts", default=str(HELDOUT_PROMPTS), help="one prompt per line ('#' comments)")
-    p.add_argument("--num-prompts", type=int, default=None, help="use the first N prompts")
-    p.add_argument("--temperature", type=float, default=0.0)
-    p.add_argument("--max-tokens", type=int, default=96)
-    p.add_argument("--batch", type=int, default=1, help="requests decoded together")
-    p.add_argument("--mtp", default=None, help="an MTP safetensors file (default: the shipped head)")
-    p.add_argument("--device", default="cpu")
-    p.add_argument("--dtype", default="auto")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--json", action="store_true", help="print one JSON object")
+from mtp.prompts import chat_ids, read_prompts
 
 
 @dataclass
@@ -142,30 +125,3 @@ def measure(loaded: LoadedModel, args: argparse.Namespace) -> dict:
         "decode_speedup": round(mtp.decode_tokens_per_s / plain.decode_tokens_per_s, 3)
         if plain.decode_tokens_per_s else None,
     }
-
-
-def run(args: argparse.Namespace) -> int:
-    loaded = load_model(args.model or default_model(), device=args.device, dtype=args.dtype, mtp_path=args.mtp)
-    result = measure(loaded, args)
-    if args.json:
-        print(json.dumps(result), flush=True)
-        return 0
-    r = result
-    vocab = f"draft vocabulary {r['draft_vocab']}" if r["draft_vocab"] else "full draft vocabulary"
-    print(f"{r['model']} ({'trained' if r['mtp_trained'] else 'untrained'} MTP head), {r['device']} {r['dtype']}, "
-          f"k={r['spec_tokens']}, {vocab}, temperature {r['temperature']}, {r['prompts']} prompts from {r['prompts_file']}")
-    print(f"  mean accepted tokens per step (bonus included): {r['mean_accepted_per_step']:.2f} "
-          f"over {r['decode_steps']} steps")
-    for j, rate in enumerate(r["acceptance_by_position"], start=1):
-        print(f"  draft {j}: {100 * rate:.1f}% accepted")
-    print(f"  tokens/s: {r['tokens_per_s_mtp']:.1f} with MTP, {r['tokens_per_s_plain']:.1f} without "
-          f"({r['speedup']}x); same tokens as without MTP: {r['same_tokens_as_plain']}")
-    print(f"  decode tokens/s (after the first token): {r['decode_tokens_per_s_mtp']:.1f} with MTP, "
-          f"{r['decode_tokens_per_s_plain']:.1f} without ({r['decode_speedup']}x)")
-    return 0
-
-
-if __name__ == "__main__":
-    parser = argparse.ArgumentParser(prog="python -m engine.acceptance")
-    add_arguments(parser)
-    raise SystemExit(run(parser.parse_args()))
