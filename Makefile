@@ -20,7 +20,7 @@ lint: venv
 	$(BIN)/ruff check .
 
 typecheck: venv
-	$(BIN)/mypy engine kernels kvtransfer prefill_node decode_node router deploy protos
+	$(BIN)/mypy engine kernels kvtransfer prefill_node decode_node router deploy protos bench mtp
 
 pytest: venv
 	$(BIN)/python -m pytest -q -p no:cacheprovider tests

@@ -14,6 +14,8 @@ import sys
 import time
 from typing import Any
 
+from bench import BENCHES
+
 
 def _add_generate(sub: Any) -> None:
     p = sub.add_parser("generate", help="generate text locally with the single-process engine")
@@ -52,22 +54,6 @@ def _add_bench(sub: Any) -> None:
     kinds = p.add_subparsers(dest="bench", required=True)
     for name, _, text in BENCHES:
         kinds.add_parser(name, help=text)  # listed for --help; `main` dispatches these itself
-
-
-# Each benchmark module has add_arguments(parser) and run(args); it is imported only when run,
-# so one benchmark's dependencies (ucxx for kv) never stop the others.
-BENCHES = [
-    ("engine", "engine.bench", "single-process engine throughput (k = 0 and k)"),
-    ("prefill", "engine.bench_prefill", "time to first token in one process (k = 0 and k), HF forward and the floor"),
-    ("kv", "kvtransfer.bench", "KV transfer bandwidth between two processes"),
-    ("acceptance", "engine.acceptance", "MTP draft acceptance and tokens/s on held-out prompts (k = 0 vs k)"),
-    ("pd", "deploy.bench_pd", "disaggregated (prefill + decode node) vs colocated: TTFT and ITL, same requests"),
-    ("serve", "deploy.bench_serve", "load a router (gRPC or HTTP): TTFT/ITL/e2e percentiles, goodput, plots"),
-    ("prefix", "deploy.bench_prefix", "multi-turn chat on a local service without and with the prefix cache + "
-     "prefix routing: TTFT, prefill tokens computed"),
-    ("chaos", "deploy.bench_chaos", "faults together under load on a local service (node kills, Abort storms, "
-     "client cancels, 2x overload): sent / correct / clean error / lost / duplicated / leaked blocks"),
-]
 
 
 def _run_bench(name: str, argv: list[str]) -> int:
@@ -162,24 +148,11 @@ def cmd_generate(args: argparse.Namespace) -> int:
         raise ValueError(f"--tp must be a power of two (1, 2, 4, ...), got {args.tp}")
     if args.tp == 1:
         return generate_rank(None, args)
+    from engine.tp_launch import check_tp_model, spawn_ranks
+
     check_tp_model(args.model, args.tp, "--tp")
-    from engine.tp_launch import spawn_ranks
 
     return max(spawn_ranks(args.tp, generate_rank, (args,), device=args.device))
-
-
-def check_tp_model(model: str | None, tp: int, setting: str) -> None:
-    """Before any rank starts: a TP size (given as `setting`) that the model's heads or vocabulary
-    do not split over is a clear error (engine/tensor_parallel.py `plan`), from its config alone."""
-    from engine.loader import default_model, load_model_info
-    from engine.tensor_parallel import check_tp_size
-
-    name = model or default_model()
-    config = load_model_info(name).config
-    try:
-        check_tp_size(config, tp)
-    except ValueError as e:
-        raise ValueError(f"{setting} {tp} does not fit model {name!r}: {e}") from None
 
 
 def generate_rank(tp: Any, args: argparse.Namespace) -> int:
@@ -229,9 +202,9 @@ def main(argv: list[str] | None = None) -> int:
         if len(argv) >= 2 and argv[0] == "bench" and argv[1] in {n for n, _, _ in BENCHES}:
             return _run_bench(argv[1], argv[2:])
         if argv and argv[0] == "train-mtp":
-            return _run_module("engine.mtp_train", "pdserve train-mtp", argv[1:])
+            return _run_module("mtp.train", "pdserve train-mtp", argv[1:])
         if argv and argv[0] == "draft-vocab":
-            return _run_module("engine.vocab_rank", "pdserve draft-vocab", argv[1:])
+            return _run_module("mtp.vocab_rank", "pdserve draft-vocab", argv[1:])
         if argv and argv[0] == "certs":
             return _run_module("deploy.certs", "pdserve certs", argv[1:])
         args = build_parser().parse_args(argv)

@@ -7,6 +7,9 @@ caller gets the values in rank order. A rank that fails ends the group: its erro
 (a user error as itself, ValueError and the like; anything else as a RuntimeError with the
 rank's traceback) and the other ranks (which may wait in a collective) are stopped.
 
+`check_tp_model(model, tp, setting)` is the check before any rank starts: a TP size the
+model's heads or vocabulary do not split over is one clear error, from its config alone.
+
 Rank-0 output rule: every rank runs the same steps on the same inputs and samples the same
 tokens; by convention `fn` returns (and prints) what the user sees on rank 0 only.
 """
@@ -24,7 +27,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from engine.tensor_parallel import TPGroup
+from engine.loader import default_model, load_model_info
+from engine.tensor_parallel import TPGroup, check_tp_size
 
 COLLECTIVE_TIMEOUT_S = 120
 
@@ -38,6 +42,17 @@ def free_port() -> int:
 def rank_device(device: str, rank: int) -> str:
     """The device of `rank`: cuda:rank on CUDA, else `device` itself."""
     return f"cuda:{rank}" if device.startswith("cuda") else device
+
+
+def check_tp_model(model: str | None, tp: int, setting: str) -> None:
+    """Before any rank starts: a TP size (given as `setting`) that the model's heads or vocabulary
+    do not split over is a clear error (engine/tensor_parallel.py `plan`), from its config alone."""
+    name = model or default_model()
+    config = load_model_info(name).config
+    try:
+        check_tp_size(config, tp)
+    except ValueError as e:
+        raise ValueError(f"{setting} {tp} does not fit model {name!r}: {e}") from None
 
 
 def init_group(rank: int, size: int, port: int, device: str, store_outside: bool = False) -> TPGroup:

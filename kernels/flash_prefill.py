@@ -95,7 +95,7 @@ def _flash_prefill_kernel(
 
 
 def default_config(max_q: int, heads: int, rows: int, head_dim: int) -> Config:
-    """Tiles from a sweep on an H100 (benchmarks/gpu_attn_prefill.py, 2026-11-24): 64 x 64 with
+    """Tiles from a sweep on an H100 (bench/gpu/gpu_attn_prefill.py, 2026-11-24): 64 x 64 with
     4 warps, and 128 x 64 with 8 warps for rows of 4096 tokens and more (Llama-1B's 4 x 4096:
     0.78 against 0.79 ms; 64-query tiles keep the short steps' programs many)."""
     if max_q >= 4096:

@@ -19,7 +19,7 @@ matching up rows into two accumulators) or a per-tile argmax in its epilogue: at
 (M <= FUSED_MAX_M) one launch where cuBLAS + an elementwise op takes two, and no logits
 written for an argmax. The norm stays its own kernel (`kernels.norm.rms_norm`): applied to the
 A operand as it is loaded, it kept Triton from pipelining the weight loads (1.3-3x slower on
-an H100, benchmarks/gpu_gemv.py, 2026-11-23), as silu * up did on the down projection's A.
+an H100, bench/gpu/gpu_gemv.py, 2026-11-23), as silu * up did on the down projection's A.
 
 Batch-invariant mode (`kernels._dispatch.batch_invariant()`, `--deterministic`): a row's result
 must not depend on how many rows share the call. cuBLAS and CPU BLAS pick tiling, split-K and
@@ -50,7 +50,7 @@ Norm = tuple[torch.Tensor, float]
 
 
 def tile_config(n: int, k: int) -> tuple[int, int, int]:
-    """(BN, BK, SPLIT) for a weight [n, k], from a sweep on an H100 (benchmarks/gpu_gemv.py):
+    """(BN, BK, SPLIT) for a weight [n, k], from a sweep on an H100 (bench/gpu/gpu_gemv.py):
     narrow tiles keep enough programs in flight for the small weights, wide ones suit the large;
     long rows are split in four so that a short N still fills the GPU. Shape only: the
     batch-invariant mode relies on it not depending on M."""
@@ -195,7 +195,7 @@ def _launch(x2, w, b, residual, y, argmax_out=None, config: tuple[int, int, int]
 
 def linear_triton(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None, norm: Norm | None = None,
                   residual: torch.Tensor | None = None, config: tuple[int, int, int] | None = None) -> torch.Tensor:
-    """`config`: (BN, BK, SPLIT) instead of `tile_config`'s (benchmarks/gpu_gemv.py sweeps them)."""
+    """`config`: (BN, BK, SPLIT) instead of `tile_config`'s (bench/gpu/gpu_gemv.py sweeps them)."""
     x2 = _rows(_norm(x, norm))
     y = torch.empty(x2.shape[0], w.shape[0], dtype=x.dtype, device=x.device)
     if x2.shape[0]:
@@ -244,7 +244,7 @@ def _fused(x: torch.Tensor, w: torch.Tensor, plain: bool = False) -> bool:
     """Whether the Triton kernel runs: always in the batch-invariant mode; else at decode sizes,
     except for a plain GEMM (no epilogue) of a weight under 8192 x 2048 without programmatic
     dependent launch (kernels/pdl.py), where cuBLAS was as fast or faster (Llama-1B's q/k/v: 7.5
-    against 8.4 us; benchmarks/gpu_gemv.py --sweep). With PDL the kernel's launch overlaps the
+    against 8.4 us; bench/gpu/gpu_gemv.py --sweep). With PDL the kernel's launch overlaps the
     kernel before it, which a cuBLAS launch does not."""
     if not use_triton(x, w):
         return False

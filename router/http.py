@@ -3,7 +3,8 @@
 own event loop).
 
 Receives HTTP requests; turns each body into a `GenerateRequest` (openai_protocol.py) and
-hands it to the same lifecycle as the gRPC door (`Router.submit` / `Router.responses`), so
+hands it to the same lifecycle as the gRPC door (`Router.submit` / `Router.responses`, seen
+here through the `Lifecycle` protocol: router.py builds this door, never the other way), so
 validation, queueing, abort and the one-terminal rule are shared, not re-implemented. Answers
 OpenAI's JSON (non-streaming) or server-sent events (`stream: true`), and errors as OpenAI's
 `{"error": {...}}` with a status from the lifecycle's code (400, 404, 429, 503, ...).
@@ -24,21 +25,20 @@ import socket
 from collections.abc import AsyncGenerator, Awaitable
 from contextlib import aclosing
 from functools import partial
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ValidationError
 
+from deploy.config import RouterConfig
 from protos import pdserve_pb2 as pb
 from router.auth import authorized
+from router.metrics import RouterMetrics
 from router.openai_protocol import ChatCompletionRequest, CompletionRequest, Format
-from router.request import is_terminal
-from router.validate import InvalidRequest
-
-if TYPE_CHECKING:
-    from router.router import Router
+from router.request import RequestError, RequestState, is_terminal
+from router.validate import InvalidRequest, Limits
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -47,6 +47,24 @@ STATUS = {"INVALID_ARGUMENT": 400, "NOT_FOUND": 404, "RESOURCE_EXHAUSTED": 429, 
 ERROR_TYPE = {400: "invalid_request_error", 404: "invalid_request_error", 429: "rate_limit_error",
               503: "service_unavailable_error"}
 TOKENIZE_IN_THREAD_BYTES = 8192
+
+
+class Lifecycle(Protocol):
+    """What this door uses of the request lifecycle (router.py's `Router`, which passes itself
+    to `build_app`)."""
+
+    config: RouterConfig
+    model: Any  # engine.loader.ModelInfo: name, tokenizer
+    limits: Limits
+    metrics: RouterMetrics
+    max_model_len: int
+
+    async def submit(self, request: pb.GenerateRequest) -> RequestState: ...
+    def responses(self, st: RequestState) -> AsyncGenerator[pb.GenerateResponse, None]: ...
+    def refused(self, code: str) -> None: ...
+    def health(self, nodes: bool = False) -> pb.HealthResponse: ...
+    def health_detail_allowed(self, authorization: str | None) -> bool: ...
+    def list_models(self) -> pb.ListModelsResponse: ...
 
 
 def error_body(code: str, message: str) -> dict:
@@ -70,7 +88,7 @@ def health_json(h: pb.HealthResponse) -> dict:
             "running_requests": h.running_requests, "queued_requests": h.queued_requests, "nodes": nodes}
 
 
-def build_app(router: Router) -> FastAPI:
+def build_app(router: Lifecycle) -> FastAPI:
     app = FastAPI(title="pdserve", docs_url=None, redoc_url=None, openapi_url=None)
 
     @app.get("/health")
@@ -103,7 +121,7 @@ def build_app(router: Router) -> FastAPI:
     return app
 
 
-def _denied(router: Router, raw: Request) -> Response | None:
+def _denied(router: Lifecycle, raw: Request) -> Response | None:
     """401 in OpenAI's error JSON when an API key is set and the request lacks it (router/auth.py)."""
     key = router.config.api_key
     if key is None or authorized(raw.headers.get("authorization"), key):
@@ -113,9 +131,7 @@ def _denied(router: Router, raw: Request) -> Response | None:
     return JSONResponse(body, status_code=401)
 
 
-async def _generate(router: Router, raw: Request, model: type[BaseModel], chat: bool) -> Response:
-    from router.router import RequestError
-
+async def _generate(router: Lifecycle, raw: Request, model: type[BaseModel], chat: bool) -> Response:
     if (denied := _denied(router, raw)) is not None:
         return denied
 
@@ -139,11 +155,9 @@ async def _generate(router: Router, raw: Request, model: type[BaseModel], chat: 
     return JSONResponse(fmt.whole(rest))
 
 
-async def _prepare(router: Router, raw: Request, model: type[BaseModel],
+async def _prepare(router: Lifecycle, raw: Request, model: type[BaseModel],
                    chat: bool) -> tuple[pb.GenerateRequest, Format, Any]:
     """The body as a GenerateRequest; raises RequestError (INVALID_ARGUMENT, NOT_FOUND), counted."""
-    from router.router import RequestError
-
     code, message = "INVALID_ARGUMENT", ""
     try:
         body, req = await _parse(raw, model)
@@ -181,7 +195,7 @@ def _logprobs_asked(req: Any, chat: bool) -> int | None:
     return req.logprobs  # type: ignore[no-any-return]
 
 
-async def _to_generate(router: Router, req: Any, fmt: Format, size: int) -> pb.GenerateRequest:
+async def _to_generate(router: Lifecycle, req: Any, fmt: Format, size: int) -> pb.GenerateRequest:
     args: tuple[Any, ...] = (fmt.request_id, router.model.tokenizer, router.max_model_len)
     if fmt.chat:
         args = (*args, router.limits.max_prompt_bytes)

@@ -32,6 +32,14 @@ if TYPE_CHECKING:
     from router.pool import Node
 
 
+class RequestError(Exception):
+    """Ends a request with a terminal error (a gRPC status code name + message)."""
+
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(f"{code}: {message}")
+        self.code, self.message = code, message
+
+
 @dataclass(frozen=True)
 class Interrupt:
     """Why a request was stopped from outside its driver: a terminal to send, or none (the

@@ -53,7 +53,7 @@ from router.http import HttpServer, build_app
 from router.metrics import RouterMetrics
 from router.policy import Policy, make_policy
 from router.pool import MAX_MESSAGE_BYTES, Node, NodePool
-from router.request import Interrupt, RequestState, is_terminal
+from router.request import Interrupt, RequestError, RequestState, is_terminal
 from router.tls import server_credentials
 from router.validate import InvalidRequest, Limits, prepare
 
@@ -62,14 +62,6 @@ log = logging.getLogger(__name__)
 MAX_DRAFTS = 64  # bound on drafts in a first-token message (the router ignores them)
 SHUTDOWN_GRACE_S = 2.0
 NODE_WAIT_POLL_S = 0.05  # how often a request waiting for a healthy node looks again
-
-
-class RequestError(Exception):
-    """Ends a request with a terminal error (a gRPC status code name + message)."""
-
-    def __init__(self, code: str, message: str) -> None:
-        super().__init__(f"{code}: {message}")
-        self.code, self.message = code, message
 
 
 class AttemptLost(Exception):

@@ -230,7 +230,7 @@ def test_pd_deterministic_bf16_equals_the_engine_alone_bit_for_bit(smollm2_bf16,
     """`--deterministic` in bf16: SmolLM2 requests decoded together through P and D with k=3
     have the tokens and logprob bits of each decoded alone with k=0 by the single-process
     engine; without the mode they do not (on this CPU), so the check can fail."""
-    from engine.mtp_train import HELDOUT_PROMPTS, chat_ids, read_prompts
+    from mtp.prompts import HELDOUT_PROMPTS, chat_ids, read_prompts
 
     loaded = smollm2_bf16
     vocab = loaded.model.config.vocab_size

@@ -12,7 +12,7 @@ import argparse
 
 import pytest
 
-from deploy.bench_chaos import chaos, make_jobs
+from bench.chaos import chaos, make_jobs
 from engine.sampling_params import SamplingParams
 from tests.e2e.conftest import run_async, start_service
 from tests.e2e.test_router_restart import generate_after_restart

@@ -12,7 +12,7 @@ import time
 import grpc
 import pytest
 
-from deploy.bench_chaos import RECONNECT_OPTIONS
+from bench.chaos import RECONNECT_OPTIONS
 from engine.sampling_params import SamplingParams
 from router.client import RouterClient, build_request
 from tests.e2e.conftest import run_async, start_service, wait_blocks_returned

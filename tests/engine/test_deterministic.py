@@ -57,7 +57,7 @@ def test_invariant_linear_reference_row_alone_equals_row_in_a_batch():
 
 def test_invariant_linear_kernel_rows_do_not_depend_on_the_number_of_rows():
     # fp32: Triton's interpreter multiplies bf16 dot operands as raw bits. A row keeps its place
-    # in its tile here; on the GPU, benchmarks/gpu_kernels.py checks rows alone against batches.
+    # in its tile here; on the GPU, bench/gpu/gpu_kernels.py checks rows alone against batches.
     x, w, b = _weights(torch.float32)
     with batch_invariant():
         one, seven, forty = (linear_triton(x[:m], w, b) for m in (1, 7, 40))
@@ -80,7 +80,7 @@ def test_linear_takes_the_invariant_path_only_in_the_mode(monkeypatch):
 def test_smollm2_bf16_greedy_answer_depends_on_batching_only_without_the_mode():
     """On this CPU, in bf16, the haiku prompt's greedy answer changes at its 9th token when it is
     decoded in a batch of four instead of alone with k=3 drafts; `--deterministic` removes that."""
-    from engine.mtp_train import HELDOUT_PROMPTS, chat_ids, read_prompts
+    from mtp.prompts import HELDOUT_PROMPTS, chat_ids, read_prompts
 
     from .conftest import smollm2_installed
 

@@ -1,29 +1,24 @@
 """FR-Spec draft vocabulary: drafts over the N most frequent tokens keep greedy output exact and
 the sampled output's distribution; the draft distribution verification sees is the scattered
-one (zero outside the set, sums to 1); the ranking file and the command that makes it."""
+one (zero outside the set, sums to 1); the ranking file (the command that makes it is tested in
+tests/mtp/test_vocab_rank.py)."""
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
-import json
 
 import numpy as np
 import pytest
 import torch
-from safetensors import safe_open
 from safetensors.torch import save_file
 
-from deploy.cli import main
-from engine import acceptance, model_runner
+from engine import model_runner
 from engine.draft_vocab import DraftVocab, draft_tokens, rank_by_count, read_ranking, write_ranking
-from engine.engine import EngineConfig, LLMEngine
+from engine.engine import EngineConfig
 from engine.model import CausalLM
-from engine.mtp_train import HELDOUT_PROMPTS, TRAIN_PROMPTS, read_prompts
 from engine.sampler import STREAM_DRAFT, processed_probs, sample
 from engine.sampling_params import SamplingParams
 from engine.spec_decode import verify_rejection
-from engine.vocab_rank import ranking_prompts
 from tests.engine.conftest import DEVICE
 from tests.engine.test_engine import engine_for, prompts_of
 from tests.engine.test_sampler import P_MIN, chi2_pvalue, tensors
@@ -241,37 +236,6 @@ def test_draft_vocabulary_off_and_errors(tiny, tmp_path):
         engine_for(dataclasses.replace(tiny, vocab_rank_path=str(path)), 2, draft_vocab_size=16)
 
 
-# ---------------------------------------------------------------- `pdserve draft-vocab`
-
-
-def test_ranking_prompts_are_training_prompts_never_heldout():
-    prompts = ranking_prompts(seed=0)
-    assert not set(prompts) & set(read_prompts(HELDOUT_PROMPTS))
-    assert set(read_prompts(TRAIN_PROMPTS)) <= set(prompts)
-
-
-def test_draft_vocab_command_writes_a_valid_ranking(tiny, tmp_path, capsys):
-    out = tmp_path / "tiny.vocab_rank.safetensors"
-    args = ["draft-vocab", "--model", "tiny", "--out", str(out), "--num-prompts", "3", "--tokens", "30",
-            "--max-new-tokens", "8", "--batch", "4"]
-    assert main(args) == 0
-    report = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
-    assert report["prompts_answered"] == 3 and report["answer_tokens"] >= 24  # 3 x 8, no early stop
-    ids = read_ranking(out, 320)
-    assert sorted(ids.tolist()) == list(range(320))
-    with safe_open(str(out), framework="pt") as f:
-        counts = f.get_tensor("counts").long()
-        meta = f.metadata()
-    assert int(counts.sum()) == report["answer_tokens"] + report["prompt_tokens"]
-    assert bool((counts[:-1] >= counts[1:]).all())
-    ties = counts[:-1] == counts[1:]
-    assert bool((ids[:-1][ties] < ids[1:][ties]).all())
-    assert json.loads(meta["pdserve.model"]) == "tiny"
-    engine = LLMEngine(dataclasses.replace(tiny, vocab_rank_path=str(out)),
-                       EngineConfig(num_speculative_tokens=2, draft_vocab_size=32, device=DEVICE))
-    assert engine.runner.draft_vocab is not None and engine.runner.draft_vocab.ids.tolist() == ids[:32].tolist()
-
-
 # ---------------------------------------------------------------- SmolLM2's shipped ranking
 
 
@@ -286,16 +250,3 @@ def test_smollm2_ships_a_ranking_and_greedy_output_stays_exact(smollm2):
     plain = engine_for(smollm2, 0, max_model_len=128).generate(prompts, params)
     spec = engine_for(smollm2, 3, max_model_len=128, draft_vocab_size=2048).generate(prompts, params)
     assert [r.output_ids for r in spec] == [r.output_ids for r in plain]
-
-
-def test_bench_acceptance_reports_exactness_and_coverage(tiny, tmp_path):
-    vocab = tiny.model.config.vocab_size
-    ranked = ranked_tiny(tiny, tmp_path, torch.arange(vocab))  # ids 319, 318, ... first
-    parser = argparse.ArgumentParser()
-    acceptance.add_arguments(parser)
-    args = parser.parse_args(["--num-prompts", "2", "--max-tokens", "8", "--draft-vocab", "300", "--device", DEVICE])
-    result = acceptance.measure(ranked, args)
-    assert result["same_tokens_as_plain"] and result["draft_vocab"] == 300
-    assert 0.0 <= result["draft_vocab_coverage"] <= 1.0
-    assert result["decode_tokens_per_s_plain"] > 0 and result["decode_tokens_per_s_mtp"] > 0
-    assert result["decode_speedup"] == round(result["decode_tokens_per_s_mtp"] / result["decode_tokens_per_s_plain"], 3)

@@ -12,9 +12,9 @@ import torch
 from engine.draft_vocab import write_ranking
 from engine.engine import EngineConfig, LLMEngine
 from engine.loader import load_model
-from engine.mtp_train import grow_head
 from engine.sampling_params import SamplingParams
 from kernels._dispatch import reference_kernels
+from mtp.loop import grow_head
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 

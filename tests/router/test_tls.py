@@ -104,8 +104,8 @@ def test_cli_takes_both_spellings():
 
 
 async def test_bench_serve_speaks_tls_with_the_key_through_both_doors(tmp_path):
-    from deploy import bench_serve
-    from tests.router.test_bench_serve import bench_args
+    from bench import serve as bench_serve
+    from tests.bench.test_serve import bench_args
 
     cert, key = self_signed(tmp_path)
     async with cluster(http_port=0, api_key=KEY, tls_cert=cert, tls_key=key) as c:

@@ -1,0 +1,21 @@
+"""Every `pdserve bench KIND`, one module per kind, and the one list the CLI reads (`BENCHES`).
+
+Each kind's module has `add_arguments(parser)` and `run(args)`; it is imported only when run,
+so one benchmark's dependencies (ucxx for kv) never stop the others. The GPU scripts that
+drive these on a device machine are in bench/gpu/ (bench/cpu/: the many-core CPU one), and the
+reports and plots that BENCHMARKS.md cites in bench/results/.
+"""
+
+# (name, module, one line for `pdserve bench --help`)
+BENCHES = [
+    ("engine", "bench.engine", "single-process engine throughput (k = 0 and k)"),
+    ("prefill", "bench.prefill", "time to first token in one process (k = 0 and k), HF forward and the floor"),
+    ("kv", "bench.kv", "KV transfer bandwidth between two processes"),
+    ("acceptance", "bench.acceptance", "MTP draft acceptance and tokens/s on held-out prompts (k = 0 vs k)"),
+    ("pd", "bench.pd", "disaggregated (prefill + decode node) vs colocated: TTFT and ITL, same requests"),
+    ("serve", "bench.serve", "load a router (gRPC or HTTP): TTFT/ITL/e2e percentiles, goodput, plots"),
+    ("prefix", "bench.prefix", "multi-turn chat on a local service without and with the prefix cache + "
+     "prefix routing: TTFT, prefill tokens computed"),
+    ("chaos", "bench.chaos", "faults together under load on a local service (node kills, Abort storms, "
+     "client cancels, 2x overload): sent / correct / clean error / lost / duplicated / leaked blocks"),
+]

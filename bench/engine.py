@@ -1,0 +1,352 @@
+"""`pdserve bench engine`: single-process engine throughput and decode step time.
+
+Runs the LLMEngine on a batch of random prompts with k = 0 and the given k, on `tiny`, the
+embedded model, or random weights of a named real shape (`--arch smollm2`, `--arch llama-1b`),
+so GPU machines that lack the weights file can still time real shapes. Prints one JSON
+object per k. On CUDA it also prints, from the same process, the floor a decode step is
+compared with (parameter bytes / measured copy bandwidth) and, with `--hf`, Hugging Face
+`generate` on the same weights. `--profile` adds kernels per decode step and the share of
+the decode loop the GPU is busy (torch profiler).
+`--draft-vocab N` drafts over the N most frequent tokens (FR-Spec); random weights use the
+shipped ranking of the named model (its drafts are never accepted: this times the step).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import torch
+
+from engine.config import ArchConfig
+from engine.draft_vocab import ranking_path_beside
+from engine.engine import EngineConfig, LLMEngine
+from engine.loader import (
+    LoadedModel,
+    _materialize,
+    build_model,
+    load_model,
+    mtp_path_default,
+    random_weights,
+    resolve_dtype,
+)
+from engine.model import load_weights
+from engine.model_runner import kv_room_needed
+from engine.sampling_params import SamplingParams
+from engine.tensor_parallel import TPGroup
+from engine.tiny import scale_random_
+
+SHAPES = {
+    "smollm2": dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
+                    num_attention_heads=9, num_key_value_heads=3, head_dim=64, rope_theta=100000.0,
+                    max_position_embeddings=8192, tie_word_embeddings=True),
+    "llama-1b": dict(vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
+                     num_attention_heads=32, num_key_value_heads=8, head_dim=64, rope_theta=500000.0,
+                     rope_scaling={"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0,
+                                   "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
+                     max_position_embeddings=8192, tie_word_embeddings=True),
+    "llama-8b": dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                     num_attention_heads=32, num_key_value_heads=8, head_dim=128, rope_theta=500000.0,
+                     rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                   "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
+                     max_position_embeddings=8192, tie_word_embeddings=False),
+}
+PROFILE_STEPS = 20
+BLOCK_SIZE = 16
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default="tiny", help="tiny, smollm2, a path; or use --arch")
+    p.add_argument("--arch", choices=sorted(SHAPES), default=None, help="random weights of this shape")
+    p.add_argument("--spec-tokens", type=int, default=3)
+    p.add_argument("--draft-vocab", type=int, default=0, metavar="N",
+                   help="MTP drafts score the N most frequent tokens (FR-Spec); 0 = all")
+    p.add_argument("--batch", type=int, default=8)
+    p.add_argument("--batches", default=None, metavar="B1,B2,...",
+                   help="time each of these batch sizes in turn on the one loaded model (instead of --batch)")
+    p.add_argument("--tp", type=int, default=1,
+                   help="tensor-parallel ranks: N local processes (cuda:0..N-1 on CUDA); rank 0 prints")
+    p.add_argument("--prompt-len", type=int, default=64)
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--dtype", default="auto")
+    p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs for the decode step")
+    p.add_argument("--deterministic", action="store_true", help="batch-invariant kernels (time their cost)")
+    p.add_argument("--profile", action="store_true",
+                   help=f"kernels per decode step and GPU-busy share over {PROFILE_STEPS} steps (torch profiler)")
+    p.add_argument("--hf", action="store_true", help="also time Hugging Face generate on the same weights (CUDA)")
+
+
+def random_model(arch: str, device: str, dtype: str) -> LoadedModel:
+    """Seeded random weights of shape `arch`; on CUDA drawn on the device (an 8B shape would be
+    32 GB of fp32 on the host), the same on every GPU (every TP rank shards the same model)."""
+    config = shape_config(arch)
+    if device.startswith("cuda"):
+        model = build_model(config, device=device)
+        fill_random_(model, 0)
+    else:
+        model = build_model(config)
+        load_weights(model, *random_weights(model, 0))
+    torch_dtype = resolve_dtype(dtype, device)
+    return LoadedModel(f"random-{arch}", _materialize(model, device, torch_dtype), None, (), False,
+                       ranking_path_beside(mtp_path_default(arch)))
+
+
+def shape_config(arch: str) -> ArchConfig:
+    return ArchConfig(**SHAPES[arch], eos_token_ids=())  # type: ignore[arg-type]
+
+
+@torch.no_grad()
+def fill_random_(model: torch.nn.Module, seed: int) -> None:
+    """Every parameter drawn in place on its device, scaled as engine/tiny.py `random_tensors`."""
+    g = torch.Generator(next(model.parameters()).device).manual_seed(seed)
+    for name, p in model.named_parameters():
+        scale_random_(name, p.normal_(generator=g))
+
+
+def load(args: argparse.Namespace, device: str) -> LoadedModel:
+    """The model `--arch` (random weights of that shape) or `--model` names, on `device`."""
+    if args.arch:
+        return random_model(args.arch, device, args.dtype)
+    return load_model(args.model, device=device, dtype=args.dtype)
+
+
+def _engine(loaded: LoadedModel, k: int, args: argparse.Namespace,
+            tp: TPGroup | None = None) -> tuple[LLMEngine, list[list[int]]]:
+    vocab = loaded.model.config.vocab_size
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(0, vocab, (args.prompt_len,), generator=g).tolist() for _ in range(args.batch)]
+    max_len = args.prompt_len + args.max_tokens + 8
+    per_seq = -(-kv_room_needed(max_len, k) // BLOCK_SIZE)
+    engine = LLMEngine(loaded, EngineConfig(num_speculative_tokens=k, draft_vocab_size=args.draft_vocab if k else 0,
+                                            device=args.device,
+                                            max_num_seqs=max(args.batch, 1), block_size=BLOCK_SIZE,
+                                            num_blocks=1 + args.batch * per_seq,  # the whole batch at once
+                                            max_num_batched_tokens=args.batch * args.prompt_len,
+                                            max_model_len=max_len, enforce_eager=args.enforce_eager,
+                                            deterministic=args.deterministic), tp=tp)
+    engine.generate(prompts[:1], SamplingParams(max_tokens=4, ignore_eos=True))  # warm-up
+    return engine, prompts
+
+
+def time_engine(loaded: LoadedModel, k: int, args: argparse.Namespace, tp: TPGroup | None = None) -> dict:
+    engine, prompts = _engine(loaded, k, args, tp)
+    params = SamplingParams(max_tokens=args.max_tokens, ignore_eos=True)
+    _sync(args.device)
+    for p in prompts:
+        engine.add_request(p, params)
+    engine.step()  # the whole batch prefills in one step
+    assert not engine.waiting, "the KV cache holds the whole batch"
+    _sync(args.device)
+    start, steps = time.perf_counter(), 0
+    while engine.has_unfinished():
+        engine.step()
+        steps += 1
+    _sync(args.device)
+    elapsed = time.perf_counter() - start
+    done = [r for r in engine.requests.values() if r.finished][-args.batch:]
+    tokens = sum(len(r.output_ids) - 1 for r in done)
+    out = {"model": loaded.name, "device": args.device, "dtype": str(next(loaded.model.parameters()).dtype),
+           "graphs": engine.runner.graphs is not None, "deterministic": args.deterministic, "pdl": _pdl(args.device),
+           "spec_tokens": k, "tp": tp.size if tp is not None else 1, "all_reduce": _all_reduce(loaded, tp),
+           "draft_vocab": (args.draft_vocab or None) if k else None, "batch": args.batch,
+           "decode_tokens": tokens, "decode_steps": steps, "seconds": round(elapsed, 4),
+           "tokens_per_s": round(tokens / elapsed, 1), "ms_per_step": round(1000 * elapsed / max(steps, 1), 3)}
+    if args.profile and args.device.startswith("cuda"):
+        out.update(profile_decode(engine, prompts, params))
+    return out
+
+
+def _all_reduce(loaded: LoadedModel, tp: TPGroup | None) -> str | None:
+    """How the TP layers all-reduce ('symm', 'nccl', 'gloo'); None without TP."""
+    if tp is None or tp.size == 1:
+        return None
+    if loaded.model.tp.fast is not None:  # type: ignore[union-attr]
+        return "symm"
+    return "nccl" if next(loaded.model.parameters()).device.type == "cuda" else "gloo"
+
+
+def _pdl(device: str) -> bool:
+    """Whether the Triton kernels launch with programmatic dependent launch here (kernels/pdl.py)."""
+    from kernels.pdl import pdl_args
+
+    return pdl_args(torch.empty(0, device=device))["PDL"]
+
+
+def profile_decode(engine: LLMEngine, prompts: list[list[int]], params: SamplingParams) -> dict:
+    """Kernels per decode step and the GPU-busy share of the loop, over PROFILE_STEPS steps
+    of the whole batch (after its prefill and a few steps)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    for p in prompts:
+        engine.add_request(p, params)
+    for _ in range(4):
+        engine.step()  # prefill + the first launches
+    torch.cuda.synchronize()
+    # CUDA activity only: tracing every host op as well would slow the host enough to starve
+    # the GPU (the loop is launch-ahead by one step), and the figure would measure the profiler
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(PROFILE_STEPS):
+            engine.step()
+        torch.cuda.synchronize()
+    while engine.has_unfinished():
+        engine.step()
+    events = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    spans = sorted((e.time_range.start, e.time_range.end) for e in events)
+    return {"kernels_per_step": round(len(spans) / PROFILE_STEPS, 1), "gpu_busy": round(busy_share(spans), 4),
+            "profiled_ms_per_step": round((max(e for _, e in spans) - spans[0][0]) / 1e3 / PROFILE_STEPS, 3) if spans else None,
+            "gpu_us_per_step": round(sum(e - s for s, e in spans) / PROFILE_STEPS, 1),
+            "all_reduce_us_per_step": round(sum(e.time_range.end - e.time_range.start for e in events
+                                                if _is_collective(e.name)) / PROFILE_STEPS, 1),
+            "top_kernels": top_kernels(events), "top_gaps": top_gaps(events)}
+
+
+def _is_collective(name: str) -> bool:
+    """A TP collective's kernel: NCCL's, or symmetric memory's one-shot all-reduce."""
+    low = name.lower()
+    return "nccl" in low or "all_reduce" in low
+
+
+def top_kernels(events: list, n: int = 25) -> list[tuple[str, float, float]]:
+    """(name, us per step, launches per step) of the kernels that take the most time."""
+    total: dict[str, list[float]] = {}
+    for e in events:
+        t = total.setdefault(e.name[:70], [0.0, 0.0])
+        t[0] += e.time_range.end - e.time_range.start
+        t[1] += 1
+    ranked = sorted(total.items(), key=lambda kv: -kv[1][0])[:n]
+    return [(name, round(us / PROFILE_STEPS, 1), round(c / PROFILE_STEPS, 1)) for name, (us, c) in ranked]
+
+
+def top_gaps(events: list, n: int = 10) -> list[tuple[str, str, float, float]]:
+    """Where the GPU idles: (kernel before, kernel after, idle us per step, gaps per step) for
+    the idle intervals between kernels (none running), summed by the pair around them."""
+    ranked = sorted(events, key=lambda e: e.time_range.start)
+    total: dict[tuple[str, str], list[float]] = {}
+    last, end = None, float("-inf")
+    for e in ranked:
+        if last is not None and e.time_range.start > end:
+            t = total.setdefault((last.name[:40], e.name[:40]), [0.0, 0.0])
+            t[0] += e.time_range.start - end
+            t[1] += 1
+        if e.time_range.end >= end:
+            last, end = e, e.time_range.end
+    top = sorted(total.items(), key=lambda kv: -kv[1][0])[:n]
+    return [(a, b, round(us / PROFILE_STEPS, 2), round(c / PROFILE_STEPS, 1)) for (a, b), (us, c) in top]
+
+
+def busy_share(spans: list[tuple[float, float]]) -> float:
+    """Union of the (start, end) intervals over the span from the first start to the last end."""
+    if not spans:
+        return 0.0
+    busy, cur_start, cur_end = 0.0, spans[0][0], spans[0][1]
+    for start, end in spans[1:]:
+        if start > cur_end:
+            busy += cur_end - cur_start
+            cur_start, cur_end = start, end
+        else:
+            cur_end = max(cur_end, end)
+    busy += cur_end - cur_start
+    return busy / max(cur_end - spans[0][0], 1e-9)
+
+
+def copy_floor(loaded: LoadedModel) -> dict:
+    """Device copy bandwidth (bytes read + written per second) and the weight-read floor."""
+    n = 1 << 30
+    src = torch.empty(n, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    for _ in range(3):
+        dst.copy_(src)
+    torch.cuda.synchronize()
+    start, reps = time.perf_counter(), 20
+    for _ in range(reps):
+        dst.copy_(src)
+    torch.cuda.synchronize()
+    bw = 2 * n * reps / (time.perf_counter() - start)
+    params = {id(p): p for p in loaded.model.parameters()}  # tied weights once
+    mtp = {id(p) for p in loaded.model.mtp.parameters()} if loaded.model.mtp is not None else set()
+    weight_bytes = sum(p.numel() * p.element_size() for i, p in params.items() if i not in mtp)
+    return {"copy_tb_per_s": round(bw / 1e12, 3), "weight_bytes": weight_bytes,
+            "floor_ms_per_step": round(1000 * weight_bytes / bw, 4)}
+
+
+def time_hf(loaded: LoadedModel, args: argparse.Namespace) -> dict:
+    """Hugging Face `generate` (greedy, eager) on the same weights: ms per decode step from
+    the difference between max_tokens and 1 new token."""
+    import transformers
+
+    c = loaded.model.config
+    hf_cfg = transformers.LlamaConfig(**c.to_hf_dict())
+    with torch.device(args.device):
+        hf = transformers.LlamaForCausalLM(hf_cfg).to(next(loaded.model.parameters()).dtype)  # type: ignore[arg-type]
+    hf.eval()
+    hf.load_state_dict({k: v for k, v in loaded.model.state_dict().items() if not k.startswith("mtp.")}, strict=False)
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, c.vocab_size, (args.batch, args.prompt_len), generator=g).to(args.device)
+
+    def run(n: int) -> float:
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        hf.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=0)
+        torch.cuda.synchronize()
+        return time.perf_counter() - start
+
+    run(4)
+    one, full = run(1), run(args.max_tokens)
+    step = (full - one) / (args.max_tokens - 1)
+    return {"hf_generate_ms_per_step": round(1000 * step, 3), "batch": args.batch,
+            "hf_tokens_per_s": round(args.batch / step, 1)}
+
+
+def _sync(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.tp == 1:
+        return bench_rank(None, args)
+    if args.hf:
+        raise ValueError("--hf times one GPU: use it with --tp 1")
+    from engine.tensor_parallel import check_tp_size
+    from engine.tp_launch import spawn_ranks
+
+    if args.arch:  # a named model's ranks each raise the same clear error
+        check_tp_size(shape_config(args.arch), args.tp)
+    return max(spawn_ranks(args.tp, bench_rank, (args,), device=args.device))
+
+
+def bench_rank(tp: TPGroup | None, args: argparse.Namespace) -> int:
+    """The bench alone (tp None) or on one rank of a local TP group; rank 0 prints."""
+    from engine.tp_launch import rank_device
+
+    args = argparse.Namespace(**{**vars(args), "device": rank_device(args.device, tp.rank if tp else 0)})
+    show = tp is None or tp.rank == 0
+    loaded = load(args, args.device)
+    with torch.no_grad():
+        for batch in _batches(args):
+            for k in sorted({0, args.spec_tokens}):
+                out = time_engine(loaded, k, argparse.Namespace(**{**vars(args), "batch": batch}), tp)
+                if show:
+                    print(json.dumps(out), flush=True)
+        if args.device.startswith("cuda") and show:
+            print(json.dumps(copy_floor(loaded)), flush=True)
+            if args.hf:
+                print(json.dumps(time_hf(loaded, args)), flush=True)
+    return 0
+
+
+def _batches(args: argparse.Namespace) -> list[int]:
+    if not args.batches:
+        return [args.batch]
+    try:
+        return [int(b) for b in args.batches.split(",")]
+    except ValueError:
+        raise ValueError(f"--batches takes batch sizes separated by commas, got {args.batches!r}") from None
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(prog="python -m bench.engine")
+    add_arguments(parser)
+    raise SystemExit(run(parser.parse_args()))

@@ -1,0 +1,89 @@
+"""Exact greedy in bf16 on the GPU (issue 20): the same prompts decoded greedily alone (k=0 and
+k=3) and inside batches of 16 and 64 (k=0 and k=3), with and without `--deterministic`, token for
+token against the k=0 batch-1 run; plus the mode's cost in decode time per token.
+
+    python bench/gpu/gpu_deterministic.py --model /tmp/smollm2.gguf \
+        --mtp engine/mtp_heads/smollm2.safetensors --num-prompts 16 --max-tokens 96
+
+The batch-64 run fills the batch with 48 other prompts (random token ids) decoding beside the
+16 under test. Prints one JSON line per (mode, run) and a table last.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import torch
+
+from engine.engine import EngineConfig, LLMEngine
+from engine.loader import load_model
+from engine.sampling_params import SamplingParams
+from mtp.prompts import HELDOUT_PROMPTS, chat_ids, read_prompts
+
+RUNS = [("k0-b1", 0, 1), ("k3-b1", 3, 1), ("k0-b16", 0, 16), ("k3-b16", 3, 16), ("k0-b64", 0, 64), ("k3-b64", 3, 64)]
+
+
+def decode(loaded, prompts: list[list[int]], k: int, batch: int, deterministic: bool, max_tokens: int):
+    device = str(next(loaded.model.parameters()).device)
+    longest = max(len(p) for p in prompts) + max_tokens + 8
+    engine = LLMEngine(loaded, EngineConfig(num_speculative_tokens=k, device=device, max_num_seqs=batch,
+                                            max_model_len=longest, deterministic=deterministic))
+    engine.generate(prompts[:1], SamplingParams(max_tokens=4))  # warm-up (graphs, kernels)
+    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+    sync(device)
+    start = time.perf_counter()
+    reqs = engine.generate(prompts, params)
+    sync(device)
+    return [r.output_ids for r in reqs], time.perf_counter() - start
+
+
+def sync(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def fillers(vocab: int, n: int, length: int = 40) -> list[list[int]]:
+    g = torch.Generator().manual_seed(1)
+    return [torch.randint(0, vocab, (length,), generator=g).tolist() for _ in range(n)]
+
+
+def run_mode(loaded, prompts: list[list[int]], deterministic: bool, max_tokens: int) -> dict[str, dict]:
+    extra = fillers(loaded.model.config.vocab_size, 64 - len(prompts))
+    out: dict[str, dict] = {}
+    for name, k, batch in RUNS:
+        batch_prompts = prompts + extra if batch == 64 else prompts
+        ids, seconds = decode(loaded, batch_prompts, k, batch, deterministic, max_tokens)
+        ids = ids[: len(prompts)]
+        base = out["k0-b1"]["ids"] if out else ids
+        same = sum(a == b for a, b in zip(ids, base, strict=True))
+        out[name] = {"ids": ids, "same": same, "seconds": round(seconds, 3)}
+        print(json.dumps({"deterministic": deterministic, "run": name, "same_as_k0_b1": f"{same}/{len(prompts)}",
+                          "seconds": round(seconds, 3)}), flush=True)
+    return out
+
+
+def main() -> int:
+    p = argparse.ArgumentParser()
+    p.add_argument("--model", required=True)
+    p.add_argument("--mtp", default=None)
+    p.add_argument("--num-prompts", type=int, default=16)
+    p.add_argument("--max-tokens", type=int, default=96)
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--dtype", default="bfloat16")
+    args = p.parse_args()
+    loaded = load_model(args.model, device=args.device, dtype=args.dtype, mtp_path=args.mtp)
+    prompts = [chat_ids(loaded.tokenizer, t) for t in read_prompts(HELDOUT_PROMPTS)[: args.num_prompts]]
+    with torch.no_grad():
+        modes = {det: run_mode(loaded, prompts, det, args.max_tokens) for det in (False, True)}
+    print(f"\n{'run':8} | default same | deterministic same | default s | deterministic s | cost")
+    for name, _, _ in RUNS:
+        a, b = modes[False][name], modes[True][name]
+        print(f"{name:8} | {a['same']:>5}/{len(prompts):<6} | {b['same']:>8}/{len(prompts):<9} | {a['seconds']:9.3f} "
+              f"| {b['seconds']:15.3f} | {b['seconds'] / a['seconds']:.2f}x")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,147 @@
+"""Skinny GEMMs (decode: M = 1..32 rows) of the SmolLM2 and Llama-3.2-1B shapes on a GPU:
+cuBLAS (F.linear) against kernels/linear.py's split-K kernel over a sweep of tile configurations
+(`--sweep`; what `tile_config` was chosen from).
+
+Each case runs inside a CUDA graph over enough weight copies that they do not fit in L2 (as in
+a decode step, where every layer's weights come from HBM), timed with events; us per call and
+the weight-read bandwidth it reaches. Prints the best Triton config per (shape, M) beside cuBLAS.
+First the fused kernel of kernels/linear.py against the composition it replaces, at M = 1..64.
+Usage: python bench/gpu/gpu_gemv.py [--sweep]
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import sys
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+
+DEV, DT = "cuda", torch.bfloat16
+SHAPES = {  # name: (K, N)
+    "smol qkv": (576, 960), "smol o": (576, 576), "smol gate_up": (576, 3072), "smol down": (1536, 576),
+    "smol head": (576, 49152),
+    "llama qkv": (2048, 3072), "llama o": (2048, 2048), "llama gate_up": (2048, 16384),
+    "llama down": (8192, 2048), "llama head": (2048, 128256),
+}
+CONFIGS = [dict(BN=bn, BK=bk, SPLIT=s) for bn, bk, s in itertools.product((16, 32, 64), (128, 256), (1, 2, 4, 8))]
+
+
+def sweep(x: torch.Tensor, w: torch.Tensor, c: dict) -> torch.Tensor:
+    """kernels.linear's kernel with the tile configuration `c` instead of its own choice."""
+    from kernels.linear import linear_triton
+
+    return linear_triton(x, w, config=(c["BN"], c["BK"], c["SPLIT"]))
+
+
+def graph_us(fn, copies: int) -> float:
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        fn()
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        fn()
+    g.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(7):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        for _ in range(5):
+            g.replay()
+        b.record()
+        torch.cuda.synchronize()
+        times.append(a.elapsed_time(b) * 1e3 / 5 / copies)
+    return sorted(times)[3]
+
+
+def case(name: str, k: int, n: int, m: int) -> dict:
+    copies = max(2, -(-(120 << 20) // (k * n * 2)))
+    ws_list = [torch.randn(n, k, device=DEV, dtype=DT) * 0.05 for _ in range(copies)]
+    x = torch.randn(m, k, device=DEV, dtype=DT)
+    ref = F.linear(x.float(), ws_list[0].float())
+    bytes_ = k * n * 2
+    cublas = graph_us(lambda: [F.linear(x, w) for w in ws_list], copies)
+    best = (float("inf"), None)
+    for c in CONFIGS:
+        if c["SPLIT"] * c["BK"] > k:
+            continue
+        y = sweep(x, ws_list[0], c)
+        err = ((y.float() - ref).norm() / ref.norm()).item()
+        if not err < 1e-2:
+            print(f"  {name} M={m} {c}: rel err {err:.2e}", file=sys.stderr)
+            continue
+        t = graph_us(lambda c=c: [sweep(x, w, c) for w in ws_list], copies)
+        best = min(best, (t, c), key=lambda p: p[0])
+    row = {"case": name, "M": m, "cublas_us": round(cublas, 2), "cublas_tb_s": round(bytes_ / cublas / 1e6, 2),
+           "triton_us": round(best[0], 2), "triton_tb_s": round(bytes_ / best[0] / 1e6, 2), "config": best[1]}
+    print(json.dumps(row), flush=True)
+    return row
+
+
+def fused_case(name: str, k: int, n: int, m: int, op: str) -> dict:
+    """kernels.linear.linear (one launch) against the torch composition it replaces (norm
+    kernel, cuBLAS, add; cuBLAS + silu * up; or cuBLAS + argmax), weights rotated as above."""
+    from kernels.activation import silu_and_mul
+    from kernels.linear import linear, linear_argmax, linear_glu, linear_glu_ref, linear_ref
+    from kernels.norm import rms_norm
+
+    copies = max(2, -(-(120 << 20) // (k * n * 2)))
+    w_list = [torch.randn(n, k, device=DEV, dtype=DT) * 0.05 for _ in range(copies)]
+    x = torch.randn(m, k, device=DEV, dtype=DT)
+    nw = (torch.rand(k, device=DEV, dtype=DT) + 0.5, 1e-5)
+    r = torch.randn(m, n, device=DEV, dtype=DT)
+    if op == "norm":
+        fused, comp = (lambda w: linear(x, w, norm=nw)), (lambda w: F.linear(rms_norm(x, *nw), w))
+        ref = linear_ref(x.float(), w_list[0].float(), norm=(nw[0].float(), nw[1]))
+    elif op == "res":
+        fused, comp = (lambda w: linear(x, w, residual=r)), (lambda w: r + F.linear(x, w))
+        ref = linear_ref(x.float(), w_list[0].float(), residual=r.float())
+    elif op == "glu":  # w = [gate; up]
+        fused, comp = (lambda w: linear_glu(x, w)), (lambda w: silu_and_mul(F.linear(x, w)))
+        ref = linear_glu_ref(x.float(), w_list[0].float())
+    else:  # argmax
+        fused, comp = (lambda w: linear_argmax(x, w)), (lambda w: F.linear(x, w).argmax(-1))
+        ref = None
+    out = fused(w_list[0])
+    if ref is None:
+        err = float((out != comp(w_list[0])).float().mean())  # share of rows whose argmax differs
+    else:
+        err = ((out.float() - ref).norm() / ref.norm()).item()
+    t_f = graph_us(lambda: [fused(w) for w in w_list], copies)
+    t_c = graph_us(lambda: [comp(w) for w in w_list], copies)
+    row = {"case": f"{name} {op}", "M": m, "err": round(err, 5), "fused_us": round(t_f, 2), "composed_us": round(t_c, 2)}
+    print(json.dumps(row), flush=True)
+    return row
+
+
+FUSED = [("smol", 576, 960, "norm"), ("smol", 576, 576, "res"), ("smol", 1536, 576, "res"), ("smol", 576, 3072, "glu"),
+         ("llama", 2048, 16384, "glu"),
+         ("smol", 576, 49152, "argmax"), ("llama", 2048, 3072, "norm"), ("llama", 2048, 16384, "norm"),
+         ("llama", 8192, 2048, "res"), ("llama", 2048, 2048, "res"), ("llama", 2048, 128256, "argmax")]
+
+
+def main() -> int:
+    fused = [fused_case(name, k, n, m, op) for name, k, n, op in FUSED for m in (1, 4, 16, 32, 64)]
+    print(f"\n{'fused case':22} | M  | err      | fused us | composed us")
+    for r in fused:
+        print(f"{r['case']:22} | {r['M']:<2} | {r['err']:.2e} | {r['fused_us']:8.2f} | {r['composed_us']:8.2f}")
+    if "--sweep" not in sys.argv:
+        return 0
+    rows = [case(name, k, n, m) for name, (k, n) in SHAPES.items() for m in (1, 4, 16)]
+    print(f"\n{'case':14} | M  | cuBLAS us | TB/s | triton us | TB/s | best config")
+    for r in rows:
+        c = r["config"] or {}
+        print(f"{r['case']:14} | {r['M']:<2} | {r['cublas_us']:9.2f} | {r['cublas_tb_s']:4.2f} | {r['triton_us']:9.2f} "
+              f"| {r['triton_tb_s']:4.2f} | BN={c.get('BN')} BK={c.get('BK')} split={c.get('SPLIT')}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

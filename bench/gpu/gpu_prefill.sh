@@ -1,0 +1,47 @@
+#!/usr/bin/env bash
+# Prefill and TTFT on one GPU (device tool, H100 or H200). Needs .whl (gguf) carried.
+#   check:   the prefill kernels' tests and the engine's GPU tests (prefill graphs, no sync)
+#   bench:   `pdserve bench prefill` on SmolLM2- and Llama-3.2-1B-shaped random weights, k = 0
+#            and 3, with HF forward and the floor from the same processes (the issue's table)
+#   profile: the same cases with --profile (kernels, GPU busy, host ms per layer), prefill
+#            graphs off (--enforce-eager) beside them, and --deterministic's prefill cost
+# Usage: bash bench/gpu/gpu_prefill.sh check|bench|profile|all
+set -uo pipefail
+export PYTHONUNBUFFERED=1
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
+export PYTHONPATH=/tmp/site:$PWD
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+stage=${1:-all}
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+python3 -c "import torch, triton, inspect; print('torch', torch.__version__, 'triton', triton.__version__)
+from torch.nn.attention.varlen import varlen_attn; print('varlen_attn', inspect.signature(varlen_attn))"
+
+if [[ $stage == check || $stage == all ]]; then
+  python3 -m pytest -q -p no:cacheprovider tests/kernels/test_prefill_meta.py tests/kernels/test_rotary.py \
+    tests/kernels/test_flash_varlen.py tests/kernels/test_flash_prefill.py tests/kernels/test_paged_attention.py tests/engine/test_gpu_prefill.py \
+    tests/engine/test_gpu.py 2>&1 | tee "$OUT/tests.log" | tail -25
+fi
+
+prefill() {  # one bench, JSON lines appended to prefill.jsonl
+  python3 -m deploy.cli bench prefill --device cuda "$@" 2>&1 | tee -a "$OUT/prefill.jsonl" | grep -v '^|'
+}
+if [[ $stage == bench || $stage == all ]]; then
+  prefill --arch smollm2 --cases 1x128,1x512,1x2048,16x512,4x4096 --spec-tokens 3 --hf
+  prefill --arch llama-1b --cases 1x128,1x512,1x2048,16x512,4x4096 --spec-tokens 3 --hf
+fi
+if [[ $stage == profile || $stage == all ]]; then
+  prefill --arch smollm2 --cases 1x128,1x2048 --spec-tokens 3 --profile
+  prefill --arch smollm2 --cases 1x128,1x2048 --spec-tokens 0 --profile --enforce-eager
+  prefill --arch llama-1b --cases 1x512,16x512 --spec-tokens 0 --profile
+  prefill --arch llama-1b --cases 1x512,16x512 --spec-tokens 0 --deterministic
+fi
+python3 - "$OUT/prefill.jsonl" <<'PY' 2>/dev/null
+import json, sys
+rows = [json.loads(l) for l in open(sys.argv[1]) if l.startswith("{")]
+print("| model | BxN | k | eager | det | TTFT ms | HF ms | floor ms | x floor | kernels | busy | host ms/layer |")
+for r in rows:
+    f = r.get("floor_ms")
+    print(f"| {r['model']} | {r['batch']}x{r['prompt']} | {r['spec_tokens']} | {not r['graphs']} | {r['deterministic']} | "
+          f"{r['ttft_ms']} | {r.get('hf_ms','-')} | {f or '-'} | {(r['ttft_ms']/f) if f else 0:.2f} | "
+          f"{r.get('kernels_per_step','-')} | {r.get('gpu_busy','-')} | {r.get('host_ms_per_layer','-')} |")
+PY

@@ -1,0 +1,55 @@
+#!/usr/bin/env bash
+# GPU speed (device tool, one H100 or H200): `check` runs the kernel tests and the engine's GPU
+# tests on CUDA and the kernels against their references at real shapes; `bench` times the
+# engine (CUDA graphs + Triton kernels) on SmolLM2- and Llama-3.2-1B-shaped random weights with
+# the copy floor and Hugging Face generate from the same processes. Needs .whl (gguf) carried.
+# `profile` takes the per-kernel profiles (top kernels) and the cost of --deterministic.
+# `pdl` times the key rows with programmatic dependent launch off, then on (PDSERVE_PDL).
+# Usage: bash bench/gpu/gpu_speed.sh check|bench|profile|pdl|all
+set -uo pipefail
+export PYTHONUNBUFFERED=1
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
+export PYTHONPATH=/tmp/site:$PWD
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+stage=${1:-all}
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
+
+if [[ $stage == check || $stage == all ]]; then
+  python3 -m pytest -q -p no:cacheprovider -x tests/kernels tests/engine/test_gpu.py 2>&1 | tee "$OUT/tests.log" | tail -8
+  python3 bench/gpu/gpu_kernels.py 2>&1 | tee "$OUT/kernels.txt"
+fi
+
+bench() {  # one engine bench, JSON lines appended to bench.jsonl
+  python3 -m deploy.cli bench engine --device cuda "$@" 2>&1 | tee -a "$OUT/bench.jsonl"
+}
+if [[ $stage == bench || $stage == all ]]; then
+  bench --arch smollm2 --batch 1 --max-tokens 128 --spec-tokens 3 --profile --hf
+  bench --arch smollm2 --batch 1 --max-tokens 64 --spec-tokens 3 --enforce-eager
+  bench --arch smollm2 --batch 32 --max-tokens 128 --spec-tokens 3 --profile
+  bench --arch smollm2 --batch 128 --max-tokens 128 --spec-tokens 3 --hf
+  bench --arch llama-1b --batch 1 --max-tokens 128 --spec-tokens 3 --profile --hf
+  bench --arch llama-1b --batch 64 --max-tokens 128 --spec-tokens 3 --hf
+  python3 bench/gpu/bench_table.py "$OUT/bench.jsonl"
+fi
+
+if [[ $stage == pdl ]]; then  # programmatic dependent launch off and on, same code otherwise
+  for pdl in 0 1; do
+    PDSERVE_PDL=$pdl bench --arch smollm2 --batch 1 --max-tokens 64 --spec-tokens 3 --profile
+    PDSERVE_PDL=$pdl bench --arch smollm2 --batch 32 --max-tokens 64 --spec-tokens 0 --profile
+    PDSERVE_PDL=$pdl bench --arch llama-1b --batch 1 --max-tokens 64 --spec-tokens 3 --profile
+  done
+  python3 bench/gpu/bench_table.py "$OUT/bench.jsonl"
+fi
+
+if [[ $stage == profile ]]; then
+  bench --arch smollm2 --batch 1 --max-tokens 64 --spec-tokens 3 --profile
+  bench --arch smollm2 --batch 32 --max-tokens 64 --spec-tokens 0 --profile
+  bench --arch llama-1b --batch 1 --max-tokens 64 --spec-tokens 3 --profile
+  bench --arch smollm2 --batch 128 --max-tokens 128 --spec-tokens 3
+  bench --arch llama-1b --batch 64 --max-tokens 64 --spec-tokens 3
+  bench --arch smollm2 --batch 1 --max-tokens 64 --spec-tokens 3 --deterministic
+  bench --arch smollm2 --batch 32 --max-tokens 64 --spec-tokens 0 --deterministic
+  bench --arch llama-1b --batch 1 --max-tokens 64 --spec-tokens 0 --deterministic
+  python3 bench/gpu/bench_table.py "$OUT/bench.jsonl"
+fi

@@ -1,0 +1,45 @@
+"""`pdserve bench engine` on the CPU: a TP run prints rank 0's rows only, one per batch size
+and k; device-drawn random weights are scaled as the host-drawn ones."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import pytest
+
+from bench.engine import add_arguments, fill_random_, run
+from engine.loader import build_model
+from engine.tiny import random_tensors, tiny_config
+
+
+def _args(*argv: str) -> argparse.Namespace:
+    p = argparse.ArgumentParser()
+    add_arguments(p)
+    return p.parse_args(list(argv))
+
+
+def test_a_tp_bench_prints_rank_zeros_rows_for_each_batch(capfd):
+    assert run(_args("--model", "tiny", "--tp", "2", "--batches", "1,3", "--spec-tokens", "2",
+                     "--max-tokens", "4", "--prompt-len", "8")) == 0
+    rows = [json.loads(line) for line in capfd.readouterr().out.splitlines() if line.startswith("{")]
+    assert [(r["batch"], r["spec_tokens"]) for r in rows] == [(1, 0), (1, 2), (3, 0), (3, 2)]  # not twice
+    assert {(r["tp"], r["all_reduce"]) for r in rows} == {(2, "gloo")}
+    assert all(r["decode_tokens"] == 3 * r["batch"] for r in rows)
+
+
+def test_bad_batches_and_sizes_are_clear_errors():
+    with pytest.raises(ValueError, match="--batches takes batch sizes separated by commas, got '1;2'"):
+        run(_args("--model", "tiny", "--batches", "1;2"))
+    with pytest.raises(ValueError, match="cannot split 9 query / 3 KV heads over 4 ranks"):
+        run(_args("--arch", "smollm2", "--tp", "4"))  # refused before any rank starts
+
+
+def test_weights_drawn_in_place_are_scaled_like_the_host_drawn_ones():
+    model = build_model(tiny_config())
+    fill_random_(model, 0)
+    drawn = dict(model.named_parameters())
+    for name, ref in random_tensors(model, 0).items():
+        got = drawn[name].detach()
+        assert got.mean().item() == pytest.approx(ref.mean().item(), abs=0.1 * ref.std().item() + 0.02), name
+        assert got.std().item() == pytest.approx(ref.std().item(), rel=0.3, abs=0.02), name
