@@ -96,15 +96,19 @@ def _add_service(sub: Any) -> None:
     demo.set_defaults(func=cli_service.cmd_demo, spec_tokens=3)
 
 
-def _add_status(sub: Any) -> None:
-    from deploy.status import cmd_status
+def _cmd_status(args: argparse.Namespace) -> int:
+    from deploy.status import cmd_status  # here, not at parse time: generate needs no service deps
 
+    return cmd_status(args)
+
+
+def _add_status(sub: Any) -> None:
     p = sub.add_parser("status", help="a running service's nodes, placement, health, queue and free KV blocks")
     p.add_argument("--address", default="auto", help="the service's Ray cluster (default: auto)")
     p.add_argument("--namespace", default="pdserve", help="the service's Ray namespace (cluster.namespace)")
     p.add_argument("--timeout", type=float, default=5.0, help="seconds to wait for each actor's answer")
     p.add_argument("--json", action="store_true")
-    p.set_defaults(func=cmd_status)
+    p.set_defaults(func=_cmd_status)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -171,11 +175,17 @@ def generate_rank(tp: Any, args: argparse.Namespace) -> int:
     config = EngineConfig(num_speculative_tokens=args.spec_tokens, draft_vocab_size=args.draft_vocab,
                           device=device, max_model_len=args.max_model_len, enforce_eager=args.enforce_eager,
                           deterministic=args.deterministic, enable_prefix_caching=args.enable_prefix_caching)
+    t0 = time.perf_counter()
     loaded = load_model(args.model or default_model(), device=device, dtype=args.dtype)
+    t1 = time.perf_counter()
     engine = LLMEngine(loaded, config, tp=tp)
+    t2 = time.perf_counter()
     prompts = [encode_prompt(loaded.tokenizer, p, args.raw) for p in args.prompts]
     start = time.perf_counter()
     results = engine.generate(prompts, params)
+    if tp is None or tp.rank == 0:  # start-up phases (graphs are captured on first use, in generate)
+        print(f"load {t1 - t0:.2f} s, engine {t2 - t1:.2f} s, generate {time.perf_counter() - start:.2f} s",
+              file=sys.stderr)
     if tp is None or tp.rank == 0:
         print_results(loaded.tokenizer, results, args.json, time.perf_counter() - start)
     return 0

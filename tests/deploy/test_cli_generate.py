@@ -87,3 +87,14 @@ def test_generate_tp_errors_are_clear():
                            capture_output=True, text=True, timeout=120)  # 2 KV heads of 2 query heads each
     assert heads.returncode == 2 and "Traceback" not in heads.stderr
     assert "error: --tp 8 does not fit model 'tiny': cannot split 4 query / 2 KV heads over 8 ranks" in heads.stderr
+
+
+def test_generate_loads_none_of_the_service_stack():
+    """`pdserve generate` starts without Ray or pydantic (the GPU machines lack both; importing
+    them is seconds of start-up): the service's modules load only for its own commands."""
+    code = ("import sys; from deploy.cli import main; rc = main(['generate', '--model', 'tiny', '--max-tokens', '2', "
+            "'hi']); loaded = sorted({m.split('.')[0] for m in sys.modules} & {'ray', 'pydantic', 'grpc'}); "
+            "print('LOADED', loaded); sys.exit(rc)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert "LOADED []" in out.stdout, out.stdout
