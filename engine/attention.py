@@ -106,8 +106,8 @@ class TritonAttention(AttentionBackend):
     run their torch references, so this backend also runs (slowly) on the CPU.
 
     A fresh prefill step (`meta.fresh`: no cached prefix) in 16-bit on CUDA attends over the
-    step's own rotated K/V with a Triton flash kernel (kernels/flash_prefill.py), or flash
-    attention 2's varlen kernel for short steps where it is faster (kernels/flash_varlen.py); the
+    step's own rotated K/V with a Triton flash kernel (kernels/flash_prefill.py; flash
+    attention 2's varlen kernel with PDSERVE_PREFILL_ATTENTION=flash, kernels/flash_varlen.py); the
     paged kernel serves chunked prefill over earlier chunks, cached prefixes, fp32, and the
     batch-invariant mode (whose reduction order must match decode's)."""
 

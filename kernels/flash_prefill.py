@@ -104,14 +104,13 @@ def default_config(max_q: int, heads: int, rows: int, head_dim: int) -> Config:
 
 
 def triton_preferred(max_q: int, rows: int) -> bool:
-    """Whether this kernel beats torch's flash attention 2 for the step (the same sweep: from
-    2048 tokens of max_q x rows, e.g. Llama-1B 16 x 512 0.12 against 0.18 ms, 1 x 2048 0.10
-    against 0.12; at 1 x 512 flash attention's 0.032 beats 0.045). PDSERVE_PREFILL_ATTENTION=
-    triton or flash forces one."""
-    forced = os.environ.get("PDSERVE_PREFILL_ATTENTION", "auto")
-    if forced in ("triton", "flash"):
-        return forced == "triton"
-    return max_q * rows >= 2048
+    """Whether the engine takes this kernel over torch's flash attention 2 for a fresh step:
+    always, unless PDSERVE_PREFILL_ATTENTION=flash. Alone, flash attention 2 is faster on short
+    steps (Llama-1B 1 x 512: 0.032 against 0.045 ms, bench/gpu/gpu_attn_prefill.py), but inside
+    the prefill graph this kernel made the whole step faster there too (Llama-1B 1 x 512 TTFT
+    2.84 -> 2.51 ms, SmolLM2 1.82 -> 1.49 ms; H100, 2026-11-24): flash attention's call also
+    converts the lengths and clears its outputs. `max_q` and `rows` are for a finer rule."""
+    return os.environ.get("PDSERVE_PREFILL_ATTENTION", "triton") != "flash"
 
 
 def flash_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, query_start: torch.Tensor,
