@@ -19,7 +19,7 @@ the last query tile of a row goes first (the grid's first index is reversed), so
 causal tiles start before the short ones. Keys below the tile's first query are visited
 without a mask; the tiles on the diagonal with the causal mask. Scores are in log2 units
 (exp2, log2(e) folded into the scale); sums in fp32, P rounded to the input dtype for the
-P @ V product as flash attention does. No host sync: the launcher reads only host ints, so a
+P @ V product as flash attention does. It opens with `wait_for_previous` (kernels/pdl.py). No host sync: the launcher reads only host ints, so a
 prefill CUDA graph captures it. `flash_prefill_ref` is the plain-torch meaning; the tests
 hold the kernel to it, on the CPU through the Triton interpreter (TRITON_INTERPRET=1).
 """
@@ -32,6 +32,8 @@ import os
 import torch
 import triton
 import triton.language as tl
+
+from kernels.pdl import pdl_args, wait_for_previous
 
 _LOG2E = math.log2(math.e)
 Config = tuple[int, int, int, int]  # (BLOCK_M, BLOCK_N, num_warps, num_stages)
@@ -64,8 +66,9 @@ def _flash_prefill_kernel(
     q_ptr, k_ptr, v_ptr, out_ptr, query_start_ptr, qk_scale,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    PRECISION: tl.constexpr,
+    PRECISION: tl.constexpr, PDL: tl.constexpr,
 ):
+    wait_for_previous(PDL)
     head = tl.program_id(1)
     row = tl.program_id(2)
     start = tl.load(query_start_ptr + row).to(tl.int64)
@@ -129,7 +132,8 @@ def flash_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, query_start
         q, k, v, out, query_start, scale * _LOG2E,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), out.stride(0), out.stride(1),
         GROUP=hq // k.shape[1], HEAD_DIM=d, BLOCK_M=block_m, BLOCK_N=block_n,
-        PRECISION="ieee" if q.dtype == torch.float32 else "tf32", num_warps=warps, num_stages=stages)
+        PRECISION="ieee" if q.dtype == torch.float32 else "tf32", num_warps=warps, num_stages=stages,
+        **pdl_args(q))
     return out
 
 
