@@ -22,8 +22,11 @@ lint: venv
 typecheck: venv
 	$(BIN)/mypy engine kernels kvtransfer prefill_node decode_node router deploy protos bench mtp
 
+# Two pytest-xdist workers: the Ray tests wait on actors in one while the other computes
+# (tests/conftest.py shares the tests out). TEST_WORKERS=0 runs them in this process.
+TEST_WORKERS ?= 2
 pytest: venv
-	$(BIN)/python -m pytest -q -p no:cacheprovider tests
+	$(BIN)/python -m pytest -q -p no:cacheprovider -n $(TEST_WORKERS) tests
 
 test: lint typecheck pytest
 
