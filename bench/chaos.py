@@ -182,16 +182,17 @@ def chaos(service: Any, address: str, jobs: list[Job], reference: list[list[int]
     """Run `jobs` under the faults; the report (leaks waited for, migrations, memory)."""
     import ray
 
-    before = processes(service)
+    before, restarts_before = processes(service), service.router_restarts  # a service may run several
     start = time.perf_counter()
     outcomes, injected = asyncio.run(drive(service, address, jobs, args, args.concurrency or default_concurrency))
     wall = time.perf_counter() - start
-    wait_router_back(service, injected.faults["killed_router"], timeout_s=180)
+    wait_router_back(service, restarts_before + injected.faults["killed_router"], timeout_s=180)
     leaked = blocks_leaked(service, timeout_s=120)
     routers = injected.routers + [instance_counts(ray.get(service.router.status.remote(), timeout=60))]
     report = tally(jobs, reference, outcomes)
     report.update(leaked_blocks=leaked, migrations=sum(r["migrations"] for r in routers),
-                  router_restarts=service.router_restarts, faults=dict(injected.faults), wall_s=round(wall, 1),
+                  router_restarts=service.router_restarts - restarts_before, faults=dict(injected.faults),
+                  wall_s=round(wall, 1),
                   concurrency=args.concurrency or default_concurrency,
                   router_terminals=dict(sum((Counter(r["terminals"]) for r in routers), Counter())),
                   router_instances=routers, memory=memory_report(before, processes(service)))
@@ -207,7 +208,8 @@ def instance_counts(status: dict[str, Any]) -> dict[str, Any]:
 
 def wait_router_back(service: Any, kills: int, timeout_s: float) -> None:
     """Until the service's watcher has made the router serve again after each of `kills` (one
-    kill at a time: the injector waits for the last restart before the next)."""
+    kill at a time: the injector waits for the last restart before the next), counted over the
+    service's life."""
     deadline = time.monotonic() + timeout_s
     while service.router_restarts < kills and time.monotonic() < deadline:
         time.sleep(0.2)
@@ -308,6 +310,7 @@ async def inject(service: Any, client: Any, inflight: set[str], args: argparse.N
     restart_every = getattr(args, "router_restart_every", 0.0)
     next_kill, next_abort, turn = loop.time() + args.kill_every, loop.time() + args.abort_every, 0
     next_restart: float | None = loop.time() + restart_every
+    restarts_before = service.router_restarts  # the service's count, over its life
     while not done.is_set():
         now = loop.time()
         if args.kill_every > 0 and now >= next_kill:
@@ -315,7 +318,7 @@ async def inject(service: Any, client: Any, inflight: set[str], args: argparse.N
             await asyncio.to_thread(service.kill, role, index)
             faults[f"killed_{role}"] += 1
             turn, next_kill = turn + 1, now + args.kill_every
-        if next_restart is None and service.router_restarts >= faults["killed_router"]:  # back: count again
+        if next_restart is None and service.router_restarts - restarts_before >= faults["killed_router"]:  # back
             next_restart = now + restart_every
         if restart_every > 0 and next_restart is not None and now >= next_restart:
             await kill_router(service, injected)
