@@ -35,6 +35,7 @@ import argparse
 import asyncio
 import hashlib
 import json
+import math
 import random
 import re
 import time
@@ -95,6 +96,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kill-every", type=float, default=4.0, help="seconds between node actor kills (0: none)")
     p.add_argument("--router-restart-every", type=float, default=60.0,
                    help="seconds from the router's last restart to its next kill (Ray restarts it; 0: none)")
+    p.add_argument("--max-kills", type=int, default=None, help="node actor kills at most (default: no limit)")
+    p.add_argument("--max-router-kills", type=int, default=None, help="router kills at most (default: no limit)")
     p.add_argument("--abort-every", type=float, default=1.0, help="seconds between Abort storms (0: none)")
     p.add_argument("--abort-fraction", type=float, default=0.05, help="share of in-flight requests each storm aborts")
     p.add_argument("--cancel-fraction", type=float, default=0.1, help="share of requests whose client walks away")
@@ -311,8 +314,13 @@ async def inject(service: Any, client: Any, inflight: set[str], args: argparse.N
     next_kill, next_abort, turn = loop.time() + args.kill_every, loop.time() + args.abort_every, 0
     next_restart: float | None = loop.time() + restart_every
     restarts_before = service.router_restarts  # the service's count, over its life
+    max_kills, max_router_kills = getattr(args, "max_kills", None), getattr(args, "max_router_kills", None)
     while not done.is_set():
         now = loop.time()
+        if max_kills is not None and turn >= max_kills:
+            next_kill = math.inf
+        if max_router_kills is not None and faults["killed_router"] >= max_router_kills:
+            next_restart = math.inf
         if args.kill_every > 0 and now >= next_kill:
             role, index = victims[turn % len(victims)]
             await asyncio.to_thread(service.kill, role, index)

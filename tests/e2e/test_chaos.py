@@ -22,9 +22,11 @@ pytestmark = pytest.mark.usefixtures("ray_cluster")
 AFTER = [9, 8, 7, 6, 5]  # a prompt sent after the run, to the restarted router
 
 
+# Each node actor killed once and the router once per round: on a slow machine more router kills
+# could end every stream in flight each time, so that no request would finish at all.
 ARGS = dict(requests=240, min_prompt=4, max_prompt=64, min_output=8, max_output=64, cancel_fraction=0.1, seed=1,
-            concurrency=None, kill_every=2.5, abort_every=1.0, abort_fraction=0.05, router_restart_every=3.0,
-            deadline_s=300.0)
+            concurrency=None, kill_every=2.5, max_kills=4, abort_every=1.0, abort_fraction=0.05,
+            router_restart_every=3.0, max_router_kills=1, deadline_s=300.0)
 
 
 def faulted(report: dict) -> bool:
@@ -35,7 +37,8 @@ def faulted(report: dict) -> bool:
 
 def test_kills_router_restarts_aborts_cancels_and_overload_together_lose_nothing(tiny_reference):
     """The faults come on a clock (every 2.5 s, 1 s, 3 s): a machine that serves the 240 requests
-    before they all came runs another round, twice as long, until one round saw them all."""
+    before they all came runs another round, twice as long, until one round saw them all. The
+    first 128 requests may all end with the router's kill; the next ones finish."""
     after = tiny_reference([AFTER], [SamplingParams(max_tokens=12, ignore_eos=True)])[0]
     faults = {f"kv_transfer.faults.{k}": 0.01 for k in ("drop", "delay", "duplicate")}
     service, address = start_service(2, 2, 3, **{"router.node_wait_s": 60, "decode.max_num_seqs": 32, **faults})
