@@ -9,6 +9,10 @@ STAMP := $(VENV)/.installed
 venv: $(STAMP)
 
 $(STAMP): pyproject.toml
+	@test -x $(BIN)/python || command -v $(PY) > /dev/null || \
+		{ echo "$(PY) not found: install it (apt-get install $(PY) $(PY)-venv), or name another: make PY=..."; exit 1; }
+	@test -x $(BIN)/python || $(PY) -c "import ensurepip" 2> /dev/null || \
+		{ echo "$(PY) has no venv module: install it (apt-get install $(PY)-venv)"; exit 1; }
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q torch==2.13.0
