@@ -9,6 +9,10 @@ STAMP := $(VENV)/.installed
 venv: $(STAMP)
 
 $(STAMP): pyproject.toml
+	@test -x $(BIN)/python || command -v $(PY) > /dev/null || \
+		{ echo "$(PY) not found: install it (apt-get install $(PY) $(PY)-venv), or name another: make PY=..."; exit 1; }
+	@test -x $(BIN)/python || $(PY) -c "import ensurepip" 2> /dev/null || \
+		{ echo "$(PY) has no venv module: install it (apt-get install $(PY)-venv)"; exit 1; }
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q torch==2.13.0
@@ -22,8 +26,11 @@ lint: venv
 typecheck: venv
 	$(BIN)/mypy engine kernels kvtransfer prefill_node decode_node router deploy protos bench mtp
 
+# Two pytest-xdist workers: the Ray tests wait on actors in one while the other computes
+# (tests/conftest.py shares the tests out). TEST_WORKERS=0 runs them in this process.
+TEST_WORKERS ?= 2
 pytest: venv
-	$(BIN)/python -m pytest -q -p no:cacheprovider tests
+	$(BIN)/python -m pytest -q -p no:cacheprovider -n $(TEST_WORKERS) tests
 
 test: lint typecheck pytest
 

@@ -35,6 +35,7 @@ import argparse
 import asyncio
 import hashlib
 import json
+import math
 import random
 import re
 import time
@@ -95,6 +96,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kill-every", type=float, default=4.0, help="seconds between node actor kills (0: none)")
     p.add_argument("--router-restart-every", type=float, default=60.0,
                    help="seconds from the router's last restart to its next kill (Ray restarts it; 0: none)")
+    p.add_argument("--max-kills", type=int, default=None, help="node actor kills at most (default: no limit)")
+    p.add_argument("--max-router-kills", type=int, default=None, help="router kills at most (default: no limit)")
     p.add_argument("--abort-every", type=float, default=1.0, help="seconds between Abort storms (0: none)")
     p.add_argument("--abort-fraction", type=float, default=0.05, help="share of in-flight requests each storm aborts")
     p.add_argument("--cancel-fraction", type=float, default=0.1, help="share of requests whose client walks away")
@@ -182,16 +185,17 @@ def chaos(service: Any, address: str, jobs: list[Job], reference: list[list[int]
     """Run `jobs` under the faults; the report (leaks waited for, migrations, memory)."""
     import ray
 
-    before = processes(service)
+    before, restarts_before = processes(service), service.router_restarts  # a service may run several
     start = time.perf_counter()
     outcomes, injected = asyncio.run(drive(service, address, jobs, args, args.concurrency or default_concurrency))
     wall = time.perf_counter() - start
-    wait_router_back(service, injected.faults["killed_router"], timeout_s=180)
+    wait_router_back(service, restarts_before + injected.faults["killed_router"], timeout_s=180)
     leaked = blocks_leaked(service, timeout_s=120)
     routers = injected.routers + [instance_counts(ray.get(service.router.status.remote(), timeout=60))]
     report = tally(jobs, reference, outcomes)
     report.update(leaked_blocks=leaked, migrations=sum(r["migrations"] for r in routers),
-                  router_restarts=service.router_restarts, faults=dict(injected.faults), wall_s=round(wall, 1),
+                  router_restarts=service.router_restarts - restarts_before, faults=dict(injected.faults),
+                  wall_s=round(wall, 1),
                   concurrency=args.concurrency or default_concurrency,
                   router_terminals=dict(sum((Counter(r["terminals"]) for r in routers), Counter())),
                   router_instances=routers, memory=memory_report(before, processes(service)))
@@ -207,7 +211,8 @@ def instance_counts(status: dict[str, Any]) -> dict[str, Any]:
 
 def wait_router_back(service: Any, kills: int, timeout_s: float) -> None:
     """Until the service's watcher has made the router serve again after each of `kills` (one
-    kill at a time: the injector waits for the last restart before the next)."""
+    kill at a time: the injector waits for the last restart before the next), counted over the
+    service's life."""
     deadline = time.monotonic() + timeout_s
     while service.router_restarts < kills and time.monotonic() < deadline:
         time.sleep(0.2)
@@ -308,14 +313,20 @@ async def inject(service: Any, client: Any, inflight: set[str], args: argparse.N
     restart_every = getattr(args, "router_restart_every", 0.0)
     next_kill, next_abort, turn = loop.time() + args.kill_every, loop.time() + args.abort_every, 0
     next_restart: float | None = loop.time() + restart_every
+    restarts_before = service.router_restarts  # the service's count, over its life
+    max_kills, max_router_kills = getattr(args, "max_kills", None), getattr(args, "max_router_kills", None)
     while not done.is_set():
         now = loop.time()
+        if max_kills is not None and turn >= max_kills:
+            next_kill = math.inf
+        if max_router_kills is not None and faults["killed_router"] >= max_router_kills:
+            next_restart = math.inf
         if args.kill_every > 0 and now >= next_kill:
             role, index = victims[turn % len(victims)]
             await asyncio.to_thread(service.kill, role, index)
             faults[f"killed_{role}"] += 1
             turn, next_kill = turn + 1, now + args.kill_every
-        if next_restart is None and service.router_restarts >= faults["killed_router"]:  # back: count again
+        if next_restart is None and service.router_restarts - restarts_before >= faults["killed_router"]:  # back
             next_restart = now + restart_every
         if restart_every > 0 and next_restart is not None and now >= next_restart:
             await kill_router(service, injected)

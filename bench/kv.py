@@ -279,15 +279,26 @@ def _resident_shim() -> str | None:
     return path
 
 
+def perftest_exe() -> str:
+    """The ``ucx_perftest`` of the libucx wheel (which ucxx depends on); FileNotFoundError, naming
+    the package, without it."""
+    try:
+        import libucx
+    except ModuleNotFoundError:
+        raise FileNotFoundError("ucx_perftest not found: install it (pip install libucx-cu12)") from None
+    exe = os.path.join(os.path.dirname(libucx.__file__), "bin", "ucx_perftest")
+    if not os.access(exe, os.X_OK):
+        raise FileNotFoundError(f"ucx_perftest not found at {exe}: install it (pip install libucx-cu12)")
+    return exe
+
+
 def perftest_gbps(msg_bytes: int, total_bytes: int, device: str, thp: bool = True,
                   resident: bool = False) -> float:
     """``ucx_perftest -t tag_bw`` between two local processes; GB/s (1e9 bytes). Host
     buffers in transparent huge pages (``thp``) or 4 KiB pages, as our caches are;
     ``resident``: written once when allocated (``_RESIDENT_SHIM``), as our caches are."""
-    import libucx
-
-    root = os.path.dirname(libucx.__file__)
-    exe = os.path.join(root, "bin", "ucx_perftest")
+    exe = perftest_exe()
+    root = os.path.dirname(os.path.dirname(exe))
     env = {**os.environ, "LD_LIBRARY_PATH": os.path.join(root, "lib"), "UCX_WARN_UNUSED_ENV_VARS": "n"}
     if device == "cpu":  # host memory only: with it, perftest cannot allocate CUDA memory
         env["UCX_ALLOC_PRIO"] = "thp,mmap,heap" if thp else "mmap,heap"
@@ -365,11 +376,15 @@ def run(args: argparse.Namespace) -> int:
                               "block_bytes": args.block_bytes, "thp": args.thp and args.device == "cpu",
                               "iters": args.iters, "inflight": args.inflight}
     if args.backend == "ucx":
+        perftest_exe()  # the floor's tool is there before anything runs
         mem = " -m cuda" if args.device == "cuda" else ""
         alloc = "" if args.device == "cuda" else f"UCX_ALLOC_PRIO={'thp,mmap,heap' if args.thp else 'mmap,heap'} "
         result["raw"] = f"{alloc}ucx_perftest -t tag_bw -s {msg_bytes}{mem}"
         result["raw_transfer"] = f"{alloc}ucx_perftest -t tag_bw -s {nbytes}{mem}"
         resident = args.device == "cpu" and _resident_shim() is not None
+        if args.device == "cpu" and not resident:
+            print("cc not found: the resident-memory perftest floor is left out (apt-get install gcc)",
+                  file=sys.stderr)
         if resident:
             result["raw_resident"] = f"{result['raw_transfer']}, buffers written once (LD_PRELOAD shim)"
 

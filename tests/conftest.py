@@ -5,8 +5,19 @@ before any test module imports `kernels` (directly or through the engine)."""
 from __future__ import annotations
 
 import os
+from typing import Any
 
-import torch
+import pytest
+
+# One intra-op thread per test process (and for the processes it starts, which inherit this): the
+# suite runs a Ray cluster, node actors and TP rank processes beside the tests, and on a 2-core
+# machine torch's second thread then waits for a core at every small op. A bf16 SmolLM2 test
+# took 274 s with two threads while other processes ran, 11 s with one.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+import torch  # noqa: E402
+
+torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
@@ -14,3 +25,23 @@ if not torch.cuda.is_available():
 # Ray reads this once, at import: with it, a driver joining a test cluster at 127.0.0.1 stays on
 # loopback instead of swapping in the host's outward address (tests/deploy/test_multinode.py).
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+
+# The tests that run a Ray driver in the test process: the e2e session cluster (tests/e2e) and
+# the multi-raylet cluster (tests/deploy/test_multinode.py) take turns in one process.
+RAY_DRIVER_TESTS = ("tests/e2e/", "tests/deploy/test_multinode.py")
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
+    """Under pytest-xdist (`make test` runs `-n 2`): every Ray driver test in one work unit, kept
+    in order and scheduled first (the largest unit; it mostly waits on actors), and one unit
+    per test module otherwise (module fixtures load once), handed out as workers free up."""
+    if config.getvalue("dist") not in ("load", "loadscope"):
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class RayTestsTogether(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return "ray" if nodeid.startswith(RAY_DRIVER_TESTS) else super()._split_scope(nodeid)
+
+    return RayTestsTogether(config, log)

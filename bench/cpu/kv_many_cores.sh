@@ -9,9 +9,14 @@
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 PY=${PYTHON:-python3}
+. deploy/require.sh
+need "$PY" "apt-get install python3, or set PYTHON"
+require_done
 WHEELS=${WHEELS:-.whl13}
 SITE=${SITE:-/tmp/site}
 if ! "$PY" -c 'import ucxx' 2>/dev/null && [ ! -d "$SITE/ucxx" ]; then
+  need_files "$WHEELS/*.whl" "the ucxx-cu13, libucxx-cu13 and libucx-cu13 wheels (or set WHEELS)"
+  require_done
   "$PY" -m pip install -q --no-index --no-deps --target "$SITE" "$WHEELS"/*.whl
 fi
 export PYTHONPATH="$SITE:$(pwd)${PYTHONPATH:+:$PYTHONPATH}" UCX_WARN_UNUSED_ENV_VARS=n

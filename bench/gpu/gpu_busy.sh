@@ -4,6 +4,7 @@
 # and where the remaining idle time sits (the kernels around each gap). Needs .whl (gguf).
 # Usage: bash bench/gpu/gpu_busy.sh
 set -uo pipefail
+. "$(dirname "$0")/../../deploy/require.sh"; need_gpu_machine; require_done
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"

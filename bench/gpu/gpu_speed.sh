@@ -7,6 +7,7 @@
 # `pdl` times the key rows with programmatic dependent launch off, then on (PDSERVE_PDL).
 # Usage: bash bench/gpu/gpu_speed.sh check|bench|profile|pdl|all
 set -uo pipefail
+. "$(dirname "$0")/../../deploy/require.sh"; need_gpu_machine; require_done
 export PYTHONUNBUFFERED=1
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
 export PYTHONPATH=/tmp/site:$PWD

@@ -10,6 +10,7 @@
 # Usage: bash bench/gpu/gpu_tp.sh check | bench llama-1b llama-8b | mtp llama-8b | generate | check+generate
 #        | mtp+generate llama-8b | all ARCH...
 set -uo pipefail
+. "$(dirname "$0")/../../deploy/require.sh"; need_gpu_machine; require_done
 export PYTHONUNBUFFERED=1
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
 export PYTHONPATH=/tmp/site:$PWD

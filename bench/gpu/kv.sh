@@ -9,6 +9,10 @@
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 PY=${PYTHON:-python3}
+. deploy/require.sh
+need "$PY" "apt-get install python3, or set PYTHON"
+need nvidia-smi "the NVIDIA driver's utilities, nvidia-utils-VERSION, on a machine with NVIDIA GPUs"
+require_done
 export PYTHONPATH="${PYTHONPATH:-/tmp/site}:$(pwd)"
 export UCX_WARN_UNUSED_ENV_VARS=n
 

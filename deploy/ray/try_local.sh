@@ -8,11 +8,24 @@
 #     on the CPU (deploy/ray/pdserve.yaml with the GPU settings overridden);
 #   * `ray up`, then a generation through the router from outside the cluster and
 #     `pdserve status` through `ray exec`, then `ray down`.
-# Needs root (sshd on port 22). Usage: bash deploy/ray/try_local.sh   (prints a transcript)
+# Needs root (sshd on port 22), the tools below and `make venv`; it names whatever is missing
+# and stops before starting anything. Usage: bash deploy/ray/try_local.sh   (prints a transcript)
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 ROOT=$PWD
 BIN=$ROOT/.venv/bin
+. deploy/require.sh
+need_root "its sshd listens on 127.0.0.1:22"
+need ssh "apt-get install openssh-client"  # ray up reaches the head over ssh
+need ssh-keygen "apt-get install openssh-client"
+need /usr/sbin/sshd "apt-get install openssh-server"
+need rsync "apt-get install rsync"  # ray up copies the file mounts with it
+need unshare "apt-get install util-linux"
+need pkill "apt-get install procps"
+need hostname "apt-get install hostname"
+need "$BIN/ray" "make venv"
+need "$BIN/pdserve" "make venv"
+require_done
 WORK=$(mktemp -d /tmp/pdserve-ray-up.XXXX)
 export RAY_AUTH_MODE=token
 step() { printf '\n$ %s\n' "$*"; }

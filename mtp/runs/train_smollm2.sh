@@ -17,6 +17,11 @@
 # the layers EAGLE-3 fuses for a 30-layer model, starting from exactly round 3's outputs).
 # Figures of the runs that made the shipped head: BENCHMARKS.md, "MTP acceptance".
 set -euo pipefail
+. "$(dirname "$0")/../../deploy/require.sh"
+need python3 "apt-get install python3 python3-pip"
+need sha256sum "apt-get install coreutils"
+[ "${1:-1}" = part ] || need nvidia-smi "the NVIDIA driver's utilities, nvidia-utils-VERSION, on a machine with an NVIDIA GPU"
+require_done
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
 GGUF=/tmp/g/SmolLM2-135M-Instruct.Q4_1.gguf
 if [ "${1:-1}" = part ]; then

@@ -172,8 +172,8 @@ def after_first_layer(pair, rid, action):
     rest of its KV is then still on the way, whatever the machine's speed."""
     push = pair.prefill._push_layer
 
-    def hooked(jobs, layer):
-        push(jobs, layer)
+    def hooked(jobs, layer, ready=None):
+        push(jobs, layer, ready)
         if layer == 0 and any(j.request_id == rid for j in jobs):
             action()
     pair.prefill._push_layer = hooked

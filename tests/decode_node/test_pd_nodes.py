@@ -15,6 +15,7 @@ from engine.loader import load_model
 from engine.sampling_params import SamplingParams
 from prefill_node.node import PrefillJob, PrefillNode
 from protos.messages import FirstToken, OutputItem
+from tests.batch_dependent import use_batch_dependent_gemm
 
 
 @pytest.fixture(scope="module")
@@ -226,12 +227,14 @@ def smollm2_bf16():
 
 @pytest.mark.smollm2
 @pytest.mark.parametrize("deterministic", [True, False])
-def test_pd_deterministic_bf16_equals_the_engine_alone_bit_for_bit(smollm2_bf16, deterministic):
+def test_pd_deterministic_bf16_equals_the_engine_alone_bit_for_bit(smollm2_bf16, deterministic, monkeypatch):
     """`--deterministic` in bf16: SmolLM2 requests decoded together through P and D with k=3
     have the tokens and logprob bits of each decoded alone with k=0 by the single-process
-    engine; without the mode they do not (on this CPU), so the check can fail."""
+    engine; without the mode they do not (under a GEMM whose sums depend on the batch by
+    construction, tests/batch_dependent.py: on any CPU), so the check can fail."""
     from mtp.prompts import HELDOUT_PROMPTS, chat_ids, read_prompts
 
+    use_batch_dependent_gemm(monkeypatch)
     loaded = smollm2_bf16
     vocab = loaded.model.config.vocab_size
     prompts = [chat_ids(loaded.tokenizer, t) for t in read_prompts(HELDOUT_PROMPTS)[:4]]

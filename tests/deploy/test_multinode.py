@@ -22,6 +22,7 @@ from engine.sampling_params import SamplingParams
 from router.client import RouterClient, build_request
 from tests.deploy.ray_nodes import RayNodes
 from tests.e2e.conftest import BASE, run_async, stream_until_end, wait_blocks_returned
+from tests.ray_temp import ray_temp_dir
 
 ROLE_RESOURCES = {"prefill": "pdserve_prefill", "decode": "pdserve_decode", "router": "pdserve_router"}
 PROMPTS = [[(5 * i + j) % 256 for j in range(3 + 7 * i)] for i in range(6)]
@@ -40,24 +41,25 @@ def cluster(tmp_path_factory):
 
     if ray.is_initialized():
         ray.shutdown()
-    nodes = RayNodes(str(tmp_path_factory.mktemp("raynodes")))
-    service = None
-    try:
-        nodes.start_head({"pdserve_router": 1})
-        cfg = service_config(nodes.address)
-        nodes.connect(cfg.cluster.namespace)
-        nodes.add_node("prefill-host", {"pdserve_prefill": 1})
-        nodes.wait_for("prefill-host", "pdserve_prefill")
-        nodes.add_node("decode-host", {"pdserve_decode": 1})
-        nodes.wait_for("decode-host", "pdserve_decode")
-        service = Service(cfg)
-        address = service.start(timeout_s=240)
-        yield nodes, service, address
-    finally:
-        if service is not None:
-            service.stop()
-        ray.shutdown()
-        nodes.shutdown()
+    with ray_temp_dir(tmp_path_factory, "raynodes") as temp_dir:
+        nodes = RayNodes(temp_dir)
+        service = None
+        try:
+            nodes.start_head({"pdserve_router": 1})
+            cfg = service_config(nodes.address)
+            nodes.connect(cfg.cluster.namespace)
+            nodes.add_node("prefill-host", {"pdserve_prefill": 1})
+            nodes.wait_for("prefill-host", "pdserve_prefill")
+            nodes.add_node("decode-host", {"pdserve_decode": 1})
+            nodes.wait_for("decode-host", "pdserve_decode")
+            service = Service(cfg)
+            address = service.start(timeout_s=240)
+            yield nodes, service, address
+        finally:
+            if service is not None:
+                service.stop()
+            ray.shutdown()
+            nodes.shutdown()
 
 
 @pytest.fixture(scope="module")

