@@ -13,9 +13,11 @@
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 STASH=/tmp/svc_parts
+. "$(dirname "$0")/../../deploy/require.sh"
 stage=${1:-}
 case $stage in
   bundle)
+    need .venv/bin/pip "make venv"; need split "apt-get install coreutils"; need tar "apt-get install tar"; require_done
     wheels=$(mktemp -d); plat="--python-version 3.12 --only-binary=:all: --no-deps"
     for p in manylinux_2_17_x86_64 manylinux2014_x86_64 manylinux_2_24_x86_64 manylinux_2_27_x86_64 \
              manylinux_2_28_x86_64 manylinux_2_34_x86_64; do plat="$plat --platform $p"; done
@@ -31,6 +33,9 @@ case $stage in
   stash)
     mkdir -p $STASH && cp .svc_parts/part.* .svc_parts/sha256 $STASH/ && ls $STASH; exit 0 ;;
   run)
+    need python3 "apt-get install python3 python3-pip"
+    need nvidia-smi "the NVIDIA driver's utilities, nvidia-utils-VERSION, on a machine with an NVIDIA GPU"
+    require_done
     mkdir -p $STASH && cp .svc_parts/part.* .svc_parts/sha256 $STASH/ ;;
   *) echo "usage: $0 bundle | stash | run pd|colocated [tcp|ucx]"; exit 2 ;;
 esac
