@@ -1,9 +1,12 @@
 """`pdserve bench pd`: disaggregated serving (a prefill node and a decode node) against a
-colocated engine, with the same requests at the same arrival times, in one run.
+colocated node, with the same requests at the same arrival times, in one run.
 
-The prefill node runs on `--prefill-device` and the decode node on `--decode-device`, as the
-real node classes (plain objects in this process; KV over `--kv-backend`); then one
-`LLMEngine` on `--colocated-device` serves the same schedule, prefill and decode sharing it.
+By default every node runs in its own process behind its gRPC server, and requests go through
+the router (bench/pd_procs.py): the prefill node on `--prefill-device` and the decode node on
+`--decode-device` (KV over `--kv-backend`, tcp or ucx), then a colocated node
+(decode_node/colocated.py: chunks of `--max-num-batched-tokens` prompt tokens between decode
+steps) on `--colocated-device`. `--in-process` runs the older mode: both nodes as plain objects
+in this process (any backend, `local` by default), then an `LLMEngine` for the colocated side.
 A background batch of `--background` long requests keeps the decode batch running, so every
 arrival (Poisson, `--rate` per second) is inserted into a running batch. Reports, for both:
 TTFT (submission to first token) and inter-token latency per token (an output item's gap
@@ -20,16 +23,14 @@ import json
 import random
 import threading
 import time
-from dataclasses import dataclass, field
+from collections.abc import Callable
 
 import torch
 
 from bench.engine import SHAPES, load
-from engine.engine import EngineConfig, LLMEngine, resolve_request
+from bench.pd_schedule import WARMUP_ITEMS, Trace, greedy_params, node_config, workload
+from engine.engine import LLMEngine, resolve_request
 from engine.loader import LoadedModel
-from engine.sampling_params import SamplingParams
-
-WARMUP_ITEMS = 3  # background outputs each before the timed phase starts
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -40,7 +41,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--decode-device", default="cpu")
     p.add_argument("--colocated-device", default=None, help="default: the decode device")
     p.add_argument("--dtype", default="auto")
-    p.add_argument("--kv-backend", default="local", choices=["local", "tcp", "ucx"])
+    p.add_argument("--kv-backend", default=None, choices=["local", "tcp", "ucx"],
+                   help="default: tcp (local needs --in-process)")
+    p.add_argument("--in-process", action="store_true",
+                   help="the nodes as plain objects in this process, an LLMEngine as the colocated side")
+    p.add_argument("--max-num-batched-tokens", type=int, default=512,
+                   help="prompt tokens per prefill step (prefill node; colocated: per chunk between decode steps)")
     p.add_argument("--rate", type=float, default=2.0, help="arrivals per second (Poisson)")
     p.add_argument("--num-requests", type=int, default=8)
     p.add_argument("--prompt-len", type=int, default=64)
@@ -53,42 +59,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--plot", default=None, help="write the ITL distributions as this PNG")
 
 
-@dataclass
-class Trace:
-    """Arrival and output times of one request (monotonic seconds) and its tokens."""
-
-    submitted: float = 0.0
-    first: float | None = None
-    items: list[tuple[float, int]] = field(default_factory=list)  # (time, tokens) of decode outputs
-    tokens: list[int] = field(default_factory=list)
-    ended: bool = False
-
-
-# ---------------------------------------------------------------- the workload
-
-
-def workload(args: argparse.Namespace, vocab: int) -> tuple[list[float], list[list[int]], list[list[int]]]:
-    """(arrival offsets, prompts, background prompts), seeded."""
-    rng = random.Random(args.seed)
-    times, t = [], 0.0
-    for _ in range(args.num_requests):
-        t += rng.expovariate(args.rate)
-        times.append(t)
-    prompts = [[rng.randrange(vocab) for _ in range(args.prompt_len)] for _ in range(args.num_requests)]
-    background = [[rng.randrange(vocab) for _ in range(16)] for _ in range(args.background)]
-    return times, prompts, background
-
-
-def _params(max_tokens: int) -> SamplingParams:
-    return SamplingParams(max_tokens=max_tokens, ignore_eos=True)
-
-
-def _config(args: argparse.Namespace, device: str) -> EngineConfig:
-    return EngineConfig(num_speculative_tokens=args.spec_tokens, device=device, max_num_seqs=args.max_num_seqs,
-                        max_model_len=max(args.prompt_len + args.output_len, 16 + args.background_tokens) + 8,
-                        kv_cache_bytes=args.kv_cache_bytes)
-
-
 # ---------------------------------------------------------------- disaggregated
 
 
@@ -99,9 +69,9 @@ class PDRun:
         from decode_node.node import DecodeNode
         from prefill_node.node import PrefillNode
 
-        self.decode = DecodeNode(loaded_d, _config(args, args.decode_device), kv_backend=args.kv_backend,
+        self.decode = DecodeNode(loaded_d, node_config(args, args.decode_device), kv_backend=args.kv_backend,
                                  kv_timeout_s=30)
-        self.prefill = PrefillNode(loaded_p, _config(args, args.prefill_device),
+        self.prefill = PrefillNode(loaded_p, node_config(args, args.prefill_device),
                                    lambda addr, msg: self.decode.first_token(msg), kv_backend=args.kv_backend,
                                    kv_timeout_s=30)
         self.prefill.timings, self.decode.timings = {}, {}  # per-request events, for the breakdown
@@ -130,7 +100,7 @@ class PDRun:
     def submit(self, rid: str, prompt: list[int], max_tokens: int) -> None:
         from prefill_node.node import PrefillJob
 
-        params = _params(max_tokens)
+        params = greedy_params(max_tokens)
         req = resolve_request(rid, prompt, params, (), self.decode.max_model_len, random.Random(0),
                               self.loaded.model.config.vocab_size)
         tr = Trace(submitted=time.monotonic())
@@ -163,13 +133,20 @@ class PDRun:
 
 
 def breakdown(pd: PDRun, n: int) -> dict[str, float]:
+    return stages_of(n, pd.traces, lambda rid: (pd.prefill.timings or {}).get(rid, {}),
+                     lambda rid: (pd.decode.timings or {}).get(rid, {}))
+
+
+def stages_of(n: int, traces: dict[str, Trace], prefill_events: Callable[[str], dict[str, float]],
+              decode_events: Callable[[str], dict[str, float]]) -> dict[str, float]:
     """Median ms of each stage of the arrivals' first token: queued on P, prefill compute (to
     the first token's read point), the KV still arriving after it (as D's loop sees it), the
-    first-token message's hand-off P -> D, and D's first decode step after the insert."""
+    first-token message's hand-off P -> D, and D's first decode step after the insert (to the
+    first decode output seen by the bench: through the router, in the per-process mode)."""
     spans: dict[str, list[float]] = {}
     for i in range(n):
         rid = f"r{i}"
-        p, d, tr = (pd.prefill.timings or {}).get(rid, {}), (pd.decode.timings or {}).get(rid, {}), pd.traces[rid]
+        p, d, tr = prefill_events(rid), decode_events(rid), traces[rid]
         stages = {"queue": (p.get("queued"), p.get("started")), "prefill_compute": (p.get("started"), p.get("computed")),
                   "kv_tail": (p.get("computed"), d.get("kv_done")), "handoff": (p.get("first_sent"), d.get("first_received")),
                   "first_decode_step": (d.get("inserted"), tr.items[0][0] if tr.items else None)}
@@ -203,10 +180,10 @@ def run_pd(args, loaded_p, loaded_d, times, prompts, background) -> tuple[dict[s
 
 
 def run_colocated(args, loaded, times, prompts, background) -> dict[str, Trace]:
-    eng = LLMEngine(loaded, _config(args, args.colocated_device or args.decode_device))
+    eng = LLMEngine(loaded, node_config(args, args.colocated_device or args.decode_device))
     traces: dict[str, Trace] = {}
     for i, p in enumerate(background):
-        eng.add_request(p, _params(args.background_tokens), f"bg{i}")
+        eng.add_request(p, greedy_params(args.background_tokens), f"bg{i}")
         traces[f"bg{i}"] = Trace(submitted=time.monotonic())
     while any(len(traces[f"bg{i}"].items) < WARMUP_ITEMS for i in range(len(background))):
         _record(eng.step(), traces)
@@ -214,7 +191,7 @@ def run_colocated(args, loaded, times, prompts, background) -> dict[str, Trace]:
     while pending or any(not traces[f"r{i}"].ended for i in range(len(prompts)) if f"r{i}" in traces):
         while pending and start + pending[0][1][0] <= time.monotonic():
             i, (t, p) = pending.pop(0)
-            eng.add_request(p, _params(args.output_len), f"r{i}")
+            eng.add_request(p, greedy_params(args.output_len), f"r{i}")
             traces[f"r{i}"] = Trace(submitted=start + t)
         if eng.has_unfinished():
             _record(eng.step(), traces)
@@ -307,13 +284,31 @@ def plot(path: str, pd: list[float], colo: list[float]) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    with torch.no_grad():
-        loaded_p, loaded_d = load(args, args.prefill_device), load(args, args.decode_device)
-        times, prompts, background = workload(args, loaded_d.model.config.vocab_size)
-        pd_traces, stages = run_pd(args, loaded_p, loaded_d, times, prompts, background)
-        colo_dev = args.colocated_device or args.decode_device
-        colo_traces = run_colocated(args, loaded_d if colo_dev == args.decode_device else load(args, colo_dev),
-                                    times, prompts, background)
+    if args.kv_backend is None:
+        args.kv_backend = "local" if args.in_process else "tcp"
+    if args.kv_backend == "local" and not args.in_process:
+        raise SystemExit("error: --kv-backend local moves KV inside one process: use tcp or ucx, or --in-process")
+    if args.max_num_batched_tokens <= 0:
+        raise SystemExit("error: --max-num-batched-tokens must be > 0")
+    colo_dev = args.colocated_device or args.decode_device
+    if args.in_process:
+        with torch.no_grad():
+            loaded_p, loaded_d = load(args, args.prefill_device), load(args, args.decode_device)
+            name, vocab = loaded_d.name, loaded_d.model.config.vocab_size
+            times, prompts, background = workload(args, vocab)
+            pd_traces, stages = run_pd(args, loaded_p, loaded_d, times, prompts, background)
+            colo_traces = run_colocated(args, loaded_d if colo_dev == args.decode_device else load(args, colo_dev),
+                                        times, prompts, background)
+    else:
+        from bench import pd_procs
+
+        info = pd_procs.model_info(args)
+        name = info.name
+        times, prompts, background = workload(args, info.config.vocab_size)
+        pd_traces, p_events, d_events = pd_procs.run_pd(args, times, prompts, background)
+        stages = stages_of(len(prompts), pd_traces, lambda rid: p_events.get(rid, {}),
+                           lambda rid: d_events.get(rid, {}))
+        colo_traces = pd_procs.run_colocated(args, times, prompts, background)
     pd, colo = summary(pd_traces, len(prompts)), summary(colo_traces, len(prompts))
     pd["ttft_breakdown_ms_p50"] = stages
     same = all(pd_traces[f"r{i}"].tokens == colo_traces[f"r{i}"].tokens for i in range(len(prompts)))
@@ -321,7 +316,9 @@ def run(args: argparse.Namespace) -> int:
         plot(args.plot, pd["itl_samples"], colo["itl_samples"])
     for s in (pd, colo):
         s.pop("itl_samples")
-    print(json.dumps({"model": loaded_d.name, "spec_tokens": args.spec_tokens, "rate": args.rate,
+    print(json.dumps({"model": name, "spec_tokens": args.spec_tokens, "rate": args.rate,
+                      "mode": "in-process" if args.in_process else "processes",
+                      "max_num_batched_tokens": args.max_num_batched_tokens,
                       "requests": len(prompts), "background": len(background), "kv_backend": args.kv_backend,
                       "devices": [args.prefill_device, args.decode_device, colo_dev],
                       "same_tokens": same, "disaggregated": pd, "colocated": colo}), flush=True)

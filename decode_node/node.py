@@ -55,7 +55,7 @@ from engine.request import Request, RequestOutput
 from engine.sampling_params import SamplingParams
 from engine.step_loop import StepLoop
 from engine.tensor_parallel import TPGroup
-from kvtransfer import KVLayout, TransferState, create_receiver
+from kvtransfer import KVLayout, KVReceiver, TransferState, create_receiver
 from protos.messages import FirstToken, OutputItem, TokenLogprobs
 
 
@@ -86,7 +86,7 @@ class Reservation:
 class DecodeNode(StepLoop):
     loop_name = "decode-loop"
 
-    def __init__(self, loaded: LoadedModel, config: EngineConfig, kv_backend: str = "ucx",
+    def __init__(self, loaded: LoadedModel, config: EngineConfig, kv_backend: str | None = "ucx",
                  kv_timeout_s: float = 10.0, admission_timeout_s: float = 30.0,
                  kv_options: dict | None = None, kv_quarantine_s: float | None = None,
                  tp: TPGroup | None = None) -> None:
@@ -98,10 +98,13 @@ class DecodeNode(StepLoop):
         self.batch = DecodeBatch(self.runner, self.blocks, config.max_num_seqs)
         self.vocab = loaded.model.config.vocab_size
         self.num_layers = loaded.model.config.num_hidden_layers + (1 if self.k else 0)
-        self.receiver = create_receiver(kv_backend, timeout_s=kv_timeout_s, **(kv_options or {}))
-        layout = KVLayout(self.runner.kv.layers, block_dim=1)
-        self.receiver.register(layout)
-        self._kv_block_bytes = sum(sum(layout.block_bytes(i)) for i in range(self.num_layers))
+        self._receiver: KVReceiver | None = None  # None: KV never arrives from elsewhere (a colocated node)
+        self._kv_block_bytes = 0
+        if kv_backend is not None:
+            self._receiver = create_receiver(kv_backend, timeout_s=kv_timeout_s, **(kv_options or {}))
+            layout = KVLayout(self.runner.kv.layers, block_dim=1)
+            self._receiver.register(layout)
+            self._kv_block_bytes = sum(sum(layout.block_bytes(i)) for i in range(self.num_layers))
         self.kv_bytes = 0  # KV received (for /metrics)
         self.kv_skipped_bytes = 0  # KV not transferred: the prefix cache held those blocks
         self.draft_tokens = [0] * self.k  # per draft position: verified, accepted (for /metrics)
@@ -167,9 +170,16 @@ class DecodeNode(StepLoop):
                 "kv_skipped_bytes": self.kv_skipped_bytes, "draft_tokens": list(self.draft_tokens),
                 "accepted_per_pos": list(self.accepted_per_pos), **self.prefix.status()}
 
+    @property
+    def receiver(self) -> KVReceiver:
+        """The KV receiver (pending requests only exist on a node that has one)."""
+        assert self._receiver is not None, "this node receives no KV"
+        return self._receiver
+
     def stop(self) -> None:
         self.stop_loop()
-        self.receiver.close()
+        if self._receiver is not None:
+            self._receiver.close()
         with self._sub_lock:
             for q in self._subscribers:
                 q.put(None)

@@ -1,5 +1,6 @@
 """The decode node's gRPC face (DecodeControl): reservations, first-token messages from
-prefill nodes, aborts, and the multiplexed output stream (one per subscriber).
+prefill nodes, aborts, and the multiplexed output stream (one per subscriber). The colocated
+node's (ColocatedControl) is the same but for Submit, which takes a whole request.
 
 An Outputs stream's `subscriber` is its owner (a router instance id; DecodeNode "Owners"):
 when the owner's last stream ends (the router is gone: its connection closed), the node drops
@@ -12,6 +13,7 @@ import queue
 import grpc
 import msgpack
 
+from decode_node.colocated import ColocatedNode
 from decode_node.node import DecodeNode
 from protos import node_pb2, node_pb2_grpc
 from protos.convert import check_request_id, sampling_from_proto
@@ -24,6 +26,8 @@ OUTPUTS_POLL_S = 0.5  # how often an idle output stream checks that its caller i
 
 
 class DecodeServicer(node_pb2_grpc.DecodeControlServicer):
+    kind = "decode"
+
     def __init__(self, node: DecodeNode, node_id: str) -> None:
         self.node, self.node_id = node, node_id
         self.vocab = node.loaded.model.config.vocab_size
@@ -71,7 +75,7 @@ class DecodeServicer(node_pb2_grpc.DecodeControlServicer):
 
     def Status(self, request, context):
         s = self.node.status()
-        return node_pb2.NodeStatus(node_id=self.node_id, kind="decode", healthy=True,
+        return node_pb2.NodeStatus(node_id=self.node_id, kind=self.kind, healthy=True,
                                    num_speculative_tokens=self.node.k, **s)
 
 
@@ -82,4 +86,31 @@ def serve_decode(node: DecodeNode, node_id: str, host: str = "127.0.0.1", port: 
     """DecodeControl on `host`; with `secret` (the cluster secret) calls without it are refused;
     with `tls`, mutual TLS only."""
     return start_server(node_pb2_grpc.add_DecodeControlServicer_to_server, DecodeServicer(node, node_id),
+                        host, port, workers, secret, tls, keepalive_s)
+
+
+class ColocatedServicer(DecodeServicer):
+    """ColocatedControl: Submit, and DecodeControl's Abort, Outputs and Status."""
+
+    kind = "colocated"
+    node: ColocatedNode
+
+    def Submit(self, request, context):
+        try:
+            rid = check_request_id(request.request_id)
+            params, seed, stops = sampling_from_proto(request.sampling, self.vocab)
+            prompt = list(request.prompt_token_ids)
+            if not prompt or len(prompt) != request.prompt_len or any(not 0 <= t < self.vocab for t in prompt):
+                raise ValueError("prompt_token_ids must be prompt_len (> 0) ids inside the vocabulary")
+        except ValueError as e:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        res = self.node.submit(rid, prompt, params, seed, stops).result(timeout=30)
+        return node_pb2.ReserveReply(admitted=res.admitted, reason=res.reason)
+
+
+def serve_colocated(node: ColocatedNode, node_id: str, host: str = "127.0.0.1", port: int = 0,
+                    workers: int = 32, secret: str | None = None, tls: NodeTls | None = None,
+                    keepalive_s: float = KEEPALIVE_S) -> tuple[grpc.Server, int]:
+    """ColocatedControl on `host`, with the cluster secret and TLS rules of `serve_decode`."""
+    return start_server(node_pb2_grpc.add_ColocatedControlServicer_to_server, ColocatedServicer(node, node_id),
                         host, port, workers, secret, tls, keepalive_s)

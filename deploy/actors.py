@@ -1,6 +1,6 @@
 """Thin Ray actors around the plain node objects (ARCHITECTURE I6).
 
-A node actor loads the model, builds its PrefillNode or DecodeNode, starts the node's loop
+A node actor loads the model, builds its PrefillNode, DecodeNode or ColocatedNode, starts the node's loop
 and its gRPC server, and reports the server's address. All request traffic goes over gRPC;
 Ray only places, watches and restarts the processes. Each actor restarts forever on death
 (`max_restarts=-1`); a restarted actor binds a new port, which the controller notices.
@@ -21,6 +21,16 @@ if TYPE_CHECKING:
 def engine_config(cfg: ServiceConfig, role: str):
     from engine.engine import EngineConfig
 
+    if role == "colocated":
+        c = cfg.colocated
+        return EngineConfig(
+            num_speculative_tokens=cfg.spec.num_speculative_tokens, draft_vocab_size=cfg.spec.draft_vocab_size,
+            block_size=cfg.cache.block_size, max_num_seqs=c.max_num_seqs,
+            max_num_batched_tokens=c.max_num_batched_tokens, max_model_len=cfg.model.max_model_len,
+            kv_cache_bytes=cfg.cache.kv_cache_bytes, num_blocks=cfg.cache.num_blocks,
+            device=cfg.model.resolved_device(), enforce_eager=cfg.model.enforce_eager,
+            deterministic=cfg.model.deterministic, enable_prefix_caching=c.prefix_cache,
+        )
     return EngineConfig(
         num_speculative_tokens=cfg.spec.num_speculative_tokens,
         draft_vocab_size=cfg.spec.draft_vocab_size,
@@ -74,13 +84,13 @@ class NodeActor:
 
         from engine.loader import load_model
 
-        threads = max(1, int(cfg.prefill.num_cpus if role == "prefill" else cfg.decode.num_cpus))
+        threads = max(1, int(cfg.section(role).num_cpus))
         torch.set_num_threads(threads)
         tls = node_tls(cfg)  # before the model: a bad file fails the actor at once
         loaded = load_model(cfg.model.resolved_name(), device=cfg.model.resolved_device(), dtype=cfg.model.dtype,
                             mtp_path=cfg.model.mtp_path)
         self.role, self.node_id, self.host = role, node_id, host
-        kv = _kv_options(cfg, role, host)
+        kv = _kv_options(cfg, role, host) if role != "colocated" else {}
         if tp is not None:
             kv["tp"] = tp
         if role == "prefill":
@@ -94,6 +104,12 @@ class NodeActor:
 
             self.node = _decode_class(tp)(loaded, engine_config(cfg, role), **kv)
             serve = serve_decode
+        elif role == "colocated":
+            from decode_node.colocated import ColocatedNode
+            from decode_node.server import serve_colocated
+
+            self.node = ColocatedNode(loaded, engine_config(cfg, role), tp=tp)
+            serve = serve_colocated
         else:
             raise ValueError(f"unknown node role {role!r}")
         self.node.start()

@@ -79,7 +79,7 @@ def _add_train_mtp(sub: Any) -> None:
 def _add_service(sub: Any) -> None:
     from deploy import cli_service
 
-    up = sub.add_parser("up", help="start the service (router + prefill + decode nodes on Ray)")
+    up = sub.add_parser("up", help="start the service (router + prefill + decode nodes, or colocated ones, on Ray)")
     cli_service.add_service_arguments(up)
     up.add_argument("--port", type=int, default=None, help="router gRPC port (default 50051)")
     up.add_argument("--http-port", type=int, default=None,

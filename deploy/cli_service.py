@@ -1,4 +1,5 @@
-"""`pdserve up`, `pdserve demo` and `pdserve generate --router`: the disaggregated service."""
+"""`pdserve up`, `pdserve demo` and `pdserve generate --router`: the service (disaggregated, or
+colocated with `--colocated N`)."""
 
 from __future__ import annotations
 
@@ -33,6 +34,10 @@ def service_config(args: argparse.Namespace, local: bool = False) -> Any:
                       ("node_tls_ca", "cluster.node_tls_ca"), ("node_tls_cert", "cluster.node_tls_cert"),
                       ("node_tls_key", "cluster.node_tls_key"),
                       ("enable_prefix_caching", "prefill.prefix_cache"),
+                      ("enable_prefix_caching", "colocated.prefix_cache"), ("colocated", "colocated.num_nodes"),
+                      ("max_num_batched_tokens", "prefill.max_num_batched_tokens"),
+                      ("max_num_batched_tokens", "colocated.max_num_batched_tokens"),
+                      ("max_num_seqs", "decode.max_num_seqs"), ("max_num_seqs", "colocated.max_num_seqs"),
                       ("prefill_tp", "prefill.tp"), ("decode_tp", "decode.tp")):
         value = getattr(args, flag, None)
         if value is not None:
@@ -52,6 +57,14 @@ def add_service_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None)
     p.add_argument("--prefill", type=int, default=None, help="prefill nodes")
     p.add_argument("--decode", type=int, default=None, help="decode nodes")
+    p.add_argument("--colocated", type=int, default=None, metavar="N",
+                   help="a colocated service: N nodes that each prefill and decode their own requests (no KV "
+                   "transfer; no prefill or decode nodes)")
+    p.add_argument("--max-num-batched-tokens", type=int, default=None, metavar="N",
+                   help="prompt tokens per prefill step: a prefill node's batch, a colocated node's chunk between "
+                   "two decode steps (defaults: 2048 and 512)")
+    p.add_argument("--max-num-seqs", type=int, default=None, metavar="N",
+                   help="requests decoding at once per decode or colocated node (default 32)")
     p.add_argument("--prefill-tp", type=int, default=None, help="tensor-parallel ranks per prefill node")
     p.add_argument("--decode-tp", type=int, default=None, help="tensor-parallel ranks per decode node (= --prefill-tp)")
     p.add_argument("--spec-tokens", type=int, default=None, help="MTP draft tokens per step (k)")
@@ -116,9 +129,15 @@ def client_ca(args: argparse.Namespace, cfg: Any) -> str | None:
     return getattr(args, "tls_ca", None) or cfg.router.tls_cert
 
 
+def describe_nodes(cfg: Any) -> str:
+    if cfg.colocated.num_nodes:
+        return f"{cfg.colocated.num_nodes} colocated node(s)"
+    return f"{cfg.prefill.num_nodes} prefill + {cfg.decode.num_nodes} decode node(s)"
+
+
 def cmd_up(args: argparse.Namespace) -> int:
     cfg = service_config(args)
-    print(f"starting pdserve: {cfg.prefill.num_nodes} prefill + {cfg.decode.num_nodes} decode node(s), "
+    print(f"starting pdserve: {describe_nodes(cfg)}, "
           f"model {cfg.model.resolved_name()}, k={cfg.spec.num_speculative_tokens} ...", flush=True)
     service, address = start_service(cfg)
     tls = cfg.router.tls_cert is not None
@@ -160,7 +179,7 @@ async def _timed_stream(address: str, prompt: str, max_tokens: int, cfg: Any, ca
 def cmd_demo(args: argparse.Namespace) -> int:
     cfg = service_config(args, local=True)
     k = cfg.spec.num_speculative_tokens
-    print(f"starting pdserve on a local Ray cluster: {cfg.prefill.num_nodes}P{cfg.decode.num_nodes}D, "
+    print(f"starting pdserve on a local Ray cluster: {describe_nodes(cfg)}, "
           f"model {cfg.model.resolved_name()}, k={k}, KV over {cfg.kv_transfer.backend} ...", flush=True)
     t0 = time.perf_counter()
     service, address = start_service(cfg)
@@ -178,7 +197,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
         print(f"\n> {r['prompt']}\n{r['text']}\n  [{r['tokens']} tokens, {r['reason']}, TTFT {r['ttft'] * 1000:.0f} ms, "
               f"{r['tpot'] * 1000:.0f} ms/token, {per_step:.2f} tokens/decode step with k={k}]")
     total = sum(r["tokens"] for r in results)
-    print(f"\n{total} tokens in {wall:.2f} s ({total / wall:.1f} tok/s) through router -> prefill -> decode")
+    print(f"\n{total} tokens in {wall:.2f} s ({total / wall:.1f} tok/s) through the router and {describe_nodes(cfg)}")
     return 0
 
 

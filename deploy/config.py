@@ -15,11 +15,17 @@ YAML layout (every section and key optional):
     prefill: {max_num_batched_tokens: 2048, tp: 1, num_nodes: 1, num_cpus: 1, num_gpus: 1, resources: {},
               prefix_cache: false}
     decode: {max_num_seqs: 32, tp: 1, num_nodes: 1, num_cpus: 1, num_gpus: 1, resources: {}, prefix_cache: false}
+    colocated: {num_nodes: 0, max_num_seqs: 32, max_num_batched_tokens: 512, num_cpus: 1, num_gpus: 1, resources: {},
+                prefix_cache: false}
     router: {host: 127.0.0.1, port: 50051, http_port: 8000, policy: least_load, queue_size: 256, default_timeout_s: 600,
              api_key: null, tls_cert: null, tls_key: null, migrate: true, max_migrations: 3, ...}
     cluster: {address: null, namespace: pdserve, router_resources: {}, node_host: 127.0.0.1, start_timeout_s: 300,
               secret: null, secret_file: null, node_tls_ca: null, node_tls_cert: null, node_tls_key: null,
               node_tls_name: pdserve-node}
+
+A service is disaggregated (prefill and decode nodes) or colocated (`colocated.num_nodes` > 0:
+nodes that each prefill and decode their own requests; prefill and decode nodes are then not
+started, and their `num_nodes` default to 0, any other count being an error).
 
 `router.host: auto` and `cluster.node_host: auto` bind the Ray node's own IP (multi-host).
 `resources` are Ray custom resources (`ray start --resources`, `resources:` of a `ray up` node
@@ -128,7 +134,7 @@ class _NodeSection(_Section):
 class PrefillConfig(_NodeSection):
     max_num_batched_tokens: int = Field(default=2048, gt=0)
     tp: int = 1  # must equal decode.tp
-    num_nodes: int = Field(default=1, ge=1)
+    num_nodes: int = Field(default=1, ge=0)  # 0 only in a colocated service
     num_cpus: float = Field(default=1.0, ge=0)
     num_gpus: float = Field(default=1.0, ge=0)
     resources: dict[str, float] = Field(default_factory=dict)  # Ray resources each node needs ({pdserve_prefill: 1})
@@ -140,13 +146,29 @@ class PrefillConfig(_NodeSection):
 class DecodeConfig(_NodeSection):
     max_num_seqs: int = Field(default=32, gt=0)
     tp: int = 1  # must equal prefill.tp
-    num_nodes: int = Field(default=1, ge=1)
+    num_nodes: int = Field(default=1, ge=0)  # 0 only in a colocated service
     num_cpus: float = Field(default=1.0, ge=0)
     num_gpus: float = Field(default=1.0, ge=0)
     resources: dict[str, float] = Field(default_factory=dict)  # Ray resources each node needs ({pdserve_decode: 1})
     # Keep received KV blocks of prompts; at Reserve the prompt's cached prefix is taken from here
     # and only the rest crosses the wire (decode_node/node.py).
     prefix_cache: bool = False
+
+
+class ColocatedConfig(_Section):
+    """Nodes that each prefill and decode their own requests with one engine (no KV transfer):
+    decode_node/colocated.py. `num_nodes` > 0 makes the service colocated."""
+
+    num_nodes: int = Field(default=0, ge=0)
+    max_num_seqs: int = Field(default=32, gt=0)  # requests running at once per node (as vLLM's)
+    # Prompt tokens one loop round computes (chunks of one or more prompts) before the round's
+    # decode step, as vLLM's --max-num-batched-tokens bounds a step: a running request waits at most
+    # one such chunk between two of its steps. Smaller: steadier inter-token latency, slower prefill.
+    max_num_batched_tokens: int = Field(default=512, gt=0)
+    num_cpus: float = Field(default=1.0, ge=0)
+    num_gpus: float = Field(default=1.0, ge=0)
+    resources: dict[str, float] = Field(default_factory=dict)  # Ray resources each node needs
+    prefix_cache: bool = False  # keep computed prompt blocks (engine/prefix_cache.py); --enable-prefix-caching
 
 
 class RouterConfig(_Section):
@@ -241,8 +263,54 @@ class ServiceConfig(_Section):
     kv_transfer: KVTransferConfig = Field(default_factory=KVTransferConfig)
     prefill: PrefillConfig = Field(default_factory=PrefillConfig)
     decode: DecodeConfig = Field(default_factory=DecodeConfig)
+    colocated: ColocatedConfig = Field(default_factory=ColocatedConfig)
     router: RouterConfig = Field(default_factory=RouterConfig)
     cluster: ClusterConfig = Field(default_factory=ClusterConfig)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _one_mode(cls, data: Any) -> Any:
+        """In a colocated service prefill and decode `num_nodes` default to 0; other counts are errors."""
+        if not isinstance(data, dict) or not isinstance(data.get("colocated"), dict):
+            return data
+        colocated = data["colocated"].get("num_nodes", 0)
+        if not isinstance(colocated, int) or colocated <= 0:
+            return data
+        data = dict(data)
+        for role in ("prefill", "decode"):
+            section = data.get(role, {})
+            if not isinstance(section, dict):
+                continue
+            given = section.get("num_nodes", 0)
+            if given != 0:
+                raise ValueError(f"colocated.num_nodes ({colocated}) and {role}.num_nodes ({given}) are both set: a "
+                                 "service is colocated or disaggregated (leave prefill and decode num_nodes unset)")
+            data[role] = {**section, "num_nodes": 0}
+        return data
+
+    @model_validator(mode="after")
+    def _nodes_to_run(self) -> ServiceConfig:
+        if self.colocated.num_nodes == 0:
+            for role, section in (("prefill", self.prefill), ("decode", self.decode)):
+                if section.num_nodes == 0:
+                    raise ValueError(f"{role}.num_nodes must be >= 1 (or set colocated.num_nodes for a colocated "
+                                     "service)")
+        return self
+
+    @property
+    def node_counts(self) -> dict[str, int]:
+        """Nodes to start per role (prefill, decode, colocated), zero counts left out."""
+        counts = {"prefill": self.prefill.num_nodes, "decode": self.decode.num_nodes,
+                  "colocated": self.colocated.num_nodes}
+        return {role: n for role, n in counts.items() if n}
+
+    def section(self, role: str) -> PrefillConfig | DecodeConfig | ColocatedConfig:
+        """The config section of a node role."""
+        sections: dict[str, PrefillConfig | DecodeConfig | ColocatedConfig] = {
+            "prefill": self.prefill, "decode": self.decode, "colocated": self.colocated}
+        if role not in sections:
+            raise ValueError(f"unknown node role {role!r}")
+        return sections[role]
 
     @model_validator(mode="after")
     def _same_tp(self) -> ServiceConfig:

@@ -86,12 +86,12 @@ class RouterActor:
             if addr not in current:
                 self.directory.add(kind, addr)  # type: ignore[arg-type]
 
-    async def healthy_nodes(self) -> tuple[int, int]:
-        """(prefill, decode) nodes the router can use now."""
+    async def healthy_nodes(self) -> tuple[int, int, int]:
+        """(prefill, decode, colocated) nodes the router can use now."""
         if self.router is None:
-            return 0, 0
+            return 0, 0, 0
         h = self.router.health()
-        return h.prefill_nodes, h.decode_nodes
+        return h.prefill_nodes, h.decode_nodes, h.colocated_nodes
 
     async def stop(self) -> None:
         if self.router is not None:
@@ -107,6 +107,7 @@ class RouterActor:
         nodes = {f"{k}/{a}": {"healthy": n.healthy, "last_error": n.last_error}
                  for (k, a), n in self.router.pool.nodes.items()}
         return {"serving": h.serving, "prefill_nodes": h.prefill_nodes, "decode_nodes": h.decode_nodes,
+                "colocated_nodes": h.colocated_nodes,
                 "running_requests": h.running_requests, "queued_requests": self.router.num_queued,
                 "migrations": self.router.migrations, "terminals": dict(self.router.counts), **process_memory(),
                 "nodes": nodes, "ray_node_id": ray.get_runtime_context().get_node_id()}

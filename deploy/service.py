@@ -1,4 +1,4 @@
-"""Service: assembles router + N prefill + M decode actors on Ray and keeps them wired.
+"""Service: assembles router + N prefill + M decode actors (or N colocated ones) on Ray and keeps them wired.
 
 Starts Ray (a local cluster, or joins `cluster.address`), creates the node actors (each
 restarts forever on death, placed only on Ray nodes offering the section's `resources`) and
@@ -26,7 +26,7 @@ from deploy.actors import node_tls
 from deploy.config import ServiceConfig, with_cluster_secret
 from deploy.tp_group import TPNodeGroup
 
-ROLES = ("prefill", "decode")
+ROLES = ("prefill", "decode", "colocated")
 ACTOR_PREFIX = "pdserve-"  # actors are named pdserve-router, pdserve-prefill-0, ... in the namespace
 log = logging.getLogger(__name__)
 
@@ -45,7 +45,8 @@ def init_ray(cfg: ServiceConfig, temp_dir: str | None = None, num_cpus: int | No
     kwargs: dict[str, Any] = {"namespace": cfg.cluster.namespace, "include_dashboard": False,
                               "log_to_driver": False, "configure_logging": False}
     if cfg.cluster.address is None:
-        needed = sum(c.num_nodes * c.tp * c.num_cpus for c in (cfg.prefill, cfg.decode)) + 1
+        needed = sum(n * getattr(cfg.section(role), "tp", 1) * cfg.section(role).num_cpus
+                     for role, n in cfg.node_counts.items()) + 1
         kwargs.update(address="local", num_cpus=num_cpus or max(int(needed) + 1, os.cpu_count() or 1),
                       _temp_dir=temp_dir)
     else:
@@ -89,11 +90,11 @@ class Service:
         from deploy.router_actor import RouterActor
 
         cfg_json = self.cfg.model_dump_json()
-        for role in ROLES:
-            section = self.cfg.prefill if role == "prefill" else self.cfg.decode
-            for i in range(section.num_nodes):
-                if section.tp > 1:
-                    self.actors[(role, i)] = TPNodeGroup(role, i, cfg_json, section.tp, self._node_options(role, i))
+        for role, count in self.cfg.node_counts.items():
+            tp = getattr(self.cfg.section(role), "tp", 1)
+            for i in range(count):
+                if tp > 1:
+                    self.actors[(role, i)] = TPNodeGroup(role, i, cfg_json, tp, self._node_options(role, i))
                     self.actors[(role, i)].launch()
                     continue
                 self.actors[(role, i)] = ray.remote(NodeActor).options(**self._node_options(role, i)).remote(
@@ -105,7 +106,7 @@ class Service:
         self.http_address = ray.get(self.router.http_address.remote(), timeout=timeout_s)
         self._router_ports = (_port(self.router_address), _port(self.http_address) if self.http_address else None)
         deadline = time.monotonic() + timeout_s
-        want = (self.cfg.prefill.num_nodes, self.cfg.decode.num_nodes)
+        want = tuple(self.cfg.node_counts.get(role, 0) for role in ROLES)
         while not all(self._poll_once(wait_s=5.0).values()) or not self._router_sees(want):
             if time.monotonic() > deadline:
                 raise TimeoutError(f"nodes did not start in time: {self.addresses}")
@@ -116,7 +117,7 @@ class Service:
 
     def _node_options(self, role: str, index: int) -> dict[str, Any]:
         """Ray options of one node actor: restarts forever, named, only where its resources are."""
-        section = self.cfg.prefill if role == "prefill" else self.cfg.decode
+        section = self.cfg.section(role)
         gpu = self.cfg.model.resolved_device().startswith("cuda")
         return dict(max_restarts=-1, max_task_retries=0, num_cpus=section.num_cpus,
                     num_gpus=section.num_gpus if gpu else 0, resources=dict(section.resources),
@@ -150,11 +151,11 @@ class Service:
                 log.warning("the router was restarted; serving again on %s", self.router_address)
             self._router_instance = instance
 
-    def _router_sees(self, want: tuple[int, int]) -> bool:
+    def _router_sees(self, want: tuple[int, ...]) -> bool:
         import ray
 
-        p, d = ray.get(self.router.healthy_nodes.remote())
-        return p >= want[0] and d >= want[1]
+        healthy = ray.get(self.router.healthy_nodes.remote())
+        return all(h >= w for h, w in zip(healthy, want, strict=True))
 
     def _watch(self) -> None:
         interval = self.cfg.router.status_interval_s

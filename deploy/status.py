@@ -65,13 +65,14 @@ def render(state: dict[str, Any]) -> str:
     """A table an operator reads at a glance."""
     r = state["router"] or {"state": "missing"}
     lines = [f"router  {r.get('state')}  serving={r.get('serving')}  prefill={r.get('prefill_nodes', '-')} "
-             f"decode={r.get('decode_nodes', '-')}  running={r.get('running_requests', '-')} "
+             f"decode={r.get('decode_nodes', '-')}  colocated={r.get('colocated_nodes', '-')}  "
+             f"running={r.get('running_requests', '-')} "
              f"queued={r.get('queued_requests', '-')}  on {r.get('ray_node_ip', '?')}",
-             f"{'NODE':<20}{'ROLE':<9}{'STATE':<7}{'ADDRESS':<22}{'RAY NODE':<17}{'RUN':>5}{'QUEUED':>8}"
+             f"{'NODE':<20}{'ROLE':<10}{'STATE':<7}{'ADDRESS':<22}{'RAY NODE':<17}{'RUN':>5}{'QUEUED':>8}"
              f"{'FREE KV':>9}{'TOTAL':>7}{'HIT TOK':>9}{'HIT REQ':>9}  RESOURCES"]
     for n in sorted(state["nodes"], key=lambda n: (ROLES.index(n.get("role", "prefill")), n["name"])):
         tok, req = hit_rates(n)
-        lines.append(f"{n['name']:<20}{n.get('role', '?'):<9}{n['state']:<7}{n.get('address', '-'):<22}"
+        lines.append(f"{n['name']:<20}{n.get('role', '?'):<10}{n['state']:<7}{n.get('address', '-'):<22}"
                      f"{n.get('ray_node_ip', '?'):<17}{n.get('running', '-'):>5}{n.get('queued_tokens', '-'):>8}"
                      f"{n.get('free_blocks', '-'):>9}{n.get('total_blocks', '-'):>7}{tok:>9}{req:>9}  "
                      f"{json.dumps(n.get('ray_node_resources', {}))}"

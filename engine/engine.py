@@ -1,7 +1,8 @@
 """LLMEngine: the single-process engine (continuous batching, chunked prefill, MTP on/off).
 
 Receives token-id prompts with SamplingParams; hands back per-step output deltas. Each `step`
-runs one prefill batch (a token budget of prompt chunks, FIFO) and one overlapped decode step:
+runs one prefill batch (a token budget of prompt chunks, FIFO: engine/chunked_prefill.py, which
+the colocated node runs too) and one overlapped decode step:
 the decode step N+1 is launched before step N's results are read. The scheduler part holds
 integers and lists only; tensors live in the ModelRunner. The prefill and decode nodes reuse
 the same pieces (`ModelRunner.prefill`, `insert_no_sync`, `launch_decode`/`collect`).
@@ -23,15 +24,16 @@ from dataclasses import dataclass
 import torch
 
 from engine.attention import get_backend
+from engine.chunked_prefill import ChunkedPrefill
 from engine.decode_batch import DecodeBatch
 from engine.draft_vocab import DraftVocab, read_ranking
 from engine.kv_cache import BlockManager, KVCache
 from engine.loader import LoadedModel
 from engine.model import fuse_projections
-from engine.model_runner import MAX_GRAPH_TOKENS, ModelRunner, kv_room_needed, unpack_logprobs
+from engine.model_runner import MAX_GRAPH_TOKENS, ModelRunner, kv_room_needed
 from engine.prefill_step import PrefillChunk
 from engine.prefix_cache import PrefixCache
-from engine.request import Request, RequestOutput, TokenLogprob
+from engine.request import Request, RequestOutput
 from engine.sampling_params import SamplingParams
 from engine.tensor_parallel import (
     TPCausalLM,
@@ -176,8 +178,8 @@ class LLMEngine:
         self.runner, self.blocks, self.max_model_len = build_runner(loaded, config, tp=tp)
         self.prefix = prefix_cache_for(loaded, config, self.blocks)
         self.waiting: deque[Request] = deque()  # in arrival order; blocks taken at prefill start
-        self.prefilling: list[Request] = []
         self.batch = DecodeBatch(self.runner, self.blocks, config.max_num_seqs)
+        self.prefill = ChunkedPrefill(self.runner, self.prefix, self.batch, config.max_num_batched_tokens)
         self.requests: dict[str, Request] = {}
         self._rng = random.Random(config.seed)
         self._ids = itertools.count()
@@ -199,12 +201,11 @@ class LLMEngine:
             return
         if req in self.waiting:
             self.waiting.remove(req)
-        if req in self.prefilling:
-            self.prefilling.remove(req)
+        self.prefill.drop(req)
         self.batch.finish(req, "abort")
 
     def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.prefilling or self.batch.busy)
+        return bool(self.waiting or self.prefill.requests or self.batch.busy)
 
     @property
     def num_free_blocks(self) -> int:
@@ -220,17 +221,8 @@ class LLMEngine:
 
     def _schedule_prefill(self) -> tuple[list[PrefillChunk], list[Request]]:
         while self.waiting and self._admit(self.waiting[0]):
-            self.prefilling.append(self.waiting.popleft())
-        budget = self.config.max_num_batched_tokens
-        chunks, reqs = [], []
-        for req in self.prefilling:
-            if budget <= 0:
-                break
-            end = min(len(req.prompt), req.num_prefilled + budget)
-            chunks.append(PrefillChunk(req.prompt, req.num_prefilled, end, req.block_ids, req.params, req.seed))
-            reqs.append(req)
-            budget -= end - req.num_prefilled
-        return chunks, reqs
+            self.prefill.add(self.waiting.popleft())
+        return self.prefill.schedule()
 
     def _admit(self, req: Request) -> bool:
         """Reserve a slot and the request's whole KV room (its cached prefix shared), or leave it waiting."""
@@ -251,26 +243,7 @@ class LLMEngine:
         return True
 
     def _run_prefill(self, chunks: list[PrefillChunk], reqs: list[Request]) -> list[RequestOutput]:
-        out = self.runner.prefill(chunks)
-        for c, req in zip(chunks, reqs, strict=True):
-            req.num_prefilled = c.end
-            self.prefix.register(req.block_ids, req.block_hashes, c.end)
-        if not out.last_rows:
-            return []
-        firsts = out.first_token.tolist()  # the prefill read point (not in the decode loop)
-        lp_nums = {i: chunks[r].logprobs or 0 for i, r in enumerate(out.last_rows) if chunks[r].logprobs is not None}
-        lps = unpack_logprobs(out.logprobs, lp_nums, out.logprob_rows, 1) if out.logprobs else {}
-        results = []
-        for i, r in enumerate(out.last_rows):
-            req = reqs[r]
-            self.prefilling.remove(req)
-            tlp = [TokenLogprob(firsts[i], *lps[i][0])] if i in lps else []
-            results.append(self.batch.emit(req, [firsts[i]], tlp))
-            if not req.finished:
-                drafts = out.drafts[i] if out.drafts is not None else None
-                probs = out.draft_probs[i] if out.draft_probs is not None else None
-                self.batch.insert(req, out.first_token[i], drafts, probs)
-        return results
+        return self.prefill.run(chunks, reqs)
 
     # ---- convenience ----------------------------------------------------------------
     def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams]) -> list[Request]:

@@ -430,3 +430,214 @@ class PrefillControl:
             timeout,
             metadata,
             _registered_method=True)
+
+
+class ColocatedControlStub:
+    """A colocated node prefills and decodes its own requests (no KV transfer): the router submits
+    a whole request and reads every token, the first included, from the Outputs stream.
+    """
+
+    def __init__(self, channel):
+        """Constructor.
+
+        Args:
+            channel: A grpc.Channel.
+        """
+        self.Submit = channel.unary_unary(
+                '/pdserve.node.v1.ColocatedControl/Submit',
+                request_serializer=protos_dot_node__pb2.ReserveRequest.SerializeToString,
+                response_deserializer=protos_dot_node__pb2.ReserveReply.FromString,
+                _registered_method=True)
+        self.Abort = channel.unary_unary(
+                '/pdserve.node.v1.ColocatedControl/Abort',
+                request_serializer=protos_dot_node__pb2.AbortRequest.SerializeToString,
+                response_deserializer=protos_dot_node__pb2.Ack.FromString,
+                _registered_method=True)
+        self.Outputs = channel.unary_stream(
+                '/pdserve.node.v1.ColocatedControl/Outputs',
+                request_serializer=protos_dot_node__pb2.OutputsRequest.SerializeToString,
+                response_deserializer=protos_dot_node__pb2.Payload.FromString,
+                _registered_method=True)
+        self.Status = channel.unary_unary(
+                '/pdserve.node.v1.ColocatedControl/Status',
+                request_serializer=protos_dot_node__pb2.StatusRequest.SerializeToString,
+                response_deserializer=protos_dot_node__pb2.NodeStatus.FromString,
+                _registered_method=True)
+
+
+class ColocatedControlServicer:
+    """A colocated node prefills and decodes its own requests (no KV transfer): the router submits
+    a whole request and reads every token, the first included, from the Outputs stream.
+    """
+
+    def Submit(self, request, context):
+        """Admit a request (its slot and KV blocks for its whole life) and queue its prefill, or refuse
+        (`admitted` false, `reason`: the router queues it). `prompt_token_ids` is required here.
+        The reply's descriptor is empty.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Abort(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Outputs(self, request, context):
+        """As DecodeControl's: every token and exactly one terminal item per admitted request.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Status(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+
+def add_ColocatedControlServicer_to_server(servicer, server):
+    rpc_method_handlers = {
+            'Submit': grpc.unary_unary_rpc_method_handler(
+                    servicer.Submit,
+                    request_deserializer=protos_dot_node__pb2.ReserveRequest.FromString,
+                    response_serializer=protos_dot_node__pb2.ReserveReply.SerializeToString,
+            ),
+            'Abort': grpc.unary_unary_rpc_method_handler(
+                    servicer.Abort,
+                    request_deserializer=protos_dot_node__pb2.AbortRequest.FromString,
+                    response_serializer=protos_dot_node__pb2.Ack.SerializeToString,
+            ),
+            'Outputs': grpc.unary_stream_rpc_method_handler(
+                    servicer.Outputs,
+                    request_deserializer=protos_dot_node__pb2.OutputsRequest.FromString,
+                    response_serializer=protos_dot_node__pb2.Payload.SerializeToString,
+            ),
+            'Status': grpc.unary_unary_rpc_method_handler(
+                    servicer.Status,
+                    request_deserializer=protos_dot_node__pb2.StatusRequest.FromString,
+                    response_serializer=protos_dot_node__pb2.NodeStatus.SerializeToString,
+            ),
+    }
+    generic_handler = grpc.method_handlers_generic_handler(
+            'pdserve.node.v1.ColocatedControl', rpc_method_handlers)
+    server.add_generic_rpc_handlers((generic_handler,))
+    server.add_registered_method_handlers('pdserve.node.v1.ColocatedControl', rpc_method_handlers)
+
+
+ # This class is part of an EXPERIMENTAL API.
+class ColocatedControl:
+    """A colocated node prefills and decodes its own requests (no KV transfer): the router submits
+    a whole request and reads every token, the first included, from the Outputs stream.
+    """
+
+    @staticmethod
+    def Submit(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdserve.node.v1.ColocatedControl/Submit',
+            protos_dot_node__pb2.ReserveRequest.SerializeToString,
+            protos_dot_node__pb2.ReserveReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Abort(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdserve.node.v1.ColocatedControl/Abort',
+            protos_dot_node__pb2.AbortRequest.SerializeToString,
+            protos_dot_node__pb2.Ack.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Outputs(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/pdserve.node.v1.ColocatedControl/Outputs',
+            protos_dot_node__pb2.OutputsRequest.SerializeToString,
+            protos_dot_node__pb2.Payload.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Status(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdserve.node.v1.ColocatedControl/Status',
+            protos_dot_node__pb2.StatusRequest.SerializeToString,
+            protos_dot_node__pb2.NodeStatus.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)

@@ -123,20 +123,22 @@ class HealthRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class HealthResponse(_message.Message):
-    __slots__ = ("serving", "prefill_nodes", "decode_nodes", "running_requests", "queued_requests", "nodes")
+    __slots__ = ("serving", "prefill_nodes", "decode_nodes", "running_requests", "queued_requests", "nodes", "colocated_nodes")
     SERVING_FIELD_NUMBER: _ClassVar[int]
     PREFILL_NODES_FIELD_NUMBER: _ClassVar[int]
     DECODE_NODES_FIELD_NUMBER: _ClassVar[int]
     RUNNING_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     QUEUED_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     NODES_FIELD_NUMBER: _ClassVar[int]
+    COLOCATED_NODES_FIELD_NUMBER: _ClassVar[int]
     serving: bool
     prefill_nodes: int
     decode_nodes: int
     running_requests: int
     queued_requests: int
     nodes: _containers.RepeatedCompositeFieldContainer[NodeHealth]
-    def __init__(self, serving: _Optional[bool] = ..., prefill_nodes: _Optional[int] = ..., decode_nodes: _Optional[int] = ..., running_requests: _Optional[int] = ..., queued_requests: _Optional[int] = ..., nodes: _Optional[_Iterable[_Union[NodeHealth, _Mapping]]] = ...) -> None: ...
+    colocated_nodes: int
+    def __init__(self, serving: _Optional[bool] = ..., prefill_nodes: _Optional[int] = ..., decode_nodes: _Optional[int] = ..., running_requests: _Optional[int] = ..., queued_requests: _Optional[int] = ..., nodes: _Optional[_Iterable[_Union[NodeHealth, _Mapping]]] = ..., colocated_nodes: _Optional[int] = ...) -> None: ...
 
 class NodeHealth(_message.Message):
     __slots__ = ("address", "kind", "node_id", "healthy", "free_kv_blocks", "total_kv_blocks", "running_requests", "queued_prompt_tokens", "last_error")

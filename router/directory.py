@@ -1,4 +1,4 @@
-"""NodeDirectory: which prefill and decode nodes exist (host:port of their gRPC servers).
+"""NodeDirectory: which prefill, decode and colocated nodes exist (host:port of their gRPC servers).
 
 Written by whoever owns membership (deploy's Ray supervisor as actors die and restart, or a
 test); read by the router's NodePool, which reconciles its connections with it. Every method
@@ -12,19 +12,19 @@ import threading
 from collections.abc import Callable, Iterable
 from typing import Literal
 
-Kind = Literal["prefill", "decode"]
-KINDS: tuple[Kind, ...] = ("prefill", "decode")
+Kind = Literal["prefill", "decode", "colocated"]
+KINDS: tuple[Kind, ...] = ("prefill", "decode", "colocated")
 
 
 class NodeDirectory:
-    def __init__(self, prefill: Iterable[str] = (), decode: Iterable[str] = ()) -> None:
+    def __init__(self, prefill: Iterable[str] = (), decode: Iterable[str] = (),
+                 colocated: Iterable[str] = ()) -> None:
         self._lock = threading.Lock()
-        self._nodes: dict[Kind, list[str]] = {"prefill": [], "decode": []}
+        self._nodes: dict[Kind, list[str]] = {kind: [] for kind in KINDS}
         self._listeners: list[Callable[[], None]] = []
-        for a in prefill:
-            self._add(self._nodes["prefill"], a)
-        for a in decode:
-            self._add(self._nodes["decode"], a)
+        for kind, addresses in zip(KINDS, (prefill, decode, colocated), strict=True):
+            for a in addresses:
+                self._add(self._nodes[kind], a)
 
     # ---- writers ----------------------------------------------------------------------
     def add(self, kind: Kind, address: str) -> bool:
@@ -75,7 +75,7 @@ class NodeDirectory:
     # ---- internals --------------------------------------------------------------------
     def _list(self, kind: Kind) -> list[str]:
         if kind not in self._nodes:
-            raise ValueError(f"node kind must be 'prefill' or 'decode', got {kind!r}")
+            raise ValueError(f"node kind must be one of {', '.join(KINDS)}, got {kind!r}")
         return self._nodes[kind]
 
     @staticmethod

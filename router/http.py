@@ -85,6 +85,7 @@ def health_json(h: pb.HealthResponse) -> dict:
               "running_requests": n.running_requests, "queued_prompt_tokens": n.queued_prompt_tokens,
               "last_error": n.last_error} for n in h.nodes]
     return {"serving": h.serving, "prefill_nodes": h.prefill_nodes, "decode_nodes": h.decode_nodes,
+            "colocated_nodes": h.colocated_nodes,
             "running_requests": h.running_requests, "queued_requests": h.queued_requests, "nodes": nodes}
 
 

@@ -1,4 +1,4 @@
-"""NodePool: the router's connections to its prefill and decode nodes, and their health.
+"""NodePool: the router's connections to its prefill, decode and colocated nodes, and their health.
 
 Receives membership from a NodeDirectory (reconciled on every change and every poll);
 hands the lifecycle `Node` handles (stub + health + load) and calls it back with decode
@@ -13,6 +13,8 @@ Health rules:
   subscriber is registered, so no output can be missed). When the stream breaks, or an RPC
   to it fails with UNAVAILABLE, it is marked failed: `on_decode_failure` ends every request
   on it, and it is re-subscribed once a `Status` succeeds again.
+- A colocated node (prefill and decode of its own requests, one process) streams its outputs
+  as a decode node does, and is treated as one by every rule above.
 Never blocks the event loop; every RPC here has a deadline.
 """
 
@@ -46,7 +48,7 @@ class Node:
     kind: Kind
     address: str
     channel: grpc.aio.Channel
-    stub: Any  # DecodeControlStub or PrefillControlStub
+    stub: Any  # DecodeControlStub, PrefillControlStub or ColocatedControlStub
     healthy: bool = False
     status: node_pb2.NodeStatus | None = None
     inflight: int = 0  # this router's requests reserved on (D) / prefilling on (P) the node
@@ -141,12 +143,12 @@ class NodePool:
         succeeds; a decode node's requests all end (UNAVAILABLE)."""
         was_up = node.healthy or node.subscription is not None
         node.healthy, node.last_error = False, reason
-        if node.kind == "decode":
+        if node.kind != "prefill":  # decode or colocated: its requests' outputs came from it
             sub, node.subscription = node.subscription, None
             if sub is not None and sub is not asyncio.current_task():
                 sub.cancel()
             if was_up:
-                log.warning("decode node %s failed: %s", node.address, reason)
+                log.warning("%s node %s failed: %s", node.kind, node.address, reason)
             self.on_decode_failure(node, reason)
         elif was_up:
             log.warning("prefill node %s failed: %s", node.address, reason)
@@ -193,7 +195,8 @@ class NodePool:
                 self.spawn(node.channel.close(grace=self.rpc_timeout_s))
         for kind, address in wanted - set(self.nodes):
             channel = node_aio_channel(address, self._tls, CHANNEL_OPTIONS)
-            stub_cls = node_pb2_grpc.DecodeControlStub if kind == "decode" else node_pb2_grpc.PrefillControlStub
+            stub_cls = {"decode": node_pb2_grpc.DecodeControlStub, "prefill": node_pb2_grpc.PrefillControlStub,
+                        "colocated": node_pb2_grpc.ColocatedControlStub}[kind]
             stub = with_secret(stub_cls(channel), self._secret)
             self.nodes[(kind, address)] = Node(kind, address, channel, stub)
 
@@ -236,7 +239,7 @@ class NodePool:
             return
         node.subscription = asyncio.create_task(self._read_outputs(node, call))
         node.healthy, node.last_error = True, ""
-        log.info("subscribed to decode node %s", node.address)
+        log.info("subscribed to %s node %s", node.kind, node.address)
 
     async def _read_outputs(self, node: Node, call: Any) -> None:
         reason = "the Outputs stream ended"

@@ -6,6 +6,10 @@ A request's path through this file:
   RESOURCE_EXHAUSTED) -> Prefill on a prefill node P (UNAVAILABLE -> abort on D, re-reserve,
   another P) -> P's first token streamed at once -> D's output items (routed here by the
   NodePool's one Outputs subscription per D) -> detokenize, stop strings -> one terminal.
+A colocated service (the directory lists colocated nodes) places the whole request on one node
+instead (Submit: admitted or refused as a reservation is, queued alike), and every token, the
+first included, comes on that node's output stream; a colocated node is a decode node in every
+other respect (its loss migrates its requests to another one).
 A lost placement (D's stream broke, P could not reach D, D reported the attempt failed) raises
 `AttemptLost` in the driver, which migrates the request (`router.migrate`): the old attempt is
 aborted and the driver places it again with prompt + tokens already streamed, at most
@@ -221,7 +225,11 @@ class Router:
             async with asyncio.timeout(st.prep.timeout_s):
                 while True:
                     try:
-                        first = await self._place(st)
+                        first = None
+                        if self._colocated:
+                            await self._place_colocated(st)
+                        else:
+                            first = await self._place(st)
                         await self._stream(st, first)
                         return
                     except AttemptLost as e:
@@ -283,7 +291,18 @@ class Router:
             return task.result()
         raise AttemptLost(lost.result())
 
-    # ---- placement: reserve on D, prefill on P --------------------------------------------
+    # ---- placement: reserve on D, prefill on P (or the whole request on a colocated node) ----
+    @property
+    def _colocated(self) -> bool:
+        """Whether this is a colocated service: its directory lists colocated nodes."""
+        return bool(self.pool.directory.addresses("colocated"))
+
+    async def _place_colocated(self, st: RequestState) -> None:
+        """Submit the whole request to a colocated node (policy order; all refuse -> the queue, as a
+        decode reservation); every token comes on its output stream (`_stream` with no first token)."""
+        st.attempt += 1
+        await self._reserve(st, st.attempt, st.resume_prompt(), st.resume_sampling(), "colocated")
+
     async def _place(self, st: RequestState) -> FirstToken:
         tried: dict[str, str] = {}
         prompt, sampling = st.resume_prompt(), st.resume_sampling()
@@ -349,15 +368,16 @@ class Router:
         raise RequestError("UNAVAILABLE", _no_prefill_message(exclude))
 
     async def _reserve(self, st: RequestState, attempt: int, prompt: list[int],
-                       sampling: node_pb2.Sampling) -> tuple[Node, bytes]:
-        """Reserve on the first decode node (policy order) that admits; queue when none does."""
+                       sampling: node_pb2.Sampling, kind: str = "decode") -> tuple[Node, bytes]:
+        """Reserve on the first decode node (policy order) that admits, or submit to the first
+        colocated one (`kind`); queue when none does."""
         wait, front = len(self._queue) > 0, False  # FIFO: do not pass those already waiting
         req = node_pb2.ReserveRequest(request_id=f"{self.router_id}/{st.request_id}/{attempt}",
                                       prompt_len=len(prompt), sampling=sampling, prompt_token_ids=prompt)
         while True:
             if not wait:
                 seen = self._queue.epoch
-                found = await self._try_reserve(st, req)
+                found = await self._try_reserve(st, req, kind)
                 if found is not None:
                     if len(self._queue):
                         self._queue.wake_one()  # capacity may remain for the next one
@@ -366,7 +386,7 @@ class Router:
                     continue  # and no waiter was there to take it: ask again, do not wait for more
             wait = False
             if not await self._queue.wait(front):
-                raise RequestError("RESOURCE_EXHAUSTED", "no decode node can admit the request now and the "
+                raise RequestError("RESOURCE_EXHAUSTED", f"no {kind} node can admit the request now and the "
                                    f"router's queue ({self._queue.size}) is full")
             front = True
 
@@ -381,20 +401,22 @@ class Router:
             await asyncio.sleep(NODE_WAIT_POLL_S)
         return True
 
-    async def _try_reserve(self, st: RequestState, req: node_pb2.ReserveRequest) -> tuple[Node, bytes] | None:
-        if not await self._await_node("decode"):
-            raise RequestError("UNAVAILABLE", "no healthy decode node")
-        nodes = self.pool.healthy("decode")
+    async def _try_reserve(self, st: RequestState, req: node_pb2.ReserveRequest,
+                           kind: str) -> tuple[Node, bytes] | None:
+        if not await self._await_node(kind):
+            raise RequestError("UNAVAILABLE", f"no healthy {kind} node")
+        nodes = self.pool.healthy(kind)  # type: ignore[arg-type]
         node_rid = req.request_id
         for load in self.policy.order_decode([n.load() for n in nodes]):
-            node = self.pool.find("decode", load.address)
+            node = self.pool.find(kind, load.address)  # type: ignore[arg-type]
             if node is None or not node.healthy:
                 continue
             self._hold_decode(st, node, node_rid)  # before the call: a cancel mid-call still aborts
+            call = node.stub.Submit if kind == "colocated" else node.stub.Reserve
             try:
-                reply = await node.stub.Reserve(req, timeout=self.config.rpc_timeout_s)
+                reply = await call(req, timeout=self.config.rpc_timeout_s)
             except grpc.aio.AioRpcError as e:
-                if self.pool.rpc_failed(node, e, "Reserve"):
+                if self.pool.rpc_failed(node, e, "Submit" if kind == "colocated" else "Reserve"):
                     self._drop_decode(st)
                 else:  # it may have admitted: abort to be sure
                     self._spawn_abort_decode(st, "Reserve failed")
@@ -414,13 +436,16 @@ class Router:
         return first
 
     # ---- streaming ------------------------------------------------------------------------
-    async def _stream(self, st: RequestState, first: FirstToken) -> None:
-        if first.finished:
-            st.decode_live = False  # D releases the reservation by itself
-        complete = self._add_tokens(st, [first.token], first.logprobs)
-        if first.finished or complete:
-            st.finish("stop" if st.text.stopped else first.finished or st.stop_reason)
-            return
+    async def _stream(self, st: RequestState, first: FirstToken | None) -> None:
+        """Stream the first token (from P; None on a colocated node, where it is an output item
+        too), then the node's output items until the terminal one."""
+        if first is not None:
+            if first.finished:
+                st.decode_live = False  # D releases the reservation by itself
+            complete = self._add_tokens(st, [first.token], first.logprobs)
+            if first.finished or complete:
+                st.finish("stop" if st.text.stopped else first.finished or st.stop_reason)
+                return
         while True:
             item = await self._next_item(st)
             st.steps, st.accepted = st.steps + item.steps, st.accepted + item.accepted
@@ -431,7 +456,7 @@ class Router:
                 st.finish("stop")
             elif item.error is not None:  # D gave up on this attempt (its KV never came, ...): move it
                 assert st.decode is not None
-                raise AttemptLost(f"decode node {st.decode.address}: {item.error}")
+                raise AttemptLost(f"{st.decode.kind} node {st.decode.address}: {item.error}")
             elif item.finish_reason is not None:
                 st.finish(item.finish_reason)
             elif complete:
@@ -534,9 +559,9 @@ class Router:
     def health(self, nodes: bool = False) -> pdserve_pb2.HealthResponse:
         """Serving or not, and the counts; `nodes`: every node's last Status too (free KV blocks,
         running, queued, last error), so a leak is visible from outside."""
-        p, d = len(self.pool.healthy("prefill")), len(self.pool.healthy("decode"))
-        out = pdserve_pb2.HealthResponse(serving=self._serving and p > 0 and d > 0, prefill_nodes=p,
-                                         decode_nodes=d, running_requests=len(self.requests),
+        p, d, c = (len(self.pool.healthy(kind)) for kind in ("prefill", "decode", "colocated"))
+        out = pdserve_pb2.HealthResponse(serving=self._serving and ((p > 0 and d > 0) or c > 0), prefill_nodes=p,
+                                         decode_nodes=d, colocated_nodes=c, running_requests=len(self.requests),
                                          queued_requests=len(self._queue))
         if nodes:
             out.nodes.extend(_node_health(n) for _, n in sorted(self.pool.nodes.items()))
@@ -550,7 +575,8 @@ class Router:
     def list_models(self) -> pdserve_pb2.ListModelsResponse:
         k = self.num_speculative_tokens
         if k is None:
-            k = max((n.status.num_speculative_tokens for n in self.pool.healthy("decode") if n.status), default=0)
+            nodes = self.pool.healthy("decode") + self.pool.healthy("colocated")
+            k = max((n.status.num_speculative_tokens for n in nodes if n.status), default=0)
         info = pdserve_pb2.ModelInfo(name=self.model.name, max_model_len=self.max_model_len,
                                      num_speculative_tokens=k)
         return pdserve_pb2.ListModelsResponse(models=[info])

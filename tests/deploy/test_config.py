@@ -206,3 +206,41 @@ def test_kv_fault_drills_are_off_by_default_and_checked():
         ServiceConfig.load(None, {"kv_transfer.faults.drop": 0.6, "kv_transfer.faults.delay": 0.6})
     with pytest.raises(ConfigError, match="unknown config key"):
         ServiceConfig.load(None, {"kv_transfer.faults.corrupt": 0.1})
+
+
+def test_colocated_flag_makes_a_colocated_service_with_vllm_named_knobs():
+    import argparse
+
+    from deploy.actors import engine_config
+    from deploy.cli_service import add_service_arguments, service_config
+
+    parser = argparse.ArgumentParser()
+    add_service_arguments(parser)
+    cfg = service_config(parser.parse_args(["--colocated", "2", "--max-num-batched-tokens", "256",
+                                            "--max-num-seqs", "8", "--enable-prefix-caching"]))
+    assert cfg.node_counts == {"colocated": 2}
+    assert cfg.prefill.num_nodes == cfg.decode.num_nodes == 0
+    eng = engine_config(cfg, "colocated")
+    assert (eng.max_num_batched_tokens, eng.max_num_seqs, eng.enable_prefix_caching) == (256, 8, True)
+    assert ServiceConfig.model_validate_json(cfg.model_dump_json()) == cfg  # as the actors read it
+    default = ServiceConfig.load(None, {"colocated.num_nodes": 1})
+    assert default.colocated.max_num_batched_tokens == 512 and default.colocated.max_num_seqs == 32
+    assert ServiceConfig.load(None, {}).node_counts == {"prefill": 1, "decode": 1}
+    pd = service_config(parser.parse_args(["--max-num-batched-tokens", "1024"]))
+    assert pd.node_counts == {"prefill": 1, "decode": 1} and engine_config(pd, "prefill").max_num_batched_tokens == 1024
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        ({"colocated.num_nodes": 1, "prefill.num_nodes": 2}, "colocated or disaggregated"),
+        ({"colocated.num_nodes": 1, "decode.num_nodes": 1}, "decode.num_nodes"),
+        ({"prefill.num_nodes": 0}, "prefill.num_nodes must be >= 1"),
+        ({"colocated.num_nodes": -1}, "colocated.num_nodes"),
+        ({"colocated.num_nodes": 1, "colocated.max_num_batched_tokens": 0}, "colocated.max_num_batched_tokens"),
+        ({"colocated.tp": 2}, "unknown config key 'colocated.tp'"),
+    ],
+)
+def test_bad_colocated_configs_are_clear_errors(overrides, message):
+    with pytest.raises(ConfigError, match=message):
+        ServiceConfig.load(None, overrides)

@@ -14,3 +14,12 @@ def test_status_table_shows_prefix_hit_rates_of_prefill_nodes():
     lines = render({"router": {"state": "up", "serving": True}, "nodes": [decode, prefill]}).splitlines()
     assert "HIT TOK" in lines[1] and "HIT REQ" in lines[1]
     assert lines[2].startswith("pdserve-prefill-0") and "75.0%" in lines[2] and "66.7%" in lines[2]
+
+
+def test_status_table_lists_colocated_nodes_after_the_others():
+    colocated = {"name": "pdserve-colocated-0", "role": "colocated", "state": "up", "free_blocks": 10,
+                 "total_blocks": 10, "running": 0}
+    router = {"state": "up", "serving": True, "prefill_nodes": 0, "decode_nodes": 0, "colocated_nodes": 1}
+    lines = render({"router": router, "nodes": [colocated]}).splitlines()
+    assert "colocated=1" in lines[0]
+    assert lines[2].startswith("pdserve-colocated-0 colocated up")

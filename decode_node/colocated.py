@@ -1,0 +1,126 @@
+"""ColocatedNode: one engine that prefills and decodes its own requests (no KV transfer).
+
+Receives, from the router, whole requests (`submit`: the prompt's token ids and the resolved
+sampling) and aborts. Admission is the decode node's: a slot and KV blocks for the request's
+whole life (its prompt's longest cached prefix shared when `enable_prefix_caching`), or a
+refusal, on which the router queues. The prompt then waits in the single-process engine's
+ChunkedPrefill (engine/chunked_prefill.py). Each loop round runs one prefill step, at most
+`max_num_batched_tokens` prompt tokens (a longer prompt is cut into chunks that later rounds
+continue), and then one overlapped decode step of the running batch (DecodeBatch: MTP, the
+decode step's CUDA graphs), so a running request waits at most one chunk between two of its
+steps. A prompt that completes is inserted into the batch with its first token and drafts.
+
+Hands on output items as a decode node does, the first token included as an ordinary item
+(with its logprobs), and exactly one terminal item per admitted request, to every subscriber
+of the output stream. Everything else is DecodeNode's: one loop thread owns the batch, the
+runner, the block manager and the prefill queue; other threads only enqueue; a router's
+requests are dropped when its last output stream ends ("Owners"); nothing is ever pending a
+KV transfer here.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import logging
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from decode_node.node import DecodeNode, Reservation
+from engine.chunked_prefill import ChunkedPrefill
+from engine.engine import EngineConfig
+from engine.loader import LoadedModel
+from engine.model_runner import kv_room_needed
+from engine.request import Request
+from engine.sampling_params import SamplingParams
+from engine.tensor_parallel import TPGroup
+from protos.messages import OutputItem
+
+log = logging.getLogger(__name__)
+
+
+class ColocatedNode(DecodeNode):
+    loop_name = "colocated-loop"
+
+    def __init__(self, loaded: LoadedModel, config: EngineConfig, tp: TPGroup | None = None) -> None:
+        if tp is not None and tp.size > 1:
+            raise ValueError("a colocated node runs on one device (tensor parallelism is not supported for it yet)")
+        super().__init__(loaded, config, kv_backend=None)
+        self.prefill = ChunkedPrefill(self.runner, self.prefix, self.batch, config.max_num_batched_tokens)
+        self.counters = {"prefill_tokens": 0, "prefill_seconds": 0.0}
+        self.prefill_steps = 0  # loop rounds that ran a prefill chunk (tests: interleaving)
+
+    # ---- any thread ------------------------------------------------------------------
+    def submit(self, request_id: str, prompt: list[int], params: SamplingParams, seed: int,
+               stop_ids: tuple[int, ...]) -> concurrent.futures.Future:
+        """Ask the loop to admit a whole request; the future gives a Reservation (no descriptor)."""
+        fut: concurrent.futures.Future = concurrent.futures.Future()
+        self._inbox.put(("submit", (request_id, list(prompt), params, seed, stop_ids, fut)))
+        self.wake()
+        return fut
+
+    def status(self) -> dict[str, Any]:
+        waiting = list(self.prefill.requests)  # a copy: the loop thread changes the list
+        return {**super().status(), "queued_tokens": sum(len(r.prompt) - r.num_prefilled for r in waiting),
+                **self.counters}
+
+    # ---- the loop thread -------------------------------------------------------------
+    def step(self) -> bool:
+        """Commands, one prefill step (if a prompt waits), one decode step. Loop thread only."""
+        items: list[OutputItem] = []
+        self._drain_inbox(items)
+        prefilled = bool(self.prefill.requests)
+        if prefilled:
+            items += self._prefill_step()
+        busy = self.batch.busy
+        outputs = self.batch.step()
+        self._count_accepted(outputs)
+        items += [self._item(o) for o in outputs]
+        self._publish(items)
+        return busy or prefilled or bool(items)
+
+    def _prefill_step(self) -> list[OutputItem]:
+        chunks, reqs = self.prefill.schedule()
+        start = time.perf_counter()
+        try:
+            outputs = self.prefill.run(chunks, reqs)
+        except Exception as e:  # a failed step fails its requests; the node keeps serving
+            log.exception("colocated prefill step failed")
+            items = []
+            for req in reqs:
+                items.append(OutputItem(req.request_id, [], error=f"prefill failed: {e}"))
+                self._end(req, "error")
+            return items
+        self.prefill_steps += 1
+        self.counters["prefill_tokens"] += sum(c.end - c.start for c in chunks)
+        self.counters["prefill_seconds"] += time.perf_counter() - start
+        return [self._item(o) for o in outputs]
+
+    def _command(self, kind: str, args: Sequence[Any], items: list[OutputItem]) -> None:
+        if kind == "submit":
+            args[-1].set_result(self._submit(*args[:-1]))
+        else:
+            super()._command(kind, args, items)
+
+    def _submit(self, rid: str, prompt: list[int], params: SamplingParams, seed: int,
+                stop_ids: tuple[int, ...]) -> Reservation:
+        refusal = self._refusal(rid, len(prompt), prompt) or ("" if prompt else "the prompt is empty")
+        if refusal:
+            return Reservation(False, refusal)
+        max_tokens = min(params.max_tokens, self.max_model_len - len(prompt))
+        need = self.blocks.blocks_for(kv_room_needed(len(prompt) + max_tokens, self.k))
+        hashes = self.prefix.hashes(prompt)
+        if not self.batch.free_slots or not self.prefix.fits(hashes, need):
+            return Reservation(False, f"colocated node full ({self.blocks.num_free} free blocks, need {need})")
+        req = Request(rid, prompt, params, seed, stop_ids, max_tokens)
+        got = self.prefix.allocate(prompt, hashes, need)
+        assert got is not None  # checked above; nothing ran in between
+        req.block_ids, req.num_prefilled = got  # prefill starts after the cached prefix
+        req.block_hashes, req.slot = hashes, self.batch.take_slot()
+        self.requests[rid] = req
+        self.prefill.add(req)
+        return Reservation(True)
+
+    def _end(self, req: Request, reason: str) -> None:
+        self.prefill.drop(req)  # ended before (or while) its prompt was computed
+        super()._end(req, reason)
