@@ -15,12 +15,14 @@ from __future__ import annotations
 
 import argparse
 import json
+import tempfile
 import time
+from pathlib import Path
 
 import torch
 
 from engine.config import ArchConfig
-from engine.draft_vocab import ranking_path_beside
+from engine.draft_vocab import RANK_SUFFIX, ranking_path_beside, write_ranking
 from engine.engine import EngineConfig, LLMEngine
 from engine.loader import (
     LoadedModel,
@@ -89,8 +91,17 @@ def random_model(arch: str, device: str, dtype: str) -> LoadedModel:
         model = build_model(config)
         load_weights(model, *random_weights(model, 0))
     torch_dtype = resolve_dtype(dtype, device)
-    return LoadedModel(f"random-{arch}", _materialize(model, device, torch_dtype), None, (), False,
-                       ranking_path_beside(mtp_path_default(arch)))
+    ranking = ranking_path_beside(mtp_path_default(arch)) or _timing_ranking(config.vocab_size)
+    return LoadedModel(f"random-{arch}", _materialize(model, device, torch_dtype), None, (), False, ranking)
+
+
+def _timing_ranking(vocab: int) -> str:
+    """A shape without a shipped ranking (Llama-1B's) gets ids in order: random weights' drafts
+    are never accepted, so which N ids a draft vocabulary holds does not change a step's time."""
+    path = Path(tempfile.gettempdir()) / f"pdserve-timing-ranking-{vocab}{RANK_SUFFIX}"
+    if not path.is_file():
+        write_ranking(path, torch.arange(vocab, 0, -1), {"source": "ids in order, for timing only"})
+    return str(path)
 
 
 def shape_config(arch: str) -> ArchConfig:

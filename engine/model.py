@@ -119,12 +119,18 @@ class Attention(nn.Module):
 
     def forward(self, positions, x, kv_cache, meta: AttentionMetadata, backend: AttentionBackend, norm: RMSNorm):
         """x + o_proj(attention(norm(x))) on the residual stream x: at decode sizes on a GPU the
-        norm runs inside the q/k/v GEMM and the add inside o_proj's (kernels/linear.py)."""
+        norm runs inside the q/k/v GEMM and the add inside o_proj's (kernels/linear.py); a fresh
+        prefill step may take the backend's fused projection + rotary (`project_forward`)."""
         t = x.shape[0]
-        q, k, v = self._project(x, norm)
-        if self.q_norm is not None and self.k_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        out = backend.rope_forward(self.rotary[0], positions, q, k, v, kv_cache, meta, self.scale)
+        out = None
+        if self.qkv is not None and self.q_norm is None and not self.q_proj.weight.requires_grad:
+            out = backend.project_forward(x, norm.spec, self.qkv, (self.num_heads, self.num_kv_heads, self.head_dim),
+                                          self.rotary[0], positions, kv_cache, meta, self.scale)
+        if out is None:
+            q, k, v = self._project(x, norm)
+            if self.q_norm is not None and self.k_norm is not None:
+                q, k = self.q_norm(q), self.k_norm(k)
+            out = backend.rope_forward(self.rotary[0], positions, q, k, v, kv_cache, meta, self.scale)
         return linear(out.reshape(t, -1), self.o_proj.weight, self.o_proj.bias, residual=x)
 
     def _project(self, x: torch.Tensor, norm: RMSNorm) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -38,6 +38,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from kernels import gemm_glu
 from kernels._dispatch import invariant, use_triton
 from kernels.activation import silu_and_mul, silu_and_mul_ref
 from kernels.norm import rms_norm, rms_norm_ref
@@ -285,9 +286,12 @@ def _addmm(x: torch.Tensor, w: torch.Tensor, residual: torch.Tensor) -> torch.Te
 
 def linear_glu(x: torch.Tensor, w: torch.Tensor, norm: Norm | None = None) -> torch.Tensor:
     """silu(gate) * up of linear(x, w, norm=norm) with w = [gate; up] (a fused [2I, K] weight):
-    one launch where the kernel runs, the GEMM then `kernels.activation.silu_and_mul` otherwise."""
+    one launch where the kernel runs; at prefill sizes on CUDA `kernels.gemm_glu` (the same in
+    one launch); the GEMM then `kernels.activation.silu_and_mul` otherwise."""
     if _fused(x, w):
         return linear_glu_triton(x, w, norm)
+    if use_triton(x, w) and gemm_glu.enabled():  # prefill sizes: SwiGLU in the GEMM's epilogue
+        return gemm_glu.glu_gemm(_rows(_norm(x, norm)), w).view(*x.shape[:-1], w.shape[0] // 2)
     return silu_and_mul(linear(x, w, norm=norm))
 
 

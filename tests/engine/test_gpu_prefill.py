@@ -85,3 +85,33 @@ def test_layer_events_come_in_order_and_have_completed_with_the_step():
     first.tolist()
     assert all(e.query() for _, e in seen[layers:])
     eng.blocks.free(blocks)
+
+
+def test_fused_prefill_kernels_run_and_agree_with_the_unfused_path(monkeypatch):
+    """bf16 fresh prefill takes the q/k/v GEMM with rotary + K/V write (kernels/qkv_rope.py) and the
+    gate/up GEMM with SwiGLU (kernels/gemm_glu.py); with both switched off the first tokens and
+    their logprobs agree to bf16 summation order, and so does the generation after them."""
+    import engine.attention as attention
+    from kernels import gemm_glu
+
+    calls = {"qkv_rope": 0, "glu": 0}
+
+    def spy(name, fn):
+        def wrapped(*args, **kw):
+            calls[name] += 1
+            return fn(*args, **kw)
+        return wrapped
+
+    monkeypatch.setattr(attention, "qkv_rope", spy("qkv_rope", attention.qkv_rope))
+    monkeypatch.setattr(gemm_glu, "glu_gemm", spy("glu", gemm_glu.glu_gemm))
+    params = SamplingParams(max_tokens=8, ignore_eos=True, logprobs=1)
+    fused = engine(0, dtype="bfloat16", enforce_eager=True).generate(PROMPTS, params)
+    assert calls["qkv_rope"] > 0 and calls["glu"] > 0
+    monkeypatch.setenv("PDSERVE_PREFILL_GLU", "0")
+    monkeypatch.setenv("PDSERVE_PREFILL_QKV_ROPE", "0")
+    before = dict(calls)
+    plain = engine(0, dtype="bfloat16", enforce_eager=True).generate(PROMPTS, params)
+    assert calls == before, "switched off, neither fused kernel runs"
+    for a, b in zip(fused, plain, strict=True):
+        assert a.output_ids[0] == b.output_ids[0]
+        assert abs(a.logprobs[0].logprob - b.logprobs[0].logprob) < 0.05
