@@ -19,7 +19,6 @@ trash block); nothing computed for them may land in a real row (see kernels/pref
 
 from __future__ import annotations
 
-from array import array
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -105,10 +104,12 @@ class PrefillInputs:
         sizes = {"ids": t, "query_start": r + 1, "start": r, "row_next": r, "is_last": r, "base": r,
                  "seed": r, "top_k": r, "tables": r * width}
         pin = device.type == "cuda"
-        self._host_i = torch.zeros(sum(sizes.values()), dtype=torch.long, pin_memory=pin)
-        self._host_f = torch.zeros(2 * r, dtype=torch.float32, pin_memory=pin)
-        self._dev_i = torch.zeros_like(self._host_i, device=device)
-        self._dev_f = torch.zeros_like(self._host_f, device=device)
+        n_int = sum(sizes.values())  # one buffer of ints then floats: one copy to the device
+        self._host = torch.zeros(8 * n_int + 4 * 2 * r, dtype=torch.uint8, pin_memory=pin)
+        self._dev = torch.zeros_like(self._host, device=device)
+        self._host_i, self._host_f = self._host[: 8 * n_int].view(torch.long), self._host[8 * n_int :].view(torch.float32)
+        self._dev_i, self._dev_f = self._dev[: 8 * n_int].view(torch.long), self._dev[8 * n_int :].view(torch.float32)
+        self._np_i, self._np_f = self._host_i.numpy(), self._host_f.numpy()  # host views: list -> buffer in C
         self._copied: torch.cuda.Event | None = None
         views, at = {}, 0
         for name, n in sizes.items():
@@ -125,15 +126,13 @@ class PrefillInputs:
         assert len(chunks) <= self.rows and sum(c.end - c.start for c in chunks) <= self.tokens
         if self._copied is not None:
             self._copied.synchronize()  # the host buffers' previous copy has left them
-        # array -> frombuffer: ~8x faster than torch.tensor(list) (0.1 against 0.75 ms for 8k ids)
-        self._host_i.copy_(torch.frombuffer(array("q", self._ints(chunks)), dtype=torch.long))
+        # lists straight into numpy views of the pinned buffer: no torch op per field
+        self._np_i[:] = self._ints(chunks)
         floats = [c.params.temperature for c in chunks] + [0.0] * (self.rows - len(chunks))
-        floats += [c.params.top_p for c in chunks] + [1.0] * (self.rows - len(chunks))
-        self._host_f.copy_(torch.frombuffer(array("f", floats), dtype=torch.float32))
-        self._dev_i.copy_(self._host_i, non_blocking=True)
-        self._dev_f.copy_(self._host_f, non_blocking=True)
+        self._np_f[:] = floats + [c.params.top_p for c in chunks] + [1.0] * (self.rows - len(chunks))
+        self._dev.copy_(self._host, non_blocking=True)
         if self.device.type == "cuda":
-            self._copied = torch.cuda.Event()
+            self._copied = self._copied or torch.cuda.Event()
             self._copied.record()
 
     def _ints(self, chunks: list[PrefillChunk]) -> list[int]:

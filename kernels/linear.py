@@ -45,6 +45,8 @@ from kernels.norm import rms_norm, rms_norm_ref
 from kernels.pdl import pdl_args, wait_for_previous
 
 FUSED_MAX_M = int(os.environ.get("PDSERVE_FUSED_MAX_M", "64"))  # rows up to which the kernel runs by default
+SMALL_MAX_M = int(os.environ.get("PDSERVE_SMALL_MAX_M", "128"))  # and up to this many rows for weights
+SMALL_WEIGHT = 2**21  # of at most this many elements
 INVARIANT_BM = 16
 
 Norm = tuple[torch.Tensor, float]
@@ -246,13 +248,17 @@ def _fused(x: torch.Tensor, w: torch.Tensor, plain: bool = False) -> bool:
     except for a plain GEMM (no epilogue) of a weight under 8192 x 2048 without programmatic
     dependent launch (kernels/pdl.py), where cuBLAS was as fast or faster (Llama-1B's q/k/v: 7.5
     against 8.4 us; bench/gpu/gpu_gemv.py --sweep). With PDL the kernel's launch overlaps the
-    kernel before it, which a cuBLAS launch does not."""
+    kernel before it, which a cuBLAS launch does not. Up to SMALL_MAX_M rows for small weights:
+    SmolLM2's 1 x 128 prefill went from 1.16-1.19 to 1.03 ms with its GEMMs here (Llama-1B's
+    weights, 2-16x larger, lost: 1.57 -> 1.94 ms; H100, bench prefill, 2026-11-25)."""
     if not use_triton(x, w):
         return False
     if invariant():
         return True
     big = w.shape[0] >= 8192 and w.shape[1] >= 2048
-    return x.numel() // x.shape[-1] <= FUSED_MAX_M and (big or not plain or pdl_args(x)["PDL"])
+    m = x.numel() // x.shape[-1]
+    rows_ok = m <= FUSED_MAX_M or (m <= SMALL_MAX_M and w.numel() <= SMALL_WEIGHT)
+    return rows_ok and (big or not plain or pdl_args(x)["PDL"])
 
 
 def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None, norm: Norm | None = None,

@@ -69,7 +69,7 @@ def test_chunked_and_cached_prefixes_give_one_shot_tokens_through_graphs():
     cached = engine(3, enable_prefix_caching=True)
     cached.generate(prompts[:1], params)  # leaves the shared blocks cached
     assert [r.output_ids for r in cached.generate(prompts, params)] == one_shot
-    assert any(not key.fresh for key in cached.runner.prefill_graphs.graphs), "a step ran after a cached prefix"
+    assert any(not key.fresh for key, _ in cached.runner.prefill_graphs.graphs), "a step ran after a cached prefix"
 
 
 def test_layer_events_come_in_order_and_have_completed_with_the_step():
@@ -84,6 +84,9 @@ def test_layer_events_come_in_order_and_have_completed_with_the_step():
     assert all(isinstance(e, torch.cuda.Event) for _, e in seen)
     first.tolist()
     assert all(e.query() for _, e in seen[layers:])
+    assert set(eng.runner.prefill_graphs.graphs) == {(k, True) for k, _ in eng.runner.prefill_graphs.graphs}
+    eng.runner.prefill([chunk]).first_token.tolist()  # no listener: a graph without the events
+    assert {e for _, e in eng.runner.prefill_graphs.graphs} == {True, False}
     eng.blocks.free(blocks)
 
 

@@ -73,13 +73,16 @@ def test_linear_runs_the_kernel_at_decode_sizes_and_the_composition_otherwise(mo
     calls = []
     monkeypatch.setattr(L, "linear_triton", lambda x, *a: calls.append(x.shape[0]) or L.linear_ref(x, *a))
     w, big = randn(8, 16, seed=1), randn(8192, 2048, seed=2, scale=0.01)
+    mid = randn(8, 2**18 + 1, seed=4)  # just over SMALL_WEIGHT elements
     r = lambda m: randn(m, 8, seed=3)  # noqa: E731
     with triton_on_cpu():
         L.linear(randn(L.FUSED_MAX_M, 16), w, residual=r(L.FUSED_MAX_M))  # kernel: an epilogue to fuse
-        L.linear(randn(L.FUSED_MAX_M + 1, 16), w, residual=r(L.FUSED_MAX_M + 1))  # composition: too many rows
+        L.linear(randn(L.FUSED_MAX_M + 1, 16), w, residual=r(L.FUSED_MAX_M + 1))  # kernel: a small weight
+        L.linear(randn(L.SMALL_MAX_M + 1, 16), w, residual=r(L.SMALL_MAX_M + 1))  # composition: too many rows
+        L.linear(randn(L.FUSED_MAX_M + 1, mid.shape[1]), mid, residual=r(L.FUSED_MAX_M + 1))  # composition
         L.linear(randn(3, 16), w)  # composition: a plain GEMM of a small weight (cuBLAS)
         L.linear(randn(2, 2048), big)  # kernel: a plain GEMM of a large one
         with batch_invariant():
             L.linear(randn(L.FUSED_MAX_M + 5, 16), w)  # kernel: always in the mode
     L.linear(randn(2, 16), w, residual=r(2))  # CPU tensors outside triton_on_cpu: the reference
-    assert calls == [L.FUSED_MAX_M, 2, L.FUSED_MAX_M + 5]
+    assert calls == [L.FUSED_MAX_M, L.FUSED_MAX_M + 1, 2, L.FUSED_MAX_M + 5]
