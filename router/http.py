@@ -38,6 +38,7 @@ from router.auth import authorized
 from router.metrics import RouterMetrics
 from router.openai_protocol import ChatCompletionRequest, CompletionRequest, Format
 from router.request import RequestError, RequestState, is_terminal
+from router.tokenize_api import TokenizeDoor, add_tokenize_routes
 from router.validate import InvalidRequest, Limits
 
 log = logging.getLogger(__name__)
@@ -119,6 +120,7 @@ def build_app(router: Lifecycle) -> FastAPI:
     async def chat_completions(raw: Request) -> Response:
         return await _generate(router, raw, ChatCompletionRequest, chat=True)
 
+    add_tokenize_routes(app, TokenizeDoor(router, _parse, partial(_denied, router)))
     return app
 
 
