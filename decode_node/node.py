@@ -226,6 +226,8 @@ class DecodeNode(StepLoop):
     def _reserve(self, rid: str, prompt_len: int, params: SamplingParams, seed: int,
                  stop_ids: tuple[int, ...], prompt: list[int] | None) -> Reservation:
         refusal = self._refusal(rid, prompt_len, prompt)
+        if not refusal and (params.penalized or params.n > 1) and not prompt:
+            refusal = "penalties, logit_bias and n > 1 need the prompt's token ids with the reservation"
         if refusal:
             return Reservation(False, refusal)
         max_tokens = min(params.max_tokens, self.max_model_len - prompt_len)
@@ -233,7 +235,8 @@ class DecodeNode(StepLoop):
         hashes = self.prefix.hashes(prompt) if prompt else []
         if not self.batch.free_slots or not self.prefix.fits(hashes, need):
             return Reservation(False, f"decode node full ({self.blocks.num_free} free blocks, need {need})")
-        req = Request(rid, [], params, seed, stop_ids, max_tokens, num_prompt_tokens=prompt_len)
+        keep = prompt if params.penalized or params.n > 1 else None  # penalties and forks read the prompt
+        req = Request(rid, list(keep or []), params, seed, stop_ids, max_tokens, num_prompt_tokens=prompt_len)
         got = self.prefix.allocate(prompt or [], hashes, need)
         assert got is not None  # checked above; nothing ran in between
         req.block_ids, req.block_hashes, skip = got[0], hashes, got[1] // self.blocks.block_size

@@ -28,6 +28,7 @@ import torch
 from engine.batch_state import SlotInit
 from engine.kv_cache import BlockManager
 from engine.model_runner import DecodeHandle, ModelRunner
+from engine.penalties import PenaltyInit
 from engine.request import Request, RequestOutput, TokenLogprob
 
 InFlight = tuple[DecodeHandle, list[Request], dict[int, int]]
@@ -92,6 +93,7 @@ class DecodeBatch:
             seq_len=req.num_prompt_tokens, first_token=first, drafts=drafts, draft_probs=draft_probs,
             num_generated=len(req.output_ids), max_tokens=req.max_tokens, stop_ids=req.stop_ids,
             temperature=p.temperature, top_k=p.top_k, top_p=p.top_p, seed=req.seed, block_ids=req.block_ids,
+            penalty=PenaltyInit.of(p, req.prompt, req.output_ids),
         )
         self._to_insert[req.slot] = init
         self.running[req.slot] = req
@@ -120,7 +122,7 @@ class DecodeBatch:
     def _launch(self, slots: list[int]) -> InFlight:
         reqs = [self.running[s] for s in slots]
         sampled = [r.params for r in reqs if not r.params.greedy]
-        flags = (not sampled, any(p.top_k > 0 or p.top_p < 1.0 for p in sampled))
+        flags = (not sampled, any(p.top_k > 0 or p.top_p < 1.0 for p in sampled), any(r.params.penalized for r in reqs))
         lp = {i: r.params.logprobs for i, r in enumerate(reqs) if r.params.logprobs is not None}
         width = max(len(r.block_ids) for r in reqs)
         return self.runner.launch_decode(slots, flags, lp, width), reqs, lp  # type: ignore[arg-type]

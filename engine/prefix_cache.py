@@ -94,4 +94,4 @@ class PrefixCache:
 
     def status(self) -> dict[str, int]:
         return {**self.stats.as_dict(), "cached_blocks": self.blocks.num_cached,
-                "evicted_blocks": self.blocks.evictions}
+                "evicted_blocks": self.blocks.evictions, "shared_blocks": self.blocks.num_shared}

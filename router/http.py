@@ -80,9 +80,11 @@ def error_response(code: str, message: str) -> JSONResponse:
 
 def health_json(h: pb.HealthResponse) -> dict:
     """`GET /health`'s body: the summary, and per node (with the key, when one is set) its
-    free/total KV blocks, running requests, queued prompt tokens and last error."""
+    free/total KV blocks, those in use and those shared by several requests (n > 1 choices,
+    prefix hits), running requests, queued prompt tokens and last error."""
     nodes = [{"address": n.address, "kind": n.kind, "node_id": n.node_id, "healthy": n.healthy,
               "free_kv_blocks": n.free_kv_blocks, "total_kv_blocks": n.total_kv_blocks,
+              "used_kv_blocks": n.total_kv_blocks - n.free_kv_blocks, "shared_kv_blocks": n.shared_kv_blocks,
               "running_requests": n.running_requests, "queued_prompt_tokens": n.queued_prompt_tokens,
               "last_error": n.last_error} for n in h.nodes]
     return {"serving": h.serving, "prefill_nodes": h.prefill_nodes, "decode_nodes": h.decode_nodes,

@@ -6,9 +6,10 @@ range-checked by router/validate.py, the same rules the gRPC door applies); hand
 `GenerateRequest` and a `Format` that turns responses into OpenAI's JSON. Never talks to a
 node and holds no request state: the lifecycle (router.py) owns that.
 
-Accepted as vLLM does: unknown fields are ignored; `n` > 1, `best_of` > 1, `echo`, `suffix`,
-penalties and `logit_bias` are refused with a 400 that names them; vLLM's extras `top_k`,
-`ignore_eos` and `stop_token_ids` are honoured.
+Accepted as vLLM does: unknown fields are ignored; `suffix` and `best_of` other than 1 or `n`
+are refused with a 400 that names them; `n`, penalties, `logit_bias` and vLLM's
+`prompt_logprobs` go through router/openai_surface.py; vLLM's extras `top_k`, `ignore_eos`,
+`stop_token_ids` and `repetition_penalty` are honoured.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from pydantic import BaseModel, ConfigDict
 
 from protos import pdserve_pb2 as pb
 from router.client import build_request
+from router.openai_surface import surface_kwargs
 from router.validate import InvalidRequest, encode_messages
 
 INT32_MAX = 2**31 - 1
@@ -49,18 +51,9 @@ class _Sampling(BaseModel):
     stream_options: StreamOptions | None = None
     frequency_penalty: float | None = 0.0
     presence_penalty: float | None = 0.0
+    repetition_penalty: float | None = None
     logit_bias: dict[str, float] | None = None
-
-    def check_unsupported(self) -> None:
-        if self.n not in (None, 1):
-            raise InvalidRequest(f"n must be 1 (one choice per request), got {self.n}")
-        if self.best_of not in (None, 1):
-            raise InvalidRequest(f"best_of must be 1, got {self.best_of}")
-        for name in ("frequency_penalty", "presence_penalty"):
-            if getattr(self, name) not in (None, 0.0):
-                raise InvalidRequest(f"{name} is not supported (must be 0)")
-        if self.logit_bias:
-            raise InvalidRequest("logit_bias is not supported")
+    prompt_logprobs: int | None = None
 
     def sampling_kwargs(self, max_tokens: int | None, max_model_len: int) -> dict[str, Any]:
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
@@ -71,7 +64,7 @@ class _Sampling(BaseModel):
                     top_p=1.0 if self.top_p is None else self.top_p, top_k=min(top_k, INT32_MAX),
                     seed=self.seed, max_tokens=max_model_len if max_tokens is None else min(max_tokens, INT32_MAX),
                     stop=stop, stop_token_ids=[_int32(t) for t in self.stop_token_ids or []],
-                    ignore_eos=self.ignore_eos, model=self.model)
+                    ignore_eos=self.ignore_eos, model=self.model, **surface_kwargs(self))
 
 
 class CompletionRequest(_Sampling):
@@ -81,7 +74,6 @@ class CompletionRequest(_Sampling):
     suffix: str | None = None
 
     def to_generate(self, request_id: str, tokenizer: Any, max_model_len: int) -> pb.GenerateRequest:
-        self.check_unsupported()
         if self.echo or self.suffix:
             raise InvalidRequest("echo and suffix are not supported")
         prompt: Any = self.prompt
@@ -120,7 +112,6 @@ class ChatCompletionRequest(_Sampling):
 
     def to_generate(self, request_id: str, tokenizer: Any, max_model_len: int,
                     max_prompt_bytes: int) -> pb.GenerateRequest:
-        self.check_unsupported()
         if not self.messages:
             raise InvalidRequest("messages is empty")
         messages = [{"role": m.role, "content": m.text()} for m in self.messages]

@@ -589,6 +589,7 @@ def _node_health(node: Node) -> pdserve_pb2.NodeHealth:
     if s is not None:
         out.node_id, out.free_kv_blocks, out.total_kv_blocks = s.node_id, s.free_blocks, s.total_blocks
         out.running_requests, out.queued_prompt_tokens = s.running, s.queued_tokens
+        out.shared_kv_blocks = s.shared_blocks
     return out
 
 
