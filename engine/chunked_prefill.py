@@ -16,6 +16,7 @@ point (the first tokens), as LLMEngine always did.
 from __future__ import annotations
 
 from engine.decode_batch import DecodeBatch
+from engine.fork import fork_no_sync
 from engine.model_runner import ModelRunner, unpack_logprobs
 from engine.prefill_step import PrefillChunk
 from engine.prefix_cache import PrefixCache
@@ -74,6 +75,7 @@ class ChunkedPrefill:
         for i, r in enumerate(out.last_rows):
             req = reqs[r]
             self.requests.remove(req)
+            fork_no_sync(self.batch, req)  # n > 1: before the first token may end it
             tlp = [TokenLogprob(firsts[i], *lps[i][0])] if i in lps else []
             results.append(self.batch.emit(req, [firsts[i]], tlp))
             if not req.finished:

@@ -18,6 +18,7 @@ import msgpack
 VERSION = 1
 MAX_MESSAGE_BYTES = 64 << 20
 MAX_LOGPROBS = 20
+MAX_CHOICES = 16  # n (engine.sampling_params.MAX_N)
 
 FLAG_LOGPROBS = 1  # the item carries logprob columns
 FLAG_FINISHED = 2  # terminal: finished with `finish_reason`
@@ -165,6 +166,7 @@ class OutputItem:
     error: str | None = None
     steps: int = 0
     accepted: int = 0
+    index: int = 0  # the choice of an n > 1 request these tokens belong to
 
     def to_obj(self) -> dict:
         has = self.num_logprobs is not None
@@ -172,7 +174,8 @@ class OutputItem:
             FLAG_ERROR if self.error else 0)
         return {"rid": self.request_id, "toks": self.tokens, "meta": pack_meta(flag, self.num_logprobs or 0),
                 "lp": self.logprobs.flat() if has and self.logprobs else None,
-                "fin": self.finish_reason, "err": self.error, "steps": self.steps, "acc": self.accepted}
+                "fin": self.finish_reason, "err": self.error, "steps": self.steps, "acc": self.accepted,
+                "idx": self.index}
 
     @classmethod
     def from_obj(cls, o: Any, vocab: int) -> OutputItem:
@@ -194,10 +197,12 @@ class OutputItem:
             raise MessageError("output: bad finish reason")
         if err is not None and not isinstance(err, str):
             raise MessageError("output: error must be a string")
-        steps, acc = o.get("steps", 0), o.get("acc", 0)
+        steps, acc, idx = o.get("steps", 0), o.get("acc", 0), o.get("idx", 0)
         if not isinstance(steps, int) or not isinstance(acc, int) or steps < 0 or acc < 0:
             raise MessageError("output: bad stats")
-        return cls(rid, toks, n if flag & FLAG_LOGPROBS else None, lps, fin, err, steps, acc)
+        if type(idx) is not int or not 0 <= idx < MAX_CHOICES:
+            raise MessageError(f"output: choice index must be in 0..{MAX_CHOICES - 1}")
+        return cls(rid, toks, n if flag & FLAG_LOGPROBS else None, lps, fin, err, steps, acc, idx)
 
 
 def pack_outputs(items: list[OutputItem]) -> bytes:

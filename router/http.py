@@ -170,7 +170,9 @@ async def _prepare(router: Lifecycle, raw: Request, model: type[BaseModel],
             code = "NOT_FOUND"
             raise InvalidRequest(f"the model {req.model!r} does not exist; this server serves "
                                  f"{router.model.name!r}")
-        fmt = Format(chat, router.model.name, router.model.tokenizer, _logprobs_asked(req, chat))
+        fmt = Format(chat, router.model.name, router.model.tokenizer, _logprobs_asked(req, chat), n=req.n or 1,
+                     echo=bool(getattr(req, "echo", False)), prompt_logprobs=req.prompt_logprobs,
+                     prompt_text=None if chat else req.prompt_text())
         return await _to_generate(router, req, fmt, len(body)), fmt, req
     except InvalidRequest as e:
         message = str(e)
@@ -253,14 +255,15 @@ async def _events(fmt: Format, first: pb.GenerateResponse, msgs: AsyncGenerator[
                   include_usage: bool) -> AsyncGenerator[str, None]:
     """Server-sent events; Starlette cancels this when the client goes, which closes `msgs`."""
     async with aclosing(msgs):
-        msg, start = first, True
+        msg, started = first, set()  # choices that had their first chunk
         while True:
             if msg.HasField("error"):
                 yield _sse(error_body(msg.error.code, msg.error.message))
                 break
-            if msg.token_ids or msg.text or start or is_terminal(msg):
+            start = msg.index not in started
+            if msg.token_ids or msg.text or start or msg.finish_reason or is_terminal(msg):
                 yield _sse(fmt.chunk(msg, first=start))
-                start = False
+                started.add(msg.index)
             if is_terminal(msg):
                 if include_usage:
                     yield _sse(fmt.usage_chunk(msg))

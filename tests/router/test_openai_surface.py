@@ -4,6 +4,9 @@ logit_bias give the single-process engine's answer; fields still refused get a 4
 
 from __future__ import annotations
 
+import time
+
+import httpx2
 import openai
 import pytest
 
@@ -79,3 +82,46 @@ def test_refused_fields_are_named(service, kwargs, words):
     with pytest.raises(openai.BadRequestError) as e:
         service.client.completions.create(model="tiny", prompt="ab", max_tokens=3, **kwargs)
     assert words in e.value.body["message"]  # type: ignore[index]
+
+
+def engine_choices(engine, params: SamplingParams) -> list[str]:
+    out = engine.generate([PROMPT], params)[0]
+    return [engine.tokenizer.decode(r.output_ids) for r in (out, *out.children)]
+
+
+def test_n_choices_equal_the_engine_streaming_and_not(service, engine):
+    want = engine_choices(engine, SamplingParams(max_tokens=10, ignore_eos=True, temperature=1.0, seed=3, n=4))
+    assert len(set(want)) == 4
+    got = service.client.completions.create(model="tiny", prompt=PROMPT, max_tokens=10, n=4, seed=3,
+                                            extra_body={"ignore_eos": True})
+    assert [c.index for c in got.choices] == [0, 1, 2, 3] and [c.text for c in got.choices] == want
+    assert got.usage.completion_tokens == 40 and {c.finish_reason for c in got.choices} == {"length"}
+    stream = service.client.chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": "\x05\x11\x05c\x05\x11d\x1f"}], max_tokens=10, n=4,
+        seed=3, stream=True, stream_options={"include_usage": True}, extra_body={"ignore_eos": True})
+    texts, reasons, roles = ["", "", "", ""], [[], [], [], []], [0] * 4
+    for chunk in stream:
+        for c in chunk.choices:
+            texts[c.index] += c.delta.content or ""
+            roles[c.index] += c.delta.role == "assistant"
+            reasons[c.index] += [c.finish_reason] if c.finish_reason else []
+    assert texts == want and reasons == [["length"]] * 4 and roles == [1] * 4
+    assert chunk.usage.completion_tokens == 40  # the last chunk: usage over every choice
+    assert service.blocks_back()
+
+
+def test_n_choices_share_the_prompts_blocks_as_health_shows(service):
+    prompt = list(range(40, 90))  # 50 tokens: 3 full blocks before the last token's are shared
+    stream = service.client.completions.create(model="tiny", prompt=prompt, max_tokens=70, n=4, temperature=1,
+                                               stream=True, extra_body={"ignore_eos": True})
+    next(iter(stream))
+    seen: set[tuple[int, int]] = set()
+    deadline = time.monotonic() + 20
+    while not seen and time.monotonic() < deadline:  # /health follows the nodes' Status every 50 ms
+        nodes = httpx2.get(f"{service.base}/health").json()["nodes"]
+        seen |= {(n["used_kv_blocks"], n["shared_kv_blocks"]) for n in nodes
+                 if n["kind"] in ("decode", "colocated") and n["shared_kv_blocks"]}
+    need = -(-(50 + 70 + 2 * 2 + 1) // 16)  # one choice's blocks (engine/model_runner.kv_room_needed)
+    assert (4 * need - 3 * 3, 3) in seen  # 4 choices, 3 of them borrowing choice 0's 3 prompt blocks
+    assert sum(1 for _ in stream) > 0
+    assert service.blocks_back()
