@@ -64,7 +64,7 @@ from engine.sampling_params import MAX_N, SamplingParams
 from engine.step_loop import StepLoop
 from engine.tensor_parallel import TPGroup
 from kvtransfer import KVLayout, KVReceiver, TransferState, create_receiver
-from protos.messages import FirstToken, OutputItem, TokenLogprobs
+from protos.messages import FirstToken, OutputItem, TokenLogprobs, token_logprobs
 
 
 def owner_of(request_id: str) -> str:
@@ -261,7 +261,7 @@ class DecodeNode(StepLoop):
         prefix first; the prompt tokens that prefix holds, or None (nothing taken) when they do
         not fit. Every choice is then in `requests`."""
         n, bs = req.params.n, self.blocks.block_size
-        hashes = self.prefix.hashes(prompt) if prompt else []
+        hashes = self.prefix.hashes(prompt, req.params.prompt_logprobs is not None) if prompt else []
         shared = shared_blocks(req.num_prompt_tokens, bs)
         if len(self.batch.free_slots) < n or not group_fits(self.blocks, self.blocks.match(hashes), need, n, shared):
             return None
@@ -412,6 +412,9 @@ class DecodeNode(StepLoop):
                                 [[i for i, _ in x.top] for x in t], [[v for _, v in x.top] for x in t])
         item = OutputItem(out.request_id, out.new_token_ids, n if lps else None, lps, out.finish_reason,
                           index=out.index)
+        if out.prompt_logprobs is not None and req is not None:  # a colocated node's first token
+            item.num_prompt_logprobs = req.params.prompt_logprobs
+            item.prompt_logprobs = token_logprobs(out.prompt_logprobs)
         if out.finish_reason and req is not None:
             item.steps, item.accepted = req.steps, req.accepted_tokens
             self.requests.pop(own_id, None)

@@ -239,7 +239,7 @@ class LLMEngine:
         if len(self.batch.free_slots) < n:
             return False
         if not req.block_hashes:
-            req.block_hashes = self.prefix.hashes(req.prompt)
+            req.block_hashes = self.prefix.hashes(req.prompt, req.params.prompt_logprobs is not None)
         if not group_fits(self.blocks, self.blocks.match(req.block_hashes), need, n, shared):
             return False
         got = self.prefix.allocate(req.prompt, req.block_hashes, need)

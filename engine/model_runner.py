@@ -28,6 +28,8 @@ from engine.model import CausalLM
 from engine.penalties import PenaltyInit, prefill_penalties, verify_penalties
 from engine.prefill_graphs import LayerReady, PrefillGraphs
 from engine.prefill_step import PrefillChunk, PrefillInputs, PrefillResult, key_for, prefill_forward
+from engine.prompt_logprobs import PromptLogprobPlan
+from engine.prompt_logprobs import plan as plan_prompt_logprobs
 from engine.sampler import LogprobsTensors, SamplingTensors, compute_logprobs
 from engine.spec_decode import verify
 from kernels._dispatch import batch_invariant
@@ -78,6 +80,8 @@ class PrefillOutput:
     logprob_rows: list[int]
     drafts: torch.Tensor | None  # [R, k]
     draft_probs: torch.Tensor | None  # [R, k, V]
+    prompt_logprobs: LogprobsTensors | None = None  # every chunk's that asked (engine/prompt_logprobs.py)
+    prompt_lp_plan: PromptLogprobPlan | None = None
 
 
 @dataclass
@@ -200,13 +204,18 @@ class ModelRunner:
         n = sum(c.end - c.start for c in chunks)
         penalties = prefill_penalties([PenaltyInit.of(c.params, c.prompt, []) if c.is_last else None for c in chunks],
                                       self.state.vocab, self.device)
-        if penalties is None and self.prefill_graphs is not None and self.prefill_graphs.fits(n, len(chunks)):
+        prompt_lp = plan_prompt_logprobs(chunks)
+        plain = penalties is None and prompt_lp is None
+        if plain and self.prefill_graphs is not None and self.prefill_graphs.fits(n, len(chunks)):
             return self._last_rows(chunks, self.prefill_graphs.run(chunks, on_layer))
-        inp = PrefillInputs(n, len(chunks), self.max_blocks, self.device)  # eager: also any step with penalties
+        inp = PrefillInputs(n, len(chunks), self.max_blocks, self.device)  # eager: also penalties, prompt logprobs
         inp.fill_no_sync(chunks)
         key = key_for(chunks, n, len(chunks), max(c.end - c.start for c in chunks))
         hook = (lambda i: on_layer(i, None)) if on_layer is not None else None
-        return self._last_rows(chunks, prefill_forward(self, inp, key, hook, penalties))
+        res = prefill_forward(self, inp, key, hook, penalties, prompt_lp)
+        out = self._last_rows(chunks, res)
+        out.prompt_logprobs, out.prompt_lp_plan = res.prompt_logprobs, prompt_lp
+        return out
 
     def _last_rows(self, chunks: list[PrefillChunk], res: PrefillResult) -> PrefillOutput:
         """The rows whose prompt finished this step, out of a step's per-row results."""

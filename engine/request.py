@@ -43,6 +43,7 @@ class Request:
     group: str = ""
     children: list[Request] = field(default_factory=list)
     forked: bool = False  # the children have their own copy of the prompt's KV
+    prompt_logprobs: list[TokenLogprob] | None = None  # prompt_logprobs asked: one per prompt token after the first
 
     def __post_init__(self) -> None:
         if self.num_prompt_tokens < 0:
@@ -71,3 +72,4 @@ class RequestOutput:
     new_logprobs: list[TokenLogprob]
     finish_reason: str | None
     index: int = 0  # the choice (n > 1)
+    prompt_logprobs: list[TokenLogprob] | None = None  # with a request's first token, when asked

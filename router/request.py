@@ -95,6 +95,7 @@ class RequestState:
     terminal: str | None = None  # "finished:<reason>", "error:<code>", "cancelled"
     arrival: float = field(default_factory=time.monotonic)  # for latency metrics
     last_token_at: float | None = None  # when the last token went out (metrics.py writes it)
+    prompt_logprobs: list[pb.TokenLogprob] = field(default_factory=list)  # go out with the first message
     _first_sent: bool = False
 
     def __post_init__(self) -> None:
@@ -155,6 +156,20 @@ class RequestState:
         return s
 
     # ---- emitting -----------------------------------------------------------------------
+    def set_prompt_logprobs(self, lps: TokenLogprobs | None) -> None:
+        """The prompt's logprobs from the node (asked or not: a node sends them only when asked)
+        for the first message; raises RequestError when they are not one per prompt token after
+        the first."""
+        if lps is None or self._first_sent:
+            return
+        ids = self.prep.prompt_ids
+        if len(lps.logprob) != len(ids) - 1:
+            raise RequestError("INTERNAL", f"a node sent {len(lps.logprob)} prompt logprobs for a prompt "
+                                           f"of {len(ids)} tokens")
+        self.prompt_logprobs = [pb.TokenLogprob(token_id=t, logprob=lp, rank=r, top_ids=i, top_logprobs=v)
+                                for t, lp, r, i, v in zip(ids[1:], lps.logprob, lps.rank, lps.top_ids,
+                                                          lps.top_logprobs, strict=True)]
+
     def add_tokens(self, tokens: list[int], logprobs: TokenLogprobs | None, index: int = 0) -> bool:
         """Stream `tokens` of choice `index` (cut at a stop string or at max_tokens); True when
         that choice is complete by the router's own rules (stop string, or max_tokens reached)."""
@@ -219,6 +234,7 @@ class RequestState:
         assert not self.done or last, "nothing after the terminal message"
         if not self._first_sent:
             msg.prompt_token_ids.extend(self.prep.prompt_ids)
+            msg.prompt_logprobs.extend(self.prompt_logprobs)
             self._first_sent = True
         self.out.put_nowait(msg)
 

@@ -446,6 +446,7 @@ class Router:
             ch = st.choices[0]
             ch.node_done = first.finished is not None  # D sends no terminal for it
             st.decode_live = not all(c.node_done for c in st.choices)
+            st.set_prompt_logprobs(first.prompt_logprobs)
             complete = self._add_tokens(st, [first.token], first.logprobs)
             if first.finished or complete:
                 st.finish_choice(0, "stop" if ch.text.stopped else first.finished or ch.stop_reason)
@@ -467,6 +468,7 @@ class Router:
         st.decode_live = not all(c.node_done for c in st.choices)
         if ch.finish_reason is not None and item.error is None:
             return  # the router ended this choice already: late tokens
+        st.set_prompt_logprobs(item.prompt_logprobs)  # a colocated node's first item
         complete = self._add_tokens(st, item.tokens, item.logprobs, item.index)
         if ch.text.stopped:
             st.finish_choice(ch.index, "stop")

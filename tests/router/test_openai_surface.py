@@ -125,3 +125,35 @@ def test_n_choices_share_the_prompts_blocks_as_health_shows(service):
     assert (4 * need - 3 * 3, 3) in seen  # 4 choices, 3 of them borrowing choice 0's 3 prompt blocks
     assert sum(1 for _ in stream) > 0
     assert service.blocks_back()
+
+
+def test_prompt_logprobs_and_echo_come_from_the_prefill(service, engine):
+    ref = engine.generate([PROMPT], SamplingParams(max_tokens=4, ignore_eos=True, prompt_logprobs=3, logprobs=2))[0]
+    tok = engine.tokenizer
+    got = service.client.completions.create(model="tiny", prompt=PROMPT, max_tokens=4, temperature=0, logprobs=2,
+                                            echo=True, extra_body={"ignore_eos": True, "prompt_logprobs": 3})
+    choice = got.choices[0]
+    assert choice.text == tok.decode(PROMPT) + tok.decode(ref.output_ids)
+    lps = choice.logprobs
+    assert lps.token_logprobs[0] is None and lps.top_logprobs[0] is None
+    assert lps.token_logprobs[1:] == pytest.approx([e.logprob for e in ref.prompt_logprobs + ref.logprobs], abs=1e-4)
+    assert len(lps.top_logprobs) == len(PROMPT) + 4  # top-2 each, keyed by text (tokens of one text merge)
+    assert all(1 <= len(t) <= 2 for t in lps.top_logprobs[1:])
+    assert len(lps.tokens) == len(PROMPT) + 4 and lps.text_offset == sorted(lps.text_offset)
+    plp = choice.model_extra["prompt_logprobs"]  # vLLM's form
+    assert plp[0] is None and len(plp) == len(PROMPT)
+    for entry, want in zip(plp[1:], ref.prompt_logprobs, strict=True):
+        mine = entry[str(want.token_id)]
+        assert mine["rank"] == want.rank and mine["logprob"] == pytest.approx(want.logprob, abs=1e-4)
+        assert len(entry) <= 4 and all(str(i) in entry for i, _ in want.top)
+    stream = service.client.completions.create(model="tiny", prompt="ab", max_tokens=3, temperature=0, echo=True,
+                                               stream=True, n=2)
+    texts = ["", ""]
+    for chunk in stream:
+        for c in chunk.choices:
+            texts[c.index] += c.text
+    assert all(t.startswith("ab") and len(t) > 2 for t in texts)
+    chat = service.client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "ab"}],
+                                                  max_tokens=2, extra_body={"prompt_logprobs": 0})
+    assert [e and list(e) for e in chat.model_extra["prompt_logprobs"]] == [None, ["97"], ["98"]]
+    assert service.blocks_back()
