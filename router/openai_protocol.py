@@ -35,7 +35,7 @@ class StreamOptions(BaseModel):
 
 
 class _Sampling(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="allow")  # kept aside: router/openai_surface.py refuses some by name
 
     model: str | None = None
     max_tokens: int | None = None

@@ -1,6 +1,7 @@
 """The OpenAI request fields beyond plain sampling, as router/openai_protocol.py reads them:
 `n`, `best_of`, `presence_penalty`, `frequency_penalty`, vLLM's `repetition_penalty`, `logit_bias`
-(JSON keys are token ids as strings) and vLLM's `prompt_logprobs`.
+(JSON keys are token ids as strings) and vLLM's `prompt_logprobs`; and the fields this server
+does not do (`UNSUPPORTED`), refused by name rather than ignored.
 
 Receives the parsed body (pydantic has checked the types); hands `build_request` keyword
 arguments, or raises `InvalidRequest` naming the field. Ranges are checked again on the
@@ -18,8 +19,31 @@ from router.validate import InvalidRequest
 INT32 = 2**31
 
 
+# Fields vLLM (or OpenAI) take that change what comes back, and pdserve does not do: a 400 names
+# them unless they hold their neutral value. (Structured outputs, `response_format` and vLLM's
+# `guided_*`, are another module's.)
+UNSUPPORTED: dict[str, tuple[Any, ...]] = {
+    "min_p": (0, 0.0), "min_tokens": (0,), "use_beam_search": (False,), "length_penalty": (1, 1.0),
+    "bad_words": ([],), "allowed_token_ids": (), "include_stop_str_in_output": (False,),
+    "skip_special_tokens": (True,), "spaces_between_special_tokens": (True,), "truncate_prompt_tokens": (),
+    "prompt_embeds": (), "logits_processors": (), "return_tokens_as_token_ids": (False,),
+    "tools": ([],), "functions": ([],), "tool_choice": ("none",), "function_call": ("none",),
+    "audio": (), "prediction": (), "continue_final_message": (False,), "add_generation_prompt": (True,),
+    "chat_template": (), "documents": (), "modalities": (["text"],),
+}
+
+
+def check_unsupported(extra: dict[str, Any] | None) -> None:
+    """A 400 naming the first field of `UNSUPPORTED` the body sets to something else than neutral
+    (null is always neutral)."""
+    for name, value in (extra or {}).items():
+        if name in UNSUPPORTED and value is not None and value not in UNSUPPORTED[name]:
+            raise InvalidRequest(f"{name} is not supported by this server (got {str(value)[:40]!r})")
+
+
 def surface_kwargs(req: Any) -> dict[str, Any]:
     """build_request's penalty, bias, n and prompt_logprobs arguments from an OpenAI body."""
+    check_unsupported(req.model_extra)
     n = 1 if req.n is None else req.n
     if not 1 <= n <= MAX_N:
         raise InvalidRequest(f"n must be in 1..{MAX_N}, got {n}")

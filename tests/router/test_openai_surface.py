@@ -157,3 +157,16 @@ def test_prompt_logprobs_and_echo_come_from_the_prefill(service, engine):
                                                   max_tokens=2, extra_body={"prompt_logprobs": 0})
     assert [e and list(e) for e in chat.model_extra["prompt_logprobs"]] == [None, ["97"], ["98"]]
     assert service.blocks_back()
+
+
+@pytest.mark.parametrize("extra", [{"min_p": 0.1}, {"min_tokens": 3}, {"use_beam_search": True},
+                                   {"tools": [{"type": "function", "function": {"name": "f"}}]},
+                                   {"include_stop_str_in_output": True}])
+def test_unsupported_fields_are_named_and_neutral_values_pass(service, extra):
+    with pytest.raises(openai.BadRequestError) as e:
+        service.client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "a"}],
+                                               max_tokens=2, extra_body=extra)
+    assert next(iter(extra)) in e.value.body["message"]  # type: ignore[index]
+    neutral = {"min_p": 0, "min_tokens": 0, "use_beam_search": False, "tools": [], "skip_special_tokens": True,
+               "user": "u", "store": False}
+    assert service.client.completions.create(model="tiny", prompt="a", max_tokens=2, extra_body=neutral).choices
