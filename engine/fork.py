@@ -19,7 +19,10 @@ samples its first token at the position choice 0's came from, with its own seed.
     draft distribution), which verification handles exactly like any other draft.
 
 Seeds: choice i samples with `choice_seed(seed, i)` (choice 0 with the request's own), so a
-seeded request gives n different choices, the same on every run and in every mode.
+seeded request gives n different choices, the same on every run and in every mode. Without MTP a
+choice's tokens are exactly a lone request's with its seed (the noise is keyed by seed and
+position); with MTP its first step's drafts differ from a lone request's, so its draws do too
+(from the same distribution).
 
 Careful: the copy reads choice 0's block after the host may have freed it (choice 0 can end at
 its first token); `DecodeBatch.hold_no_sync` keeps a reference on it until the copy has run.

@@ -20,7 +20,7 @@ PROMPT = [256, 5, 17, 5, 99, 5, 17, 100, 31]  # BOS first, as a text prompt woul
 
 @pytest.fixture(scope="module", params=["pd", "colocated"])
 def service(request):
-    s = RealService(request.param)
+    s = RealService(request.param, max_model_len=256)
     yield s
     s.close()
 
@@ -112,7 +112,7 @@ def test_n_choices_equal_the_engine_streaming_and_not(service, engine):
 
 def test_n_choices_share_the_prompts_blocks_as_health_shows(service):
     prompt = list(range(40, 90))  # 50 tokens: 3 full blocks before the last token's are shared
-    stream = service.client.completions.create(model="tiny", prompt=prompt, max_tokens=70, n=4, temperature=1,
+    stream = service.client.completions.create(model="tiny", prompt=prompt, max_tokens=150, n=4, temperature=1,
                                                stream=True, extra_body={"ignore_eos": True})
     next(iter(stream))
     seen: set[tuple[int, int]] = set()
@@ -121,7 +121,7 @@ def test_n_choices_share_the_prompts_blocks_as_health_shows(service):
         nodes = httpx2.get(f"{service.base}/health").json()["nodes"]
         seen |= {(n["used_kv_blocks"], n["shared_kv_blocks"]) for n in nodes
                  if n["kind"] in ("decode", "colocated") and n["shared_kv_blocks"]}
-    need = -(-(50 + 70 + 2 * 2 + 1) // 16)  # one choice's blocks (engine/model_runner.kv_room_needed)
+    need = -(-(50 + 150 + 2 * 2 + 1) // 16)  # one choice's blocks (engine/model_runner.kv_room_needed)
     assert (4 * need - 3 * 3, 3) in seen  # 4 choices, 3 of them borrowing choice 0's 3 prompt blocks
     assert sum(1 for _ in stream) > 0
     assert service.blocks_back()
