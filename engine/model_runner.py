@@ -21,12 +21,15 @@ import torch
 
 from engine.attention import AttentionBackend, AttentionMetadata
 from engine.batch_state import BatchState, SlotInit, to_device_no_sync
-from engine.cuda_graphs import DecodeGraphs
+from engine.cuda_graphs import DecodeGraphs, StepFlags
 from engine.draft_vocab import DraftVocab, draft_tokens
 from engine.kv_cache import KVCache
 from engine.model import CausalLM
+from engine.penalties import PenaltyInit, prefill_penalties, verify_penalties
 from engine.prefill_graphs import LayerReady, PrefillGraphs
 from engine.prefill_step import PrefillChunk, PrefillInputs, PrefillResult, key_for, prefill_forward
+from engine.prompt_logprobs import PromptLogprobPlan
+from engine.prompt_logprobs import plan as plan_prompt_logprobs
 from engine.sampler import LogprobsTensors, SamplingTensors, compute_logprobs
 from engine.spec_decode import verify
 from kernels._dispatch import batch_invariant
@@ -77,6 +80,8 @@ class PrefillOutput:
     logprob_rows: list[int]
     drafts: torch.Tensor | None  # [R, k]
     draft_probs: torch.Tensor | None  # [R, k, V]
+    prompt_logprobs: LogprobsTensors | None = None  # every chunk's that asked (engine/prompt_logprobs.py)
+    prompt_lp_plan: PromptLogprobPlan | None = None
 
 
 @dataclass
@@ -197,13 +202,20 @@ class ModelRunner:
         (engine/prefill_graphs.py), else runs the same step eagerly at its exact size.
         """
         n = sum(c.end - c.start for c in chunks)
-        if self.prefill_graphs is not None and self.prefill_graphs.fits(n, len(chunks)):
+        penalties = prefill_penalties([PenaltyInit.of(c.params, c.prompt, []) if c.is_last else None for c in chunks],
+                                      self.state.vocab, self.device)
+        prompt_lp = plan_prompt_logprobs(chunks)
+        plain = penalties is None and prompt_lp is None
+        if plain and self.prefill_graphs is not None and self.prefill_graphs.fits(n, len(chunks)):
             return self._last_rows(chunks, self.prefill_graphs.run(chunks, on_layer))
-        inp = PrefillInputs(n, len(chunks), self.max_blocks, self.device)
+        inp = PrefillInputs(n, len(chunks), self.max_blocks, self.device)  # eager: also penalties, prompt logprobs
         inp.fill_no_sync(chunks)
         key = key_for(chunks, n, len(chunks), max(c.end - c.start for c in chunks))
         hook = (lambda i: on_layer(i, None)) if on_layer is not None else None
-        return self._last_rows(chunks, prefill_forward(self, inp, key, hook))
+        res = prefill_forward(self, inp, key, hook, penalties, prompt_lp)
+        out = self._last_rows(chunks, res)
+        out.prompt_logprobs, out.prompt_lp_plan = res.prompt_logprobs, prompt_lp
+        return out
 
     def _last_rows(self, chunks: list[PrefillChunk], res: PrefillResult) -> PrefillOutput:
         """The rows whose prompt finished this step, out of a step's per-row results."""
@@ -231,11 +243,11 @@ class ModelRunner:
 
     # ---- decode ---------------------------------------------------------------------
     def launch_decode(
-        self, slots: list[int], flags: tuple[bool, bool], logprobs: dict[int, int], num_kv_blocks: int
+        self, slots: list[int], flags: StepFlags, logprobs: dict[int, int], num_kv_blocks: int
     ) -> DecodeHandle:
         """Verify [last, d1..dk] for every slot, accept, redraft; advance state on the device.
 
-        `flags` = (all_greedy, needs_filter) for these rows, host-known; `logprobs` maps row
+        `flags` = (all_greedy, needs_filter, penalized) for these rows, host-known; `logprobs` maps row
         index -> top-n for rows that asked. Replays a captured graph when there is one for
         this batch size (`DecodeGraphs`), else runs the step eagerly. Never syncs.
         """
@@ -253,14 +265,14 @@ class ModelRunner:
         return self._start_copy_to_host(handle)
 
     @_in_mode
-    def decode_step(self, rows: torch.Tensor, flags: tuple[bool, bool], lp_sel: torch.Tensor | slice | None,
+    def decode_step(self, rows: torch.Tensor, flags: StepFlags, lp_sel: torch.Tensor | slice | None,
                     num_top: int, num_kv_blocks: int) -> StepOutputs:
         """One decode step over state rows `rows` [R]: what a CUDA graph captures.
 
         Logprobs (top `num_top`) are computed for the rows `lp_sel` selects (None: none).
         Reads every input from `BatchState` and writes the advanced state back.
         """
-        all_greedy, needs_filter = flags
+        all_greedy, needs_filter, penalized = flags
         s, k = self.state, self.k
         sampling = SamplingTensors(s.temperature[rows], s.top_k[rows], s.top_p[rows], s.seed[rows], all_greedy, needs_filter)
         done = s.done[rows]
@@ -268,14 +280,17 @@ class ModelRunner:
         inputs = torch.cat([s.last_token[rows].unsqueeze(1), s.drafts[rows]], 1)
         meta = self._meta_uniform(s.block_tables[rows], seq, k + 1, done, num_kv_blocks)
         hidden = self.model(inputs.reshape(-1), meta.positions, self.kv.layers, meta, self.backend)
-        if all_greedy and lp_sel is None:  # the argmax inside the LM head's GEMM: no logits written
+        if all_greedy and lp_sel is None and not penalized:  # the argmax inside the LM head's GEMM
             logits, ids, n_verified = None, self.model.greedy_ids(hidden).view(rows.shape[0], k + 1), None
         else:
-            logits = self.model.compute_logits(hidden, float32=not all_greedy).view(rows.shape[0], k + 1, -1)
-            ids, n_verified = self._verify(logits, rows, sampling, seq)
+            logits = self.model.compute_logits(hidden, float32=not all_greedy or penalized).view(rows.shape[0], k + 1, -1)
+            scored = verify_penalties(logits, s.penalties.view(rows), s.drafts[rows]) if penalized else logits
+            ids, n_verified = self._verify(scored, rows, sampling, seq)
         tokens, n_emit, finished, new_len = accept_and_advance(
             ids, n_verified, rows, s.drafts, s.stop_ids, s.max_tokens, s.num_generated, s.seq_lens,
             s.last_token, s.done)
+        if penalized:
+            s.penalties.count_no_sync(rows, tokens, n_emit)
         lps = None
         if lp_sel is not None and logits is not None:
             flat = tokens[lp_sel].clamp(min=0).reshape(-1)

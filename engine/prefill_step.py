@@ -28,6 +28,9 @@ import torch
 from engine.attention import TRASH_BLOCK, AttentionBackend, AttentionMetadata
 from engine.kv_cache import KVCache
 from engine.model import CausalLM
+from engine.penalties import Penalties, apply_penalties
+from engine.prompt_logprobs import PromptLogprobPlan
+from engine.prompt_logprobs import compute as compute_prompt_logprobs
 from engine.sampler import STREAM_SAMPLE, LogprobsTensors, SamplingTensors, compute_logprobs, sample
 from engine.sampling_params import SamplingParams
 from kernels.prefill_meta import prefill_meta
@@ -90,6 +93,7 @@ class PrefillResult:
     logprobs: LogprobsTensors | None  # [R] rows, `top_logprobs` each
     drafts: torch.Tensor | None  # [R, k]
     draft_probs: torch.Tensor | None  # [R, k, V]; None when all greedy
+    prompt_logprobs: LogprobsTensors | None = None  # the plan's positions (engine/prompt_logprobs.py)
 
 
 class PrefillInputs:
@@ -173,9 +177,12 @@ def key_for(chunks: list[PrefillChunk], tokens: int, rows: int, max_q: int) -> P
 LayerHook = Callable[[int], None]
 
 
-def prefill_forward(runner: PrefillRunner, inp: PrefillInputs, key: PrefillKey, on_layer: LayerHook | None = None) -> PrefillResult:
+def prefill_forward(runner: PrefillRunner, inp: PrefillInputs, key: PrefillKey, on_layer: LayerHook | None = None,
+                    penalties: Penalties | None = None, prompt_lp: PromptLogprobPlan | None = None) -> PrefillResult:
     """The whole step over `inp` (module docstring); `on_layer(i)` right after layer i is queued.
-    `runner` is the ModelRunner (model, KV cache, backend, k, draft chain)."""
+    `runner` is the ModelRunner (model, KV cache, backend, k, draft chain). First tokens are sampled
+    from logits with `penalties` applied (engine/penalties.py; logprobs stay the raw ones);
+    `prompt_lp` asks for prompt logprobs (engine/prompt_logprobs.py)."""
     model, k = runner.model, runner.k
     m = prefill_meta(inp.ids, inp.query_start, inp.start, inp.tables, inp.row_next, inp.is_last, runner.block_size)
     meta = AttentionMetadata(m.slot_mapping, m.positions, inp.tables, m.token_row, m.token_col, key.max_q,
@@ -184,9 +191,9 @@ def prefill_forward(runner: PrefillRunner, inp: PrefillInputs, key: PrefillKey, 
     hidden = model(inp.ids, meta.positions, runner.kv.layers, meta, runner.backend, on_layer)
     st = inp.sampling(key)
     logits = model.compute_logits(hidden.index_select(0, m.last_idx))
-    first = sample(logits, st, inp.base, STREAM_SAMPLE)
+    first = sample(apply_penalties(logits, penalties) if penalties is not None else logits, st, inp.base, STREAM_SAMPLE)
     lps = compute_logprobs(logits, first, key.top_logprobs) if key.top_logprobs is not None else None
-    out = PrefillResult(first, lps, None, None)
+    out = PrefillResult(first, lps, None, None, compute_prompt_logprobs(model, hidden, prompt_lp) if prompt_lp else None)
     if k:
         next_ids = m.next_ids.index_put((m.put_idx,), first)[: key.tokens]
         mtp_cache = runner.kv.layers[runner.num_target_layers]
