@@ -108,12 +108,13 @@ def test_fused_prefill_kernels_run_and_agree_with_the_unfused_path(monkeypatch):
     monkeypatch.setattr(attention, "qkv_rope", spy("qkv_rope", attention.qkv_rope))
     monkeypatch.setattr(gemm_glu, "glu_gemm", spy("glu", gemm_glu.glu_gemm))
     params = SamplingParams(max_tokens=8, ignore_eos=True, logprobs=1)
-    fused = engine(0, dtype="bfloat16", enforce_eager=True).generate(PROMPTS, params)
+    prompts = [*PROMPTS, list(range(5, 95))]  # 217 tokens: past the rows where the decode path's kernels run
+    fused = engine(0, dtype="bfloat16", enforce_eager=True).generate(prompts, params)
     assert calls["qkv_rope"] > 0 and calls["glu"] > 0
     monkeypatch.setenv("PDSERVE_PREFILL_GLU", "0")
     monkeypatch.setenv("PDSERVE_PREFILL_QKV_ROPE", "0")
     before = dict(calls)
-    plain = engine(0, dtype="bfloat16", enforce_eager=True).generate(PROMPTS, params)
+    plain = engine(0, dtype="bfloat16", enforce_eager=True).generate(prompts, params)
     assert calls == before, "switched off, neither fused kernel runs"
     for a, b in zip(fused, plain, strict=True):
         assert a.output_ids[0] == b.output_ids[0]
