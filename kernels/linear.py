@@ -46,7 +46,8 @@ from kernels.pdl import pdl_args, wait_for_previous
 
 FUSED_MAX_M = int(os.environ.get("PDSERVE_FUSED_MAX_M", "64"))  # rows up to which the kernel runs by default
 SMALL_MAX_M = int(os.environ.get("PDSERVE_SMALL_MAX_M", "128"))  # and up to this many rows for weights
-SMALL_WEIGHT = 2**21  # of at most this many elements
+SMALL_WEIGHT = int(os.environ.get("PDSERVE_SMALL_WEIGHT", str(2**21)))  # of at most this many elements
+MAX_BM = int(os.environ.get("PDSERVE_MAX_BM", "64"))  # the kernel's row tile: rows above it take more tiles
 INVARIANT_BM = 16
 
 Norm = tuple[torch.Tensor, float]
@@ -155,7 +156,7 @@ def _rows(x: torch.Tensor) -> torch.Tensor:
 
 
 def _block_m(m: int) -> int:
-    return INVARIANT_BM if invariant() else min(64, max(16, triton.next_power_of_2(m)))
+    return INVARIANT_BM if invariant() else min(MAX_BM, max(16, triton.next_power_of_2(m)))
 
 
 def _launch(x2, w, b, residual, y, argmax_out=None, config: tuple[int, int, int] | None = None,
