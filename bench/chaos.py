@@ -381,12 +381,15 @@ def tally(jobs: list[Job], reference: list[list[int]], outcomes: list[Outcome]) 
     errors: Counter[str] = Counter()
     kinds: Counter[str] = Counter()
     examples: dict[str, str] = {}
+    wrong: list[dict[str, Any]] = []
     for job, ref, out in zip(jobs, reference, outcomes, strict=True):
         rows[classify(job, ref, out)] += 1
         if len(out.terminals) > 1:
             rows["duplicated"] += 1
         if out.tokens != ref[: len(out.tokens)] or (not out.cancelled and len(out.tokens) > job.max_tokens):
             rows["wrong_tokens"] += 1
+            if len(wrong) < 5:
+                wrong.append(wrong_example(job, ref, out))
         if out.terminals and out.terminals[0][0] != "finished":
             errors[out.terminals[0][0]] += 1
             kinds[error_kind(out.terminals[0][1])] += 1
@@ -394,7 +397,15 @@ def tally(jobs: list[Job], reference: list[list[int]], outcomes: list[Outcome]) 
     keys = ("sent", "finished_correct", "aborted_correct", "cancelled_by_client", "clean_error", "lost",
             "duplicated", "wrong_tokens", "finished_wrong", "error_without_message")
     return {**{k: rows[k] for k in keys}, "errors_by_code": dict(errors), "error_examples": examples,
-            "errors_by_kind": dict(kinds.most_common(12))}
+            "errors_by_kind": dict(kinds.most_common(12)), "wrong_examples": wrong}
+
+
+def wrong_example(job: Job, ref: list[int], out: Outcome) -> dict[str, Any]:
+    """Where a request's tokens left the reference: its first differing index and the tokens
+    around it (a shift by one there means a token duplicated or dropped, not a numeric change)."""
+    at = next((i for i, (a, b) in enumerate(zip(out.tokens, ref, strict=False)) if a != b), min(len(out.tokens), len(ref)))
+    return {"job": job.index, "prompt_len": len(job.prompt), "got_len": len(out.tokens), "ref_len": len(ref),
+            "first_diff": at, "got": out.tokens[max(0, at - 3) : at + 4], "ref": ref[max(0, at - 3) : at + 4]}
 
 
 def error_kind(message: str) -> str:

@@ -52,8 +52,8 @@ if [[ $mode == fault ]]; then  # the decode actor killed once mid-run: migrated 
   # the single-process engine's on the same GPU (batch-invariant kernels: batching cannot change them)
   python3 -m deploy.cli bench chaos --model smollm2 --spec-tokens 3 --device cuda --deterministic \
     --prefill 1 --decode 1 --set prefill.num_gpus=0.5 --set decode.num_gpus=0.5 --set kv_transfer.backend=$kv \
-    --requests 64 --concurrency 32 --min-prompt 16 --max-prompt 256 --min-output 64 --max-output 192 \
-    --kill-every 4 --max-kills 1 --router-restart-every 0 --abort-every 0 --cancel-fraction 0 --kv-faults 0 \
+    --requests 256 --concurrency 32 --min-prompt 16 --max-prompt 256 --min-output 128 --max-output 384 \
+    --kill-every 1.5 --max-kills 1 --router-restart-every 0 --abort-every 0 --cancel-fraction 0 --kv-faults 0 \
     --json "$OUT/fault_${kv}.json" 2>&1 | tail -45
   exit
 fi
