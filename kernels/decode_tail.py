@@ -65,7 +65,7 @@ def _tail_kernel(ids_ptr, n_in_ptr, rows_ptr, drafts_ptr, stops_ptr, max_tokens_
     new_len = tl.load(seq_ptr + row) + n
     tl.store(tok_out_ptr + r * K1 + j, tokens, mask=j < K1)
     tl.store(n_out_ptr + r, n)
-    tl.store(fin_out_ptr + r, finished)
+    tl.store(fin_out_ptr + r, tl.where(finished, 1, 0).to(tl.int64))  # int64 0/1 in the packed outputs
     tl.store(len_out_ptr + r, new_len)
     tl.store(at_out_ptr + r, r * K1 + tl.maximum(n - 1, 0))
     tl.store(last_ptr + row, last)
