@@ -18,6 +18,7 @@ import torch
 from engine.attention import TRASH_BLOCK
 from engine.penalties import PenaltyInit, PenaltyState
 from engine.staging import PinnedStaging
+from kernels.step_meta import StepState
 
 MAX_STOP_IDS = 8
 
@@ -77,6 +78,11 @@ class BatchState:
         self.top_p = torch.ones(n, dtype=torch.float32, device=device)
         self.seed = z(n)
         self.penalties = PenaltyState(n, vocab, device)
+
+    def step_state(self) -> StepState:
+        """The tensors a decode step gathers its rows from (kernels/step_meta.py `step_inputs`)."""
+        return StepState(self.seq_lens, self.done, self.last_token, self.drafts, self.block_tables,
+                         self.temperature, self.top_k, self.top_p, self.seed)
 
     def _h2d(self, values, dtype) -> torch.Tensor:
         return to_device_no_sync(values, dtype, self.device)

@@ -5,7 +5,9 @@ running slots, then the spare slot as padding (always done, so its KV writes lan
 trash block and its outputs are dropped). Everything else the step reads (lengths, last
 tokens, drafts, block tables, sampling parameters) lives in `BatchState` tensors and the KV
 cache, which inserts write in place, so a step is: at most one small non-blocking copy (the
-rows, only when the running set changed), one replay, and the copies of its outputs.
+rows, only when the running set changed), one replay, and one copy of its packed outputs with
+one event (engine/step_output.py). The step reads the state's rows through one gather kernel
+(kernels/step_meta.py `step_inputs`).
 
 Graphs are keyed by (B, all_greedy, needs_filter, penalized, logprobs) and captured on first use;
 the greedy ones without penalties or logprobs for every bucket are captured up front (`capture_greedy`).
@@ -14,8 +16,8 @@ per key, paid before the loop runs for the keys captured up front.
 
 Careful when editing: a capture runs the step once (warm-up, to compile kernels) with every
 row on the spare slot, so it changes no request's state; the graphs' outputs are static
-tensors, overwritten by the next replay of the same graph (the runner copies them to the
-host right after the replay, in stream order).
+tensors, overwritten by the next replay of the same graph (the runner queues their one copy to
+the host right after the replay, in stream order, into a pinned buffer of its own).
 """
 
 from __future__ import annotations
