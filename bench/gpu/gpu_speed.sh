@@ -67,7 +67,6 @@ if [[ $stage == frspec ]]; then  # issue 30: the MTP step's cost with FR-Spec, G
   bench --arch llama-1b --batch 1 --max-tokens 128 --spec-tokens 3 --profile --draft-vocab 32768
   bench --arch llama-1b --batch 1 --max-tokens 128 --spec-tokens 3 --profile --draft-vocab 16384
   bench --arch smollm2 --batch 32 --max-tokens 128 --spec-tokens 0 --profile
-  bench --arch smollm2 --batch 1 --max-tokens 128 --spec-tokens 3 --profile
   python3 bench/gpu/gpu_gemv.py --draft 2>&1 | grep -v '^{' | tee "$OUT/draft_heads.txt"
   python3 bench/gpu/bench_table.py "$OUT/bench.jsonl"
 fi
