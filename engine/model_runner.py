@@ -28,7 +28,7 @@ from engine.cuda_graphs import MAX_TOP_LOGPROBS, DecodeGraphs, StepFlags
 from engine.draft_vocab import DraftVocab, draft_tokens
 from engine.kv_cache import KVCache
 from engine.model import CausalLM
-from engine.penalties import PenaltyInit, prefill_penalties, verify_penalties
+from engine.penalties import PenaltyInit, prefill_penalties
 from engine.prefill_graphs import LayerReady, PrefillGraphs
 from engine.prefill_step import PrefillChunk, PrefillInputs, PrefillResult, key_for, prefill_forward
 from engine.prompt_logprobs import PromptLogprobPlan
@@ -312,7 +312,7 @@ class ModelRunner:
         if all_greedy and not logprobs and not penalized:
             return None, self.model.greedy_ids(hidden).view(r, k1), None
         logits = self.model.compute_logits(hidden, float32=not all_greedy or penalized).view(r, k1, -1)
-        scored = verify_penalties(logits, self.state.penalties.view(rows), drafts) if penalized else logits
+        scored = self.state.penalties.penalize_rows(logits, rows, drafts) if penalized else logits
         return (logits, *self._verify(scored, rows, drafts, sampling, seq))
 
     def _verify(self, logits: torch.Tensor, rows: torch.Tensor, drafts: torch.Tensor, sampling: SamplingTensors,

@@ -19,7 +19,9 @@ MTP: verify position i scores the token after [last, d_1..d_i], and it is only u
 were accepted, so it is penalized as if they were output (`verify_penalties`): every emitted token
 comes from exactly the distribution plain decoding would sample it from. Drafts themselves are
 drawn unpenalized (a draft only decides how many tokens a step keeps: exactness does not depend
-on it, acceptance does).
+on it, acceptance does). The decode step reads the state rows through one kernel
+(`PenaltyState.penalize_rows`, kernels/penalties.py, which also holds the formulas: `penalize`)
+and counts its emitted tokens with another (atomic integer adds: the same counts in any order).
 
 Must never sync with the device: this runs inside the decode step's CUDA graphs (no `.item()`,
 no boolean-mask indexing, no value-dependent shapes; scatters, never `index_put_` with
@@ -34,6 +36,7 @@ import torch
 from torch import Tensor
 
 from engine.sampling_params import SamplingParams
+from kernels.penalties import count_emitted, penalize, penalize_rows, verify_penalize
 
 
 @dataclass(frozen=True)
@@ -48,15 +51,6 @@ class Penalties:
     prompt: Tensor  # [N, V] bool: the token is in the prompt
 
 
-def penalize(x: Tensor, bias: Tensor, prompt: Tensor, counts: Tensor, presence: Tensor, frequency: Tensor,
-             repetition: Tensor) -> Tensor:
-    """The formulas of the module docstring on fp32 logits `x`; every other argument broadcasts to it."""
-    x = x + bias
-    seen = prompt | (counts > 0)
-    x = torch.where(seen, torch.where(x > 0, x / repetition, x * repetition), x)
-    return x - frequency * counts - presence * (counts > 0).to(x.dtype)
-
-
 def apply_penalties(logits: Tensor, p: Penalties) -> Tensor:
     """[N, V] fp32 penalized logits."""
     return penalize(logits.float(), p.bias, p.prompt, p.counts, p.presence[:, None], p.frequency[:, None],
@@ -65,15 +59,7 @@ def apply_penalties(logits: Tensor, p: Penalties) -> Tensor:
 
 def verify_penalties(logits: Tensor, p: Penalties, drafts: Tensor) -> Tensor:
     """[R, k+1, V] fp32: verify position i penalized with drafts d_1..d_i counted as output."""
-    rows, k1, vocab = logits.shape
-    counts = p.counts[:, None, :].expand(rows, k1, vocab)
-    if k1 > 1:
-        drafted = torch.zeros(rows, k1 - 1, vocab, dtype=counts.dtype, device=logits.device)
-        drafted.scatter_(2, drafts[:, :, None].to(torch.int64), 1)
-        before = torch.cat([torch.zeros_like(drafted[:, :1]), drafted.cumsum(1, dtype=counts.dtype)], 1)
-        counts = counts + before
-    return penalize(logits.float(), p.bias[:, None], p.prompt[:, None], counts, p.presence[:, None, None],
-                    p.frequency[:, None, None], p.repetition[:, None, None])
+    return verify_penalize(logits, drafts, p.presence, p.frequency, p.repetition, p.bias, p.counts, p.prompt)
 
 
 @dataclass(frozen=True)
@@ -201,10 +187,14 @@ class PenaltyState:
                 pairs.add(slot, init)
         pairs.scatter_no_sync(self.prompt, self.counts, self.bias)
 
+    def penalize_rows(self, logits: Tensor, rows: Tensor, drafts: Tensor) -> Tensor:
+        """`verify_penalties(logits, self.view(rows), drafts)` in one kernel that reads the state
+        rows itself (kernels/penalties.py): no [R, V] gathers."""
+        assert self.counts is not None and self.prompt is not None and self.bias is not None
+        return penalize_rows(logits, rows, drafts, self.presence, self.frequency, self.repetition, self.bias,
+                             self.counts, self.prompt)
+
     def count_no_sync(self, rows: Tensor, tokens: Tensor, num_emitted: Tensor) -> None:
         """Add a step's emitted tokens (the first `num_emitted[r]` of `tokens[r]`) to the counts."""
         assert self.counts is not None
-        cols = torch.arange(tokens.shape[1], device=tokens.device)
-        emitted = (cols[None, :] < num_emitted[:, None]).to(self.counts.dtype)
-        index = rows[:, None] * self.vocab + tokens.clamp(min=0)
-        self.counts.view(-1).scatter_add_(0, index.reshape(-1), emitted.reshape(-1))
+        count_emitted(self.counts, rows, tokens, num_emitted)

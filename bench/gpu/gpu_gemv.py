@@ -76,9 +76,11 @@ def graph_us(fn, copies: int) -> float:
 
 
 def _error(y: torch.Tensor, ref: torch.Tensor, argmax: bool) -> float:
-    """Relative error, or for an argmax the share of rows whose id differs from cuBLAS + argmax."""
+    """Relative error; for an argmax (`ref`: the fp32 logits) the share of rows whose chosen logit
+    is more than two bf16 roundings below the row's best (a near-tie may go either way)."""
     if argmax:
-        return float((y != ref).float().mean())
+        best = ref.max(-1).values
+        return float((best - ref.gather(1, y[:, None])[:, 0] > 2**-6 * best.abs()).float().mean())
     return ((y.float() - ref).norm() / ref.norm()).item()
 
 
@@ -86,11 +88,12 @@ def case(name: str, k: int, n: int, m: int, argmax: bool = False) -> dict:
     copies = max(2, -(-(120 << 20) // (k * n * 2)))
     ws_list = [torch.randn(n, k, device=DEV, dtype=DT) * 0.05 for _ in range(copies)]
     x = torch.randn(m, k, device=DEV, dtype=DT)
+    ref = F.linear(x.float(), ws_list[0].float())
     if argmax:
-        ref, run, configs = F.linear(x, ws_list[0]).argmax(-1), sweep_argmax, ARGMAX_CONFIGS
+        run, configs = sweep_argmax, ARGMAX_CONFIGS
         cublas = graph_us(lambda: [F.linear(x, w).argmax(-1) for w in ws_list], copies)
     else:
-        ref, run, configs = F.linear(x.float(), ws_list[0].float()), sweep, CONFIGS
+        run, configs = sweep, CONFIGS
         cublas = graph_us(lambda: [F.linear(x, w) for w in ws_list], copies)
     bytes_ = k * n * 2
     best = (float("inf"), None)
