@@ -10,7 +10,9 @@ from __future__ import annotations
 import argparse
 import importlib
 import json
+import os
 import sys
+import threading
 import time
 from typing import Any
 
@@ -165,6 +167,7 @@ def generate_rank(tp: Any, args: argparse.Namespace) -> int:
     """`pdserve generate` alone (tp None) or on one rank of a local TP group: every rank runs the
     same engine on the same prompts; rank 0 alone prints. Its start-up phases go to stderr."""
     t_imports = time.perf_counter()
+    start_cuda_init(args.device, tp.rank if tp is not None else 0)
     from engine.engine import EngineConfig, LLMEngine
     from engine.loader import default_model, load_model
     from engine.sampling_params import SamplingParams
@@ -194,6 +197,24 @@ def generate_rank(tp: Any, args: argparse.Namespace) -> int:
     if tp is None or tp.rank == 0:
         print_results(loaded.tokenizer, results, args.json, time.perf_counter() - start)
     return 0
+
+
+def start_cuda_init(device: str, rank: int) -> None:
+    """On CUDA, create the device's context in a background thread (torch releases the GIL for
+    the driver's work), so it overlaps the engine's imports and the GGUF read; the main thread's
+    first CUDA call waits for it (torch's lazy init holds a lock). An error is left for the main
+    thread to meet with its own message. PDSERVE_EARLY_CUDA_INIT=0 turns it off (A/B runs)."""
+    if not device.startswith("cuda") or os.environ.get("PDSERVE_EARLY_CUDA_INIT", "1") == "0":
+        return
+    import torch
+
+    def init() -> None:
+        try:
+            torch.empty(1, device=f"cuda:{rank}")  # the rank's device, as engine.tp_launch.rank_device
+        except Exception:
+            pass
+
+    threading.Thread(target=init, name="cuda-init", daemon=True).start()
 
 
 def batch_for(num_prompts: int, most: int) -> int:

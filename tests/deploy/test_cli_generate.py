@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from deploy.cli import batch_for, main
+from deploy.cli import batch_for, main, start_cuda_init
 
 
 def run_json(capsys, *args):
@@ -113,3 +113,15 @@ def test_generate_loads_none_of_the_service_stack(model):
 def test_batch_is_the_bucket_the_prompts_run_in():
     assert [batch_for(n, 32) for n in (1, 2, 3, 4, 5, 9, 17, 32, 33, 100)] == [1, 2, 4, 4, 8, 16, 32, 32, 32, 32]
     assert batch_for(3, 2) == 2
+
+
+def test_early_cuda_init_is_for_cuda_only(monkeypatch):
+    started = []
+    monkeypatch.setattr("threading.Thread.start", lambda self: started.append(self.name))
+    start_cuda_init("cpu", 0)
+    monkeypatch.setenv("PDSERVE_EARLY_CUDA_INIT", "0")
+    start_cuda_init("cuda", 0)
+    assert started == []
+    monkeypatch.delenv("PDSERVE_EARLY_CUDA_INIT")
+    start_cuda_init("cuda", 1)
+    assert started == ["cuda-init"]
