@@ -5,6 +5,8 @@ for bit, the same tied weights, and so the same greedy tokens and logprobs, fp32
 
 from __future__ import annotations
 
+import dataclasses
+
 import gguf
 import numpy as np
 import pytest
@@ -17,6 +19,7 @@ from engine.engine import EngineConfig, LLMEngine
 from engine.loader import (
     _materialize,
     build_model,
+    empty_model,
     head_config,
     load_model,
     mtp_path_default,
@@ -24,13 +27,12 @@ from engine.loader import (
 )
 from engine.model import load_weights, split_mtp_tensors
 from engine.sampling_params import SamplingParams
+from engine.tiny import tiny_config
 from engine.weights import resolve_model
-
-pytestmark = pytest.mark.smollm2
 
 
 @pytest.fixture(scope="module")
-def path() -> str:
+def path() -> str:  # the shipped SmolLM2 GGUF
     try:
         return resolve_model("smollm2")
     except ModuleNotFoundError as e:
@@ -80,6 +82,7 @@ def assert_same_module(new: torch.nn.Module, old: torch.nn.Module) -> None:
     assert new.training == old.training
 
 
+@pytest.mark.smollm2
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_new_load_path_gives_the_old_model_and_answers(path: str, dtype: str) -> None:
     new = load_model("smollm2", device="cpu", dtype=dtype)
@@ -97,3 +100,18 @@ def test_new_load_path_gives_the_old_model_and_answers(path: str, dtype: str) ->
         (req,) = LLMEngine(new, EngineConfig(max_model_len=64)).generate([prompt], params)
         answers.append((req.output_ids, [lp.to_json() for lp in req.logprobs]))
     assert answers[0] == answers[1]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_empty_model_is_the_materialized_model(dtype: torch.dtype) -> None:
+    """`empty_model` (built in `dtype` directly) has what `_materialize(build_model(...))` has:
+    names, shapes, dtypes, the fp32 rotary tables' values, the tied head, eval mode, no grads."""
+    config = dataclasses.replace(tiny_config(), tie_word_embeddings=True)
+    new, old = empty_model(config, "cpu", dtype), _materialize(build_model(config), "cpu", dtype)
+    new_state, old_state = new.state_dict(keep_vars=True), old.state_dict(keep_vars=True)
+    assert [(n, t.shape, t.dtype, t.requires_grad) for n, t in new_state.items()] == [
+        (n, t.shape, t.dtype, t.requires_grad) for n, t in old_state.items()]
+    for (n, b), (_, ob) in zip(new.named_buffers(), old.named_buffers(), strict=True):
+        assert b.dtype == ob.dtype == torch.float32 and torch.equal(b, ob), n
+    assert new.lm_head.weight is new.model.embed_tokens.weight
+    assert not new.training and torch.get_default_dtype() == torch.float32
