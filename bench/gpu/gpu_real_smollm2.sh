@@ -4,7 +4,8 @@
 #              the FR-Spec draft vocabulary; greedy exactness in bf16 (gpu_deterministic.py)
 #   startup:   `pdserve generate --device cuda` start-up (issue 26): the command with an empty
 #              Triton cache, then warm, with and without the early CUDA init; the torch import
-#              and CUDA init floor; the phases one at a time (startup_phases.py); -X importtime
+#              and CUDA init floor; the phases one at a time (startup_phases.py); -X importtime;
+#              then the GGUF tests on the GPU (dequantization, the load path's bits)
 #   all:       both
 # The GGUF (98 MB) is over one call's carry limit, so it travels in three parts, one per call,
 # while the machine stays warm (30 s between calls):
@@ -69,5 +70,9 @@ print(f'floor: import torch {t1 - t:.2f} s, CUDA init {time.perf_counter() - t1:
   awk -F'|' '/^import time:/ { name = $3; depth = match(name, /[^ ]/); if (depth <= 3) print $2, name }' \
     "$OUT/importtime.txt" | sort -n | tail -8 | tee -a "$OUT/startup.txt"
   tail -3 "$OUT/startup_cold-cache.err"
+  # last (they warm the cache): the GGUF reader, dequantization on the GPU, and the load path's bits
+  PDSERVE_TEST_DEVICE=cuda PDSERVE_TEST_GGUF=/tmp/smollm2.gguf python3 -m pytest -q -p no:cacheprovider \
+    tests/engine/test_gguf_file.py tests/engine/test_gguf_dequant.py tests/engine/test_gguf_load_path.py 2>&1 \
+    | tee "$OUT/startup_tests.log" | tail -4
 fi
 tail -5 "$OUT/err.log" 2>/dev/null

@@ -1,11 +1,13 @@
 """The fast GGUF load path (engine.gguf_file + torch dequantization on the model's device +
 `empty_model`) gives the model the old path gave (gguf's reader, gguf's numpy dequantization
 to fp32 host tensors, an fp32 model cast by `_materialize`): every parameter and buffer bit
-for bit, the same tied weights, and so the same greedy tokens and logprobs, fp32 and bf16."""
+for bit, the same tied weights, and so the same greedy tokens and logprobs, fp32 and bf16.
+On a GPU machine: PDSERVE_TEST_DEVICE=cuda PDSERVE_TEST_GGUF=/tmp/smollm2.gguf."""
 
 from __future__ import annotations
 
 import dataclasses
+import os
 
 import gguf
 import numpy as np
@@ -24,19 +26,14 @@ from engine.loader import (
     load_model,
     mtp_path_default,
     read_head,
+    served_name,
 )
 from engine.model import load_weights, split_mtp_tensors
 from engine.sampling_params import SamplingParams
 from engine.tiny import tiny_config
 from engine.weights import resolve_model
 
-
-@pytest.fixture(scope="module")
-def path() -> str:  # the shipped SmolLM2 GGUF
-    try:
-        return resolve_model("smollm2")
-    except ModuleNotFoundError as e:
-        pytest.skip(str(e))
+from .conftest import DEVICE
 
 
 def old_tensors(path: str) -> tuple[ArchConfig, dict[str, torch.Tensor]]:
@@ -55,17 +52,18 @@ def old_tensors(path: str) -> tuple[ArchConfig, dict[str, torch.Tensor]]:
     return config, tensors
 
 
-def old_model(path: str, dtype: torch.dtype) -> torch.nn.Module:
-    config, tensors = old_tensors(path)
+def old_model(ref: str, dtype: torch.dtype, device: str) -> torch.nn.Module:
+    """What load_model(ref) built before (`ref`: a model name or a .gguf path)."""
+    config, tensors = old_tensors(resolve_model(ref))
     target, mtp = split_mtp_tensors(tensors, config.num_hidden_layers)
-    head = mtp_path_default("smollm2")
+    head = mtp_path_default(served_name(ref))
     if head is not None:
         mtp, config = read_head(head, config)
     else:
         config = head_config(config, mtp, ())
     model = build_model(config)
     load_weights(model, target, mtp)
-    return _materialize(model, "cpu", dtype)
+    return _materialize(model, device, dtype)
 
 
 def assert_same_module(new: torch.nn.Module, old: torch.nn.Module) -> None:
@@ -84,10 +82,12 @@ def assert_same_module(new: torch.nn.Module, old: torch.nn.Module) -> None:
 
 @pytest.mark.smollm2
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_new_load_path_gives_the_old_model_and_answers(path: str, dtype: str) -> None:
-    new = load_model("smollm2", device="cpu", dtype=dtype)
+def test_new_load_path_gives_the_old_model_and_answers(smollm2_gguf: str, dtype: str) -> None:
+    ref = os.environ.get("PDSERVE_TEST_GGUF", "smollm2")  # a path named smollm2.gguf gets the shipped head too
+    new = load_model(ref, device=DEVICE, dtype=dtype)
     torch_dtype = getattr(torch, dtype)
-    old = old_model(path, torch_dtype)
+    old = old_model(ref, torch_dtype, DEVICE)
+    assert new.mtp_trained
     assert_same_module(new.model, old)
     assert new.model.lm_head.weight is new.model.model.embed_tokens.weight  # still tied
     assert new.model.rotary.cos.dtype == torch.float32
@@ -97,7 +97,7 @@ def test_new_load_path_gives_the_old_model_and_answers(path: str, dtype: str) ->
     answers = []
     for model in (new.model, old):
         new.model = model  # the same LoadedModel (tokenizer, EOS ids), either weights
-        (req,) = LLMEngine(new, EngineConfig(max_model_len=64)).generate([prompt], params)
+        (req,) = LLMEngine(new, EngineConfig(max_model_len=64, device=DEVICE)).generate([prompt], params)
         answers.append((req.output_ids, [lp.to_json() for lp in req.logprobs]))
     assert answers[0] == answers[1]
 
