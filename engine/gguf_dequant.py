@@ -13,6 +13,8 @@ multiply then an add, never a fused `addcmul` (an FMA rounds once and differs in
 
 from __future__ import annotations
 
+import warnings
+
 import numpy as np
 import torch
 from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
@@ -25,14 +27,22 @@ def dequantize_to_torch(data: np.ndarray, kind: GGMLQuantizationType, device: st
     """One tensor's values as float32 on `device`, in numpy order (GGUF lists dims reversed).
     Never a view of `data`: the result outlives the file's map."""
     if kind == T.F32:
-        return torch.from_numpy(data).to(device, copy=True)
+        return _shared(data).to(device, copy=True)
     if kind == T.F16:
-        return torch.from_numpy(data).to(device).float()
+        return _shared(data).to(device).float()
     if kind not in _BLOCK_KINDS:
         values = np.asarray(dequantize(data, kind), dtype=np.float32)
         return torch.from_numpy(np.array(values)).to(device)  # np.array: a copy, never the map
-    blocks = torch.from_numpy(data).to(device).reshape(-1, GGML_QUANT_SIZES[kind][1])
+    blocks = _shared(data).to(device).reshape(-1, GGML_QUANT_SIZES[kind][1])
     return _BLOCK_KINDS[kind](blocks).reshape(_value_shape(data.shape, kind))
+
+
+def _shared(data: np.ndarray) -> torch.Tensor:
+    """`data` as a tensor over the same memory, read-only arrays (views of a file's map) too:
+    it is only read here, by a copy or by the ops that compute new tensors from it."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
+        return torch.from_numpy(data)
 
 
 def can_dequantize_in_torch(kind: GGMLQuantizationType) -> bool:

@@ -98,11 +98,11 @@ class GGUFFile:
 
 
 def _map_file(path: str) -> mmap.mmap:
-    """A private (copy-on-write) map: numpy and torch views of it are writable, the file never is."""
+    """A read-only map of the whole file (tensor `data` views are read-only arrays)."""
     with open(path, "rb") as f:
         if Path(path).stat().st_size == 0:
             raise ValueError(f"{path!r} is empty: not a GGUF file")
-        return mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
+        return mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
 
 
 class _Cursor:
