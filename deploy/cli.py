@@ -10,11 +10,15 @@ from __future__ import annotations
 import argparse
 import importlib
 import json
+import os
 import sys
+import threading
 import time
 from typing import Any
 
-from bench import BENCHES
+STARTED = time.perf_counter()  # the CLI's start (before it, only the interpreter's own start-up)
+
+from bench import BENCHES  # noqa: E402
 
 
 def _add_generate(sub: Any) -> None:
@@ -161,7 +165,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 def generate_rank(tp: Any, args: argparse.Namespace) -> int:
     """`pdserve generate` alone (tp None) or on one rank of a local TP group: every rank runs the
-    same engine on the same prompts; rank 0 alone prints."""
+    same engine on the same prompts; rank 0 alone prints. Its start-up phases go to stderr."""
+    t_imports = time.perf_counter()
+    start_cuda_init(args.device, tp.rank if tp is not None else 0)
     from engine.engine import EngineConfig, LLMEngine
     from engine.loader import default_model, load_model
     from engine.sampling_params import SamplingParams
@@ -174,7 +180,8 @@ def generate_rank(tp: Any, args: argparse.Namespace) -> int:
     device = rank_device(args.device, tp.rank if tp is not None else 0)
     config = EngineConfig(num_speculative_tokens=args.spec_tokens, draft_vocab_size=args.draft_vocab,
                           device=device, max_model_len=args.max_model_len, enforce_eager=args.enforce_eager,
-                          deterministic=args.deterministic, enable_prefix_caching=args.enable_prefix_caching)
+                          deterministic=args.deterministic, enable_prefix_caching=args.enable_prefix_caching,
+                          max_num_seqs=batch_for(len(args.prompts), EngineConfig.max_num_seqs))
     t0 = time.perf_counter()
     loaded = load_model(args.model or default_model(), device=device, dtype=args.dtype)
     t1 = time.perf_counter()
@@ -184,11 +191,37 @@ def generate_rank(tp: Any, args: argparse.Namespace) -> int:
     start = time.perf_counter()
     results = engine.generate(prompts, params)
     if tp is None or tp.rank == 0:  # start-up phases (graphs are captured on first use, in generate)
-        print(f"load {t1 - t0:.2f} s, engine {t2 - t1:.2f} s, generate {time.perf_counter() - start:.2f} s",
-              file=sys.stderr)
+        end = time.perf_counter()
+        print(f"imports {t0 - t_imports:.2f} s, load {t1 - t0:.2f} s, engine {t2 - t1:.2f} s, generate "
+              f"{end - start:.2f} s; {end - STARTED:.2f} s since the CLI started", file=sys.stderr)
     if tp is None or tp.rank == 0:
         print_results(loaded.tokenizer, results, args.json, time.perf_counter() - start)
     return 0
+
+
+def start_cuda_init(device: str, rank: int) -> None:
+    """On CUDA, create the device's context in a background thread (torch releases the GIL for
+    the driver's work), so it overlaps the engine's imports and the GGUF read; the main thread's
+    first CUDA call waits for it (torch's lazy init holds a lock). An error is left for the main
+    thread to meet with its own message. PDSERVE_EARLY_CUDA_INIT=0 turns it off (A/B runs)."""
+    if not device.startswith("cuda") or os.environ.get("PDSERVE_EARLY_CUDA_INIT", "1") == "0":
+        return
+    import torch
+
+    def init() -> None:
+        try:
+            torch.empty(1, device=f"cuda:{rank}")  # the rank's device, as engine.tp_launch.rank_device
+        except Exception:
+            pass
+
+    threading.Thread(target=init, name="cuda-init", daemon=True).start()
+
+
+def batch_for(num_prompts: int, most: int) -> int:
+    """The engine's batch for `num_prompts`: the decode graph bucket they run in (a power of two,
+    at most `most`), so `generate` captures only the buckets it can use and every step runs in
+    the bucket it would run in with the full batch (the same shapes, the same bits)."""
+    return min(most, 1 << max(num_prompts - 1, 0).bit_length())
 
 
 def print_results(tokenizer: Any, results: list[Any], as_json: bool, elapsed: float) -> None:

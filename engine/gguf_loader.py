@@ -1,10 +1,11 @@
-"""GGUF file -> ArchConfig + fp32 tensors under Hugging Face names.
+"""GGUF file -> ArchConfig + tensors under Hugging Face names.
 
 Receives a GGUF file (llama.cpp's format, any quantization the `gguf` package can
-dequantize: Q4_0/Q4_1/Q8_0/K-quants/F16/BF16/F32). Hands on the model's `ArchConfig`
-(from the file's metadata) and every tensor dequantized to float32, in HF layout and
-HF naming (`model.layers.{i}.self_attn.q_proj.weight`, ...). The tokenizer stored in
-the same file is built by `engine.tokenizer.Tokenizer.from_gguf_metadata`.
+dequantize: Q4_0/Q4_1/Q8_0/K-quants/F16/BF16/F32), parsed by `engine.gguf_file`. Hands on
+the model's `ArchConfig` (from the file's metadata) and every tensor dequantized (on the
+device asked for, where `engine.gguf_dequant` can) and cast to the dtype asked for, in HF
+layout and HF naming (`model.layers.{i}.self_attn.q_proj.weight`, ...). The tokenizer stored
+in the same file is built by `engine.tokenizer.Tokenizer.from_gguf_metadata`.
 
 Careful: llama.cpp's converter permutes the rows of q_proj and k_proj for the `llama`
 architecture (`permute` in convert_hf_to_gguf.py: it pairs adjacent dims for RoPE,
@@ -15,14 +16,14 @@ without error and generates garbage; the SmolLM2 "Paris" test guards it.
 from __future__ import annotations
 
 import re
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 import torch
-from gguf import GGUFReader
-from gguf.quants import dequantize
 
 from engine.config import ArchConfig
+from engine.gguf_dequant import dequantize_to_torch
+from engine.gguf_file import GGUFFile, GGUFTensor
 
 # llama.cpp architecture name -> HF model_type. Mistral GGUFs say "llama".
 SUPPORTED_ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
@@ -50,22 +51,23 @@ _LAYER_NAMES = {
 _LAYER_RE = re.compile(r"^blk\.(\d+)\.([a-z_]+)\.(weight|bias)$")
 _GLOBAL_RE = re.compile(r"^([a-z_]+)\.(weight|bias)$")
 
+_Array = TypeVar("_Array", np.ndarray, torch.Tensor)
+
 # Chat-template markers that end an assistant turn; their ids join the EOS set.
 END_OF_TURN_MARKERS = ("<|im_end|>", "<|eot_id|>", "<|end|>", "<end_of_turn>")
 
 
-def open_gguf(path: str) -> GGUFReader:
-    """Memory-map a GGUF file (reads the header and metadata only)."""
-    return GGUFReader(path)
+def open_gguf(path: str) -> GGUFFile:
+    """Memory-map a GGUF file (reads the header, metadata and tensor table only)."""
+    return GGUFFile(path)
 
 
-def read_field(reader: GGUFReader, key: str, default: Any = None) -> Any:
+def read_field(reader: GGUFFile, key: str, default: Any = None) -> Any:
     """A metadata value as a Python object (str, int, float, list), or `default`."""
-    field = reader.fields.get(key)
-    return default if field is None else field.contents()
+    return reader.fields.get(key, default)
 
 
-def gguf_architecture(reader: GGUFReader) -> str:
+def gguf_architecture(reader: GGUFFile) -> str:
     arch = read_field(reader, "general.architecture")
     if arch not in SUPPORTED_ARCHITECTURES:
         raise ValueError(
@@ -74,7 +76,7 @@ def gguf_architecture(reader: GGUFReader) -> str:
     return str(arch)
 
 
-def gguf_eos_token_ids(reader: GGUFReader) -> tuple[int, ...]:
+def gguf_eos_token_ids(reader: GGUFFile) -> tuple[int, ...]:
     """The ids that end generation: EOS, EOT/EOM when the file names them, and the
     end-of-turn marker its chat template uses (SmolLM2's `<|im_end|>`)."""
     ids: list[int] = []
@@ -90,7 +92,7 @@ def gguf_eos_token_ids(reader: GGUFReader) -> tuple[int, ...]:
     return tuple(dict.fromkeys(ids))
 
 
-def arch_config_from_gguf(reader: GGUFReader) -> ArchConfig:
+def arch_config_from_gguf(reader: GGUFFile) -> ArchConfig:
     """Build the ArchConfig from `{arch}.*` and `tokenizer.ggml.*` metadata."""
     arch = gguf_architecture(reader)
     _reject_rope_scaling(reader, arch)
@@ -124,7 +126,7 @@ def _f32(value: float) -> float:
     return float(str(np.float32(value)))
 
 
-def _reject_rope_scaling(reader: GGUFReader, arch: str) -> None:
+def _reject_rope_scaling(reader: GGUFFile, arch: str) -> None:
     scaling = read_field(reader, f"{arch}.rope.scaling.type", "none")
     has_freqs = any(t.name == "rope_freqs.weight" for t in reader.tensors)
     if scaling != "none" or has_freqs:
@@ -145,7 +147,7 @@ def hf_tensor_name(gguf_name: str) -> str:
     raise ValueError(f"unexpected GGUF tensor {gguf_name!r}: no Hugging Face name for it")
 
 
-def unpermute_qk(w: np.ndarray, n_head: int) -> np.ndarray:
+def unpermute_qk(w: _Array, n_head: int) -> _Array:
     """Undo llama.cpp's Q/K row permutation.
 
     The converter maps HF rows (head, half, i) to GGUF rows (head, i, half):
@@ -154,35 +156,32 @@ def unpermute_qk(w: np.ndarray, n_head: int) -> np.ndarray:
     """
     rows = w.shape[0]
     half = rows // n_head // 2
-    return w.reshape(n_head, half, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+    return w.reshape(n_head, half, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)  # type: ignore[return-value]
 
 
-def dequantize_tensor(tensor: Any) -> np.ndarray:
-    """One GGUF tensor as float32 in numpy (row-major) order: GGUF lists dims reversed."""
-    shape = tuple(int(d) for d in reversed(tensor.shape.tolist()))
-    # np.asarray: plain views of the map, numpy's memmap subclass slows dequantize ~2x
-    values = np.asarray(dequantize(np.asarray(tensor.data), tensor.tensor_type), dtype=np.float32)
-    if not values.flags.writeable:  # F32 tensors come back as views of the read-only map
-        values = values.copy()
-    return values.reshape(shape)
+def dequantize_tensor(tensor: GGUFTensor, device: str | torch.device = "cpu") -> torch.Tensor:
+    """One GGUF tensor as float32 on `device`, in numpy (row-major) order."""
+    return dequantize_to_torch(tensor.data, tensor.tensor_type, device)
 
 
-def load_gguf_tensors(reader: GGUFReader, config: ArchConfig) -> dict[str, torch.Tensor]:
-    """Every tensor of the file, dequantized to fp32, HF-named, Q/K un-permuted for llama."""
+def load_gguf_tensors(reader: GGUFFile, config: ArchConfig, device: str | torch.device = "cpu",
+                      dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
+    """Every tensor of the file, dequantized on `device` and cast to `dtype`, HF-named,
+    Q/K un-permuted for llama (a permutation: exact in any dtype)."""
     from tqdm import tqdm
 
     arch = gguf_architecture(reader)
     tensors: dict[str, torch.Tensor] = {}
     for tensor in tqdm(reader.tensors, desc="loading weights", unit="tensor", leave=False, disable=None):
         name = hf_tensor_name(tensor.name)
-        values = dequantize_tensor(tensor)
+        values = dequantize_tensor(tensor, device).to(dtype)
         if arch in _PERMUTED_ARCHITECTURES:
             values = _unpermute_if_qk(name, values, config)
-        tensors[name] = torch.from_numpy(values)
+        tensors[name] = values
     return tensors
 
 
-def _unpermute_if_qk(name: str, values: np.ndarray, config: ArchConfig) -> np.ndarray:
+def _unpermute_if_qk(name: str, values: torch.Tensor, config: ArchConfig) -> torch.Tensor:
     if ".self_attn.q_proj." in name:
         return unpermute_qk(values, config.num_attention_heads)
     if ".self_attn.k_proj." in name:

