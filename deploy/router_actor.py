@@ -34,7 +34,7 @@ class RouterActor:
         half-started router behind: a failed start stops what it started and raises."""
         from deploy.actors import node_tls
         from engine.loader import load_model_info
-        from router.router import Router
+        from router.router import Router, freeze_heap
 
         async with self._starting:
             if self.router is not None:
@@ -52,6 +52,7 @@ class RouterActor:
                     await router.stop()
                 raise
             self.router = router
+            freeze_heap()  # this process is the router's alone
             return self._address(bound)
 
     async def ensure_serving(self, port: int, http_port: int | None) -> str:

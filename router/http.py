@@ -35,6 +35,7 @@ from pydantic import BaseModel, ValidationError
 from deploy.config import RouterConfig
 from protos import pdserve_pb2 as pb
 from router.auth import authorized
+from router.detokenize import TokenPieces
 from router.metrics import RouterMetrics
 from router.openai_protocol import ChatCompletionRequest, CompletionRequest, Format
 from router.request import RequestError, RequestState, is_terminal
@@ -91,6 +92,8 @@ def health_json(h: pb.HealthResponse) -> dict:
 
 def build_app(router: Lifecycle) -> FastAPI:
     app = FastAPI(title="pdserve", docs_url=None, redoc_url=None, openapi_url=None)
+    tok = router.model.tokenizer
+    pieces = TokenPieces(tok) if tok is not None else None  # logprob entries' token texts, remembered
 
     @app.get("/health")
     async def health(raw: Request) -> Response:
@@ -113,11 +116,11 @@ def build_app(router: Lifecycle) -> FastAPI:
 
     @app.post("/v1/completions")
     async def completions(raw: Request) -> Response:
-        return await _generate(router, raw, CompletionRequest, chat=False)
+        return await _generate(router, raw, CompletionRequest, pieces, chat=False)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(raw: Request) -> Response:
-        return await _generate(router, raw, ChatCompletionRequest, chat=True)
+        return await _generate(router, raw, ChatCompletionRequest, pieces, chat=True)
 
     return app
 
@@ -132,12 +135,13 @@ def _denied(router: Lifecycle, raw: Request) -> Response | None:
     return JSONResponse(body, status_code=401)
 
 
-async def _generate(router: Lifecycle, raw: Request, model: type[BaseModel], chat: bool) -> Response:
+async def _generate(router: Lifecycle, raw: Request, model: type[BaseModel], pieces: TokenPieces | None,
+                    chat: bool) -> Response:
     if (denied := _denied(router, raw)) is not None:
         return denied
 
     try:
-        gen, fmt, req = await _prepare(router, raw, model, chat)
+        gen, fmt, req = await _prepare(router, raw, model, pieces, chat)
         st = await router.submit(gen)
     except RequestError as e:
         return error_response(e.code, e.message)
@@ -156,7 +160,7 @@ async def _generate(router: Lifecycle, raw: Request, model: type[BaseModel], cha
     return JSONResponse(fmt.whole(rest))
 
 
-async def _prepare(router: Lifecycle, raw: Request, model: type[BaseModel],
+async def _prepare(router: Lifecycle, raw: Request, model: type[BaseModel], pieces: TokenPieces | None,
                    chat: bool) -> tuple[pb.GenerateRequest, Format, Any]:
     """The body as a GenerateRequest; raises RequestError (INVALID_ARGUMENT, NOT_FOUND), counted."""
     code, message = "INVALID_ARGUMENT", ""
@@ -166,7 +170,7 @@ async def _prepare(router: Lifecycle, raw: Request, model: type[BaseModel],
             code = "NOT_FOUND"
             raise InvalidRequest(f"the model {req.model!r} does not exist; this server serves "
                                  f"{router.model.name!r}")
-        fmt = Format(chat, router.model.name, router.model.tokenizer, _logprobs_asked(req, chat))
+        fmt = Format(chat, router.model.name, pieces, _logprobs_asked(req, chat))
         return await _to_generate(router, req, fmt, len(body)), fmt, req
     except InvalidRequest as e:
         message = str(e)

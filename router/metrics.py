@@ -15,6 +15,7 @@ gap g observes g/n n times), end-to-end latency once per finished request.
 
 from __future__ import annotations
 
+import bisect
 import time
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
@@ -77,9 +78,7 @@ class RouterMetrics:
             self.ttft.observe(now - st.arrival)
             n -= 1
         else:
-            gap = (now - st.last_token_at) / n
-            for _ in range(n):
-                self.itl.observe(gap)
+            observe_n(self.itl, (now - st.last_token_at) / n, n)
         st.last_token_at = now
 
     def ended(self, st: RequestState) -> None:
@@ -93,6 +92,19 @@ class RouterMetrics:
 
     def refused(self, code: str) -> None:
         self.failure.labels(self.model_name, code).inc()
+
+
+def observe_n(histogram: Any, value: float, n: int) -> None:
+    """`histogram.observe(value)` n times, in one step: one bucket and the sum move by n (the
+    bucket `observe` picks: the first bound >= value). Falls back to n observes should the
+    client library's histogram keep its buckets otherwise."""
+    bounds, buckets = getattr(histogram, "_upper_bounds", None), getattr(histogram, "_buckets", None)
+    if bounds is None or buckets is None or len(bounds) != len(buckets):
+        for _ in range(n):
+            histogram.observe(value)
+        return
+    histogram._sum.inc(value * n)
+    buckets[min(bisect.bisect_left(bounds, value), len(buckets) - 1)].inc(n)
 
 
 class NodeCollector:
