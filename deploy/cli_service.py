@@ -98,9 +98,30 @@ def start_service(cfg: Any) -> tuple[Any, str]:
 
     node_tls(cfg)  # unusable node TLS files: one clear error before Ray starts
     check_tp_fits(cfg)
+    t0 = time.perf_counter()
     init_ray(cfg, temp_dir=tempfile.mkdtemp(prefix="pdserve-ray-") if cfg.cluster.address is None else None)
+    ray_s = time.perf_counter() - t0
     service = Service(cfg)
-    return service, service.start(timeout_s=cfg.cluster.start_timeout_s)
+    address = service.start(timeout_s=cfg.cluster.start_timeout_s)
+    service.startup["ray_init"] = round(ray_s, 2)
+    return service, address
+
+
+def startup_line(service: Any) -> str:
+    """Where `pdserve up`'s start went: Ray, the router, and the slowest node's phases (its worker
+    process, imports, model load, node build with CUDA graph capture, serve)."""
+    s = service.startup
+    total = s.get("ray_init", 0.0) + s.get("nodes_serving", 0.0)
+    line = (f"ready in {total:.1f} s: Ray {s.get('ray_init', 0.0):.1f} s, router serving at "
+            f"{s.get('router_serving', 0.0):.1f} s, nodes at {s.get('nodes_serving', 0.0):.1f} s")
+    try:
+        nodes = {f"{role}-{i}": info.get("startup", {}) for (role, i), info in service.node_info().items()}
+    except Exception:  # a node restarting: the line without it
+        return line
+    if nodes:
+        name, phases = max(nodes.items(), key=lambda kv: sum(kv[1].values()))
+        line += f"; slowest node {name}: " + ", ".join(f"{k} {v:.1f} s" for k, v in phases.items())
+    return line
 
 
 def check_tp_fits(cfg: Any) -> None:
@@ -143,6 +164,7 @@ def cmd_up(args: argparse.Namespace) -> int:
     tls = cfg.router.tls_cert is not None
     http = f"; OpenAI-compatible HTTP on {scheme(cfg)}://{service.http_address}/v1" if service.http_address else ""
     every = " (bound on every interface)" if cfg.router.host in ("0.0.0.0", "::", "") else ""
+    print(startup_line(service), flush=True)
     print(f"router listening on {address} (gRPC{', TLS' if tls else ''}){http}{every} (Ctrl-C to stop)",
           flush=True)
     done = threading.Event()

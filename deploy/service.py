@@ -81,6 +81,7 @@ class Service:
         self._router_ports: tuple[int, int | None] = (0, None)  # gRPC, HTTP: kept across restarts
         self._stop = threading.Event()
         self._watcher: threading.Thread | None = None
+        self.startup: dict[str, float] = {}  # seconds from `start` to: router serving, every node serving
 
     def start(self, timeout_s: float = 300.0) -> str:
         """Create every actor, wait until all serve, start watching; returns the router address."""
@@ -89,6 +90,7 @@ class Service:
         from deploy.actors import NodeActor
         from deploy.router_actor import RouterActor
 
+        t0 = time.perf_counter()
         cfg_json = self.cfg.model_dump_json()
         for role, count in self.cfg.node_counts.items():
             tp = getattr(self.cfg.section(role), "tp", 1)
@@ -105,12 +107,14 @@ class Service:
         self.router_address = ray.get(self.router.start.remote(), timeout=timeout_s)
         self.http_address = ray.get(self.router.http_address.remote(), timeout=timeout_s)
         self._router_ports = (_port(self.router_address), _port(self.http_address) if self.http_address else None)
+        self.startup["router_serving"] = round(time.perf_counter() - t0, 2)
         deadline = time.monotonic() + timeout_s
         want = tuple(self.cfg.node_counts.get(role, 0) for role in ROLES)
         while not all(self._poll_once(wait_s=5.0).values()) or not self._router_sees(want):
             if time.monotonic() > deadline:
                 raise TimeoutError(f"nodes did not start in time: {self.addresses}")
             time.sleep(0.1)
+        self.startup["nodes_serving"] = round(time.perf_counter() - t0, 2)
         self._watcher = threading.Thread(target=self._watch, name="service-watch", daemon=True)
         self._watcher.start()
         return self.router_address
