@@ -27,12 +27,13 @@ from bench.serve_load import Item, Result, counts, load
 START_TIMEOUT_S = 120.0
 
 
-def proc_cpu_s(pid: int) -> float | None:
-    """CPU seconds (user + system) process `pid` has used so far; None when unreadable."""
+def proc_cpu_s(pid: int) -> tuple[float, float] | None:
+    """CPU seconds (user, system) process `pid` has used so far; None when unreadable."""
     try:
         with open(f"/proc/{pid}/stat") as f:
             fields = f.read().rpartition(")")[2].split()
-        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+        tick = os.sysconf("SC_CLK_TCK")
+        return int(fields[11]) / tick, int(fields[12]) / tick
     except (OSError, ValueError, IndexError):
         return None
 
@@ -42,7 +43,7 @@ class CpuWatch:
 
     def __init__(self, pids: dict[str, int]) -> None:
         self.pids = pids
-        self._start: dict[str, float | None] = {}
+        self._start: dict[str, tuple[float, float] | None] = {}
         self._t0 = 0.0
 
     def start(self) -> None:
@@ -50,15 +51,16 @@ class CpuWatch:
         self._t0 = time.perf_counter()
 
     def stop(self, tokens: int, chunks: int) -> dict[str, dict[str, float]]:
-        """Per process: cpu_s, share (of one core over the run), us_per_token, us_per_chunk."""
+        """Per process: cpu_s (user + system; sys_s of it in the kernel: socket writes...), share (of
+        one core over the run), us_per_token, us_per_chunk."""
         wall = max(time.perf_counter() - self._t0, 1e-9)
         out = {}
         for name, pid in self.pids.items():
             before, after = self._start.get(name), proc_cpu_s(pid)
             if before is None or after is None:
                 continue
-            cpu = after - before
-            out[name] = {"cpu_s": round(cpu, 3), "share": round(cpu / wall, 3),
+            cpu, sys_s = sum(after) - sum(before), after[1] - before[1]
+            out[name] = {"cpu_s": round(cpu, 3), "sys_s": round(sys_s, 3), "share": round(cpu / wall, 3),
                          "us_per_token": round(1e6 * cpu / tokens, 2) if tokens else float("nan"),
                          "us_per_chunk": round(1e6 * cpu / chunks, 2) if chunks else float("nan")}
         return out
