@@ -117,7 +117,8 @@ def service_pids(service: Any) -> dict[str, int]:
     """The router's and every node's process id (a TP node: rank 0's) of a launched service."""
     import ray
 
-    pids = {"router": int(ray.get(service.router.status.remote(), timeout=30)["pid"])}
+    pids = {"router" if i == 0 else f"router{i}": int(ray.get(h.status.remote(), timeout=30)["pid"])
+            for i, h in enumerate(service.routers)}
     for (role, i), info in service.node_info().items():
         pids[f"{role}{i}"] = int(info["pid"])
     return pids

@@ -24,7 +24,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
-from decode_node.node import Reservation, owner_of
+from decode_node.node import Reservation, owner_of, publish_to_owners
 from engine.sampling_params import SamplingParams
 from engine.step_loop import StepLoop
 from protos.messages import OutputItem, TokenLogprobs
@@ -165,5 +165,4 @@ class SyntheticNode(StepLoop):
     def _publish(self, items: list[OutputItem]) -> None:
         self.steps += 1
         with self._sub_lock:
-            for q, _ in self._subscribers:
-                q.put(items)
+            publish_to_owners(items, self._subscribers)

@@ -38,7 +38,8 @@ def service_config(args: argparse.Namespace, local: bool = False) -> Any:
                       ("max_num_batched_tokens", "prefill.max_num_batched_tokens"),
                       ("max_num_batched_tokens", "colocated.max_num_batched_tokens"),
                       ("max_num_seqs", "decode.max_num_seqs"), ("max_num_seqs", "colocated.max_num_seqs"),
-                      ("prefill_tp", "prefill.tp"), ("decode_tp", "decode.tp")):
+                      ("prefill_tp", "prefill.tp"), ("decode_tp", "decode.tp"),
+                      ("router_processes", "router.processes")):
         value = getattr(args, flag, None)
         if value is not None:
             overrides[key] = value
@@ -67,6 +68,8 @@ def add_service_arguments(p: argparse.ArgumentParser) -> None:
                    help="requests decoding at once per decode or colocated node (default 32)")
     p.add_argument("--prefill-tp", type=int, default=None, help="tensor-parallel ranks per prefill node")
     p.add_argument("--decode-tp", type=int, default=None, help="tensor-parallel ranks per decode node (= --prefill-tp)")
+    p.add_argument("--router-processes", type=int, default=None, metavar="N",
+                   help="router processes sharing its ports (vLLM's --api-server-count; default 1)")
     p.add_argument("--spec-tokens", type=int, default=None, help="MTP draft tokens per step (k)")
     p.add_argument("--draft-vocab", type=int, default=None, metavar="N",
                    help="MTP drafts score the model's N most frequent tokens (FR-Spec); 0 = all")

@@ -63,6 +63,7 @@ class Lifecycle(Protocol):
     async def submit(self, request: pb.GenerateRequest) -> RequestState: ...
     def responses(self, st: RequestState) -> AsyncGenerator[pb.GenerateResponse, None]: ...
     def refused(self, code: str) -> None: ...
+    async def metrics_text(self) -> tuple[bytes, str]: ...
     def health(self, nodes: bool = False) -> pb.HealthResponse: ...
     def health_detail_allowed(self, authorization: str | None) -> bool: ...
     def list_models(self) -> pb.ListModelsResponse: ...
@@ -111,7 +112,7 @@ def build_app(router: Lifecycle) -> FastAPI:
 
     @app.get("/metrics")
     async def metrics() -> Response:
-        body, content_type = router.metrics.exposition()
+        body, content_type = await router.metrics_text()
         return Response(body, media_type=content_type)
 
     @app.post("/v1/completions")
@@ -288,11 +289,14 @@ class HttpServer:
         self._server: _Server | None = None
         self._task: asyncio.Task[None] | None = None
 
-    async def start(self, host: str, port: int) -> int:
-        """Bind (`port=0`: any free one) and serve; returns the bound port."""
+    async def start(self, host: str, port: int, reuse_port: bool = False) -> int:
+        """Bind (`port=0`: any free one) and serve; returns the bound port. `reuse_port`: other
+        processes (a service's other router processes) may bind it too (SO_REUSEPORT)."""
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
         sock = socket.socket(family, socket.SOCK_STREAM)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        if reuse_port:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
         sock.bind((host, port))
         config = uvicorn.Config(self.app, log_level="warning", access_log=False, lifespan="off",
                                 timeout_graceful_shutdown=2, **self.tls)  # type: ignore[arg-type]

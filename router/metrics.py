@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
+from prometheus_client.parser import text_string_to_metric_families
 
 if TYPE_CHECKING:
     from router.pool import Node
@@ -92,6 +93,44 @@ class RouterMetrics:
 
     def refused(self, code: str) -> None:
         self.failure.labels(self.model_name, code).inc()
+
+
+def merge_expositions(own: bytes, others: list[bytes]) -> bytes:
+    """One exposition for a service of several router processes: `own` (this process's) with every
+    request-level sample of `others` (the other processes') added to it, so each counter,
+    histogram bucket and gauge is the service's total. Per-node families (NodeCollector: every
+    process polls the same nodes) and `_created` stamps are taken from `own`."""
+    families = list(text_string_to_metric_families(own.decode()))
+    by_name = {f.name: f for f in families}
+    for text in others:
+        for fam in text_string_to_metric_families(text.decode()):
+            mine = by_name.get(fam.name)
+            if mine is None:
+                families.append(fam)
+                by_name[fam.name] = fam
+            elif fam.name not in NODE_FAMILIES and not fam.name.endswith("_created"):
+                _add_samples(mine, fam)
+    return generate_latest(_Families(families))  # type: ignore[arg-type]
+
+
+def _add_samples(into: Any, fam: Any) -> None:
+    index = {(s.name, tuple(sorted(s.labels.items()))): i for i, s in enumerate(into.samples)}
+    for s in fam.samples:
+        i = index.get((s.name, tuple(sorted(s.labels.items()))))
+        if i is None:
+            into.samples.append(s)
+        else:
+            into.samples[i] = into.samples[i]._replace(value=into.samples[i].value + s.value)
+
+
+class _Families:
+    """A collection `generate_latest` can render (it only calls `collect`)."""
+
+    def __init__(self, families: list[Any]) -> None:
+        self.families = families
+
+    def collect(self) -> list[Any]:
+        return self.families
 
 
 def observe_n(histogram: Any, value: float, n: int) -> None:
@@ -196,3 +235,6 @@ class NodeCollector:
         for pos, (d, a) in enumerate(zip(s.draft_tokens, s.accepted_per_pos, strict=False)):
             drafts.add_metric([*key, str(pos)], d)
             accepted.add_metric([*key, str(pos)], a)
+
+
+NODE_FAMILIES = frozenset(f.name for f in NodeCollector(lambda: []).collect())

@@ -39,7 +39,7 @@ import os
 import random
 import uuid
 from collections import Counter
-from collections.abc import AsyncGenerator, AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from contextlib import aclosing
 from functools import partial
 from typing import Any
@@ -55,7 +55,7 @@ from router.auth import ApiKeyInterceptor, authorized
 from router.directory import NodeDirectory
 from router.grpc_health import add_health_servicer
 from router.http import HttpServer, build_app
-from router.metrics import RouterMetrics
+from router.metrics import RouterMetrics, merge_expositions
 from router.policy import Policy, make_policy
 from router.pool import MAX_MESSAGE_BYTES, Node, NodePool
 from router.request import Interrupt, RequestError, RequestState, is_terminal
@@ -67,6 +67,7 @@ log = logging.getLogger(__name__)
 MAX_DRAFTS = 64  # bound on drafts in a first-token message (the router ignores them)
 SHUTDOWN_GRACE_S = 2.0
 NODE_WAIT_POLL_S = 0.05  # how often a request waiting for a healthy node looks again
+PEER_METRICS_TIMEOUT_S = 2.0
 
 
 class AttemptLost(Exception):
@@ -108,6 +109,8 @@ class Router:
         self.migrations = 0  # requests moved to another decode node (each move counts)
         self.metrics = RouterMetrics(model.name, lambda: len(self._queue), lambda: len(self.requests),
                                      lambda: list(self.pool.nodes.values()))
+        # the other router processes' /metrics text (a service of several: deploy/router_actor.py)
+        self.peer_metrics: Callable[[], Awaitable[list[bytes]]] | None = None
         self.http: HttpServer | None = None
         self.grpc_port: int | None = None  # bound ports, once serving
         self.http_port: int | None = None
@@ -126,7 +129,7 @@ class Router:
         await self._server.start()
         if http_port is not None:
             self.http = HttpServer(build_app(self), self.config.tls_cert, self.config.tls_key)
-            self.http_port = await self.http.start(host, http_port)
+            self.http_port = await self.http.start(host, http_port, reuse_port=self.config.processes > 1)
         self._serving = True
         tls = "TLS" if self.config.tls_cert else "plain text"
         log.info("router %s serving %s on %s port %d (gRPC, %s)", self.router_id, self.model.name, host, bound, tls)
@@ -555,6 +558,19 @@ class Router:
         self.counts[st.terminal or "none"] += 1
         self.metrics.ended(st)
         self._queue.wake_one()
+
+    async def metrics_text(self) -> tuple[bytes, str]:
+        """`/metrics`: this process's figures, plus the other router processes' (summed) when the
+        service runs several; a process that does not answer in PEER_METRICS_TIMEOUT_S is left out."""
+        body, content_type = self.metrics.exposition()
+        if self.peer_metrics is None:
+            return body, content_type
+        try:
+            others = await asyncio.wait_for(self.peer_metrics(), PEER_METRICS_TIMEOUT_S)
+        except Exception as e:  # a peer restarting: this process's figures, and say so in the log
+            log.warning("other router processes' metrics not read: %r", e)
+            return body, content_type
+        return merge_expositions(body, others), content_type
 
     # ---- Abort / Health / ListModels ------------------------------------------------------
     def health(self, nodes: bool = False) -> pdserve_pb2.HealthResponse:
