@@ -35,6 +35,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--spec-tokens", type=int, default=3, help="k: a node step gives k + 1 tokens per request")
     p.add_argument("--step-ms", type=float, default=3.0, help="a node step's time (H100 SmolLM2 at batch 128: ~3)")
     p.add_argument("--nodes", type=int, default=1, help="synthetic colocated nodes")
+    p.add_argument("--routers", type=int, default=1, help="router processes sharing the ports (router.processes)")
     p.add_argument("--max-num-seqs", type=int, default=256, help="requests running at once per node")
     p.add_argument("--protocol", choices=("http", "grpc"), default="http")
     p.add_argument("--num-prompts", type=int, default=256)
@@ -53,8 +54,11 @@ def run(args: argparse.Namespace) -> int:
         addresses = [nodes.start(_node_main, dict(vocab_of(args.model), k=args.spec_tokens, step_s=args.step_ms / 1000,
                                                   max_num_seqs=args.max_num_seqs), f"node{i}")
                      for i in range(args.nodes)]
-        ports = router.start(_router_main, {"model": args.model, "colocated": addresses,
-                                            "queue_size": 4 * args.num_prompts}, "router")
+        options = {"model": args.model, "colocated": addresses, "queue_size": 4 * args.num_prompts,
+                   "processes": args.routers, "ports": None}
+        ports = router.start(_router_main, options, "router")
+        for i in range(1, args.routers):  # the same ports (SO_REUSEPORT): clients' connections spread
+            router.start(_router_main, {**options, "ports": ports}, f"router{i}")
         spy = _py_spy(args.py_spy, router.pids["router"]) if args.py_spy else None
         report = asyncio.run(_load(args, ports, {**nodes.pids, **router.pids}))
     finally:
@@ -103,18 +107,21 @@ async def _load(args: argparse.Namespace, ports: dict, pids: dict[str, int]) -> 
 
 
 def _per_message(run: dict, node_messages: float) -> None:
-    """Add the router's us per node message (node steps are the same in every run: an estimate) and
-    the output tokens/s one router core carries at its per-token cost."""
-    cpu = run["cpu"].get("router")
-    if cpu:
+    """Add `routers` (every router process together), its us per node message (node steps are the
+    same in every run: an estimate) and the output tokens/s one router core carries at its cost."""
+    parts = [v for k, v in run["cpu"].items() if k.startswith("router")]
+    if parts:
+        total = {key: round(sum(p[key] for p in parts), 3) for key in ("cpu_s", "sys_s", "share", "us_per_token",
+                                                                        "us_per_chunk")}
+        cpu = run["cpu"]["routers"] = total
         cpu["us_per_node_message"] = round(1e6 * cpu["cpu_s"] / node_messages, 1) if node_messages else None
         cpu["tokens_per_s_per_core"] = round(1e6 / cpu["us_per_token"]) if cpu["us_per_token"] > 0 else None
 
 
 def _table(report: dict) -> str:
-    rows = ["run | out tok/s | router share | router us/token | us/chunk | tok/s per router core | clients share"]
+    rows = ["run | out tok/s | routers' share | routers' us/token | us/chunk | tok/s per router core | clients share"]
     for i, r in enumerate(report["runs"]):
-        c, clients = r["cpu"].get("router", {}), [v["share"] for k, v in r["cpu"].items() if k.startswith("client")]
+        c, clients = r["cpu"].get("routers", {}), [v["share"] for k, v in r["cpu"].items() if k.startswith("client")]
         rows.append(f"{i} | {r['output_throughput']:,.0f} | {c.get('share')} | {c.get('us_per_token')} | "
                     f"{c.get('us_per_chunk')} | {c.get('tokens_per_s_per_core')} | {sum(clients):.2f}")
     return "\n".join(rows)
@@ -184,8 +191,9 @@ async def _serve_router(options: dict, conn: Any) -> None:
     from router import NodeDirectory, Router
     from router.router import freeze_heap
 
-    config = RouterConfig(host="127.0.0.1", port=0, http_port=0, queue_size=options["queue_size"],
-                          status_interval_s=1.0)
+    ports = options["ports"] or {"grpc": 0, "http": 0}
+    config = RouterConfig(host="127.0.0.1", port=ports["grpc"], http_port=ports["http"], queue_size=options["queue_size"],
+                          status_interval_s=1.0, processes=options["processes"])
     router = Router(load_model_info(options["model"]), NodeDirectory(colocated=options["colocated"]), config)
     grpc_port = await router.start()
     freeze_heap()  # as deploy/router_actor.py does
