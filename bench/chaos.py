@@ -123,7 +123,7 @@ def run(args: argparse.Namespace) -> int:
     args.set = SERVICE_DEFAULTS + kv_fault_overrides(args) + (args.set or [])  # the user's --set wins
     cfg = service_config(args, local=True)
     jobs = make_jobs(args, load_model_info(cfg.model.resolved_name()).config.vocab_size)
-    reference = cached_reference(args.reference_cache, cfg.model.resolved_name(), jobs)
+    reference = cached_reference(args.reference_cache, cfg.model, jobs)
     service, address = start_service(cfg)
     try:
         report = chaos(service, address, jobs, reference, args, 2 * cfg.decode.num_nodes * cfg.decode.max_num_seqs)
@@ -155,10 +155,12 @@ def make_jobs(args: argparse.Namespace, vocab: int) -> list[Job]:
     return jobs
 
 
-def cached_reference(path: str | None, model: str, jobs: list[Job]) -> list[list[int]]:
+def cached_reference(path: str | None, model: Any, jobs: list[Job]) -> list[list[int]]:
     """`reference_tokens`, read from `path` when it holds this model's output for these very
-    requests (a digest of model, prompts and lengths), else computed (and written there)."""
-    digest = hashlib.sha256(json.dumps([model, [[j.prompt, j.max_tokens] for j in jobs]]).encode()).hexdigest()
+    requests (a digest of model, device, dtype, mode, prompts and lengths), else computed (and
+    written there)."""
+    key = [model.resolved_name(), model.resolved_device(), model.dtype, model.deterministic]
+    digest = hashlib.sha256(json.dumps([key, [[j.prompt, j.max_tokens] for j in jobs]]).encode()).hexdigest()
     if path and Path(path).exists():
         cached = json.loads(Path(path).read_text())
         if cached.get("digest") == digest:
@@ -169,15 +171,26 @@ def cached_reference(path: str | None, model: str, jobs: list[Job]) -> list[list
     return tokens
 
 
-def reference_tokens(model: str, jobs: list[Job]) -> list[list[int]]:
-    """Greedy output of the single-process engine (no MTP) for every job."""
+def reference_tokens(model: Any, jobs: list[Job]) -> list[list[int]]:
+    """Greedy output of the single-process engine (no MTP) for every job, on the service's
+    device, dtype and kernels (`model`: its config section). On a GPU the service runs with
+    --deterministic, whose batch-invariant kernels make its greedy tokens independent of how
+    requests are batched, so the service must equal this whatever it batched."""
     from engine.engine import EngineConfig, LLMEngine
     from engine.loader import load_model
     from engine.sampling_params import SamplingParams
 
-    engine = LLMEngine(load_model(model), EngineConfig())
+    device = model.resolved_device()
+    engine = LLMEngine(load_model(model.resolved_name(), device=device, dtype=model.dtype),
+                       EngineConfig(device=device, deterministic=model.deterministic))
     params = [SamplingParams(max_tokens=j.max_tokens, ignore_eos=True) for j in jobs]
-    return [r.output_ids for r in engine.generate([j.prompt for j in jobs], params)]
+    tokens = [r.output_ids for r in engine.generate([j.prompt for j in jobs], params)]
+    del engine
+    if device.startswith("cuda"):
+        import torch
+
+        torch.cuda.empty_cache()  # the service's actors get the memory back
+    return tokens
 
 
 def chaos(service: Any, address: str, jobs: list[Job], reference: list[list[int]], args: argparse.Namespace,
@@ -368,12 +381,15 @@ def tally(jobs: list[Job], reference: list[list[int]], outcomes: list[Outcome]) 
     errors: Counter[str] = Counter()
     kinds: Counter[str] = Counter()
     examples: dict[str, str] = {}
+    wrong: list[dict[str, Any]] = []
     for job, ref, out in zip(jobs, reference, outcomes, strict=True):
         rows[classify(job, ref, out)] += 1
         if len(out.terminals) > 1:
             rows["duplicated"] += 1
         if out.tokens != ref[: len(out.tokens)] or (not out.cancelled and len(out.tokens) > job.max_tokens):
             rows["wrong_tokens"] += 1
+            if len(wrong) < 5:
+                wrong.append(wrong_example(job, ref, out))
         if out.terminals and out.terminals[0][0] != "finished":
             errors[out.terminals[0][0]] += 1
             kinds[error_kind(out.terminals[0][1])] += 1
@@ -381,7 +397,15 @@ def tally(jobs: list[Job], reference: list[list[int]], outcomes: list[Outcome]) 
     keys = ("sent", "finished_correct", "aborted_correct", "cancelled_by_client", "clean_error", "lost",
             "duplicated", "wrong_tokens", "finished_wrong", "error_without_message")
     return {**{k: rows[k] for k in keys}, "errors_by_code": dict(errors), "error_examples": examples,
-            "errors_by_kind": dict(kinds.most_common(12))}
+            "errors_by_kind": dict(kinds.most_common(12)), "wrong_examples": wrong}
+
+
+def wrong_example(job: Job, ref: list[int], out: Outcome) -> dict[str, Any]:
+    """Where a request's tokens left the reference: its first differing index and the tokens
+    around it (a shift by one there means a token duplicated or dropped, not a numeric change)."""
+    at = next((i for i, (a, b) in enumerate(zip(out.tokens, ref, strict=False)) if a != b), min(len(out.tokens), len(ref)))
+    return {"job": job.index, "prompt_len": len(job.prompt), "got_len": len(out.tokens), "ref_len": len(ref),
+            "first_diff": at, "got": out.tokens[max(0, at - 3) : at + 4], "ref": ref[max(0, at - 3) : at + 4]}
 
 
 def error_kind(message: str) -> str:

@@ -5,8 +5,9 @@ embedded model, or random weights of a named real shape (`--arch smollm2`, `--ar
 so GPU machines that lack the weights file can still time real shapes. Prints one JSON
 object per k. On CUDA it also prints, from the same process, the floor a decode step is
 compared with (parameter bytes / measured copy bandwidth) and, with `--hf`, Hugging Face
-`generate` on the same weights. `--profile` adds kernels per decode step and the share of
-the decode loop the GPU is busy (torch profiler).
+`generate` on the same weights. `--profile` adds kernels per decode step (copies, memsets and
+torch's own kernels apart: `launch_counts`) and the share of the decode loop the GPU is busy
+(torch profiler).
 `--draft-vocab N` drafts over the N most frequent tokens (FR-Spec); random weights use the
 shipped ranking of the named model (its drafts are never accepted: this times the step).
 """
@@ -15,12 +16,14 @@ from __future__ import annotations
 
 import argparse
 import json
+import tempfile
 import time
+from pathlib import Path
 
 import torch
 
 from engine.config import ArchConfig
-from engine.draft_vocab import ranking_path_beside
+from engine.draft_vocab import RANK_SUFFIX, ranking_path_beside, write_ranking
 from engine.engine import EngineConfig, LLMEngine
 from engine.loader import (
     LoadedModel,
@@ -89,8 +92,17 @@ def random_model(arch: str, device: str, dtype: str) -> LoadedModel:
         model = build_model(config)
         load_weights(model, *random_weights(model, 0))
     torch_dtype = resolve_dtype(dtype, device)
-    return LoadedModel(f"random-{arch}", _materialize(model, device, torch_dtype), None, (), False,
-                       ranking_path_beside(mtp_path_default(arch)))
+    ranking = ranking_path_beside(mtp_path_default(arch)) or _timing_ranking(config.vocab_size)
+    return LoadedModel(f"random-{arch}", _materialize(model, device, torch_dtype), None, (), False, ranking)
+
+
+def _timing_ranking(vocab: int) -> str:
+    """A shape without a shipped ranking (Llama-1B's) gets ids in order: random weights' drafts
+    are never accepted, so which N ids a draft vocabulary holds does not change a step's time."""
+    path = Path(tempfile.gettempdir()) / f"pdserve-timing-ranking-{vocab}{RANK_SUFFIX}"
+    if not path.is_file():
+        write_ranking(path, torch.arange(vocab, 0, -1), {"source": "ids in order, for timing only"})
+    return str(path)
 
 
 def shape_config(arch: str) -> ArchConfig:
@@ -194,12 +206,27 @@ def profile_decode(engine: LLMEngine, prompts: list[list[int]], params: Sampling
         engine.step()
     events = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
     spans = sorted((e.time_range.start, e.time_range.end) for e in events)
-    return {"kernels_per_step": round(len(spans) / PROFILE_STEPS, 1), "gpu_busy": round(busy_share(spans), 4),
+    return {**launch_counts(events), "gpu_busy": round(busy_share(spans), 4),
             "profiled_ms_per_step": round((max(e for _, e in spans) - spans[0][0]) / 1e3 / PROFILE_STEPS, 3) if spans else None,
             "gpu_us_per_step": round(sum(e - s for s, e in spans) / PROFILE_STEPS, 1),
             "all_reduce_us_per_step": round(sum(e.time_range.end - e.time_range.start for e in events
                                                 if _is_collective(e.name)) / PROFILE_STEPS, 1),
             "top_kernels": top_kernels(events), "top_gaps": top_gaps(events)}
+
+
+def launch_counts(events: list) -> dict[str, float]:
+    """Per decode step: `gpu_ops_per_step`, everything the GPU ran (what `kernels_per_step` counted
+    before this split), split into `kernels_per_step`, `copies_per_step` (memcpy: the output copy
+    to the host, the inserts' copies) and `memsets_per_step`; `torch_kernels_per_step` counts the
+    kernels of torch's own ops (gathers, cats, elementwise), which the step's Triton kernels replace."""
+    kinds = {"copies": 0, "memsets": 0, "kernels": 0, "torch_kernels": 0}
+    for e in events:
+        name = e.name.lower()
+        kind = "copies" if name.startswith("memcpy") else "memsets" if name.startswith("memset") else "kernels"
+        kinds[kind] += 1
+        kinds["torch_kernels"] += kind == "kernels" and "at::native" in e.name
+    out = {f"{kind}_per_step": round(n / PROFILE_STEPS, 1) for kind, n in kinds.items()}
+    return {"gpu_ops_per_step": round(len(events) / PROFILE_STEPS, 1), **out}
 
 
 def _is_collective(name: str) -> bool:

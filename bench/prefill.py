@@ -29,6 +29,7 @@ from engine.engine import EngineConfig, LLMEngine
 from engine.loader import LoadedModel
 from engine.model_runner import kv_room_needed
 from engine.sampling_params import SamplingParams
+from kernels import gemm_glu, linear, qkv_rope
 
 BLOCK_SIZE = 16
 DEFAULT_CASES = "1x128,1x512,1x2048,16x512,4x4096"
@@ -39,6 +40,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--arch", choices=sorted(SHAPES), default=None, help="random weights of this shape")
     p.add_argument("--cases", default=DEFAULT_CASES, metavar="BxN,...", help="batch x prompt tokens per case")
     p.add_argument("--spec-tokens", type=int, default=3, help="also time prefill with this many MTP drafts")
+    p.add_argument("--draft-vocab", type=int, default=0, metavar="N",
+                   help="MTP drafts over the N most frequent tokens (FR-Spec; 0: the full vocabulary)")
     p.add_argument("--iters", type=int, default=20, help="timed steps per case (median)")
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtype", default="auto")
@@ -62,9 +65,17 @@ def _engine(loaded: LoadedModel, k: int, batch: int, n: int, args: argparse.Name
     max_len = n + 8
     per_seq = -(-kv_room_needed(max_len, k) // BLOCK_SIZE)
     return LLMEngine(loaded, EngineConfig(
-        num_speculative_tokens=k, device=args.device, max_num_seqs=batch, block_size=BLOCK_SIZE,
+        num_speculative_tokens=k, draft_vocab_size=args.draft_vocab if k else 0, device=args.device, max_num_seqs=batch, block_size=BLOCK_SIZE,
         num_blocks=1 + batch * per_seq, max_num_batched_tokens=batch * n, max_model_len=max_len,
         enforce_eager=args.enforce_eager, deterministic=args.deterministic))
+
+
+def _fusions() -> str:
+    """Which prefill fusions are on (PDSERVE_PREFILL_GLU, PDSERVE_PREFILL_QKV_ROPE, PDSERVE_FUSED_MAX_M)."""
+    on = [name for name, mod in (("glu", gemm_glu), ("qkv_rope", qkv_rope)) if mod.enabled()]
+    if linear.FUSED_MAX_M != 64:  # PDSERVE_FUSED_MAX_M: the decode path's Triton GEMMs up to this many rows
+        on.append(f"triton-gemm<={linear.FUSED_MAX_M}")
+    return "+".join(on) or "none"
 
 
 def _prompts(vocab: int, batch: int, n: int) -> list[list[int]]:
@@ -92,8 +103,8 @@ def time_case(loaded: LoadedModel, k: int, batch: int, n: int, args: argparse.Na
         _ttft_step(engine, prompts)  # capture + warm-up
     times = [_ttft_step(engine, prompts) for _ in range(args.iters)]
     out = {"model": loaded.name, "device": args.device, "dtype": str(next(loaded.model.parameters()).dtype),
-           "spec_tokens": k, "batch": batch, "prompt": n, "graphs": engine.runner.prefill_graphs is not None,
-           "deterministic": args.deterministic, "ttft_ms": round(1000 * statistics.median(times), 3),
+           "spec_tokens": k, "draft_vocab": (args.draft_vocab or None) if k else None, "batch": batch, "prompt": n, "graphs": engine.runner.prefill_graphs is not None,
+           "deterministic": args.deterministic, "fused": _fusions(), "ttft_ms": round(1000 * statistics.median(times), 3),
            "ttft_min_ms": round(1000 * min(times), 3)}
     if args.profile and args.device.startswith("cuda"):
         out.update(profile_step(engine, prompts))

@@ -109,15 +109,12 @@ class ColocatedNode(DecodeNode):
             return Reservation(False, refusal)
         max_tokens = min(params.max_tokens, self.max_model_len - len(prompt))
         need = self.blocks.blocks_for(kv_room_needed(len(prompt) + max_tokens, self.k))
-        hashes = self.prefix.hashes(prompt)
-        if not self.batch.free_slots or not self.prefix.fits(hashes, need):
-            return Reservation(False, f"colocated node full ({self.blocks.num_free} free blocks, need {need})")
         req = Request(rid, prompt, params, seed, stop_ids, max_tokens)
-        got = self.prefix.allocate(prompt, hashes, need)
-        assert got is not None  # checked above; nothing ran in between
-        req.block_ids, req.num_prefilled = got  # prefill starts after the cached prefix
-        req.block_hashes, req.slot = hashes, self.batch.take_slot()
-        self.requests[rid] = req
+        hit = self._admit_group(req, prompt, need)
+        if hit is None:
+            return Reservation(False, f"colocated node full ({self.blocks.num_free} free blocks, need {need} "
+                                      f"for each of {params.n} choices)")
+        req.num_prefilled = hit  # prefill starts after the cached prefix
         self.prefill.add(req)
         return Reservation(True)
 

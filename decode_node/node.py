@@ -50,14 +50,22 @@ import torch
 
 from engine.decode_batch import DecodeBatch
 from engine.engine import EngineConfig, build_runner, prefix_cache_for
+from engine.fork import (
+    allocate_children,
+    choice_id,
+    fork_no_sync,
+    group_fits,
+    make_children,
+    shared_blocks,
+)
 from engine.loader import LoadedModel
 from engine.model_runner import kv_room_needed
 from engine.request import Request, RequestOutput
-from engine.sampling_params import SamplingParams
+from engine.sampling_params import MAX_N, SamplingParams
 from engine.step_loop import StepLoop
 from engine.tensor_parallel import TPGroup
 from kvtransfer import KVLayout, KVReceiver, TransferState, create_receiver
-from protos.messages import FirstToken, OutputItem, TokenLogprobs
+from protos.messages import FirstToken, OutputItem, TokenLogprobs, token_logprobs
 
 
 def owner_of(request_id: str) -> str:
@@ -246,27 +254,46 @@ class DecodeNode(StepLoop):
     def _reserve(self, rid: str, prompt_len: int, params: SamplingParams, seed: int,
                  stop_ids: tuple[int, ...], prompt: list[int] | None) -> Reservation:
         refusal = self._refusal(rid, prompt_len, prompt)
+        if not refusal and (params.penalized or params.n > 1) and not prompt:
+            refusal = "penalties, logit_bias and n > 1 need the prompt's token ids with the reservation"
         if refusal:
             return Reservation(False, refusal)
         max_tokens = min(params.max_tokens, self.max_model_len - prompt_len)
         need = self.blocks.blocks_for(kv_room_needed(prompt_len + max_tokens, self.k))
-        hashes = self.prefix.hashes(prompt) if prompt else []
-        if not self.batch.free_slots or not self.prefix.fits(hashes, need):
-            return Reservation(False, f"decode node full ({self.blocks.num_free} free blocks, need {need})")
-        req = Request(rid, [], params, seed, stop_ids, max_tokens, num_prompt_tokens=prompt_len)
-        got = self.prefix.allocate(prompt or [], hashes, need)
-        assert got is not None  # checked above; nothing ran in between
-        req.block_ids, req.block_hashes, skip = got[0], hashes, got[1] // self.blocks.block_size
-        req.slot = self.batch.take_slot()
+        keep = prompt if params.penalized or params.n > 1 else None  # penalties and forks read the prompt
+        req = Request(rid, list(keep or []), params, seed, stop_ids, max_tokens, num_prompt_tokens=prompt_len)
+        hit = self._admit_group(req, prompt or [], need)
+        if hit is None:
+            return Reservation(False, f"decode node full ({self.blocks.num_free} free blocks, need {need} "
+                                      f"for each of {params.n} choices)")
+        skip = hit // self.blocks.block_size
         kv_blocks = req.block_ids[skip : self.blocks.blocks_for(prompt_len)]
         try:
             descriptor = self.receiver.expect(rid, kv_blocks, list(range(self.num_layers)), skip=skip)
         except Exception as e:
-            self.batch.finish(req, "abort")
+            self._end(req, "abort")
             return Reservation(False, f"kv receiver refused: {e}")
-        self.requests[rid] = req
         self.pending[rid] = Pending(req, time.monotonic() + self.admission_timeout_s, skip=skip)
         return Reservation(True, "", descriptor)
+
+    def _admit_group(self, req: Request, prompt: list[int], need: int) -> int | None:
+        """A slot and `need` blocks for every choice of `req` (n > 1: engine/fork.py), its cached
+        prefix first; the prompt tokens that prefix holds, or None (nothing taken) when they do
+        not fit. Every choice is then in `requests`."""
+        n, bs = req.params.n, self.blocks.block_size
+        hashes = self.prefix.hashes(prompt, req.params.prompt_logprobs is not None) if prompt else []
+        shared = shared_blocks(req.num_prompt_tokens, bs)
+        if len(self.batch.free_slots) < n or not group_fits(self.blocks, self.blocks.match(hashes), need, n, shared):
+            return None
+        got = self.prefix.allocate(prompt, hashes, need)
+        assert got is not None  # checked above; nothing ran in between
+        req.block_ids, req.block_hashes = got[0], hashes
+        req.children = make_children(req)
+        allocate_children(self.blocks, req, need, bs)
+        for r in (req, *req.children):
+            r.slot = self.batch.take_slot()
+            self.requests[r.request_id] = r
+        return got[1]
 
     def _refusal(self, rid: str, prompt_len: int, prompt: list[int] | None) -> str:
         """Why a reservation cannot even be tried ('' when it can)."""
@@ -291,18 +318,24 @@ class DecodeNode(StepLoop):
         p = self.pending.get(msg.request_id)
         if p is None:
             return  # aborted or unknown: nothing to do
-        if msg.finished:  # the first token ended it: the router already has the terminal event
+        if msg.finished and not p.request.children:  # the first token ended it: the router has its terminal
             self._end(p.request, msg.finished)
             return
         self._mark(msg.request_id, "first_received")
         p.first = msg
 
     def _abort(self, rid: str, reason: str, items: list[OutputItem]) -> None:
-        req = self.requests.get(rid)
-        if req is None:
-            return
-        items.append(OutputItem(rid, [], finish_reason="abort", steps=req.steps, accepted=req.accepted_tokens))
-        self._end(req, "abort")
+        """Abort request `rid` (every choice), or one choice of it (`{id}#{i}`, `#0` the first)."""
+        group, sep, index = rid.rpartition("#")
+        if sep and index == "0":
+            members = [self.requests.get(group)]
+        else:
+            members = [self.requests.get(rid)] + [self.requests.get(choice_id(rid, i)) for i in range(1, MAX_N)]
+        for req in members:
+            if req is not None:
+                items.append(OutputItem(req.group_id, [], finish_reason="abort", steps=req.steps,
+                                        accepted=req.accepted_tokens, index=req.index))
+                self._end(req, "abort")
 
     def _admit_ready(self, items: list[OutputItem]) -> None:
         now = time.monotonic()
@@ -341,6 +374,10 @@ class DecodeNode(StepLoop):
         del self.pending[req.request_id]
         self._mark(req.request_id, "inserted")
         req.output_ids = [msg.token]
+        fork_no_sync(self.batch, req)  # n > 1: the other choices start from its prompt's KV
+        if msg.finished:  # the first token ended it (the router has that terminal); its choices go on
+            self._end(req, msg.finished)
+            return
         drafts = list(msg.drafts) if self.k else None  # host values: staged with the step's other inserts
         probs = None
         if msg.draft_probs:
@@ -371,6 +408,11 @@ class DecodeNode(StepLoop):
                 req.block_ids = []
         if not req.finished:
             self.batch.finish(req, reason)
+        if not req.forked:  # its other choices never started: they end with it
+            for child in req.children:
+                self.requests.pop(child.request_id, None)
+                if not child.finished:
+                    self.batch.finish(child, reason)
 
     def _release_quarantine(self) -> None:
         now = time.monotonic()
@@ -380,17 +422,22 @@ class DecodeNode(StepLoop):
             self.blocks.free(q[1])
 
     def _item(self, out: RequestOutput) -> OutputItem:
-        req = self.requests.get(out.request_id)
+        own_id = choice_id(out.request_id, out.index)
+        req = self.requests.get(own_id)
         n = req.params.logprobs if req is not None else None
         lps = None
         if n is not None and out.new_logprobs:
             t = out.new_logprobs
             lps = TokenLogprobs([x.logprob for x in t], [x.rank for x in t],
                                 [[i for i, _ in x.top] for x in t], [[v for _, v in x.top] for x in t])
-        item = OutputItem(out.request_id, out.new_token_ids, n if lps else None, lps, out.finish_reason)
+        item = OutputItem(out.request_id, out.new_token_ids, n if lps else None, lps, out.finish_reason,
+                          index=out.index)
+        if out.prompt_logprobs is not None and req is not None:  # a colocated node's first token
+            item.num_prompt_logprobs = req.params.prompt_logprobs
+            item.prompt_logprobs = token_logprobs(out.prompt_logprobs)
         if out.finish_reason and req is not None:
             item.steps, item.accepted = req.steps, req.accepted_tokens
-            self.requests.pop(out.request_id, None)
+            self.requests.pop(own_id, None)
         return item
 
     def _publish(self, items: list[OutputItem]) -> None:

@@ -21,7 +21,10 @@ import torch
 from kernels._dispatch import invariant
 from kernels.flash_prefill import flash_prefill, triton_preferred
 from kernels.flash_varlen import flash_varlen, flash_varlen_usable
+from kernels.norm import rms_norm
 from kernels.paged_attention import paged_attention
+from kernels.qkv_rope import qkv_rope
+from kernels.qkv_rope import usable as qkv_rope_usable
 from kernels.rotary import rope_and_cache, rope_and_cache_with_k, write_kv
 
 TRASH_BLOCK = 0
@@ -54,6 +57,15 @@ class AttentionBackend(ABC):
     def rope_forward(self, rope, positions, q, k, v, kv_cache, meta: AttentionMetadata, scale: float):
         """Rotary embedding on q and k, then `forward`; a backend may fuse the two."""
         return self.forward(rope(positions, q), rope(positions, k), v, kv_cache, meta, scale)
+
+    def project_forward(self, x, norm: tuple[torch.Tensor, float], qkv: tuple[torch.Tensor, torch.Tensor | None],
+                        heads: tuple[int, int, int], rope, positions, kv_cache, meta: AttentionMetadata,
+                        scale: float) -> torch.Tensor | None:
+        """attention(q, k, v) with q, k, v = split(norm(x) @ w.T + b) rotated, from the residual
+        stream x and the fused projection `qkv` = (w, b), where this backend fuses the projection
+        with rotary and the cache write for this step; None where it does not (the caller projects,
+        then calls `rope_forward`). `heads` = (Hq, Hkv, D)."""
+        return None
 
     @abstractmethod
     def forward(
@@ -113,14 +125,33 @@ class TritonAttention(AttentionBackend):
 
     def rope_forward(self, rope, positions, q, k, v, kv_cache, meta, scale):
         if meta.fresh and not invariant() and flash_varlen_usable(q, kv_cache):
-            cu = meta.cu_seqlens if meta.cu_seqlens is not None else meta.query_start
-            assert cu is not None, "metadata lacks query_start"
             q, k = rope_and_cache_with_k(q, k, v, positions, rope.cos, rope.sin, kv_cache, meta.slot_mapping)
-            if triton_preferred(meta.max_q, meta.num_rows):
-                return flash_prefill(q, k, v, cu, meta.max_q, scale)
-            return flash_varlen(q, k, v, cu, meta.max_q, scale)
+            return self._attend_fresh(q, k, v, meta, scale)
         q = rope_and_cache(q, k, v, positions, rope.cos, rope.sin, kv_cache, meta.slot_mapping)
         return self._attend(q, kv_cache, meta, scale)
+
+    def project_forward(self, x, norm, qkv, heads, rope, positions, kv_cache, meta, scale):
+        """Fresh 16-bit steps on CUDA: rms_norm, then one GEMM with rotary and the K/V write in its
+        epilogue (kernels/qkv_rope.py), then the fresh-step attention on its output."""
+        hq, hkv, d = heads
+        usable = flash_varlen_usable(x[:, :d], kv_cache)  # x's dtype and device; heads of d
+        if not (meta.fresh and not invariant() and usable and qkv_rope_usable(x, qkv[0], d)):
+            return None
+        h = rms_norm(x, *norm)
+        w, b = qkv
+        out = qkv_rope(h.reshape(-1, h.shape[-1]), w, b, heads, positions, rope.cos, rope.sin, kv_cache,
+                       meta.slot_mapping)
+        t = out.shape[0]
+        q, k, v = out.split([hq * d, hkv * d, hkv * d], dim=-1)
+        return self._attend_fresh(q.view(t, hq, d), k.view(t, hkv, d), v.view(t, hkv, d), meta, scale)
+
+    @staticmethod
+    def _attend_fresh(q, k, v, meta, scale):
+        cu = meta.cu_seqlens if meta.cu_seqlens is not None else meta.query_start
+        assert cu is not None, "metadata lacks query_start"
+        if triton_preferred(meta.max_q, meta.num_rows):
+            return flash_prefill(q, k, v, cu, meta.max_q, scale)
+        return flash_varlen(q, k, v, cu, meta.max_q, scale)
 
     def forward(self, q, k, v, kv_cache, meta, scale):
         write_kv(kv_cache, k, v, meta.slot_mapping)

@@ -16,7 +16,9 @@ from dataclasses import dataclass
 import torch
 
 from engine.attention import TRASH_BLOCK
+from engine.penalties import PenaltyInit, PenaltyState
 from engine.staging import PinnedStaging
+from kernels.step_meta import StepState
 
 MAX_STOP_IDS = 8
 
@@ -45,6 +47,7 @@ class SlotInit:
     top_p: float
     seed: int
     block_ids: list[int]
+    penalty: PenaltyInit | None = None  # penalties and logit bias (engine/penalties.py)
 
 
 class BatchState:
@@ -74,6 +77,12 @@ class BatchState:
         self.top_k = z(n)
         self.top_p = torch.ones(n, dtype=torch.float32, device=device)
         self.seed = z(n)
+        self.penalties = PenaltyState(n, vocab, device)
+
+    def step_state(self) -> StepState:
+        """The tensors a decode step gathers its rows from (kernels/step_meta.py `step_inputs`)."""
+        return StepState(self.seq_lens, self.done, self.last_token, self.drafts, self.block_tables,
+                         self.temperature, self.top_k, self.top_p, self.seed)
 
     def _h2d(self, values, dtype) -> torch.Tensor:
         return to_device_no_sync(values, dtype, self.device)
@@ -108,6 +117,7 @@ class BatchState:
                 assert self.draft_probs is not None
                 probs = init.draft_probs
                 self.draft_probs[slot] = probs if probs.device == self.draft_probs.device else self._staging.to_device(probs)
+        self.penalties.insert_no_sync([(slot, init.penalty) for slot, init in inits])
 
     def _pack(self, slot: int, init: SlotInit) -> list[int]:
         """One row of host values: slot, scalars, the two floats' bits, stop ids, drafts, blocks."""

@@ -16,9 +16,11 @@ point (the first tokens), as LLMEngine always did.
 from __future__ import annotations
 
 from engine.decode_batch import DecodeBatch
+from engine.fork import fork_no_sync
 from engine.model_runner import ModelRunner, unpack_logprobs
 from engine.prefill_step import PrefillChunk
 from engine.prefix_cache import PrefixCache
+from engine.prompt_logprobs import add_prompt_logprobs
 from engine.request import Request, RequestOutput, TokenLogprob
 
 
@@ -65,6 +67,7 @@ class ChunkedPrefill:
         for c, req in zip(chunks, reqs, strict=True):
             req.num_prefilled = c.end
             self.prefix.register(req.block_ids, req.block_hashes, c.end)
+        add_prompt_logprobs(out, reqs)
         if not out.last_rows:
             return []
         firsts = out.first_token.tolist()  # the prefill read point (not in the decode loop)
@@ -74,8 +77,10 @@ class ChunkedPrefill:
         for i, r in enumerate(out.last_rows):
             req = reqs[r]
             self.requests.remove(req)
+            fork_no_sync(self.batch, req)  # n > 1: before the first token may end it
             tlp = [TokenLogprob(firsts[i], *lps[i][0])] if i in lps else []
             results.append(self.batch.emit(req, [firsts[i]], tlp))
+            results[-1].prompt_logprobs = req.prompt_logprobs
             if not req.finished:
                 drafts = out.drafts[i] if out.drafts is not None else None
                 probs = out.draft_probs[i] if out.draft_probs is not None else None

@@ -5,17 +5,19 @@ running slots, then the spare slot as padding (always done, so its KV writes lan
 trash block and its outputs are dropped). Everything else the step reads (lengths, last
 tokens, drafts, block tables, sampling parameters) lives in `BatchState` tensors and the KV
 cache, which inserts write in place, so a step is: at most one small non-blocking copy (the
-rows, only when the running set changed), one replay, and the copies of its outputs.
+rows, only when the running set changed), one replay, and one copy of its packed outputs with
+one event (engine/step_output.py). The step reads the state's rows through one gather kernel
+(kernels/step_meta.py `step_inputs`).
 
-Graphs are keyed by (B, all_greedy, needs_filter, logprobs) and captured on first use; the
-greedy ones without logprobs for every bucket are captured up front (`capture_greedy`).
+Graphs are keyed by (B, all_greedy, needs_filter, penalized, logprobs) and captured on first use;
+the greedy ones without penalties or logprobs for every bucket are captured up front (`capture_greedy`).
 A capture synchronizes the device once (torch's capture does), so it is a one-time cost
 per key, paid before the loop runs for the keys captured up front.
 
 Careful when editing: a capture runs the step once (warm-up, to compile kernels) with every
 row on the spare slot, so it changes no request's state; the graphs' outputs are static
-tensors, overwritten by the next replay of the same graph (the runner copies them to the
-host right after the replay, in stream order).
+tensors, overwritten by the next replay of the same graph (the runner queues their one copy to
+the host right after the replay, in stream order, into a pinned buffer of its own).
 """
 
 from __future__ import annotations
@@ -28,7 +30,8 @@ from engine.batch_state import BatchState, to_device_no_sync
 
 MAX_TOP_LOGPROBS = 20  # graphs that carry logprobs compute this many; rows keep what they asked
 
-GraphKey = tuple[int, bool, bool, bool]  # (bucket, all_greedy, needs_filter, logprobs)
+GraphKey = tuple[int, bool, bool, bool, bool]  # (bucket, all_greedy, needs_filter, penalized, logprobs)
+StepFlags = tuple[bool, bool, bool]  # (all_greedy, needs_filter, penalized): host-known per launch
 StepOutputs = Any  # engine.model_runner.StepOutputs: the step's static output tensors
 
 
@@ -39,7 +42,7 @@ class DecodeRunner(Protocol):
     device: torch.device
     max_blocks: int
 
-    def decode_step(self, rows: torch.Tensor, flags: tuple[bool, bool], lp_sel: Any, num_top: int,
+    def decode_step(self, rows: torch.Tensor, flags: StepFlags, lp_sel: Any, num_top: int,
                     num_kv_blocks: int) -> StepOutputs: ...
 
 
@@ -64,10 +67,10 @@ class DecodeGraphs:
     def bucket(self, n: int) -> int:
         return next(b for b in self.buckets if b >= n)
 
-    def replay(self, slots: list[int], flags: tuple[bool, bool], logprobs: bool) -> StepOutputs:
+    def replay(self, slots: list[int], flags: StepFlags, logprobs: bool) -> StepOutputs:
         """Run the step for `slots` (<= max_batch); outputs have the bucket's row count."""
         b = self.bucket(len(slots))
-        key = (b, flags[0], flags[1], logprobs)
+        key = (b, *flags, logprobs)
         if key not in self.graphs:
             self._capture(key)
         self._set_rows(slots + [self.runner.state.spare] * (b - len(slots)))
@@ -77,7 +80,7 @@ class DecodeGraphs:
 
     def capture_greedy(self) -> None:
         for b in self.buckets:
-            self._capture((b, True, False, False))
+            self._capture((b, True, False, False, False))
 
     def _set_rows(self, rows: list[int]) -> None:
         if rows != self._rows[: len(rows)]:
@@ -86,16 +89,18 @@ class DecodeGraphs:
             self._rows[: len(rows)] = rows
 
     def _capture(self, key: GraphKey) -> None:
-        b, all_greedy, needs_filter, logprobs = key
+        b, all_greedy, needs_filter, penalized, logprobs = key
         r = self.runner
         if not all_greedy:
             r.state.ensure_draft_probs()
+        if penalized:
+            r.state.penalties.ensure()
         self._set_rows([r.state.spare] * b)
         rows = r.state.step_rows[:b]
 
         def step() -> StepOutputs:
             lp_sel = slice(None) if logprobs else None
-            return r.decode_step(rows, (all_greedy, needs_filter), lp_sel, MAX_TOP_LOGPROBS, r.max_blocks)
+            return r.decode_step(rows, (all_greedy, needs_filter, penalized), lp_sel, MAX_TOP_LOGPROBS, r.max_blocks)
 
         side = torch.cuda.Stream(r.device)
         side.wait_stream(torch.cuda.current_stream(r.device))

@@ -28,6 +28,7 @@ import torch
 from engine.batch_state import SlotInit
 from engine.kv_cache import BlockManager
 from engine.model_runner import DecodeHandle, ModelRunner
+from engine.penalties import PenaltyInit
 from engine.request import Request, RequestOutput, TokenLogprob
 
 InFlight = tuple[DecodeHandle, list[Request], dict[int, int]]
@@ -73,25 +74,47 @@ class DecodeBatch:
         self._inflight: InFlight | None = None
         self._free_after_collect: list[list[int]] = []
         self._to_insert: dict[int, SlotInit] = {}  # slot -> what the next launch writes first
+        self._held: list[tuple[torch.cuda.Event | None, list[int]]] = []  # blocks a queued copy still reads
         self.on_finish: Callable[[Request], None] | None = None
 
     @property
     def busy(self) -> bool:
-        return bool(self.running) or self._inflight is not None
+        return bool(self.running) or self._inflight is not None or bool(self._held)
+
+    def hold_no_sync(self, blocks: list[int]) -> None:
+        """Keep a reference on `blocks` until the device work queued so far has run (a fork's
+        copy reads them: engine/fork.py); `step` lets go of it. Never waits."""
+        self.blocks.allocate_after(blocks, 0)
+        event = None
+        if self.runner.device.type == "cuda":
+            event = torch.cuda.Event()
+            event.record()
+        self._held.append((event, blocks))
+
+    def _release_held(self) -> None:
+        still: list[tuple[torch.cuda.Event | None, list[int]]] = []
+        for event, blocks in self._held:
+            if event is None or event.query():  # query: no wait
+                self.blocks.free(blocks)
+            else:
+                still.append((event, blocks))
+        self._held = still
 
     def take_slot(self) -> int | None:
         return self.free_slots.pop() if self.free_slots else None
 
     def insert(self, req: Request, first: torch.Tensor | int, drafts: torch.Tensor | list[int] | None,
-               draft_probs: torch.Tensor | None) -> None:
+               draft_probs: torch.Tensor | None, seq_len: int | None = None) -> None:
         """Put a prefilled request (slot already taken) into the running batch; its state is
-        written with the other inserts before the next launch. No sync."""
+        written with the other inserts before the next launch. No sync. `seq_len`: the tokens
+        whose KV is in its blocks (default: the prompt's; a forked choice starts one back)."""
         assert req.slot is not None
         p = req.params
         init = SlotInit(
-            seq_len=req.num_prompt_tokens, first_token=first, drafts=drafts, draft_probs=draft_probs,
+            seq_len=req.num_prompt_tokens if seq_len is None else seq_len, first_token=first, drafts=drafts, draft_probs=draft_probs,
             num_generated=len(req.output_ids), max_tokens=req.max_tokens, stop_ids=req.stop_ids,
             temperature=p.temperature, top_k=p.top_k, top_p=p.top_p, seed=req.seed, block_ids=req.block_ids,
+            penalty=PenaltyInit.of(p, req.prompt, req.output_ids),
         )
         self._to_insert[req.slot] = init
         self.running[req.slot] = req
@@ -99,6 +122,7 @@ class DecodeBatch:
     def step(self) -> list[RequestOutput]:
         """Launch the next decode step (if any row really runs: `plan`), then read the previous one."""
         previous = self._inflight
+        self._release_held()
         if self._to_insert:
             self.runner.insert_many_no_sync(list(self._to_insert.items()))
             self._to_insert.clear()
@@ -120,7 +144,7 @@ class DecodeBatch:
     def _launch(self, slots: list[int]) -> InFlight:
         reqs = [self.running[s] for s in slots]
         sampled = [r.params for r in reqs if not r.params.greedy]
-        flags = (not sampled, any(p.top_k > 0 or p.top_p < 1.0 for p in sampled))
+        flags = (not sampled, any(p.top_k > 0 or p.top_p < 1.0 for p in sampled), any(r.params.penalized for r in reqs))
         lp = {i: r.params.logprobs for i, r in enumerate(reqs) if r.params.logprobs is not None}
         width = max(len(r.block_ids) for r in reqs)
         return self.runner.launch_decode(slots, flags, lp, width), reqs, lp  # type: ignore[arg-type]
@@ -146,7 +170,7 @@ class DecodeBatch:
             self.finish(req, "stop")
         elif len(req.output_ids) >= req.max_tokens or device_finished:
             self.finish(req, "length")
-        return RequestOutput(req.request_id, toks, tlps, req.finish_reason)
+        return RequestOutput(req.group_id, toks, tlps, req.finish_reason, req.index)
 
     def finish(self, req: Request, reason: str) -> None:
         """End a request: mask its slot on the device, free its slot, free its blocks safely."""

@@ -69,10 +69,11 @@ class DraftVocab:
 
 
 def draft_tokens(
-    logits: Tensor, st: SamplingTensors, positions: Tensor, vocab: DraftVocab | None
+    logits: Tensor, st: SamplingTensors, positions: Tensor, vocab: DraftVocab | None, out: Tensor | None = None
 ) -> tuple[Tensor, Tensor | None]:
     """(draft ids [R] int64 in the full vocabulary, the draft distribution [R, V] they were drawn
-    from, or None when every row is greedy). `logits` are [R, V], or [R, N] with `vocab`.
+    from, or None when every row is greedy). `logits` are [R, V], or [R, N] with `vocab`; the
+    ids of a sampled step are written into `out` [R] when given.
 
     Greedy rows take the argmax (first index on ties: with `vocab`, the most frequent of the
     tied tokens); sampled rows a draw from `processed_probs`, as `engine.sampler.sample` does.
@@ -81,12 +82,14 @@ def draft_tokens(
     if vocab is not None:
         greedy = vocab.ids[greedy]
     if st.all_greedy:
-        return greedy, None
+        return (out.copy_(greedy) if out is not None else greedy), None
     probs = processed_probs(logits, st)
     if vocab is not None:
         probs = vocab.to_full(probs)
     drawn = race(probs, st.seed, positions, STREAM_DRAFT)
-    return torch.where(st.temperature <= 0, greedy, drawn), probs
+    if out is None:
+        return torch.where(st.temperature <= 0, greedy, drawn), probs
+    return torch.where(st.temperature <= 0, greedy, drawn, out=out), probs
 
 
 # ---------------------------------------------------------------- the ranking file

@@ -9,7 +9,7 @@ the same pieces (`ModelRunner.prefill`, `insert_no_sync`, `launch_decode`/`colle
 
 KV blocks are reserved for a request's whole life at admission (prompt + max_tokens + MTP
 room; with `enable_prefix_caching` its longest cached prefix is shared and prefill starts after
-it: engine/prefix_cache.py), so a running request never needs preemption; blocks are freed only after the decode
+it: engine/prefix_cache.py; n > 1 choices share the prompt's blocks: engine/fork.py), so a running request never needs preemption; blocks are freed only after the decode
 step in flight has been collected, so no launched step can write into a reused block.
 """
 
@@ -27,6 +27,7 @@ from engine.attention import get_backend
 from engine.chunked_prefill import ChunkedPrefill
 from engine.decode_batch import DecodeBatch
 from engine.draft_vocab import DraftVocab, read_ranking
+from engine.fork import allocate_children, group_fits, make_children, shared_blocks
 from engine.kv_cache import BlockManager, KVCache
 from engine.loader import LoadedModel
 from engine.model import fuse_projections
@@ -202,7 +203,9 @@ class LLMEngine:
         if req in self.waiting:
             self.waiting.remove(req)
         self.prefill.drop(req)
-        self.batch.finish(req, "abort")
+        for r in (req, *req.children):
+            if not r.finished:
+                self.batch.finish(r, "abort")
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.prefill.requests or self.batch.busy)
@@ -227,19 +230,25 @@ class LLMEngine:
     def _admit(self, req: Request) -> bool:
         """Reserve a slot and the request's whole KV room (its cached prefix shared), or leave it waiting."""
         need = self.blocks.blocks_for(kv_room_needed(len(req.prompt) + req.max_tokens, self.k))
-        if need > self.blocks.capacity:
+        n, bs = req.params.n, self.blocks.block_size
+        shared = shared_blocks(len(req.prompt), bs)
+        if need + (n - 1) * (need - shared) > self.blocks.capacity or n > self.config.max_num_seqs:
             self.waiting.popleft()
-            self.batch.finish(req, "error: request needs more KV blocks than the cache has")
+            self.batch.finish(req, "error: request needs more KV blocks or slots than the engine has")
             return bool(self.waiting) and self._admit(self.waiting[0])
-        if not self.batch.free_slots:
+        if len(self.batch.free_slots) < n:
             return False
         if not req.block_hashes:
-            req.block_hashes = self.prefix.hashes(req.prompt)
-        got = self.prefix.allocate(req.prompt, req.block_hashes, need)
-        if got is None:
+            req.block_hashes = self.prefix.hashes(req.prompt, req.params.prompt_logprobs is not None)
+        if not group_fits(self.blocks, self.blocks.match(req.block_hashes), need, n, shared):
             return False
+        got = self.prefix.allocate(req.prompt, req.block_hashes, need)
+        assert got is not None  # checked above, for every choice
         req.block_ids, req.num_prefilled = got  # prefill starts after the cached prefix
-        req.slot = self.batch.take_slot()
+        req.children = make_children(req)
+        allocate_children(self.blocks, req, need, bs)
+        for r in (req, *req.children):
+            r.slot = self.batch.take_slot()
         return True
 
     def _run_prefill(self, chunks: list[PrefillChunk], reqs: list[Request]) -> list[RequestOutput]:

@@ -48,6 +48,7 @@ class BlockManager:
         self._hash_of: dict[int, bytes] = {}
         self._block_of: dict[bytes, int] = {}
         self.evictions = 0
+        self.num_shared = 0  # blocks in use by more than one reference (prefix hits, n > 1 choices)
 
     @property
     def num_free(self) -> int:
@@ -98,6 +99,7 @@ class BlockManager:
                 raise ValueError(f"double free of KV block {b}")
             if refs > 1:
                 self._refs[b] = refs - 1
+                self.num_shared -= refs == 2
             elif b in self._hash_of:
                 del self._refs[b]
                 cached.append(b)
@@ -131,6 +133,7 @@ class BlockManager:
             if b in self._evictable:
                 del self._evictable[b]
             self._refs[b] = self._refs.get(b, 0) + 1
+            self.num_shared += self._refs[b] == 2
         return cached + self.allocate(n)
 
     def register(self, block: int, h: bytes) -> bool:

@@ -42,8 +42,8 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return rms_norm(x, self.weight, self.eps)
+    def forward(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        return rms_norm(x, self.weight, self.eps, out)
 
     @property
     def spec(self) -> tuple[torch.Tensor, float]:
@@ -119,12 +119,18 @@ class Attention(nn.Module):
 
     def forward(self, positions, x, kv_cache, meta: AttentionMetadata, backend: AttentionBackend, norm: RMSNorm):
         """x + o_proj(attention(norm(x))) on the residual stream x: at decode sizes on a GPU the
-        norm runs inside the q/k/v GEMM and the add inside o_proj's (kernels/linear.py)."""
+        norm runs inside the q/k/v GEMM and the add inside o_proj's (kernels/linear.py); a fresh
+        prefill step may take the backend's fused projection + rotary (`project_forward`)."""
         t = x.shape[0]
-        q, k, v = self._project(x, norm)
-        if self.q_norm is not None and self.k_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        out = backend.rope_forward(self.rotary[0], positions, q, k, v, kv_cache, meta, self.scale)
+        out = None
+        if self.qkv is not None and self.q_norm is None and not self.q_proj.weight.requires_grad:
+            out = backend.project_forward(x, norm.spec, self.qkv, (self.num_heads, self.num_kv_heads, self.head_dim),
+                                          self.rotary[0], positions, kv_cache, meta, self.scale)
+        if out is None:
+            q, k, v = self._project(x, norm)
+            if self.q_norm is not None and self.k_norm is not None:
+                q, k = self.q_norm(q), self.k_norm(k)
+            out = backend.rope_forward(self.rotary[0], positions, q, k, v, kv_cache, meta, self.scale)
         return linear(out.reshape(t, -1), self.o_proj.weight, self.o_proj.bias, residual=x)
 
     def _project(self, x: torch.Tensor, norm: RMSNorm) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -253,15 +259,14 @@ class CausalLM(nn.Module):
         features: their part of `eh_proj` is skipped, as if they were zero)."""
         assert self.mtp is not None, "model was built without an MTP module"
         m, size = self.mtp, self.config.hidden_size
-        e = m.enorm(self.model.embed_tokens(next_ids))
-        h_prev = h_prev.to(e.dtype)
-        parts = [e, m.hnorm(h_prev[..., :size])]
-        if h_prev.shape[-1] > size:
-            parts += [norm(f) for norm, f in zip(m.fnorms, h_prev[..., size:].split(size, dim=-1), strict=True)]
-            h = m.eh_proj(torch.cat(parts, dim=-1))
-        else:
-            h = linear(torch.cat(parts, dim=-1), m.eh_proj.weight[:, : 2 * size])
-        return m.block(positions, h, kv_cache, meta, backend)
+        emb = self.model.embed_tokens(next_ids)
+        parts = [emb, *h_prev.to(emb.dtype).split(size, dim=-1)]  # the token, the hidden, any features
+        x = torch.empty(emb.shape[0], len(parts) * size, dtype=torch.promote_types(m.enorm.weight.dtype, emb.dtype),
+                        device=emb.device)  # eh_proj's input: each norm writes its block of it, no cat
+        for i, (norm, part) in enumerate(zip([m.enorm, m.hnorm, *m.fnorms], parts, strict=False)):
+            norm(part, out=x[:, i * size : (i + 1) * size])
+        weight = m.eh_proj.weight if len(parts) > 2 else m.eh_proj.weight[:, : 2 * size]
+        return m.block(positions, linear(x, weight, m.eh_proj.bias), kv_cache, meta, backend)
 
     def mtp_logits(self, mtp_hidden: torch.Tensor, head_weight: torch.Tensor | None = None,
                    float32: bool = True) -> torch.Tensor:
@@ -273,12 +278,14 @@ class CausalLM(nn.Module):
         logits = self.lm_head(h) if head_weight is None else linear(h, head_weight)
         return logits.float() if float32 else logits
 
-    def mtp_greedy_ids(self, mtp_hidden: torch.Tensor, head_weight: torch.Tensor | None = None) -> torch.Tensor:
-        """mtp_logits(...).argmax(-1) (ids into `head_weight`'s rows when given), the head's
-        norm and the argmax inside the LM-head GEMM where the fused kernel runs."""
+    def mtp_greedy_ids(self, mtp_hidden: torch.Tensor, head_weight: torch.Tensor | None = None,
+                       id_map: torch.Tensor | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+        """mtp_logits(...).argmax(-1) (ids into `head_weight`'s rows when given, mapped through
+        `id_map`, written into `out` when given), the head's norm and the argmax inside the
+        LM-head GEMM where the fused kernel runs."""
         assert self.mtp is not None
         weight = self.lm_head.weight if head_weight is None else head_weight
-        return linear_argmax(mtp_hidden, weight, norm=self.mtp.shared_head.norm.spec)
+        return linear_argmax(mtp_hidden, weight, norm=self.mtp.shared_head.norm.spec, id_map=id_map, out=out)
 
 
 def fuse_projections(model: CausalLM) -> None:

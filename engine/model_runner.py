@@ -8,7 +8,10 @@ hands back device tensors wrapped in handles; the host reads a decode step's res
   * rows whose slot is `done` on the device must write K/V only to the trash block, because
     the host may already have handed their blocks to a new request;
   * the MTP chain writes KV up to 2k positions past a request's length: the scheduler
-    reserves that room (`kv_room_needed`).
+    reserves that room (`kv_room_needed`);
+  * everything the host reads of a decode step goes into the step's one packed buffer
+    (engine/step_output.py) and comes back by one copy: a new output is a new segment of
+    `StepLayout`, never a copy of its own.
 """
 
 from __future__ import annotations
@@ -21,22 +24,26 @@ import torch
 
 from engine.attention import AttentionBackend, AttentionMetadata
 from engine.batch_state import BatchState, SlotInit, to_device_no_sync
-from engine.cuda_graphs import DecodeGraphs
+from engine.cuda_graphs import MAX_TOP_LOGPROBS, DecodeGraphs, StepFlags
 from engine.draft_vocab import DraftVocab, draft_tokens
 from engine.kv_cache import KVCache
 from engine.model import CausalLM
+from engine.penalties import PenaltyInit, prefill_penalties
 from engine.prefill_graphs import LayerReady, PrefillGraphs
 from engine.prefill_step import PrefillChunk, PrefillInputs, PrefillResult, key_for, prefill_forward
+from engine.prompt_logprobs import PromptLogprobPlan
+from engine.prompt_logprobs import plan as plan_prompt_logprobs
 from engine.sampler import LogprobsTensors, SamplingTensors, compute_logprobs
 from engine.spec_decode import verify
+from engine.step_output import HostCopy, HostOutputs, StepLayout, astuple_lp
 from kernels._dispatch import batch_invariant
 from kernels.decode_tail import accept_and_advance
-from kernels.step_meta import uniform_meta
+from kernels.step_meta import Meta, step_inputs, uniform_meta
 
 SPLIT_BLOCKS = 16  # KV blocks per split-KV partition in decode
 FULL_GRID = 264  # programs that fill an H100 twice (132 SMs)
 MAX_GRAPH_ROWS = 64  # prefill graphs' largest row bucket
-MAX_GRAPH_TOKENS = 8192  # prefill graphs' largest token bucket: beyond it compute hides the launches
+MAX_GRAPH_TOKENS = 16384  # prefill graphs' largest token bucket: beyond it compute hides the launches (SmolLM2 4 x 4096 was host-bound eager)
 
 
 def decode_splits(rows: int, kv_heads: int, num_kv_blocks: int) -> int:
@@ -45,10 +52,6 @@ def decode_splits(rows: int, kv_heads: int, num_kv_blocks: int) -> int:
     if rows * kv_heads >= FULL_GRID:
         return 1
     return max(1, min(-(-num_kv_blocks // SPLIT_BLOCKS), FULL_GRID // (rows * kv_heads)))
-
-
-def astuple_lp(lp: LogprobsTensors) -> tuple[torch.Tensor, ...]:
-    return (lp.token_logprob, lp.token_rank, lp.top_ids, lp.top_logprobs)
 
 
 def _in_mode(method):
@@ -77,29 +80,31 @@ class PrefillOutput:
     logprob_rows: list[int]
     drafts: torch.Tensor | None  # [R, k]
     draft_probs: torch.Tensor | None  # [R, k, V]
+    prompt_logprobs: LogprobsTensors | None = None  # every chunk's that asked (engine/prompt_logprobs.py)
+    prompt_lp_plan: PromptLogprobPlan | None = None
 
 
 @dataclass
 class DecodeHandle:
-    """A launched decode step. Device tensors; `collect` turns them into host lists."""
+    """A launched decode step: its packed outputs on their way to the host; `collect` reads them."""
 
-    slots: list[int]
-    tokens: torch.Tensor  # [R, k+1]
-    num_emitted: torch.Tensor  # [R]
-    finished: torch.Tensor  # [R] bool
-    logprobs: LogprobsTensors | None
-    logprob_rows: list[int]
-    event: torch.cuda.Event | None = None
+    slots: list[int]  # the launch's rows are the first len(slots) of `layout`'s
+    layout: StepLayout
+    copy: HostCopy
+    logprob_at: dict[int, int]  # row -> the row its logprob entries are at in the step's logprobs
 
 
 @dataclass
 class StepOutputs:
-    """What `ModelRunner.decode_step` leaves on the device (a graph's static outputs)."""
+    """What `ModelRunner.decode_step` leaves on the device (a graph's static outputs): views of
+    `packed`, the one buffer the host copies (engine/step_output.py)."""
 
     tokens: torch.Tensor  # [R, k+1], -1 past the emitted ones
     num_emitted: torch.Tensor  # [R]
-    finished: torch.Tensor  # [R] bool
+    finished: torch.Tensor  # [R] int64, 0/1
     logprobs: LogprobsTensors | None  # rows of `lp_sel`, k+1 entries each
+    packed: torch.Tensor  # int64, `layout.words`
+    layout: StepLayout
 
 
 @dataclass
@@ -140,17 +145,20 @@ class ModelRunner:
         self.kv = KVCache(layers, num_blocks, block_size, cfg.num_key_value_heads, cfg.head_dim, dtype, device)
         self.max_blocks = -(-kv_room_needed(max_model_len, k) // block_size)
         self.state = BatchState(max_num_seqs, k, self.max_blocks, cfg.vocab_size, device)
-        self._arange_k1 = torch.arange(k + 1, device=device)
+        self.outputs = HostOutputs(device, StepLayout(max_num_seqs, k + 1, max_num_seqs, MAX_TOP_LOGPROBS).words)
         self.graphs = DecodeGraphs(self, max_num_seqs) if cuda_graphs else None
         self.prefill_graphs = (PrefillGraphs(self, prefill_graph_tokens, min(max_num_seqs, MAX_GRAPH_ROWS))
                                if prefill_graph_tokens > 0 else None)
 
     # ---- shared helpers -------------------------------------------------------------
-    def _meta_uniform(self, tables, start, q, masked, num_kv_blocks) -> AttentionMetadata:
-        """Metadata for R rows of q tokens at positions start[r].. (decode/verify, MTP chain);
-        rows `masked` on the device write their K/V to the trash block."""
-        positions, slots, seq_lens, query_start, token_row, token_col = uniform_meta(
-            tables, start, masked, q, self.block_size)
+    def _meta_uniform(self, tables, start, q, masked, num_kv_blocks, offset: int = 0) -> AttentionMetadata:
+        """Metadata for R rows of q tokens at positions start[r] + offset.. (decode/verify, MTP
+        chain); rows `masked` on the device write their K/V to the trash block."""
+        meta = uniform_meta(tables, start, masked, q, self.block_size, offset)
+        return self._attn_meta(meta, tables, q, num_kv_blocks)
+
+    def _attn_meta(self, meta: Meta, tables: torch.Tensor, q: int, num_kv_blocks: int) -> AttentionMetadata:
+        positions, slots, seq_lens, query_start, token_row, token_col = meta
         rows = tables.shape[0]
         return AttentionMetadata(
             slots, positions, tables, token_row, token_col, max_q=q,
@@ -161,30 +169,32 @@ class ModelRunner:
     def draft_chain(
         self, h: torch.Tensor, base: torch.Tensor, st: SamplingTensors, tables, masked, num_kv_blocks
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """k drafts from the MTP hidden at position base-1; draft j lands at base + j.
+        """k drafts [R, k] from the MTP hidden at position base-1; draft j lands at base + j.
         With a draft vocabulary the head scores its N tokens; drafts and their distributions
-        [R, V] are in the full vocabulary (engine/draft_vocab.py)."""
-        drafts: list[torch.Tensor] = []
+        [R, V] are in the full vocabulary (engine/draft_vocab.py). Each draft is written in
+        place into a row of one [k, R] buffer (no gathers or stacks between the chain's steps)."""
+        drafts = torch.empty(self.k, h.shape[0], dtype=torch.long, device=h.device)
         probs: list[torch.Tensor] = []
         mtp_cache = self.kv.layers[self.num_target_layers]
         for j in range(1, self.k + 1):
             if j > 1:
-                meta = self._meta_uniform(tables, base + j - 2, 1, masked, num_kv_blocks)
-                h = self.model.mtp_forward(drafts[-1], meta.positions, h, mtp_cache, meta, self.backend)
-            token, p = self._draft(h, st, base + j)
-            drafts.append(token)
+                meta = self._meta_uniform(tables, base, 1, masked, num_kv_blocks, offset=j - 2)
+                h = self.model.mtp_forward(drafts[j - 2], meta.positions, h, mtp_cache, meta, self.backend)
+            p = self._draft(h, st, base, j, drafts[j - 1])
             if p is not None:
                 probs.append(p)
-        return torch.stack(drafts, 1), (torch.stack(probs, 1) if probs else None)
+        return drafts.t(), (torch.stack(probs, 1) if probs else None)
 
-    def _draft(self, h: torch.Tensor, st: SamplingTensors, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """One draft per row from the MTP hidden h: (ids, their distributions or None if all greedy)."""
+    def _draft(self, h: torch.Tensor, st: SamplingTensors, base: torch.Tensor, j: int,
+               out: torch.Tensor) -> torch.Tensor | None:
+        """Draft j of every row (at position base + j) from the MTP hidden h into `out` [R];
+        returns their distributions, or None when all are greedy."""
         dv = self.draft_vocab
         weight = dv.weight if dv is not None else None
-        if st.all_greedy:  # the argmax inside the head's GEMM: no logits written
-            ids = self.model.mtp_greedy_ids(h, weight)
-            return (dv.ids[ids] if dv is not None else ids), None
-        return draft_tokens(self.model.mtp_logits(h, weight, float32=False), st, positions, dv)
+        if st.all_greedy:  # the argmax (and the vocabulary's id map) inside the head's GEMM: no logits
+            self.model.mtp_greedy_ids(h, weight, dv.ids if dv is not None else None, out=out)
+            return None
+        return draft_tokens(self.model.mtp_logits(h, weight, float32=False), st, base + j, dv, out=out)[1]
 
     # ---- prefill --------------------------------------------------------------------
     @_in_mode
@@ -197,13 +207,20 @@ class ModelRunner:
         (engine/prefill_graphs.py), else runs the same step eagerly at its exact size.
         """
         n = sum(c.end - c.start for c in chunks)
-        if self.prefill_graphs is not None and self.prefill_graphs.fits(n, len(chunks)):
+        penalties = prefill_penalties([PenaltyInit.of(c.params, c.prompt, []) if c.is_last else None for c in chunks],
+                                      self.state.vocab, self.device)
+        prompt_lp = plan_prompt_logprobs(chunks)
+        plain = penalties is None and prompt_lp is None
+        if plain and self.prefill_graphs is not None and self.prefill_graphs.fits(n, len(chunks)):
             return self._last_rows(chunks, self.prefill_graphs.run(chunks, on_layer))
-        inp = PrefillInputs(n, len(chunks), self.max_blocks, self.device)
+        inp = PrefillInputs(n, len(chunks), self.max_blocks, self.device)  # eager: also penalties, prompt logprobs
         inp.fill_no_sync(chunks)
         key = key_for(chunks, n, len(chunks), max(c.end - c.start for c in chunks))
         hook = (lambda i: on_layer(i, None)) if on_layer is not None else None
-        return self._last_rows(chunks, prefill_forward(self, inp, key, hook))
+        res = prefill_forward(self, inp, key, hook, penalties, prompt_lp)
+        out = self._last_rows(chunks, res)
+        out.prompt_logprobs, out.prompt_lp_plan = res.prompt_logprobs, prompt_lp
+        return out
 
     def _last_rows(self, chunks: list[PrefillChunk], res: PrefillResult) -> PrefillOutput:
         """The rows whose prompt finished this step, out of a step's per-row results."""
@@ -231,60 +248,74 @@ class ModelRunner:
 
     # ---- decode ---------------------------------------------------------------------
     def launch_decode(
-        self, slots: list[int], flags: tuple[bool, bool], logprobs: dict[int, int], num_kv_blocks: int
+        self, slots: list[int], flags: StepFlags, logprobs: dict[int, int], num_kv_blocks: int
     ) -> DecodeHandle:
         """Verify [last, d1..dk] for every slot, accept, redraft; advance state on the device.
 
-        `flags` = (all_greedy, needs_filter) for these rows, host-known; `logprobs` maps row
+        `flags` = (all_greedy, needs_filter, penalized) for these rows, host-known; `logprobs` maps row
         index -> top-n for rows that asked. Replays a captured graph when there is one for
-        this batch size (`DecodeGraphs`), else runs the step eagerly. Never syncs.
+        this batch size (`DecodeGraphs`), else runs the step eagerly. Then queues the one copy
+        of the step's packed outputs to the host (engine/step_output.py). Never syncs.
         """
         lp_rows = sorted(logprobs)
         if self.graphs is not None and len(slots) <= self.graphs.max_batch:
             out = self.graphs.replay(slots, flags, bool(lp_rows))
-            lps = self._select_logprobs(out.logprobs, lp_rows)
+            at = {row: row for row in lp_rows}  # a graph computes every row's logprobs
         else:
             rows = to_device_no_sync(slots, torch.long, self.device)
             sel = to_device_no_sync(lp_rows, torch.long, self.device) if lp_rows else None
             out = self.decode_step(rows, flags, sel, max(logprobs.values(), default=0), num_kv_blocks)
-            lps = out.logprobs
-        n = len(slots)
-        handle = DecodeHandle(slots, out.tokens[:n], out.num_emitted[:n], out.finished[:n], lps, lp_rows)
-        return self._start_copy_to_host(handle)
+            at = {row: i for i, row in enumerate(lp_rows)}
+        return DecodeHandle(slots, out.layout, self.outputs.copy_no_sync(out.packed), at)
 
     @_in_mode
-    def decode_step(self, rows: torch.Tensor, flags: tuple[bool, bool], lp_sel: torch.Tensor | slice | None,
+    def decode_step(self, rows: torch.Tensor, flags: StepFlags, lp_sel: torch.Tensor | slice | None,
                     num_top: int, num_kv_blocks: int) -> StepOutputs:
         """One decode step over state rows `rows` [R]: what a CUDA graph captures.
 
         Logprobs (top `num_top`) are computed for the rows `lp_sel` selects (None: none).
-        Reads every input from `BatchState` and writes the advanced state back.
+        Reads every input from `BatchState` (one gather kernel: kernels/step_meta.py) and
+        writes the advanced state back; what the host reads lands in one packed buffer.
         """
-        all_greedy, needs_filter = flags
-        s, k = self.state, self.k
-        sampling = SamplingTensors(s.temperature[rows], s.top_k[rows], s.top_p[rows], s.seed[rows], all_greedy, needs_filter)
-        done = s.done[rows]
-        seq = s.seq_lens[rows]
-        inputs = torch.cat([s.last_token[rows].unsqueeze(1), s.drafts[rows]], 1)
-        meta = self._meta_uniform(s.block_tables[rows], seq, k + 1, done, num_kv_blocks)
-        hidden = self.model(inputs.reshape(-1), meta.positions, self.kv.layers, meta, self.backend)
-        if all_greedy and lp_sel is None:  # the argmax inside the LM head's GEMM: no logits written
-            logits, ids, n_verified = None, self.model.greedy_ids(hidden).view(rows.shape[0], k + 1), None
-        else:
-            logits = self.model.compute_logits(hidden, float32=not all_greedy).view(rows.shape[0], k + 1, -1)
-            ids, n_verified = self._verify(logits, rows, sampling, seq)
-        tokens, n_emit, finished, new_len = accept_and_advance(
+        s, k, r = self.state, self.k, rows.shape[0]
+        x = step_inputs(rows, s.step_state(), k + 1, self.block_size)
+        sampling = SamplingTensors(x.temperature, x.top_k, x.top_p, x.seed, flags[0], flags[1])
+        meta = self._attn_meta(x.meta, x.tables, k + 1, num_kv_blocks)
+        hidden = self.model(x.input_ids, meta.positions, self.kv.layers, meta, self.backend)
+        drafts = x.input_ids.view(r, k + 1)[:, 1:]
+        logits, ids, n_verified = self._verify_step(hidden, rows, drafts, sampling, x.seq, flags, lp_sel is not None)
+        n_lp = r if isinstance(lp_sel, slice) else (0 if lp_sel is None else lp_sel.shape[0])
+        layout = StepLayout(r, k + 1, n_lp if logits is not None else 0, num_top)
+        packed = layout.empty(self.device)
+        tokens, n_emit, finished, new_len, last_at = accept_and_advance(
             ids, n_verified, rows, s.drafts, s.stop_ids, s.max_tokens, s.num_generated, s.seq_lens,
-            s.last_token, s.done)
+            s.last_token, s.done, out=packed)
+        if flags[2]:
+            s.penalties.count_no_sync(rows, tokens, n_emit)
         lps = None
-        if lp_sel is not None and logits is not None:
+        if layout.lp_rows:
+            assert lp_sel is not None and logits is not None
             flat = tokens[lp_sel].clamp(min=0).reshape(-1)
             lps = compute_logprobs(logits[lp_sel].reshape(flat.shape[0], -1), flat, num_top)
-        if k:
-            self._redraft(rows, tokens, n_emit, hidden, meta, new_len, sampling, done, num_kv_blocks)
-        return StepOutputs(tokens, n_emit, finished, lps)
+            layout.write_logprobs(packed, lps)
+        if k:  # the MTP reads every verify position's token: where none was kept, any id will do
+            mtp_ids = ids if n_verified is None else tokens.clamp(min=0)
+            self._redraft(rows, mtp_ids, last_at, hidden, meta, new_len, sampling, x.done, num_kv_blocks)
+        return StepOutputs(tokens, n_emit, finished, lps, packed, layout)
 
-    def _verify(self, logits: torch.Tensor, rows: torch.Tensor, sampling: SamplingTensors,
+    def _verify_step(self, hidden: torch.Tensor, rows: torch.Tensor, drafts: torch.Tensor, sampling: SamplingTensors,
+                     seq: torch.Tensor, flags: StepFlags, logprobs: bool):
+        """(logits [R, k+1, V] or None, target ids [R, k+1], verified counts or None when all
+        greedy): the argmax inside the LM head's GEMM when no logits are needed."""
+        all_greedy, _, penalized = flags
+        r, k1 = drafts.shape[0], drafts.shape[1] + 1
+        if all_greedy and not logprobs and not penalized:
+            return None, self.model.greedy_ids(hidden).view(r, k1), None
+        logits = self.model.compute_logits(hidden, float32=not all_greedy or penalized).view(r, k1, -1)
+        scored = self.state.penalties.penalize_rows(logits, rows, drafts) if penalized else logits
+        return (logits, *self._verify(scored, rows, drafts, sampling, seq))
+
+    def _verify(self, logits: torch.Tensor, rows: torch.Tensor, drafts: torch.Tensor, sampling: SamplingTensors,
                 seq: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(target ids [R, k+1], verified counts or None when all greedy) from the logits."""
         if sampling.all_greedy:
@@ -292,69 +323,51 @@ class ModelRunner:
         s = self.state
         s.ensure_draft_probs()
         dprobs = s.draft_probs[rows] if s.draft_probs is not None else logits.new_zeros(rows.shape[0], 0, logits.shape[-1])
-        return verify(logits, s.drafts[rows], dprobs, sampling, seq + 1)
+        return verify(logits, drafts, dprobs, sampling, seq + 1)
 
-    def _select_logprobs(self, lp: LogprobsTensors | None, lp_rows: list[int]) -> LogprobsTensors | None:
-        """The rows that asked, out of logprobs a graph computed for every row (k+1 each)."""
-        if lp is None or not lp_rows:
-            return None
-        k1 = self.k + 1
-        idx = to_device_no_sync([r * k1 + j for r in lp_rows for j in range(k1)], torch.long, self.device)
-        return LogprobsTensors(*(t.index_select(0, idx) for t in astuple_lp(lp)))
-
-    def _redraft(self, rows, tokens, n_emit, hidden, meta, new_len, st, masked, num_kv_blocks):
+    def _redraft(self, rows, mtp_ids, last_at, hidden, meta, new_len, st, masked, num_kv_blocks):
         """MTP over the verified positions, then chain k drafts from the last accepted one.
 
         MTP at position p reads (target hidden at p, token at p+1): the emitted tokens are
         exactly the tokens at p+1.. for the accepted positions; the rest is garbage whose KV
         is overwritten before it is ever read (the next step rewrites from new_len on).
+        `last_at` [R]: each row's last kept position in the step's flat token order.
         """
-        s, k = self.state, self.k
-        r = rows.shape[0]
+        s = self.state
         mtp_cache = self.kv.layers[self.num_target_layers]
-        mtp_ids = tokens.clamp(min=0).reshape(-1)
-        mh = self.model.mtp_forward(mtp_ids, meta.positions, hidden, mtp_cache, meta, self.backend)
-        pick = (n_emit - 1).clamp(min=0) + torch.arange(r, device=self.device) * (k + 1)
-        drafts, probs = self.draft_chain(mh[pick], new_len, st, meta.block_tables, masked, num_kv_blocks)
+        mh = self.model.mtp_forward(mtp_ids.reshape(-1), meta.positions, hidden, mtp_cache, meta, self.backend)
+        drafts, probs = self.draft_chain(mh[last_at], new_len, st, meta.block_tables, masked, num_kv_blocks)
         s.drafts[rows] = drafts
         if probs is not None:
             s.ensure_draft_probs()
             assert s.draft_probs is not None
             s.draft_probs[rows] = probs
 
-    def _start_copy_to_host(self, h: DecodeHandle) -> DecodeHandle:
-        if self.device.type != "cuda":
-            return h
-        pin = lambda x: x.to("cpu", non_blocking=True)  # noqa: E731  (pinned by the allocator)
-        h.tokens, h.num_emitted, h.finished = pin(h.tokens), pin(h.num_emitted), pin(h.finished)
-        if h.logprobs is not None:
-            lp = h.logprobs
-            h.logprobs = LogprobsTensors(pin(lp.token_logprob), pin(lp.token_rank), pin(lp.top_ids), pin(lp.top_logprobs))
-        h.event = torch.cuda.Event()
-        h.event.record()
-        return h
-
-    @staticmethod
-    def collect(h: DecodeHandle, num_top: dict[int, int]) -> DecodeResult:
-        """The read point: waits for the step's copies, returns host lists."""
-        if h.event is not None:
-            h.event.synchronize()
-        tokens, counts, finished = h.tokens.tolist(), h.num_emitted.tolist(), h.finished.tolist()
-        emitted = [row[:n] for row, n in zip(tokens, counts, strict=True)]
+    def collect(self, h: DecodeHandle, num_top: dict[int, int]) -> DecodeResult:
+        """The read point: waits for the step's one copy, returns host lists, gives the buffer back."""
+        h.copy.wait()
+        n = len(h.slots)
+        tokens, counts, finished, lp = h.layout.views(h.copy.host)
+        toks, cnt = tokens[:n].tolist(), counts[:n].tolist()
+        emitted = [row[:c] for row, c in zip(toks, cnt, strict=True)]
         lps: dict[int, list] = {}
-        if h.logprobs is not None:
-            per_row = unpack_logprobs(h.logprobs, num_top, h.logprob_rows, width=len(tokens[0]))
-            for row, entries in per_row.items():
-                lps[row] = entries[: counts[row]]
-        return DecodeResult(h.slots, emitted, finished, lps)
+        if lp is not None and h.logprob_at:
+            for row, entries in unpack_logprobs(lp, num_top, h.logprob_at, width=h.layout.k1).items():
+                lps[row] = entries[: cnt[row]]
+        done = [bool(f) for f in finished[:n].tolist()]
+        self.outputs.release(h.copy)
+        return DecodeResult(h.slots, emitted, done, lps)
 
 
-def unpack_logprobs(lp: LogprobsTensors, num_top: dict[int, int], rows: list[int], width: int):
-    """Host lists per row: [(logprob, rank, [(id, logprob)...top-n]), ...] for `width` tokens each."""
+def unpack_logprobs(lp: LogprobsTensors, num_top: dict[int, int], rows: list[int] | dict[int, int], width: int):
+    """Host lists per row: [(logprob, rank, [(id, logprob)...top-n]), ...] for `width` tokens each.
+    `rows`: the rows in the order of `lp`'s entries, or row -> its place there (row i's entries
+    are then `lp`'s rows rows[i] * width..)."""
+    at = rows if isinstance(rows, dict) else {row: i for i, row in enumerate(rows)}
     vals, ranks = lp.token_logprob.tolist(), lp.token_rank.tolist()
     top_ids, top_lps = lp.top_ids.tolist(), lp.top_logprobs.tolist()
     out = {}
-    for i, row in enumerate(rows):
+    for row, i in at.items():
         n = num_top[row]
         entries = []
         for j in range(i * width, (i + 1) * width):

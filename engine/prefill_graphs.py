@@ -12,7 +12,10 @@ meets are few). Steps beyond the largest bucket run eagerly, where compute hides
 
 Layer-wise KV push: the graph records an external CUDA event after each target layer; after
 the replay, `on_layer(i, event)` hands each to the caller (the prefill node's sender waits on
-event i before sending layer i, so KV leaves while later layers compute).
+event i before sending layer i, so KV leaves while later layers compute). Only for a caller
+that listens: a step without `on_layer` replays a graph captured without the events, whose
+launch call is ~100 us shorter (SmolLM2 1 x 128: 124 -> 26 us, and 30 us less GPU time; H100,
+bench/gpu/prefill_launch.py, 2026-11-25).
 
 Careful when editing: graphs share one memory pool of their own (not the decode graphs'); a
 replay overwrites the static outputs of the previous prefill replay, so a step's outputs
@@ -59,7 +62,7 @@ class PrefillGraphs:
         self.token_buckets = pow2_buckets(MIN_TOKENS, max(max_tokens, MIN_TOKENS))
         self.row_buckets = pow2_buckets(1, max(max_rows, 1))
         self.inputs: dict[tuple[int, int], PrefillInputs] = {}
-        self.graphs: dict[PrefillKey, tuple[torch.cuda.CUDAGraph, PrefillResult, list[Any]]] = {}
+        self.graphs: dict[tuple[PrefillKey, bool], tuple[torch.cuda.CUDAGraph, PrefillResult, list[Any]]] = {}
         self.pool: Any = None
 
     def fits(self, num_tokens: int, num_rows: int) -> bool:
@@ -79,25 +82,26 @@ class PrefillGraphs:
         if inp is None:
             inp = self.inputs[(t, r)] = PrefillInputs(t, r, self.runner.max_blocks, self.runner.device)
         inp.fill_no_sync(chunks)
-        if key not in self.graphs:
-            self._capture(key, inp)
-        graph, out, events = self.graphs[key]
+        wanted = on_layer is not None  # per-layer events cost ~100 us of launch (SmolLM2, H100): only for a listener
+        if (key, wanted) not in self.graphs:
+            self._capture(key, inp, wanted)
+        graph, out, events = self.graphs[(key, wanted)]
         graph.replay()
         if on_layer is not None:
             for layer, event in enumerate(events):
                 on_layer(layer, event)
         return out
 
-    def _capture(self, key: PrefillKey, inp: PrefillInputs) -> None:
+    def _capture(self, key: PrefillKey, inp: PrefillInputs, with_events: bool) -> None:
         r = self.runner
         side = torch.cuda.Stream(r.device)
         side.wait_stream(torch.cuda.current_stream(r.device))
         with torch.cuda.stream(side), torch.no_grad():
             prefill_forward(r, inp, key)  # warm-up: compiles kernels (the same writes the replay makes)
         torch.cuda.current_stream(r.device).wait_stream(side)
-        events = [torch.cuda.Event(external=True) for _ in range(r.num_target_layers)]
+        events = [torch.cuda.Event(external=True) for _ in range(r.num_target_layers if with_events else 0)]
         graph = torch.cuda.CUDAGraph()
         with torch.no_grad(), torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
-            out = prefill_forward(r, inp, key, on_layer=lambda i: events[i].record())
+            out = prefill_forward(r, inp, key, on_layer=(lambda i: events[i].record()) if with_events else None)
         self.pool = graph.pool()
-        self.graphs[key] = (graph, out, events)
+        self.graphs[(key, with_events)] = (graph, out, events)

@@ -67,8 +67,12 @@ class PrefixCache:
         self.seed = hashlib.blake2b(f"{model_id}|lookahead={lookahead}".encode(), digest_size=16).digest()
         self.stats = PrefixStats()
 
-    def hashes(self, prompt: list[int]) -> list[bytes]:
-        return block_hashes(prompt, self.blocks.block_size, self.seed, self.lookahead) if self.enabled else []
+    def hashes(self, prompt: list[int], computes_prompt: bool = False) -> list[bytes]:
+        """The prompt's block keys; none (no hit, nothing cached) when `computes_prompt`: a request
+        that asked for prompt logprobs computes every position (as vLLM skips the cache for it)."""
+        if not self.enabled or computes_prompt:
+            return []
+        return block_hashes(prompt, self.blocks.block_size, self.seed, self.lookahead)
 
     def fits(self, hashes: list[bytes], need: int) -> bool:
         """Whether `allocate` of `need` blocks for a prompt of these hashes would succeed now."""
@@ -94,4 +98,4 @@ class PrefixCache:
 
     def status(self) -> dict[str, int]:
         return {**self.stats.as_dict(), "cached_blocks": self.blocks.num_cached,
-                "evicted_blocks": self.blocks.evictions}
+                "evicted_blocks": self.blocks.evictions, "shared_blocks": self.blocks.num_shared}

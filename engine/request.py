@@ -37,6 +37,13 @@ class Request:
     finish_reason: str | None = None
     steps: int = 0
     accepted_tokens: int = 0
+    # n > 1 (engine/fork.py): choice `index` of the request `group` (its first choice's id; "" for
+    # that first choice itself, which holds the others in `children` and forks them after its prefill)
+    index: int = 0
+    group: str = ""
+    children: list[Request] = field(default_factory=list)
+    forked: bool = False  # the children have their own copy of the prompt's KV
+    prompt_logprobs: list[TokenLogprob] | None = None  # prompt_logprobs asked: one per prompt token after the first
 
     def __post_init__(self) -> None:
         if self.num_prompt_tokens < 0:
@@ -47,6 +54,11 @@ class Request:
         return self.finish_reason is not None
 
     @property
+    def group_id(self) -> str:
+        """The id outputs carry (with `index`): the request's, for every choice."""
+        return self.group or self.request_id
+
+    @property
     def mean_accepted_per_step(self) -> float:
         return (len(self.output_ids) - 1) / self.steps if self.steps else 0.0
 
@@ -55,7 +67,9 @@ class Request:
 class RequestOutput:
     """What one step added to one request."""
 
-    request_id: str
+    request_id: str  # the request's id (`Request.group_id`), whichever choice this is
     new_token_ids: list[int]
     new_logprobs: list[TokenLogprob]
     finish_reason: str | None
+    index: int = 0  # the choice (n > 1)
+    prompt_logprobs: list[TokenLogprob] | None = None  # with a request's first token, when asked

@@ -2,7 +2,8 @@
 
     linear(x, w, b=None, norm=None, residual=None) = residual + F.linear(pre(x), w, b)
         pre(x) = rms_norm(x, *norm)   with norm = (weight [K], eps), else x
-    linear_argmax(x, w, norm=None)  = argmax over n of linear(x, w, norm=norm)   (first on ties)
+    linear_argmax(x, w, norm=None)  = argmax over n of linear(x, w, norm=norm)   (first on ties),
+                                      mapped through id_map [N] when given
     linear_glu(x, w, norm=None)     = silu(g) * u,  [g | u] = linear(x, w, norm=norm)  (w = [gate; up])
 
     x [M, K] (rows contiguous in K), w [N, K] (an nn.Linear weight), b [N]; residual [M, N]
@@ -38,12 +39,16 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from kernels import gemm_glu
 from kernels._dispatch import invariant, use_triton
 from kernels.activation import silu_and_mul, silu_and_mul_ref
 from kernels.norm import rms_norm, rms_norm_ref
 from kernels.pdl import pdl_args, wait_for_previous
 
 FUSED_MAX_M = int(os.environ.get("PDSERVE_FUSED_MAX_M", "64"))  # rows up to which the kernel runs by default
+SMALL_MAX_M = int(os.environ.get("PDSERVE_SMALL_MAX_M", "128"))  # and up to this many rows for weights
+SMALL_WEIGHT = int(os.environ.get("PDSERVE_SMALL_WEIGHT", str(2**21)))  # of at most this many elements
+MAX_BM = int(os.environ.get("PDSERVE_MAX_BM", "64"))  # the kernel's row tile: rows above it take more tiles
 INVARIANT_BM = 16
 
 Norm = tuple[torch.Tensor, float]
@@ -136,14 +141,19 @@ def _sum_splits_kernel(ws_ptr, b_ptr, r_ptr, y_ptr, M, N, stride_r, stride_y,
 
 
 @triton.jit
-def _argmax_tiles_kernel(val_ptr, idx_ptr, out_ptr, n_tiles, BLOCK: tl.constexpr, PDL: tl.constexpr):
-    """Per row, the best of the tiles' best columns (the first tile on ties: the lowest id)."""
+def _argmax_tiles_kernel(val_ptr, idx_ptr, map_ptr, out_ptr, n_tiles, BLOCK: tl.constexpr, HAS_MAP: tl.constexpr,
+                         PDL: tl.constexpr):
+    """Per row, the best of the tiles' best columns (the first tile on ties: the lowest id),
+    through `map` when given (a draft vocabulary's row -> full-vocabulary id)."""
     wait_for_previous(PDL)
     row = tl.program_id(0)
     t = tl.arange(0, BLOCK)
     v = tl.load(val_ptr + row * n_tiles + t, mask=t < n_tiles, other=float("-inf"))
     _, at = tl.max(v, axis=0, return_indices=True, return_indices_tie_break_left=True)
-    tl.store(out_ptr + row, tl.load(idx_ptr + row * n_tiles + at).to(tl.int64))
+    best = tl.load(idx_ptr + row * n_tiles + at).to(tl.int64)
+    if HAS_MAP:
+        best = tl.load(map_ptr + best).to(tl.int64)
+    tl.store(out_ptr + row, best)
 
 
 def _rows(x: torch.Tensor) -> torch.Tensor:
@@ -152,13 +162,14 @@ def _rows(x: torch.Tensor) -> torch.Tensor:
 
 
 def _block_m(m: int) -> int:
-    return INVARIANT_BM if invariant() else min(64, max(16, triton.next_power_of_2(m)))
+    return INVARIANT_BM if invariant() else min(MAX_BM, max(16, triton.next_power_of_2(m)))
 
 
 def _launch(x2, w, b, residual, y, argmax_out=None, config: tuple[int, int, int] | None = None,
-            glu: bool = False) -> None:
+            glu: bool = False, id_map=None) -> None:
     """One GEMM launch (and its split-K sum or argmax pass). `glu`: y = silu(x @ gate.T) * (x @ up.T)
-    with w = [gate; up] stacked by rows, one output column per gate/up row pair."""
+    with w = [gate; up] stacked by rows, one output column per gate/up row pair. `id_map`: the
+    argmax pass writes id_map[argmax]."""
     m, (n, k) = x2.shape[0], w.shape
     assert w.stride(-1) == 1 and x2.shape[1] == k, f"weight {tuple(w.shape)} does not take {x2.shape[1]} inputs"
     bn, bk, split = config or tile_config(n, k)
@@ -186,7 +197,8 @@ def _launch(x2, w, b, residual, y, argmax_out=None, config: tuple[int, int, int]
         ARGMAX=argmax_out is not None, SPLIT=split, PRECISION="ieee" if x2.dtype == torch.float32 else "tf32",
         GLU=glu, BM=bm, BN=bn, BK=bk, num_warps=4, num_stages=3, **pdl)
     if argmax_out is not None:
-        _argmax_tiles_kernel[(m,)](val, idx, argmax_out, grid[1], BLOCK=triton.next_power_of_2(grid[1]), **pdl)
+        _argmax_tiles_kernel[(m,)](val, idx, id_map if id_map is not None else idx, argmax_out, grid[1],
+                                   BLOCK=triton.next_power_of_2(grid[1]), HAS_MAP=id_map is not None, **pdl)
     elif split > 1:
         _sum_splits_kernel[(triton.cdiv(m, bm), triton.cdiv(n_out, bn))](
             ws, b if b is not None else ws, r, y, m, n_out, r.stride(0), y.stride(0),
@@ -212,12 +224,16 @@ def linear_glu_triton(x: torch.Tensor, w: torch.Tensor, norm: Norm | None = None
     return y.view(*x.shape[:-1], w.shape[0] // 2)
 
 
-def linear_argmax_triton(x: torch.Tensor, w: torch.Tensor, norm: Norm | None = None) -> torch.Tensor:
+def linear_argmax_triton(x: torch.Tensor, w: torch.Tensor, norm: Norm | None = None, id_map: torch.Tensor | None = None,
+                         out: torch.Tensor | None = None, config: tuple[int, int, int] | None = None) -> torch.Tensor:
+    """`out`: a contiguous int64 tensor of x's rows to write into (made when None)."""
     x2 = _rows(_norm(x, norm))
-    out = torch.empty(x2.shape[0], dtype=torch.int64, device=x.device)
+    if out is None:
+        out = torch.empty(x.shape[:-1], dtype=torch.int64, device=x.device)
+    assert out.is_contiguous() and out.dtype == torch.int64 and out.numel() == x2.shape[0]
     if x2.shape[0]:
-        _launch(x2, w, None, None, torch.empty(0, 1, dtype=x.dtype, device=x.device), out)
-    return out.view(x.shape[:-1])
+        _launch(x2, w, None, None, torch.empty(0, 1, dtype=x.dtype, device=x.device), out, config=config, id_map=id_map)
+    return out
 
 
 def _norm(x: torch.Tensor, norm: Norm | None) -> torch.Tensor:
@@ -245,13 +261,17 @@ def _fused(x: torch.Tensor, w: torch.Tensor, plain: bool = False) -> bool:
     except for a plain GEMM (no epilogue) of a weight under 8192 x 2048 without programmatic
     dependent launch (kernels/pdl.py), where cuBLAS was as fast or faster (Llama-1B's q/k/v: 7.5
     against 8.4 us; bench/gpu/gpu_gemv.py --sweep). With PDL the kernel's launch overlaps the
-    kernel before it, which a cuBLAS launch does not."""
+    kernel before it, which a cuBLAS launch does not. Up to SMALL_MAX_M rows for small weights:
+    SmolLM2's 1 x 128 prefill went from 1.16-1.19 to 1.03 ms with its GEMMs here (Llama-1B's
+    weights, 2-16x larger, lost: 1.57 -> 1.94 ms; H100, bench prefill, 2026-11-25)."""
     if not use_triton(x, w):
         return False
     if invariant():
         return True
     big = w.shape[0] >= 8192 and w.shape[1] >= 2048
-    return x.numel() // x.shape[-1] <= FUSED_MAX_M and (big or not plain or pdl_args(x)["PDL"])
+    m = x.numel() // x.shape[-1]
+    rows_ok = m <= FUSED_MAX_M or (m <= SMALL_MAX_M and w.numel() <= SMALL_WEIGHT)
+    return rows_ok and (big or not plain or pdl_args(x)["PDL"])
 
 
 def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None, norm: Norm | None = None,
@@ -285,9 +305,12 @@ def _addmm(x: torch.Tensor, w: torch.Tensor, residual: torch.Tensor) -> torch.Te
 
 def linear_glu(x: torch.Tensor, w: torch.Tensor, norm: Norm | None = None) -> torch.Tensor:
     """silu(gate) * up of linear(x, w, norm=norm) with w = [gate; up] (a fused [2I, K] weight):
-    one launch where the kernel runs, the GEMM then `kernels.activation.silu_and_mul` otherwise."""
+    one launch where the kernel runs; at prefill sizes on CUDA `kernels.gemm_glu` (the same in
+    one launch); the GEMM then `kernels.activation.silu_and_mul` otherwise."""
     if _fused(x, w):
         return linear_glu_triton(x, w, norm)
+    if use_triton(x, w) and gemm_glu.enabled():  # prefill sizes: SwiGLU in the GEMM's epilogue
+        return gemm_glu.glu_gemm(_rows(_norm(x, norm)), w).view(*x.shape[:-1], w.shape[0] // 2)
     return silu_and_mul(linear(x, w, norm=norm))
 
 
@@ -295,9 +318,13 @@ def linear_glu_ref(x: torch.Tensor, w: torch.Tensor, norm: Norm | None = None) -
     return silu_and_mul_ref(linear_ref(x, w, norm=norm))
 
 
-def linear_argmax(x: torch.Tensor, w: torch.Tensor, norm: Norm | None = None) -> torch.Tensor:
+def linear_argmax(x: torch.Tensor, w: torch.Tensor, norm: Norm | None = None, id_map: torch.Tensor | None = None,
+                  out: torch.Tensor | None = None) -> torch.Tensor:
     """The argmax row ids of linear(x, w, norm=norm) [..., N] (first on ties), without
-    writing the logits where the kernel runs."""
+    writing the logits where the kernel runs; id_map[argmax] with `id_map` [N] int64 (a draft
+    vocabulary's ids), written into `out` when given (one launch fewer each)."""
     if _fused(x, w):
-        return linear_argmax_triton(x, w, norm)
-    return linear(x, w, norm=norm).argmax(dim=-1)
+        return linear_argmax_triton(x, w, norm, id_map, out)
+    ids = linear(x, w, norm=norm).argmax(dim=-1)
+    ids = id_map[ids] if id_map is not None else ids
+    return out.copy_(ids) if out is not None else ids

@@ -11,7 +11,9 @@ bit for bit; the kernel differs only in the order of the fp32 sum over H.
 Shapes: x, d, r [..., H] with the last dim contiguous (other strides are free for 2-D inputs;
 higher ranks are flattened with `reshape`); w [H]. H need not be a power of two (the row is
 one masked block of next_power_of_2(H)). The outputs are new contiguous tensors, except that
-`add_rms_norm(None, r, ...)` hands back `r` itself as the new residual.
+`add_rms_norm(None, r, ...)` hands back `r` itself as the new residual, and `rms_norm(x, w, eps,
+out)` writes into `out` [rows, H] (any row stride: a column block of a wider tensor, so that
+the MTP's norms write the halves of its eh_proj input and no cat runs).
 """
 
 from __future__ import annotations
@@ -64,7 +66,8 @@ def _rows(x: torch.Tensor) -> torch.Tensor:
 
 
 def add_rms_norm_triton(
-    delta: torch.Tensor | None, residual: torch.Tensor, weight: torch.Tensor, eps: float
+    delta: torch.Tensor | None, residual: torch.Tensor, weight: torch.Tensor, eps: float,
+    out: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     h = residual.shape[-1]
     assert weight.shape == (h,), f"weight {tuple(weight.shape)} does not match hidden size {h}"
@@ -75,7 +78,10 @@ def add_rms_norm_triton(
         assert delta.shape == residual.shape, f"delta {tuple(delta.shape)} vs residual {tuple(residual.shape)}"
         d = _rows(delta)
         s = torch.empty(r.shape, dtype=torch.result_type(r, d), device=r.device)
-    out = torch.empty(r.shape, dtype=torch.promote_types(weight.dtype, s.dtype), device=r.device)
+    dtype = torch.promote_types(weight.dtype, s.dtype)
+    if out is None:
+        out = torch.empty(r.shape, dtype=dtype, device=r.device)
+    assert out.shape == r.shape and out.stride(-1) == 1 and out.dtype == dtype, "out: [rows, H], rows of any stride"
     block = triton.next_power_of_2(h)
     _add_rms_norm_kernel[(r.shape[0],)](
         d, r, weight.contiguous(), out, s,
@@ -85,7 +91,7 @@ def add_rms_norm_triton(
         num_warps=min(max(block // 256, 1), 8), enable_fp_fusion=False, **pdl_args(r),
     )
     new_residual = residual if delta is None else s.view(residual.shape)
-    return out.view(residual.shape), new_residual
+    return (out.view(residual.shape) if out.is_contiguous() else out), new_residual
 
 
 def add_rms_norm_ref(
@@ -105,17 +111,19 @@ def add_rms_norm(
     return add_rms_norm_ref(delta, residual, weight, eps)
 
 
-def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    return add_rms_norm_triton(None, x, weight, eps)[0]
+def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float, out: torch.Tensor | None = None) -> torch.Tensor:
+    return add_rms_norm_triton(None, x, weight, eps, out)[0]
 
 
-def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float, out: torch.Tensor | None = None) -> torch.Tensor:
     xf = x.float()
-    return weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+    y = weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+    return out.copy_(y.view(out.shape)) if out is not None else y
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """weight * normalize(x) over the last dim: the Triton kernel on CUDA, else the reference."""
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, out: torch.Tensor | None = None) -> torch.Tensor:
+    """weight * normalize(x) over the last dim: the Triton kernel on CUDA, else the reference;
+    written into `out` [rows, H] (rows of any stride) when given."""
     if use_triton(x, weight):
-        return rms_norm_triton(x, weight, eps)
-    return rms_norm_ref(x, weight, eps)
+        return rms_norm_triton(x, weight, eps, out)
+    return rms_norm_ref(x, weight, eps, out)

@@ -36,11 +36,13 @@ from engine.engine import EngineConfig, build_runner, prefix_cache_for
 from engine.loader import LoadedModel
 from engine.model_runner import PrefillOutput, kv_room_needed, unpack_logprobs
 from engine.prefill_step import PrefillChunk
+from engine.prompt_logprobs import add_prompt_logprobs
+from engine.request import TokenLogprob
 from engine.sampling_params import SamplingParams
 from engine.step_loop import StepLoop
 from engine.tensor_parallel import TPGroup
 from kvtransfer import KVLayout, TransferState, TransferStatus, create_sender
-from protos.messages import FirstToken, TokenLogprobs
+from protos.messages import FirstToken, TokenLogprobs, token_logprobs
 
 FirstTokenSink = Callable[[str, FirstToken], None]  # (decode address, message)
 
@@ -60,6 +62,7 @@ class PrefillJob:
     num_prefilled: int = 0  # a cache hit starts it after the cached prefix
     skip: int = 0  # leading prompt blocks the decode node holds already: not sent
     aborted: str | None = None
+    prompt_logprobs: list[TokenLogprob] | None = None  # asked: filled chunk by chunk
 
     @property
     def remaining(self) -> int:
@@ -145,6 +148,7 @@ class PrefillNode(StepLoop):
             j.num_prefilled += n
             self.queued_tokens -= n
             self.prefix.register(j.block_ids, j.block_hashes, j.num_prefilled)
+        add_prompt_logprobs(out, [j for j, _ in jobs])
         self._complete(finishing, out, chunks)  # holds the step's read point
         self.counters["prefill_tokens"] += sum(n for _, n in jobs)
         self.counters["prefill_seconds"] += time.perf_counter() - start
@@ -194,7 +198,7 @@ class PrefillNode(StepLoop):
         """Take the job's blocks and start its transfer; False when the blocks are not there yet."""
         need = self.blocks.blocks_for(kv_room_needed(len(job.prompt), self.k))
         if not job.block_hashes:
-            job.block_hashes = self.prefix.hashes(job.prompt)
+            job.block_hashes = self.prefix.hashes(job.prompt, job.params.prompt_logprobs is not None)
         if not self.prefix.fits(job.block_hashes, need):
             return False
         try:
@@ -270,8 +274,10 @@ class PrefillNode(StepLoop):
             logprobs = TokenLogprobs([value], [rank], [[i for i, _ in top]], [[v for _, v in top]])
         finished = "stop" if token in job.stop_ids else ("length" if job.params.max_tokens <= 1 else None)
         sampled = not job.params.greedy and probs is not None
+        plp = None if job.prompt_logprobs is None else token_logprobs(job.prompt_logprobs)
         return FirstToken(job.request_id, token, job.params.logprobs, logprobs, drafts,
-                          probs.contiguous().numpy().tobytes() if sampled else b"", finished)  # type: ignore[union-attr]
+                          probs.contiguous().numpy().tobytes() if sampled else b"", finished,  # type: ignore[union-attr]
+                          job.params.prompt_logprobs, plp)
 
     def _fail(self, job: PrefillJob, reason: str) -> None:
         if job in self.waiting:

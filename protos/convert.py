@@ -21,10 +21,18 @@ def sampling_from_proto(s: node_pb2.Sampling, vocab: int) -> tuple[SamplingParam
     stops = tuple(s.stop_token_ids)
     if any(not 0 <= t < vocab for t in stops):
         raise ValueError("stop_token_ids outside the vocabulary")
-    params = SamplingParams(
+    if s.prompt_logprobs < -1:
+        raise ValueError(f"prompt_logprobs must be -1 (none) or 0..{MAX_LOGPROBS}, got {s.prompt_logprobs}")
+    bias = tuple(sorted(s.logit_bias.items()))
+    if any(not 0 <= t < vocab for t, _ in bias):
+        raise ValueError("logit_bias token ids outside the vocabulary")
+    params = SamplingParams(  # ranges: SamplingParams checks them (ValueError)
         temperature=s.temperature, top_k=s.top_k, top_p=s.top_p if s.top_p > 0 else 1.0,
         seed=s.seed, max_tokens=s.max_tokens, logprobs=None if s.logprobs < 0 else s.logprobs,
-        ignore_eos=True, stop_token_ids=stops,
+        ignore_eos=True, stop_token_ids=stops, presence_penalty=s.presence_penalty,
+        frequency_penalty=s.frequency_penalty, repetition_penalty=s.repetition_penalty or 1.0, logit_bias=bias,
+        n=s.n or 1, prompt_logprobs=None if s.prompt_logprobs < 0 else s.prompt_logprobs,
+        resumed_tokens=s.resumed_tokens,
     )
     return params, s.seed, stops
 
@@ -33,5 +41,9 @@ def sampling_to_proto(params: SamplingParams, seed: int, stop_ids: tuple[int, ..
     return node_pb2.Sampling(
         temperature=params.temperature, top_p=params.top_p, top_k=params.top_k, seed=seed,
         max_tokens=params.max_tokens, logprobs=-1 if params.logprobs is None else params.logprobs,
-        stop_token_ids=list(stop_ids),
+        stop_token_ids=list(stop_ids), presence_penalty=params.presence_penalty,
+        frequency_penalty=params.frequency_penalty, repetition_penalty=params.repetition_penalty,
+        logit_bias=dict(params.logit_bias), n=params.n,
+        prompt_logprobs=-1 if params.prompt_logprobs is None else params.prompt_logprobs,
+        resumed_tokens=params.resumed_tokens,
     )

@@ -17,6 +17,8 @@ import msgpack
 VERSION = 1
 MAX_MESSAGE_BYTES = 64 << 20
 MAX_LOGPROBS = 20
+MAX_CHOICES = 16  # n (engine.sampling_params.MAX_N)
+MAX_PROMPT_TOKENS = 1 << 20  # prompt logprobs in one message; the router checks the prompt's own length
 
 FLAG_LOGPROBS = 1  # the item carries logprob columns
 FLAG_FINISHED = 2  # terminal: finished with `finish_reason`
@@ -71,6 +73,12 @@ class TokenLogprobs:
         return cls(lp, rank, rows(ids), rows(vals))
 
 
+def token_logprobs(entries: list[Any]) -> TokenLogprobs:
+    """Columns of engine `TokenLogprob`s (token_id, logprob, rank, top [(id, logprob)])."""
+    return TokenLogprobs([e.logprob for e in entries], [e.rank for e in entries],
+                         [[i for i, _ in e.top] for e in entries], [[v for _, v in e.top] for e in entries])
+
+
 _VALUE_TYPES = {int: frozenset({int}), float: frozenset({int, float})}  # exact types: no bool, no subclass
 
 
@@ -123,6 +131,8 @@ class FirstToken:
     drafts: list[int] = field(default_factory=list)
     draft_probs: bytes = b""  # fp32 [k, vocab] little-endian, only for sampled requests
     finished: str | None = None  # the first token already ended the request
+    num_prompt_logprobs: int | None = None  # prompt_logprobs asked: top-N
+    prompt_logprobs: TokenLogprobs | None = None  # one per prompt token after the first; ids are the router's to check
 
     def pack(self) -> bytes:
         has = self.num_logprobs is not None
@@ -132,6 +142,7 @@ class FirstToken:
             "meta": pack_meta(flag, self.num_logprobs or 0),
             "lp": self.logprobs.flat() if has and self.logprobs else None,
             "drafts": self.drafts, "dprobs": self.draft_probs, "fin": self.finished,
+            **pack_prompt_logprobs(self.num_prompt_logprobs, self.prompt_logprobs),
         })
 
     @classmethod
@@ -155,7 +166,26 @@ class FirstToken:
         fin = o.get("fin")
         if fin is not None and fin not in ("stop", "length"):
             raise MessageError("first_token: bad finish reason")
-        return cls(rid, tok, n if flag & FLAG_LOGPROBS else None, lps, drafts, dprobs, fin)
+        num_plp, plp = read_prompt_logprobs(o, vocab)
+        return cls(rid, tok, n if flag & FLAG_LOGPROBS else None, lps, drafts, dprobs, fin, num_plp, plp)
+
+
+def pack_prompt_logprobs(num_top: int | None, lps: TokenLogprobs | None) -> dict[str, Any]:
+    """The prompt-logprob fields of a message (none unless asked)."""
+    if num_top is None or lps is None:
+        return {}
+    if not 0 <= num_top <= MAX_LOGPROBS:
+        raise MessageError(f"prompt num_logprobs {num_top} out of range")
+    return {"plp": lps.flat(), "plp_n": len(lps.logprob), "plp_top": num_top}
+
+
+def read_prompt_logprobs(o: dict, vocab: int) -> tuple[int | None, TokenLogprobs | None]:
+    if "plp" not in o:
+        return None, None
+    n, top = o.get("plp_n"), o.get("plp_top")
+    if type(n) is not int or type(top) is not int or not 0 <= n < MAX_PROMPT_TOKENS or not 0 <= top <= MAX_LOGPROBS:
+        raise MessageError("prompt logprobs: bad count or top-N")
+    return top, TokenLogprobs.read(o.get("plp"), n, top, vocab)
 
 
 @dataclass
@@ -170,6 +200,9 @@ class OutputItem:
     error: str | None = None
     steps: int = 0
     accepted: int = 0
+    index: int = 0  # the choice of an n > 1 request these tokens belong to
+    num_prompt_logprobs: int | None = None  # colocated: the first item carries the prompt's logprobs
+    prompt_logprobs: TokenLogprobs | None = None
     malformed: bool = False  # made by the receiver for an item it refused (never on the wire)
 
     def to_obj(self) -> dict:
@@ -178,7 +211,8 @@ class OutputItem:
             FLAG_ERROR if self.error else 0)
         return {"rid": self.request_id, "toks": self.tokens, "meta": pack_meta(flag, self.num_logprobs or 0),
                 "lp": self.logprobs.flat() if has and self.logprobs else None,
-                "fin": self.finish_reason, "err": self.error, "steps": self.steps, "acc": self.accepted}
+                "fin": self.finish_reason, "err": self.error, "steps": self.steps, "acc": self.accepted,
+                "idx": self.index, **pack_prompt_logprobs(self.num_prompt_logprobs, self.prompt_logprobs)}
 
     @classmethod
     def from_obj(cls, o: Any, vocab: int) -> OutputItem:
@@ -200,10 +234,13 @@ class OutputItem:
             raise MessageError("output: bad finish reason")
         if err is not None and not isinstance(err, str):
             raise MessageError("output: error must be a string")
-        steps, acc = o.get("steps", 0), o.get("acc", 0)
+        steps, acc, idx = o.get("steps", 0), o.get("acc", 0), o.get("idx", 0)
         if not isinstance(steps, int) or not isinstance(acc, int) or steps < 0 or acc < 0:
             raise MessageError("output: bad stats")
-        return cls(rid, toks, n if flag & FLAG_LOGPROBS else None, lps, fin, err, steps, acc)
+        if type(idx) is not int or not 0 <= idx < MAX_CHOICES:
+            raise MessageError(f"output: choice index must be in 0..{MAX_CHOICES - 1}")
+        num_plp, plp = read_prompt_logprobs(o, vocab)
+        return cls(rid, toks, n if flag & FLAG_LOGPROBS else None, lps, fin, err, steps, acc, idx, num_plp, plp)
 
 
 def pack_outputs(items: list[OutputItem]) -> bytes:

@@ -7,7 +7,14 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class Sampling(_message.Message):
-    __slots__ = ("temperature", "top_p", "top_k", "seed", "max_tokens", "logprobs", "stop_token_ids")
+    __slots__ = ("temperature", "top_p", "top_k", "seed", "max_tokens", "logprobs", "stop_token_ids", "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias", "n", "prompt_logprobs", "resumed_tokens")
+    class LogitBiasEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: int
+        value: float
+        def __init__(self, key: _Optional[int] = ..., value: _Optional[float] = ...) -> None: ...
     TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
     TOP_P_FIELD_NUMBER: _ClassVar[int]
     TOP_K_FIELD_NUMBER: _ClassVar[int]
@@ -15,6 +22,13 @@ class Sampling(_message.Message):
     MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     STOP_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    PRESENCE_PENALTY_FIELD_NUMBER: _ClassVar[int]
+    FREQUENCY_PENALTY_FIELD_NUMBER: _ClassVar[int]
+    REPETITION_PENALTY_FIELD_NUMBER: _ClassVar[int]
+    LOGIT_BIAS_FIELD_NUMBER: _ClassVar[int]
+    N_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    RESUMED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     temperature: float
     top_p: float
     top_k: int
@@ -22,7 +36,14 @@ class Sampling(_message.Message):
     max_tokens: int
     logprobs: int
     stop_token_ids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., seed: _Optional[int] = ..., max_tokens: _Optional[int] = ..., logprobs: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+    presence_penalty: float
+    frequency_penalty: float
+    repetition_penalty: float
+    logit_bias: _containers.ScalarMap[int, float]
+    n: int
+    prompt_logprobs: int
+    resumed_tokens: int
+    def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., seed: _Optional[int] = ..., max_tokens: _Optional[int] = ..., logprobs: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., logit_bias: _Optional[_Mapping[int, float]] = ..., n: _Optional[int] = ..., prompt_logprobs: _Optional[int] = ..., resumed_tokens: _Optional[int] = ...) -> None: ...
 
 class ReserveRequest(_message.Message):
     __slots__ = ("request_id", "prompt_len", "sampling", "prompt_token_ids")
@@ -93,7 +114,7 @@ class StatusRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class NodeStatus(_message.Message):
-    __slots__ = ("node_id", "kind", "healthy", "free_blocks", "total_blocks", "running", "queued_tokens", "num_speculative_tokens", "prefill_tokens", "prefill_seconds", "kv_bytes", "kv_seconds", "draft_tokens", "accepted_per_pos", "prefix_requests", "prefix_hit_requests", "prefix_query_tokens", "prefix_hit_tokens", "cached_blocks", "evicted_blocks", "kv_skipped_bytes")
+    __slots__ = ("node_id", "kind", "healthy", "free_blocks", "total_blocks", "running", "queued_tokens", "num_speculative_tokens", "prefill_tokens", "prefill_seconds", "kv_bytes", "kv_seconds", "draft_tokens", "accepted_per_pos", "prefix_requests", "prefix_hit_requests", "prefix_query_tokens", "prefix_hit_tokens", "cached_blocks", "evicted_blocks", "kv_skipped_bytes", "shared_blocks")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     KIND_FIELD_NUMBER: _ClassVar[int]
     HEALTHY_FIELD_NUMBER: _ClassVar[int]
@@ -115,6 +136,7 @@ class NodeStatus(_message.Message):
     CACHED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     EVICTED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     KV_SKIPPED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    SHARED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     kind: str
     healthy: bool
@@ -136,4 +158,5 @@ class NodeStatus(_message.Message):
     cached_blocks: int
     evicted_blocks: int
     kv_skipped_bytes: int
-    def __init__(self, node_id: _Optional[str] = ..., kind: _Optional[str] = ..., healthy: _Optional[bool] = ..., free_blocks: _Optional[int] = ..., total_blocks: _Optional[int] = ..., running: _Optional[int] = ..., queued_tokens: _Optional[int] = ..., num_speculative_tokens: _Optional[int] = ..., prefill_tokens: _Optional[int] = ..., prefill_seconds: _Optional[float] = ..., kv_bytes: _Optional[int] = ..., kv_seconds: _Optional[float] = ..., draft_tokens: _Optional[_Iterable[int]] = ..., accepted_per_pos: _Optional[_Iterable[int]] = ..., prefix_requests: _Optional[int] = ..., prefix_hit_requests: _Optional[int] = ..., prefix_query_tokens: _Optional[int] = ..., prefix_hit_tokens: _Optional[int] = ..., cached_blocks: _Optional[int] = ..., evicted_blocks: _Optional[int] = ..., kv_skipped_bytes: _Optional[int] = ...) -> None: ...
+    shared_blocks: int
+    def __init__(self, node_id: _Optional[str] = ..., kind: _Optional[str] = ..., healthy: _Optional[bool] = ..., free_blocks: _Optional[int] = ..., total_blocks: _Optional[int] = ..., running: _Optional[int] = ..., queued_tokens: _Optional[int] = ..., num_speculative_tokens: _Optional[int] = ..., prefill_tokens: _Optional[int] = ..., prefill_seconds: _Optional[float] = ..., kv_bytes: _Optional[int] = ..., kv_seconds: _Optional[float] = ..., draft_tokens: _Optional[_Iterable[int]] = ..., accepted_per_pos: _Optional[_Iterable[int]] = ..., prefix_requests: _Optional[int] = ..., prefix_hit_requests: _Optional[int] = ..., prefix_query_tokens: _Optional[int] = ..., prefix_hit_tokens: _Optional[int] = ..., cached_blocks: _Optional[int] = ..., evicted_blocks: _Optional[int] = ..., kv_skipped_bytes: _Optional[int] = ..., shared_blocks: _Optional[int] = ...) -> None: ...

@@ -24,43 +24,47 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x14protos/pdserve.proto\x12\npdserve.v1\"\xd2\x01\n\x0fSamplingOptions\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_p\x18\x02 \x01(\x02\x12\r\n\x05top_k\x18\x03 \x01(\x05\x12\x11\n\x04seed\x18\x04 \x01(\x04H\x00\x88\x01\x01\x12\x12\n\nmax_tokens\x18\x05 \x01(\x05\x12\x15\n\x08logprobs\x18\x06 \x01(\x05H\x01\x88\x01\x01\x12\x0c\n\x04stop\x18\x07 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x08 \x03(\x05\x12\x12\n\nignore_eos\x18\t \x01(\x08\x42\x07\n\x05_seedB\x0b\n\t_logprobs\"\xae\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x0e\n\x06prompt\x18\x03 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x04 \x03(\x05\x12\x0c\n\x04\x63hat\x18\x05 \x01(\x08\x12-\n\x08sampling\x18\x06 \x01(\x0b\x32\x1b.pdserve.v1.SamplingOptions\x12\x11\n\ttimeout_s\x18\x07 \x01(\x02\"f\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\x0c\n\x04rank\x18\x03 \x01(\x05\x12\x0f\n\x07top_ids\x18\x04 \x03(\x05\x12\x14\n\x0ctop_logprobs\x18\x05 \x03(\x02\"n\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\x05\x12\x14\n\x0c\x64\x65\x63ode_steps\x18\x03 \x01(\x05\x12\x1d\n\x15\x61\x63\x63\x65pted_draft_tokens\x18\x04 \x01(\x05\"<\n\x08\x46inished\x12\x0e\n\x06reason\x18\x01 \x01(\t\x12 \n\x05usage\x18\x02 \x01(\x0b\x32\x11.pdserve.v1.Usage\"&\n\x05\x45rror\x12\x0c\n\x04\x63ode\x18\x01 \x01(\t\x12\x0f\n\x07message\x18\x02 \x01(\t\"\xd7\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x0c\n\x04text\x18\x03 \x01(\t\x12*\n\x08logprobs\x18\x04 \x03(\x0b\x32\x18.pdserve.v1.TokenLogprob\x12&\n\x08\x66inished\x18\x05 \x01(\x0b\x32\x14.pdserve.v1.Finished\x12 \n\x05\x65rror\x18\x06 \x01(\x0b\x32\x11.pdserve.v1.Error\x12\x18\n\x10prompt_token_ids\x18\x07 \x03(\x05\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x1e\n\rAbortResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"\x0f\n\rHealthRequest\"\xc1\x01\n\x0eHealthResponse\x12\x0f\n\x07serving\x18\x01 \x01(\x08\x12\x15\n\rprefill_nodes\x18\x02 \x01(\x05\x12\x14\n\x0c\x64\x65\x63ode_nodes\x18\x03 \x01(\x05\x12\x18\n\x10running_requests\x18\x04 \x01(\x05\x12\x17\n\x0fqueued_requests\x18\x05 \x01(\x05\x12%\n\x05nodes\x18\x06 \x03(\x0b\x32\x16.pdserve.v1.NodeHealth\x12\x17\n\x0f\x63olocated_nodes\x18\x07 \x01(\x05\"\xca\x01\n\nNodeHealth\x12\x0f\n\x07\x61\x64\x64ress\x18\x01 \x01(\t\x12\x0c\n\x04kind\x18\x02 \x01(\t\x12\x0f\n\x07node_id\x18\x03 \x01(\t\x12\x0f\n\x07healthy\x18\x04 \x01(\x08\x12\x16\n\x0e\x66ree_kv_blocks\x18\x05 \x01(\x05\x12\x17\n\x0ftotal_kv_blocks\x18\x06 \x01(\x05\x12\x18\n\x10running_requests\x18\x07 \x01(\x05\x12\x1c\n\x14queued_prompt_tokens\x18\x08 \x01(\x05\x12\x12\n\nlast_error\x18\t \x01(\t\"\x13\n\x11ListModelsRequest\"P\n\tModelInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x15\n\rmax_model_len\x18\x02 \x01(\x05\x12\x1e\n\x16num_speculative_tokens\x18\x03 \x01(\x05\";\n\x12ListModelsResponse\x12%\n\x06models\x18\x01 \x03(\x0b\x32\x15.pdserve.v1.ModelInfo2\xa1\x02\n\nGeneration\x12G\n\x08Generate\x12\x1b.pdserve.v1.GenerateRequest\x1a\x1c.pdserve.v1.GenerateResponse0\x01\x12<\n\x05\x41\x62ort\x12\x18.pdserve.v1.AbortRequest\x1a\x19.pdserve.v1.AbortResponse\x12?\n\x06Health\x12\x19.pdserve.v1.HealthRequest\x1a\x1a.pdserve.v1.HealthResponse\x12K\n\nListModels\x12\x1d.pdserve.v1.ListModelsRequest\x1a\x1e.pdserve.v1.ListModelsResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x14protos/pdserve.proto\x12\npdserve.v1\"\xd2\x03\n\x0fSamplingOptions\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_p\x18\x02 \x01(\x02\x12\r\n\x05top_k\x18\x03 \x01(\x05\x12\x11\n\x04seed\x18\x04 \x01(\x04H\x00\x88\x01\x01\x12\x12\n\nmax_tokens\x18\x05 \x01(\x05\x12\x15\n\x08logprobs\x18\x06 \x01(\x05H\x01\x88\x01\x01\x12\x0c\n\x04stop\x18\x07 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x08 \x03(\x05\x12\x12\n\nignore_eos\x18\t \x01(\x08\x12\x18\n\x10presence_penalty\x18\n \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\x0b \x01(\x02\x12\x1a\n\x12repetition_penalty\x18\x0c \x01(\x02\x12>\n\nlogit_bias\x18\r \x03(\x0b\x32*.pdserve.v1.SamplingOptions.LogitBiasEntry\x12\t\n\x01n\x18\x0e \x01(\x05\x12\x1c\n\x0fprompt_logprobs\x18\x0f \x01(\x05H\x02\x88\x01\x01\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\x07\n\x05_seedB\x0b\n\t_logprobsB\x12\n\x10_prompt_logprobs\"\xae\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x0e\n\x06prompt\x18\x03 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x04 \x03(\x05\x12\x0c\n\x04\x63hat\x18\x05 \x01(\x08\x12-\n\x08sampling\x18\x06 \x01(\x0b\x32\x1b.pdserve.v1.SamplingOptions\x12\x11\n\ttimeout_s\x18\x07 \x01(\x02\"f\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\x0c\n\x04rank\x18\x03 \x01(\x05\x12\x0f\n\x07top_ids\x18\x04 \x03(\x05\x12\x14\n\x0ctop_logprobs\x18\x05 \x03(\x02\"n\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\x05\x12\x14\n\x0c\x64\x65\x63ode_steps\x18\x03 \x01(\x05\x12\x1d\n\x15\x61\x63\x63\x65pted_draft_tokens\x18\x04 \x01(\x05\"<\n\x08\x46inished\x12\x0e\n\x06reason\x18\x01 \x01(\t\x12 \n\x05usage\x18\x02 \x01(\x0b\x32\x11.pdserve.v1.Usage\"&\n\x05\x45rror\x12\x0c\n\x04\x63ode\x18\x01 \x01(\t\x12\x0f\n\x07message\x18\x02 \x01(\t\"\xb0\x02\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x0c\n\x04text\x18\x03 \x01(\t\x12*\n\x08logprobs\x18\x04 \x03(\x0b\x32\x18.pdserve.v1.TokenLogprob\x12&\n\x08\x66inished\x18\x05 \x01(\x0b\x32\x14.pdserve.v1.Finished\x12 \n\x05\x65rror\x18\x06 \x01(\x0b\x32\x11.pdserve.v1.Error\x12\x18\n\x10prompt_token_ids\x18\x07 \x03(\x05\x12\r\n\x05index\x18\x08 \x01(\x05\x12\x15\n\rfinish_reason\x18\t \x01(\t\x12\x31\n\x0fprompt_logprobs\x18\n \x03(\x0b\x32\x18.pdserve.v1.TokenLogprob\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x1e\n\rAbortResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"\x0f\n\rHealthRequest\"\xc1\x01\n\x0eHealthResponse\x12\x0f\n\x07serving\x18\x01 \x01(\x08\x12\x15\n\rprefill_nodes\x18\x02 \x01(\x05\x12\x14\n\x0c\x64\x65\x63ode_nodes\x18\x03 \x01(\x05\x12\x18\n\x10running_requests\x18\x04 \x01(\x05\x12\x17\n\x0fqueued_requests\x18\x05 \x01(\x05\x12%\n\x05nodes\x18\x06 \x03(\x0b\x32\x16.pdserve.v1.NodeHealth\x12\x17\n\x0f\x63olocated_nodes\x18\x07 \x01(\x05\"\xe4\x01\n\nNodeHealth\x12\x0f\n\x07\x61\x64\x64ress\x18\x01 \x01(\t\x12\x0c\n\x04kind\x18\x02 \x01(\t\x12\x0f\n\x07node_id\x18\x03 \x01(\t\x12\x0f\n\x07healthy\x18\x04 \x01(\x08\x12\x16\n\x0e\x66ree_kv_blocks\x18\x05 \x01(\x05\x12\x17\n\x0ftotal_kv_blocks\x18\x06 \x01(\x05\x12\x18\n\x10running_requests\x18\x07 \x01(\x05\x12\x1c\n\x14queued_prompt_tokens\x18\x08 \x01(\x05\x12\x12\n\nlast_error\x18\t \x01(\t\x12\x18\n\x10shared_kv_blocks\x18\n \x01(\x05\"\x13\n\x11ListModelsRequest\"P\n\tModelInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x15\n\rmax_model_len\x18\x02 \x01(\x05\x12\x1e\n\x16num_speculative_tokens\x18\x03 \x01(\x05\";\n\x12ListModelsResponse\x12%\n\x06models\x18\x01 \x03(\x0b\x32\x15.pdserve.v1.ModelInfo2\xa1\x02\n\nGeneration\x12G\n\x08Generate\x12\x1b.pdserve.v1.GenerateRequest\x1a\x1c.pdserve.v1.GenerateResponse0\x01\x12<\n\x05\x41\x62ort\x12\x18.pdserve.v1.AbortRequest\x1a\x19.pdserve.v1.AbortResponse\x12?\n\x06Health\x12\x19.pdserve.v1.HealthRequest\x1a\x1a.pdserve.v1.HealthResponse\x12K\n\nListModels\x12\x1d.pdserve.v1.ListModelsRequest\x1a\x1e.pdserve.v1.ListModelsResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'protos.pdserve_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
+  _globals['_SAMPLINGOPTIONS_LOGITBIASENTRY']._loaded_options = None
+  _globals['_SAMPLINGOPTIONS_LOGITBIASENTRY']._serialized_options = b'8\001'
   _globals['_SAMPLINGOPTIONS']._serialized_start=37
-  _globals['_SAMPLINGOPTIONS']._serialized_end=247
-  _globals['_GENERATEREQUEST']._serialized_start=250
-  _globals['_GENERATEREQUEST']._serialized_end=424
-  _globals['_TOKENLOGPROB']._serialized_start=426
-  _globals['_TOKENLOGPROB']._serialized_end=528
-  _globals['_USAGE']._serialized_start=530
-  _globals['_USAGE']._serialized_end=640
-  _globals['_FINISHED']._serialized_start=642
-  _globals['_FINISHED']._serialized_end=702
-  _globals['_ERROR']._serialized_start=704
-  _globals['_ERROR']._serialized_end=742
-  _globals['_GENERATERESPONSE']._serialized_start=745
-  _globals['_GENERATERESPONSE']._serialized_end=960
-  _globals['_ABORTREQUEST']._serialized_start=962
-  _globals['_ABORTREQUEST']._serialized_end=996
-  _globals['_ABORTRESPONSE']._serialized_start=998
-  _globals['_ABORTRESPONSE']._serialized_end=1028
-  _globals['_HEALTHREQUEST']._serialized_start=1030
-  _globals['_HEALTHREQUEST']._serialized_end=1045
-  _globals['_HEALTHRESPONSE']._serialized_start=1048
-  _globals['_HEALTHRESPONSE']._serialized_end=1241
-  _globals['_NODEHEALTH']._serialized_start=1244
-  _globals['_NODEHEALTH']._serialized_end=1446
-  _globals['_LISTMODELSREQUEST']._serialized_start=1448
-  _globals['_LISTMODELSREQUEST']._serialized_end=1467
-  _globals['_MODELINFO']._serialized_start=1469
-  _globals['_MODELINFO']._serialized_end=1549
-  _globals['_LISTMODELSRESPONSE']._serialized_start=1551
-  _globals['_LISTMODELSRESPONSE']._serialized_end=1610
-  _globals['_GENERATION']._serialized_start=1613
-  _globals['_GENERATION']._serialized_end=1902
+  _globals['_SAMPLINGOPTIONS']._serialized_end=503
+  _globals['_SAMPLINGOPTIONS_LOGITBIASENTRY']._serialized_start=413
+  _globals['_SAMPLINGOPTIONS_LOGITBIASENTRY']._serialized_end=461
+  _globals['_GENERATEREQUEST']._serialized_start=506
+  _globals['_GENERATEREQUEST']._serialized_end=680
+  _globals['_TOKENLOGPROB']._serialized_start=682
+  _globals['_TOKENLOGPROB']._serialized_end=784
+  _globals['_USAGE']._serialized_start=786
+  _globals['_USAGE']._serialized_end=896
+  _globals['_FINISHED']._serialized_start=898
+  _globals['_FINISHED']._serialized_end=958
+  _globals['_ERROR']._serialized_start=960
+  _globals['_ERROR']._serialized_end=998
+  _globals['_GENERATERESPONSE']._serialized_start=1001
+  _globals['_GENERATERESPONSE']._serialized_end=1305
+  _globals['_ABORTREQUEST']._serialized_start=1307
+  _globals['_ABORTREQUEST']._serialized_end=1341
+  _globals['_ABORTRESPONSE']._serialized_start=1343
+  _globals['_ABORTRESPONSE']._serialized_end=1373
+  _globals['_HEALTHREQUEST']._serialized_start=1375
+  _globals['_HEALTHREQUEST']._serialized_end=1390
+  _globals['_HEALTHRESPONSE']._serialized_start=1393
+  _globals['_HEALTHRESPONSE']._serialized_end=1586
+  _globals['_NODEHEALTH']._serialized_start=1589
+  _globals['_NODEHEALTH']._serialized_end=1817
+  _globals['_LISTMODELSREQUEST']._serialized_start=1819
+  _globals['_LISTMODELSREQUEST']._serialized_end=1838
+  _globals['_MODELINFO']._serialized_start=1840
+  _globals['_MODELINFO']._serialized_end=1920
+  _globals['_LISTMODELSRESPONSE']._serialized_start=1922
+  _globals['_LISTMODELSRESPONSE']._serialized_end=1981
+  _globals['_GENERATION']._serialized_start=1984
+  _globals['_GENERATION']._serialized_end=2273
 # @@protoc_insertion_point(module_scope)

@@ -36,14 +36,20 @@ def build_request(prompt: str | Sequence[int], *, chat: bool = False, temperatur
                   top_p: float = 1.0, top_k: int = 0, seed: int | None = None, max_tokens: int = 64,
                   logprobs: int | None = None, stop: Sequence[str] = (), stop_token_ids: Sequence[int] = (),
                   ignore_eos: bool = False, model: str | None = None, request_id: str = "",
-                  timeout_s: float = 0.0) -> pb.GenerateRequest:
+                  timeout_s: float = 0.0, presence_penalty: float = 0.0, frequency_penalty: float = 0.0,
+                  repetition_penalty: float = 0.0, logit_bias: dict[int, float] | None = None, n: int = 1,
+                  prompt_logprobs: int | None = None) -> pb.GenerateRequest:
     """A GenerateRequest from a text prompt (or a list of token ids) and sampling options."""
     sampling = pb.SamplingOptions(temperature=temperature, top_p=top_p, top_k=top_k, max_tokens=max_tokens,
-                                  stop=list(stop), stop_token_ids=list(stop_token_ids), ignore_eos=ignore_eos)
+                                  stop=list(stop), stop_token_ids=list(stop_token_ids), ignore_eos=ignore_eos,
+                                  presence_penalty=presence_penalty, frequency_penalty=frequency_penalty,
+                                  repetition_penalty=repetition_penalty, logit_bias=logit_bias or {}, n=n)
     if seed is not None:
         sampling.seed = seed
     if logprobs is not None:
         sampling.logprobs = logprobs
+    if prompt_logprobs is not None:
+        sampling.prompt_logprobs = prompt_logprobs
     req = pb.GenerateRequest(request_id=request_id, model=model or "", chat=chat, sampling=sampling,
                              timeout_s=timeout_s)
     if isinstance(prompt, str):

@@ -39,6 +39,7 @@ from router.detokenize import TokenPieces
 from router.metrics import RouterMetrics
 from router.openai_protocol import ChatCompletionRequest, CompletionRequest, Format
 from router.request import RequestError, RequestState, is_terminal
+from router.tokenize_api import TokenizeDoor, add_tokenize_routes
 from router.validate import InvalidRequest, Limits
 
 log = logging.getLogger(__name__)
@@ -81,9 +82,11 @@ def error_response(code: str, message: str) -> JSONResponse:
 
 def health_json(h: pb.HealthResponse) -> dict:
     """`GET /health`'s body: the summary, and per node (with the key, when one is set) its
-    free/total KV blocks, running requests, queued prompt tokens and last error."""
+    free/total KV blocks, those in use and those shared by several requests (n > 1 choices,
+    prefix hits), running requests, queued prompt tokens and last error."""
     nodes = [{"address": n.address, "kind": n.kind, "node_id": n.node_id, "healthy": n.healthy,
               "free_kv_blocks": n.free_kv_blocks, "total_kv_blocks": n.total_kv_blocks,
+              "used_kv_blocks": n.total_kv_blocks - n.free_kv_blocks, "shared_kv_blocks": n.shared_kv_blocks,
               "running_requests": n.running_requests, "queued_prompt_tokens": n.queued_prompt_tokens,
               "last_error": n.last_error} for n in h.nodes]
     return {"serving": h.serving, "prefill_nodes": h.prefill_nodes, "decode_nodes": h.decode_nodes,
@@ -123,6 +126,7 @@ def build_app(router: Lifecycle) -> FastAPI:
     async def chat_completions(raw: Request) -> Response:
         return await _generate(router, raw, ChatCompletionRequest, pieces, chat=True)
 
+    add_tokenize_routes(app, TokenizeDoor(router, _parse, partial(_denied, router)))
     return app
 
 
@@ -171,7 +175,9 @@ async def _prepare(router: Lifecycle, raw: Request, model: type[BaseModel], piec
             code = "NOT_FOUND"
             raise InvalidRequest(f"the model {req.model!r} does not exist; this server serves "
                                  f"{router.model.name!r}")
-        fmt = Format(chat, router.model.name, pieces, _logprobs_asked(req, chat))
+        fmt = Format(chat, router.model.name, pieces, _logprobs_asked(req, chat), n=req.n or 1,
+                     echo=bool(getattr(req, "echo", False)), prompt_logprobs=req.prompt_logprobs,
+                     prompt_text=None if chat else req.prompt_text())
         return await _to_generate(router, req, fmt, len(body)), fmt, req
     except InvalidRequest as e:
         message = str(e)
@@ -254,14 +260,15 @@ async def _events(fmt: Format, first: pb.GenerateResponse, msgs: AsyncGenerator[
                   include_usage: bool) -> AsyncGenerator[str, None]:
     """Server-sent events; Starlette cancels this when the client goes, which closes `msgs`."""
     async with aclosing(msgs):
-        msg, start = first, True
+        msg, started = first, set()  # choices that had their first chunk
         while True:
             if msg.HasField("error"):
                 yield _sse(error_body(msg.error.code, msg.error.message))
                 break
-            if msg.token_ids or msg.text or start or is_terminal(msg):
+            start = msg.index not in started
+            if msg.token_ids or msg.text or start or msg.finish_reason or is_terminal(msg):
                 yield _sse(fmt.chunk(msg, first=start))
-                start = False
+                started.add(msg.index)
             if is_terminal(msg):
                 if include_usage:
                     yield _sse(fmt.usage_chunk(msg))

@@ -164,8 +164,10 @@ class NodeCollector:
         total = GaugeMetricFamily("pdserve:kv_blocks_total", "KV cache blocks in all (free < total at rest: a leak)",
                                   labels=keys)
         queued = GaugeMetricFamily("pdserve:node_queued_prompt_tokens", "Prompt tokens waiting (P)", labels=keys)
+        shared = GaugeMetricFamily("pdserve:kv_blocks_shared", "KV cache blocks in use by more than one request "
+                                   "(n > 1 choices, prefix hits)", labels=keys)
         prefix = self._prefix_families(keys)
-        families = [running, healthy, used, free, total, queued, *self._counters(keys)]
+        families = [running, healthy, used, free, total, queued, shared, *self._counters(keys)]
         for node in self.nodes():
             s, key = node.status, [node.address, node.kind]
             healthy.add_metric(key, 1.0 if node.healthy else 0.0)
@@ -176,7 +178,8 @@ class NodeCollector:
             free.add_metric(key, s.free_blocks)
             total.add_metric(key, s.total_blocks)
             queued.add_metric(key, s.queued_tokens)
-            self._add_counters(families[6:], key, s)
+            shared.add_metric(key, s.shared_blocks)
+            self._add_counters(families[7:], key, s)
             self._add_prefix(prefix, key, s)
         yield from families + prefix
 

@@ -6,9 +6,10 @@ range-checked by router/validate.py, the same rules the gRPC door applies); hand
 `GenerateRequest` and a `Format` that turns responses into OpenAI's JSON. Never talks to a
 node and holds no request state: the lifecycle (router.py) owns that.
 
-Accepted as vLLM does: unknown fields are ignored; `n` > 1, `best_of` > 1, `echo`, `suffix`,
-penalties and `logit_bias` are refused with a 400 that names them; vLLM's extras `top_k`,
-`ignore_eos` and `stop_token_ids` are honoured.
+Accepted as vLLM does: unknown fields are ignored; `suffix` and `best_of` other than 1 or `n`
+are refused with a 400 that names them; `n`, penalties, `logit_bias` and vLLM's
+`prompt_logprobs` go through router/openai_surface.py; vLLM's extras `top_k`, `ignore_eos`,
+`stop_token_ids` and `repetition_penalty` are honoured.
 """
 
 from __future__ import annotations
@@ -22,6 +23,8 @@ from pydantic import BaseModel, ConfigDict
 
 from protos import pdserve_pb2 as pb
 from router.client import build_request
+from router.openai_prompt import Entry, PromptInfo
+from router.openai_surface import surface_kwargs
 from router.validate import InvalidRequest, encode_messages
 
 INT32_MAX = 2**31 - 1
@@ -32,7 +35,7 @@ class StreamOptions(BaseModel):
 
 
 class _Sampling(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="allow")  # kept aside: router/openai_surface.py refuses some by name
 
     model: str | None = None
     max_tokens: int | None = None
@@ -49,18 +52,9 @@ class _Sampling(BaseModel):
     stream_options: StreamOptions | None = None
     frequency_penalty: float | None = 0.0
     presence_penalty: float | None = 0.0
+    repetition_penalty: float | None = None
     logit_bias: dict[str, float] | None = None
-
-    def check_unsupported(self) -> None:
-        if self.n not in (None, 1):
-            raise InvalidRequest(f"n must be 1 (one choice per request), got {self.n}")
-        if self.best_of not in (None, 1):
-            raise InvalidRequest(f"best_of must be 1, got {self.best_of}")
-        for name in ("frequency_penalty", "presence_penalty"):
-            if getattr(self, name) not in (None, 0.0):
-                raise InvalidRequest(f"{name} is not supported (must be 0)")
-        if self.logit_bias:
-            raise InvalidRequest("logit_bias is not supported")
+    prompt_logprobs: int | None = None
 
     def sampling_kwargs(self, max_tokens: int | None, max_model_len: int) -> dict[str, Any]:
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
@@ -71,7 +65,7 @@ class _Sampling(BaseModel):
                     top_p=1.0 if self.top_p is None else self.top_p, top_k=min(top_k, INT32_MAX),
                     seed=self.seed, max_tokens=max_model_len if max_tokens is None else min(max_tokens, INT32_MAX),
                     stop=stop, stop_token_ids=[_int32(t) for t in self.stop_token_ids or []],
-                    ignore_eos=self.ignore_eos, model=self.model)
+                    ignore_eos=self.ignore_eos, model=self.model, **surface_kwargs(self))
 
 
 class CompletionRequest(_Sampling):
@@ -81,9 +75,8 @@ class CompletionRequest(_Sampling):
     suffix: str | None = None
 
     def to_generate(self, request_id: str, tokenizer: Any, max_model_len: int) -> pb.GenerateRequest:
-        self.check_unsupported()
-        if self.echo or self.suffix:
-            raise InvalidRequest("echo and suffix are not supported")
+        if self.suffix:
+            raise InvalidRequest("suffix is not supported")
         prompt: Any = self.prompt
         if isinstance(prompt, list) and prompt and isinstance(prompt[0], str | list):
             if len(prompt) != 1:
@@ -91,8 +84,15 @@ class CompletionRequest(_Sampling):
             prompt = prompt[0]
         if isinstance(prompt, list):
             prompt = [_int32(t) for t in prompt]
-        return build_request(prompt, logprobs=self.logprobs, request_id=request_id,
-                             **self.sampling_kwargs(self.max_tokens, max_model_len))
+        kwargs = self.sampling_kwargs(self.max_tokens, max_model_len)
+        if self.echo and self.logprobs is not None:  # the prompt's logprobs too, OpenAI's echo
+            kwargs["prompt_logprobs"] = max(kwargs["prompt_logprobs"] or 0, self.logprobs)
+        return build_request(prompt, logprobs=self.logprobs, request_id=request_id, **kwargs)
+
+    def prompt_text(self) -> str | None:
+        """The prompt as sent when it is text (what `echo` repeats); None for token ids."""
+        p = self.prompt
+        return p if isinstance(p, str) else p[0] if isinstance(p, list) and p and isinstance(p[0], str) else None
 
 
 class ContentPart(BaseModel):
@@ -120,7 +120,6 @@ class ChatCompletionRequest(_Sampling):
 
     def to_generate(self, request_id: str, tokenizer: Any, max_model_len: int,
                     max_prompt_bytes: int) -> pb.GenerateRequest:
-        self.check_unsupported()
         if not self.messages:
             raise InvalidRequest("messages is empty")
         messages = [{"role": m.role, "content": m.text()} for m in self.messages]
@@ -144,7 +143,9 @@ def _int32(v: int) -> int:
 # ---- responses ------------------------------------------------------------------------------
 @dataclass
 class Format:
-    """Builds one request's OpenAI objects; `chat` picks chat.completion(.chunk) over text_completion."""
+    """Builds one request's OpenAI objects; `chat` picks chat.completion(.chunk) over text_completion.
+    n > 1: one choice per `index`; `echo` and `prompt_logprobs` read the first message's prompt
+    (router/openai_prompt.py)."""
 
     chat: bool
     model: str
@@ -152,7 +153,12 @@ class Format:
     logprobs: int | None  # None: no logprobs asked
     id: str = field(default_factory=lambda: uuid.uuid4().hex)
     created: int = field(default_factory=lambda: int(time.time()))
-    text_offset: int = 0  # completions' logprobs.text_offset
+    n: int = 1
+    echo: bool = False  # completions: the prompt before each choice's text (and logprobs)
+    prompt_text: str | None = None  # the prompt as sent, for echo (None: token ids, decoded)
+    prompt_logprobs: int | None = None  # vLLM's field, top-N
+    text_offset: dict[int, int] = field(default_factory=dict)  # completions' logprobs.text_offset per choice
+    prompt: PromptInfo | None = None  # from the first message
 
     @property
     def request_id(self) -> str:
@@ -165,44 +171,78 @@ class Format:
             out["usage"] = usage
         return out
 
+    def _see(self, msg: pb.GenerateResponse) -> None:
+        if self.prompt is None:
+            self.prompt = PromptInfo.of(msg, self.prompt_text, lambda ids: self._decode(ids))
+
     def chunk(self, msg: pb.GenerateResponse, first: bool = False) -> dict:
-        """One stream chunk for `msg` (its new text, logprobs and, on the terminal, finish_reason)."""
-        reason = msg.finished.reason if msg.HasField("finished") else None
-        lps = self._logprobs(msg.logprobs) if self.logprobs is not None else None
+        """One stream chunk for `msg` (its choice's new text, logprobs and, on its last message,
+        finish_reason); `first`: the choice's first chunk (chat: the role; echo: the prompt)."""
+        self._see(msg)
+        reason = msg.finish_reason or None
+        entries: list[Entry] = [(lp.token_id, lp.logprob, list(zip(lp.top_ids, lp.top_logprobs, strict=True)))
+                                for lp in msg.logprobs]
         if self.chat:
+            lps = {"content": [self._chat_entry(lp) for lp in msg.logprobs]} if self.logprobs is not None else None
             delta = {"role": "assistant", "content": msg.text} if first else {"content": msg.text}
-            choice = {"index": 0, "delta": delta if msg.text or first else {}, "logprobs": lps,
+            choice = {"index": msg.index, "delta": delta if msg.text or first else {}, "logprobs": lps,
                       "finish_reason": reason}
             return self._object("chat.completion.chunk", [choice])
-        return self._object("text_completion", [{"index": 0, "text": msg.text, "logprobs": lps,
+        text, entries = self._echoed(msg.text, entries) if first else (msg.text, entries)
+        lps = self._logprobs(entries, msg.index) if self.logprobs is not None else None
+        return self._object("text_completion", [{"index": msg.index, "text": text, "logprobs": lps,
                                                   "finish_reason": reason}])
 
     def usage_chunk(self, msg: pb.GenerateResponse) -> dict:
         return self._object("chat.completion.chunk" if self.chat else "text_completion", [], usage(msg))
 
     def whole(self, msgs: list[pb.GenerateResponse]) -> dict:
-        """The non-streaming response: every message folded into one choice."""
-        last = msgs[-1]
-        text = "".join(m.text for m in msgs)
-        lps = self._logprobs([lp for m in msgs for lp in m.logprobs]) if self.logprobs is not None else None
-        choice: dict[str, Any] = {"index": 0, "logprobs": lps, "finish_reason": last.finished.reason}
+        """The non-streaming response: every message folded into its choice."""
+        self._see(msgs[0])
+        choices = [self._choice([m for m in msgs if m.index == i]) for i in range(self.n)]
+        plp = None
+        if self.prompt_logprobs is not None and self.prompt is not None:
+            plp = self.prompt.vllm_logprobs(self.prompt_logprobs, self._token)
         if self.chat:
-            choice["message"] = {"role": "assistant", "content": text}
-            return self._object("chat.completion", [choice], usage(last))
-        choice["text"] = text
-        return self._object("text_completion", [choice], usage(last))
+            out = self._object("chat.completion", choices, usage(msgs[-1]))
+            if plp is not None:
+                out["prompt_logprobs"] = plp
+            return out
+        for choice in choices:
+            if plp is not None:
+                choice["prompt_logprobs"] = plp
+        return self._object("text_completion", choices, usage(msgs[-1]))
 
-    def _logprobs(self, lps: Any) -> dict:
+    def _choice(self, mine: list[pb.GenerateResponse]) -> dict:
+        index = mine[0].index if mine else 0
+        text = "".join(m.text for m in mine)
+        reason = next((m.finish_reason for m in mine if m.finish_reason), None)
         if self.chat:
-            return {"content": [self._chat_entry(lp) for lp in lps]}
-        tokens = [self._token(lp.token_id) for lp in lps]
+            lps = ({"content": [self._chat_entry(lp) for m in mine for lp in m.logprobs]}
+                   if self.logprobs is not None else None)
+            return {"index": index, "message": {"role": "assistant", "content": text}, "logprobs": lps,
+                    "finish_reason": reason}
+        entries: list[Entry] = [(lp.token_id, lp.logprob, list(zip(lp.top_ids, lp.top_logprobs, strict=True)))
+                                for m in mine for lp in m.logprobs]
+        text, entries = self._echoed(text, entries)
+        lps = self._logprobs(entries, index) if self.logprobs is not None else None
+        return {"index": index, "text": text, "logprobs": lps, "finish_reason": reason}
+
+    def _echoed(self, text: str, entries: list[Entry]) -> tuple[str, list[Entry]]:
+        """With `echo`, the prompt's text and logprob entries before a choice's own."""
+        if not self.echo or self.prompt is None:
+            return text, entries
+        return self.prompt.text + text, self.prompt.echo_entries(self.logprobs or 0) + entries
+
+    def _logprobs(self, entries: list[Entry], index: int) -> dict:
+        tokens = [self._token(t) for t, _, _ in entries]
         offsets = []
         for t in tokens:
-            offsets.append(self.text_offset)
-            self.text_offset += len(t)
-        return {"tokens": tokens, "token_logprobs": [lp.logprob for lp in lps], "text_offset": offsets,
-                "top_logprobs": [{self._token(i): v for i, v in zip(lp.top_ids, lp.top_logprobs, strict=True)}
-                                 for lp in lps]}
+            offsets.append(self.text_offset.get(index, 0))
+            self.text_offset[index] = offsets[-1] + len(t)
+        return {"tokens": tokens, "token_logprobs": [lp for _, lp, _ in entries], "text_offset": offsets,
+                "top_logprobs": [None if top is None else {self._token(i): v for i, v in top}
+                                 for _, _, top in entries]}
 
     def _chat_entry(self, lp: pb.TokenLogprob) -> dict:
         tok = self._token(lp.token_id)
@@ -212,6 +252,9 @@ class Format:
 
     def _token(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id], skip_special_tokens=False) if self.tokenizer else str(token_id)
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids) if self.tokenizer else ""
 
 
 def usage(msg: pb.GenerateResponse) -> dict:

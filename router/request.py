@@ -18,6 +18,12 @@ small ones. The terminal message is never merged; order and the one-terminal rul
 A migrated attempt resumes: its prompt is the original one plus every token already streamed
 (`resume_prompt`) and its max_tokens what is left (`resume_sampling`), so the client sees each
 token once and max_tokens counts what was emitted before the move.
+
+n > 1: one `Choice` per index, each with its own tokens, text and stop strings. A choice ends
+with a message that sets `finish_reason` and `index`; the one that ends the last choice also
+carries the request's terminal `finished` (usage counts every choice's tokens). With n = 1 that
+is the one terminal message, as always. Such a request moves to another node only while no
+token has been streamed (its choices' prompts would differ).
 """
 
 from __future__ import annotations
@@ -93,6 +99,21 @@ class Outbox:
 
 
 @dataclass
+class Choice:
+    """One choice's router-side state (n > 1 requests have several)."""
+
+    index: int
+    text: TextStream
+    tokens: list[int] = field(default_factory=list)
+    finish_reason: str | None = None  # set once the client has been told it ended
+    node_done: bool = False  # the node ended it (its terminal came, or it will send none)
+
+    @property
+    def stop_reason(self) -> str:
+        return "stop" if self.text.stopped else "length"
+
+
+@dataclass
 class RequestState:
     prep: Prepared
     tokenizer: Any
@@ -111,20 +132,35 @@ class RequestState:
     migrations: int = 0  # times moved to another decode node
     moved_from: str = ""  # why it last moved (named in an error that ends it while moving)
     # results
-    tokens: list[int] = field(default_factory=list)
+    choices: list[Choice] = field(default_factory=list)
     steps: int = 0
     accepted: int = 0
     terminal: str | None = None  # "finished:<reason>", "error:<code>", "cancelled"
     arrival: float = field(default_factory=time.monotonic)  # for latency metrics
     last_token_at: float | None = None  # when the last token went out (metrics.py writes it)
+    prompt_logprobs: list[pb.TokenLogprob] = field(default_factory=list)  # go out with the first message
     _first_sent: bool = False
 
     def __post_init__(self) -> None:
-        self.text = TextStream(self.tokenizer, self.prep.stop)
+        n = max(1, self.prep.sampling.n)
+        self.choices = [Choice(i, TextStream(self.tokenizer, self.prep.stop)) for i in range(n)]
 
     @property
     def request_id(self) -> str:
         return self.prep.request_id
+
+    @property
+    def tokens(self) -> list[int]:
+        """Choice 0's tokens (the only ones of an n = 1 request)."""
+        return self.choices[0].tokens
+
+    @property
+    def text(self) -> TextStream:
+        return self.choices[0].text
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(len(c.tokens) for c in self.choices)
 
     @property
     def done(self) -> bool:
@@ -151,29 +187,50 @@ class RequestState:
 
     def resume_sampling(self) -> node_pb2.Sampling:
         """The request's sampling, max_tokens less the tokens already sent (same seed: the
-        noise behind a token depends on its position, not on which node draws it)."""
+        noise behind a token depends on its position, not on which node draws it), which the
+        penalties count as output (`resumed_tokens`)."""
         if not self.tokens:
             return self.prep.sampling
         s = node_pb2.Sampling()
         s.CopyFrom(self.prep.sampling)
         s.max_tokens -= len(self.tokens)
+        s.resumed_tokens = len(self.tokens)  # penalties count them as output
+        s.prompt_logprobs = -1  # sent with the first token already
         return s
 
     # ---- emitting -----------------------------------------------------------------------
-    def add_tokens(self, tokens: list[int], logprobs: TokenLogprobs | None) -> bool:
-        """Stream `tokens` (cut at a stop string or at max_tokens); True when the request is
-        complete by the router's own rules (stop string, or max_tokens reached). They join the
-        token message still waiting in `out`, if any (a new one otherwise)."""
-        tokens = tokens[: max(0, self.prep.max_tokens - len(self.tokens))]
+    def set_prompt_logprobs(self, lps: TokenLogprobs | None) -> None:
+        """The prompt's logprobs from the node (asked or not: a node sends them only when asked)
+        for the first message; raises RequestError when they are not one per prompt token after
+        the first."""
+        if lps is None or self._first_sent:
+            return
+        ids = self.prep.prompt_ids
+        if len(lps.logprob) != len(ids) - 1:
+            raise RequestError("INTERNAL", f"a node sent {len(lps.logprob)} prompt logprobs for a prompt "
+                                           f"of {len(ids)} tokens")
+        self.prompt_logprobs = [pb.TokenLogprob(token_id=t, logprob=lp, rank=r, top_ids=i, top_logprobs=v)
+                                for t, lp, r, i, v in zip(ids[1:], lps.logprob, lps.rank, lps.top_ids,
+                                                          lps.top_logprobs, strict=True)]
+
+    def add_tokens(self, tokens: list[int], logprobs: TokenLogprobs | None, index: int = 0) -> bool:
+        """Stream `tokens` of choice `index` (cut at a stop string or at max_tokens); True when
+        that choice is complete by the router's own rules (stop string, or max_tokens reached).
+        They join the token message still waiting in `out` when it is the same choice's (a new
+        one otherwise: choices never share a message)."""
+        ch = self.choices[index]
+        tokens = tokens[: max(0, self.prep.max_tokens - len(ch.tokens))]
         if not tokens:
-            return self.text.stopped or len(self.tokens) >= self.prep.max_tokens
-        if self.text.stop:  # token by token: the stop string may end inside this batch
-            tokens, text = self._add_until_stop(tokens)
+            return ch.text.stopped or len(ch.tokens) >= self.prep.max_tokens
+        if ch.text.stop:  # token by token: the stop string may end inside this batch
+            tokens, text = _add_until_stop(ch.text, tokens)
         else:
-            text = self.text.add_many(tokens)
+            text = ch.text.add_many(tokens)
         tail = self.out.open_tail()
-        msg = tail if tail is not None else pb.GenerateResponse(request_id=self.request_id)
-        self.tokens += tokens
+        if tail is not None and tail.index != index:
+            tail = None  # another choice's message: never merged into
+        msg = tail if tail is not None else pb.GenerateResponse(request_id=self.request_id, index=index)
+        ch.tokens += tokens
         msg.token_ids.extend(tokens)
         msg.text += text
         if logprobs is not None:
@@ -181,32 +238,34 @@ class RequestState:
                 msg.logprobs.add(token_id=tok, logprob=logprobs.logprob[i], rank=logprobs.rank[i],
                                  top_ids=logprobs.top_ids[i], top_logprobs=logprobs.top_logprobs[i])
         if msg is not tail:
-            self._emit(msg)
-        return self.text.stopped or len(self.tokens) >= self.prep.max_tokens
-
-    def _add_until_stop(self, tokens: list[int]) -> tuple[list[int], str]:
-        """Feed `tokens` one by one up to the one that completes a stop string."""
-        text = ""
-        for n, tok in enumerate(tokens, 1):
-            text += self.text.add(tok)
-            if self.text.stopped:
-                return tokens[:n], text
-        return tokens, text
+            self._emit(msg, open_=True)
+        return ch.text.stopped or len(ch.tokens) >= self.prep.max_tokens
 
     @property
     def stop_reason(self) -> str:
-        return "stop" if self.text.stopped else "length"
+        return self.choices[0].stop_reason
+
+    def finish_choice(self, index: int, reason: str) -> None:
+        """End choice `index` (its last text, `finish_reason`); the last choice to end also ends
+        the request (`finished`, usage over every choice)."""
+        ch = self.choices[index]
+        if self.done or ch.finish_reason is not None:
+            return
+        ch.finish_reason = reason
+        msg = pb.GenerateResponse(request_id=self.request_id, text=ch.text.finish(), index=index,
+                                  finish_reason=reason)
+        if all(c.finish_reason is not None for c in self.choices):
+            msg.finished.reason = reason
+            u = msg.finished.usage
+            u.prompt_tokens, u.completion_tokens = len(self.prep.prompt_ids), self.num_tokens
+            u.decode_steps, u.accepted_draft_tokens = self.steps, self.accepted
+            self.terminal = f"finished:{reason}"
+        self._emit(msg, last=self.terminal is not None)
 
     def finish(self, reason: str) -> None:
-        if self.done:
-            return
-        msg = pb.GenerateResponse(request_id=self.request_id, text=self.text.finish())
-        msg.finished.reason = reason
-        u = msg.finished.usage
-        u.prompt_tokens, u.completion_tokens = len(self.prep.prompt_ids), len(self.tokens)
-        u.decode_steps, u.accepted_draft_tokens = self.steps, self.accepted
-        self._emit(msg)
-        self.terminal = f"finished:{reason}"
+        """End every choice not ended yet with `reason` (the request with it)."""
+        for ch in self.choices:
+            self.finish_choice(ch.index, reason)
 
     def fail(self, code: str, message: str) -> None:
         if self.done:
@@ -221,13 +280,27 @@ class RequestState:
         if not self.done:
             self.terminal = "cancelled"
 
-    def _emit(self, msg: pb.GenerateResponse) -> None:
-        assert not self.done, "nothing after the terminal message"
+    def _emit(self, msg: pb.GenerateResponse, last: bool = False, open_: bool = False) -> None:
+        """Queue `msg`; `open_`: a token message that later tokens of its choice may join (never
+        the first message: it carries the prompt and its logprobs, and its arrival is the time to
+        first token)."""
+        assert not self.done or last, "nothing after the terminal message"
         first = not self._first_sent
         if first:
             msg.prompt_token_ids.extend(self.prep.prompt_ids)
+            msg.prompt_logprobs.extend(self.prompt_logprobs)
             self._first_sent = True
-        self.out.put(msg, open_=not first)
+        self.out.put(msg, open_=open_ and not first)
+
+
+def _add_until_stop(text: TextStream, tokens: list[int]) -> tuple[list[int], str]:
+    """Feed `tokens` to `text` one by one up to the one that completes a stop string."""
+    out = ""
+    for n, tok in enumerate(tokens, 1):
+        out += text.add(tok)
+        if text.stopped:
+            return tokens[:n], out
+    return tokens, out
 
 
 def is_terminal(msg: pb.GenerateResponse) -> bool:

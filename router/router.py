@@ -271,6 +271,9 @@ class Router:
         self._spawn_abort_decode(st, f"migrating: {reason}")
         if not self.config.migrate:
             raise RequestError("UNAVAILABLE", reason)
+        if len(st.choices) > 1 and st.num_tokens:
+            raise RequestError("UNAVAILABLE", f"{reason} (a request of n > 1 choices does not move once it "
+                                              f"has streamed tokens)")
         if st.migrations >= self.config.max_migrations:
             raise RequestError("UNAVAILABLE", f"{reason} (the request already moved {st.migrations} times, "
                                               f"router.max_migrations)")
@@ -442,32 +445,58 @@ class Router:
     # ---- streaming ------------------------------------------------------------------------
     async def _stream(self, st: RequestState, first: FirstToken | None) -> None:
         """Stream the first token (from P; None on a colocated node, where it is an output item
-        too), then the node's output items until the terminal one."""
+        too), then the node's output items until every choice has ended (router/request.py)."""
         if first is not None:
-            if first.finished:
-                st.decode_live = False  # D releases the reservation by itself
+            ch = st.choices[0]
+            ch.node_done = first.finished is not None  # D sends no terminal for it
+            st.decode_live = not all(c.node_done for c in st.choices)
+            st.set_prompt_logprobs(first.prompt_logprobs)
             complete = self._add_tokens(st, [first.token], first.logprobs)
             if first.finished or complete:
-                st.finish("stop" if st.text.stopped else first.finished or st.stop_reason)
-                return
-        while True:
-            item = await self._next_item(st)
-            st.steps, st.accepted = st.steps + item.steps, st.accepted + item.accepted
-            complete = self._add_tokens(st, item.tokens, item.logprobs)
-            if (item.finish_reason is not None or item.error is not None) and not item.malformed:
-                st.decode_live = False  # D ended it (an item refused here: D may still hold it, Abort goes)
-            if st.text.stopped:
-                st.finish("stop")
-            elif item.error is not None:  # D gave up on this attempt (its KV never came, ...): move it
-                assert st.decode is not None
-                raise AttemptLost(f"{st.decode.kind} node {st.decode.address}: {item.error}")
-            elif item.finish_reason is not None:
-                st.finish(item.finish_reason)
-            elif complete:
-                st.finish(st.stop_reason)
-            else:
-                continue
+                st.finish_choice(0, "stop" if ch.text.stopped else first.finished or ch.stop_reason)
+                self._stop_choice(st, 0)
+        while not st.done:
+            self._on_item(st, await self._next_item(st))
+
+    def _on_item(self, st: RequestState, item: OutputItem) -> None:
+        """One output item of choice `item.index`; AttemptLost when the node gave up the attempt."""
+        if item.index >= len(st.choices):
+            raise RequestError("INTERNAL", f"{st.decode.kind if st.decode else 'a'} node sent choice "
+                                           f"{item.index} of a request of {len(st.choices)}")
+        ch = st.choices[item.index]
+        st.steps, st.accepted = st.steps + item.steps, st.accepted + item.accepted
+        if item.error is not None and not item.malformed:  # the node ended every choice of this attempt
+            for c in st.choices:  # (an item refused here: the node may still hold it, Abort goes)
+                c.node_done = True
+        ch.node_done = ch.node_done or item.finish_reason is not None
+        st.decode_live = not all(c.node_done for c in st.choices)
+        if ch.finish_reason is not None and item.error is None:
+            return  # the router ended this choice already: late tokens
+        st.set_prompt_logprobs(item.prompt_logprobs)  # a colocated node's first item
+        complete = self._add_tokens(st, item.tokens, item.logprobs, item.index)
+        if ch.text.stopped and ch.finish_reason is None:
+            st.finish_choice(ch.index, "stop")
+        if item.error is not None and not st.done:  # D gave up on this attempt (its KV never came, ...)
+            assert st.decode is not None  # or sent an item refused here: move it
+            raise AttemptLost(f"{st.decode.kind} node {st.decode.address}: {item.error}")
+        if ch.finish_reason is not None:
+            pass  # ended here already (a stop string, or earlier)
+        elif item.finish_reason is not None:
+            st.finish_choice(ch.index, item.finish_reason)
+        elif complete:
+            st.finish_choice(ch.index, ch.stop_reason)
+        self._stop_choice(st, ch.index)
+
+    def _stop_choice(self, st: RequestState, index: int) -> None:
+        """A choice of an n > 1 request the router ended while the node still runs it: abort that
+        choice alone (`{node id}#{index}`), so its siblings go on. With n = 1 the request's own end
+        does it (`_release`)."""
+        ch = st.choices[index]
+        if len(st.choices) == 1 or ch.finish_reason is None or ch.node_done or st.done or st.decode is None:
             return
+        ch.node_done = True
+        st.decode_live = not all(c.node_done for c in st.choices)
+        self.pool.spawn(self._send_abort(st.decode, f"{st.node_rid}#{index}", "the choice ended at the router"))
 
     async def _next_item(self, st: RequestState) -> OutputItem:
         """The next output item from the decode node; AttemptLost once it failed and every item it
@@ -477,10 +506,11 @@ class Router:
         item: OutputItem = await self._unless_lost(st, st.events.get())
         return item
 
-    def _add_tokens(self, st: RequestState, tokens: list[int], logprobs: TokenLogprobs | None) -> bool:
-        before = len(st.tokens)
-        complete = st.add_tokens(tokens, logprobs)
-        self.metrics.tokens(st, len(st.tokens) - before)
+    def _add_tokens(self, st: RequestState, tokens: list[int], logprobs: TokenLogprobs | None,
+                    index: int = 0) -> bool:
+        before = st.num_tokens
+        complete = st.add_tokens(tokens, logprobs, index)
+        self.metrics.tokens(st, st.num_tokens - before)
         return complete
 
     # ---- node callbacks (from the NodePool) -----------------------------------------------
@@ -606,6 +636,7 @@ def _node_health(node: Node) -> pdserve_pb2.NodeHealth:
     if s is not None:
         out.node_id, out.free_kv_blocks, out.total_kv_blocks = s.node_id, s.free_blocks, s.total_blocks
         out.running_requests, out.queued_prompt_tokens = s.running, s.queued_tokens
+        out.shared_kv_blocks = s.shared_blocks
     return out
 
 

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from protos import node_pb2, pdserve_pb2
+from router.validate_surface import SurfaceError, check_surface, node_fields
 
 MAX_LOGPROBS = 20
 MAX_STOP_STRINGS = 32
@@ -73,7 +74,7 @@ async def prepare(req: pdserve_pb2.GenerateRequest, tokenizer: Any, eos_ids: tup
         seed=s.seed if s.HasField("seed") else rng.getrandbits(62),
         max_tokens=min(s.max_tokens, limits.max_model_len - len(prompt_ids)),
         logprobs=s.logprobs if s.HasField("logprobs") else -1,
-        stop_token_ids=list(dict.fromkeys(stop_ids)),
+        stop_token_ids=list(dict.fromkeys(stop_ids)), **node_fields(s),
     )
     return Prepared(req.request_id or uuid.uuid4().hex, prompt_ids, sampling, tuple(s.stop),
                     s.logprobs if s.HasField("logprobs") else None,
@@ -129,6 +130,10 @@ def check_sampling(s: pdserve_pb2.SamplingOptions, tokenizer: Any, limits: Limit
     if s.stop and tokenizer is None:
         raise InvalidRequest("stop strings need a tokenizer, and this model has none")
     _check_ids(s.stop_token_ids, limits.vocab_size, "stop_token_ids")
+    try:
+        check_surface(s, limits.vocab_size)  # penalties, logit_bias, n, prompt_logprobs
+    except SurfaceError as e:
+        raise InvalidRequest(str(e)) from None
 
 
 def _check_ids(ids: Any, vocab: int, what: str) -> None:

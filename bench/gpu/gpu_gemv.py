@@ -6,7 +6,10 @@ Each case runs inside a CUDA graph over enough weight copies that they do not fi
 a decode step, where every layer's weights come from HBM), timed with events; us per call and
 the weight-read bandwidth it reaches. Prints the best Triton config per (shape, M) beside cuBLAS.
 First the fused kernel of kernels/linear.py against the composition it replaces, at M = 1..64.
-Usage: python bench/gpu/gpu_gemv.py [--sweep]
+`--draft`: only the draft heads of an FR-Spec vocabulary (the MTP's argmax GEMM over N = 32768 or
+16384 rows of the LM head), fused against cuBLAS + argmax and swept over the tile configurations
+(SPLIT 1: the argmax needs whole sums), with the best per shape as `tile_config` would return it.
+Usage: python bench/gpu/gpu_gemv.py [--sweep | --draft]
 """
 
 from __future__ import annotations
@@ -28,7 +31,11 @@ SHAPES = {  # name: (K, N)
     "llama qkv": (2048, 3072), "llama o": (2048, 2048), "llama gate_up": (2048, 16384),
     "llama down": (8192, 2048), "llama head": (2048, 128256),
 }
+DRAFT_SHAPES = {  # name: (K, N): the MTP head over a draft vocabulary of N tokens
+    "llama draft 32k": (2048, 32768), "llama draft 16k": (2048, 16384), "smol draft 16k": (576, 16384),
+}
 CONFIGS = [dict(BN=bn, BK=bk, SPLIT=s) for bn, bk, s in itertools.product((16, 32, 64), (128, 256), (1, 2, 4, 8))]
+ARGMAX_CONFIGS = [dict(BN=bn, BK=bk, SPLIT=1) for bn, bk in itertools.product((16, 32, 64, 128), (64, 128, 256))]
 
 
 def sweep(x: torch.Tensor, w: torch.Tensor, c: dict) -> torch.Tensor:
@@ -36,6 +43,13 @@ def sweep(x: torch.Tensor, w: torch.Tensor, c: dict) -> torch.Tensor:
     from kernels.linear import linear_triton
 
     return linear_triton(x, w, config=(c["BN"], c["BK"], c["SPLIT"]))
+
+
+def sweep_argmax(x: torch.Tensor, w: torch.Tensor, c: dict) -> torch.Tensor:
+    """The in-GEMM argmax with the tile configuration `c`."""
+    from kernels.linear import linear_argmax_triton
+
+    return linear_argmax_triton(x, w, config=(c["BN"], c["BK"], 1))
 
 
 def graph_us(fn, copies: int) -> float:
@@ -61,25 +75,39 @@ def graph_us(fn, copies: int) -> float:
     return sorted(times)[3]
 
 
-def case(name: str, k: int, n: int, m: int) -> dict:
+def _error(y: torch.Tensor, ref: torch.Tensor, argmax: bool) -> float:
+    """Relative error; for an argmax (`ref`: the fp32 logits) the share of rows whose chosen logit
+    is more than two bf16 roundings below the row's best (a near-tie may go either way)."""
+    if argmax:
+        best = ref.max(-1).values
+        return float((best - ref.gather(1, y[:, None])[:, 0] > 2**-6 * best.abs()).float().mean())
+    return ((y.float() - ref).norm() / ref.norm()).item()
+
+
+def case(name: str, k: int, n: int, m: int, argmax: bool = False) -> dict:
     copies = max(2, -(-(120 << 20) // (k * n * 2)))
     ws_list = [torch.randn(n, k, device=DEV, dtype=DT) * 0.05 for _ in range(copies)]
     x = torch.randn(m, k, device=DEV, dtype=DT)
     ref = F.linear(x.float(), ws_list[0].float())
+    if argmax:
+        run, configs = sweep_argmax, ARGMAX_CONFIGS
+        cublas = graph_us(lambda: [F.linear(x, w).argmax(-1) for w in ws_list], copies)
+    else:
+        run, configs = sweep, CONFIGS
+        cublas = graph_us(lambda: [F.linear(x, w) for w in ws_list], copies)
     bytes_ = k * n * 2
-    cublas = graph_us(lambda: [F.linear(x, w) for w in ws_list], copies)
     best = (float("inf"), None)
-    for c in CONFIGS:
+    for c in configs:
         if c["SPLIT"] * c["BK"] > k:
             continue
-        y = sweep(x, ws_list[0], c)
-        err = ((y.float() - ref).norm() / ref.norm()).item()
+        y = run(x, ws_list[0], c)
+        err = _error(y, ref, argmax)
         if not err < 1e-2:
             print(f"  {name} M={m} {c}: rel err {err:.2e}", file=sys.stderr)
             continue
-        t = graph_us(lambda c=c: [sweep(x, w, c) for w in ws_list], copies)
+        t = graph_us(lambda c=c: [run(x, w, c) for w in ws_list], copies)
         best = min(best, (t, c), key=lambda p: p[0])
-    row = {"case": name, "M": m, "cublas_us": round(cublas, 2), "cublas_tb_s": round(bytes_ / cublas / 1e6, 2),
+    row = {"case": name + (" argmax" if argmax else ""), "M": m, "cublas_us": round(cublas, 2), "cublas_tb_s": round(bytes_ / cublas / 1e6, 2),
            "triton_us": round(best[0], 2), "triton_tb_s": round(bytes_ / best[0] / 1e6, 2), "config": best[1]}
     print(json.dumps(row), flush=True)
     return row
@@ -127,19 +155,37 @@ FUSED = [("smol", 576, 960, "norm"), ("smol", 576, 576, "res"), ("smol", 1536, 5
          ("llama", 8192, 2048, "res"), ("llama", 2048, 2048, "res"), ("llama", 2048, 128256, "argmax")]
 
 
-def main() -> int:
-    fused = [fused_case(name, k, n, m, op) for name, k, n, op in FUSED for m in (1, 4, 16, 32, 64)]
-    print(f"\n{'fused case':22} | M  | err      | fused us | composed us")
-    for r in fused:
-        print(f"{r['case']:22} | {r['M']:<2} | {r['err']:.2e} | {r['fused_us']:8.2f} | {r['composed_us']:8.2f}")
-    if "--sweep" not in sys.argv:
-        return 0
-    rows = [case(name, k, n, m) for name, (k, n) in SHAPES.items() for m in (1, 4, 16)]
-    print(f"\n{'case':14} | M  | cuBLAS us | TB/s | triton us | TB/s | best config")
+def print_sweep(rows: list[dict]) -> None:
+    print(f"\n{'case':22} | M  | cuBLAS us | TB/s | triton us | TB/s | best config")
     for r in rows:
         c = r["config"] or {}
-        print(f"{r['case']:14} | {r['M']:<2} | {r['cublas_us']:9.2f} | {r['cublas_tb_s']:4.2f} | {r['triton_us']:9.2f} "
+        print(f"{r['case']:22} | {r['M']:<2} | {r['cublas_us']:9.2f} | {r['cublas_tb_s']:4.2f} | {r['triton_us']:9.2f} "
               f"| {r['triton_tb_s']:4.2f} | BN={c.get('BN')} BK={c.get('BK')} split={c.get('SPLIT')}")
+
+
+def print_fused(rows: list[dict]) -> None:
+    print(f"\n{'fused case':28} | M  | err      | fused us | composed us")
+    for r in rows:
+        print(f"{r['case']:28} | {r['M']:<2} | {r['err']:.2e} | {r['fused_us']:8.2f} | {r['composed_us']:8.2f}")
+
+
+def draft_heads() -> None:
+    """The FR-Spec draft heads: tile_config's choice (fused) and the argmax sweep, M = 1..16."""
+    from kernels.linear import tile_config
+
+    print_fused([fused_case(name, k, n, m, "argmax") for name, (k, n) in DRAFT_SHAPES.items() for m in (1, 4, 16)])
+    print_sweep([case(name, k, n, m, argmax=True) for name, (k, n) in DRAFT_SHAPES.items() for m in (1, 4, 16)])
+    for name, (k, n) in DRAFT_SHAPES.items():
+        print(f"tile_config({n}, {k}) = (BN, BK, SPLIT) {tile_config(n, k)}  [{name}]")
+
+
+def main() -> int:
+    if "--draft" in sys.argv:
+        draft_heads()
+        return 0
+    print_fused([fused_case(name, k, n, m, op) for name, k, n, op in FUSED for m in (1, 4, 16, 32, 64)])
+    if "--sweep" in sys.argv:
+        print_sweep([case(name, k, n, m) for name, (k, n) in SHAPES.items() for m in (1, 4, 16)])
     return 0
 
 

@@ -3,9 +3,12 @@
 #   check:   the prefill kernels' tests and the engine's GPU tests (prefill graphs, no sync)
 #   bench:   `pdserve bench prefill` on SmolLM2- and Llama-3.2-1B-shaped random weights, k = 0
 #            and 3, with HF forward and the floor from the same processes (the issue's table)
+#   fused:   the fused prefill kernels (SwiGLU in the gate/up GEMM, rotary + K/V write in the
+#            q/k/v GEMM) off and on in turn, k = 0; Llama-1B k = 3 with FR-Spec draft vocabularies;
+#            the two kernels' sweeps (bench/gpu/gpu_glu.py, bench/gpu/gpu_qkv_rope.py) with `sweep`
 #   profile: the same cases with --profile (kernels, GPU busy, host ms per layer), prefill
 #            graphs off (--enforce-eager) beside them, and --deterministic's prefill cost
-# Usage: bash bench/gpu/gpu_prefill.sh check|bench|profile|all
+# Usage: bash bench/gpu/gpu_prefill.sh check|bench|fused|sweep|profile|all
 set -uo pipefail
 . "$(dirname "$0")/../../deploy/require.sh"; need_gpu_machine; require_done
 export PYTHONUNBUFFERED=1
@@ -19,7 +22,8 @@ from torch.nn.attention.varlen import varlen_attn; print('varlen_attn', inspect.
 
 if [[ $stage == check || $stage == all ]]; then
   python3 -m pytest -q -p no:cacheprovider tests/kernels/test_prefill_meta.py tests/kernels/test_rotary.py \
-    tests/kernels/test_flash_varlen.py tests/kernels/test_flash_prefill.py tests/kernels/test_paged_attention.py tests/engine/test_gpu_prefill.py \
+    tests/kernels/test_flash_varlen.py tests/kernels/test_flash_prefill.py tests/kernels/test_paged_attention.py tests/kernels/test_gemm_glu.py tests/kernels/test_qkv_rope.py \
+    tests/kernels/test_engine_path.py tests/engine/test_gpu_prefill.py \
     tests/engine/test_gpu.py 2>&1 | tee "$OUT/tests.log" | tail -25
 fi
 
@@ -30,6 +34,23 @@ if [[ $stage == bench || $stage == all ]]; then
   prefill --arch smollm2 --cases 1x128,1x512,1x2048,16x512,4x4096 --spec-tokens 3 --hf
   prefill --arch llama-1b --cases 1x128,1x512,1x2048,16x512,4x4096 --spec-tokens 3 --hf
 fi
+if [[ $stage == sweep ]]; then
+  python3 bench/gpu/gpu_glu.py 2>&1 | tail -14
+  python3 bench/gpu/gpu_qkv_rope.py 2>&1 | tail -13
+fi
+if [[ $stage == fused || $stage == all ]]; then
+  for on in 0 1; do
+    export PDSERVE_PREFILL_GLU=$on PDSERVE_PREFILL_QKV_ROPE=$on
+    prefill --arch smollm2 --cases 1x128,1x512,1x2048,16x512,4x4096 --spec-tokens 0
+    prefill --arch llama-1b --cases 1x128,1x512,1x2048,16x512,4x4096 --spec-tokens 0
+  done
+  unset PDSERVE_PREFILL_GLU PDSERVE_PREFILL_QKV_ROPE
+  for m in 128 512; do  # the decode path's Triton GEMMs (PDL-chained) up to m rows, where cuBLAS ran
+    PDSERVE_FUSED_MAX_M=$m prefill --arch smollm2 --cases 1x128,1x512 --spec-tokens 0
+    PDSERVE_FUSED_MAX_M=$m prefill --arch llama-1b --cases 1x128,1x512 --spec-tokens 0
+  done
+  for n in 32768 16384; do prefill --arch llama-1b --cases 1x512 --spec-tokens 3 --draft-vocab $n; done
+fi
 if [[ $stage == profile || $stage == all ]]; then
   prefill --arch smollm2 --cases 1x128,1x2048 --spec-tokens 3 --profile
   prefill --arch smollm2 --cases 1x128,1x2048 --spec-tokens 0 --profile --enforce-eager
@@ -39,10 +60,10 @@ fi
 python3 - "$OUT/prefill.jsonl" <<'PY' 2>/dev/null
 import json, sys
 rows = [json.loads(l) for l in open(sys.argv[1]) if l.startswith("{")]
-print("| model | BxN | k | eager | det | TTFT ms | HF ms | floor ms | x floor | kernels | busy | host ms/layer |")
+print("| model | BxN | k | draft vocab | fused | eager | det | TTFT ms | HF ms | floor ms | x floor | kernels | busy | host ms/layer |")
 for r in rows:
     f = r.get("floor_ms")
-    print(f"| {r['model']} | {r['batch']}x{r['prompt']} | {r['spec_tokens']} | {not r['graphs']} | {r['deterministic']} | "
+    print(f"| {r['model']} | {r['batch']}x{r['prompt']} | {r['spec_tokens']} | {r.get('draft_vocab') or '-'} | {r.get('fused', '-')} | {not r['graphs']} | {r['deterministic']} | "
           f"{r['ttft_ms']} | {r.get('hf_ms','-')} | {f or '-'} | {(r['ttft_ms']/f) if f else 0:.2f} | "
           f"{r.get('kernels_per_step','-')} | {r.get('gpu_busy','-')} | {r.get('host_ms_per_layer','-')} |")
 PY

@@ -7,7 +7,9 @@
 #   here, once:     bash bench/gpu/gpu_service.sh bundle        (.svc_parts/part.NN + sha256; ignored)
 #   device calls:   carry [".svc_parts/part.NN", ".svc_parts/sha256"]   bash bench/gpu/gpu_service.sh stash
 #   the last part:  the same carry, then   bash bench/gpu/gpu_service.sh run|saturate MODE [KV]
-# MODE: pd (a prefill and a decode actor sharing GPU 0, num_gpus 0.5 each) or colocated;
+# MODE: pd (a prefill and a decode actor sharing GPU 0, num_gpus 0.5 each), colocated, or fault
+# (`bench chaos`, PD with --deterministic: the decode actor killed once mid-run, tokens checked;
+# the same under either stage);
 # KV: tcp (default) or ucx. `run` installs the bundle, then sweeps request rates (1, 8 per second
 # and all at once; 64 builtin chat prompts, 128-token answers) and writes report.json + plots.
 # `saturate` is the throughput point (issue 27: >= 20,000 output tok/s through the router): 1024
@@ -42,7 +44,7 @@ case $stage in
     need nvidia-smi "the NVIDIA driver's utilities, nvidia-utils-VERSION, on a machine with an NVIDIA GPU"
     require_done
     mkdir -p $STASH && cp .svc_parts/part.* .svc_parts/sha256 $STASH/ ;;
-  *) echo "usage: $0 bundle | stash | run|saturate pd|colocated [tcp|ucx] [CLIENTS] [ROUTERS]"; exit 2 ;;
+  *) echo "usage: $0 bundle | stash | run|saturate pd|colocated|fault [tcp|ucx] [CLIENTS] [ROUTERS]"; exit 2 ;;
 esac
 mode=${2:-pd}; kv=${3:-tcp}; clients=${4:-4}; routers=${5:-1}
 [[ $(cat $STASH/part.* | sha256sum | cut -d' ' -f1) == $(cat $STASH/sha256) ]] || { echo "bundle checksum mismatch: a part is missing"; exit 1; }
@@ -52,6 +54,15 @@ python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --tar
 export PYTHONPATH=/tmp/svc/site:$PWD:/tmp/svc/m PATH=/tmp/svc/site/bin:$PATH RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
+if [[ $mode == fault ]]; then  # the decode actor killed once mid-run: migrated requests' tokens must equal
+  # the single-process engine's on the same GPU (batch-invariant kernels: batching cannot change them)
+  python3 -m deploy.cli bench chaos --model smollm2 --spec-tokens 3 --device cuda --deterministic \
+    --prefill 1 --decode 1 --set prefill.num_gpus=0.5 --set decode.num_gpus=0.5 --set kv_transfer.backend=$kv \
+    --requests 256 --concurrency 32 --min-prompt 16 --max-prompt 256 --min-output 128 --max-output 384 \
+    --kill-every 1.5 --max-kills 1 --router-restart-every 0 --abort-every 0 --cancel-fraction 0 --kv-faults 0 \
+    --json "$OUT/fault_${kv}.json" 2>&1 | tail -45
+  exit
+fi
 if [[ $mode == colocated ]]; then
   shape=(--colocated 1 --set colocated.num_gpus=1)
 else

@@ -5,7 +5,11 @@
 # the copy floor and Hugging Face generate from the same processes. Needs .whl (gguf) carried.
 # `profile` takes the per-kernel profiles (top kernels) and the cost of --deterministic.
 # `pdl` times the key rows with programmatic dependent launch off, then on (PDSERVE_PDL).
-# Usage: bash bench/gpu/gpu_speed.sh check|bench|profile|pdl|all
+# `frspec` (issue 30): first the GPU tests of the decode step (no sync, one output copy per launch,
+# fp32 greedy equal to the reference, penalties on the graph path, the step's kernels); then the Llama-1B k=3 / k=0 step ratio at
+# batch 1 with the full vocabulary and FR-Spec draft vocabularies of 32k and 16k, SmolLM2 at batch
+# 32 (GPU busy, kernels/copies per step), each with --profile, and the draft heads' GEMM sweep.
+# Usage: bash bench/gpu/gpu_speed.sh check|bench|profile|pdl|frspec|all
 set -uo pipefail
 . "$(dirname "$0")/../../deploy/require.sh"; need_gpu_machine; require_done
 export PYTHONUNBUFFERED=1
@@ -52,5 +56,17 @@ if [[ $stage == profile ]]; then
   bench --arch smollm2 --batch 1 --max-tokens 64 --spec-tokens 3 --deterministic
   bench --arch smollm2 --batch 32 --max-tokens 64 --spec-tokens 0 --deterministic
   bench --arch llama-1b --batch 1 --max-tokens 64 --spec-tokens 0 --deterministic
+  python3 bench/gpu/bench_table.py "$OUT/bench.jsonl"
+fi
+
+if [[ $stage == frspec ]]; then  # issue 30: the MTP step's cost with FR-Spec, GPU busy at batch 32
+  python3 -m pytest -q -p no:cacheprovider tests/engine/test_gpu.py tests/engine/test_gpu_surface.py \
+    tests/kernels/test_decode_tail.py tests/kernels/test_linear.py tests/kernels/test_norm.py \
+    tests/kernels/test_penalties.py 2>&1 | tee "$OUT/tests.log" | tail -4
+  bench --arch llama-1b --batch 1 --max-tokens 128 --spec-tokens 3 --profile
+  bench --arch llama-1b --batch 1 --max-tokens 128 --spec-tokens 3 --profile --draft-vocab 32768
+  bench --arch llama-1b --batch 1 --max-tokens 128 --spec-tokens 3 --profile --draft-vocab 16384
+  bench --arch smollm2 --batch 32 --max-tokens 128 --spec-tokens 0 --profile
+  python3 bench/gpu/gpu_gemv.py --draft 2>&1 | grep -v '^{' | tee "$OUT/draft_heads.txt"
   python3 bench/gpu/bench_table.py "$OUT/bench.jsonl"
 fi

@@ -1,5 +1,6 @@
 """`pdserve bench engine` on the CPU: a TP run prints rank 0's rows only, one per batch size
-and k; device-drawn random weights are scaled as the host-drawn ones."""
+and k; device-drawn random weights are scaled as the host-drawn ones; the profile's launch
+counts tell kernels, copies, memsets and torch's own kernels apart."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import json
 
 import pytest
 
-from bench.engine import add_arguments, fill_random_, run
+from bench.engine import PROFILE_STEPS, add_arguments, fill_random_, launch_counts, run
 from engine.loader import build_model
 from engine.tiny import random_tensors, tiny_config
 
@@ -43,3 +44,11 @@ def test_weights_drawn_in_place_are_scaled_like_the_host_drawn_ones():
         got = drawn[name].detach()
         assert got.mean().item() == pytest.approx(ref.mean().item(), abs=0.1 * ref.std().item() + 0.02), name
         assert got.std().item() == pytest.approx(ref.std().item(), rel=0.3, abs=0.02), name
+
+
+def test_launch_counts_tell_kernels_copies_and_torch_ops_apart():
+    names = ["_tail_kernel", "void at::native::index_elementwise_kernel<128, 4>", "Memcpy DtoH (Device -> Pinned)",
+             "Memset (Device)", "sm90_xmma_gemm_bf16"]
+    counts = launch_counts([argparse.Namespace(name=n) for n in names * PROFILE_STEPS])
+    assert counts == {"gpu_ops_per_step": 5.0, "copies_per_step": 1.0, "memsets_per_step": 1.0,
+                      "kernels_per_step": 3.0, "torch_kernels_per_step": 1.0}

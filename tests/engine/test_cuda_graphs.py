@@ -3,7 +3,8 @@ step's rows with the spare slot (as a graph of a larger bucket does) changes nei
 rows' results nor any state but the spare's and the trash block's. The step runs the
 batch-invariant kernels (`--deterministic`), so "the same results" means the same bits on any
 machine: with the default kernels more rows in a GEMM may round differently, and whether that
-moves a token or the order of a top-3 would be the CPU's luck."""
+moves a token or the order of a top-3 would be the CPU's luck. The host reads the same of
+both steps' packed outputs (`collect`)."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import torch
 from engine.attention import TRASH_BLOCK
 from engine.cuda_graphs import bucket_sizes
 from engine.engine import EngineConfig, LLMEngine
+from engine.model_runner import DecodeHandle
 from engine.sampling_params import SamplingParams
 
 from .conftest import DEVICE
@@ -47,11 +49,11 @@ def test_spare_padding_rows_change_nothing_but_the_spare_and_trash(tiny):
     runner, spare = eng.runner, eng.runner.state.spare
     rows = torch.tensor(sorted(eng.batch.running), device=DEVICE)
     before = _snapshot(runner)
-    plain = runner.decode_step(rows, (True, False), slice(None), 3, runner.max_blocks)
+    plain = runner.decode_step(rows, (True, False, False), slice(None), 3, runner.max_blocks)
     after_plain = _snapshot(runner)
     _restore(runner, before)
     padded_rows = torch.cat([rows, torch.full((2,), spare, device=DEVICE)])
-    padded = runner.decode_step(padded_rows, (True, False), slice(None), 3, runner.max_blocks)
+    padded = runner.decode_step(padded_rows, (True, False, False), slice(None), 3, runner.max_blocks)
     after_padded = _snapshot(runner)
     r = rows.shape[0]
     assert torch.equal(padded.tokens[:r], plain.tokens) and torch.equal(padded.num_emitted[:r], plain.num_emitted)
@@ -62,6 +64,11 @@ def test_spare_padding_rows_change_nothing_but_the_spare_and_trash(tiny):
     for name in STATE:
         assert torch.equal(after_padded[name][:spare], after_plain[name][:spare]), name
     assert bool(after_padded["done"][spare])
+    slots, lp = rows.tolist(), {0: 3, 1: 2}
+    read = [runner.collect(DecodeHandle(slots, o.layout, runner.outputs.copy_no_sync(o.packed), {0: 0, 1: 1}), lp)
+            for o in (plain, padded)]  # what the host reads of the packed outputs: the padding rows left out
+    assert read[0] == read[1] and [len(t) for t in read[0].tokens] == plain.num_emitted.tolist()
+    assert [len(e[2]) for e in read[0].logprobs[1]] == [2] * len(read[0].tokens[1])
     keep = torch.arange(runner.kv.num_blocks, device=DEVICE) != TRASH_BLOCK
     for i in range(len(runner.kv.layers)):
         assert torch.equal(after_padded[f"kv{i}"][:, keep], after_plain[f"kv{i}"][:, keep])

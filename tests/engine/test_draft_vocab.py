@@ -156,7 +156,12 @@ class OracleLogits:
 
         monkeypatch.setattr(model_runner.ModelRunner, "draft_chain", chain)
         monkeypatch.setattr(CausalLM, "mtp_logits", logits)
-        monkeypatch.setattr(CausalLM, "mtp_greedy_ids", lambda model, h, head_weight=None: logits(model, h, head_weight).argmax(-1))
+        def greedy_ids(model, h, head_weight=None, id_map=None, out=None):
+            ids = logits(model, h, head_weight).argmax(-1)
+            ids = id_map[ids] if id_map is not None else ids
+            return out.copy_(ids) if out is not None else ids
+
+        monkeypatch.setattr(CausalLM, "mtp_greedy_ids", greedy_ids)
 
 
 def test_greedy_output_with_a_draft_vocabulary_equals_plain(tiny, tmp_path):

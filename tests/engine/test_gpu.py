@@ -1,6 +1,7 @@
 """GPU-only checks (skipped without CUDA): the decode loop never syncs (I3) on the graph path
-and the eager path, also with a draft vocabulary; the fast path (CUDA graphs + Triton kernels)
-gives the eager torch reference's tokens; bf16 runs."""
+and the eager path, also with a draft vocabulary, and each launch copies its outputs to the host
+once, into one of two reused pinned buffers; the fast path (CUDA graphs + Triton kernels) gives
+the eager torch reference's tokens; bf16 runs."""
 
 from __future__ import annotations
 
@@ -22,9 +23,9 @@ PARAMS = [SamplingParams(max_tokens=40, ignore_eos=True),
           SamplingParams(max_tokens=40, ignore_eos=True, temperature=0.8, top_p=0.9, seed=1, logprobs=3)]
 
 
-def _run(eng: LLMEngine, checked: bool) -> int:
-    """Two requests to the end; with `checked`, every decode launch runs under sync mode "error"."""
-    for i, p in enumerate(PARAMS):
+def _run(eng: LLMEngine, checked: bool, params: list[SamplingParams] = PARAMS) -> int:
+    """Requests to the end; with `checked`, every decode launch runs under sync mode "error"."""
+    for i, p in enumerate(params):
         eng.add_request(list(range(5, 12 + 7 * i)), p)
     eng.step()  # prefill (has its own read point) + first decode launch
     launches = 0
@@ -64,6 +65,36 @@ def test_decode_launch_never_syncs(k, features, draft_vocab, eager, tmp_path):
     _run(eng, checked=False)  # captures the graphs this mix of requests needs (a one-time sync each)
     assert _run(eng, checked=True) > 5
     assert all(len(r.output_ids) == 40 for r in eng.requests.values())
+    assert eng.runner.outputs.num_buffers == 2  # launch N+1 before reading N: double buffered
+
+
+@pytest.mark.parametrize("eager", [False, True])
+@pytest.mark.parametrize("params", [PARAMS[:1], PARAMS], ids=["greedy", "with-logprobs"])
+def test_each_decode_launch_copies_its_outputs_to_the_host_once(params, eager):
+    """One device-to-host copy per launch (the packed outputs: tokens, counts, flags, logprobs)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    eng = LLMEngine(load_model("tiny", device="cuda", dtype="bfloat16"),
+                    EngineConfig(num_speculative_tokens=3, device="cuda", enforce_eager=eager))
+    _run(eng, checked=False, params=params)  # captures the graphs
+    for i, p in enumerate(params):
+        eng.add_request(list(range(5, 12 + 7 * i)), p)
+    eng.step()  # the prefill and its own read point stay out of the count
+    torch.cuda.synchronize()  # and so does the copy of the launch it made
+    launches, real = 0, eng.runner.launch_decode
+
+    def launch(*a, **kw):
+        nonlocal launches
+        launches += 1
+        return real(*a, **kw)
+
+    eng.runner.launch_decode = launch  # type: ignore[method-assign]
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        while eng.has_unfinished():
+            eng.step()
+        torch.cuda.synchronize()
+    copies = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA and "DtoH" in e.name]
+    assert launches > 5 and len(copies) == launches
 
 
 @pytest.mark.parametrize("k", [0, 3])

@@ -69,7 +69,7 @@ def test_chunked_and_cached_prefixes_give_one_shot_tokens_through_graphs():
     cached = engine(3, enable_prefix_caching=True)
     cached.generate(prompts[:1], params)  # leaves the shared blocks cached
     assert [r.output_ids for r in cached.generate(prompts, params)] == one_shot
-    assert any(not key.fresh for key in cached.runner.prefill_graphs.graphs), "a step ran after a cached prefix"
+    assert any(not key.fresh for key, _ in cached.runner.prefill_graphs.graphs), "a step ran after a cached prefix"
 
 
 def test_layer_events_come_in_order_and_have_completed_with_the_step():
@@ -84,4 +84,38 @@ def test_layer_events_come_in_order_and_have_completed_with_the_step():
     assert all(isinstance(e, torch.cuda.Event) for _, e in seen)
     first.tolist()
     assert all(e.query() for _, e in seen[layers:])
+    assert set(eng.runner.prefill_graphs.graphs) == {(k, True) for k, _ in eng.runner.prefill_graphs.graphs}
+    eng.runner.prefill([chunk]).first_token.tolist()  # no listener: a graph without the events
+    assert {e for _, e in eng.runner.prefill_graphs.graphs} == {True, False}
     eng.blocks.free(blocks)
+
+
+def test_fused_prefill_kernels_run_and_agree_with_the_unfused_path(monkeypatch):
+    """bf16 fresh prefill takes the q/k/v GEMM with rotary + K/V write (kernels/qkv_rope.py) and the
+    gate/up GEMM with SwiGLU (kernels/gemm_glu.py); with both switched off the first tokens and
+    their logprobs agree to bf16 summation order, and so does the generation after them."""
+    import engine.attention as attention
+    from kernels import gemm_glu
+
+    calls = {"qkv_rope": 0, "glu": 0}
+
+    def spy(name, fn):
+        def wrapped(*args, **kw):
+            calls[name] += 1
+            return fn(*args, **kw)
+        return wrapped
+
+    monkeypatch.setattr(attention, "qkv_rope", spy("qkv_rope", attention.qkv_rope))
+    monkeypatch.setattr(gemm_glu, "glu_gemm", spy("glu", gemm_glu.glu_gemm))
+    params = SamplingParams(max_tokens=8, ignore_eos=True, logprobs=1)
+    prompts = [*PROMPTS, list(range(5, 95))]  # 217 tokens: past the rows where the decode path's kernels run
+    fused = engine(0, dtype="bfloat16", enforce_eager=True).generate(prompts, params)
+    assert calls["qkv_rope"] > 0 and calls["glu"] > 0
+    monkeypatch.setenv("PDSERVE_PREFILL_GLU", "0")
+    monkeypatch.setenv("PDSERVE_PREFILL_QKV_ROPE", "0")
+    before = dict(calls)
+    plain = engine(0, dtype="bfloat16", enforce_eager=True).generate(prompts, params)
+    assert calls == before, "switched off, neither fused kernel runs"
+    for a, b in zip(fused, plain, strict=True):
+        assert a.output_ids[0] == b.output_ids[0]
+        assert abs(a.logprobs[0].logprob - b.logprobs[0].logprob) < 0.05

@@ -1,5 +1,6 @@
-"""The decode tail kernel (accept drafts, cut at stops and max_tokens, advance the state) and the
-uniform-metadata kernel: each Triton launcher equals its torch reference exactly, state included."""
+"""The decode tail kernel (accept drafts, cut at stops and max_tokens, advance the state), the
+uniform-metadata kernel and the step-inputs kernel (the state's rows and the verify metadata in
+one launch): each Triton launcher equals its torch reference exactly, state included."""
 
 from __future__ import annotations
 
@@ -7,7 +8,13 @@ import pytest
 import torch
 
 from kernels.decode_tail import accept_and_advance_ref, accept_and_advance_triton
-from kernels.step_meta import uniform_meta_ref, uniform_meta_triton
+from kernels.step_meta import (
+    StepState,
+    step_inputs_ref,
+    step_inputs_triton,
+    uniform_meta_ref,
+    uniform_meta_triton,
+)
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 SLOTS, STOPS, VOCAB = 7, 8, 12
@@ -60,21 +67,61 @@ def test_tail_cuts_at_the_first_stop_and_at_max_tokens():
              "seq_lens": torch.tensor([20]), "last_token": torch.tensor([1]), "done": torch.tensor([False])}
     state = {n: t.to(DEV) for n, t in state.items()}
     ids = torch.tensor([[5, 7, 9, 4]], device=DEV)  # all drafts match; 7 is a stop id
-    tokens, n, finished, new_len = accept_and_advance_triton(ids, None, torch.tensor([0], device=DEV),
-                                                             *(state[k] for k in ORDER))
-    assert tokens.tolist() == [[5, 7, 9, 4]] and n.tolist() == [2] and finished.tolist() == [True]
+    tokens, n, finished, new_len, last_at = accept_and_advance_triton(ids, None, torch.tensor([0], device=DEV),
+                                                                      *(state[k] for k in ORDER))
+    assert tokens.tolist() == [[5, 7, 9, 4]] and n.tolist() == [2] and finished.tolist() == [1]
     assert new_len.tolist() == [22] and state["last_token"].tolist() == [7] and state["done"].tolist() == [True]
+    assert last_at.tolist() == [1]
+
+
+@pytest.mark.parametrize("kernel", [accept_and_advance_triton, accept_and_advance_ref])
+def test_tail_writes_tokens_counts_and_flags_into_the_packed_buffer(kernel):
+    g = torch.Generator().manual_seed(9)
+    state = _state(3, g)
+    rows = torch.tensor([2, 5, 0], device=DEV)
+    ids = torch.randint(0, VOCAB, (3, 4), generator=g).to(DEV)
+    out = torch.full((3 * 6 + 5,), -7, dtype=torch.long, device=DEV)  # room for more segments after
+    tokens, n, finished, _, last_at = kernel(ids, None, rows, *(state[k] for k in ORDER), out=out)
+    assert torch.equal(out[:12].view(3, 4), tokens) and torch.equal(out[12:15], n) and torch.equal(out[15:18], finished)
+    assert out[18:].tolist() == [-7] * 5
+    assert last_at.tolist() == [r * 4 + max(c - 1, 0) for r, c in enumerate(n.tolist())]
 
 
 @pytest.mark.parametrize("q", [1, 2, 4, 5])
 @pytest.mark.parametrize("masked", [True, False])
-def test_uniform_meta_kernel_equals_reference(q, masked):
+@pytest.mark.parametrize("offset", [0, 2])
+def test_uniform_meta_kernel_equals_reference(q, masked, offset):
     g = torch.Generator().manual_seed(q)
     rows, width, bs = 5, 6, 4
     tables = torch.randint(1, 40, (rows, width), generator=g).to(DEV)
     start = torch.randint(0, width * bs - q, (rows,), generator=g).to(DEV)
     start[0] = width * bs - 1  # positions past the table clamp to its last column
     mask = (torch.rand(rows, generator=g) < 0.4).to(DEV) if masked else None
-    for a, b in zip(uniform_meta_triton(tables, start, mask, q, bs), uniform_meta_ref(tables, start, mask, q, bs),
-                    strict=True):
+    got = uniform_meta_triton(tables, start, mask, q, bs, offset)
+    for a, b in zip(got, uniform_meta_ref(tables, start, mask, q, bs, offset), strict=True):
         assert torch.equal(a, b)
+    assert got[0][0] == start[0] + offset
+
+
+def _step_state(k: int, width: int, g: torch.Generator) -> StepState:
+    state = _state(k, g)
+    return StepState(state["seq_lens"], state["done"], state["last_token"], state["drafts"],
+                     torch.randint(1, 40, (SLOTS, width), generator=g).to(DEV),
+                     torch.rand(SLOTS, generator=g).to(DEV), torch.randint(0, 50, (SLOTS,), generator=g).to(DEV),
+                     torch.rand(SLOTS, generator=g).to(DEV), torch.randint(0, 2**40, (SLOTS,), generator=g).to(DEV))
+
+
+@pytest.mark.parametrize("k", [0, 1, 3])
+@pytest.mark.parametrize("width", [5, 40])
+def test_step_inputs_kernel_equals_the_gathers_and_metadata(k, width):
+    g = torch.Generator().manual_seed(k + width)
+    state = _step_state(k, width, g)
+    rows = torch.tensor([4, 0, 6, 2, SLOTS - 1, SLOTS - 1], device=DEV)  # padding repeats a row
+    got, want = step_inputs_triton(rows, state, k + 1, 4), step_inputs_ref(rows, state, k + 1, 4)
+    for name, a, b in zip(got._fields, got, want, strict=True):
+        if name == "meta":
+            for x, y in zip(a, b, strict=True):
+                assert torch.equal(x, y), name
+        else:
+            assert a.dtype == b.dtype and torch.equal(a, b), name
+    assert got.input_ids.view(-1, k + 1)[1].tolist() == [int(state.last_token[0]), *state.drafts[0].tolist()]

@@ -1,6 +1,7 @@
 """The engine on the fast path's kernels (Triton attention backend, fused projections, every
 kernel's Triton launcher; under the interpreter on CPU) gives the torch reference's greedy
-tokens and logprobs: the kernels are wired to the right tensors, not only right alone."""
+tokens and logprobs, penalized requests beside plain ones included: the kernels are wired to
+the right tensors, not only right alone."""
 
 from __future__ import annotations
 
@@ -19,9 +20,15 @@ pytestmark = pytest.mark.skipif(torch.cuda.is_available(),
 PROMPTS = [[5, 6, 7], list(range(10, 31)), [9] * 17]  # 21 and 17 tokens cross block boundaries
 
 
-@pytest.mark.parametrize("k", [0, 3])
-def test_triton_path_equals_reference_greedy_with_logprobs(k):
-    params = SamplingParams(max_tokens=12, ignore_eos=True, logprobs=3)
+PENALIZED = SamplingParams(max_tokens=12, ignore_eos=True, logprobs=3, repetition_penalty=1.4, frequency_penalty=0.7,
+                           logit_bias=((65, 3.0),))
+
+
+@pytest.mark.parametrize("k,penalized", [(0, False), (3, False), (2, True)])
+def test_triton_path_equals_reference_greedy_with_logprobs(k, penalized):
+    params: SamplingParams | list[SamplingParams] = SamplingParams(max_tokens=12, ignore_eos=True, logprobs=3)
+    if penalized:  # the middle request penalized, its neighbours not
+        params = [params, PENALIZED, params]
     ref = LLMEngine(load_model("tiny", dtype="float32"), EngineConfig(num_speculative_tokens=k, block_size=8))
     want = ref.generate(PROMPTS, params)
     loaded = load_model("tiny", dtype="float32")

@@ -51,6 +51,20 @@ def test_argmax_in_the_gemm_takes_the_first_of_tied_columns(device, norm):
     assert ids[0] == 10 and ids[3] == 300
 
 
+def test_argmax_maps_through_a_draft_vocabulary_into_a_given_buffer(device):
+    """A draft vocabulary's head: the argmax row, then its full-vocabulary id, in one launch pair
+    and written into a row of the caller's [k, R] buffer (the kernel and the composition alike)."""
+    x = randn(5, 64, device=device)
+    w = randn(300, 64, device=device, seed=1)
+    id_map = torch.randperm(5000, generator=torch.Generator().manual_seed(2))[:300].to(device)
+    want = id_map[L.linear_ref(x, w).argmax(dim=-1)]
+    for fn in (L.linear_argmax_triton, L.linear_argmax):
+        buf = torch.full((3, 5), -1, dtype=torch.long, device=device)
+        got = fn(x, w, None, id_map, buf[1])
+        assert got.data_ptr() == buf[1].data_ptr() and torch.equal(buf[1], want)
+        assert (buf[0] == -1).all() and (buf[2] == -1).all()
+
+
 @pytest.mark.parametrize(("m", "k", "inter", "norm"), [(1, 64, 40, False), (17, 96, 33, True), (3, 300, 16, False)])
 def test_gate_up_gemm_with_silu_in_its_epilogue_matches_the_composition(device, m, k, inter, norm):
     x = randn(m, k, device=device)
@@ -73,13 +87,16 @@ def test_linear_runs_the_kernel_at_decode_sizes_and_the_composition_otherwise(mo
     calls = []
     monkeypatch.setattr(L, "linear_triton", lambda x, *a: calls.append(x.shape[0]) or L.linear_ref(x, *a))
     w, big = randn(8, 16, seed=1), randn(8192, 2048, seed=2, scale=0.01)
+    mid = randn(8, 2**18 + 1, seed=4)  # just over SMALL_WEIGHT elements
     r = lambda m: randn(m, 8, seed=3)  # noqa: E731
     with triton_on_cpu():
         L.linear(randn(L.FUSED_MAX_M, 16), w, residual=r(L.FUSED_MAX_M))  # kernel: an epilogue to fuse
-        L.linear(randn(L.FUSED_MAX_M + 1, 16), w, residual=r(L.FUSED_MAX_M + 1))  # composition: too many rows
+        L.linear(randn(L.FUSED_MAX_M + 1, 16), w, residual=r(L.FUSED_MAX_M + 1))  # kernel: a small weight
+        L.linear(randn(L.SMALL_MAX_M + 1, 16), w, residual=r(L.SMALL_MAX_M + 1))  # composition: too many rows
+        L.linear(randn(L.FUSED_MAX_M + 1, mid.shape[1]), mid, residual=r(L.FUSED_MAX_M + 1))  # composition
         L.linear(randn(3, 16), w)  # composition: a plain GEMM of a small weight (cuBLAS)
         L.linear(randn(2, 2048), big)  # kernel: a plain GEMM of a large one
         with batch_invariant():
             L.linear(randn(L.FUSED_MAX_M + 5, 16), w)  # kernel: always in the mode
     L.linear(randn(2, 16), w, residual=r(2))  # CPU tensors outside triton_on_cpu: the reference
-    assert calls == [L.FUSED_MAX_M, 2, L.FUSED_MAX_M + 5]
+    assert calls == [L.FUSED_MAX_M, L.FUSED_MAX_M + 1, 2, L.FUSED_MAX_M + 5]

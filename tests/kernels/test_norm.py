@@ -62,6 +62,18 @@ def test_rms_norm_kernel_reads_strided_rows_and_leading_dims(device):
     assert_within_a_rounding(out, norm.rms_norm_ref(heads, w, EPS))
 
 
+@pytest.mark.parametrize("launch", ["rms_norm_triton", "rms_norm_ref"])
+def test_rms_norm_writes_a_column_block_of_a_wider_output(device, launch):
+    """The MTP's norms write their blocks of eh_proj's input in place of a cat."""
+    x = randn(5, 64, device=device)
+    w = randn(64, device=device, seed=1)
+    wide = torch.full((5, 3 * 64), 7.0, device=device)
+    got = getattr(norm, launch)(x, w, EPS, out=wide[:, 64:128])
+    assert got.data_ptr() == wide[:, 64:128].data_ptr()
+    assert_within_a_rounding(wide[:, 64:128].contiguous(), norm.rms_norm_ref(x, w, EPS))
+    assert (wide[:, :64] == 7).all() and (wide[:, 128:] == 7).all()
+
+
 def test_rms_norm_kernel_promotes_bf16_input_with_fp32_weight_like_torch(device):
     x = randn(3, 96, dtype=torch.bfloat16, device=device)
     w = randn(96, device=device, seed=1)

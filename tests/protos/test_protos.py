@@ -102,3 +102,16 @@ def test_a_bad_item_that_names_its_request_becomes_its_error_and_the_others_are_
         data = msgpack.packb({"v": 1, "kind": "outputs", "items": [objs[0], nameless]}, use_bin_type=True)
         with pytest.raises(MessageError):  # nobody to give the error to: the batch is refused
             read_outputs(data, VOCAB)
+
+
+def test_the_choice_index_and_prompt_logprobs_are_read_by_exact_type():
+    item = OutputItem("a", [1], index=2, num_prompt_logprobs=1, prompt_logprobs=lps(3, 1))
+    assert unpack_outputs(pack_outputs([item]), VOCAB) == [item]
+    obj = item.to_obj()
+    for bad in ({"idx": True}, {"idx": 2.0}, {"idx": 16}, {"plp_n": True}, {"plp_top": 1.0},
+                {"plp": [[-0.5, True, -0.5], [1, 1, 1], [1, 2, 3], [-0.5] * 3]}):
+        data = msgpack.packb({"v": 1, "kind": "outputs", "items": [{**obj, **bad}]}, use_bin_type=True)
+        with pytest.raises(MessageError):
+            unpack_outputs(data, VOCAB)
+        (refused,) = read_outputs(data, VOCAB)  # the router's reader: that request's error only
+        assert refused.malformed and refused.request_id == "a" and refused.error and refused.index == 0

@@ -2,8 +2,8 @@
 node and a real decode node (in this process, their gRPC servers on 127.0.0.1, KV over tcp).
 
 Bodies: random bytes, any JSON, and OpenAI completion / chat bodies whose fields take values of
-every JSON type and at every bound. Each answer is a clean one: 200 with one choice that ends
-once (a stream ends with one finish reason and `[DONE]`), or 400/404 with OpenAI's error JSON
+every JSON type and at every bound. Each answer is a clean one: 200 with its choices, each ending
+once (a stream ends with one finish reason per choice and `[DONE]`), or 400/404 with OpenAI's error JSON
 naming the problem; never a 5xx, never a hang. Afterwards the service is healthy, answers a
 known request as it did before the fuzz, and every KV block is back on both nodes."""
 
@@ -43,7 +43,8 @@ MESSAGE = st.fixed_dictionaries({"role": st.sampled_from(["user", "system", "ass
 PROMPT = st.text(max_size=20) | st.lists(st.integers(-1, 330), max_size=6) | st.lists(st.text(max_size=5), max_size=2) \
     | st.lists(st.lists(st.integers(0, 300), max_size=4), max_size=2) | VALUE
 COMMON = {k: VALUE for k in ("model", "temperature", "top_p", "top_k", "seed", "stop", "stop_token_ids", "ignore_eos",
-                             "n", "best_of", "stream", "stream_options", "frequency_penalty", "logit_bias", "user")}
+                             "n", "best_of", "stream", "stream_options", "frequency_penalty", "logit_bias", "user",
+                             "presence_penalty", "repetition_penalty", "prompt_logprobs")}
 SMALL_MAX = st.integers(1, 4) | VALUE  # mostly short generations: the fuzz stays fast on a small CPU
 COMPLETION = st.fixed_dictionaries({"prompt": PROMPT, "max_tokens": SMALL_MAX},
                                    optional={**COMMON, "logprobs": VALUE, "echo": VALUE, "suffix": VALUE})
@@ -115,11 +116,13 @@ def check_answer(r: httpx2.Response, body: object) -> None:
         assert events[-1] == "[DONE]", r.text[-300:]
         chunks = [json.loads(e) for e in events[:-1]]
         assert not any("error" in c for c in chunks), chunks
-        reasons = [ch["finish_reason"] for c in chunks for ch in c["choices"] if ch["finish_reason"]]
-        assert len(reasons) == 1 and reasons[0] in ("stop", "length"), chunks
+        reasons = [(ch["index"], ch["finish_reason"]) for c in chunks for ch in c["choices"] if ch["finish_reason"]]
+        indexes = sorted(i for i, _ in reasons)  # each choice ends once
+        assert indexes == list(range(len(reasons))) and {f for _, f in reasons} <= {"stop", "length"}, chunks
         return
     choices = r.json()["choices"]
-    assert len(choices) == 1 and choices[0]["finish_reason"] in ("stop", "length")
+    assert [c["index"] for c in choices] == list(range(len(choices))) and choices
+    assert all(c["finish_reason"] in ("stop", "length") for c in choices)
 
 
 def post(service: Service, path: str, content: bytes) -> httpx2.Response:

@@ -37,6 +37,12 @@ def sampling_options(draw: st.DrawFn) -> pdserve_pb2.SamplingOptions:
         temperature=draw(FLOATS), top_p=draw(FLOATS), top_k=draw(INT32), max_tokens=draw(INT32),
         stop=draw(st.lists(st.text(max_size=300) | st.just(""), max_size=3)), stop_token_ids=draw(IDS),
         ignore_eos=draw(st.booleans()))
+    if draw(st.booleans()):  # the surface: penalties, logit_bias, n, prompt_logprobs
+        s.presence_penalty, s.frequency_penalty, s.repetition_penalty = draw(FLOATS), draw(FLOATS), draw(FLOATS)
+        s.logit_bias.update(draw(st.dictionaries(st.integers(-2, VOCAB + 2) | INT32, FLOATS, max_size=3)))
+        s.n = draw(st.sampled_from([0, 1, 2, 16, 17, -1]) | INT32)
+        if draw(st.booleans()):
+            s.prompt_logprobs = draw(INT32)
     if draw(st.booleans()):
         s.seed = draw(st.sampled_from([0, 2**63 - 1, 2**63, 2**64 - 1]) | st.integers(0, 2**64 - 1))
     if draw(st.booleans()):
@@ -69,6 +75,8 @@ def check_prepared(p: Prepared) -> None:
     check_request_id(f"0123abcd/{p.request_id}/1")
     params, seed, stops = sampling_from_proto(s, VOCAB)
     assert (params.max_tokens, seed, stops) == (s.max_tokens, s.seed, tuple(s.stop_token_ids))
+    assert params.n == max(1, s.n) and dict(params.logit_bias) == dict(s.logit_bias)
+    assert params.prompt_logprobs == (None if s.prompt_logprobs < 0 else s.prompt_logprobs)
 
 
 @fuzz_settings(400)
@@ -84,7 +92,10 @@ def test_every_generate_request_is_refused_or_safe_for_the_nodes(req: pdserve_pb
 
 @fuzz_settings(400)
 @given(st.builds(node_pb2.Sampling, temperature=FLOATS, top_p=FLOATS, top_k=INT32,
-                 seed=st.integers(0, 2**64 - 1), max_tokens=INT32, logprobs=INT32, stop_token_ids=IDS),
+                 seed=st.integers(0, 2**64 - 1), max_tokens=INT32, logprobs=INT32, stop_token_ids=IDS,
+                 presence_penalty=FLOATS, frequency_penalty=FLOATS, repetition_penalty=FLOATS,
+                 logit_bias=st.dictionaries(st.integers(-2, VOCAB + 2), FLOATS, max_size=3), n=INT32,
+                 prompt_logprobs=INT32, resumed_tokens=INT32),
        st.text(max_size=300))
 def test_node_side_checks_refuse_or_give_sane_parameters(s: node_pb2.Sampling, rid: str) -> None:
     try:
@@ -99,3 +110,7 @@ def test_node_side_checks_refuse_or_give_sane_parameters(s: node_pb2.Sampling, r
     assert 0 < params.top_p <= 1 and params.top_k >= 0 and params.max_tokens > 0
     assert params.logprobs is None or 0 <= params.logprobs <= MAX_LOGPROBS
     assert 0 <= seed < 2**63 and all(0 <= t < VOCAB for t in stops)
+    assert all(-2 <= x <= 2 for x in (params.presence_penalty, params.frequency_penalty))
+    assert 0 < params.repetition_penalty <= 100 and 1 <= params.n <= 16 and params.resumed_tokens >= 0
+    assert all(0 <= t < VOCAB and -100 <= b <= 100 for t, b in params.logit_bias)
+    assert params.prompt_logprobs is None or 0 <= params.prompt_logprobs <= MAX_LOGPROBS

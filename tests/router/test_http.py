@@ -60,12 +60,12 @@ async def test_chat_with_logprobs_streaming_and_not():
 
 
 @pytest.mark.parametrize("kwargs, error, words", [
-    (dict(n=2), openai.BadRequestError, "n must be 1"),
+    (dict(n=17), openai.BadRequestError, "n must be in 1..16"),
     (dict(model="gpt-4"), openai.NotFoundError, "does not exist"),
     (dict(max_tokens=0), openai.BadRequestError, "max_tokens"),
     (dict(logprobs=21), openai.BadRequestError, "logprobs"),
     (dict(prompt=[5000]), openai.BadRequestError, "vocabulary"),
-    (dict(extra_body={"frequency_penalty": 1.0}), openai.BadRequestError, "frequency_penalty"),
+    (dict(extra_body={"frequency_penalty": 3.0}), openai.BadRequestError, "frequency_penalty"),
     (dict(temperature="hot"), openai.BadRequestError, "temperature"),
 ])
 async def test_bad_requests_get_openai_errors(kwargs, error, words):

@@ -69,3 +69,22 @@ def test_observe_n_is_n_observes():
         observe_n(many, value, 3)
     count = lambda h: [b.get() for b in h._buckets]  # noqa: E731
     assert count(one) == count(many) and abs(one._sum.get() - many._sum.get()) < 1e-9
+
+
+async def test_choices_of_an_n_request_never_share_a_message_and_the_first_carries_prompt_logprobs():
+    prep = Prepared("r", [256, 97], node_pb2.Sampling(max_tokens=100, n=2), (), None, 60.0)
+    st = RequestState(prep, TINY.tokenizer)
+    st.set_prompt_logprobs(lps([97]))
+    st.add_tokens([ord("a")], None, 0)  # the first message: the prompt and its logprobs
+    st.add_tokens([ord("b")], None, 1)
+    st.add_tokens([ord("c")], None, 1)  # joins choice 1's waiting message
+    st.add_tokens([ord("d")], None, 0)  # choice 1's is the tail: a new message
+    st.add_tokens([ord("e")], None, 0)
+    st.finish_choice(1, "length")
+    st.add_tokens([ord("f")], None, 0)  # never joins a message that ends a choice
+    msgs = [await st.out.get() for _ in range(st.out.qsize())]
+    assert [(m.index, list(m.token_ids)) for m in msgs] == [
+        (0, [ord("a")]), (1, [ord("b"), ord("c")]), (0, [ord("d"), ord("e")]), (1, []), (0, [ord("f")])]
+    assert [lp.token_id for lp in msgs[0].prompt_logprobs] == [97] and list(msgs[0].prompt_token_ids) == [256, 97]
+    assert not any(m.prompt_logprobs or m.prompt_token_ids for m in msgs[1:]) and msgs[3].finish_reason == "length"
+    assert st.choices[0].tokens == [ord(c) for c in "adef"] and st.choices[1].tokens == [ord(c) for c in "bc"]
