@@ -9,6 +9,12 @@ inter-token latency (ITL) and end-to-end p50/p90/p99, output tokens/s, requests/
 under `--slo-ttft-ms` / `--slo-itl-ms`, as JSON (`--json FILE`, or stdout) and PNG plots
 (`--plot-dir`). Requests ignore EOS so each writes exactly its output length.
 
+At saturation one client process is the limit before the service is: `--client-processes N`
+spreads the load over N processes (bench/serve_clients.py). Each run also reports, in `cpu`, the
+CPU seconds of the router's process (with `--launch`, or `--router-pid`), of every node process
+(`--launch`) and of the client processes over the run: each one's share of a core and its
+microseconds per output token and per chunk (an SSE event, or a gRPC stream message).
+
 Definitions: ITL samples are per token (a message of n tokens after a gap g counts g/n n
 times, as the router's /metrics does); a request is "good" when its TTFT and its mean ITL
 (TPOT) are within the SLOs; goodput = good requests / wall time; a rate "holds the p99 SLO"
@@ -22,13 +28,13 @@ import argparse
 import asyncio
 import json
 import math
-import os
 import random
 import sys
-import time
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from bench.serve_clients import measured_load
+from bench.serve_load import Item, Result
 
 BUILTIN_PROMPTS = [
     "What is the capital of France?", "Write a haiku about the sea.", "Explain in one sentence what a GPU is.",
@@ -38,22 +44,6 @@ BUILTIN_PROMPTS = [
     "Write a short poem about autumn leaves.", "What does a compiler do?", "Tell me a fun fact about octopuses.",
     "How many continents are there?",
 ]
-
-
-@dataclass
-class Item:
-    prompt: str | list[int]
-    output_len: int
-
-
-@dataclass
-class Result:
-    ok: bool = False
-    error: str = ""
-    ttft: float = 0.0
-    e2e: float = 0.0
-    tokens: int = 0
-    itl: list[float] = field(default_factory=list)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -74,6 +64,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--range-ratio", type=float, default=0.0, help="lengths uniform in len*(1 -+ ratio)")
     p.add_argument("--request-rate", default="inf", help="requests/s, comma-separated for a sweep; inf = all at once")
     p.add_argument("--max-concurrency", type=int, default=None, help="at most this many requests in flight")
+    p.add_argument("--client-processes", type=int, default=1, metavar="N",
+                   help="send from N processes (one client process saturates before a fast service does)")
+    p.add_argument("--router-pid", type=int, default=None, metavar="PID",
+                   help="report this process's CPU time per run as the router's (--launch: found itself)")
     p.add_argument("--slo-ttft-ms", type=float, default=1000.0)
     p.add_argument("--slo-itl-ms", type=float, default=100.0)
     p.add_argument("--seed", type=int, default=0)
@@ -88,14 +82,18 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError("give exactly one of --router, --base-url and --launch")
     if args.num_prompts <= 0 or args.output_len <= 0 or not 0 <= args.range_ratio < 1:
         raise ValueError("--num-prompts and --output-len must be > 0, --range-ratio in [0, 1)")
+    if not 1 <= args.client_processes <= args.num_prompts:
+        raise ValueError("--client-processes must be in 1..--num-prompts")
     items = load_dataset(args)
     service = None
+    args.service_pids = {"router": args.router_pid} if args.router_pid else {}
     if args.launch:
         from deploy.cli_service import client_ca, scheme, service_config, start_service
 
         cfg = service_config(args, local=True)
         service, args.router = start_service(cfg)
         args.tls_ca = client_ca(args, cfg)
+        args.service_pids = service_pids(service)
         if args.protocol == "http":
             args.base_url, args.router = f"{scheme(cfg)}://{service.http_address}", None
     try:
@@ -113,6 +111,17 @@ def run(args: argparse.Namespace) -> int:
     if args.plot_dir:
         plot(report, Path(args.plot_dir))
     return 0
+
+
+def service_pids(service: Any) -> dict[str, int]:
+    """The router's and every node's process id (a TP node: rank 0's) of a launched service."""
+    import ray
+
+    pids = {"router" if i == 0 else f"router{i}": int(ray.get(h.status.remote(), timeout=30)["pid"])
+            for i, h in enumerate(service.routers)}
+    for (role, i), info in service.node_info().items():
+        pids[f"{role}{i}"] = int(info["pid"])
+    return pids
 
 
 def parse_rates(text: str) -> list[float]:
@@ -151,9 +160,8 @@ async def sweep(args: argparse.Namespace, items: list[Item], rates: list[float])
     with tqdm(total=len(rates) * len(items), desc="bench serve", unit="req", disable=None) as bar:
         for rate in rates:
             bar.set_postfix(rate=rate)
-            start = time.perf_counter()
-            results = await load(args, items, rate, bar)
-            runs.append(summarize(results, rate, time.perf_counter() - start, args))
+            results, wall, cpu = await measured_load(args, items, rate, bar)
+            runs.append({**summarize(results, rate, wall, args), "cpu": cpu})
     held = []  # rates, lowest first, up to the first that misses the p99 SLO
     for r in sorted(runs, key=lambda r: r["request_rate"]):
         if not r["p99_slo_met"]:
@@ -161,104 +169,9 @@ async def sweep(args: argparse.Namespace, items: list[Item], rates: list[float])
         held.append(r["request_rate"])
     return {"target": args.base_url or args.router, "protocol": "http" if args.base_url else "grpc",
             "dataset": args.dataset, "num_prompts": len(items), "max_concurrency": args.max_concurrency,
+            "client_processes": args.client_processes,
             "slo_ttft_ms": args.slo_ttft_ms, "slo_itl_ms": args.slo_itl_ms,
             "max_rate_p99_slo_met": max(held) if held else None, "runs": runs}
-
-
-async def load(args: argparse.Namespace, items: list[Item], rate: float, bar: Any) -> list[Result]:
-    rng = random.Random(args.seed + 1)
-    limit = asyncio.Semaphore(args.max_concurrency or len(items))
-    key = getattr(args, "api_key", None) or os.environ.get("PDSERVE_API_KEY")
-    ca = args.tls_ca
-    send, close = _http_sender(args.base_url, key, ca) if args.base_url else _grpc_sender(args.router, key, ca)
-
-    async def one(item: Item) -> Result:
-        async with limit:
-            res = await send(item)
-        bar.update(1)
-        return res
-
-    tasks = []
-    for item in items:
-        tasks.append(asyncio.create_task(one(item)))
-        if math.isfinite(rate):
-            await asyncio.sleep(rng.expovariate(rate))
-    try:
-        return list(await asyncio.gather(*tasks))
-    finally:
-        await close()
-
-
-def _grpc_sender(address: str, api_key: str | None, tls_ca: str | None) -> Any:
-    from router.client import RouterClient, build_request
-
-    client = RouterClient(address, api_key, tls_ca)
-
-    async def send(item: Item) -> Result:
-        req = build_request(item.prompt, chat=isinstance(item.prompt, str), max_tokens=item.output_len,
-                            ignore_eos=True)
-        res, clock = Result(), _Clock()
-        try:
-            async for msg in client.responses(req):
-                clock.tokens(res, len(msg.token_ids))
-                if msg.HasField("error"):
-                    res.error = f"{msg.error.code}: {msg.error.message}"
-            res.ok = not res.error
-        except Exception as e:
-            res.error = str(e)
-        res.e2e = clock.now()
-        return res
-
-    return send, client.close
-
-
-def _http_sender(base_url: str, api_key: str | None, tls_ca: str | None) -> Any:
-    import ssl
-
-    import openai
-
-    http = None  # https with the system's roots, or with this CA:
-    if tls_ca and tls_ca != "system":
-        http = openai.DefaultAsyncHttpxClient(verify=ssl.create_default_context(cafile=tls_ca))
-    client = openai.AsyncOpenAI(base_url=base_url.rstrip("/") + "/v1", api_key=api_key or "none", max_retries=0,
-                                http_client=http)
-
-    async def send(item: Item) -> Result:
-        res, clock = Result(), _Clock()
-        try:
-            stream = await client.completions.create(
-                model="", prompt=item.prompt, max_tokens=item.output_len, temperature=0, stream=True,
-                logprobs=0, extra_body={"ignore_eos": True})
-            async for chunk in stream:
-                lps = chunk.choices[0].logprobs if chunk.choices else None
-                clock.tokens(res, len(lps.tokens or []) if lps else 0)  # one logprob entry per token
-            res.ok = True
-        except Exception as e:
-            res.error = str(e)
-        res.e2e = clock.now()
-        return res
-
-    return send, client.close
-
-
-class _Clock:
-    def __init__(self) -> None:
-        self.start = self.last = time.perf_counter()
-
-    def now(self) -> float:
-        return time.perf_counter() - self.start
-
-    def tokens(self, res: Result, n: int) -> None:
-        if n <= 0:
-            return
-        t = time.perf_counter()
-        if res.tokens == 0:
-            res.ttft, n = t - self.start, n - 1
-            res.tokens = 1
-        if n > 0:
-            res.itl += [(t - self.last) / n] * n
-            res.tokens += n
-        self.last = t
 
 
 # ---- report -----------------------------------------------------------------------------------

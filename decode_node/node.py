@@ -6,7 +6,8 @@ drafts, draft probabilities) while the KV arrives through kvtransfer. When both 
 complete the request is inserted into the running batch with asynchronous writes
 (`DecodeBatch.insert`), and the overlapped decode loop (`DecodeBatch.step`) advances it.
 Hands on output items (new tokens + logprobs, and exactly one terminal item per admitted
-request) to every subscriber of the output stream.
+request) to the output streams: each owner's (router process's) items to that owner's streams
+(`publish_to_owners`).
 
 One thread (the loop) owns the batch, the runner and the block manager; other threads
 only enqueue commands and wait on futures. A reservation whose KV or first token does not
@@ -73,6 +74,25 @@ def owner_of(request_id: str) -> str:
     return head if sep else ""
 
 
+def publish_to_owners(items: list[OutputItem], streams: list[tuple[queue.SimpleQueue, str]]) -> None:
+    """One step's items to the output streams: a stream whose subscriber names an owner gets that
+    owner's items and those of no owner (several router processes each get their own requests'
+    tokens, not every router's); a stream without an owner gets them all. A stream with nothing
+    of its own this step gets nothing. A lone stream gets every item (nobody else could read them)."""
+    if len(streams) == 1:
+        streams[0][0].put(items)
+        return
+    mine: dict[str, list[OutputItem]] = {}
+    for item in items:
+        mine.setdefault(owner_of(item.request_id), []).append(item)
+    shared = mine.get("", [])
+    for q, owner in streams:
+        if not owner:
+            q.put(items)
+        elif owner in mine or shared:
+            q.put(mine.get(owner, []) + shared if shared else mine[owner])
+
+
 @dataclass
 class Pending:
     """A reserved request waiting for its KV and first-token message."""
@@ -125,7 +145,7 @@ class DecodeNode(StepLoop):
         self._inbox: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
         # request id -> {event: monotonic time} (first_received, kv_done, inserted); None: not kept
         self.timings: dict[str, dict[str, float]] | None = None
-        self._subscribers: list[queue.SimpleQueue[list[OutputItem] | None]] = []
+        self._subscribers: list[tuple[queue.SimpleQueue[list[OutputItem] | None], str]] = []  # (stream, owner)
         self._sub_lock = threading.Lock()
         self._owner_streams: Counter[str] = Counter()  # owner -> open output streams (under _sub_lock)
         self._gone_owners: set[str] = set()  # owners whose last stream ended (loop thread)
@@ -153,7 +173,7 @@ class DecodeNode(StepLoop):
         """A new output stream; `owner` (optional) names the requests it owns (ids `owner/...`)."""
         q: queue.SimpleQueue[list[OutputItem] | None] = queue.SimpleQueue()
         with self._sub_lock:
-            self._subscribers.append(q)
+            self._subscribers.append((q, owner))
             if owner:
                 self._owner_streams[owner] += 1
                 self._inbox.put(("owner_back", (owner,)))  # before any Reserve the owner sends next
@@ -162,9 +182,9 @@ class DecodeNode(StepLoop):
     def unsubscribe(self, q: queue.SimpleQueue, owner: str = "") -> None:
         """End a stream; the owner's last one ending drops the owner's requests (loop thread)."""
         with self._sub_lock:
-            if q not in self._subscribers:
+            if (q, owner) not in self._subscribers:
                 return
-            self._subscribers.remove(q)
+            self._subscribers.remove((q, owner))
             if owner:
                 self._owner_streams[owner] -= 1
                 if self._owner_streams[owner] <= 0:
@@ -189,7 +209,7 @@ class DecodeNode(StepLoop):
         if self._receiver is not None:
             self._receiver.close()
         with self._sub_lock:
-            for q in self._subscribers:
+            for q, _ in self._subscribers:
                 q.put(None)
 
     # ---- the loop thread -------------------------------------------------------------
@@ -424,5 +444,5 @@ class DecodeNode(StepLoop):
         if not items:
             return
         with self._sub_lock:
-            for q in self._subscribers:
-                q.put(items)
+            publish_to_owners(items, self._subscribers)
+

@@ -15,6 +15,7 @@ import msgpack
 
 from decode_node.colocated import ColocatedNode
 from decode_node.node import DecodeNode
+from decode_node.synthetic import SyntheticNode
 from protos import node_pb2, node_pb2_grpc
 from protos.convert import check_request_id, sampling_from_proto
 from protos.messages import FirstToken, MessageError, pack_outputs
@@ -23,6 +24,7 @@ from protos.tls import NodeTls
 
 MAX_SUBSCRIBER = 128
 OUTPUTS_POLL_S = 0.5  # how often an idle output stream checks that its caller is still there
+MAX_STEPS_PER_MESSAGE = 16  # a stream that fell behind sends the steps queued since in one message
 
 
 class DecodeServicer(node_pb2_grpc.DecodeControlServicer):
@@ -30,7 +32,7 @@ class DecodeServicer(node_pb2_grpc.DecodeControlServicer):
 
     def __init__(self, node: DecodeNode, node_id: str) -> None:
         self.node, self.node_id = node, node_id
-        self.vocab = node.loaded.model.config.vocab_size
+        self.vocab = node.vocab
 
     def Reserve(self, request, context):
         try:
@@ -69,7 +71,10 @@ class DecodeServicer(node_pb2_grpc.DecodeControlServicer):
                     continue
                 if items is None:  # the node is stopping
                     return
+                items, stopping = _more_steps(q, items)
                 yield node_pb2.Payload(msgpack=pack_outputs(items))
+                if stopping:
+                    return
         finally:
             self.node.unsubscribe(q, owner)
 
@@ -77,6 +82,20 @@ class DecodeServicer(node_pb2_grpc.DecodeControlServicer):
         s = self.node.status()
         return node_pb2.NodeStatus(node_id=self.node_id, kind=self.kind, healthy=True,
                                    num_speculative_tokens=self.node.k, **s)
+
+
+def _more_steps(q: queue.SimpleQueue, items: list) -> tuple[list, bool]:
+    """`items` and the steps' batches queued behind it (at most MAX_STEPS_PER_MESSAGE in all): one
+    message when the stream fell behind the loop, in step order. True when the node is stopping."""
+    for _ in range(MAX_STEPS_PER_MESSAGE - 1):
+        try:
+            more = q.get_nowait()
+        except queue.Empty:
+            break
+        if more is None:
+            return items, True
+        items = items + more
+    return items, False
 
 
 def serve_decode(node: DecodeNode, node_id: str, host: str = "127.0.0.1", port: int = 0,
@@ -90,7 +109,8 @@ def serve_decode(node: DecodeNode, node_id: str, host: str = "127.0.0.1", port: 
 
 
 class ColocatedServicer(DecodeServicer):
-    """ColocatedControl: Submit, and DecodeControl's Abort, Outputs and Status."""
+    """ColocatedControl: Submit, and DecodeControl's Abort, Outputs and Status (over a ColocatedNode,
+    or the SyntheticNode test backend: decode_node/synthetic.py)."""
 
     kind = "colocated"
     node: ColocatedNode
@@ -108,9 +128,10 @@ class ColocatedServicer(DecodeServicer):
         return node_pb2.ReserveReply(admitted=res.admitted, reason=res.reason)
 
 
-def serve_colocated(node: ColocatedNode, node_id: str, host: str = "127.0.0.1", port: int = 0,
+def serve_colocated(node: ColocatedNode | SyntheticNode, node_id: str, host: str = "127.0.0.1", port: int = 0,
                     workers: int = 32, secret: str | None = None, tls: NodeTls | None = None,
                     keepalive_s: float = KEEPALIVE_S) -> tuple[grpc.Server, int]:
     """ColocatedControl on `host`, with the cluster secret and TLS rules of `serve_decode`."""
-    return start_server(node_pb2_grpc.add_ColocatedControlServicer_to_server, ColocatedServicer(node, node_id),
+    servicer = ColocatedServicer(node, node_id)  # type: ignore[arg-type]  # the synthetic one quacks alike
+    return start_server(node_pb2_grpc.add_ColocatedControlServicer_to_server, servicer,
                         host, port, workers, secret, tls, keepalive_s)

@@ -9,10 +9,11 @@ Ray only places, watches and restarts the processes. Each actor restarts forever
 from __future__ import annotations
 
 import socket
+import time
 from typing import TYPE_CHECKING, Any
 
 from deploy.config import ServiceConfig
-from deploy.procmem import process_memory
+from deploy.procmem import process_age_s, process_memory
 
 if TYPE_CHECKING:
     from protos.tls import NodeTls
@@ -68,6 +69,20 @@ def node_tls(cfg: ServiceConfig) -> NodeTls | None:
     return NodeTls.load(c.node_tls_ca, c.node_tls_cert, c.node_tls_key, c.node_tls_name)
 
 
+class _Phases:
+    """Seconds per start-up phase: `mark(name)` ends the phase that began at the last mark. The
+    first phase, `process`, is the worker process's life before the constructor ran."""
+
+    def __init__(self) -> None:
+        self.phases: dict[str, float] = {"process": max(0.0, process_age_s())}
+        self._last = time.perf_counter()
+
+    def mark(self, name: str) -> None:
+        now = time.perf_counter()
+        self.phases[name] = round(now - self._last, 2)
+        self._last = now
+
+
 class NodeActor:
     """One prefill or decode node in its own process (or, with `tp`, one rank of one)."""
 
@@ -79,16 +94,20 @@ class NodeActor:
         self._serve(cfg, role, node_id, host or bind_host(cfg))
 
     def _serve(self, cfg: ServiceConfig, role: str, node_id: str, host: str, tp: Any = None) -> None:
-        """Load the model, build and start the node; its gRPC server unless a rank > 0 of a TP group."""
+        """Load the model, build and start the node; its gRPC server unless a rank > 0 of a TP group.
+        `startup` records how long each phase took (seconds; `pdserve up` prints the slowest node's)."""
+        clock = _Phases()
         import torch
 
         from engine.loader import load_model
 
+        clock.mark("imports")
         threads = max(1, int(cfg.section(role).num_cpus))
         torch.set_num_threads(threads)
         tls = node_tls(cfg)  # before the model: a bad file fails the actor at once
         loaded = load_model(cfg.model.resolved_name(), device=cfg.model.resolved_device(), dtype=cfg.model.dtype,
                             mtp_path=cfg.model.mtp_path)
+        clock.mark("model_load")
         self.role, self.node_id, self.host = role, node_id, host
         kv = _kv_options(cfg, role, host) if role != "colocated" else {}
         if tp is not None:
@@ -112,9 +131,12 @@ class NodeActor:
             serve = serve_colocated
         else:
             raise ValueError(f"unknown node role {role!r}")
+        clock.mark("node_build")  # the runner: KV cache, CUDA graph capture, warm-up
         self.node.start()
         if tp is None or tp.rank == 0:
             self.server, self.port = serve(self.node, node_id, host, secret=cfg.cluster.secret, tls=tls)
+        clock.mark("serve")
+        self.startup = clock.phases
 
     def address(self) -> str:
         return f"{self.host}:{self.port}"
@@ -123,6 +145,7 @@ class NodeActor:
         import ray
 
         return {"role": self.role, "node_id": self.node_id, "address": self.address(), **process_memory(),
+                "startup": getattr(self, "startup", {}),
                 "host": socket.gethostname(), "emitted": getattr(self.node, "emitted", None),
                 "orphans_dropped": getattr(self.node, "orphans_dropped", None),
                 "ray_node_id": ray.get_runtime_context().get_node_id(), **self.node.status()}

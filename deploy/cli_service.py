@@ -38,7 +38,8 @@ def service_config(args: argparse.Namespace, local: bool = False) -> Any:
                       ("max_num_batched_tokens", "prefill.max_num_batched_tokens"),
                       ("max_num_batched_tokens", "colocated.max_num_batched_tokens"),
                       ("max_num_seqs", "decode.max_num_seqs"), ("max_num_seqs", "colocated.max_num_seqs"),
-                      ("prefill_tp", "prefill.tp"), ("decode_tp", "decode.tp")):
+                      ("prefill_tp", "prefill.tp"), ("decode_tp", "decode.tp"),
+                      ("router_processes", "router.processes")):
         value = getattr(args, flag, None)
         if value is not None:
             overrides[key] = value
@@ -67,6 +68,8 @@ def add_service_arguments(p: argparse.ArgumentParser) -> None:
                    help="requests decoding at once per decode or colocated node (default 32)")
     p.add_argument("--prefill-tp", type=int, default=None, help="tensor-parallel ranks per prefill node")
     p.add_argument("--decode-tp", type=int, default=None, help="tensor-parallel ranks per decode node (= --prefill-tp)")
+    p.add_argument("--router-processes", type=int, default=None, metavar="N",
+                   help="router processes sharing its ports (vLLM's --api-server-count; default 1)")
     p.add_argument("--spec-tokens", type=int, default=None, help="MTP draft tokens per step (k)")
     p.add_argument("--draft-vocab", type=int, default=None, metavar="N",
                    help="MTP drafts score the model's N most frequent tokens (FR-Spec); 0 = all")
@@ -98,9 +101,30 @@ def start_service(cfg: Any) -> tuple[Any, str]:
 
     node_tls(cfg)  # unusable node TLS files: one clear error before Ray starts
     check_tp_fits(cfg)
+    t0 = time.perf_counter()
     init_ray(cfg, temp_dir=tempfile.mkdtemp(prefix="pdserve-ray-") if cfg.cluster.address is None else None)
+    ray_s = time.perf_counter() - t0
     service = Service(cfg)
-    return service, service.start(timeout_s=cfg.cluster.start_timeout_s)
+    address = service.start(timeout_s=cfg.cluster.start_timeout_s)
+    service.startup["ray_init"] = round(ray_s, 2)
+    return service, address
+
+
+def startup_line(service: Any) -> str:
+    """Where `pdserve up`'s start went: Ray, the router, and the slowest node's phases (its worker
+    process, imports, model load, node build with CUDA graph capture, serve)."""
+    s = service.startup
+    total = s.get("ray_init", 0.0) + s.get("nodes_serving", 0.0)
+    line = (f"ready in {total:.1f} s: Ray {s.get('ray_init', 0.0):.1f} s, router serving at "
+            f"{s.get('router_serving', 0.0):.1f} s, nodes at {s.get('nodes_serving', 0.0):.1f} s")
+    try:
+        nodes = {f"{role}-{i}": info.get("startup", {}) for (role, i), info in service.node_info().items()}
+    except Exception:  # a node restarting: the line without it
+        return line
+    if nodes:
+        name, phases = max(nodes.items(), key=lambda kv: sum(kv[1].values()))
+        line += f"; slowest node {name}: " + ", ".join(f"{k} {v:.1f} s" for k, v in phases.items())
+    return line
 
 
 def check_tp_fits(cfg: Any) -> None:
@@ -143,6 +167,7 @@ def cmd_up(args: argparse.Namespace) -> int:
     tls = cfg.router.tls_cert is not None
     http = f"; OpenAI-compatible HTTP on {scheme(cfg)}://{service.http_address}/v1" if service.http_address else ""
     every = " (bound on every interface)" if cfg.router.host in ("0.0.0.0", "::", "") else ""
+    print(startup_line(service), flush=True)
     print(f"router listening on {address} (gRPC{', TLS' if tls else ''}){http}{every} (Ctrl-C to stop)",
           flush=True)
     done = threading.Event()

@@ -186,6 +186,10 @@ class RouterConfig(_Section):
     prefix_balance_abs_tokens: int = Field(default=2048, ge=0)
     prefix_balance_rel: float = Field(default=1.5, ge=1.0)
     prefix_view_blocks: int = Field(default=65536, gt=0)  # per prefill node: block hashes remembered
+    # Router processes sharing the gRPC and HTTP ports (SO_REUSEPORT: the kernel spreads client
+    # connections over them), as vLLM's --api-server-count: each its own event loop, core, queue and
+    # output streams; /metrics sums them all. `--router-processes N`.
+    processes: int = Field(default=1, ge=1, le=64)
     queue_size: int = Field(default=256, ge=0)  # requests waiting for a decode node; 0: no queue
     default_timeout_s: float = Field(default=600.0, gt=0)  # per request, when it gives none
     max_prompt_bytes: int = Field(default=1 << 20, gt=0)  # prompt text over this: INVALID_ARGUMENT

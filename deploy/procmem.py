@@ -21,3 +21,15 @@ def process_memory() -> dict[str, float]:
     except (OSError, ValueError, IndexError):
         pass
     return {"pid": os.getpid(), "rss_mb": fields["VmRSS"], "max_rss_mb": fields["VmHWM"]}
+
+
+def process_age_s() -> float:
+    """Seconds since this process started (-1 where /proc is not there): a Ray actor's process
+    starts before its constructor runs, so this counts the worker's own start too."""
+    try:
+        with open("/proc/self/stat") as f:
+            started = int(f.read().rpartition(")")[2].split()[19]) / os.sysconf("SC_CLK_TCK")
+        with open("/proc/uptime") as f:
+            return round(float(f.read().split()[0]) - started, 2)
+    except (OSError, ValueError, IndexError):
+        return -1.0

@@ -26,6 +26,7 @@ class RouterActor:
         self.cfg = ServiceConfig.model_validate_json(config_json)
         self.directory = NodeDirectory()
         self.router: Any = None
+        self.peers: list[Any] = []  # the service's other router actors (router.processes > 1)
         self._starting = asyncio.Lock()
 
     async def start(self, port: int | None = None, http_port: int | None = -1) -> str:
@@ -34,7 +35,7 @@ class RouterActor:
         half-started router behind: a failed start stops what it started and raises."""
         from deploy.actors import node_tls
         from engine.loader import load_model_info
-        from router.router import Router
+        from router.router import Router, freeze_heap
 
         async with self._starting:
             if self.router is not None:
@@ -52,14 +53,27 @@ class RouterActor:
                     await router.stop()
                 raise
             self.router = router
+            router.peer_metrics = self._peer_metrics
+            freeze_heap()  # this process is the router's alone
             return self._address(bound)
 
-    async def ensure_serving(self, port: int, http_port: int | None) -> str:
+    async def ensure_serving(self, port: int, http_port: int | None, peers: list[Any] | None = None) -> str:
         """Start serving on these ports unless serving already (a process Ray restarted is not);
-        returns the serving router's instance id (new at every start)."""
+        returns the serving router's instance id (new at every start). `peers`: the service's
+        other router actors (their /metrics are summed into this one's)."""
+        if peers is not None:
+            self.peers = peers
         if self.router is None:
             await self.start(port, http_port)
         return str(self.router.router_id)
+
+    async def local_metrics(self) -> bytes:
+        """This process's own /metrics text (what a peer sums into its own)."""
+        return b"" if self.router is None else bytes(self.router.metrics.exposition()[0])
+
+    async def _peer_metrics(self) -> list[bytes]:
+        texts = await asyncio.gather(*(p.local_metrics.remote() for p in self.peers))
+        return [t for t in texts if t]
 
     async def http_address(self) -> str | None:
         """host:port of the OpenAI-compatible HTTP door (None when it is off)."""

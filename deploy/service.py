@@ -8,6 +8,11 @@ router's directory, and one that answers again (restarted: a new port) is put ba
 TP size N > 1 is a placement group of N rank actors (deploy/tp_group.py): it answers when all
 its ranks do, and a rank's death restarts the whole group.
 
+With `router.processes` N > 1 there are N router actors (pdserve-router, pdserve-router-1, ...)
+serving the same ports (SO_REUSEPORT: the kernel spreads client connections over them), each with
+its own subscriptions to every decode node and its own queue; each is told the others, whose
+/metrics it sums into its own. Each is watched as below; `router_restarts` counts the first one's.
+
 The router actor restarts forever too. Each round the watcher hands it the node list and asks
 it to serve (`ensure_serving`) on the ports it first bound, so a router Ray restarted re-discovers
 its nodes and serves again at the same address (`router_restarts` counts the new instances). Its
@@ -73,7 +78,8 @@ class Service:
         node_tls(self.cfg)  # node TLS files checked here first: a clear error before any actor starts
         self.actors: dict[tuple[str, int], Any] = {}
         self.addresses: dict[tuple[str, int], str | None] = {}
-        self.router: Any = None
+        self.router: Any = None  # the first router actor (`pdserve status` asks it)
+        self.routers: list[Any] = []  # every router actor (router.processes), the first one first
         self.router_address = ""
         self.http_address: str | None = None  # host:port of the router's HTTP door
         self.router_restarts = 0  # router instances after the first seen serving (Ray restarted it)
@@ -81,6 +87,7 @@ class Service:
         self._router_ports: tuple[int, int | None] = (0, None)  # gRPC, HTTP: kept across restarts
         self._stop = threading.Event()
         self._watcher: threading.Thread | None = None
+        self.startup: dict[str, float] = {}  # seconds from `start` to: router serving, every node serving
 
     def start(self, timeout_s: float = 300.0) -> str:
         """Create every actor, wait until all serve, start watching; returns the router address."""
@@ -89,6 +96,7 @@ class Service:
         from deploy.actors import NodeActor
         from deploy.router_actor import RouterActor
 
+        t0 = time.perf_counter()
         cfg_json = self.cfg.model_dump_json()
         for role, count in self.cfg.node_counts.items():
             tp = getattr(self.cfg.section(role), "tp", 1)
@@ -99,18 +107,24 @@ class Service:
                     continue
                 self.actors[(role, i)] = ray.remote(NodeActor).options(**self._node_options(role, i)).remote(
                     role, f"{role}-{i}", cfg_json)
-        self.router = ray.remote(RouterActor).options(
-            num_cpus=0, max_restarts=-1, name=actor_name("router"),
-            resources=dict(self.cfg.cluster.router_resources)).remote(cfg_json)
+        self.routers = [ray.remote(RouterActor).options(
+            num_cpus=0, max_restarts=-1, name=actor_name("router" if i == 0 else f"router-{i}"),
+            resources=dict(self.cfg.cluster.router_resources)).remote(cfg_json) for i in range(self.cfg.router.processes)]
+        self.router = self.routers[0]
         self.router_address = ray.get(self.router.start.remote(), timeout=timeout_s)
         self.http_address = ray.get(self.router.http_address.remote(), timeout=timeout_s)
         self._router_ports = (_port(self.router_address), _port(self.http_address) if self.http_address else None)
+        if len(self.routers) > 1:  # the others bind the same ports (SO_REUSEPORT) and know each other
+            ray.get([h.ensure_serving.remote(*self._router_ports, self._peers(i)) for i, h in enumerate(self.routers)],
+                    timeout=timeout_s)
+        self.startup["router_serving"] = round(time.perf_counter() - t0, 2)
         deadline = time.monotonic() + timeout_s
         want = tuple(self.cfg.node_counts.get(role, 0) for role in ROLES)
         while not all(self._poll_once(wait_s=5.0).values()) or not self._router_sees(want):
             if time.monotonic() > deadline:
                 raise TimeoutError(f"nodes did not start in time: {self.addresses}")
             time.sleep(0.1)
+        self.startup["nodes_serving"] = round(time.perf_counter() - t0, 2)
         self._watcher = threading.Thread(target=self._watch, name="service-watch", daemon=True)
         self._watcher.start()
         return self.router_address
@@ -138,9 +152,15 @@ class Service:
             self.addresses[key] = group.poll(wait_s)
         for role in ROLES:
             live = [a for (r, _), a in sorted(self.addresses.items()) if r == role and a]
-            ray.get(self.router.set_nodes.remote(role, live), timeout=60.0)
-        self._router_serving(ray.get(self.router.ensure_serving.remote(*self._router_ports), timeout=60.0))
+            ray.get([h.set_nodes.remote(role, live) for h in self.routers], timeout=60.0)
+        peers = [self._peers(i) if len(self.routers) > 1 else None for i in range(len(self.routers))]
+        serving = ray.get([h.ensure_serving.remote(*self._router_ports, p) for h, p in zip(self.routers, peers, strict=True)],
+                          timeout=60.0)
+        self._router_serving(serving[0])
         return dict(self.addresses)
+
+    def _peers(self, i: int) -> list[Any]:
+        return [h for j, h in enumerate(self.routers) if j != i]
 
     def _router_serving(self, instance: str) -> None:
         """Count a new router instance serving (one that Ray restarted), however late the news
@@ -154,8 +174,10 @@ class Service:
     def _router_sees(self, want: tuple[int, ...]) -> bool:
         import ray
 
-        healthy = ray.get(self.router.healthy_nodes.remote())
-        return all(h >= w for h, w in zip(healthy, want, strict=True))
+        for seen in ray.get([h.healthy_nodes.remote() for h in self.routers]):
+            if not all(h >= w for h, w in zip(seen, want, strict=True)):
+                return False
+        return True
 
     def _watch(self) -> None:
         interval = self.cfg.router.status_interval_s
@@ -198,14 +220,14 @@ class Service:
         for group in [h for h in self.actors.values() if isinstance(h, TPNodeGroup)]:
             group.stop()
         handles = [h for h in self.actors.values() if not isinstance(h, TPNodeGroup)]
-        for h in handles + ([self.router] if self.router is not None else []):
+        for h in handles + self.routers:
             try:
                 ray.get(h.stop.remote(), timeout=10)
             except Exception:
                 pass  # already dead: killing it below is enough
             ray.kill(h, no_restart=True)
         self.actors.clear()
-        self.router = None
+        self.router, self.routers = None, []
         _wait_names_free(deadline=time.monotonic() + 30)
 
 

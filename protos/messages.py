@@ -9,7 +9,6 @@ receivers unpack and read exactly that many top columns per token.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -66,9 +65,9 @@ class TokenLogprobs:
         _expect_list(rank, n, int, "rank")
         _expect_list(ids, n * num_top, int, "top ids")
         _expect_list(vals, n * num_top, float, "top logprobs")
-        if any(not (v <= 0.0 or math.isnan(v)) for v in lp + vals):
+        if any(v > 0.0 for v in lp) or any(v > 0.0 for v in vals):  # NaN passes, as it compares false
             raise MessageError("logprobs must be <= 0")
-        if any(not 1 <= r <= vocab for r in rank) or any(not 0 <= i < vocab for i in ids):
+        if not _within(rank, 1, vocab + 1) or not _within(ids, 0, vocab):
             raise MessageError("rank or top id out of range")
         rows = lambda x: [x[j * num_top : (j + 1) * num_top] for j in range(n)]  # noqa: E731
         return cls(lp, rank, rows(ids), rows(vals))
@@ -80,13 +79,19 @@ def token_logprobs(entries: list[Any]) -> TokenLogprobs:
                          [[i for i, _ in e.top] for e in entries], [[v for _, v in e.top] for e in entries])
 
 
+_VALUE_TYPES = {int: frozenset({int}), float: frozenset({int, float})}  # exact types: no bool, no subclass
+
+
 def _expect_list(x: Any, n: int, kind: type, name: str) -> None:
     if not isinstance(x, list) or len(x) != n:
         raise MessageError(f"{name}: expected a list of {n}")
-    ok = (lambda v: isinstance(v, (int, float)) and not isinstance(v, bool)) if kind is float else (
-        lambda v: isinstance(v, int) and not isinstance(v, bool))
-    if not all(ok(v) for v in x):
+    if not _VALUE_TYPES[kind].issuperset(map(type, x)):
         raise MessageError(f"{name}: expected {kind.__name__} values")
+
+
+def _within(xs: list[int], low: int, high: int) -> bool:
+    """Every value of `xs` (ints) in [low, high)."""
+    return not xs or (min(xs) >= low and max(xs) < high)
 
 
 def _dumps(obj: dict) -> bytes:
@@ -198,6 +203,7 @@ class OutputItem:
     index: int = 0  # the choice of an n > 1 request these tokens belong to
     num_prompt_logprobs: int | None = None  # colocated: the first item carries the prompt's logprobs
     prompt_logprobs: TokenLogprobs | None = None
+    malformed: bool = False  # made by the receiver for an item it refused (never on the wire)
 
     def to_obj(self) -> dict:
         has = self.num_logprobs is not None
@@ -217,7 +223,7 @@ class OutputItem:
         if not isinstance(toks, list):
             raise MessageError("output: tokens must be a list")
         _expect_list(toks, len(toks), int, "output tokens")
-        if any(not 0 <= t < vocab for t in toks):
+        if not _within(toks, 0, vocab):
             raise MessageError("output: token id out of range")
         flag, n = unpack_meta(_field(o, "meta", int, "output"))
         if n > MAX_LOGPROBS:
@@ -242,8 +248,29 @@ def pack_outputs(items: list[OutputItem]) -> bytes:
 
 
 def unpack_outputs(data: bytes, vocab: int) -> list[OutputItem]:
-    o = _loads(data, "outputs")
-    items = o.get("items")
+    """Every item of an output batch; MessageError when any is malformed."""
+    return [OutputItem.from_obj(i, vocab) for i in _output_objs(data)]
+
+
+def read_outputs(data: bytes, vocab: int) -> list[OutputItem]:
+    """An output batch as a receiver takes it: a malformed item that names its request (a string
+    `rid`) becomes that request's error item (`malformed`, `error` saying why), so the batch's other
+    requests go on; MessageError when the batch itself, or an item without a readable request id,
+    is malformed (then nothing in it can be trusted)."""
+    out = []
+    for obj in _output_objs(data):
+        try:
+            out.append(OutputItem.from_obj(obj, vocab))
+        except MessageError as e:
+            rid = obj.get("rid") if isinstance(obj, dict) else None
+            if not isinstance(rid, str) or not rid:
+                raise
+            out.append(OutputItem(rid, [], error=f"malformed output item: {e}", malformed=True))
+    return out
+
+
+def _output_objs(data: bytes) -> list:
+    items = _loads(data, "outputs").get("items")
     if not isinstance(items, list):
         raise MessageError("outputs: items must be a list")
-    return [OutputItem.from_obj(i, vocab) for i in items]
+    return items

@@ -30,6 +30,11 @@ class Detokenizer:
         self.ids.append(token)
         return self._delta(final=False)
 
+    def add_many(self, tokens: list[int]) -> str:
+        """`add` for several tokens at once (two decodes, not two per token): the same text in all."""
+        self.ids += tokens
+        return self._delta(final=False)
+
     def flush(self) -> str:
         return self._delta(final=True)
 
@@ -59,6 +64,12 @@ class TextStream:
         assert not self.stopped, "no tokens after a stop string"
         return self._append(self.detok.add(token), final=False)
 
+    def add_many(self, tokens: list[int]) -> str:
+        """Text released by `tokens`, with no stop strings (else `add` them one by one: the stop
+        string may end before the last of them)."""
+        assert not self.stop, "add_many is for requests without stop strings"
+        return self._append(self.detok.add_many(tokens), final=False)
+
     def finish(self) -> str:
         """What is still held, at the end of the request."""
         if self.stopped:
@@ -84,3 +95,20 @@ class TextStream:
             if any(s.startswith(tail[-n:]) for s in self.stop):
                 return n
         return 0
+
+
+class TokenPieces:
+    """Each token id's own text (`decode([id])`, special tokens kept), remembered: logprob entries
+    name every token, and a vocabulary is small. Quacks as the tokenizer for that one call."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        self.tokenizer = tokenizer
+        self._pieces: dict[int, str] = {}
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str:
+        if len(ids) != 1 or skip_special_tokens:
+            return str(self.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens))
+        piece = self._pieces.get(ids[0])
+        if piece is None:
+            piece = self._pieces[ids[0]] = str(self.tokenizer.decode(ids, skip_special_tokens=False))
+        return piece

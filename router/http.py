@@ -35,6 +35,7 @@ from pydantic import BaseModel, ValidationError
 from deploy.config import RouterConfig
 from protos import pdserve_pb2 as pb
 from router.auth import authorized
+from router.detokenize import TokenPieces
 from router.metrics import RouterMetrics
 from router.openai_protocol import ChatCompletionRequest, CompletionRequest, Format
 from router.request import RequestError, RequestState, is_terminal
@@ -63,6 +64,7 @@ class Lifecycle(Protocol):
     async def submit(self, request: pb.GenerateRequest) -> RequestState: ...
     def responses(self, st: RequestState) -> AsyncGenerator[pb.GenerateResponse, None]: ...
     def refused(self, code: str) -> None: ...
+    async def metrics_text(self) -> tuple[bytes, str]: ...
     def health(self, nodes: bool = False) -> pb.HealthResponse: ...
     def health_detail_allowed(self, authorization: str | None) -> bool: ...
     def list_models(self) -> pb.ListModelsResponse: ...
@@ -94,6 +96,8 @@ def health_json(h: pb.HealthResponse) -> dict:
 
 def build_app(router: Lifecycle) -> FastAPI:
     app = FastAPI(title="pdserve", docs_url=None, redoc_url=None, openapi_url=None)
+    tok = router.model.tokenizer
+    pieces = TokenPieces(tok) if tok is not None else None  # logprob entries' token texts, remembered
 
     @app.get("/health")
     async def health(raw: Request) -> Response:
@@ -111,16 +115,16 @@ def build_app(router: Lifecycle) -> FastAPI:
 
     @app.get("/metrics")
     async def metrics() -> Response:
-        body, content_type = router.metrics.exposition()
+        body, content_type = await router.metrics_text()
         return Response(body, media_type=content_type)
 
     @app.post("/v1/completions")
     async def completions(raw: Request) -> Response:
-        return await _generate(router, raw, CompletionRequest, chat=False)
+        return await _generate(router, raw, CompletionRequest, pieces, chat=False)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(raw: Request) -> Response:
-        return await _generate(router, raw, ChatCompletionRequest, chat=True)
+        return await _generate(router, raw, ChatCompletionRequest, pieces, chat=True)
 
     add_tokenize_routes(app, TokenizeDoor(router, _parse, partial(_denied, router)))
     return app
@@ -136,12 +140,13 @@ def _denied(router: Lifecycle, raw: Request) -> Response | None:
     return JSONResponse(body, status_code=401)
 
 
-async def _generate(router: Lifecycle, raw: Request, model: type[BaseModel], chat: bool) -> Response:
+async def _generate(router: Lifecycle, raw: Request, model: type[BaseModel], pieces: TokenPieces | None,
+                    chat: bool) -> Response:
     if (denied := _denied(router, raw)) is not None:
         return denied
 
     try:
-        gen, fmt, req = await _prepare(router, raw, model, chat)
+        gen, fmt, req = await _prepare(router, raw, model, pieces, chat)
         st = await router.submit(gen)
     except RequestError as e:
         return error_response(e.code, e.message)
@@ -160,7 +165,7 @@ async def _generate(router: Lifecycle, raw: Request, model: type[BaseModel], cha
     return JSONResponse(fmt.whole(rest))
 
 
-async def _prepare(router: Lifecycle, raw: Request, model: type[BaseModel],
+async def _prepare(router: Lifecycle, raw: Request, model: type[BaseModel], pieces: TokenPieces | None,
                    chat: bool) -> tuple[pb.GenerateRequest, Format, Any]:
     """The body as a GenerateRequest; raises RequestError (INVALID_ARGUMENT, NOT_FOUND), counted."""
     code, message = "INVALID_ARGUMENT", ""
@@ -170,7 +175,7 @@ async def _prepare(router: Lifecycle, raw: Request, model: type[BaseModel],
             code = "NOT_FOUND"
             raise InvalidRequest(f"the model {req.model!r} does not exist; this server serves "
                                  f"{router.model.name!r}")
-        fmt = Format(chat, router.model.name, router.model.tokenizer, _logprobs_asked(req, chat), n=req.n or 1,
+        fmt = Format(chat, router.model.name, pieces, _logprobs_asked(req, chat), n=req.n or 1,
                      echo=bool(getattr(req, "echo", False)), prompt_logprobs=req.prompt_logprobs,
                      prompt_text=None if chat else req.prompt_text())
         return await _to_generate(router, req, fmt, len(body)), fmt, req
@@ -291,11 +296,14 @@ class HttpServer:
         self._server: _Server | None = None
         self._task: asyncio.Task[None] | None = None
 
-    async def start(self, host: str, port: int) -> int:
-        """Bind (`port=0`: any free one) and serve; returns the bound port."""
+    async def start(self, host: str, port: int, reuse_port: bool = False) -> int:
+        """Bind (`port=0`: any free one) and serve; returns the bound port. `reuse_port`: other
+        processes (a service's other router processes) may bind it too (SO_REUSEPORT)."""
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
         sock = socket.socket(family, socket.SOCK_STREAM)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        if reuse_port:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
         sock.bind((host, port))
         config = uvicorn.Config(self.app, log_level="warning", access_log=False, lifespan="off",
                                 timeout_graceful_shutdown=2, **self.tls)  # type: ignore[arg-type]

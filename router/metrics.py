@@ -15,6 +15,7 @@ gap g observes g/n n times), end-to-end latency once per finished request.
 
 from __future__ import annotations
 
+import bisect
 import time
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
@@ -22,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
+from prometheus_client.parser import text_string_to_metric_families
 
 if TYPE_CHECKING:
     from router.pool import Node
@@ -77,9 +79,7 @@ class RouterMetrics:
             self.ttft.observe(now - st.arrival)
             n -= 1
         else:
-            gap = (now - st.last_token_at) / n
-            for _ in range(n):
-                self.itl.observe(gap)
+            observe_n(self.itl, (now - st.last_token_at) / n, n)
         st.last_token_at = now
 
     def ended(self, st: RequestState) -> None:
@@ -93,6 +93,57 @@ class RouterMetrics:
 
     def refused(self, code: str) -> None:
         self.failure.labels(self.model_name, code).inc()
+
+
+def merge_expositions(own: bytes, others: list[bytes]) -> bytes:
+    """One exposition for a service of several router processes: `own` (this process's) with every
+    request-level sample of `others` (the other processes') added to it, so each counter,
+    histogram bucket and gauge is the service's total. Per-node families (NodeCollector: every
+    process polls the same nodes) and `_created` stamps are taken from `own`."""
+    families = list(text_string_to_metric_families(own.decode()))
+    by_name = {f.name: f for f in families}
+    for text in others:
+        for fam in text_string_to_metric_families(text.decode()):
+            mine = by_name.get(fam.name)
+            if mine is None:
+                families.append(fam)
+                by_name[fam.name] = fam
+            elif fam.name not in NODE_FAMILIES and not fam.name.endswith("_created"):
+                _add_samples(mine, fam)
+    return generate_latest(_Families(families))  # type: ignore[arg-type]
+
+
+def _add_samples(into: Any, fam: Any) -> None:
+    index = {(s.name, tuple(sorted(s.labels.items()))): i for i, s in enumerate(into.samples)}
+    for s in fam.samples:
+        i = index.get((s.name, tuple(sorted(s.labels.items()))))
+        if i is None:
+            into.samples.append(s)
+        else:
+            into.samples[i] = into.samples[i]._replace(value=into.samples[i].value + s.value)
+
+
+class _Families:
+    """A collection `generate_latest` can render (it only calls `collect`)."""
+
+    def __init__(self, families: list[Any]) -> None:
+        self.families = families
+
+    def collect(self) -> list[Any]:
+        return self.families
+
+
+def observe_n(histogram: Any, value: float, n: int) -> None:
+    """`histogram.observe(value)` n times, in one step: one bucket and the sum move by n (the
+    bucket `observe` picks: the first bound >= value). Falls back to n observes should the
+    client library's histogram keep its buckets otherwise."""
+    bounds, buckets = getattr(histogram, "_upper_bounds", None), getattr(histogram, "_buckets", None)
+    if bounds is None or buckets is None or len(bounds) != len(buckets):
+        for _ in range(n):
+            histogram.observe(value)
+        return
+    histogram._sum.inc(value * n)
+    buckets[min(bisect.bisect_left(bounds, value), len(buckets) - 1)].inc(n)
 
 
 class NodeCollector:
@@ -187,3 +238,6 @@ class NodeCollector:
         for pos, (d, a) in enumerate(zip(s.draft_tokens, s.accepted_per_pos, strict=False)):
             drafts.add_metric([*key, str(pos)], d)
             accepted.add_metric([*key, str(pos)], a)
+
+
+NODE_FAMILIES = frozenset(f.name for f in NodeCollector(lambda: []).collect())

@@ -30,7 +30,7 @@ from typing import Any
 import grpc
 
 from protos import node_pb2, node_pb2_grpc
-from protos.messages import MessageError, OutputItem, unpack_outputs
+from protos.messages import MessageError, OutputItem, read_outputs
 from protos.serving import with_secret
 from protos.tls import NodeTls, node_aio_channel
 from router.directory import KINDS, Kind, NodeDirectory
@@ -246,7 +246,7 @@ class NodePool:
         try:
             async for payload in call:
                 try:
-                    items = unpack_outputs(payload.msgpack, self.vocab_size)
+                    items = read_outputs(payload.msgpack, self.vocab_size)  # a bad item: its request's error
                 except MessageError as e:
                     reason = f"sent a malformed output batch ({e})"
                     break

@@ -10,6 +10,11 @@ placement fields (`decode`, `prefill`, `node_rid`, `decode_live`, `lost`); the N
 output reader only appends to `events`; anyone may `interrupt` (client abort, router stop) or
 `lose` the decode node (it failed: the lifecycle moves the request elsewhere, `migrate`).
 
+Batching: a request's messages wait in its `Outbox` until its door takes them; tokens that arrive
+while a token message still waits there join that message, so a client that falls behind (the
+router at saturation) gets several steps' tokens in one message (one SSE event), not a backlog of
+small ones. The terminal message is never merged; order and the one-terminal rule hold.
+
 A migrated attempt resumes: its prompt is the original one plus every token already streamed
 (`resume_prompt`) and its max_tokens what is left (`resume_sampling`), so the client sees each
 token once and max_tokens counts what was emitted before the move.
@@ -25,6 +30,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections import deque
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -55,6 +61,43 @@ class Interrupt:
     message: str = ""
 
 
+class Outbox:
+    """A request's messages to its client, in order, for one reader (`get`). `open_tail` hands the
+    last waiting message when it may still grow: a token message put `open` (not the first one,
+    whose arrival is the time to first token; never a terminal one)."""
+
+    def __init__(self) -> None:
+        self._msgs: deque[pb.GenerateResponse] = deque()
+        self._open = False  # the last message in _msgs may take more tokens
+        self._waiter: asyncio.Future[None] | None = None
+
+    def put(self, msg: pb.GenerateResponse, open_: bool = False) -> None:
+        self._msgs.append(msg)
+        self._open = open_ and not is_terminal(msg)
+        if self._waiter is not None and not self._waiter.done():
+            self._waiter.set_result(None)
+
+    def open_tail(self) -> pb.GenerateResponse | None:
+        return self._msgs[-1] if self._open and self._msgs else None
+
+    async def get(self) -> pb.GenerateResponse:
+        while not self._msgs:
+            self._waiter = asyncio.get_running_loop().create_future()
+            try:
+                await self._waiter
+            finally:
+                self._waiter = None
+        if len(self._msgs) == 1:
+            self._open = False  # taken: it can no longer grow
+        return self._msgs.popleft()
+
+    def qsize(self) -> int:
+        return len(self._msgs)
+
+    def empty(self) -> bool:
+        return not self._msgs
+
+
 @dataclass
 class Choice:
     """One choice's router-side state (n > 1 requests have several)."""
@@ -74,7 +117,7 @@ class Choice:
 class RequestState:
     prep: Prepared
     tokenizer: Any
-    out: asyncio.Queue[pb.GenerateResponse] = field(default_factory=asyncio.Queue)
+    out: Outbox = field(default_factory=Outbox)
     events: asyncio.Queue[OutputItem] = field(default_factory=asyncio.Queue)
     task: asyncio.Task[None] | None = None
     interrupt_reason: Interrupt | None = None
@@ -172,23 +215,30 @@ class RequestState:
 
     def add_tokens(self, tokens: list[int], logprobs: TokenLogprobs | None, index: int = 0) -> bool:
         """Stream `tokens` of choice `index` (cut at a stop string or at max_tokens); True when
-        that choice is complete by the router's own rules (stop string, or max_tokens reached)."""
+        that choice is complete by the router's own rules (stop string, or max_tokens reached).
+        They join the token message still waiting in `out` when it is the same choice's (a new
+        one otherwise: choices never share a message)."""
         ch = self.choices[index]
-        msg = pb.GenerateResponse(request_id=self.request_id, index=index)
-        for i, tok in enumerate(tokens):
-            if len(ch.tokens) >= self.prep.max_tokens:
-                break
-            ch.tokens.append(tok)
-            msg.token_ids.append(tok)
-            msg.text += ch.text.add(tok)
-            if logprobs is not None:
-                msg.logprobs.append(pb.TokenLogprob(
-                    token_id=tok, logprob=logprobs.logprob[i], rank=logprobs.rank[i],
-                    top_ids=logprobs.top_ids[i], top_logprobs=logprobs.top_logprobs[i]))
-            if ch.text.stopped:
-                break
-        if msg.token_ids:
-            self._emit(msg)
+        tokens = tokens[: max(0, self.prep.max_tokens - len(ch.tokens))]
+        if not tokens:
+            return ch.text.stopped or len(ch.tokens) >= self.prep.max_tokens
+        if ch.text.stop:  # token by token: the stop string may end inside this batch
+            tokens, text = _add_until_stop(ch.text, tokens)
+        else:
+            text = ch.text.add_many(tokens)
+        tail = self.out.open_tail()
+        if tail is not None and tail.index != index:
+            tail = None  # another choice's message: never merged into
+        msg = tail if tail is not None else pb.GenerateResponse(request_id=self.request_id, index=index)
+        ch.tokens += tokens
+        msg.token_ids.extend(tokens)
+        msg.text += text
+        if logprobs is not None:
+            for i, tok in enumerate(tokens):
+                msg.logprobs.add(token_id=tok, logprob=logprobs.logprob[i], rank=logprobs.rank[i],
+                                 top_ids=logprobs.top_ids[i], top_logprobs=logprobs.top_logprobs[i])
+        if msg is not tail:
+            self._emit(msg, open_=True)
         return ch.text.stopped or len(ch.tokens) >= self.prep.max_tokens
 
     @property
@@ -230,13 +280,27 @@ class RequestState:
         if not self.done:
             self.terminal = "cancelled"
 
-    def _emit(self, msg: pb.GenerateResponse, last: bool = False) -> None:
+    def _emit(self, msg: pb.GenerateResponse, last: bool = False, open_: bool = False) -> None:
+        """Queue `msg`; `open_`: a token message that later tokens of its choice may join (never
+        the first message: it carries the prompt and its logprobs, and its arrival is the time to
+        first token)."""
         assert not self.done or last, "nothing after the terminal message"
-        if not self._first_sent:
+        first = not self._first_sent
+        if first:
             msg.prompt_token_ids.extend(self.prep.prompt_ids)
             msg.prompt_logprobs.extend(self.prompt_logprobs)
             self._first_sent = True
-        self.out.put_nowait(msg)
+        self.out.put(msg, open_=open_ and not first)
+
+
+def _add_until_stop(text: TextStream, tokens: list[int]) -> tuple[list[int], str]:
+    """Feed `tokens` to `text` one by one up to the one that completes a stop string."""
+    out = ""
+    for n, tok in enumerate(tokens, 1):
+        out += text.add(tok)
+        if text.stopped:
+            return tokens[:n], out
+    return tokens, out
 
 
 def is_terminal(msg: pb.GenerateResponse) -> bool:

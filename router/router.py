@@ -33,12 +33,13 @@ instance's requests when that instance's last Outputs stream to it ends (decode_
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 import os
 import random
 import uuid
 from collections import Counter
-from collections.abc import AsyncGenerator, AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from contextlib import aclosing
 from functools import partial
 from typing import Any
@@ -54,7 +55,7 @@ from router.auth import ApiKeyInterceptor, authorized
 from router.directory import NodeDirectory
 from router.grpc_health import add_health_servicer
 from router.http import HttpServer, build_app
-from router.metrics import RouterMetrics
+from router.metrics import RouterMetrics, merge_expositions
 from router.policy import Policy, make_policy
 from router.pool import MAX_MESSAGE_BYTES, Node, NodePool
 from router.request import Interrupt, RequestError, RequestState, is_terminal
@@ -66,6 +67,7 @@ log = logging.getLogger(__name__)
 MAX_DRAFTS = 64  # bound on drafts in a first-token message (the router ignores them)
 SHUTDOWN_GRACE_S = 2.0
 NODE_WAIT_POLL_S = 0.05  # how often a request waiting for a healthy node looks again
+PEER_METRICS_TIMEOUT_S = 2.0
 
 
 class AttemptLost(Exception):
@@ -107,6 +109,8 @@ class Router:
         self.migrations = 0  # requests moved to another decode node (each move counts)
         self.metrics = RouterMetrics(model.name, lambda: len(self._queue), lambda: len(self.requests),
                                      lambda: list(self.pool.nodes.values()))
+        # the other router processes' /metrics text (a service of several: deploy/router_actor.py)
+        self.peer_metrics: Callable[[], Awaitable[list[bytes]]] | None = None
         self.http: HttpServer | None = None
         self.grpc_port: int | None = None  # bound ports, once serving
         self.http_port: int | None = None
@@ -125,7 +129,7 @@ class Router:
         await self._server.start()
         if http_port is not None:
             self.http = HttpServer(build_app(self), self.config.tls_cert, self.config.tls_key)
-            self.http_port = await self.http.start(host, http_port)
+            self.http_port = await self.http.start(host, http_port, reuse_port=self.config.processes > 1)
         self._serving = True
         tls = "TLS" if self.config.tls_cert else "plain text"
         log.info("router %s serving %s on %s port %d (gRPC, %s)", self.router_id, self.model.name, host, bound, tls)
@@ -461,8 +465,8 @@ class Router:
                                            f"{item.index} of a request of {len(st.choices)}")
         ch = st.choices[item.index]
         st.steps, st.accepted = st.steps + item.steps, st.accepted + item.accepted
-        if item.error is not None:  # the node ended every choice of this attempt
-            for c in st.choices:
+        if item.error is not None and not item.malformed:  # the node ended every choice of this attempt
+            for c in st.choices:  # (an item refused here: the node may still hold it, Abort goes)
                 c.node_done = True
         ch.node_done = ch.node_done or item.finish_reason is not None
         st.decode_live = not all(c.node_done for c in st.choices)
@@ -470,11 +474,13 @@ class Router:
             return  # the router ended this choice already: late tokens
         st.set_prompt_logprobs(item.prompt_logprobs)  # a colocated node's first item
         complete = self._add_tokens(st, item.tokens, item.logprobs, item.index)
-        if ch.text.stopped:
+        if ch.text.stopped and ch.finish_reason is None:
             st.finish_choice(ch.index, "stop")
-        elif item.error is not None:  # D gave up on this attempt (its KV never came, ...): move it
-            assert st.decode is not None
+        if item.error is not None and not st.done:  # D gave up on this attempt (its KV never came, ...)
+            assert st.decode is not None  # or sent an item refused here: move it
             raise AttemptLost(f"{st.decode.kind} node {st.decode.address}: {item.error}")
+        if ch.finish_reason is not None:
+            pass  # ended here already (a stop string, or earlier)
         elif item.finish_reason is not None:
             st.finish_choice(ch.index, item.finish_reason)
         elif complete:
@@ -583,6 +589,19 @@ class Router:
         self.metrics.ended(st)
         self._queue.wake_one()
 
+    async def metrics_text(self) -> tuple[bytes, str]:
+        """`/metrics`: this process's figures, plus the other router processes' (summed) when the
+        service runs several; a process that does not answer in PEER_METRICS_TIMEOUT_S is left out."""
+        body, content_type = self.metrics.exposition()
+        if self.peer_metrics is None:
+            return body, content_type
+        try:
+            others = await asyncio.wait_for(self.peer_metrics(), PEER_METRICS_TIMEOUT_S)
+        except Exception as e:  # a peer restarting: this process's figures, and say so in the log
+            log.warning("other router processes' metrics not read: %r", e)
+            return body, content_type
+        return merge_expositions(body, others), content_type
+
     # ---- Abort / Health / ListModels ------------------------------------------------------
     def health(self, nodes: bool = False) -> pdserve_pb2.HealthResponse:
         """Serving or not, and the counts; `nodes`: every node's last Status too (free KV blocks,
@@ -619,6 +638,16 @@ def _node_health(node: Node) -> pdserve_pb2.NodeHealth:
         out.running_requests, out.queued_prompt_tokens = s.running, s.queued_tokens
         out.shared_kv_blocks = s.shared_blocks
     return out
+
+
+def freeze_heap() -> None:
+    """Exclude everything alive now (the model info, the tokenizer, imported modules: hundreds of
+    thousands of objects) from the garbage collector's full passes, as vLLM's API server does.
+    Call once in a router's own process when it serves: each full collection otherwise walks that
+    heap (~100 ms with SmolLM2's tokenizer), stalling every stream, and at saturation full
+    collections come every few seconds."""
+    gc.collect()
+    gc.freeze()
 
 
 def prefix_options(config: RouterConfig, block_size: int) -> dict[str, Any]:

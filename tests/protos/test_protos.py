@@ -17,6 +17,7 @@ from protos.messages import (
     TokenLogprobs,
     pack_meta,
     pack_outputs,
+    read_outputs,
     unpack_meta,
     unpack_outputs,
 )
@@ -86,3 +87,31 @@ def test_garbage_and_oversized_are_rejected():
         unpack_outputs(b"\x00" * (65 << 20), VOCAB)
     with pytest.raises(MessageError, match="out of range"):
         unpack_outputs(pack_outputs([OutputItem("a", [VOCAB])]), VOCAB)
+
+
+def test_a_bad_item_that_names_its_request_becomes_its_error_and_the_others_are_read():
+    good = [OutputItem("a", [1, 2], 2, lps(2, 2)), OutputItem("c", [3], None, None, "length", steps=1)]
+    objs = [good[0].to_obj(), {**good[1].to_obj(), "rid": "b", "toks": [VOCAB]}, good[1].to_obj()]
+    data = msgpack.packb({"v": 1, "kind": "outputs", "items": objs}, use_bin_type=True)
+    a, b, c = read_outputs(data, VOCAB)
+    assert a == good[0] and c == good[1] and not a.malformed
+    assert b.request_id == "b" and b.malformed and not b.tokens and "out of range" in b.error
+    with pytest.raises(MessageError):  # the strict reader refuses the batch
+        unpack_outputs(data, VOCAB)
+    for nameless in ({**objs[1], "rid": 5}, [1, 2], {"toks": [1]}, {**objs[1], "rid": ""}):
+        data = msgpack.packb({"v": 1, "kind": "outputs", "items": [objs[0], nameless]}, use_bin_type=True)
+        with pytest.raises(MessageError):  # nobody to give the error to: the batch is refused
+            read_outputs(data, VOCAB)
+
+
+def test_the_choice_index_and_prompt_logprobs_are_read_by_exact_type():
+    item = OutputItem("a", [1], index=2, num_prompt_logprobs=1, prompt_logprobs=lps(3, 1))
+    assert unpack_outputs(pack_outputs([item]), VOCAB) == [item]
+    obj = item.to_obj()
+    for bad in ({"idx": True}, {"idx": 2.0}, {"idx": 16}, {"plp_n": True}, {"plp_top": 1.0},
+                {"plp": [[-0.5, True, -0.5], [1, 1, 1], [1, 2, 3], [-0.5] * 3]}):
+        data = msgpack.packb({"v": 1, "kind": "outputs", "items": [{**obj, **bad}]}, use_bin_type=True)
+        with pytest.raises(MessageError):
+            unpack_outputs(data, VOCAB)
+        (refused,) = read_outputs(data, VOCAB)  # the router's reader: that request's error only
+        assert refused.malformed and refused.request_id == "a" and refused.error and refused.index == 0

@@ -24,6 +24,8 @@ FakeDecode:
   - `pause_after=n`: a request stops after n tokens (first token included) until `resume()`.
   - `fail_transfers=n`: the next n first-token messages end their request with an error item,
     as a real D does when the KV transfer fails (its prefill node died mid-transfer).
+  - `corrupt=n`: in each of the next n steps, the first request's item carries a token id
+    outside the vocabulary (a broken or hostile node), the step's other items are intact.
   - `die()` stops the server at once (streams break); `start(port)` can bring a new one up
     at the same address. Status can be told to report `free_blocks_report` instead of the
     real count (least-load tests) and `report_unhealthy`.
@@ -129,6 +131,7 @@ class FakeDecode(_Server, node_pb2_grpc.DecodeControlServicer):
         self.k = num_speculative_tokens
         self.refuse = False
         self.fail_transfers = 0
+        self.corrupt = 0
         self.reserve_gate: asyncio.Event | None = None  # Reserve decides, then waits for it
         self.free_blocks_report: int | None = None
         self.report_unhealthy = False
@@ -252,7 +255,11 @@ class FakeDecode(_Server, node_pb2_grpc.DecodeControlServicer):
                 self.changed()
                 await self._work.wait()
                 continue
-            self._publish([self._advance(s) for s in seqs])
+            items = [self._advance(s) for s in seqs]
+            if self.corrupt > 0:
+                self.corrupt -= 1
+                items[0].tokens = [*items[0].tokens, VOCAB + 7]
+            self._publish(items)
             self.changed()
             await asyncio.sleep(0)
 

@@ -71,3 +71,21 @@ def test_bpe_tokenizer_deltas_concatenate_to_decode():
     assert "".join(deltas) == tok.decode(ids) == text
     stopped = TextStream(tok, ("wörld",))
     assert "".join(feed(stopped, ids)) == "héllo 世界 🙂 " and stopped.stopped
+
+
+def test_tokens_added_in_batches_give_the_text_of_one_by_one():
+    """add_many (the router's path without stop strings) releases, over a request, exactly what
+    token-by-token adding does: decode(all ids), never a broken character."""
+    import random
+
+    tok = ByteTokenizer()
+    ids = list("héllo 世界 🙂 ñ, done".encode())
+    rng = random.Random(0)
+    for _ in range(20):
+        s, out, i = TextStream(tok), [], 0
+        while i < len(ids):
+            n = rng.randint(1, 4)
+            out.append(s.add_many(ids[i : i + n]))
+            i += n
+        out.append(s.finish())
+        assert "".join(out) == tok.decode(ids) and not any("\ufffd" in piece for piece in out)

@@ -326,3 +326,39 @@ async def test_prefill_nodes_gone_while_a_reservation_waited_make_it_wait_not_fa
         assert text(msgs) == "chel" and msgs[-1].finished.reason == "length"
         assert len(d.reserves) == 2
         await c.settled()
+
+
+async def test_a_malformed_item_in_a_batch_moves_its_request_only():
+    """One request's item of a multiplexed output batch is bad (a token outside the vocabulary):
+    that item is refused and its request moves (prompt + tokens sent, recomputed; D gets an Abort
+    for the attempt), while the batch's other requests and the node go on untouched."""
+    async with cluster(decode={"pause_after": 3}) as c:
+        d0 = c.decode[0]
+        streams = [c.client.stream(build_request("ab", max_tokens=12)) for _ in range(3)]
+        for s in streams:
+            assert (await s.read()).token_ids == [ord("c")]
+        await d0.until(lambda: len(d0.seqs) == 3 and all(s.generated == 3 for s in d0.seqs.values()))
+        d0.corrupt = 1
+        d0.resume()
+        ends = [[ord("c")] + tokens(await read_to_end(s)) for s in streams]
+        assert all(len(e) == 12 for e in ends) and c.router.migrations == 1
+        assert len(d0.aborts) == 1 and len(d0.admitted) == 4  # the moved request's new attempt
+        assert (await c.client.health()).decode_nodes == 1 and c.router.counts["finished:length"] == 3
+        await c.settled()
+
+
+async def test_a_malformed_item_without_migration_ends_its_request_only():
+    async with cluster(decode={"pause_after": 3}, migrate=False) as c:
+        d0 = c.decode[0]
+        streams = [c.client.stream(build_request("ab", max_tokens=12)) for _ in range(3)]
+        for s in streams:
+            await s.read()
+        await d0.until(lambda: len(d0.seqs) == 3 and all(s.generated == 3 for s in d0.seqs.values()))
+        d0.corrupt = 1
+        d0.resume()
+        ends = [await read_to_end(s) for s in streams]
+        errors = [e[-1].error for e in ends if e[-1].HasField("error")]
+        assert len(errors) == 1 and errors[0].code == "UNAVAILABLE" and "malformed output item" in errors[0].message
+        assert c.router.counts["finished:length"] == 2 and len(d0.aborts) == 1
+        assert (await c.client.health()).decode_nodes == 1
+        await c.settled()

@@ -1,0 +1,148 @@
+"""`bench serve`'s client: one request sent and timed (`sender`), and a rate's requests offered
+(`offer`: Poisson arrivals, bounded concurrency), from this process.
+
+A request's tokens are counted as its messages bring them: gRPC stream messages carry token ids,
+SSE events of the `openai` client one logprob entry per token (`logprobs=0` is asked for that).
+`Result.chunks` counts the messages that carried tokens.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import math
+import os
+import random
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass
+class Item:
+    prompt: str | list[int]
+    output_len: int
+
+
+@dataclass
+class Result:
+    ok: bool = False
+    error: str = ""
+    ttft: float = 0.0
+    e2e: float = 0.0
+    tokens: int = 0
+    chunks: int = 0  # messages that carried tokens (SSE events, gRPC stream messages)
+    itl: list[float] = field(default_factory=list)
+
+
+async def load(args: argparse.Namespace, items: list[Item], rate: float, bar: Any) -> list[Result]:
+    send, close = sender(args)
+    try:
+        return await offer(args, items, rate, send, bar)
+    finally:
+        await close()
+
+
+def sender(args: argparse.Namespace) -> tuple[Any, Any]:
+    """(send, close): `send(item)` makes one request to the target and times it."""
+    key = getattr(args, "api_key", None) or os.environ.get("PDSERVE_API_KEY")
+    ca = args.tls_ca
+    return _http_sender(args.base_url, key, ca) if args.base_url else _grpc_sender(args.router, key, ca)
+
+
+async def offer(args: argparse.Namespace, items: list[Item], rate: float, send: Any, bar: Any) -> list[Result]:
+    """Send every item (Poisson arrivals at `rate`, at most `max_concurrency` in flight)."""
+    rng = random.Random(args.seed + 1)
+    limit = asyncio.Semaphore(args.max_concurrency or len(items))
+
+    async def one(item: Item) -> Result:
+        async with limit:
+            res = await send(item)
+        bar.update(1)
+        return res
+
+    tasks = []
+    for item in items:
+        tasks.append(asyncio.create_task(one(item)))
+        if math.isfinite(rate):
+            await asyncio.sleep(rng.expovariate(rate))
+    return list(await asyncio.gather(*tasks))
+
+
+def _grpc_sender(address: str, api_key: str | None, tls_ca: str | None) -> Any:
+    from router.client import RouterClient, build_request
+
+    client = RouterClient(address, api_key, tls_ca)
+
+    async def send(item: Item) -> Result:
+        req = build_request(item.prompt, chat=isinstance(item.prompt, str), max_tokens=item.output_len,
+                            ignore_eos=True)
+        res, clock = Result(), _Clock()
+        try:
+            async for msg in client.responses(req):
+                clock.tokens(res, len(msg.token_ids))
+                if msg.HasField("error"):
+                    res.error = f"{msg.error.code}: {msg.error.message}"
+            res.ok = not res.error
+        except Exception as e:
+            res.error = str(e)
+        res.e2e = clock.now()
+        return res
+
+    return send, client.close
+
+
+def _http_sender(base_url: str, api_key: str | None, tls_ca: str | None) -> Any:
+    import ssl
+
+    import openai
+
+    http = None  # https with the system's roots, or with this CA:
+    if tls_ca and tls_ca != "system":
+        http = openai.DefaultAsyncHttpxClient(verify=ssl.create_default_context(cafile=tls_ca))
+    client = openai.AsyncOpenAI(base_url=base_url.rstrip("/") + "/v1", api_key=api_key or "none", max_retries=0,
+                                http_client=http)
+
+    async def send(item: Item) -> Result:
+        res, clock = Result(), _Clock()
+        try:
+            stream = await client.completions.create(
+                model="", prompt=item.prompt, max_tokens=item.output_len, temperature=0, stream=True,
+                logprobs=0, extra_body={"ignore_eos": True})
+            async for chunk in stream:
+                lps = chunk.choices[0].logprobs if chunk.choices else None
+                clock.tokens(res, len(lps.tokens or []) if lps else 0)  # one logprob entry per token
+            res.ok = True
+        except Exception as e:
+            res.error = str(e)
+        res.e2e = clock.now()
+        return res
+
+    return send, client.close
+
+
+class _Clock:
+    def __init__(self) -> None:
+        self.start = self.last = time.perf_counter()
+
+    def now(self) -> float:
+        return time.perf_counter() - self.start
+
+    def tokens(self, res: Result, n: int) -> None:
+        if n <= 0:
+            return
+        t = time.perf_counter()
+        res.chunks += 1
+        if res.tokens == 0:
+            res.ttft, n = t - self.start, n - 1
+            res.tokens = 1
+        if n > 0:
+            res.itl += [(t - self.last) / n] * n
+            res.tokens += n
+        self.last = t
+
+
+def counts(results: list[Result]) -> tuple[int, int]:
+    """Output tokens and chunks of the requests that succeeded."""
+    ok = [r for r in results if r.ok]
+    return sum(r.tokens for r in ok), sum(r.chunks for r in ok)
