@@ -19,10 +19,10 @@ from typing import Any
 
 import numpy as np
 import torch
-from gguf import GGUFReader
 from gguf.quants import dequantize
 
 from engine.config import ArchConfig
+from engine.gguf_file import GGUFFile
 
 # llama.cpp architecture name -> HF model_type. Mistral GGUFs say "llama".
 SUPPORTED_ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
@@ -54,18 +54,18 @@ _GLOBAL_RE = re.compile(r"^([a-z_]+)\.(weight|bias)$")
 END_OF_TURN_MARKERS = ("<|im_end|>", "<|eot_id|>", "<|end|>", "<end_of_turn>")
 
 
-def open_gguf(path: str) -> GGUFReader:
-    """Memory-map a GGUF file (reads the header and metadata only)."""
-    return GGUFReader(path)
+def open_gguf(path: str) -> GGUFFile:
+    """Memory-map a GGUF file (reads the header and metadata only: engine/gguf_file.py)."""
+    return GGUFFile(path)
 
 
-def read_field(reader: GGUFReader, key: str, default: Any = None) -> Any:
+def read_field(reader: GGUFFile, key: str, default: Any = None) -> Any:
     """A metadata value as a Python object (str, int, float, list), or `default`."""
-    field = reader.fields.get(key)
-    return default if field is None else field.contents()
+    value = reader.fields.get(key)
+    return default if value is None else value
 
 
-def gguf_architecture(reader: GGUFReader) -> str:
+def gguf_architecture(reader: GGUFFile) -> str:
     arch = read_field(reader, "general.architecture")
     if arch not in SUPPORTED_ARCHITECTURES:
         raise ValueError(
@@ -74,7 +74,7 @@ def gguf_architecture(reader: GGUFReader) -> str:
     return str(arch)
 
 
-def gguf_eos_token_ids(reader: GGUFReader) -> tuple[int, ...]:
+def gguf_eos_token_ids(reader: GGUFFile) -> tuple[int, ...]:
     """The ids that end generation: EOS, EOT/EOM when the file names them, and the
     end-of-turn marker its chat template uses (SmolLM2's `<|im_end|>`)."""
     ids: list[int] = []
@@ -90,7 +90,7 @@ def gguf_eos_token_ids(reader: GGUFReader) -> tuple[int, ...]:
     return tuple(dict.fromkeys(ids))
 
 
-def arch_config_from_gguf(reader: GGUFReader) -> ArchConfig:
+def arch_config_from_gguf(reader: GGUFFile) -> ArchConfig:
     """Build the ArchConfig from `{arch}.*` and `tokenizer.ggml.*` metadata."""
     arch = gguf_architecture(reader)
     _reject_rope_scaling(reader, arch)
@@ -124,7 +124,7 @@ def _f32(value: float) -> float:
     return float(str(np.float32(value)))
 
 
-def _reject_rope_scaling(reader: GGUFReader, arch: str) -> None:
+def _reject_rope_scaling(reader: GGUFFile, arch: str) -> None:
     scaling = read_field(reader, f"{arch}.rope.scaling.type", "none")
     has_freqs = any(t.name == "rope_freqs.weight" for t in reader.tensors)
     if scaling != "none" or has_freqs:
@@ -167,7 +167,7 @@ def dequantize_tensor(tensor: Any) -> np.ndarray:
     return values.reshape(shape)
 
 
-def load_gguf_tensors(reader: GGUFReader, config: ArchConfig) -> dict[str, torch.Tensor]:
+def load_gguf_tensors(reader: GGUFFile, config: ArchConfig) -> dict[str, torch.Tensor]:
     """Every tensor of the file, dequantized to fp32, HF-named, Q/K un-permuted for llama."""
     from tqdm import tqdm
 
