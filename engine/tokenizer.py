@@ -109,7 +109,7 @@ class Tokenizer:
 
     @classmethod
     def from_gguf_metadata(cls, reader: Any) -> Tokenizer:
-        """From a `gguf.GGUFReader`'s `tokenizer.ggml.*` metadata (byte-level BPE only)."""
+        """From a GGUF file's `tokenizer.ggml.*` metadata (engine/gguf_file.py; byte-level BPE only)."""
         kind = read_field(reader, "tokenizer.ggml.model")
         if kind != "gpt2":
             raise ValueError(
