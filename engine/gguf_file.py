@@ -114,13 +114,16 @@ class _Cursor:
     def error(self, what: str) -> ValueError:
         return ValueError(f"bad GGUF file {self.path!r} at byte {self.pos}: {what}")
 
+    def room(self, n: int, what: str) -> None:
+        """Raise unless `n` bytes follow `pos`."""
+        if n < 0 or self.pos + n > self.size:
+            raise self.error(f"{what} needs {n} bytes, the file ends {self.size - self.pos} bytes on")
+
     def need(self, n: int, what: str) -> int:
         """Check that `n` bytes follow; return where they start and step over them."""
-        start = self.pos
-        if n < 0 or start + n > self.size:
-            raise self.error(f"{what} needs {n} bytes, the file ends {self.size - start} bytes on")
-        self.pos = start + n
-        return start
+        self.room(n, what)
+        self.pos += n
+        return self.pos - n
 
     def scalar(self, fmt: struct.Struct, what: str) -> Any:
         return fmt.unpack_from(self.buf, self.need(fmt.size, what))[0]
@@ -132,8 +135,7 @@ class _Cursor:
 
     def strings(self, count: int, what: str) -> list[str]:
         """`count` strings in a row: the hot loop for tokenizer vocabularies (one pass)."""
-        self.need(8 * count, what)  # each is at least its length word: refuse absurd counts early
-        self.pos -= 8 * count
+        self.room(8 * count, what)  # each is at least its length word: refuse absurd counts early
         buf, size, pos, unpack = self.buf, self.size, self.pos, _U64.unpack_from
         raw: list[bytes] = []
         for _ in range(count):
@@ -201,8 +203,7 @@ def _read_array(cursor: _Cursor, key: str, depth: int) -> list[Any]:
     if kind == VT.STRING:
         return cursor.strings(count, f"items of {key!r}")
     if kind == VT.ARRAY:
-        cursor.need(12 * count, f"items of {key!r}")  # each nested array has its type and length
-        cursor.pos -= 12 * count
+        cursor.room(12 * count, f"items of {key!r}")  # each nested array has its type and length
         return [x for _ in range(count) for x in _read_array(cursor, key, depth + 1)]
     raise cursor.error(f"unknown item type {kind} in {key!r}")
 
