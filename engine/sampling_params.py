@@ -11,6 +11,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from engine.structured import StructuredSpec
+
 MAX_LOGPROBS = 20
 
 
@@ -31,6 +33,7 @@ class SamplingParams:
     n: int = 1  # choices sampled from one prompt, sharing its KV blocks
     prompt_logprobs: int | None = None  # 0..20: logprobs of the prompt's tokens (+ top-n)
     resumed_tokens: int = 0  # a moved request: its prompt's last tokens were output (penalties count them)
+    structured: StructuredSpec | None = None  # the output must match this (engine/grammar.py)
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.temperature < math.inf:  # NaN and inf too: nothing to sample from
