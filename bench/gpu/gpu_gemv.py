@@ -9,7 +9,9 @@ First the fused kernel of kernels/linear.py against the composition it replaces,
 `--draft`: only the draft heads of an FR-Spec vocabulary (the MTP's argmax GEMM over N = 32768 or
 16384 rows of the LM head), fused against cuBLAS + argmax and swept over the tile configurations
 (SPLIT 1: the argmax needs whole sums), with the best per shape as `tile_config` would return it.
-Usage: python bench/gpu/gpu_gemv.py [--sweep | --draft]
+`--prefill`: the short-prefill sizes (M = 128, 256) of both shapes, cuBLAS against the kernel over
+row tiles BM too (kernels.linear.MAX_BM), to choose the tiles prefill steps of a few hundred tokens take.
+Usage: python bench/gpu/gpu_gemv.py [--sweep | --draft | --prefill]
 """
 
 from __future__ import annotations
@@ -84,7 +86,11 @@ def _error(y: torch.Tensor, ref: torch.Tensor, argmax: bool) -> float:
     return ((y.float() - ref).norm() / ref.norm()).item()
 
 
-def case(name: str, k: int, n: int, m: int, argmax: bool = False) -> dict:
+PREFILL_CONFIGS = [dict(BN=bn, BK=bk, SPLIT=s, BM=bm) for bm, bn, bk, s
+                   in itertools.product((64, 128), (16, 32, 64, 128), (64, 128), (1, 2, 4, 8))]
+
+
+def case(name: str, k: int, n: int, m: int, argmax: bool = False, configs: list[dict] | None = None) -> dict:
     copies = max(2, -(-(120 << 20) // (k * n * 2)))
     ws_list = [torch.randn(n, k, device=DEV, dtype=DT) * 0.05 for _ in range(copies)]
     x = torch.randn(m, k, device=DEV, dtype=DT)
@@ -93,13 +99,16 @@ def case(name: str, k: int, n: int, m: int, argmax: bool = False) -> dict:
         run, configs = sweep_argmax, ARGMAX_CONFIGS
         cublas = graph_us(lambda: [F.linear(x, w).argmax(-1) for w in ws_list], copies)
     else:
-        run, configs = sweep, CONFIGS
+        run, configs = sweep, configs or CONFIGS
         cublas = graph_us(lambda: [F.linear(x, w) for w in ws_list], copies)
     bytes_ = k * n * 2
     best = (float("inf"), None)
     for c in configs:
         if c["SPLIT"] * c["BK"] > k:
             continue
+        if "BM" in c:
+            import kernels.linear as kl
+            kl.MAX_BM = c["BM"]
         y = run(x, ws_list[0], c)
         err = _error(y, ref, argmax)
         if not err < 1e-2:
@@ -160,7 +169,7 @@ def print_sweep(rows: list[dict]) -> None:
     for r in rows:
         c = r["config"] or {}
         print(f"{r['case']:22} | {r['M']:<2} | {r['cublas_us']:9.2f} | {r['cublas_tb_s']:4.2f} | {r['triton_us']:9.2f} "
-              f"| {r['triton_tb_s']:4.2f} | BN={c.get('BN')} BK={c.get('BK')} split={c.get('SPLIT')}")
+              f"| {r['triton_tb_s']:4.2f} | BN={c.get('BN')} BK={c.get('BK')} split={c.get('SPLIT')} BM={c.get('BM', '-')}")
 
 
 def print_fused(rows: list[dict]) -> None:
@@ -180,6 +189,10 @@ def draft_heads() -> None:
 
 
 def main() -> int:
+    if "--prefill" in sys.argv:
+        shapes = [s for s in SHAPES if "head" not in s and "gate_up" not in s]
+        print_sweep([case(name, *SHAPES[name], m, configs=PREFILL_CONFIGS) for name in shapes for m in (128, 256)])
+        return 0
     if "--draft" in sys.argv:
         draft_heads()
         return 0
