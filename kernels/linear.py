@@ -39,7 +39,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from kernels import gemm_glu, gemm_splitk
+from kernels import gemm_glu
 from kernels._dispatch import invariant, use_triton
 from kernels.activation import silu_and_mul, silu_and_mul_ref
 from kernels.norm import rms_norm, rms_norm_ref
@@ -284,29 +284,9 @@ def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None, norm
         return linear_triton(x, w, b, norm, residual)
     if norm is not None and use_triton(x, w):
         x, norm = rms_norm(x, *norm), None
-    if b is None and _split_k(x, w):
-        return _splitk(x, w, residual)
     if residual is not None and b is None and x.is_cuda and not invariant():
         return _addmm(x, w, residual)
     return linear_ref(x, w, b, norm, residual)
-
-
-def _split_k(x: torch.Tensor, w: torch.Tensor) -> bool:
-    """Whether a short prefill step's GEMM takes kernels/gemm_splitk.py (PDSERVE_SPLITK_MAX_M rows)."""
-    m = x.numel() // x.shape[-1]
-    return (FUSED_MAX_M < m <= gemm_splitk.MAX_M and x.is_cuda and not invariant() and not torch.is_grad_enabled()
-            and gemm_splitk.usable(_rows(x), w))
-
-
-def _splitk(x: torch.Tensor, w: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:
-    """residual + x @ w.T through the split-K kernel, into `residual` in place when it is contiguous."""
-    n = w.shape[0]
-    if residual is None:
-        return gemm_splitk.splitk_gemm(_rows(x), w).view(*x.shape[:-1], n)
-    r2 = residual.reshape(-1, n)
-    inplace = r2.data_ptr() == residual.data_ptr() and r2.is_contiguous()
-    y = gemm_splitk.splitk_gemm(_rows(x), w, r2, out=r2 if inplace else None)
-    return residual if inplace else y.view(*residual.shape[:-1], n)
 
 
 def _addmm(x: torch.Tensor, w: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
