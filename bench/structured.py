@@ -53,6 +53,7 @@ def run(args: argparse.Namespace) -> int:
         from bench.structured_local import run_local
 
         report = run_local(args, items)
+    report["runs"] = {name: _scored(items, r) for name, r in report["runs"].items()}
     report.update(schemas=len(items), schemas_file=Path(args.schemas).name, max_tokens=args.max_tokens,
                   temperature=args.temperature)
     print_table(report)
@@ -66,6 +67,12 @@ def load_items(path: str, limit: int | None) -> list[dict]:
     if not items or not all({"name", "prompt", "schema"} <= set(i) for i in items):
         raise ValueError(f"{path}: want a non-empty list of {{name, prompt, schema}}")
     return items  # type: ignore[no-any-return]
+
+
+def _scored(items: list[dict], run: dict) -> dict[str, Any]:
+    """A run's `texts` and `tokens` (one per item) replaced by their scores."""
+    run = dict(run)
+    return {**score(items, run.pop("texts"), run.pop("tokens")), **run}
 
 
 def score(items: list[dict], texts: list[str], tokens: list[int]) -> dict[str, Any]:
@@ -87,6 +94,7 @@ def score(items: list[dict], texts: list[str], tokens: list[int]) -> dict[str, A
 
 # ---- a running server --------------------------------------------------------------------------
 def run_http(args: argparse.Namespace, items: list[dict]) -> dict[str, dict]:
+    """Every item non-streaming, then streaming: per run the texts, output tokens and seconds."""
     import openai
 
     client = openai.OpenAI(base_url=args.base_url.rstrip("/") + "/v1", api_key=args.api_key or "none",
@@ -97,10 +105,9 @@ def run_http(args: argparse.Namespace, items: list[dict]) -> dict[str, dict]:
         start = time.perf_counter()
         with ThreadPoolExecutor(max(1, args.concurrency)) as pool:
             answers = list(pool.map(lambda item, s=stream: _ask(client, model, item, s, args), items))
-        runs[name] = {**score(items, [a[0] for a in answers], [a[1] for a in answers]),
+        runs[name] = {"texts": [a[0] for a in answers], "tokens": [a[1] for a in answers],
                       "seconds": round(time.perf_counter() - start, 2)}
-        runs[name]["texts"] = [a[0] for a in answers]
-    runs["http_stream"]["same_text_as_http"] = runs["http_stream"].pop("texts") == runs["http"].pop("texts")
+    runs["http_stream"]["same_text_as_http"] = runs["http_stream"]["texts"] == runs["http"]["texts"]
     return runs
 
 

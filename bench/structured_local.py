@@ -5,7 +5,7 @@ Runs the single-process engine four times over the same chat-templated prompts: 
 tokens and with none, each with every prompt's schema as its `SamplingParams.structured` and
 without. Engine runs and step counting are mtp/acceptance.py's (`run_engine`: each request's
 last step left out, since a stop or the length limit cuts it short). Reports per run the
-bench's scores, and for the k runs the MTP acceptance, accepted drafts / proposed
+outputs' texts and token counts (bench/structured.py scores them), and for the k runs the MTP acceptance, accepted drafts / proposed
 (= sum over full steps of (tokens emitted - 1) / (k x steps)), its share per draft position, and
 whether the outputs equal the k = 0 run's token for token (they must when greedy).
 """
@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from bench.structured import score
 from engine.loader import LoadedModel, load_model
 from engine.sampling_params import SamplingParams
 from engine.structured import StructuredSpec
@@ -38,15 +37,15 @@ def run_local(args: argparse.Namespace, items: list[dict]) -> dict[str, Any]:
         plain = run_engine(loaded, 0, prompts, params, engine_args)
         mtp = run_engine(loaded, args.spec_tokens, prompts, params, engine_args)
         what = "json_schema" if constrained else "free"
-        runs[f"k=0 {what}"] = _row(loaded, items, plain)
-        runs[f"k={args.spec_tokens} {what}"] = {**_row(loaded, items, mtp), **_acceptance(mtp, args.spec_tokens),
+        runs[f"k=0 {what}"] = _row(loaded, plain)
+        runs[f"k={args.spec_tokens} {what}"] = {**_row(loaded, mtp), **_acceptance(mtp, args.spec_tokens),
                                                 "same_tokens_as_k0": mtp.outputs == plain.outputs}
     return {"model": loaded.name, "device": args.device, "spec_tokens": args.spec_tokens, "runs": runs}
 
 
-def _row(loaded: LoadedModel, items: list[dict], stats: RunStats) -> dict[str, Any]:
-    texts = [loaded.tokenizer.decode(out) for out in stats.outputs]
-    return {**score(items, texts, [len(out) for out in stats.outputs]), "seconds": round(stats.seconds, 2)}
+def _row(loaded: LoadedModel, stats: RunStats) -> dict[str, Any]:
+    return {"texts": [loaded.tokenizer.decode(out) for out in stats.outputs],
+            "tokens": [len(out) for out in stats.outputs], "seconds": round(stats.seconds, 2)}
 
 
 def _acceptance(stats: RunStats, k: int) -> dict[str, Any]:
