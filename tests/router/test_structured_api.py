@@ -16,8 +16,9 @@ from protos import node_pb2, pdserve_pb2
 from protos.convert import sampling_from_proto, sampling_to_proto
 from router.client import build_request
 from router.openai_protocol import ChatCompletionRequest, CompletionRequest
+from router.request import RequestState
 from router.structured_api import StructuredError, check_wire
-from router.validate import InvalidRequest, Limits, prepare
+from router.validate import InvalidRequest, Limits, Prepared, prepare
 from tests.router.conftest import TINY
 
 SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 10},
@@ -145,3 +146,15 @@ def test_no_spec_is_none_on_the_node():
     sampling = prepared(None)
     assert sampling.structured == ""
     assert sampling_from_proto(sampling, TINY.config.vocab_size)[0].structured is None
+
+
+def test_a_moved_request_keeps_its_spec():
+    """Migration re-places a request with `resume_sampling`: the spec goes with it, and
+    `resumed_tokens` tells the engine how many of the new prompt's tokens the grammar has seen."""
+    wire = StructuredSpec("regex", "[a-z]+").to_wire()
+    st = RequestState(Prepared("r", [256, 97], node_pb2.Sampling(max_tokens=10, structured=wire), (), None, 60.0),
+                      TINY.tokenizer)
+    st.add_tokens([98, 99], None)
+    moved = st.resume_sampling()
+    assert moved.structured == wire and moved.resumed_tokens == 2 and moved.max_tokens == 8
+    assert sampling_from_proto(moved, TINY.config.vocab_size)[0].structured == StructuredSpec("regex", "[a-z]+")
