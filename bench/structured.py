@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -29,7 +30,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     t = p.add_argument_group("target (one of)")
     t.add_argument("--base-url", default=None, help="a server's HTTP address (OpenAI API), e.g. http://127.0.0.1:8000")
     t.add_argument("--model", default=None, help="in-process: tiny, smollm2, a path")
-    p.add_argument("--api-key", default=None, help="--base-url: the server's API key")
+    p.add_argument("--api-key", default=None, help="--base-url: the server's API key (default: PDSERVE_API_KEY)")
     p.add_argument("--device", default="cpu", help="in-process: cpu, cuda")
     p.add_argument("--dtype", default="auto")
     p.add_argument("--spec-tokens", type=int, default=3, help="in-process: k, draft tokens per step (compared with 0)")
@@ -97,7 +98,7 @@ def run_http(args: argparse.Namespace, items: list[dict]) -> dict[str, dict]:
     """Every item non-streaming, then streaming: per run the texts, output tokens and seconds."""
     import openai
 
-    client = openai.OpenAI(base_url=args.base_url.rstrip("/") + "/v1", api_key=args.api_key or "none",
+    client = openai.OpenAI(base_url=args.base_url.rstrip("/") + "/v1", api_key=args.api_key or os.environ.get("PDSERVE_API_KEY") or "none",
                            max_retries=0, timeout=600)
     model = client.models.list().data[0].id
     runs = {}

@@ -114,6 +114,8 @@ def test_openai_parse_gives_a_parsed_object(service):
     ({"structured_outputs": {"grammar": "root ::= nothing"}}, "grammar does not compile"),
     ({"response_format": {"type": "json_object"}, "guided_choice": ["a"]}, "response_format and guided_choice"),
     ({"guided_json": SCHEMA, "guided_decoding_backend": "xgrammar"}, "guided_decoding_backend"),
+    ({"response_format": {"type": "xml"}}, "response_format.type"),
+    ({"structured_outputs": {"json": False}}, "cannot accept any value"),
 ])
 def test_bad_specs_are_a_400_naming_the_field(service, extra, words):
     with pytest.raises(openai.BadRequestError) as e:
