@@ -19,6 +19,7 @@ is refused with the compiler's message before any node sees it. The token mask i
 
 from __future__ import annotations
 
+import functools
 import re
 from typing import Any, Literal
 
@@ -118,6 +119,7 @@ def _make(field: str, kind: str, value: Any) -> StructuredSpec:
         raise StructuredError(f"{field}: {e}") from None
 
 
+@functools.lru_cache(maxsize=64)  # clients repeat their schemas; failures are not kept
 def check_wire(text: str) -> StructuredSpec | None:
     """The spec a request's `structured` wire string holds ("" = none), checked to compile;
     StructuredError otherwise. Blocks for the compile (and, once, xgrammar's import): call it
