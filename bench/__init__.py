@@ -20,4 +20,6 @@ BENCHES = [
      "prefix routing: TTFT, prefill tokens computed"),
     ("chaos", "bench.chaos", "faults together under load on a local service (node kills, Abort storms, "
      "client cancels, 2x overload): sent / correct / clean error / lost / duplicated / leaked blocks"),
+    ("structured", "bench.structured", "JSON-schema outputs (a server's HTTP API, or in-process k = 0 vs k): "
+     "parsed and schema-valid shares, output tokens, MTP acceptance with and without the constraint"),
 ]

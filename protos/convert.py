@@ -1,8 +1,13 @@
-"""Conversions between node-control protos and engine types, validating every field."""
+"""Conversions between node-control protos and engine types, validating every field.
+
+A `Sampling`'s `structured` is a StructuredSpec's wire string (engine/structured.py): parsed and
+checked here (ValueError, the node's INVALID_ARGUMENT), compiled later by the engine.
+"""
 
 from __future__ import annotations
 
 from engine.sampling_params import MAX_LOGPROBS, SamplingParams
+from engine.structured import StructuredSpec
 from protos import node_pb2
 
 MAX_REQUEST_ID = 256
@@ -32,7 +37,7 @@ def sampling_from_proto(s: node_pb2.Sampling, vocab: int) -> tuple[SamplingParam
         ignore_eos=True, stop_token_ids=stops, presence_penalty=s.presence_penalty,
         frequency_penalty=s.frequency_penalty, repetition_penalty=s.repetition_penalty or 1.0, logit_bias=bias,
         n=s.n or 1, prompt_logprobs=None if s.prompt_logprobs < 0 else s.prompt_logprobs,
-        resumed_tokens=s.resumed_tokens,
+        resumed_tokens=s.resumed_tokens, structured=StructuredSpec.from_wire(s.structured),
     )
     return params, s.seed, stops
 
@@ -45,5 +50,5 @@ def sampling_to_proto(params: SamplingParams, seed: int, stop_ids: tuple[int, ..
         frequency_penalty=params.frequency_penalty, repetition_penalty=params.repetition_penalty,
         logit_bias=dict(params.logit_bias), n=params.n,
         prompt_logprobs=-1 if params.prompt_logprobs is None else params.prompt_logprobs,
-        resumed_tokens=params.resumed_tokens,
+        resumed_tokens=params.resumed_tokens, structured=params.structured.to_wire() if params.structured else "",
     )

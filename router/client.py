@@ -16,6 +16,7 @@ from typing import Any
 
 import grpc
 
+from engine.structured import StructuredSpec
 from protos import pdserve_pb2 as pb
 from protos import pdserve_pb2_grpc
 from router.auth import client_metadata
@@ -38,12 +39,14 @@ def build_request(prompt: str | Sequence[int], *, chat: bool = False, temperatur
                   ignore_eos: bool = False, model: str | None = None, request_id: str = "",
                   timeout_s: float = 0.0, presence_penalty: float = 0.0, frequency_penalty: float = 0.0,
                   repetition_penalty: float = 0.0, logit_bias: dict[int, float] | None = None, n: int = 1,
-                  prompt_logprobs: int | None = None) -> pb.GenerateRequest:
-    """A GenerateRequest from a text prompt (or a list of token ids) and sampling options."""
+                  prompt_logprobs: int | None = None, structured: StructuredSpec | None = None) -> pb.GenerateRequest:
+    """A GenerateRequest from a text prompt (or a list of token ids) and sampling options;
+    `structured`: what the output must match (engine/structured.py)."""
     sampling = pb.SamplingOptions(temperature=temperature, top_p=top_p, top_k=top_k, max_tokens=max_tokens,
                                   stop=list(stop), stop_token_ids=list(stop_token_ids), ignore_eos=ignore_eos,
                                   presence_penalty=presence_penalty, frequency_penalty=frequency_penalty,
-                                  repetition_penalty=repetition_penalty, logit_bias=logit_bias or {}, n=n)
+                                  repetition_penalty=repetition_penalty, logit_bias=logit_bias or {}, n=n,
+                                  structured=structured.to_wire() if structured else "")
     if seed is not None:
         sampling.seed = seed
     if logprobs is not None:

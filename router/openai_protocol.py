@@ -9,7 +9,8 @@ node and holds no request state: the lifecycle (router.py) owns that.
 Accepted as vLLM does: unknown fields are ignored; `suffix` and `best_of` other than 1 or `n`
 are refused with a 400 that names them; `n`, penalties, `logit_bias` and vLLM's
 `prompt_logprobs` go through router/openai_surface.py; vLLM's extras `top_k`, `ignore_eos`,
-`stop_token_ids` and `repetition_penalty` are honoured.
+`stop_token_ids` and `repetition_penalty` are honoured. Structured outputs (`response_format`,
+vLLM's `structured_outputs` and `guided_*`) are read by router/structured_api.py.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from protos import pdserve_pb2 as pb
 from router.client import build_request
 from router.openai_prompt import Entry, PromptInfo
 from router.openai_surface import surface_kwargs
+from router.structured_api import ResponseFormat, StructuredOutputs
 from router.validate import InvalidRequest, encode_messages
 
 INT32_MAX = 2**31 - 1
@@ -55,6 +57,12 @@ class _Sampling(BaseModel):
     repetition_penalty: float | None = None
     logit_bias: dict[str, float] | None = None
     prompt_logprobs: int | None = None
+    response_format: ResponseFormat | None = None  # structured outputs: router/structured_api.py
+    structured_outputs: StructuredOutputs | None = None
+    guided_json: dict[str, Any] | bool | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
 
     def sampling_kwargs(self, max_tokens: int | None, max_model_len: int) -> dict[str, Any]:
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])

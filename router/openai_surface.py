@@ -1,7 +1,8 @@
 """The OpenAI request fields beyond plain sampling, as router/openai_protocol.py reads them:
 `n`, `best_of`, `presence_penalty`, `frequency_penalty`, vLLM's `repetition_penalty`, `logit_bias`
-(JSON keys are token ids as strings) and vLLM's `prompt_logprobs`; and the fields this server
-does not do (`UNSUPPORTED`), refused by name rather than ignored.
+(JSON keys are token ids as strings), vLLM's `prompt_logprobs`, and structured outputs (read by
+router/structured_api.py); and the fields this server does not do (`UNSUPPORTED`), refused by
+name rather than ignored.
 
 Receives the parsed body (pydantic has checked the types); hands `build_request` keyword
 arguments, or raises `InvalidRequest` naming the field. Ranges are checked again on the
@@ -14,14 +15,17 @@ from __future__ import annotations
 from typing import Any
 
 from engine.sampling_params import MAX_LOGPROBS, MAX_N
+from engine.structured import StructuredSpec
+from router.structured_api import StructuredError, spec_of
 from router.validate import InvalidRequest
 
 INT32 = 2**31
 
 
 # Fields vLLM (or OpenAI) take that change what comes back, and pdserve does not do: a 400 names
-# them unless they hold their neutral value. (Structured outputs, `response_format` and vLLM's
-# `guided_*`, are another module's.)
+# them unless they hold their neutral value. Structured outputs (`response_format`, vLLM's
+# `structured_outputs` and `guided_json`/`_regex`/`_choice`/`_grammar`) are router/structured_api.py's;
+# their backend and whitespace knobs are not taken (only null passes).
 UNSUPPORTED: dict[str, tuple[Any, ...]] = {
     "min_p": (0, 0.0), "min_tokens": (0,), "use_beam_search": (False,), "length_penalty": (1, 1.0),
     "bad_words": ([],), "allowed_token_ids": (), "include_stop_str_in_output": (False,),
@@ -30,6 +34,7 @@ UNSUPPORTED: dict[str, tuple[Any, ...]] = {
     "tools": ([],), "functions": ([],), "tool_choice": ("none",), "function_call": ("none",),
     "audio": (), "prediction": (), "continue_final_message": (False,), "add_generation_prompt": (True,),
     "chat_template": (), "documents": (), "modalities": (["text"],),
+    "guided_decoding_backend": (), "guided_whitespace_pattern": (),
 }
 
 
@@ -42,7 +47,7 @@ def check_unsupported(extra: dict[str, Any] | None) -> None:
 
 
 def surface_kwargs(req: Any) -> dict[str, Any]:
-    """build_request's penalty, bias, n and prompt_logprobs arguments from an OpenAI body."""
+    """build_request's penalty, bias, n, prompt_logprobs and structured arguments from an OpenAI body."""
     check_unsupported(req.model_extra)
     n = 1 if req.n is None else req.n
     if not 1 <= n <= MAX_N:
@@ -59,7 +64,15 @@ def surface_kwargs(req: Any) -> dict[str, Any]:
     return {"presence_penalty": _float("presence_penalty", req.presence_penalty),
             "frequency_penalty": _float("frequency_penalty", req.frequency_penalty),
             "repetition_penalty": _float("repetition_penalty", req.repetition_penalty),
-            "logit_bias": _logit_bias(req.logit_bias), "n": n, "prompt_logprobs": req.prompt_logprobs}
+            "logit_bias": _logit_bias(req.logit_bias), "n": n, "prompt_logprobs": req.prompt_logprobs,
+            "structured": _structured(req)}
+
+
+def _structured(req: Any) -> StructuredSpec | None:
+    try:
+        return spec_of(req)
+    except StructuredError as e:
+        raise InvalidRequest(str(e)) from None
 
 
 def _float(name: str, v: float | None) -> float:

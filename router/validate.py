@@ -7,7 +7,8 @@ deadline). Every rule failure raises `InvalidRequest` with a message meant for t
 the router answers INVALID_ARGUMENT and keeps serving. Never talks to a node.
 
 Cheap checks run first (sizes, sampling, ids), so a huge or bad request is refused before
-any tokenization work.
+any tokenization work. A structured-output spec is compiled (router/structured_api.py) in a
+worker thread: the compile, and xgrammar's first import, never block the event loop.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from protos import node_pb2, pdserve_pb2
+from router.structured_api import StructuredError, check_wire
 from router.validate_surface import SurfaceError, check_surface, node_fields
 
 MAX_LOGPROBS = 20
@@ -61,6 +63,8 @@ async def prepare(req: pdserve_pb2.GenerateRequest, tokenizer: Any, eos_ids: tup
                   limits: Limits, rng: random.Random) -> Prepared:
     """Validate and tokenize `req`; raises InvalidRequest."""
     check_cheap(req, tokenizer, limits)
+    if req.sampling.structured:
+        await check_structured(req.sampling.structured)
     prompt_ids = list(req.prompt_token_ids) if req.prompt_token_ids else await tokenize(req, tokenizer)
     if not prompt_ids:
         raise InvalidRequest("the prompt tokenizes to no tokens")
@@ -79,6 +83,14 @@ async def prepare(req: pdserve_pb2.GenerateRequest, tokenizer: Any, eos_ids: tup
     return Prepared(req.request_id or uuid.uuid4().hex, prompt_ids, sampling, tuple(s.stop),
                     s.logprobs if s.HasField("logprobs") else None,
                     req.timeout_s if req.timeout_s > 0 else limits.default_timeout_s)
+
+
+async def check_structured(wire: str) -> None:
+    """The request's structured-output spec parses and compiles (off the loop); InvalidRequest."""
+    try:
+        await asyncio.to_thread(check_wire, wire)
+    except StructuredError as e:
+        raise InvalidRequest(str(e)) from None
 
 
 def check_cheap(req: pdserve_pb2.GenerateRequest, tokenizer: Any, limits: Limits) -> None:

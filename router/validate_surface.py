@@ -1,5 +1,6 @@
 """The OpenAI request surface beyond plain sampling, checked at the router's door: penalties,
-logit_bias, n and prompt_logprobs of a client `SamplingOptions`, and their node `Sampling` form.
+logit_bias, n, prompt_logprobs and the structured-output spec's size of a client `SamplingOptions`,
+and their node `Sampling` form (the spec is compiled by router/validate.py).
 
 Receives the client protobuf (untrusted; the HTTP door has turned OpenAI's JSON into it) and
 raises `InvalidRequest` naming the field at fault; hands router/validate.py the node-side fields.
@@ -13,9 +14,11 @@ import math
 from typing import Any
 
 from engine.sampling_params import MAX_BIAS, MAX_LOGIT_BIAS, MAX_N
+from engine.structured import MAX_SPEC_CHARS
 from protos import pdserve_pb2
 
 MAX_PROMPT_LOGPROBS = 20
+MAX_STRUCTURED_CHARS = 2 * MAX_SPEC_CHARS + 64  # a wire spec: its value JSON-escaped (engine/structured.py)
 
 
 class SurfaceError(ValueError):
@@ -40,10 +43,13 @@ def check_surface(s: pdserve_pb2.SamplingOptions, vocab: int) -> None:
         raise SurfaceError(f"n must be in 1..{MAX_N}, got {s.n}")
     if s.HasField("prompt_logprobs") and not 0 <= s.prompt_logprobs <= MAX_PROMPT_LOGPROBS:
         raise SurfaceError(f"prompt_logprobs must be in 0..{MAX_PROMPT_LOGPROBS}, got {s.prompt_logprobs}")
+    if len(s.structured) > MAX_STRUCTURED_CHARS:
+        raise SurfaceError(f"structured is {len(s.structured)} characters; at most {MAX_STRUCTURED_CHARS}")
 
 
 def node_fields(s: pdserve_pb2.SamplingOptions) -> dict[str, Any]:
     """The node `Sampling` fields of the surface (checked already)."""
     return {"presence_penalty": s.presence_penalty, "frequency_penalty": s.frequency_penalty,
             "repetition_penalty": s.repetition_penalty or 1.0, "logit_bias": dict(s.logit_bias), "n": s.n or 1,
-            "prompt_logprobs": s.prompt_logprobs if s.HasField("prompt_logprobs") else -1}
+            "prompt_logprobs": s.prompt_logprobs if s.HasField("prompt_logprobs") else -1,
+            "structured": s.structured}

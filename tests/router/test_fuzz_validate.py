@@ -4,12 +4,14 @@ and the nodes' own checks of what the router sends (`check_request_id`, `samplin
 Every GenerateRequest the protobuf can carry ends in InvalidRequest or a Prepared that keeps
 every rule the nodes rely on (a non-empty prompt of in-vocabulary ids with room for max_tokens in
 the context, finite non-negative temperature, top_p in (0, 1], logprobs -1 or 0..20, a seed below
-2**63, stop ids in the vocabulary, a finite positive deadline), and whatever the router accepts
-the nodes accept too. Any node Sampling ends in ValueError or sane engine parameters."""
+2**63, stop ids in the vocabulary, a finite positive deadline, a structured-output spec that
+parses and compiles), and whatever the router accepts the nodes accept too. Any node Sampling
+ends in ValueError or sane engine parameters."""
 
 from __future__ import annotations
 
 import asyncio
+import json
 import math
 import random
 
@@ -17,6 +19,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from engine.sampling_params import MAX_LOGPROBS
+from engine.structured import KINDS, StructuredSpec
 from protos import node_pb2, pdserve_pb2
 from protos.convert import check_request_id, sampling_from_proto
 from router.validate import InvalidRequest, Limits, Prepared, prepare
@@ -29,6 +32,10 @@ INT32 = st.sampled_from([0, 1, -1, 20, 21, 63, 64, VOCAB - 1, VOCAB, 2**31 - 1, 
 FLOATS = st.sampled_from([0.0, -0.0, 1.0, 0.5, -1.0, 1.0000001, float("nan"), float("inf"), float("-inf")]) | st.floats(
     width=32)
 IDS = st.lists(st.integers(-2, VOCAB + 2) | INT32, max_size=8)
+STRUCTURED = st.sampled_from(["", StructuredSpec("regex", "[a-z]+").to_wire(), StructuredSpec("json_object").to_wire(),
+                              StructuredSpec.json_schema({"type": "object"}).to_wire(), '["regex", "(("]', "[]",
+                              '["json_schema", "{"]', '["choice", "[]"]', "garbage"]) | st.text(max_size=40) | st.builds(
+    lambda kind, value: json.dumps([kind, value]), st.sampled_from([*KINDS, "x"]), st.text(max_size=20))
 
 
 @st.composite
@@ -43,6 +50,8 @@ def sampling_options(draw: st.DrawFn) -> pdserve_pb2.SamplingOptions:
         s.n = draw(st.sampled_from([0, 1, 2, 16, 17, -1]) | INT32)
         if draw(st.booleans()):
             s.prompt_logprobs = draw(INT32)
+    if draw(st.booleans()):  # structured outputs: a wire spec, well-formed or not
+        s.structured = draw(STRUCTURED)
     if draw(st.booleans()):
         s.seed = draw(st.sampled_from([0, 2**63 - 1, 2**63, 2**64 - 1]) | st.integers(0, 2**64 - 1))
     if draw(st.booleans()):
@@ -77,6 +86,7 @@ def check_prepared(p: Prepared) -> None:
     assert (params.max_tokens, seed, stops) == (s.max_tokens, s.seed, tuple(s.stop_token_ids))
     assert params.n == max(1, s.n) and dict(params.logit_bias) == dict(s.logit_bias)
     assert params.prompt_logprobs == (None if s.prompt_logprobs < 0 else s.prompt_logprobs)
+    assert params.structured == StructuredSpec.from_wire(s.structured)
 
 
 @fuzz_settings(400)
@@ -95,7 +105,7 @@ def test_every_generate_request_is_refused_or_safe_for_the_nodes(req: pdserve_pb
                  seed=st.integers(0, 2**64 - 1), max_tokens=INT32, logprobs=INT32, stop_token_ids=IDS,
                  presence_penalty=FLOATS, frequency_penalty=FLOATS, repetition_penalty=FLOATS,
                  logit_bias=st.dictionaries(st.integers(-2, VOCAB + 2), FLOATS, max_size=3), n=INT32,
-                 prompt_logprobs=INT32, resumed_tokens=INT32),
+                 prompt_logprobs=INT32, resumed_tokens=INT32, structured=STRUCTURED),
        st.text(max_size=300))
 def test_node_side_checks_refuse_or_give_sane_parameters(s: node_pb2.Sampling, rid: str) -> None:
     try:
@@ -114,3 +124,4 @@ def test_node_side_checks_refuse_or_give_sane_parameters(s: node_pb2.Sampling, r
     assert 0 < params.repetition_penalty <= 100 and 1 <= params.n <= 16 and params.resumed_tokens >= 0
     assert all(0 <= t < VOCAB and -100 <= b <= 100 for t, b in params.logit_bias)
     assert params.prompt_logprobs is None or 0 <= params.prompt_logprobs <= MAX_LOGPROBS
+    assert params.structured is None or params.structured.kind in KINDS
