@@ -41,11 +41,11 @@ class StructuredSpec:
 
     @classmethod
     def choice(cls, options: list[str]) -> StructuredSpec:
-        return cls("choice", json.dumps(list(options)))
+        return cls("choice", json.dumps(list(options), ensure_ascii=False))
 
     @classmethod
     def json_schema(cls, schema: dict | bool) -> StructuredSpec:
-        return cls("json_schema", json.dumps(schema, separators=(",", ":")))
+        return cls("json_schema", json.dumps(schema, separators=(",", ":"), ensure_ascii=False))
 
     @property
     def choices(self) -> list[str]:
@@ -54,7 +54,7 @@ class StructuredSpec:
         return list(json.loads(self.value))
 
     def to_wire(self) -> str:
-        return json.dumps([self.kind, self.value])
+        return json.dumps([self.kind, self.value], ensure_ascii=False)
 
     @classmethod
     def from_wire(cls, text: str) -> StructuredSpec | None:
