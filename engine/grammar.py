@@ -65,9 +65,9 @@ def choice_grammar(options: list[str]) -> str:
 class Matcher:
     """One request's place in its grammar: accept tokens, fill the next token's mask, roll back."""
 
-    def __init__(self, compiled: xgr.CompiledGrammar) -> None:
+    def __init__(self, compiled: xgr.CompiledGrammar, stop: list[int], never: frozenset[int]) -> None:
         self._m = xgr.GrammarMatcher(compiled)
-        self._stop = list(compiled.tokenizer_info.stop_token_ids)
+        self._stop, self._never = stop, never  # `never`: control tokens, refused without xgrammar's warning
 
     @property
     def is_terminated(self) -> bool:
@@ -76,7 +76,7 @@ class Matcher:
 
     def accept(self, token: int) -> bool:
         """Advance over `token`; False (state unchanged) when the grammar does not allow it."""
-        return not self.is_terminated and bool(self._m.accept_token(int(token)))
+        return token not in self._never and not self.is_terminated and bool(self._m.accept_token(int(token)))
 
     def fill_mask(self, bitmask: torch.Tensor, index: int) -> None:
         """Row `index` of `bitmask` ([N, W] int32, host) := the tokens allowed next."""
@@ -110,6 +110,8 @@ class GrammarCompiler:
         self.tokenizer, self.vocab_size, self.max_cached = tokenizer, vocab_size, max_cached
         self.stop_ids = None if stop_ids is None else tuple(stop_ids)
         self._xgr: xgr.GrammarCompiler | None = None
+        self._stop: list[int] = []
+        self._never: frozenset[int] = frozenset()
         self._cache: OrderedDict[StructuredSpec, xgr.CompiledGrammar] = OrderedDict()
 
     @property
@@ -130,7 +132,8 @@ class GrammarCompiler:
 
     def matcher(self, spec: StructuredSpec, tokens: Iterable[int] = ()) -> Matcher:
         """A matcher of `spec` that has accepted `tokens` (ValueError when one is not allowed)."""
-        m = Matcher(self.compile(spec))
+        compiled = self.compile(spec)
+        m = Matcher(compiled, self._stop, self._never)
         for i, t in enumerate(tokens):
             if not m.accept(t):
                 raise ValueError(f"token {t} (output position {i}) does not match the structured output {spec.kind}")
@@ -156,4 +159,6 @@ class GrammarCompiler:
         if self._xgr is None:
             info = tokenizer_info(self.tokenizer, self.vocab_size, self.stop_ids)
             self._xgr = xgr.GrammarCompiler(info, max_threads=2, cache_enabled=False)
+            self._stop = list(info.stop_token_ids)
+            self._never = frozenset(info.special_token_ids) - set(self._stop)
         return self._xgr
