@@ -13,10 +13,15 @@ import jsonschema
 import pytest
 import torch
 
+from engine.engine import EngineConfig, LLMEngine
 from engine.grammar import GrammarCompiler, mask_words, tokenizer_info
+from engine.model_runner import ModelRunner
+from engine.sampling_params import SamplingParams
 from engine.structured import StructuredSpec
 from engine.tiny import EOS_ID, ByteTokenizer, tiny_config
 from kernels.token_mask import mask_logits
+from tests.engine.conftest import DEVICE
+from tests.engine.test_engine import OracleDrafts
 
 VOCAB = tiny_config().vocab_size
 
@@ -98,3 +103,181 @@ def test_compiler_cache_is_bounded_and_keyed_by_spec():
 def test_matcher_rejects_replayed_tokens_outside_the_grammar():
     with pytest.raises(ValueError, match="does not match the structured output regex"):
         tiny_compiler().matcher(StructuredSpec("regex", "[0-9]+"), b"12a")
+
+
+# ---------------------------------------------------------------- through the engine
+
+PROMPT = [5, 17, 5, 99, 5, 17, 200, 31]
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 6},
+        "ok": {"type": "boolean"},
+        "n": {"type": "integer", "minimum": 0, "maximum": 99},
+        "color": {"enum": ["red", "green", "blue"]},
+        "tags": {"type": "array", "items": {"type": "string", "maxLength": 3}, "maxItems": 2},
+    },
+    "required": ["name", "ok", "n", "color", "tags"],
+}
+REGEX = r"[a-z]{2,6}@[a-z]{1,5}\.(com|org)"
+CHOICES = ["yes", "no", "maybe not"]
+SPECS = {"regex": StructuredSpec("regex", REGEX), "choice": StructuredSpec.choice(CHOICES),
+         "json": StructuredSpec.json_schema(SCHEMA), "json_object": StructuredSpec("json_object")}
+
+
+def text_of(req) -> str:
+    assert req.finish_reason == "stop" and req.output_ids[-1] == EOS_ID, (req.finish_reason, req.output_ids)
+    # xgrammar's JSON strings take any code point but '"', '\\' and newlines: surrogates and raw
+    # control characters too (a random model finds them), which strict Python parsing refuses
+    return bytes(req.output_ids[:-1]).decode("utf-8", "surrogatepass")
+
+
+def check(kind: str, text: str) -> None:
+    """`text` is what the spec `kind` asks for."""
+    if kind == "regex":
+        assert re.fullmatch(REGEX, text), text
+    elif kind == "choice":
+        assert text in CHOICES
+    else:
+        value = json.loads(text, strict=False)
+        assert isinstance(value, dict)
+        if kind == "json":
+            jsonschema.validate(value, SCHEMA)
+
+
+def params_for(kind: str, **kw) -> SamplingParams:
+    return SamplingParams(max_tokens=kw.pop("max_tokens", 160), structured=SPECS[kind], **kw)
+
+
+def engine(tiny, k: int, **kw) -> LLMEngine:
+    return LLMEngine(tiny, EngineConfig(num_speculative_tokens=k, block_shuffle_seed=7, device=DEVICE, **kw))
+
+
+@pytest.mark.parametrize("kind", ["regex", "choice", "json"])
+def test_greedy_constrained_output_matches_its_spec(tiny, kind):
+    eng = engine(tiny, 0)
+    req = eng.generate([PROMPT], params_for(kind))[0]
+    check(kind, text_of(req))
+    assert eng.num_free_blocks == eng.blocks.capacity
+
+
+def test_json_object_is_a_closed_object(tiny):
+    eng = engine(tiny, 0)
+    req = eng.generate([PROMPT], params_for("json_object", max_tokens=400))[0]
+    if req.finish_reason == "stop":  # a random model may fill an object until max_tokens runs out
+        check("json_object", text_of(req))
+    else:
+        assert req.finish_reason == "length" and bytes(req.output_ids)[:1] == b"{"
+    assert eng.num_free_blocks == eng.blocks.capacity
+
+
+def unconstrained_prompts() -> list[list[int]]:
+    return [[7, 8, 9], [200, 100, 50, 25, 12]]
+
+
+@pytest.mark.parametrize("drafts", ["mtp", "oracle"])
+def test_greedy_mtp_equals_plain_in_a_mixed_batch(tiny, drafts, monkeypatch):
+    kinds = ["json", "regex", "choice"]
+    prompts = [PROMPT, PROMPT[:5], PROMPT[2:]] + unconstrained_prompts()
+    plain_p = SamplingParams(max_tokens=30, ignore_eos=True)
+    params = [params_for(kind, seed=100 + i) for i, kind in enumerate(kinds)]
+    params += [SamplingParams(max_tokens=30, ignore_eos=True, seed=103 + i) for i in range(2)]
+    want = [r.output_ids for r in engine(tiny, 0).generate(prompts, params)]
+    alone = [r.output_ids for r in engine(tiny, 0).generate(unconstrained_prompts(), plain_p)]
+    assert want[3:] == alone  # a constrained neighbour changes nothing for the others
+    if drafts == "oracle":  # drafts that are always right: every verify position's mask decides what is kept
+        oracle = OracleDrafts({100 + i: p + w for i, (p, w) in enumerate(zip(prompts, want, strict=True))})
+        monkeypatch.setattr(ModelRunner, "draft_chain", lambda self, *a: oracle(self, *a))
+    eng = engine(tiny, 3)
+    got = eng.generate(prompts, params)
+    assert [r.output_ids for r in got] == want
+    for kind, r in zip(kinds, got, strict=False):
+        check(kind, text_of(r))
+    if drafts == "oracle":
+        assert all(r.steps < len(r.output_ids) - 1 for r in got)  # drafts were accepted
+    assert eng.num_free_blocks == eng.blocks.capacity and not eng.batch.constrained
+
+
+@pytest.mark.parametrize("k", [0, 3])
+@pytest.mark.parametrize("kind", ["json", "regex", "choice"])
+def test_seeded_sampling_is_constrained(tiny, k, kind):
+    eng = engine(tiny, k)
+    reqs = eng.generate([PROMPT, PROMPT[1:]], [params_for(kind, temperature=1.0, seed=s) for s in (5, 6)])
+    for r in reqs:
+        check(kind, text_of(r))
+    again = engine(tiny, k).generate([PROMPT], params_for(kind, temperature=1.0, seed=5))[0]
+    assert again.output_ids == reqs[0].output_ids  # the seed fixes the tokens
+    assert eng.num_free_blocks == eng.blocks.capacity
+
+
+def test_n_choices_each_follow_their_own_grammar(tiny):
+    eng = engine(tiny, 2)
+    req = eng.generate([PROMPT], params_for("choice", temperature=1.5, seed=9, n=4))[0]
+    for r in (req, *req.children):
+        check("choice", text_of(r))
+    assert eng.num_free_blocks == eng.blocks.capacity
+
+
+def test_max_tokens_ends_a_constrained_request_with_length(tiny):
+    req = engine(tiny, 3).generate([PROMPT], params_for("regex", max_tokens=4))[0]
+    assert req.finish_reason == "length" and len(req.output_ids) == 4
+
+
+@pytest.mark.parametrize("k", [0, 3])
+def test_inserted_with_emitted_tokens_continues(tiny, k):
+    """A decode node's insert: the prefill ran elsewhere; the first token and drafts arrive as host
+    values, the grammar state as (spec, emitted tokens)."""
+    want = engine(tiny, 0).generate([PROMPT], params_for("json"))[0].output_ids
+    eng = engine(tiny, k)
+    eng.add_request(PROMPT, params_for("json"))
+    chunks, reqs = eng._schedule_prefill()
+    out = eng.runner.prefill(chunks)  # the prefill node's part: first token sampled under the grammar
+    req = reqs[0]
+    eng.prefill.drop(req)
+    first = int(out.first_token[0])
+    req.output_ids, req.prompt = [first], []  # a decode node knows the emitted tokens, not the prompt
+    eng.batch.insert(req, first, out.drafts[0].tolist() if out.drafts is not None else None, None)
+    while eng.has_unfinished():
+        eng.step()
+    assert req.output_ids == want
+    assert eng.num_free_blocks == eng.blocks.capacity
+
+
+@pytest.mark.parametrize("k", [0, 3])
+def test_moved_request_resumes_its_grammar_state(tiny, k):
+    """A moved request: its output so far is the end of its new prompt (`resumed_tokens`); the
+    grammar replays it, in prefill (the first token's mask) and in decode."""
+    want = engine(tiny, 0).generate([PROMPT], params_for("json"))[0].output_ids
+    cut = 9
+    moved = params_for("json", resumed_tokens=cut, max_tokens=160 - cut)
+    got = engine(tiny, k).generate([PROMPT + want[:cut]], moved)[0]
+    assert got.output_ids == want[cut:]
+
+
+def test_a_spec_that_does_not_compile_is_refused_at_submit(tiny):
+    with pytest.raises(ValueError, match="structured output regex does not compile"):
+        engine(tiny, 0).add_request(PROMPT, SamplingParams(structured=StructuredSpec("regex", "(ab")))
+
+
+def test_ignore_eos_with_structured_is_a_clear_error():
+    with pytest.raises(ValueError, match="ignore_eos cannot be used with structured output"):
+        SamplingParams(ignore_eos=True, structured=SPECS["regex"])
+
+
+@pytest.mark.parametrize("where", ["insert", "step"])
+def test_a_rejected_emitted_token_ends_the_request_with_an_error(tiny, monkeypatch, where):
+    """A token the grammar refuses (a masking bug) ends its request with an error; the loop goes on."""
+    if where == "insert":  # the replay of the first token fails
+        monkeypatch.setattr("engine.grammar.Matcher.accept", lambda self, t: False)
+    else:  # a decode step's tokens fail
+        monkeypatch.setattr("engine.constrained.ConstrainedRows.advance", lambda self, *a: False)
+    eng = engine(tiny, 2)
+    rid = eng.add_request(PROMPT, SamplingParams(max_tokens=20, structured=SPECS["regex"]))
+    plain = eng.add_request(PROMPT[:4], SamplingParams(max_tokens=6, ignore_eos=True))
+    while eng.has_unfinished():
+        eng.step()
+    reason = eng.requests[rid].finish_reason
+    assert reason is not None and reason.startswith("error: ")
+    assert ("do not match" in reason) == (where == "step")
+    assert len(eng.requests[plain].output_ids) == 6
+    assert eng.num_free_blocks == eng.blocks.capacity and not eng.batch.constrained
