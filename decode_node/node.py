@@ -74,6 +74,11 @@ def owner_of(request_id: str) -> str:
     return head if sep else ""
 
 
+def _resumes_grammar(params: SamplingParams) -> bool:
+    """A moved structured-output request: its grammar state replays the output at its prompt's end."""
+    return params.structured is not None and params.resumed_tokens > 0
+
+
 def publish_to_owners(items: list[OutputItem], streams: list[tuple[queue.SimpleQueue, str]]) -> None:
     """One step's items to the output streams: a stream whose subscriber names an owner gets that
     owner's items and those of no owner (several router processes each get their own requests'
@@ -254,13 +259,14 @@ class DecodeNode(StepLoop):
     def _reserve(self, rid: str, prompt_len: int, params: SamplingParams, seed: int,
                  stop_ids: tuple[int, ...], prompt: list[int] | None) -> Reservation:
         refusal = self._refusal(rid, prompt_len, prompt)
-        if not refusal and (params.penalized or params.n > 1) and not prompt:
-            refusal = "penalties, logit_bias and n > 1 need the prompt's token ids with the reservation"
+        if not refusal and (params.penalized or params.n > 1 or _resumes_grammar(params)) and not prompt:
+            refusal = ("penalties, logit_bias, n > 1 and a moved structured-output request need the prompt's "
+                       "token ids with the reservation")
         if refusal:
             return Reservation(False, refusal)
         max_tokens = min(params.max_tokens, self.max_model_len - prompt_len)
         need = self.blocks.blocks_for(kv_room_needed(prompt_len + max_tokens, self.k))
-        keep = prompt if params.penalized or params.n > 1 else None  # penalties and forks read the prompt
+        keep = prompt if params.penalized or params.n > 1 or _resumes_grammar(params) else None  # they read it
         req = Request(rid, list(keep or []), params, seed, stop_ids, max_tokens, num_prompt_tokens=prompt_len)
         hit = self._admit_group(req, prompt or [], need)
         if hit is None:

@@ -281,3 +281,24 @@ def test_a_rejected_emitted_token_ends_the_request_with_an_error(tiny, monkeypat
     assert ("do not match" in reason) == (where == "step")
     assert len(eng.requests[plain].output_ids) == 6
     assert eng.num_free_blocks == eng.blocks.capacity and not eng.batch.constrained
+
+
+@pytest.mark.smollm2
+def test_smollm2_json_schema_greedy_with_mtp_equals_plain(smollm2):
+    tok = smollm2.tokenizer
+    schema = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12},
+                                               "country": {"enum": ["France", "Italy", "Spain"]},
+                                               "population_millions": {"type": "integer", "minimum": 0,
+                                                                       "maximum": 40}},
+              "required": ["city", "country", "population_millions"]}
+    prompt = tok.encode("The capital of France, as JSON:")
+    params = SamplingParams(max_tokens=48, structured=StructuredSpec.json_schema(schema))
+    outs = []
+    for k in (0, 3):
+        eng = LLMEngine(smollm2, EngineConfig(num_speculative_tokens=k, max_model_len=256, device=DEVICE))
+        req = eng.generate([prompt], params)[0]
+        assert req.finish_reason == "stop" and req.output_ids[-1] in smollm2.eos_token_ids
+        jsonschema.validate(json.loads(tok.decode(req.output_ids)), schema)
+        assert eng.num_free_blocks == eng.blocks.capacity
+        outs.append(req.output_ids)
+    assert outs[0] == outs[1]
