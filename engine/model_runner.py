@@ -41,7 +41,7 @@ from engine.step_output import HostCopy, HostOutputs, StepLayout, astuple_lp
 from kernels._dispatch import batch_invariant
 from kernels.decode_tail import accept_and_advance
 from kernels.step_meta import Meta, step_inputs, uniform_meta
-from kernels.token_mask import mask_logits
+from kernels.token_mask import mask_rows
 
 SPLIT_BLOCKS = 16  # KV blocks per split-KV partition in decode
 FULL_GRID = 264  # programs that fill an H100 twice (132 SMs)
@@ -323,7 +323,7 @@ class ModelRunner:
         if all_greedy and not logprobs and not penalized and not constrained:
             return None, self.model.greedy_ids(hidden).view(r, k1), None
         logits = self.model.compute_logits(hidden, float32=not all_greedy or penalized).view(r, k1, -1)
-        scored = mask_logits(logits, self.state.ensure_grammar_mask()[rows]) if constrained else logits
+        scored = mask_rows(logits, rows, self.state.ensure_grammar_mask()) if constrained else logits
         scored = self.state.penalties.penalize_rows(scored, rows, drafts) if penalized else scored
         return (logits, *self._verify(scored, rows, drafts, sampling, seq))
 
