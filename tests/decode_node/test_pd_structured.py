@@ -1,0 +1,44 @@
+"""Structured output through PrefillNode + DecodeNode (plain objects, kvtransfer `local`): the
+prefill node samples the first token under the grammar, the decode node rebuilds the grammar
+state from (spec, emitted tokens) and goes on; greedy output equals the single-process engine's,
+MTP or not, a constrained request beside an unconstrained one."""
+
+from __future__ import annotations
+
+import pytest
+
+from engine.loader import load_model
+from engine.sampling_params import SamplingParams
+from engine.structured import StructuredSpec
+from tests.decode_node.test_pd_nodes import Pair, reference
+
+SCHEMA = {"type": "object", "properties": {"ok": {"type": "boolean"}, "n": {"type": "integer", "minimum": 0,
+                                                                          "maximum": 9},
+                                           "tag": {"type": "string", "maxLength": 4}},
+          "required": ["ok", "n", "tag"]}
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return load_model("tiny")
+
+
+@pytest.mark.parametrize("k", [0, 3])
+def test_pd_constrained_greedy_equals_single_process(tiny, k):
+    vocab = tiny.model.config.vocab_size
+    prompts = [[5, 6, 7, 8], [9] * 23, [1, 2, 3]]
+    params = [SamplingParams(max_tokens=80, structured=StructuredSpec.json_schema(SCHEMA)),
+              SamplingParams(max_tokens=40, structured=StructuredSpec("regex", "[a-z]{2,5}=[0-9]{1,3}")),
+              SamplingParams(max_tokens=20, ignore_eos=True)]
+    want = reference(tiny, prompts, params)
+    assert want[0][-1] in tiny.eos_token_ids and want[1][-1] in tiny.eos_token_ids  # the grammars ended them
+    pair = Pair(tiny, k)
+    try:
+        firsts = [pair.run(f"s{i}", p, sp, vocab) for i, (p, sp) in enumerate(zip(prompts, params, strict=True))]
+        pair.wait_terminal([f"s{i}" for i in range(len(prompts))])
+        assert [pair.tokens(f"s{i}", f) for i, f in enumerate(firsts)] == want
+        assert not any(it.error for items in pair.outputs.values() for it in items)
+    finally:
+        pair.close()
+    assert pair.decode.blocks.num_free == pair.decode.blocks.capacity
+    assert pair.prefill.blocks.num_free == pair.prefill.blocks.capacity
