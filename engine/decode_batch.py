@@ -134,7 +134,8 @@ class DecodeBatch:
         self.running[req.slot] = req
 
     def step(self) -> list[RequestOutput]:
-        """Launch the next decode step (if any row really runs: `plan`), then read the previous one."""
+        """Launch the next decode step (if any row really runs: `plan`), then read the previous one;
+        while a constrained request runs, read it first and write the launch's grammar masks."""
         previous, outputs = self._inflight, []
         self._release_held()
         if previous is not None and self.constrained:  # constrained mode: read it first (module docstring)

@@ -11,6 +11,10 @@ KV blocks are reserved for a request's whole life at admission (prompt + max_tok
 room; with `enable_prefix_caching` its longest cached prefix is shared and prefill starts after
 it: engine/prefix_cache.py; n > 1 choices share the prompt's blocks: engine/fork.py), so a running request never needs preemption; blocks are freed only after the decode
 step in flight has been collected, so no launched step can write into a reused block.
+
+Structured output (`SamplingParams.structured`, issue 28): the runner's grammar compiler
+(engine/grammar.py) checks a spec at `add_request`; prefill and decode mask the logits with it
+(engine/constrained.py).
 """
 
 from __future__ import annotations

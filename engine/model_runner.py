@@ -209,8 +209,9 @@ class ModelRunner:
         `on_layer(i, ready)` hands out target layer i once its work is queued: `ready` is a CUDA
         event after the layer (a graph replay queues every layer at once), or None when the
         layer is the last work queued. Replays a prefill graph when the step fits one
-        (engine/prefill_graphs.py), else runs the same step eagerly at its exact size.
-        """
+        (engine/prefill_graphs.py), else runs the same step eagerly at its exact size (always
+        with penalties, prompt logprobs or a grammar: a constrained prompt's first token is
+        sampled under its matcher's first mask, engine/constrained.py)."""
         n = sum(c.end - c.start for c in chunks)
         penalties = prefill_penalties([PenaltyInit.of(c.params, c.prompt, []) if c.is_last else None for c in chunks],
                                       self.state.vocab, self.device)
