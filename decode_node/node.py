@@ -74,6 +74,9 @@ def owner_of(request_id: str) -> str:
     return head if sep else ""
 
 
+ERROR_PREFIX = "error: "  # a finish reason that is an error (engine/decode_batch.py)
+
+
 def _resumes_grammar(params: SamplingParams) -> bool:
     """A moved structured-output request: its grammar state replays the output at its prompt's end."""
     return params.structured is not None and params.resumed_tokens > 0
@@ -438,6 +441,8 @@ class DecodeNode(StepLoop):
                                 [[i for i, _ in x.top] for x in t], [[v for _, v in x.top] for x in t])
         item = OutputItem(out.request_id, out.new_token_ids, n if lps else None, lps, out.finish_reason,
                           index=out.index)
+        if out.finish_reason is not None and out.finish_reason.startswith(ERROR_PREFIX):  # e.g. a grammar's
+            item.finish_reason, item.error = None, out.finish_reason[len(ERROR_PREFIX) :]
         if out.prompt_logprobs is not None and req is not None:  # a colocated node's first token
             item.num_prompt_logprobs = req.params.prompt_logprobs
             item.prompt_logprobs = token_logprobs(out.prompt_logprobs)

@@ -82,10 +82,11 @@ class DecodeBatch:
         self._held: list[tuple[torch.cuda.Event | None, list[int]]] = []  # blocks a queued copy still reads
         self.on_finish: Callable[[Request], None] | None = None
         self.constrained = ConstrainedRows(runner)  # grammar matchers of structured-output requests
+        self._ended: list[RequestOutput] = []  # terminal outputs of requests ended at insert: the next step's
 
     @property
     def busy(self) -> bool:
-        return bool(self.running) or self._inflight is not None or bool(self._held)
+        return bool(self.running) or self._inflight is not None or bool(self._held) or bool(self._ended)
 
     def hold_no_sync(self, blocks: list[int]) -> None:
         """Keep a reference on `blocks` until the device work queued so far has run (a fork's
@@ -123,6 +124,7 @@ class DecodeBatch:
                 self.constrained.add(req, drafts)
             except ValueError as e:
                 self.finish(req, f"error: {e}")
+                self._ended.append(RequestOutput(req.group_id, [], [], req.finish_reason, req.index))
                 return
         init = SlotInit(
             seq_len=req.num_prompt_tokens if seq_len is None else seq_len, first_token=first, drafts=drafts, draft_probs=draft_probs,
@@ -136,10 +138,10 @@ class DecodeBatch:
     def step(self) -> list[RequestOutput]:
         """Launch the next decode step (if any row really runs: `plan`), then read the previous one;
         while a constrained request runs, read it first and write the launch's grammar masks."""
-        previous, outputs = self._inflight, []
+        previous, outputs, self._ended = self._inflight, self._ended, []
         self._release_held()
         if previous is not None and self.constrained:  # constrained mode: read it first (module docstring)
-            outputs = self._collect(*previous)
+            outputs += self._collect(*previous)
             self._free_deferred()
             self._inflight = previous = None
         if self._to_insert:
@@ -150,7 +152,7 @@ class DecodeBatch:
             self.constrained.write_masks_no_sync(plan.slots)
         self._inflight = self._launch(plan.slots) if plan.slots else None
         if previous is not None:
-            outputs = self._collect(*previous)
+            outputs += self._collect(*previous)
             self._free_deferred()
         return outputs
 

@@ -10,7 +10,7 @@ import pytest
 from engine.loader import load_model
 from engine.sampling_params import SamplingParams
 from engine.structured import StructuredSpec
-from tests.decode_node.test_pd_nodes import Pair, reference
+from tests.decode_node.test_pd_nodes import Pair, reference, wait_until
 
 SCHEMA = {"type": "object", "properties": {"ok": {"type": "boolean"}, "n": {"type": "integer", "minimum": 0,
                                                                           "maximum": 9},
@@ -38,6 +38,24 @@ def test_pd_constrained_greedy_equals_single_process(tiny, k):
         pair.wait_terminal([f"s{i}" for i in range(len(prompts))])
         assert [pair.tokens(f"s{i}", f) for i, f in enumerate(firsts)] == want
         assert not any(it.error for items in pair.outputs.values() for it in items)
+    finally:
+        pair.close()
+    assert pair.decode.blocks.num_free == pair.decode.blocks.capacity
+    assert pair.prefill.blocks.num_free == pair.prefill.blocks.capacity
+
+
+def test_pd_spec_that_does_not_compile_ends_with_one_error(tiny):
+    """Nothing upstream checked the spec: the prefill node samples the first token unmasked, the
+    decode node's insert fails to compile the grammar and sends one terminal error."""
+    params = SamplingParams(max_tokens=10, structured=StructuredSpec("regex", "(ab"))
+    pair = Pair(tiny, 2)
+    try:
+        pair.run("bad", [5, 6, 7], params, tiny.model.config.vocab_size)
+        pair.wait_terminal(["bad"])
+        ends = [it for it in pair.outputs["bad"] if it.finish_reason or it.error]
+        assert len(ends) == 1 and ends[0].finish_reason is None
+        assert ends[0].error is not None and "structured output regex does not compile" in ends[0].error
+        wait_until(lambda: pair.prefill.blocks.num_free == pair.prefill.blocks.capacity)  # P lets go once D has the KV
     finally:
         pair.close()
     assert pair.decode.blocks.num_free == pair.decode.blocks.capacity

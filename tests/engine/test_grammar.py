@@ -274,8 +274,10 @@ def test_a_rejected_emitted_token_ends_the_request_with_an_error(tiny, monkeypat
     eng = engine(tiny, 2)
     rid = eng.add_request(PROMPT, SamplingParams(max_tokens=20, structured=SPECS["regex"]))
     plain = eng.add_request(PROMPT[:4], SamplingParams(max_tokens=6, ignore_eos=True))
+    outputs = []
     while eng.has_unfinished():
-        eng.step()
+        outputs += eng.step()
+    assert [o.finish_reason is not None for o in outputs if o.request_id == rid] == [False, True]  # one terminal
     reason = eng.requests[rid].finish_reason
     assert reason is not None and reason.startswith("error: ")
     assert ("do not match" in reason) == (where == "step")
