@@ -1,12 +1,14 @@
-"""Structured output through PrefillNode + DecodeNode (plain objects, kvtransfer `local`): the
-prefill node samples the first token under the grammar, the decode node rebuilds the grammar
-state from (spec, emitted tokens) and goes on; greedy output equals the single-process engine's,
-MTP or not, a constrained request beside an unconstrained one."""
+"""Structured output through PrefillNode + DecodeNode (plain objects, kvtransfer `local`) and the
+ColocatedNode: the prefill node samples the first token under the grammar, the decode node
+rebuilds the grammar state from (spec, emitted tokens) and goes on; output equals the
+single-process engine's, MTP or not, a constrained request beside an unconstrained one; a spec
+that does not compile ends with one error."""
 
 from __future__ import annotations
 
 import pytest
 
+from engine.engine import EngineConfig, LLMEngine
 from engine.loader import load_model
 from engine.sampling_params import SamplingParams
 from engine.structured import StructuredSpec
@@ -60,3 +62,28 @@ def test_pd_spec_that_does_not_compile_ends_with_one_error(tiny):
         pair.close()
     assert pair.decode.blocks.num_free == pair.decode.blocks.capacity
     assert pair.prefill.blocks.num_free == pair.prefill.blocks.capacity
+
+
+@pytest.mark.parametrize("k", [0, 3])
+def test_colocated_constrained_equals_single_process(tiny, k):
+    from tests.decode_node.test_colocated_node import Colocated
+
+    node = Colocated(tiny, k)
+    prompts = [[5, 6, 7, 8], [9] * 40, [1, 2, 3]]  # 40 tokens: a prompt in chunks, beside running requests
+    params = [SamplingParams(max_tokens=80, n=2, temperature=1.0, seed=3, structured=StructuredSpec.json_schema(SCHEMA)),
+              SamplingParams(max_tokens=40, structured=StructuredSpec("regex", "[a-z]{2,5}=[0-9]{1,3}")),
+              SamplingParams(max_tokens=20, ignore_eos=True)]
+    try:
+        for i, (p, sp) in enumerate(zip(prompts, params, strict=True)):
+            node.submit(f"c{i}", p, sp)
+        node.wait(lambda: all(sum(1 for it in node.of(f"c{i}") if it.finish_reason or it.error) == sp.n
+                              for i, sp in enumerate(params)))
+        want = LLMEngine(tiny, EngineConfig(num_speculative_tokens=k)).generate(prompts, params)  # same k: sampled
+        for i, r in enumerate(want):
+            for choice in (r, *r.children):
+                got = [t for it in node.of(f"c{i}") if it.index == choice.index for t in it.tokens]
+                assert got == choice.output_ids
+        assert not any(it.error for it in node.items)
+        node.wait(lambda: node.node.blocks.num_free == node.start_free)
+    finally:
+        node.node.stop()
