@@ -1,8 +1,9 @@
 """Grammar-constrained decoding (issue 28): the tokenizer's view in xgrammar, the compiler and
 its errors, the mask on the logits against a per-token reference, and through the engine:
 greedy output that matches its regex / choice / JSON schema, MTP (k = 3) giving exactly the
-k = 0 tokens (alone and beside unconstrained requests), seeded sampling, and a request inserted
-with tokens already emitted (a decode node's first token)."""
+k = 0 tokens (alone and beside unconstrained requests), seeded sampling (k = 0 against a
+token-by-token masked reference, k = 3 against the exact masked distribution), n > 1, a request
+inserted with tokens already emitted (a decode node's first token), a moved request, errors."""
 
 from __future__ import annotations
 
