@@ -163,7 +163,10 @@ class DecodeNode(StepLoop):
     def reserve(self, request_id: str, prompt_len: int, params: SamplingParams, seed: int,
                 stop_ids: tuple[int, ...], prompt: list[int] | None = None) -> concurrent.futures.Future:
         """Ask the loop to admit a request; the future gives a Reservation. `prompt` (its token
-        ids, optional) lets the prefix cache supply the blocks it holds."""
+        ids, optional) lets the prefix cache supply the blocks it holds. A structured-output spec is
+        compiled here, on the caller's thread, so the loop's insert finds it cached."""
+        if self.runner.grammar is not None:
+            self.runner.grammar.precompile(params.structured)
         fut: concurrent.futures.Future = concurrent.futures.Future()
         self._inbox.put(("reserve", (request_id, prompt_len, params, seed, stop_ids, prompt, fut)))
         self.wake()

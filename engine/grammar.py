@@ -19,6 +19,7 @@ replays the tokens (`GrammarCompiler.matcher`). Host work only, never a tensor o
 from __future__ import annotations
 
 import json
+import threading
 from collections import OrderedDict
 from collections.abc import Iterable
 from typing import Any
@@ -103,7 +104,10 @@ def stop_only(row: torch.Tensor, stop_ids: list[int]) -> None:
 
 class GrammarCompiler:
     """Specs -> compiled grammars for one tokenizer, with a bounded LRU cache keyed by spec. The
-    xgrammar tokenizer view is built on first use (a vocabulary pass: ~30 ms for 49k tokens)."""
+    xgrammar tokenizer view is built on first use (a vocabulary pass, and xgrammar's first compile
+    over a 49k vocabulary took ~0.5-1 s on a loaded 2-core host; later ones take ms). Any thread
+    may compile: nodes compile a request's spec on the thread that receives it (`precompile`),
+    so the loop that inserts it finds it cached."""
 
     def __init__(self, tokenizer: Any, vocab_size: int, stop_ids: Iterable[int] | None = None,
                  max_cached: int = MAX_CACHED) -> None:
@@ -113,6 +117,7 @@ class GrammarCompiler:
         self._stop: list[int] = []
         self._never: frozenset[int] = frozenset()
         self._cache: OrderedDict[StructuredSpec, xgr.CompiledGrammar] = OrderedDict()
+        self._lock = threading.Lock()  # the cache and the lazy xgrammar compiler; compiling runs unlocked
 
     @property
     def words(self) -> int:
@@ -120,15 +125,25 @@ class GrammarCompiler:
 
     def compile(self, spec: StructuredSpec) -> xgr.CompiledGrammar:
         """The compiled grammar of `spec`; ValueError naming its kind when it does not compile."""
-        hit = self._cache.get(spec)
-        if hit is not None:
-            self._cache.move_to_end(spec)
-            return hit
+        with self._lock:
+            hit = self._cache.get(spec)
+            if hit is not None:
+                self._cache.move_to_end(spec)
+                return hit
         compiled = self._compile(spec)
-        self._cache[spec] = compiled
-        while len(self._cache) > self.max_cached:
-            self._cache.popitem(last=False)
+        with self._lock:
+            self._cache[spec] = compiled
+            while len(self._cache) > self.max_cached:
+                self._cache.popitem(last=False)
         return compiled
+
+    def precompile(self, spec: StructuredSpec | None) -> None:
+        """Compile `spec` into the cache now (any thread); an error is left to whoever compiles it next."""
+        if spec is not None:
+            try:
+                self.compile(spec)
+            except ValueError:
+                pass
 
     def matcher(self, spec: StructuredSpec, tokens: Iterable[int] = ()) -> Matcher:
         """A matcher of `spec` that has accepted `tokens` (ValueError when one is not allowed)."""
@@ -156,6 +171,10 @@ class GrammarCompiler:
             raise ValueError(f"structured output {spec.kind} does not compile: {e}") from None
 
     def _compiler(self) -> xgr.GrammarCompiler:
+        with self._lock:
+            return self._compiler_locked()
+
+    def _compiler_locked(self) -> xgr.GrammarCompiler:
         if self._xgr is None:
             info = tokenizer_info(self.tokenizer, self.vocab_size, self.stop_ids)
             self._xgr = xgr.GrammarCompiler(info, max_threads=2, cache_enabled=False)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import re
+import threading
 from collections import Counter
 
 import jsonschema
@@ -102,6 +103,18 @@ def test_compiler_cache_is_bounded_and_keyed_by_spec():
     c.compile(StructuredSpec("regex", "b+"))
     c.compile(StructuredSpec("regex", "c+"))
     assert len(c._cache) == 2 and c.compile(StructuredSpec("regex", "a+")) is not a
+
+
+def test_threads_compile_into_one_bounded_cache():
+    c = GrammarCompiler(ByteTokenizer(), VOCAB, max_cached=3)
+    specs = [StructuredSpec("regex", f"[a-{chr(ord('b') + i)}]+") for i in range(6)]
+    threads = [threading.Thread(target=c.precompile, args=(specs[i % 6],)) for i in range(24)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    c.precompile(StructuredSpec("regex", "(ab"))  # an error is the next compile's to raise
+    assert len(c._cache) == 3 and c.matcher(specs[0], b"ab").accept(ord("a"))
 
 
 def test_matcher_rejects_replayed_tokens_outside_the_grammar():
