@@ -369,3 +369,19 @@ def test_sampled_mtp_keeps_the_masked_distribution(tiny):
     chi2 = sum((counts[o] - n * exact[o]) ** 2 / (n * exact[o]) for o in options)
     assert chi2 < 16.3, (counts, exact)  # 3 degrees of freedom: p = 0.001
     assert eng.num_free_blocks == eng.blocks.capacity
+
+
+def test_abort_mid_generation_frees_the_matcher_and_blocks(tiny):
+    eng = engine(tiny, 3)
+    rid = eng.add_request(PROMPT, params_for("json"))
+    other = eng.add_request(PROMPT[:3], params_for("regex"))
+    for _ in range(4):
+        eng.step()
+    eng.abort(rid)
+    while eng.has_unfinished():
+        eng.step()
+    assert eng.requests[rid].finish_reason == "abort"
+    check("regex", text_of(eng.requests[other]))
+    assert not eng.batch.constrained and eng.num_free_blocks == eng.blocks.capacity
+    state = eng.runner.state
+    assert state.grammar_mask is not None and bool((state.grammar_mask == -1).all())  # every slot unmasked again
