@@ -236,8 +236,10 @@ def test_n_choices_each_follow_their_own_grammar(tiny):
 
 
 def test_max_tokens_ends_a_constrained_request_with_length(tiny):
-    req = engine(tiny, 3).generate([PROMPT], params_for("regex", max_tokens=4))[0]
+    eng = engine(tiny, 3)
+    req = eng.generate([PROMPT], params_for("regex", max_tokens=4))[0]
     assert req.finish_reason == "length" and len(req.output_ids) == 4
+    assert eng.num_free_blocks == eng.blocks.capacity
 
 
 @pytest.mark.parametrize("k", [0, 3])
@@ -267,8 +269,10 @@ def test_moved_request_resumes_its_grammar_state(tiny, k):
     want = engine(tiny, 0).generate([PROMPT], params_for("json"))[0].output_ids
     cut = 9
     moved = params_for("json", resumed_tokens=cut, max_tokens=160 - cut)
-    got = engine(tiny, k).generate([PROMPT + want[:cut]], moved)[0]
+    eng = engine(tiny, k)
+    got = eng.generate([PROMPT + want[:cut]], moved)[0]
     assert got.output_ids == want[cut:]
+    assert eng.num_free_blocks == eng.blocks.capacity
 
 
 def test_a_spec_that_does_not_compile_is_refused_at_submit(tiny):
