@@ -53,7 +53,10 @@ class ColocatedNode(DecodeNode):
     # ---- any thread ------------------------------------------------------------------
     def submit(self, request_id: str, prompt: list[int], params: SamplingParams, seed: int,
                stop_ids: tuple[int, ...]) -> concurrent.futures.Future:
-        """Ask the loop to admit a whole request; the future gives a Reservation (no descriptor)."""
+        """Ask the loop to admit a whole request; the future gives a Reservation (no descriptor).
+        A structured-output spec is compiled here, off the loop (engine/grammar.py)."""
+        if self.runner.grammar is not None:
+            self.runner.grammar.precompile(params.structured)
         fut: concurrent.futures.Future = concurrent.futures.Future()
         self._inbox.put(("submit", (request_id, list(prompt), params, seed, stop_ids, fut)))
         self.wake()

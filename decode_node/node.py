@@ -74,6 +74,14 @@ def owner_of(request_id: str) -> str:
     return head if sep else ""
 
 
+ERROR_PREFIX = "error: "  # a finish reason that is an error (engine/decode_batch.py)
+
+
+def _resumes_grammar(params: SamplingParams) -> bool:
+    """A moved structured-output request: its grammar state replays the output at its prompt's end."""
+    return params.structured is not None and params.resumed_tokens > 0
+
+
 def publish_to_owners(items: list[OutputItem], streams: list[tuple[queue.SimpleQueue, str]]) -> None:
     """One step's items to the output streams: a stream whose subscriber names an owner gets that
     owner's items and those of no owner (several router processes each get their own requests'
@@ -155,7 +163,10 @@ class DecodeNode(StepLoop):
     def reserve(self, request_id: str, prompt_len: int, params: SamplingParams, seed: int,
                 stop_ids: tuple[int, ...], prompt: list[int] | None = None) -> concurrent.futures.Future:
         """Ask the loop to admit a request; the future gives a Reservation. `prompt` (its token
-        ids, optional) lets the prefix cache supply the blocks it holds."""
+        ids, optional) lets the prefix cache supply the blocks it holds. A structured-output spec is
+        compiled here, on the caller's thread, so the loop's insert finds it cached."""
+        if self.runner.grammar is not None:
+            self.runner.grammar.precompile(params.structured)
         fut: concurrent.futures.Future = concurrent.futures.Future()
         self._inbox.put(("reserve", (request_id, prompt_len, params, seed, stop_ids, prompt, fut)))
         self.wake()
@@ -254,13 +265,14 @@ class DecodeNode(StepLoop):
     def _reserve(self, rid: str, prompt_len: int, params: SamplingParams, seed: int,
                  stop_ids: tuple[int, ...], prompt: list[int] | None) -> Reservation:
         refusal = self._refusal(rid, prompt_len, prompt)
-        if not refusal and (params.penalized or params.n > 1) and not prompt:
-            refusal = "penalties, logit_bias and n > 1 need the prompt's token ids with the reservation"
+        if not refusal and (params.penalized or params.n > 1 or _resumes_grammar(params)) and not prompt:
+            refusal = ("penalties, logit_bias, n > 1 and a moved structured-output request need the prompt's "
+                       "token ids with the reservation")
         if refusal:
             return Reservation(False, refusal)
         max_tokens = min(params.max_tokens, self.max_model_len - prompt_len)
         need = self.blocks.blocks_for(kv_room_needed(prompt_len + max_tokens, self.k))
-        keep = prompt if params.penalized or params.n > 1 else None  # penalties and forks read the prompt
+        keep = prompt if params.penalized or params.n > 1 or _resumes_grammar(params) else None  # they read it
         req = Request(rid, list(keep or []), params, seed, stop_ids, max_tokens, num_prompt_tokens=prompt_len)
         hit = self._admit_group(req, prompt or [], need)
         if hit is None:
@@ -432,6 +444,8 @@ class DecodeNode(StepLoop):
                                 [[i for i, _ in x.top] for x in t], [[v for _, v in x.top] for x in t])
         item = OutputItem(out.request_id, out.new_token_ids, n if lps else None, lps, out.finish_reason,
                           index=out.index)
+        if out.finish_reason is not None and out.finish_reason.startswith(ERROR_PREFIX):  # e.g. a grammar's
+            item.finish_reason, item.error = None, out.finish_reason[len(ERROR_PREFIX) :]
         if out.prompt_logprobs is not None and req is not None:  # a colocated node's first token
             item.num_prompt_logprobs = req.params.prompt_logprobs
             item.prompt_logprobs = token_logprobs(out.prompt_logprobs)

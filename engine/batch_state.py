@@ -5,7 +5,9 @@ itself (lengths, last token, drafts, done flags), so the host can launch step N+
 has read step N's results (ARCHITECTURE.md, "The decode step"). The host writes a slot only
 when it inserts requests (`insert_many_no_sync`: every request inserted before a step goes in
 one packed host-to-device copy through reused pinned memory and a dozen scatters, whatever
-their number) or grows a block table (`set_blocks_no_sync`).
+their number) or grows a block table (`set_blocks_no_sync`). The grammar masks of constrained
+requests (`grammar_mask`, made when the first one arrives) are the exception: the host writes
+them before each launch (engine/constrained.py); every other slot's rows allow every token.
 """
 
 from __future__ import annotations
@@ -78,6 +80,7 @@ class BatchState:
         self.top_p = torch.ones(n, dtype=torch.float32, device=device)
         self.seed = z(n)
         self.penalties = PenaltyState(n, vocab, device)
+        self.grammar_mask: torch.Tensor | None = None  # [n, k+1, ceil(V/32)] int32; all ones: no grammar
 
     def step_state(self) -> StepState:
         """The tensors a decode step gathers its rows from (kernels/step_meta.py `step_inputs`)."""
@@ -146,6 +149,22 @@ class BatchState:
     def ensure_draft_probs(self) -> None:
         if self.draft_probs is None and self.k:
             self.draft_probs = torch.zeros(self.capacity + 1, self.k, self.vocab, device=self.device)
+
+    def ensure_grammar_mask(self) -> torch.Tensor:
+        if self.grammar_mask is None:
+            words = -(-self.vocab // 32)
+            self.grammar_mask = torch.full((self.capacity + 1, self.k + 1, words), -1, dtype=torch.int32,
+                                           device=self.device)
+        return self.grammar_mask
+
+    def write_grammar_masks_no_sync(self, slots: torch.Tensor, masks: torch.Tensor) -> None:
+        """Slots `slots` [n] (device) get `masks` [n, k+1, W] (device); stream-ordered."""
+        self.ensure_grammar_mask().index_copy_(0, slots, masks)
+
+    def clear_grammar_mask(self, slot: int) -> None:
+        """A slot whose constrained request left allows every token again (stream-ordered)."""
+        if self.grammar_mask is not None:
+            self.grammar_mask[slot].fill_(-1)
 
     def release(self, slot: int) -> None:
         self.done[slot] = True

@@ -9,8 +9,9 @@ rows, only when the running set changed), one replay, and one copy of its packed
 one event (engine/step_output.py). The step reads the state's rows through one gather kernel
 (kernels/step_meta.py `step_inputs`).
 
-Graphs are keyed by (B, all_greedy, needs_filter, penalized, logprobs) and captured on first use;
-the greedy ones without penalties or logprobs for every bucket are captured up front (`capture_greedy`).
+Graphs are keyed by (B, all_greedy, needs_filter, penalized, constrained, logprobs) and captured on
+first use; the greedy ones without penalties, grammar masks or logprobs for every bucket are
+captured up front (`capture_greedy`). A constrained graph reads `BatchState.grammar_mask`.
 A capture synchronizes the device once (torch's capture does), so it is a one-time cost
 per key, paid before the loop runs for the keys captured up front.
 
@@ -30,8 +31,8 @@ from engine.batch_state import BatchState, to_device_no_sync
 
 MAX_TOP_LOGPROBS = 20  # graphs that carry logprobs compute this many; rows keep what they asked
 
-GraphKey = tuple[int, bool, bool, bool, bool]  # (bucket, all_greedy, needs_filter, penalized, logprobs)
-StepFlags = tuple[bool, bool, bool]  # (all_greedy, needs_filter, penalized): host-known per launch
+GraphKey = tuple[int, bool, bool, bool, bool, bool]  # (bucket, *StepFlags, logprobs)
+StepFlags = tuple[bool, bool, bool, bool]  # (all_greedy, needs_filter, penalized, constrained): host-known per launch
 StepOutputs = Any  # engine.model_runner.StepOutputs: the step's static output tensors
 
 
@@ -80,7 +81,7 @@ class DecodeGraphs:
 
     def capture_greedy(self) -> None:
         for b in self.buckets:
-            self._capture((b, True, False, False, False))
+            self._capture((b, True, False, False, False, False))
 
     def _set_rows(self, rows: list[int]) -> None:
         if rows != self._rows[: len(rows)]:
@@ -89,18 +90,21 @@ class DecodeGraphs:
             self._rows[: len(rows)] = rows
 
     def _capture(self, key: GraphKey) -> None:
-        b, all_greedy, needs_filter, penalized, logprobs = key
+        b, all_greedy, needs_filter, penalized, constrained, logprobs = key
         r = self.runner
         if not all_greedy:
             r.state.ensure_draft_probs()
         if penalized:
             r.state.penalties.ensure()
+        if constrained:
+            r.state.ensure_grammar_mask()
         self._set_rows([r.state.spare] * b)
         rows = r.state.step_rows[:b]
 
         def step() -> StepOutputs:
             lp_sel = slice(None) if logprobs else None
-            return r.decode_step(rows, (all_greedy, needs_filter, penalized), lp_sel, MAX_TOP_LOGPROBS, r.max_blocks)
+            flags = (all_greedy, needs_filter, penalized, constrained)
+            return r.decode_step(rows, flags, lp_sel, MAX_TOP_LOGPROBS, r.max_blocks)
 
         side = torch.cuda.Stream(r.device)
         side.wait_stream(torch.cuda.current_stream(r.device))

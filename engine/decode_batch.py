@@ -11,6 +11,10 @@ The launch is sized before the step in flight is read, from host integers only
 (`plan_launch`): the rows that really run (next_real_bsz) and next_real_bsz * (k + 1) query
 tokens, never from sequence lengths the host learns one step late.
 
+While a grammar-constrained request runs, `step` collects the step in flight before it launches
+the next (the masks of step N + 1 need step N's tokens and drafts: engine/constrained.py), so
+the overlap is lost only then.
+
 Rules an editor must keep:
   * a request's KV blocks are freed only after the step in flight has been collected
     (`_free_after_collect`), so no launched step writes into a block handed to someone else;
@@ -26,6 +30,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.batch_state import SlotInit
+from engine.constrained import ConstrainedRows
 from engine.kv_cache import BlockManager
 from engine.model_runner import DecodeHandle, ModelRunner
 from engine.penalties import PenaltyInit
@@ -76,10 +81,12 @@ class DecodeBatch:
         self._to_insert: dict[int, SlotInit] = {}  # slot -> what the next launch writes first
         self._held: list[tuple[torch.cuda.Event | None, list[int]]] = []  # blocks a queued copy still reads
         self.on_finish: Callable[[Request], None] | None = None
+        self.constrained = ConstrainedRows(runner)  # grammar matchers of structured-output requests
+        self._ended: list[RequestOutput] = []  # terminal outputs of requests ended at insert: the next step's
 
     @property
     def busy(self) -> bool:
-        return bool(self.running) or self._inflight is not None or bool(self._held)
+        return bool(self.running) or self._inflight is not None or bool(self._held) or bool(self._ended)
 
     def hold_no_sync(self, blocks: list[int]) -> None:
         """Keep a reference on `blocks` until the device work queued so far has run (a fork's
@@ -107,9 +114,18 @@ class DecodeBatch:
                draft_probs: torch.Tensor | None, seq_len: int | None = None) -> None:
         """Put a prefilled request (slot already taken) into the running batch; its state is
         written with the other inserts before the next launch. No sync. `seq_len`: the tokens
-        whose KV is in its blocks (default: the prompt's; a forked choice starts one back)."""
+        whose KV is in its blocks (default: the prompt's; a forked choice starts one back).
+        A structured-output request's matcher replays the tokens it has output (its grammar
+        state); one whose spec does not compile, or does not match them, ends with that error."""
         assert req.slot is not None
         p = req.params
+        if p.structured is not None:
+            try:
+                self.constrained.add(req, drafts)
+            except ValueError as e:
+                self.finish(req, f"error: {e}")
+                self._ended.append(RequestOutput(req.group_id, [], [], req.finish_reason, req.index))
+                return
         init = SlotInit(
             seq_len=req.num_prompt_tokens if seq_len is None else seq_len, first_token=first, drafts=drafts, draft_probs=draft_probs,
             num_generated=len(req.output_ids), max_tokens=req.max_tokens, stop_ids=req.stop_ids,
@@ -120,16 +136,23 @@ class DecodeBatch:
         self.running[req.slot] = req
 
     def step(self) -> list[RequestOutput]:
-        """Launch the next decode step (if any row really runs: `plan`), then read the previous one."""
-        previous = self._inflight
+        """Launch the next decode step (if any row really runs: `plan`), then read the previous one;
+        while a constrained request runs, read it first and write the launch's grammar masks."""
+        previous, outputs, self._ended = self._inflight, self._ended, []
         self._release_held()
+        if previous is not None and self.constrained:  # constrained mode: read it first (module docstring)
+            outputs += self._collect(*previous)
+            self._free_deferred()
+            self._inflight = previous = None
         if self._to_insert:
             self.runner.insert_many_no_sync(list(self._to_insert.items()))
             self._to_insert.clear()
         plan = self.plan(previous)
+        if plan.slots and self.constrained:
+            self.constrained.write_masks_no_sync(plan.slots)
         self._inflight = self._launch(plan.slots) if plan.slots else None
-        outputs = self._collect(*previous) if previous is not None else []
         if previous is not None:
+            outputs += self._collect(*previous)
             self._free_deferred()
         return outputs
 
@@ -144,7 +167,8 @@ class DecodeBatch:
     def _launch(self, slots: list[int]) -> InFlight:
         reqs = [self.running[s] for s in slots]
         sampled = [r.params for r in reqs if not r.params.greedy]
-        flags = (not sampled, any(p.top_k > 0 or p.top_p < 1.0 for p in sampled), any(r.params.penalized for r in reqs))
+        flags = (not sampled, any(p.top_k > 0 or p.top_p < 1.0 for p in sampled), any(r.params.penalized for r in reqs),
+                 any(s in self.constrained.matchers for s in slots))
         lp = {i: r.params.logprobs for i, r in enumerate(reqs) if r.params.logprobs is not None}
         width = max(len(r.block_ids) for r in reqs)
         return self.runner.launch_decode(slots, flags, lp, width), reqs, lp  # type: ignore[arg-type]
@@ -156,11 +180,23 @@ class DecodeBatch:
             toks = res.tokens[row]
             if req.finished or not toks:
                 continue
+            if req.slot in self.constrained.matchers and not self._advance_grammar(req, toks, res.drafts, row):
+                outputs.append(RequestOutput(req.group_id, [], [], req.finish_reason, req.index))
+                continue
             req.steps += 1
             req.accepted_tokens += len(toks) - 1
             tlps = [TokenLogprob(t, *e) for t, e in zip(toks, res.logprobs.get(row, []), strict=False)]
             outputs.append(self.emit(req, toks, tlps, device_finished=res.finished[row]))
         return outputs
+
+    def _advance_grammar(self, req: Request, toks: list[int], drafts: list[list[int]] | None, row: int) -> bool:
+        """Advance a constrained request's matcher over its emitted tokens; a token its grammar
+        rejects (a masking bug) ends the request with an error instead of breaking the loop."""
+        assert req.slot is not None
+        if self.constrained.advance(req.slot, toks, drafts[row] if drafts is not None else None):
+            return True
+        self.finish(req, f"error: emitted tokens {toks} do not match the structured output")
+        return False
 
     def emit(self, req: Request, toks: list[int], tlps: list[TokenLogprob], device_finished: bool = False) -> RequestOutput:
         """Record new tokens; finish the request on a stop token or at max_tokens."""
@@ -177,6 +213,7 @@ class DecodeBatch:
         req.finish_reason = reason
         if req.slot is not None:
             self._to_insert.pop(req.slot, None)  # ended before its state was written
+            self.constrained.remove(req.slot)
             if self.running.pop(req.slot, None) is not None:
                 self.runner.state.release(req.slot)
             self.free_slots.append(req.slot)

@@ -11,6 +11,10 @@ KV blocks are reserved for a request's whole life at admission (prompt + max_tok
 room; with `enable_prefix_caching` its longest cached prefix is shared and prefill starts after
 it: engine/prefix_cache.py; n > 1 choices share the prompt's blocks: engine/fork.py), so a running request never needs preemption; blocks are freed only after the decode
 step in flight has been collected, so no launched step can write into a reused block.
+
+Structured output (`SamplingParams.structured`, issue 28): the runner's grammar compiler
+(engine/grammar.py) checks a spec at `add_request`; prefill and decode mask the logits with it
+(engine/constrained.py).
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ from engine.chunked_prefill import ChunkedPrefill
 from engine.decode_batch import DecodeBatch
 from engine.draft_vocab import DraftVocab, read_ranking
 from engine.fork import allocate_children, group_fits, make_children, shared_blocks
+from engine.grammar import GrammarCompiler
 from engine.kv_cache import BlockManager, KVCache
 from engine.loader import LoadedModel
 from engine.model import fuse_projections
@@ -103,6 +108,7 @@ def build_runner(loaded: LoadedModel, config: EngineConfig, decodes: bool = True
         cuda_graphs=graphs and decodes, deterministic=config.deterministic, draft_vocab=draft_vocab,
         prefill_graph_tokens=min(config.max_num_batched_tokens, MAX_GRAPH_TOKENS) if graphs and single else 0,
     )
+    runner.grammar = GrammarCompiler(loaded.tokenizer, runner.state.vocab, loaded.eos_token_ids)  # compiles on first use
     if runner.graphs is not None:
         runner.graphs.capture_greedy()
     return runner, blocks, max_model_len
@@ -192,6 +198,8 @@ class LLMEngine:
             raise ValueError(f"duplicate request id {rid!r}")
         vocab = self.loaded.model.config.vocab_size
         req = resolve_request(rid, prompt, params, self.loaded.eos_token_ids, self.max_model_len, self._rng, vocab)
+        if params.structured is not None and self.runner.grammar is not None:
+            self.runner.grammar.compile(params.structured)  # a spec that does not compile: ValueError now
         self.requests[rid] = req
         self.waiting.append(req)
         return rid

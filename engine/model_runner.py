@@ -24,8 +24,10 @@ import torch
 
 from engine.attention import AttentionBackend, AttentionMetadata
 from engine.batch_state import BatchState, SlotInit, to_device_no_sync
+from engine.constrained import prefill_masks
 from engine.cuda_graphs import MAX_TOP_LOGPROBS, DecodeGraphs, StepFlags
 from engine.draft_vocab import DraftVocab, draft_tokens
+from engine.grammar import GrammarCompiler
 from engine.kv_cache import KVCache
 from engine.model import CausalLM
 from engine.penalties import PenaltyInit, prefill_penalties
@@ -39,6 +41,7 @@ from engine.step_output import HostCopy, HostOutputs, StepLayout, astuple_lp
 from kernels._dispatch import batch_invariant
 from kernels.decode_tail import accept_and_advance
 from kernels.step_meta import Meta, step_inputs, uniform_meta
+from kernels.token_mask import mask_rows
 
 SPLIT_BLOCKS = 16  # KV blocks per split-KV partition in decode
 FULL_GRID = 264  # programs that fill an H100 twice (132 SMs)
@@ -113,6 +116,7 @@ class DecodeResult:
     tokens: list[list[int]]  # emitted tokens per row
     finished: list[bool]
     logprobs: dict[int, list[tuple[float, int, list[tuple[int, float]]]]]  # row -> per token
+    drafts: list[list[int]] | None = None  # the next step's drafts per row (a constrained step's)
 
 
 class ModelRunner:
@@ -145,7 +149,8 @@ class ModelRunner:
         self.kv = KVCache(layers, num_blocks, block_size, cfg.num_key_value_heads, cfg.head_dim, dtype, device)
         self.max_blocks = -(-kv_room_needed(max_model_len, k) // block_size)
         self.state = BatchState(max_num_seqs, k, self.max_blocks, cfg.vocab_size, device)
-        self.outputs = HostOutputs(device, StepLayout(max_num_seqs, k + 1, max_num_seqs, MAX_TOP_LOGPROBS).words)
+        self.outputs = HostOutputs(device, StepLayout(max_num_seqs, k + 1, max_num_seqs, MAX_TOP_LOGPROBS, True).words)
+        self.grammar: GrammarCompiler | None = None  # structured output (engine/grammar.py); None: refused
         self.graphs = DecodeGraphs(self, max_num_seqs) if cuda_graphs else None
         self.prefill_graphs = (PrefillGraphs(self, prefill_graph_tokens, min(max_num_seqs, MAX_GRAPH_ROWS))
                                if prefill_graph_tokens > 0 else None)
@@ -204,20 +209,22 @@ class ModelRunner:
         `on_layer(i, ready)` hands out target layer i once its work is queued: `ready` is a CUDA
         event after the layer (a graph replay queues every layer at once), or None when the
         layer is the last work queued. Replays a prefill graph when the step fits one
-        (engine/prefill_graphs.py), else runs the same step eagerly at its exact size.
-        """
+        (engine/prefill_graphs.py), else runs the same step eagerly at its exact size (always
+        with penalties, prompt logprobs or a grammar: a constrained prompt's first token is
+        sampled under its matcher's first mask, engine/constrained.py)."""
         n = sum(c.end - c.start for c in chunks)
         penalties = prefill_penalties([PenaltyInit.of(c.params, c.prompt, []) if c.is_last else None for c in chunks],
                                       self.state.vocab, self.device)
         prompt_lp = plan_prompt_logprobs(chunks)
-        plain = penalties is None and prompt_lp is None
+        masks = prefill_masks(self.grammar, chunks, self.device)
+        plain = penalties is None and prompt_lp is None and masks is None
         if plain and self.prefill_graphs is not None and self.prefill_graphs.fits(n, len(chunks)):
             return self._last_rows(chunks, self.prefill_graphs.run(chunks, on_layer))
-        inp = PrefillInputs(n, len(chunks), self.max_blocks, self.device)  # eager: also penalties, prompt logprobs
+        inp = PrefillInputs(n, len(chunks), self.max_blocks, self.device)  # eager: penalties, prompt logprobs, grammars
         inp.fill_no_sync(chunks)
         key = key_for(chunks, n, len(chunks), max(c.end - c.start for c in chunks))
         hook = (lambda i: on_layer(i, None)) if on_layer is not None else None
-        res = prefill_forward(self, inp, key, hook, penalties, prompt_lp)
+        res = prefill_forward(self, inp, key, hook, penalties, prompt_lp, masks)
         out = self._last_rows(chunks, res)
         out.prompt_logprobs, out.prompt_lp_plan = res.prompt_logprobs, prompt_lp
         return out
@@ -252,7 +259,7 @@ class ModelRunner:
     ) -> DecodeHandle:
         """Verify [last, d1..dk] for every slot, accept, redraft; advance state on the device.
 
-        `flags` = (all_greedy, needs_filter, penalized) for these rows, host-known; `logprobs` maps row
+        `flags` = (all_greedy, needs_filter, penalized, constrained) for these rows, host-known; `logprobs` maps row
         index -> top-n for rows that asked. Replays a captured graph when there is one for
         this batch size (`DecodeGraphs`), else runs the step eagerly. Then queues the one copy
         of the step's packed outputs to the host (engine/step_output.py). Never syncs.
@@ -285,7 +292,7 @@ class ModelRunner:
         drafts = x.input_ids.view(r, k + 1)[:, 1:]
         logits, ids, n_verified = self._verify_step(hidden, rows, drafts, sampling, x.seq, flags, lp_sel is not None)
         n_lp = r if isinstance(lp_sel, slice) else (0 if lp_sel is None else lp_sel.shape[0])
-        layout = StepLayout(r, k + 1, n_lp if logits is not None else 0, num_top)
+        layout = StepLayout(r, k + 1, n_lp if logits is not None else 0, num_top, drafts=flags[3] and k > 0)
         packed = layout.empty(self.device)
         tokens, n_emit, finished, new_len, last_at = accept_and_advance(
             ids, n_verified, rows, s.drafts, s.stop_ids, s.max_tokens, s.num_generated, s.seq_lens,
@@ -300,19 +307,25 @@ class ModelRunner:
             layout.write_logprobs(packed, lps)
         if k:  # the MTP reads every verify position's token: where none was kept, any id will do
             mtp_ids = ids if n_verified is None else tokens.clamp(min=0)
-            self._redraft(rows, mtp_ids, last_at, hidden, meta, new_len, sampling, x.done, num_kv_blocks)
+            new = self._redraft(rows, mtp_ids, last_at, hidden, meta, new_len, sampling, x.done, num_kv_blocks)
+            out_drafts = layout.drafts_view(packed)
+            if out_drafts is not None:  # a constrained step: the host builds the next masks from them
+                out_drafts.copy_(new)
         return StepOutputs(tokens, n_emit, finished, lps, packed, layout)
 
     def _verify_step(self, hidden: torch.Tensor, rows: torch.Tensor, drafts: torch.Tensor, sampling: SamplingTensors,
                      seq: torch.Tensor, flags: StepFlags, logprobs: bool):
         """(logits [R, k+1, V] or None, target ids [R, k+1], verified counts or None when all
-        greedy): the argmax inside the LM head's GEMM when no logits are needed."""
-        all_greedy, _, penalized = flags
+        greedy): the argmax inside the LM head's GEMM when no logits are needed. Grammar masks
+        (verify position i of row r: `grammar_mask[rows[r], i]`) apply before penalties; the
+        logits returned (logprobs) are the raw ones."""
+        all_greedy, _, penalized, constrained = flags
         r, k1 = drafts.shape[0], drafts.shape[1] + 1
-        if all_greedy and not logprobs and not penalized:
+        if all_greedy and not logprobs and not penalized and not constrained:
             return None, self.model.greedy_ids(hidden).view(r, k1), None
         logits = self.model.compute_logits(hidden, float32=not all_greedy or penalized).view(r, k1, -1)
-        scored = self.state.penalties.penalize_rows(logits, rows, drafts) if penalized else logits
+        scored = mask_rows(logits, rows, self.state.ensure_grammar_mask()) if constrained else logits
+        scored = self.state.penalties.penalize_rows(scored, rows, drafts) if penalized else scored
         return (logits, *self._verify(scored, rows, drafts, sampling, seq))
 
     def _verify(self, logits: torch.Tensor, rows: torch.Tensor, drafts: torch.Tensor, sampling: SamplingTensors,
@@ -342,6 +355,7 @@ class ModelRunner:
             s.ensure_draft_probs()
             assert s.draft_probs is not None
             s.draft_probs[rows] = probs
+        return drafts
 
     def collect(self, h: DecodeHandle, num_top: dict[int, int]) -> DecodeResult:
         """The read point: waits for the step's one copy, returns host lists, gives the buffer back."""
@@ -355,8 +369,10 @@ class ModelRunner:
             for row, entries in unpack_logprobs(lp, num_top, h.logprob_at, width=h.layout.k1).items():
                 lps[row] = entries[: cnt[row]]
         done = [bool(f) for f in finished[:n].tolist()]
+        drafts = h.layout.drafts_view(h.copy.host)
+        new_drafts = drafts[:n].tolist() if drafts is not None else None
         self.outputs.release(h.copy)
-        return DecodeResult(h.slots, emitted, done, lps)
+        return DecodeResult(h.slots, emitted, done, lps, new_drafts)
 
 
 def unpack_logprobs(lp: LogprobsTensors, num_top: dict[int, int], rows: list[int] | dict[int, int], width: int):

@@ -34,6 +34,7 @@ from engine.prompt_logprobs import compute as compute_prompt_logprobs
 from engine.sampler import STREAM_SAMPLE, LogprobsTensors, SamplingTensors, compute_logprobs, sample
 from engine.sampling_params import SamplingParams
 from kernels.prefill_meta import prefill_meta
+from kernels.token_mask import mask_logits
 
 
 @dataclass
@@ -178,11 +179,13 @@ LayerHook = Callable[[int], None]
 
 
 def prefill_forward(runner: PrefillRunner, inp: PrefillInputs, key: PrefillKey, on_layer: LayerHook | None = None,
-                    penalties: Penalties | None = None, prompt_lp: PromptLogprobPlan | None = None) -> PrefillResult:
+                    penalties: Penalties | None = None, prompt_lp: PromptLogprobPlan | None = None,
+                    token_mask: torch.Tensor | None = None) -> PrefillResult:
     """The whole step over `inp` (module docstring); `on_layer(i)` right after layer i is queued.
     `runner` is the ModelRunner (model, KV cache, backend, k, draft chain). First tokens are sampled
-    from logits with `penalties` applied (engine/penalties.py; logprobs stay the raw ones);
-    `prompt_lp` asks for prompt logprobs (engine/prompt_logprobs.py)."""
+    from logits masked by `token_mask` ([R, W] int32 grammar bitmasks, engine/constrained.py), then
+    with `penalties` applied (engine/penalties.py; logprobs stay the raw ones); `prompt_lp` asks
+    for prompt logprobs (engine/prompt_logprobs.py). MTP drafts are drawn unmasked."""
     model, k = runner.model, runner.k
     m = prefill_meta(inp.ids, inp.query_start, inp.start, inp.tables, inp.row_next, inp.is_last, runner.block_size)
     meta = AttentionMetadata(m.slot_mapping, m.positions, inp.tables, m.token_row, m.token_col, key.max_q,
@@ -191,7 +194,8 @@ def prefill_forward(runner: PrefillRunner, inp: PrefillInputs, key: PrefillKey, 
     hidden = model(inp.ids, meta.positions, runner.kv.layers, meta, runner.backend, on_layer)
     st = inp.sampling(key)
     logits = model.compute_logits(hidden.index_select(0, m.last_idx))
-    first = sample(apply_penalties(logits, penalties) if penalties is not None else logits, st, inp.base, STREAM_SAMPLE)
+    scored = mask_logits(logits, token_mask) if token_mask is not None else logits
+    first = sample(apply_penalties(scored, penalties) if penalties is not None else scored, st, inp.base, STREAM_SAMPLE)
     lps = compute_logprobs(logits, first, key.top_logprobs) if key.top_logprobs is not None else None
     out = PrefillResult(first, lps, None, None, compute_prompt_logprobs(model, hidden, prompt_lp) if prompt_lp else None)
     if k:

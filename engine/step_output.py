@@ -3,7 +3,9 @@
 The step (a CUDA graph's, or an eager one) writes everything the host reads of it into one flat
 int64 buffer, in the segments `StepLayout` names: the tokens [R, k+1], the emitted counts [R]
 and the finished flags [R] (the tail kernel writes these three in place: kernels/decode_tail.py),
-then, when the step computes logprobs, their four tensors (fp32 ones as raw bits, two a word).
+then, when the step computes logprobs, their four tensors (fp32 ones as raw bits, two a word),
+then, in a constrained step (grammar masks), the new drafts [R, k]: the host builds the next
+step's masks from them.
 After the launch, `HostOutputs.copy_no_sync` queues one copy of that buffer into a pinned host
 buffer and records the buffer's own event; the read point (`ModelRunner.collect`) waits on that
 event and reads the host buffer through the same layout. A step is thus one graph replay, one
@@ -35,12 +37,13 @@ class StepLayout:
     k1: int  # tokens per row: k + 1
     lp_rows: int = 0  # rows whose logprobs the step computes, k + 1 entries each (0: none)
     num_top: int = 0  # top logprobs per entry
+    drafts: bool = False  # the step's new drafts [R, k] (a constrained step: engine/constrained.py)
 
     def _sizes(self) -> list[int]:
         n = self.lp_rows * self.k1
         top = n * self.num_top
         r = self.rows
-        return [r * self.k1, r, r, -(-n // 2), n, top, -(-top // 2)]
+        return [r * self.k1, r, r, -(-n // 2), n, top, -(-top // 2), r * (self.k1 - 1) if self.drafts else 0]
 
     @property
     def words(self) -> int:
@@ -49,9 +52,15 @@ class StepLayout:
     def empty(self, device: torch.device | str) -> Tensor:
         return torch.empty(self.words, dtype=torch.long, device=device)
 
+    def drafts_view(self, buf: Tensor) -> Tensor | None:
+        """The new drafts [R, k] inside `buf` (None: the layout has none)."""
+        if not self.drafts:
+            return None
+        return buf[: self.words].split(self._sizes())[7].view(self.rows, self.k1 - 1)
+
     def views(self, buf: Tensor) -> tuple[Tensor, Tensor, Tensor, LogprobsTensors | None]:
         """(tokens [R, k+1], emitted [R], finished [R] (0/1), logprobs or None) inside `buf`."""
-        tokens, emitted, finished, lp, rank, top_ids, top_lp = buf[: self.words].split(self._sizes())
+        tokens, emitted, finished, lp, rank, top_ids, top_lp, _ = buf[: self.words].split(self._sizes())
         if not self.lp_rows:
             return tokens.view(self.rows, self.k1), emitted, finished, None
         n, t = self.lp_rows * self.k1, self.num_top

@@ -103,6 +103,8 @@ class PrefillNode(StepLoop):
     def submit(self, job: PrefillJob) -> concurrent.futures.Future:
         if len(job.prompt) >= self.max_model_len or not job.prompt:
             raise ValueError(f"prompt of {len(job.prompt)} tokens does not fit the context {self.max_model_len}")
+        if self.runner.grammar is not None:  # compiled off the loop; the prefill step finds it cached
+            self.runner.grammar.precompile(job.params.structured)
         self._inbox.put(("submit", job))
         self.wake()
         return job.future

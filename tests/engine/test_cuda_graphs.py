@@ -49,11 +49,11 @@ def test_spare_padding_rows_change_nothing_but_the_spare_and_trash(tiny):
     runner, spare = eng.runner, eng.runner.state.spare
     rows = torch.tensor(sorted(eng.batch.running), device=DEVICE)
     before = _snapshot(runner)
-    plain = runner.decode_step(rows, (True, False, False), slice(None), 3, runner.max_blocks)
+    plain = runner.decode_step(rows, (True, False, False, False), slice(None), 3, runner.max_blocks)
     after_plain = _snapshot(runner)
     _restore(runner, before)
     padded_rows = torch.cat([rows, torch.full((2,), spare, device=DEVICE)])
-    padded = runner.decode_step(padded_rows, (True, False, False), slice(None), 3, runner.max_blocks)
+    padded = runner.decode_step(padded_rows, (True, False, False, False), slice(None), 3, runner.max_blocks)
     after_padded = _snapshot(runner)
     r = rows.shape[0]
     assert torch.equal(padded.tokens[:r], plain.tokens) and torch.equal(padded.num_emitted[:r], plain.num_emitted)

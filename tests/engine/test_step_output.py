@@ -34,6 +34,18 @@ def test_a_layout_without_logprobs_holds_tokens_counts_and_flags_only():
     assert layout.words == 5 * 3 and layout.views(layout.empty("cpu"))[3] is None
 
 
+def test_a_constrained_layout_carries_the_new_drafts_after_everything_else():
+    plain = StepLayout(rows=3, k1=4, lp_rows=3, num_top=2)
+    layout = StepLayout(rows=3, k1=4, lp_rows=3, num_top=2, drafts=True)
+    assert layout.words == plain.words + 3 * 3 and plain.drafts_view(plain.empty("cpu")) is None
+    buf = layout.empty("cpu")
+    drafts = layout.drafts_view(buf)
+    assert drafts is not None and drafts.shape == (3, 3)
+    drafts.copy_(torch.arange(9).view(3, 3))
+    assert torch.equal(buf[plain.words :], torch.arange(9))  # the other segments lie where they did
+    assert StepLayout(rows=3, k1=1, drafts=True).words == 3 * 3  # k = 0: no drafts
+
+
 def test_off_cuda_the_host_reads_the_steps_buffer():
     outputs = HostOutputs(torch.device("cpu"))
     packed = torch.arange(6)

@@ -1,7 +1,7 @@
 """The engine on the fast path's kernels (Triton attention backend, fused projections, every
 kernel's Triton launcher; under the interpreter on CPU) gives the torch reference's greedy
-tokens and logprobs, penalized requests beside plain ones included: the kernels are wired to
-the right tensors, not only right alone."""
+tokens and logprobs, penalized or grammar-constrained requests beside plain ones included: the
+kernels are wired to the right tensors, not only right alone."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ from engine.engine import EngineConfig, LLMEngine
 from engine.loader import load_model
 from engine.model import fuse_projections
 from engine.sampling_params import SamplingParams
+from engine.structured import StructuredSpec
 from kernels._dispatch import triton_on_cpu
 
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(),
@@ -22,13 +23,14 @@ PROMPTS = [[5, 6, 7], list(range(10, 31)), [9] * 17]  # 21 and 17 tokens cross b
 
 PENALIZED = SamplingParams(max_tokens=12, ignore_eos=True, logprobs=3, repetition_penalty=1.4, frequency_penalty=0.7,
                            logit_bias=((65, 3.0),))
+CONSTRAINED = SamplingParams(max_tokens=12, logprobs=3, structured=StructuredSpec("regex", "[a-f]{3}-[0-9]+"))
 
 
-@pytest.mark.parametrize("k,penalized", [(0, False), (3, False), (2, True)])
-def test_triton_path_equals_reference_greedy_with_logprobs(k, penalized):
+@pytest.mark.parametrize("k,middle", [(0, None), (3, None), (2, PENALIZED), (3, CONSTRAINED)])
+def test_triton_path_equals_reference_greedy_with_logprobs(k, middle):
     params: SamplingParams | list[SamplingParams] = SamplingParams(max_tokens=12, ignore_eos=True, logprobs=3)
-    if penalized:  # the middle request penalized, its neighbours not
-        params = [params, PENALIZED, params]
+    if middle is not None:  # the middle request penalized or constrained, its neighbours not
+        params = [params, middle, params]
     ref = LLMEngine(load_model("tiny", dtype="float32"), EngineConfig(num_speculative_tokens=k, block_size=8))
     want = ref.generate(PROMPTS, params)
     loaded = load_model("tiny", dtype="float32")

@@ -67,7 +67,7 @@ def _count(k: int, monkeypatch) -> TorchOps:
         rows = torch.tensor(sorted(eng.batch.running))
         monkeypatch.setattr(InterpretedFunction, "run", run)
         with counts:
-            eng.runner.decode_step(rows, (True, False, False), None, 0, eng.runner.max_blocks)
+            eng.runner.decode_step(rows, (True, False, False, False), None, 0, eng.runner.max_blocks)
     return counts
 
 

@@ -1,0 +1,143 @@
+"""Grammar-constrained decoding with MTP (issue 28): the host side, masks for the device.
+
+Receives the constrained requests of a decode batch (a `StructuredSpec` in their params) and,
+after every step, their emitted tokens and new drafts; hands the device, before each launch,
+one bitmask per verify position (`BatchState.grammar_mask`, kernels/token_mask.py). Verify
+position i scores the token after [last, d_1..d_i], so its mask is the matcher's state after
+the emitted tokens plus d_1..d_i (`write_masks_no_sync`): row 0 is the state itself, then each
+draft is accepted tentatively and the next row filled, up to the first draft the grammar
+rejects (later rows allow everything: a draft outside the grammar is never accepted at its
+masked position, so nothing after it is kept), and the tentative drafts are rolled back.
+
+Exactness comes from masked verification alone: greedy output equals constrained k = 0 output
+token for token, sampled output keeps the masked distribution (rejection sampling against it).
+Drafts are drawn unmasked (in prefill too), so a draft the grammar forbids is simply rejected:
+masking the drafts would raise acceptance, not change any output.
+
+What this costs: the host must know step N's emitted tokens and drafts before launching step
+N + 1, so while a constrained request runs DecodeBatch collects the step in flight before it
+launches the next (no overlap; every other request of the batch runs at that pace too). The
+host work per step is O(constrained rows x (k + 1)) matcher calls (each a few to tens of µs).
+
+A request's grammar state is (spec, tokens): a request inserted with emitted tokens (a decode
+node's first token from the prefill node, a moved request's resumed output) replays them.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from engine.batch_state import to_device_no_sync
+from engine.grammar import GrammarCompiler, Matcher
+from engine.request import Request
+from engine.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from engine.model_runner import ModelRunner
+    from engine.prefill_step import PrefillChunk
+
+
+def grammar_tokens(params: SamplingParams, prompt: list[int], output: list[int]) -> list[int]:
+    """The tokens a request's grammar has seen: a moved request's resumed prompt tokens, then its output."""
+    cut = len(prompt) - min(params.resumed_tokens, len(prompt))
+    return prompt[cut:] + output
+
+
+def prefill_masks(compiler: GrammarCompiler | None, chunks: list[PrefillChunk],
+                  device: torch.device) -> torch.Tensor | None:
+    """[R, W] int32 masks of a prefill step's first tokens (None: no constrained prompt ends here).
+    A spec that does not compile leaves its row unmasked: inserting the request into a decode
+    batch ends it with that error."""
+    ends = [r for r, c in enumerate(chunks) if c.is_last and c.params.structured is not None]
+    if compiler is None or not ends:
+        return None
+    host = torch.full((len(chunks), compiler.words), -1, dtype=torch.int32)
+    for r in ends:
+        c = chunks[r]
+        assert c.params.structured is not None
+        try:
+            compiler.matcher(c.params.structured, grammar_tokens(c.params, c.prompt, [])).fill_mask(host, r)
+        except ValueError:
+            pass
+    return host.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else host
+
+
+class ConstrainedRows:
+    """The matchers of a decode batch's constrained requests, by slot, and their next masks."""
+
+    def __init__(self, runner: ModelRunner) -> None:
+        self.runner, self.k = runner, runner.k
+        self.matchers: dict[int, Matcher] = {}
+        self.drafts: dict[int, list[int]] = {}  # slot -> the drafts its next launch verifies
+        self._host: torch.Tensor | None = None  # [capacity * (k+1), W] int32, pinned on CUDA
+        self._copied: torch.cuda.Event | None = None
+
+    def __bool__(self) -> bool:
+        return bool(self.matchers)
+
+    def add(self, req: Request, drafts: torch.Tensor | list[int] | None) -> None:
+        """Track `req` (slot taken): its matcher replays the tokens it has seen. ValueError when its
+        spec does not compile or a token does not match. Device drafts are read here (a sync: the
+        single-process engine inserts right after its prefill read point)."""
+        assert req.slot is not None and req.params.structured is not None
+        if self.runner.grammar is None:
+            raise ValueError("structured output is not enabled on this engine")
+        spec = req.params.structured
+        self.matchers[req.slot] = self.runner.grammar.matcher(spec, grammar_tokens(req.params, req.prompt, req.output_ids))
+        host = drafts.tolist() if isinstance(drafts, torch.Tensor) else list(drafts or [])
+        self.drafts[req.slot] = host[: self.k]
+
+    def remove(self, slot: int) -> None:
+        if self.matchers.pop(slot, None) is not None:
+            self.drafts.pop(slot, None)
+            self.runner.state.clear_grammar_mask(slot)
+
+    def advance(self, slot: int, tokens: list[int], drafts: list[int] | None) -> bool:
+        """A step's emitted tokens and new drafts; False when the grammar rejects a token (a bug)."""
+        m = self.matchers[slot]
+        self.drafts[slot] = list(drafts or [])
+        return all(m.accept(t) for t in tokens)
+
+    def write_masks_no_sync(self, slots: list[int]) -> None:
+        """The masks of the constrained slots among `slots` (module docstring) into the device's
+        `grammar_mask`: one pinned buffer, one copy, one scatter; stream-ordered, before the launch."""
+        mine = [s for s in slots if s in self.matchers]
+        if not mine:
+            return
+        k1 = self.k + 1
+        host = self._buffer(len(mine) * k1)
+        for j, slot in enumerate(mine):
+            self._fill(self.matchers[slot], self.drafts.get(slot, []), host, j * k1)
+        state = self.runner.state
+        dev = host[: len(mine) * k1].view(len(mine), k1, -1)
+        if state.device.type == "cuda":
+            dev = dev.to(state.device, non_blocking=True)
+            self._copied = self._copied or torch.cuda.Event()
+            self._copied.record()
+        state.write_grammar_masks_no_sync(to_device_no_sync(mine, torch.long, state.device), dev)
+
+    def _fill(self, m: Matcher, drafts: list[int], host: torch.Tensor, base: int) -> None:
+        """Rows base..base+k: the state, then after each draft the grammar takes (then all ones)."""
+        m.fill_mask(host, base)
+        taken = 0
+        for d in drafts[: self.k]:
+            if not m.accept(d):
+                break
+            taken += 1
+            m.fill_mask(host, base + taken)
+        host[base + taken + 1 : base + self.k + 1].fill_(-1)
+        m.rollback(taken)
+
+    def _buffer(self, rows: int) -> torch.Tensor:
+        """The host rows, reused once their last copy has run (in constrained mode it has: the
+        step that read them was collected)."""
+        words = self.runner.state.ensure_grammar_mask().shape[-1]
+        if self._host is None or self._host.shape[0] < rows:
+            cap = (self.runner.state.capacity + 1) * (self.k + 1)
+            self._host = torch.empty(max(rows, cap), words, dtype=torch.int32,
+                                     pin_memory=self.runner.state.device.type == "cuda")
+        elif self._copied is not None:
+            self._copied.synchronize()
+        return self._host
