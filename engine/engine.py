@@ -41,6 +41,7 @@ from engine.prefill_step import PrefillChunk
 from engine.prefix_cache import PrefixCache
 from engine.request import Request, RequestOutput
 from engine.sampling_params import SamplingParams
+from engine.structured import NEEDS_EOS
 from engine.tensor_parallel import (
     TPCausalLM,
     TPGroup,
@@ -169,6 +170,8 @@ def resolve_request(
             f"prompt is {len(prompt)} tokens; the context is {max_model_len} (room for >= 1 output token needed)"
         )
     stop = tuple(params.stop_token_ids) + (() if params.ignore_eos else eos_ids)
+    if params.structured is not None and eos_ids and not set(eos_ids) & set(stop):
+        raise ValueError(NEEDS_EOS)
     seed = params.seed if params.seed is not None else rng.getrandbits(62)
     max_tokens = min(params.max_tokens, max_model_len - len(prompt))
     return Request(request_id, list(prompt), params, seed, tuple(dict.fromkeys(stop)), max_tokens)

@@ -58,6 +58,22 @@ def tokenizer_info(tokenizer: Any, vocab_size: int, stop_ids: Iterable[int] | No
     return xgr.TokenizerInfo(encoded, xgr.VocabType.BYTE_LEVEL, vocab_size=vocab_size, stop_token_ids=stop)
 
 
+# xgrammar 0.2.8 writes a string with minLength/maxLength as repeats of this class, which lets
+# raw control characters (U+0000-U+001F) into the string: invalid JSON (RFC 8259 section 7) that
+# json.loads and pydantic refuse. Its unbounded strings use the second class; so do we, everywhere.
+_BOUNDED_STRING_CHAR = r'[^\"\\\r\n]'
+_JSON_STRING_CHAR = r'[^\0-\x1f\"\\\r\n]'
+
+
+def json_grammar(schema: str, strict_mode: bool = True) -> xgr.Grammar:
+    """The grammar of `schema` as xgrammar converts it (no free whitespace), with no raw control
+    characters inside strings."""
+    g = xgr.Grammar.from_json_schema(schema, any_whitespace=False, strict_mode=strict_mode)
+    text = str(g)
+    fixed = text.replace(_BOUNDED_STRING_CHAR, _JSON_STRING_CHAR)
+    return g if fixed == text else xgr.Grammar.from_ebnf(fixed)
+
+
 def choice_grammar(options: list[str]) -> str:
     """EBNF: exactly one of `options` (each a JSON-escaped string literal)."""
     return "root ::= " + " | ".join(json.dumps(o, ensure_ascii=False) for o in options)
@@ -160,9 +176,9 @@ class GrammarCompiler:
         xc = self._compiler()
         try:
             if spec.kind == "json_schema":
-                return xc.compile_json_schema(spec.value, any_whitespace=False)
+                return xc.compile_grammar(json_grammar(spec.value))
             if spec.kind == "json_object":
-                return xc.compile_json_schema(_JSON_OBJECT, any_whitespace=False, strict_mode=False)
+                return xc.compile_grammar(json_grammar(_JSON_OBJECT, strict_mode=False))
             if spec.kind == "regex":
                 return xc.compile_regex(spec.value)
             text = choice_grammar(spec.choices) if spec.kind == "choice" else spec.value

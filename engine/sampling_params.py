@@ -3,8 +3,9 @@
 `logprobs=None` asks for no logprob work; `logprobs=0` gives the sampled token's logprob and
 rank; `logprobs=n` (n <= 20) adds the top-n alternatives. `prompt_logprobs` is the same for
 every prompt token after the first (vLLM's). Penalties and `logit_bias` (applied by
-engine/penalties.py) and `n` (engine/fork.py) are range-checked by `check_surface`, as is `structured` (engine/grammar.py)
-against `ignore_eos`.
+engine/penalties.py) and `n` (engine/fork.py) are range-checked by `check_surface`. `structured`
+(engine/grammar.py) needs EOS among the request's stop ids: `engine.engine.resolve_request` checks it
+(nodes get ignore_eos=True with the router's resolved stop ids, EOS among them).
 """
 
 from __future__ import annotations
@@ -68,8 +69,7 @@ MAX_BIAS = 100.0
 
 
 def check_surface(p: SamplingParams) -> None:
-    """Penalties, logit_bias, n, prompt_logprobs and resumed_tokens in range, structured without
-    ignore_eos (ValueError)."""
+    """Penalties, logit_bias, n, prompt_logprobs and resumed_tokens in range (ValueError)."""
     for name in ("presence_penalty", "frequency_penalty"):
         if not -2.0 <= getattr(p, name) <= 2.0:
             raise ValueError(f"{name} must be in [-2, 2], got {getattr(p, name)}")
@@ -85,5 +85,3 @@ def check_surface(p: SamplingParams) -> None:
         raise ValueError(f"prompt_logprobs must be in 0..{MAX_LOGPROBS}, got {p.prompt_logprobs}")
     if p.resumed_tokens < 0:
         raise ValueError(f"resumed_tokens must be >= 0, got {p.resumed_tokens}")
-    if p.structured is not None and p.ignore_eos:
-        raise ValueError("ignore_eos cannot be used with structured output: a finished grammar allows only EOS")

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 KINDS = ("json_object", "json_schema", "regex", "choice", "grammar")
 MAX_SPEC_CHARS = 65536  # a schema, regex or grammar longer than this is refused
 MAX_CHOICES = 1024
+NEEDS_EOS = "ignore_eos cannot be used with structured output: a finished grammar allows only EOS"
 
 
 @dataclass(frozen=True)

@@ -423,6 +423,9 @@ class Router:
             try:
                 reply = await call(req, timeout=self.config.rpc_timeout_s)
             except grpc.aio.AioRpcError as e:
+                if e.code() == grpc.StatusCode.INVALID_ARGUMENT:  # the request itself: no node takes it
+                    self._drop_decode(st)
+                    raise RequestError("INVALID_ARGUMENT", f"{kind} node {node.address}: {e.details()}") from None
                 if self.pool.rpc_failed(node, e, "Submit" if kind == "colocated" else "Reserve"):
                     self._drop_decode(st)
                 else:  # it may have admitted: abort to be sure

@@ -20,6 +20,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
+from engine.structured import NEEDS_EOS
 from protos import node_pb2, pdserve_pb2
 from router.structured_api import StructuredError, check_wire
 from router.validate_surface import SurfaceError, check_surface, node_fields
@@ -64,6 +65,8 @@ async def prepare(req: pdserve_pb2.GenerateRequest, tokenizer: Any, eos_ids: tup
     """Validate and tokenize `req`; raises InvalidRequest."""
     check_cheap(req, tokenizer, limits)
     if req.sampling.structured:
+        if req.sampling.ignore_eos:
+            raise InvalidRequest(NEEDS_EOS)
         await check_structured(req.sampling.structured)
     prompt_ids = list(req.prompt_token_ids) if req.prompt_token_ids else await tokenize(req, tokenizer)
     if not prompt_ids:

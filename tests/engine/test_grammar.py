@@ -122,6 +122,16 @@ def test_matcher_rejects_replayed_tokens_outside_the_grammar():
         tiny_compiler().matcher(StructuredSpec("regex", "[0-9]+"), b"12a")
 
 
+@pytest.mark.parametrize("bounds", [{"maxLength": 12}, {"minLength": 1}, {}])
+def test_json_strings_hold_no_raw_control_characters(bounds):
+    """JSON forbids raw U+0000-U+001F in strings; xgrammar's bounded strings let them in, ours do not."""
+    spec = StructuredSpec.json_schema({"type": "object", "properties": {"a": {"type": "string", **bounds}},
+                                       "required": ["a"]})
+    m = tiny_compiler().matcher(spec, b'{"a": "x')
+    assert not any(m.accept(c) for c in range(32))
+    assert m.accept(ord("y")) and m.accept(ord('"'))
+
+
 # ---------------------------------------------------------------- through the engine
 
 PROMPT = [5, 17, 5, 99, 5, 17, 200, 31]
@@ -280,9 +290,13 @@ def test_a_spec_that_does_not_compile_is_refused_at_submit(tiny):
         engine(tiny, 0).add_request(PROMPT, SamplingParams(structured=StructuredSpec("regex", "(ab")))
 
 
-def test_ignore_eos_with_structured_is_a_clear_error():
+def test_ignore_eos_with_structured_is_a_clear_error(tiny):
+    """The engine refuses it; a node's params (ignore_eos with the router's stop ids, EOS among them) pass."""
     with pytest.raises(ValueError, match="ignore_eos cannot be used with structured output"):
-        SamplingParams(ignore_eos=True, structured=SPECS["regex"])
+        engine(tiny, 0).add_request(PROMPT, SamplingParams(ignore_eos=True, structured=SPECS["regex"]))
+    eos = tuple(tiny.eos_token_ids)
+    assert eos, "tiny has an EOS"
+    engine(tiny, 0).add_request(PROMPT, SamplingParams(ignore_eos=True, stop_token_ids=eos, structured=SPECS["regex"]))
 
 
 @pytest.mark.parametrize("where", ["insert", "step"])
