@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from engine.batch_state import to_device_no_sync
-from engine.grammar import GrammarCompiler, Matcher
+from engine.grammar import GrammarCompiler, MaskFiller, Matcher
 from engine.request import Request
 from engine.sampling_params import SamplingParams
 
@@ -73,6 +73,14 @@ class ConstrainedRows:
         self.drafts: dict[int, list[int]] = {}  # slot -> the drafts its next launch verifies
         self._host: torch.Tensor | None = None  # [capacity * (k+1), W] int32, pinned on CUDA
         self._copied: torch.cuda.Event | None = None
+        self._filler: MaskFiller | None = None
+
+    @property
+    def filler(self) -> MaskFiller:
+        """Made on the first constrained step (its thread pool)."""
+        if self._filler is None:
+            self._filler = MaskFiller()
+        return self._filler
 
     def __bool__(self) -> bool:
         return bool(self.matchers)
@@ -108,8 +116,7 @@ class ConstrainedRows:
             return
         k1 = self.k + 1
         host = self._buffer(len(mine) * k1)
-        for j, slot in enumerate(mine):
-            self._fill(self.matchers[slot], self.drafts.get(slot, []), host, j * k1)
+        self._fill_levels([self.matchers[s] for s in mine], [self.drafts.get(s, []) for s in mine], host)
         state = self.runner.state
         dev = host[: len(mine) * k1].view(len(mine), k1, -1)
         if state.device.type == "cuda":
@@ -118,17 +125,22 @@ class ConstrainedRows:
             self._copied.record()
         state.write_grammar_masks_no_sync(to_device_no_sync(mine, torch.long, state.device), dev)
 
-    def _fill(self, m: Matcher, drafts: list[int], host: torch.Tensor, base: int) -> None:
-        """Rows base..base+k: the state, then after each draft the grammar takes (then all ones)."""
-        m.fill_mask(host, base)
-        taken = 0
-        for d in drafts[: self.k]:
-            if not m.accept(d):
-                break
-            taken += 1
-            m.fill_mask(host, base + taken)
-        host[base + taken + 1 : base + self.k + 1].fill_(-1)
-        m.rollback(taken)
+    def _fill_levels(self, matchers: list[Matcher], drafts: list[list[int]], host: torch.Tensor) -> None:
+        """Row j*(k+1) + i of `host` := matcher j's mask after its first i drafts, for the drafts
+        the grammar takes (rows past the first one it refuses: all ones). One batched fill per
+        verify position, over every row still going, then each matcher rolls its drafts back."""
+        k1 = self.k + 1
+        host[: len(matchers) * k1].fill_(-1)
+        taken = [0] * len(matchers)
+        live = list(range(len(matchers)))
+        for i in range(k1):
+            if i:
+                live = [j for j in live if len(drafts[j]) >= i and matchers[j].accept(drafts[j][i - 1])]
+                for j in live:
+                    taken[j] = i
+            self.filler.fill([matchers[j] for j in live], host, [j * k1 + i for j in live])
+        for m, n in zip(matchers, taken, strict=True):
+            m.rollback(n)
 
     def _buffer(self, rows: int) -> torch.Tensor:
         """The host rows, reused once their last copy has run (in constrained mode it has: the

@@ -19,6 +19,7 @@ replays the tokens (`GrammarCompiler.matcher`). Host work only, never a tensor o
 from __future__ import annotations
 
 import json
+import os
 import threading
 from collections import OrderedDict
 from collections.abc import Iterable
@@ -106,6 +107,28 @@ class Matcher:
         """Undo the last `n` accepted tokens."""
         if n:
             self._m.rollback(n)
+
+
+class MaskFiller:
+    """Fills many matchers' next-token masks at once: xgrammar's batch matcher runs them on a
+    pool of threads outside the GIL (one filler per loop thread; it is not shared)."""
+
+    def __init__(self, max_threads: int = 8) -> None:
+        self._batch = xgr.BatchGrammarMatcher(max_threads=max(1, min(max_threads, os.cpu_count() or 1)))
+
+    def fill(self, matchers: list[Matcher], bitmask: torch.Tensor, rows: list[int]) -> None:
+        """Row rows[i] of `bitmask` := what matchers[i] allows next (stop ids alone once terminated)."""
+        plain, at = [], []
+        for m, row in zip(matchers, rows, strict=True):
+            if m.is_terminated:
+                stop_only(bitmask[row], m._stop)
+            else:
+                plain.append(m._m)
+                at.append(row)
+        if len(plain) == 1:
+            plain[0].fill_next_token_bitmask(bitmask, at[0])
+        elif plain:
+            self._batch.batch_fill_next_token_bitmask(plain, bitmask, at)
 
 
 def stop_only(row: torch.Tensor, stop_ids: list[int]) -> None:
