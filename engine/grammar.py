@@ -113,8 +113,10 @@ class MaskFiller:
     """Fills many matchers' next-token masks at once: xgrammar's batch matcher runs them on a
     pool of threads outside the GIL (one filler per loop thread; it is not shared)."""
 
-    def __init__(self, max_threads: int = 8) -> None:
-        self._batch = xgr.BatchGrammarMatcher(max_threads=max(1, min(max_threads, os.cpu_count() or 1)))
+    def __init__(self, max_threads: int | None = None) -> None:
+        n = int(os.environ.get("PDSERVE_MASK_THREADS", "8")) if max_threads is None else max_threads
+        n = min(n, os.cpu_count() or 1)  # 0: one matcher at a time, on this thread
+        self._batch = xgr.BatchGrammarMatcher(max_threads=n) if n > 0 else None
 
     def fill(self, matchers: list[Matcher], bitmask: torch.Tensor, rows: list[int]) -> None:
         """Row rows[i] of `bitmask` := what matchers[i] allows next (stop ids alone once terminated)."""
@@ -125,10 +127,11 @@ class MaskFiller:
             else:
                 plain.append(m._m)
                 at.append(row)
-        if len(plain) == 1:
-            plain[0].fill_next_token_bitmask(bitmask, at[0])
-        elif plain:
+        if len(plain) > 1 and self._batch is not None:
             self._batch.batch_fill_next_token_bitmask(plain, bitmask, at)
+            return
+        for m, row in zip(plain, at, strict=True):
+            m.fill_next_token_bitmask(bitmask, row)
 
 
 def stop_only(row: torch.Tensor, stop_ids: list[int]) -> None:

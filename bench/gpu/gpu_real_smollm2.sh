@@ -32,7 +32,7 @@ case "${1:-}" in
   *) echo "usage: $0 split | stash PART | run PART [acceptance|startup|all]"; exit 2 ;;
 esac
 stage=${3:-acceptance}
-[[ $stage =~ ^(acceptance|startup|structured|all)$ ]] || { echo "unknown stage $stage: acceptance, startup, structured or all"; exit 2; }
+[[ $stage =~ ^(acceptance|startup|structured|mask-threads|all)$ ]] || { echo "unknown stage $stage: acceptance, startup, structured or all"; exit 2; }
 cat $STASH/xaa $STASH/xab $STASH/xac > /tmp/smollm2.gguf || exit 1
 [[ $(sha256sum /tmp/smollm2.gguf | cut -d' ' -f1) == $(cat $STASH/sha256) ]] || { echo "GGUF checksum mismatch"; exit 1; }
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
@@ -48,6 +48,19 @@ if [[ $stage == acceptance || $stage == all ]]; then
   done
   python3 bench/gpu/gpu_deterministic.py --model /tmp/smollm2.gguf --mtp engine/mtp_heads/smollm2.safetensors \
     --num-prompts 16 --max-tokens 96 2>>"$OUT/err.log" | tee "$OUT/deterministic.txt"
+fi
+if [[ $stage == mask-threads ]]; then  # the host's mask fill: one matcher at a time (0) or batched on N threads
+  for n in 0 1 4 8; do
+    export PDSERVE_MASK_THREADS=$n
+    python3 -m deploy.cli bench structured --model smollm2 --device cuda --spec-tokens 3 --batch 25 \
+      --out "$OUT/structured_threads_$n.json" 2>>"$OUT/err.log" > /dev/null
+    python3 -c "import json; r = json.load(open('$OUT/structured_threads_$n.json'))['runs']
+print('threads $n schemas s', {k: v['seconds'] for k, v in r.items() if 'json' in k})"
+    python3 -m deploy.cli bench engine --model smollm2 --device cuda --batch 32 --spec-tokens 3 --max-tokens 128 \
+      --structured-regex "[a-z ]{2000}" 2>>"$OUT/err.log" | grep '"spec_tokens"' | python3 -c "import json,sys
+for l in sys.stdin:
+    r = json.loads(l); print('threads $n regex k', r['spec_tokens'], 'ms/step', r['ms_per_step'])"
+  done
 fi
 if [[ $stage == structured ]]; then
   python3 -m pytest -q -p no:cacheprovider tests/kernels/test_token_mask.py tests/engine/test_grammar.py \
