@@ -81,16 +81,21 @@ def score(items: list[dict], texts: list[str], tokens: list[int]) -> dict[str, A
     import jsonschema  # a dev dependency: only this bench needs it at run time
 
     parsed = valid = 0
-    for item, text in zip(items, texts, strict=True):
+    failed = []
+    for item, text, n_tok in zip(items, texts, tokens, strict=True):
         try:
             obj = json.loads(text)
         except ValueError:
+            failed.append({"name": item["name"], "why": "does not parse", "tokens": n_tok, "tail": text[-60:]})
             continue
         parsed += 1
-        valid += jsonschema.Draft202012Validator(item["schema"]).is_valid(obj)
+        ok = jsonschema.Draft202012Validator(item["schema"]).is_valid(obj)
+        valid += ok
+        if not ok:
+            failed.append({"name": item["name"], "why": "does not validate", "tokens": n_tok, "tail": text[-60:]})
     n = len(items)
     return {"requests": n, "parsed_pct": round(100 * parsed / n, 1), "valid_pct": round(100 * valid / n, 1),
-            "mean_output_tokens": round(sum(tokens) / n, 1)}
+            "mean_output_tokens": round(sum(tokens) / n, 1), "failed": failed}
 
 
 # ---- a running server --------------------------------------------------------------------------
