@@ -11,8 +11,12 @@ masked position, so nothing after it is kept), and the tentative drafts are roll
 
 Exactness comes from masked verification alone: greedy output equals constrained k = 0 output
 token for token, sampled output keeps the masked distribution (rejection sampling against it).
-Drafts are drawn unmasked (in prefill too), so a draft the grammar forbids is simply rejected:
-masking the drafts would raise acceptance, not change any output.
+Drafts are drawn unmasked by the MTP head (in prefill too). Where a greedy row's draft is one the
+grammar forbids and the grammar allows exactly one token there (a JSON key, a separator), that
+token replaces the draft on the device before the launch (`forced_token`): verification keeps
+it, since the masked argmax can only be that token. Elsewhere a forbidden draft is simply
+rejected. Sampled rows keep their drafts: their acceptance test needs the distribution each
+draft was drawn from.
 
 What this costs: the host must know step N's emitted tokens and drafts before launching step
 N + 1, so while a constrained request runs DecodeBatch collects the step in flight before it
@@ -27,6 +31,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 
 from engine.batch_state import to_device_no_sync
@@ -64,6 +69,16 @@ def prefill_masks(compiler: GrammarCompiler | None, chunks: list[PrefillChunk],
     return host.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else host
 
 
+def forced_token(mask: torch.Tensor) -> int | None:
+    """The one token a bitmask row [W] int32 allows, or None when it allows none or several."""
+    words = mask.numpy().view(np.uint32)
+    nz = np.flatnonzero(words)
+    if len(nz) != 1:
+        return None
+    w = int(words[nz[0]])
+    return int(nz[0]) * 32 + w.bit_length() - 1 if w & (w - 1) == 0 else None
+
+
 class ConstrainedRows:
     """The matchers of a decode batch's constrained requests, by slot, and their next masks."""
 
@@ -71,6 +86,7 @@ class ConstrainedRows:
         self.runner, self.k = runner, runner.k
         self.matchers: dict[int, Matcher] = {}
         self.drafts: dict[int, list[int]] = {}  # slot -> the drafts its next launch verifies
+        self.greedy: dict[int, bool] = {}  # slot -> its request is greedy (forced tokens may replace drafts)
         self._host: torch.Tensor | None = None  # [capacity * (k+1), W] int32, pinned on CUDA
         self._copied: torch.cuda.Event | None = None
         self._filler: MaskFiller | None = None
@@ -96,10 +112,12 @@ class ConstrainedRows:
         self.matchers[req.slot] = self.runner.grammar.matcher(spec, grammar_tokens(req.params, req.prompt, req.output_ids))
         host = drafts.tolist() if isinstance(drafts, torch.Tensor) else list(drafts or [])
         self.drafts[req.slot] = host[: self.k]
+        self.greedy[req.slot] = req.params.greedy
 
     def remove(self, slot: int) -> None:
         if self.matchers.pop(slot, None) is not None:
             self.drafts.pop(slot, None)
+            self.greedy.pop(slot, None)
             self.runner.state.clear_grammar_mask(slot)
 
     def advance(self, slot: int, tokens: list[int], drafts: list[int] | None) -> bool:
@@ -116,8 +134,12 @@ class ConstrainedRows:
             return
         k1 = self.k + 1
         host = self._buffer(len(mine) * k1)
-        self._fill_levels([self.matchers[s] for s in mine], [self.drafts.get(s, []) for s in mine], host)
+        drafts = [list(self.drafts.get(s, [])) for s in mine]
+        changed = self._fill_levels([self.matchers[s] for s in mine], drafts, host, [self.greedy.get(s, False) for s in mine])
         state = self.runner.state
+        if changed:  # forced tokens in place of forbidden drafts: the step reads them from the state
+            state.write_drafts_no_sync(to_device_no_sync([mine[j] for j in changed], torch.long, state.device),
+                                       to_device_no_sync([drafts[j] for j in changed], torch.long, state.device))
         dev = host[: len(mine) * k1].view(len(mine), k1, -1)
         if state.device.type == "cuda":
             dev = dev.to(state.device, non_blocking=True)
@@ -125,22 +147,42 @@ class ConstrainedRows:
             self._copied.record()
         state.write_grammar_masks_no_sync(to_device_no_sync(mine, torch.long, state.device), dev)
 
-    def _fill_levels(self, matchers: list[Matcher], drafts: list[list[int]], host: torch.Tensor) -> None:
+    def _fill_levels(self, matchers: list[Matcher], drafts: list[list[int]], host: torch.Tensor,
+                     greedy: list[bool]) -> list[int]:
         """Row j*(k+1) + i of `host` := matcher j's mask after its first i drafts, for the drafts
         the grammar takes (rows past the first one it refuses: all ones). One batched fill per
-        verify position, over every row still going, then each matcher rolls its drafts back."""
+        verify position, over every row still going, then each matcher rolls its drafts back.
+        A greedy row's refused draft becomes the grammar's forced token where there is one
+        (`drafts` is changed in place); returns the rows whose drafts changed."""
         k1 = self.k + 1
         host[: len(matchers) * k1].fill_(-1)
         taken = [0] * len(matchers)
         live = list(range(len(matchers)))
+        changed: list[int] = []
         for i in range(k1):
             if i:
-                live = [j for j in live if len(drafts[j]) >= i and matchers[j].accept(drafts[j][i - 1])]
+                live = [j for j in live if len(drafts[j]) >= i and self._take(matchers[j], drafts[j], i - 1,
+                                                                             host[j * k1 + i - 1], greedy[j], changed, j)]
                 for j in live:
                     taken[j] = i
             self.filler.fill([matchers[j] for j in live], host, [j * k1 + i for j in live])
         for m, n in zip(matchers, taken, strict=True):
             m.rollback(n)
+        return changed
+
+    @staticmethod
+    def _take(m: Matcher, drafts: list[int], i: int, mask: torch.Tensor, greedy: bool, changed: list[int],
+              j: int) -> bool:
+        """Accept draft i, or for a greedy row the one token `mask` allows in its place."""
+        if m.accept(drafts[i]):
+            return True
+        t = forced_token(mask) if greedy else None
+        if t is None or not m.accept(t):
+            return False
+        drafts[i] = t
+        if not changed or changed[-1] != j:
+            changed.append(j)
+        return True
 
     def _buffer(self, rows: int) -> torch.Tensor:
         """The host rows, reused once their last copy has run (in constrained mode it has: the

@@ -123,7 +123,8 @@ class MaskFiller:
 
     def fill(self, matchers: list[Matcher], bitmask: torch.Tensor, rows: list[int]) -> None:
         """Row rows[i] of `bitmask` := what matchers[i] allows next (stop ids alone once terminated)."""
-        plain, at = [], []
+        plain: list[xgr.GrammarMatcher] = []
+        at: list[int] = []
         for m, row in zip(matchers, rows, strict=True):
             if m.is_terminated:
                 stop_only(bitmask[row], m._stop)
@@ -133,8 +134,8 @@ class MaskFiller:
         if len(plain) > 1 and self._batch is not None:
             self._batch.batch_fill_next_token_bitmask(plain, bitmask, at)
             return
-        for m, row in zip(plain, at, strict=True):
-            m.fill_next_token_bitmask(bitmask, row)
+        for xm, row in zip(plain, at, strict=True):
+            xm.fill_next_token_bitmask(bitmask, row)
 
 
 def stop_only(row: torch.Tensor, stop_ids: list[int]) -> None:
