@@ -23,13 +23,26 @@ import os
 import threading
 from collections import OrderedDict
 from collections.abc import Iterable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
-import xgrammar as xgr
 
 from engine.structured import StructuredSpec
 from engine.tiny import BYTE_VOCAB, ByteTokenizer
+
+if TYPE_CHECKING:
+    import xgrammar as xgr
+else:
+    class _OnFirstUse:
+        """xgrammar, imported when first touched: it pulls in pydantic and transformers, which an
+        engine without structured requests (`pdserve generate`) never loads."""
+
+        def __getattr__(self, name: str) -> Any:
+            import xgrammar
+
+            return getattr(xgrammar, name)
+
+    xgr = _OnFirstUse()
 
 MAX_CACHED = 64  # compiled grammars kept (least recently used dropped first)
 _JSON_OBJECT = '{"type": "object"}'
