@@ -37,7 +37,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--batch", type=int, default=8, help="in-process: requests decoded together")
     p.add_argument("--schemas", default=str(SCHEMAS), help="a JSON list of {name, prompt, schema}")
     p.add_argument("--num-schemas", type=int, default=None, help="use the first N")
-    p.add_argument("--max-tokens", type=int, default=256)
+    p.add_argument("--max-tokens", type=int, default=512, help="room for the largest answer the schemas allow (one needs > 256)")
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--concurrency", type=int, default=8, help="--base-url: requests in flight")
