@@ -135,7 +135,8 @@ class ConstrainedRows:
         k1 = self.k + 1
         host = self._buffer(len(mine) * k1)
         drafts = [list(self.drafts.get(s, [])) for s in mine]
-        changed = self._fill_levels([self.matchers[s] for s in mine], drafts, host, [self.greedy.get(s, False) for s in mine])
+        self._fill_levels([self.matchers[s] for s in mine], drafts, host, [self.greedy.get(s, False) for s in mine])
+        changed = [j for j, s in enumerate(mine) if drafts[j] != self.drafts.get(s, [])]
         state = self.runner.state
         if changed:  # forced tokens in place of forbidden drafts: the step reads them from the state
             state.write_drafts_no_sync(to_device_no_sync([mine[j] for j in changed], torch.long, state.device),
@@ -148,31 +149,28 @@ class ConstrainedRows:
         state.write_grammar_masks_no_sync(to_device_no_sync(mine, torch.long, state.device), dev)
 
     def _fill_levels(self, matchers: list[Matcher], drafts: list[list[int]], host: torch.Tensor,
-                     greedy: list[bool]) -> list[int]:
+                     greedy: list[bool]) -> None:
         """Row j*(k+1) + i of `host` := matcher j's mask after its first i drafts, for the drafts
         the grammar takes (rows past the first one it refuses: all ones). One batched fill per
         verify position, over every row still going, then each matcher rolls its drafts back.
         A greedy row's refused draft becomes the grammar's forced token where there is one
-        (`drafts` is changed in place); returns the rows whose drafts changed."""
+        (`drafts` is changed in place)."""
         k1 = self.k + 1
         host[: len(matchers) * k1].fill_(-1)
         taken = [0] * len(matchers)
         live = list(range(len(matchers)))
-        changed: list[int] = []
         for i in range(k1):
             if i:
-                live = [j for j in live if len(drafts[j]) >= i and self._take(matchers[j], drafts[j], i - 1,
-                                                                             host[j * k1 + i - 1], greedy[j], changed, j)]
+                live = [j for j in live if len(drafts[j]) >= i
+                        and self._take(matchers[j], drafts[j], i - 1, host[j * k1 + i - 1], greedy[j])]
                 for j in live:
                     taken[j] = i
             self.filler.fill([matchers[j] for j in live], host, [j * k1 + i for j in live])
         for m, n in zip(matchers, taken, strict=True):
             m.rollback(n)
-        return changed
 
     @staticmethod
-    def _take(m: Matcher, drafts: list[int], i: int, mask: torch.Tensor, greedy: bool, changed: list[int],
-              j: int) -> bool:
+    def _take(m: Matcher, drafts: list[int], i: int, mask: torch.Tensor, greedy: bool) -> bool:
         """Accept draft i, or for a greedy row the one token `mask` allows in its place."""
         if m.accept(drafts[i]):
             return True
@@ -180,8 +178,6 @@ class ConstrainedRows:
         if t is None or not m.accept(t):
             return False
         drafts[i] = t
-        if not changed or changed[-1] != j:
-            changed.append(j)
         return True
 
     def _buffer(self, rows: int) -> torch.Tensor:
