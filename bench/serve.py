@@ -88,16 +88,20 @@ def run(args: argparse.Namespace) -> int:
     service = None
     args.service_pids = {"router": args.router_pid} if args.router_pid else {}
     if args.launch:
-        from deploy.cli_service import client_ca, scheme, service_config, start_service
+        from deploy.cli_service import client_ca, scheme, service_config, start_service, startup_line
 
         cfg = service_config(args, local=True)
         service, args.router = start_service(cfg)
+        args.startup = startup_line(service)
+        print(args.startup, file=sys.stderr, flush=True)
         args.tls_ca = client_ca(args, cfg)
         args.service_pids = service_pids(service)
         if args.protocol == "http":
             args.base_url, args.router = f"{scheme(cfg)}://{service.http_address}", None
     try:
         report = asyncio.run(sweep(args, items, rates))
+        if getattr(args, "startup", None):
+            report["startup"] = args.startup
     finally:
         if service is not None:
             from deploy.cli_service import shutdown

@@ -41,6 +41,7 @@ log = logging.getLogger(__name__)
 
 class ColocatedNode(DecodeNode):
     loop_name = "colocated-loop"
+    prefills = True
 
     def __init__(self, loaded: LoadedModel, config: EngineConfig, tp: TPGroup | None = None) -> None:
         if tp is not None and tp.size > 1:

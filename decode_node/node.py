@@ -64,6 +64,7 @@ from engine.request import Request, RequestOutput
 from engine.sampling_params import MAX_N, SamplingParams
 from engine.step_loop import StepLoop
 from engine.tensor_parallel import TPGroup
+from engine.warmup import warm_up
 from kvtransfer import KVLayout, KVReceiver, TransferState, create_receiver
 from protos.messages import FirstToken, OutputItem, TokenLogprobs, token_logprobs
 
@@ -121,6 +122,7 @@ class Reservation:
 
 class DecodeNode(StepLoop):
     loop_name = "decode-loop"
+    prefills = False  # runs prefill steps itself (the colocated node): warmed up too
 
     def __init__(self, loaded: LoadedModel, config: EngineConfig, kv_backend: str | None = "ucx",
                  kv_timeout_s: float = 10.0, admission_timeout_s: float = 30.0,
@@ -130,6 +132,10 @@ class DecodeNode(StepLoop):
         self.loaded, self.config = loaded, config
         self.k = config.num_speculative_tokens
         self.runner, self.blocks, self.max_model_len = build_runner(loaded, config, tp=tp)
+        self.warmup_s = 0.0  # start-up seconds spent capturing graphs before serving (engine/warmup.py)
+        if config.warmup and (tp is None or tp.size == 1):  # TP ranks capture in lockstep: not warmed yet
+            self.warmup_s = warm_up(self.runner, decode=True, prefill=self.prefills, prefill_events=False,
+                                    max_model_len=self.max_model_len).seconds
         self.prefix = prefix_cache_for(loaded, config, self.blocks)
         self.batch = DecodeBatch(self.runner, self.blocks, config.max_num_seqs)
         self.vocab = loaded.model.config.vocab_size

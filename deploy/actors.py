@@ -30,7 +30,7 @@ def engine_config(cfg: ServiceConfig, role: str):
             max_num_batched_tokens=c.max_num_batched_tokens, max_model_len=cfg.model.max_model_len,
             kv_cache_bytes=cfg.cache.kv_cache_bytes, num_blocks=cfg.cache.num_blocks,
             device=cfg.model.resolved_device(), enforce_eager=cfg.model.enforce_eager,
-            deterministic=cfg.model.deterministic, enable_prefix_caching=c.prefix_cache,
+            deterministic=cfg.model.deterministic, enable_prefix_caching=c.prefix_cache, warmup=cfg.model.warmup,
         )
     return EngineConfig(
         num_speculative_tokens=cfg.spec.num_speculative_tokens,
@@ -45,6 +45,7 @@ def engine_config(cfg: ServiceConfig, role: str):
         enforce_eager=cfg.model.enforce_eager,
         deterministic=cfg.model.deterministic,
         enable_prefix_caching=cfg.prefill.prefix_cache if role == "prefill" else cfg.decode.prefix_cache,
+        warmup=cfg.model.warmup,
     )
 
 
@@ -81,6 +82,12 @@ class _Phases:
         now = time.perf_counter()
         self.phases[name] = round(now - self._last, 2)
         self._last = now
+
+    def split(self, name: str, part: str, seconds: float) -> None:
+        """Report `seconds` of phase `name` as phase `part` of their own (when > 0)."""
+        if seconds > 0:
+            self.phases[name] = round(max(0.0, self.phases[name] - seconds), 2)
+            self.phases[part] = round(seconds, 2)
 
 
 class NodeActor:
@@ -131,7 +138,8 @@ class NodeActor:
             serve = serve_colocated
         else:
             raise ValueError(f"unknown node role {role!r}")
-        clock.mark("node_build")  # the runner: KV cache, CUDA graph capture, warm-up
+        clock.mark("node_build")  # the runner: KV cache, CUDA graph capture, warm-up (split out below)
+        clock.split("node_build", "warmup", getattr(self.node, "warmup_s", 0.0))
         self.node.start()
         if tp is None or tp.rank == 0:
             self.server, self.port = serve(self.node, node_id, host, secret=cfg.cluster.secret, tls=tls)

@@ -8,7 +8,7 @@ every component (router included) can read its own section cheaply.
 YAML layout (every section and key optional):
 
     model: {name: tiny, dtype: auto, device: auto, max_model_len: 2048, mtp_path: null, enforce_eager: false,
-            deterministic: false}
+            deterministic: false, warmup: true}
     spec: {num_speculative_tokens: 2, draft_vocab_size: 0}
     cache: {block_size: 16, num_blocks: null, kv_cache_bytes: 536870912}
     kv_transfer: {backend: ucx, timeout_s: 30, faults: {drop: 0, delay: 0, duplicate: 0, truncate: 0}}
@@ -61,6 +61,7 @@ class ModelConfig(_Section):
     mtp_path: str | None = None
     enforce_eager: bool = False  # no CUDA graphs for the decode step (as vLLM's --enforce-eager)
     deterministic: bool = False  # batch-invariant kernels on prefill and decode nodes alike
+    warmup: bool = True  # capture the CUDA graphs requests meet before a node is ready (engine/warmup.py)
 
     @field_validator("dtype")
     @classmethod

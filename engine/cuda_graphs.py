@@ -73,7 +73,7 @@ class DecodeGraphs:
         b = self.bucket(len(slots))
         key = (b, *flags, logprobs)
         if key not in self.graphs:
-            self._capture(key)
+            self.capture(key)
         self._set_rows(slots + [self.runner.state.spare] * (b - len(slots)))
         graph, out = self.graphs[key]
         graph.replay()
@@ -81,7 +81,7 @@ class DecodeGraphs:
 
     def capture_greedy(self) -> None:
         for b in self.buckets:
-            self._capture((b, True, False, False, False, False))
+            self.capture((b, True, False, False, False, False))
 
     def _set_rows(self, rows: list[int]) -> None:
         if rows != self._rows[: len(rows)]:
@@ -89,7 +89,7 @@ class DecodeGraphs:
                                                           non_blocking=True)
             self._rows[: len(rows)] = rows
 
-    def _capture(self, key: GraphKey) -> None:
+    def capture(self, key: GraphKey) -> None:
         b, all_greedy, needs_filter, penalized, constrained, logprobs = key
         r = self.runner
         if not all_greedy:

@@ -41,6 +41,7 @@ from engine.request import TokenLogprob
 from engine.sampling_params import SamplingParams
 from engine.step_loop import StepLoop
 from engine.tensor_parallel import TPGroup
+from engine.warmup import warm_up
 from kvtransfer import KVLayout, TransferState, TransferStatus, create_sender
 from protos.messages import FirstToken, TokenLogprobs, token_logprobs
 
@@ -79,6 +80,10 @@ class PrefillNode(StepLoop):
         self.loaded, self.config, self.sink = loaded, config, first_token_sink
         self.k = config.num_speculative_tokens
         self.runner, self.blocks, self.max_model_len = build_runner(loaded, config, decodes=False, tp=tp)
+        self.warmup_s = 0.0  # start-up seconds spent capturing graphs before serving (engine/warmup.py)
+        if config.warmup and (tp is None or tp.size == 1):  # TP ranks capture in lockstep: not warmed yet
+            self.warmup_s = warm_up(self.runner, decode=False, prefill=True, prefill_events=True,
+                                    max_model_len=self.max_model_len).seconds
         self.prefix = prefix_cache_for(loaded, config, self.blocks)
         self.num_layers = loaded.model.config.num_hidden_layers
         self._released: queue.SimpleQueue[tuple[str, bool, float]] = queue.SimpleQueue()

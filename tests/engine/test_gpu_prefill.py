@@ -119,3 +119,21 @@ def test_fused_prefill_kernels_run_and_agree_with_the_unfused_path(monkeypatch):
     for a, b in zip(fused, plain, strict=True):
         assert a.output_ids[0] == b.output_ids[0]
         assert abs(a.logprobs[0].logprob - b.logprobs[0].logprob) < 0.05
+
+
+@pytest.mark.parametrize("k", [0, 3])
+def test_warmed_up_node_captures_nothing_for_single_prompts(k):
+    """After engine/warmup.py, one prompt at a time (greedy, with logprobs) replays graphs the
+    warm-up captured, and gives eager's tokens."""
+    from engine.warmup import warm_up
+
+    eng = engine(k)
+    report = warm_up(eng.runner, decode=True, prefill=True, prefill_events=False, max_model_len=eng.max_model_len)
+    assert report.decode_graphs > 0 and report.prefill_graphs > 0
+    pg, dg = eng.runner.prefill_graphs, eng.runner.graphs
+    captured = (len(pg.graphs), len(dg.graphs))
+    params = SamplingParams(max_tokens=24, ignore_eos=True, logprobs=2)
+    got = [eng.generate([p], params)[0].output_ids for p in PROMPTS]
+    assert (len(pg.graphs), len(dg.graphs)) == captured, "a request met a key the warm-up left out"
+    eager = engine(k, enforce_eager=True)
+    assert got == [eager.generate([p], params)[0].output_ids for p in PROMPTS]

@@ -1,0 +1,98 @@
+"""Capture at start-up: the CUDA graphs a serving node meets, before it reports ready.
+
+Graphs are otherwise captured on first use (engine/cuda_graphs.py, engine/prefill_graphs.py). On
+a server that first use is a request: its step waits for the capture, and on a cold Triton cache
+for the kernels' compilation too (0.3-4 s per new prefill bucket on an H100, the first requests'
+TTFT p99 in BENCHMARKS.md), and the node's loop answers nothing meanwhile. A node therefore
+captures the keys ordinary requests meet before it serves (`model.warmup`, on by default for
+`pdserve up`; `pdserve generate` and the benches capture on first use):
+
+- decode: every batch bucket, greedy and sampled (no top-k/top-p filter), with and without
+  logprobs (the greedy ones without logprobs are captured by `build_runner` already);
+- prefill: every token bucket at the fewest rows whose rows fit `max_model_len`, greedy and
+  sampled, with and without logprobs, fresh prompts; then every row bucket once at the largest
+  token bucket (greedy with logprobs), which compiles the kernels' row-count specializations.
+
+Rarer keys (top-k/top-p filters, penalties, grammars, cached prefixes, other token x row pairs)
+are still captured on first use, with their kernels compiled by then. The warm-up's steps are
+dummy prompts whose every block is the trash block (engine/kv_cache.py), so they change no
+request's state and no KV block.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+from engine.prefill_graphs import PrefillGraphs
+from engine.prefill_step import PrefillChunk
+from engine.sampling_params import SamplingParams
+
+log = logging.getLogger(__name__)
+
+GREEDY, SAMPLED = SamplingParams(max_tokens=1), SamplingParams(temperature=1.0, max_tokens=1)
+VARIANTS = [(p, lp) for p in (GREEDY, SAMPLED) for lp in (None, 0)]  # (params, logprobs)
+
+
+@dataclass
+class WarmupReport:
+    decode_graphs: int = 0
+    prefill_graphs: int = 0
+    seconds: float = 0.0
+
+
+def warm_up(runner, *, decode: bool, prefill: bool, prefill_events: bool, max_model_len: int) -> WarmupReport:
+    """Capture the node's graphs (module docstring): `decode` for a node that decodes, `prefill`
+    for one that prefills (`prefill_events`: the prefill node, whose steps record per-layer events
+    for its layer-wise KV push). Nothing to do without CUDA graphs."""
+    t0, report = time.perf_counter(), WarmupReport()
+    if decode and runner.graphs is not None:
+        report.decode_graphs = _warm_decode(runner.graphs)
+    if prefill and runner.prefill_graphs is not None:
+        report.prefill_graphs = _warm_prefill(runner.prefill_graphs, prefill_events, max_model_len)
+    report.seconds = time.perf_counter() - t0
+    if report.decode_graphs or report.prefill_graphs:
+        log.info("warm-up: %d decode and %d prefill graphs captured in %.1f s",
+                 report.decode_graphs, report.prefill_graphs, report.seconds)
+    return report
+
+
+def _warm_decode(graphs) -> int:
+    before = len(graphs.graphs)
+    for b in graphs.buckets:
+        for all_greedy in (True, False):
+            for logprobs in (False, True):
+                key = (b, all_greedy, False, False, False, logprobs)
+                if key not in graphs.graphs:
+                    graphs.capture(key)
+    return len(graphs.graphs) - before
+
+
+def _warm_prefill(graphs: PrefillGraphs, events: bool, max_model_len: int) -> int:
+    before = len(graphs.graphs)
+    on_layer = (lambda layer, ready: None) if events else None
+    for tokens in graphs.token_buckets:
+        rows = rows_for(tokens, graphs.row_buckets, max_model_len)
+        if rows is None:
+            continue
+        for params, lp in VARIANTS:
+            graphs.run(dummy_chunks(tokens, rows, params, lp), on_layer)
+    tokens = graphs.token_buckets[-1]
+    for rows in graphs.row_buckets:
+        if tokens >= rows and (tokens // rows) <= max_model_len:
+            graphs.run(dummy_chunks(tokens, rows, GREEDY, 0), on_layer)
+    return len(graphs.graphs) - before
+
+
+def rows_for(tokens: int, row_buckets: list[int], max_model_len: int) -> int | None:
+    """The fewest rows (a row bucket) whose equal share of `tokens` fits `max_model_len`."""
+    return next((r for r in row_buckets if -(-tokens // r) <= max_model_len and r <= tokens), None)
+
+
+def dummy_chunks(tokens: int, rows: int, params: SamplingParams, logprobs: int | None) -> list[PrefillChunk]:
+    """`rows` whole prompts of `tokens` tokens in all (token id 0), every block the trash block
+    (no block ids: the inputs pad a row's table with it), sampled with `params` and `logprobs`."""
+    p = SamplingParams(temperature=params.temperature, max_tokens=1, logprobs=logprobs)
+    share = [tokens // rows + (1 if r < tokens % rows else 0) for r in range(rows)]
+    return [PrefillChunk([0] * n, 0, n, [], p, 0) for n in share]
