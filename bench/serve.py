@@ -28,12 +28,14 @@ import argparse
 import asyncio
 import json
 import math
+import os
 import random
 import sys
 from pathlib import Path
 from typing import Any
 
 from bench.serve_clients import measured_load
+from bench.serve_metrics import breakdown, scrape
 from bench.serve_load import Item, Result
 
 BUILTIN_PROMPTS = [
@@ -164,8 +166,12 @@ async def sweep(args: argparse.Namespace, items: list[Item], rates: list[float])
     with tqdm(total=len(rates) * len(items), desc="bench serve", unit="req", disable=None) as bar:
         for rate in rates:
             bar.set_postfix(rate=rate)
+            key = getattr(args, "api_key", None) or os.environ.get("PDSERVE_API_KEY")
+            before = await asyncio.to_thread(scrape, args.base_url, key)
             results, wall, cpu = await measured_load(args, items, rate, bar)
-            runs.append({**summarize(results, rate, wall, args), "cpu": cpu})
+            run = {**summarize(results, rate, wall, args), "cpu": cpu}
+            run["server"] = breakdown(before, await asyncio.to_thread(scrape, args.base_url, key), run["completed"])
+            runs.append(run)
     held = []  # rates, lowest first, up to the first that misses the p99 SLO
     for r in sorted(runs, key=lambda r: r["request_rate"]):
         if not r["p99_slo_met"]:

@@ -79,7 +79,8 @@ print(f"{sys.argv[2]}: {report.get('startup', '')}")
 for r in report["runs"]:
     t, i = r["ttft"], r["itl"]
     print(f"  rate {r['request_rate']}: {r['completed']} done {r['failed']} failed, TTFT p50/p90/p99 {t['p50_ms']}/{t['p90_ms']}/"
-          f"{t['p99_ms']} ms, ITL p50/p99 {i['p50_ms']}/{i['p99_ms']} ms, {r['output_throughput']:,.0f} tok/s, goodput {r['goodput']}")
+          f"{t['p99_ms']} ms (mean {t['mean_ms']}), ITL p50/p99 {i['p50_ms']}/{i['p99_ms']} ms, "
+          f"{r['output_throughput']:,.0f} tok/s, goodput {r['goodput']}; server means {r.get('server', {})}")
 PY
 }
 if [[ $stage == ttft ]]; then  # issue 27's low-load TTFT: 512-token prompts at 1 and 8 requests/s, MODE a,b,...

@@ -1,0 +1,60 @@
+"""Where a run's TTFT goes, from the server's own Prometheus counters (`bench serve`, HTTP target).
+
+`bench serve` reads `/metrics` before and after each rate's run and hands on, per run, the means of
+what the service measured itself over it: the router's TTFT (`time_to_first_token_seconds`, from
+the request's arrival at the router to its first token going out), the prefill nodes' step time per
+completed request (`prefill_seconds`: the steps' host-measured time, the device's work included)
+and the KV transfer seconds per request (PD). Against the client's TTFT, these split the time into
+the HTTP/client side, the router and queues, and the prefill itself. A server without these
+metrics (another vendor's) gives an empty breakdown.
+"""
+
+from __future__ import annotations
+
+import re
+import urllib.request
+
+_LINE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[^}]*\})?\s+([-+0-9.eEinfNa]+)$")
+WANTED = ("pdserve:time_to_first_token_seconds_sum", "pdserve:time_to_first_token_seconds_count",
+          "pdserve:prefill_seconds", "pdserve:prefill_tokens", "pdserve:kv_transfer_seconds")
+
+
+def scrape(base_url: str | None, api_key: str | None = None) -> dict[str, float]:
+    """The WANTED families, each summed over its label sets; {} when there is nothing to read."""
+    if not base_url:
+        return {}
+    req = urllib.request.Request(base_url.rstrip("/") + "/metrics")
+    if api_key:
+        req.add_header("Authorization", f"Bearer {api_key}")
+    try:
+        with urllib.request.urlopen(req, timeout=10) as resp:
+            text = resp.read().decode()
+    except (OSError, ValueError):
+        return {}
+    return parse(text)
+
+
+def parse(text: str) -> dict[str, float]:
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        m = _LINE.match(line.strip())
+        if m and m.group(1) in WANTED:
+            out[m.group(1)] = out.get(m.group(1), 0.0) + float(m.group(3))
+    return out
+
+
+def breakdown(before: dict[str, float], after: dict[str, float], completed: int) -> dict[str, float]:
+    """Per-request means (ms) over a run, from two scrapes; {} without both."""
+    if not before or not after or completed <= 0:
+        return {}
+
+    def delta(name: str) -> float:
+        return after.get(name, 0.0) - before.get(name, 0.0)
+
+    out = {}
+    n = delta("pdserve:time_to_first_token_seconds_count")
+    if n > 0:
+        out["router_ttft_mean_ms"] = round(1000 * delta("pdserve:time_to_first_token_seconds_sum") / n, 2)
+    out["prefill_ms_per_request"] = round(1000 * delta("pdserve:prefill_seconds") / completed, 2)
+    out["kv_transfer_ms_per_request"] = round(1000 * delta("pdserve:kv_transfer_seconds") / completed, 2)
+    return out
