@@ -56,6 +56,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     t.add_argument("--base-url", default=None, help="a router's HTTP address (OpenAI API), e.g. http://127.0.0.1:8000")
     t.add_argument("--launch", action="store_true", help="start a local service (the `pdserve up` flags below)")
     p.add_argument("--protocol", choices=("grpc", "http"), default="grpc", help="with --launch: which door to load")
+    p.add_argument("--http-client", choices=("openai", "raw"), default="openai",
+                   help="HTTP requests by the official `openai` client, or raw (httpx + json, as vLLM's "
+                   "benchmark_serving): the openai client's request building (~10 us per prompt token id) "
+                   "counts in its TTFT")
     p.add_argument("--tls-ca", default=None, metavar="PEM", help="speak TLS to the router, trusting this CA file "
                    "('system': the system's roots; with --launch --tls-cert: default the certificate itself)")
     p.add_argument("--dataset", default="builtin", help="'builtin' (chat prompts), 'random' (token ids) or a JSONL "

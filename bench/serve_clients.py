@@ -95,6 +95,7 @@ def target_of(args: argparse.Namespace, share: int) -> dict[str, Any]:
     limit = args.max_concurrency
     return {"base_url": args.base_url, "router": args.router, "tls_ca": args.tls_ca,
             "api_key": getattr(args, "api_key", None), "seed": args.seed + share,
+            "http_client": getattr(args, "http_client", "openai"),
             "max_concurrency": max(1, limit // args.client_processes) if limit else None}
 
 

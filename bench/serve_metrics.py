@@ -38,8 +38,9 @@ def parse(text: str) -> dict[str, float]:
     out: dict[str, float] = {}
     for line in text.splitlines():
         m = _LINE.match(line.strip())
-        if m and m.group(1) in WANTED:
-            out[m.group(1)] = out.get(m.group(1), 0.0) + float(m.group(3))
+        name = m.group(1).removesuffix("_total") if m else ""  # counters are exposed as NAME_total
+        if m and name in WANTED:
+            out[name] = out.get(name, 0.0) + float(m.group(3))
     return out
 
 

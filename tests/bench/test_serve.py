@@ -23,7 +23,9 @@ async def test_bench_serve_grpc_and_http_sweep(tmp_path):
     async with cluster(http_port=0) as c:
         for target in ({"router": f"127.0.0.1:{c.router.grpc_port}"},
                        {"base_url": f"http://127.0.0.1:{c.router.http_port}", "dataset": "random",
-                        "input_len": 20, "max_concurrency": 4}):
+                        "input_len": 20, "max_concurrency": 4},
+                       {"base_url": f"http://127.0.0.1:{c.router.http_port}", "dataset": "random",
+                        "input_len": 20, "max_concurrency": 4, "http_client": "raw"}):
             args = bench_args(tmp_path, **target)
             items = serve.load_dataset(args)
             report = await serve.sweep(args, items, [50.0, float("inf")])

@@ -9,7 +9,7 @@ pdserve:time_to_first_token_seconds_bucket{le="0.01",model_name="m"} 3.0
 pdserve:time_to_first_token_seconds_sum{model_name="m"} 0.05
 pdserve:time_to_first_token_seconds_count{model_name="m"} 4.0
 pdserve:prefill_seconds{node="p0",role="prefill"} 0.02
-pdserve:prefill_seconds{node="p1",role="prefill"} 0.01
+pdserve:prefill_seconds_total{node="p1",role="prefill"} 0.01
 pdserve:prefill_tokens{node="p0",role="prefill"} 512.0
 """
 
