@@ -34,6 +34,7 @@ from engine.model_runner import kv_room_needed
 from engine.request import Request
 from engine.sampling_params import SamplingParams
 from engine.tensor_parallel import TPGroup
+from engine.warmup import capture_deferred
 from protos.messages import OutputItem
 
 log = logging.getLogger(__name__)
@@ -81,7 +82,9 @@ class ColocatedNode(DecodeNode):
         self._count_accepted(outputs)
         items += [self._item(o) for o in outputs]
         self._publish(items)
-        return busy or prefilled or bool(items)
+        if busy or prefilled or items:
+            return True
+        return capture_deferred(self.runner, self.max_model_len)  # idle: a graph a step ran eagerly
 
     def _prefill_step(self) -> list[OutputItem]:
         chunks, reqs = self.prefill.schedule()

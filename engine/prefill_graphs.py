@@ -26,11 +26,13 @@ the engine and the prefill node read first tokens to the host at once).
 from __future__ import annotations
 
 import dataclasses
+import logging
 from collections.abc import Callable
 from typing import Any
 
 import torch
 
+from engine.dummy_prompts import chunks_for_key
 from engine.prefill_step import (
     PrefillChunk,
     PrefillInputs,
@@ -40,6 +42,8 @@ from engine.prefill_step import (
     key_for,
     prefill_forward,
 )
+
+log = logging.getLogger(__name__)
 
 MAX_TOP_LOGPROBS = 20  # graphs with logprobs compute this many; rows keep what they asked
 MIN_TOKENS = 16
@@ -64,13 +68,14 @@ class PrefillGraphs:
         self.inputs: dict[tuple[int, int], PrefillInputs] = {}
         self.graphs: dict[tuple[PrefillKey, bool], tuple[torch.cuda.CUDAGraph, PrefillResult, list[Any]]] = {}
         self.pool: Any = None
+        self.defer = False  # a new key runs eagerly and waits in `pending` for `capture_deferred` (nodes)
+        self.pending: list[tuple[PrefillKey, bool]] = []
 
     def fits(self, num_tokens: int, num_rows: int) -> bool:
         return num_tokens <= self.token_buckets[-1] and num_rows <= self.row_buckets[-1]
 
-    def run(self, chunks: list[PrefillChunk], on_layer: LayerReady | None = None) -> PrefillResult:
-        """Pack `chunks` into their bucket, replay (capturing on first use), hand out the layer
-        events. Never syncs, except the one-time capture."""
+    def key(self, chunks: list[PrefillChunk]) -> PrefillKey:
+        """The graph key of a step of `chunks` (its buckets, sampling flags, logprobs, freshness)."""
         n = sum(c.end - c.start for c in chunks)
         t = next(b for b in self.token_buckets if b >= n)
         r = next(b for b in self.row_buckets if b >= len(chunks))
@@ -78,12 +83,21 @@ class PrefillGraphs:
         key = key_for(chunks, t, r, max_q=next(b for b in self.token_buckets if b >= longest))
         if key.top_logprobs is not None:
             key = dataclasses.replace(key, top_logprobs=MAX_TOP_LOGPROBS)
-        inp = self.inputs.get((t, r))
-        if inp is None:
-            inp = self.inputs[(t, r)] = PrefillInputs(t, r, self.runner.max_blocks, self.runner.device)
+        return key
+
+    def run(self, chunks: list[PrefillChunk], on_layer: LayerReady | None = None) -> PrefillResult:
+        """Pack `chunks` into their bucket, replay (capturing on first use, or with `defer` running
+        eagerly and capturing later), hand out the layer events. Never syncs, except a capture."""
+        key = self.key(chunks)
+        inp = self._inputs(key)
         inp.fill_no_sync(chunks)
         wanted = on_layer is not None  # per-layer events cost ~100 us of launch (SmolLM2, H100): only for a listener
         if (key, wanted) not in self.graphs:
+            if self.defer:  # off the request's path: eager now (no capture's ~100 ms), captured when idle
+                if (key, wanted) not in self.pending:
+                    self.pending.append((key, wanted))
+                hook = (lambda i: on_layer(i, None)) if on_layer is not None else None
+                return prefill_forward(self.runner, inp, key, hook)
             self._capture(key, inp, wanted)
         graph, out, events = self.graphs[(key, wanted)]
         graph.replay()
@@ -91,6 +105,29 @@ class PrefillGraphs:
             for layer, event in enumerate(events):
                 on_layer(layer, event)
         return out
+
+    def capture_deferred(self, max_model_len: int) -> bool:
+        """Capture one key a deferred step ran eagerly, over dummy prompts that write only the trash
+        block (engine/dummy_prompts.py); False when none is pending. Only between steps: the
+        capture overwrites the inputs' buffers."""
+        while self.pending:
+            key, wanted = self.pending.pop(0)
+            chunks = chunks_for_key(key, self.token_buckets, self.row_buckets, max_model_len)
+            if chunks is None or self.key(chunks) != key:
+                log.info("prefill graph key %s: no dummy step makes it; it stays eager", key)
+                continue
+            inp = self._inputs(key)
+            inp.fill_no_sync(chunks)
+            self._capture(key, inp, wanted)
+            return True
+        return False
+
+    def _inputs(self, key: PrefillKey) -> PrefillInputs:
+        inp = self.inputs.get((key.tokens, key.rows))
+        if inp is None:
+            inp = PrefillInputs(key.tokens, key.rows, self.runner.max_blocks, self.runner.device)
+            self.inputs[(key.tokens, key.rows)] = inp
+        return inp
 
     def _capture(self, key: PrefillKey, inp: PrefillInputs, with_events: bool) -> None:
         r = self.runner

@@ -13,8 +13,11 @@ captures the keys ordinary requests meet before it serves (`model.warmup`, on by
   sampled, with and without logprobs, fresh prompts; then every row bucket once at the largest
   token bucket (greedy with logprobs), which compiles the kernels' row-count specializations.
 
-Rarer keys (top-k/top-p filters, penalties, grammars, cached prefixes, other token x row pairs)
-are still captured on first use, with their kernels compiled by then. The warm-up's steps are
+Rarer keys (top-k/top-p filters, cached prefixes, other token x row pairs) are not captured on a
+request's path after the warm-up: their first steps run eagerly (tens of ms of launches, not a
+capture's ~100 ms) and the node captures them between steps when idle (`capture_deferred`), over
+dummy prompts (engine/dummy_prompts.py). Steps with penalties, prompt logprobs or grammars always
+run eagerly (engine/model_runner.py). The warm-up's steps are
 dummy prompts whose every block is the trash block (engine/kv_cache.py), so they change no
 request's state and no KV block.
 """
@@ -25,8 +28,8 @@ import logging
 import time
 from dataclasses import dataclass
 
+from engine.dummy_prompts import dummy_chunks
 from engine.prefill_graphs import PrefillGraphs
-from engine.prefill_step import PrefillChunk
 from engine.sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)
@@ -51,6 +54,7 @@ def warm_up(runner, *, decode: bool, prefill: bool, prefill_events: bool, max_mo
         report.decode_graphs = _warm_decode(runner.graphs)
     if prefill and runner.prefill_graphs is not None:
         report.prefill_graphs = _warm_prefill(runner.prefill_graphs, prefill_events, max_model_len)
+        runner.prefill_graphs.defer = True  # from now on a new key runs eagerly; `capture_deferred` when idle
     report.seconds = time.perf_counter() - t0
     if report.decode_graphs or report.prefill_graphs:
         log.info("warm-up: %d decode and %d prefill graphs captured in %.1f s",
@@ -90,9 +94,8 @@ def rows_for(tokens: int, row_buckets: list[int], max_model_len: int) -> int | N
     return next((r for r in row_buckets if -(-tokens // r) <= max_model_len and r <= tokens), None)
 
 
-def dummy_chunks(tokens: int, rows: int, params: SamplingParams, logprobs: int | None) -> list[PrefillChunk]:
-    """`rows` whole prompts of `tokens` tokens in all (token id 0), every block the trash block
-    (no block ids: the inputs pad a row's table with it), sampled with `params` and `logprobs`."""
-    p = SamplingParams(temperature=params.temperature, max_tokens=1, logprobs=logprobs)
-    share = [tokens // rows + (1 if r < tokens % rows else 0) for r in range(rows)]
-    return [PrefillChunk([0] * n, 0, n, [], p, 0) for n in share]
+def capture_deferred(runner, max_model_len: int) -> bool:
+    """Between steps of an idle node: capture one prefill graph a request's step ran eagerly
+    (its key was not warmed up); False when there is none (engine/prefill_graphs.py)."""
+    graphs = runner.prefill_graphs
+    return graphs is not None and graphs.capture_deferred(max_model_len)

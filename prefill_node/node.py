@@ -41,7 +41,7 @@ from engine.request import TokenLogprob
 from engine.sampling_params import SamplingParams
 from engine.step_loop import StepLoop
 from engine.tensor_parallel import TPGroup
-from engine.warmup import warm_up
+from engine.warmup import capture_deferred, warm_up
 from kvtransfer import KVLayout, TransferState, TransferStatus, create_sender
 from protos.messages import FirstToken, TokenLogprobs, token_logprobs
 
@@ -140,7 +140,7 @@ class PrefillNode(StepLoop):
         self._free_released()
         jobs = self._admit_and_plan()
         if not jobs:
-            return False
+            return capture_deferred(self.runner, self.max_model_len)  # idle: a graph a step ran eagerly
         chunks = [PrefillChunk(j.prompt, j.num_prefilled, j.num_prefilled + n, j.block_ids, j.params, j.seed)
                   for j, n in jobs]
         finishing = [j for (j, _), c in zip(jobs, chunks, strict=True) if c.is_last]

@@ -137,3 +137,22 @@ def test_warmed_up_node_captures_nothing_for_single_prompts(k):
     assert (len(pg.graphs), len(dg.graphs)) == captured, "a request met a key the warm-up left out"
     eager = engine(k, enforce_eager=True)
     assert got == [eager.generate([p], params)[0].output_ids for p in PROMPTS]
+
+
+def test_after_warm_up_a_new_key_runs_eagerly_then_is_captured_when_idle():
+    """engine/warmup.py defers: a key the warm-up left out (top-k filter) runs eagerly, waits in
+    `pending`, and `capture_deferred` captures it over dummy prompts; the graph then gives the
+    eager step's tokens (fp32, seeded)."""
+    from engine.warmup import capture_deferred, warm_up
+
+    eng = engine(3)
+    warm_up(eng.runner, decode=True, prefill=True, prefill_events=False, max_model_len=eng.max_model_len)
+    pg = eng.runner.prefill_graphs
+    captured = len(pg.graphs)
+    params = SamplingParams(max_tokens=8, ignore_eos=True, temperature=0.7, top_k=5, seed=3)
+    eager = eng.generate([PROMPTS[1]], params)[0].output_ids
+    assert len(pg.graphs) == captured and len(pg.pending) == 1
+    assert capture_deferred(eng.runner, eng.max_model_len) and len(pg.graphs) == captured + 1 and not pg.pending
+    assert not capture_deferred(eng.runner, eng.max_model_len)
+    assert eng.generate([PROMPTS[1]], params)[0].output_ids == eager
+    assert len(pg.graphs) == captured + 1

@@ -1,4 +1,5 @@
-"""The start-up warm-up (engine/warmup.py): its dummy prompts touch no request's state.
+"""The start-up warm-up (engine/warmup.py) and deferred captures: dummy prompts touch no
+request's state, and a dummy step can be made for any key a real step has.
 
 On the CPU there are no graphs to capture, so this runs the warm-up's dummy steps through the
 eager prefill (the same `prefill_forward` a graph captures): every KV block but the trash block
@@ -14,7 +15,10 @@ from engine.engine import EngineConfig, LLMEngine
 from engine.prefill_graphs import pow2_buckets
 from engine.prefill_step import key_for
 from engine.sampling_params import SamplingParams
-from engine.warmup import GREEDY, SAMPLED, VARIANTS, dummy_chunks, rows_for, warm_up
+from engine.dummy_prompts import chunks_for_key, dummy_chunks
+from engine.prefill_graphs import PrefillGraphs
+from engine.prefill_step import PrefillChunk
+from engine.warmup import GREEDY, SAMPLED, VARIANTS, capture_deferred, rows_for, warm_up
 from tests.engine.conftest import DEVICE
 
 
@@ -27,6 +31,11 @@ def test_dummy_prompts_write_only_the_trash_block(tiny, k):
     for params, lp in VARIANTS:
         out = eng.runner.prefill(dummy_chunks(64, 2, params, lp))
         assert out.first_token.shape == (2,) and (out.drafts is not None) == (k > 0)
+    graphs = PrefillGraphs(eng.runner, 512, 8)  # only its buckets: no graph is made on the CPU
+    stale = graphs.key([PrefillChunk(list(range(1, 60)), 20, 59, [], SamplingParams(temperature=0.7, top_p=0.9), 1)])
+    assert not stale.fresh
+    out = eng.runner.prefill(chunks_for_key(stale, graphs.token_buckets, graphs.row_buckets, eng.max_model_len))
+    assert out.first_token.shape == (1,)
     assert eng.blocks.num_free == free
     for old, new in zip(before, eng.runner.kv.layers, strict=True):
         assert torch.equal(old[:, 1:], new[:, 1:]), "a block other than the trash block changed"
@@ -39,6 +48,31 @@ def test_dummy_prompts_cover_the_variants():
     chunks = dummy_chunks(100, 3, SAMPLED, None)
     assert [c.end for c in chunks] == [34, 33, 33] and all(c.is_last and c.block_ids == [] for c in chunks)
     assert all(c.params.temperature == 0 for c in dummy_chunks(16, 1, GREEDY, None))
+
+
+def test_a_dummy_step_exists_for_every_real_key(tiny):
+    import random
+
+    eng = LLMEngine(tiny, EngineConfig(device=DEVICE, enforce_eager=True))
+    graphs = PrefillGraphs(eng.runner, 2048, 32)
+    rng = random.Random(0)
+    variants = [SamplingParams(), SamplingParams(temperature=0.8), SamplingParams(temperature=0.8, top_k=5),
+                SamplingParams(logprobs=3), SamplingParams(temperature=1.0, top_p=0.5, logprobs=0)]
+    for _ in range(300):
+        chunks = []
+        for _ in range(rng.randint(1, 20)):
+            start = rng.choice([0, 0, rng.randint(1, 300)])
+            n = rng.randint(1, 100)
+            chunks.append(PrefillChunk([5] * (start + n), start, start + n, [], rng.choice(variants), 0))
+        key = graphs.key(chunks)
+        dummy = chunks_for_key(key, graphs.token_buckets, graphs.row_buckets, 4096)
+        assert dummy is not None and graphs.key(dummy) == key, key
+        assert all(c.block_ids == [] and c.is_last for c in dummy)
+
+
+def test_nothing_deferred_without_graphs(tiny):
+    eng = LLMEngine(tiny, EngineConfig(device=DEVICE, enforce_eager=True))
+    assert capture_deferred(eng.runner, eng.max_model_len) is False
 
 
 def test_rows_fit_the_context():
