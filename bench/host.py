@@ -38,6 +38,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--routers", type=int, default=1, help="router processes sharing the ports (router.processes)")
     p.add_argument("--max-num-seqs", type=int, default=256, help="requests running at once per node")
     p.add_argument("--protocol", choices=("http", "grpc"), default="http")
+    p.add_argument("--http-client", choices=("openai", "raw"), default="openai", help="as bench serve's")
     p.add_argument("--num-prompts", type=int, default=256)
     p.add_argument("--output-len", type=int, default=128)
     p.add_argument("--max-concurrency", type=int, default=None)
@@ -97,7 +98,7 @@ async def _load(args: argparse.Namespace, ports: dict, pids: dict[str, int]) -> 
     target = ["--base-url", f"http://127.0.0.1:{ports['http']}"] if args.protocol == "http" else \
         ["--router", f"127.0.0.1:{ports['grpc']}"]
     ns = p.parse_args([*target, "--num-prompts", str(args.num_prompts), "--output-len", str(args.output_len),
-                       "--client-processes", str(args.client_processes)])
+                       "--client-processes", str(args.client_processes), "--http-client", args.http_client])
     ns.max_concurrency, ns.service_pids = args.max_concurrency, pids
     items = serve.load_dataset(ns)
     report = await serve.sweep(ns, items, [float("inf")] * args.repeat)

@@ -300,7 +300,11 @@ class HttpServer:
         """Bind (`port=0`: any free one) and serve; returns the bound port. `reuse_port`: other
         processes (a service's other router processes) may bind it too (SO_REUSEPORT)."""
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
-        sock = socket.socket(family, socket.SOCK_STREAM)
+        # IPPROTO_TCP named: asyncio turns Nagle off (TCP_NODELAY) only on sockets whose proto says TCP,
+        # and accepted ones inherit the listener's. With proto 0 a streamed response's first event waited
+        # behind its headers for the client's delayed ACK: 40 ms on a kept-alive connection.
+        sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         if reuse_port:
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)

@@ -125,3 +125,21 @@ async def test_api_key_is_required_on_v1_and_not_on_health():
         status = await asyncio.to_thread(lambda: urllib.request.urlopen(f"{base}/health").status)
         assert status == 200  # probes need no key
         await c.settled()
+
+
+async def test_streams_are_not_held_by_nagle():
+    """Every connection the HTTP door accepts has TCP_NODELAY: without it a streamed response's
+    first event waited behind its headers for the client's delayed ACK (40 ms on a kept-alive
+    connection). Checked on the server's own end of a live connection."""
+    import socket
+
+    async with cluster(http_port=0) as c:
+        reader, writer = await asyncio.open_connection("127.0.0.1", c.router.http_port)
+        writer.write(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+        await writer.drain()
+        await reader.readuntil(b"\r\n\r\n")  # served: the server holds the accepted connection
+        server = c.router.http._server
+        socks = [conn.transport.get_extra_info("socket") for conn in server.server_state.connections]
+        assert socks and all(s.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY) for s in socks)
+        writer.close()
+        await c.settled()
