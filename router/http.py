@@ -27,6 +27,7 @@ from contextlib import aclosing
 from functools import partial
 from typing import Any, Protocol, TypeVar
 
+import anyio.lowlevel
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -311,6 +312,7 @@ class HttpServer:
         sock.bind((host, port))
         config = uvicorn.Config(self.app, log_level="warning", access_log=False, lifespan="off",
                                 timeout_graceful_shutdown=2, **self.tls)  # type: ignore[arg-type]
+        await anyio.lowlevel.checkpoint()  # loads anyio's asyncio backend now, not in the first streamed request (~16 ms)
         self._server = _Server(config)
         self._task = asyncio.create_task(self._server.serve(sockets=[sock]))
         while not self._server.started:
