@@ -10,8 +10,9 @@ captures the keys ordinary requests meet before it serves (`model.warmup`, on by
 - decode: every batch bucket, greedy and sampled (no top-k/top-p filter), with and without
   logprobs (the greedy ones without logprobs are captured by `build_runner` already);
 - prefill: every token bucket at the fewest rows whose rows fit `max_model_len`, greedy and
-  sampled, with and without logprobs, fresh prompts; then every row bucket once at the largest
-  token bucket (greedy with logprobs), which compiles the kernels' row-count specializations.
+  sampled, with and without logprobs, fresh prompts; two equal prompts in every token bucket
+  (greedy with logprobs, sampled without); then every row bucket once at the largest token bucket
+  (greedy with logprobs), which compiles the kernels' row-count specializations.
 
 Rarer keys (top-k/top-p filters, cached prefixes, other token x row pairs) are not captured on a
 request's path after the warm-up: their first steps run eagerly (tens of ms of launches, not a
@@ -82,6 +83,11 @@ def _warm_prefill(graphs: PrefillGraphs, events: bool, max_model_len: int) -> in
             continue
         for params, lp in VARIANTS:
             graphs.run(dummy_chunks(tokens, rows, params, lp), on_layer)
+    if len(graphs.row_buckets) > 1:  # two prompts in one step (a prefill node at a few requests/s)
+        for tokens in graphs.token_buckets[1:]:
+            if tokens // 2 <= max_model_len:
+                for params, lp in ((GREEDY, 0), (SAMPLED, None)):
+                    graphs.run(dummy_chunks(tokens, 2, params, lp), on_layer)
     tokens = graphs.token_buckets[-1]
     for rows in graphs.row_buckets:
         if tokens >= rows and (tokens // rows) <= max_model_len:
