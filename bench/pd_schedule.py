@@ -44,4 +44,5 @@ def greedy_params(max_tokens: int) -> SamplingParams:
 def node_config(args: argparse.Namespace, device: str) -> EngineConfig:
     return EngineConfig(num_speculative_tokens=args.spec_tokens, device=device, max_num_seqs=args.max_num_seqs,
                         max_model_len=max(args.prompt_len + args.output_len, 16 + args.background_tokens) + 8,
-                        kv_cache_bytes=args.kv_cache_bytes, max_num_batched_tokens=args.max_num_batched_tokens)
+                        kv_cache_bytes=args.kv_cache_bytes, max_num_batched_tokens=args.max_num_batched_tokens,
+                        warmup=True)  # as a service's nodes: graphs captured before the first request

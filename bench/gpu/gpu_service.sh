@@ -39,12 +39,12 @@ case $stage in
     rm -rf "$wheels"; ls -la .svc_parts; exit 0 ;;
   stash)
     mkdir -p $STASH && cp .svc_parts/part.* .svc_parts/sha256 $STASH/ && ls $STASH; exit 0 ;;
-  run|saturate|ttft|structured)
+  run|saturate|ttft|structured|procs)
     need python3 "apt-get install python3 python3-pip"
     need nvidia-smi "the NVIDIA driver's utilities, nvidia-utils-VERSION, on a machine with an NVIDIA GPU"
     require_done
     mkdir -p $STASH && cp .svc_parts/part.* .svc_parts/sha256 $STASH/ ;;
-  *) echo "usage: $0 bundle | stash | run|saturate|ttft|structured pd|colocated|fault [tcp|ucx] [CLIENTS] [ROUTERS]"; exit 2 ;;
+  *) echo "usage: $0 bundle | stash | run|saturate|ttft|structured|procs pd|colocated|fault [tcp|ucx] [CLIENTS] [ROUTERS]"; exit 2 ;;
 esac
 mode=${2:-pd}; kv=${3:-tcp}; clients=${4:-4}; routers=${5:-1}
 if ! cmp -s $STASH/sha256 /tmp/svc/installed 2>/dev/null; then  # a warm machine keeps the last call's install
@@ -93,6 +93,13 @@ if [[ $stage == ttft ]]; then  # issue 27's low-load TTFT: 512-token prompts at 
       --json "$OUT/ttft_${m}_${kv}.json" > "$OUT/ttft_${m}_${kv}.log" 2>&1
     summary "$OUT/ttft_${m}_${kv}.json" "$m (${HTTP_CLIENT:-raw} HTTP client)" || tail -20 "$OUT/ttft_${m}_${kv}.log"
   done
+  exit 0
+fi
+if [[ $stage == procs ]]; then  # issue 27's `bench pd` with one process per node (the real model, no Ray)
+  python3 -m deploy.cli bench pd --model smollm2 --spec-tokens 3 --prefill-device cuda --decode-device cuda \
+    --dtype bfloat16 --kv-backend "$kv" --rate "${PD_RATE:-1}" --num-requests 32 --prompt-len 512 --output-len 64 \
+    --background 16 --background-tokens 1024 --max-num-batched-tokens 2048 > "$OUT/pd_procs_$kv.json" 2> "$OUT/pd_procs_$kv.log"
+  tail -c 1500 "$OUT/pd_procs_$kv.json"; grep -iE "error|traceback" "$OUT/pd_procs_$kv.log" | head -5
   exit 0
 fi
 if [[ $stage == structured ]]; then  # issue 28's 50 schemas through the service's HTTP API (streaming and not)
