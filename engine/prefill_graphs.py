@@ -46,6 +46,7 @@ from engine.prefill_step import (
 log = logging.getLogger(__name__)
 
 MAX_TOP_LOGPROBS = 20  # graphs with logprobs compute this many; rows keep what they asked
+EAGER_RUNS_BEFORE_CAPTURE = 4  # a deferred key's eager steps (~20-30 ms of launches each) before it is captured anyway
 MIN_TOKENS = 16
 
 LayerReady = Callable[[int, Any], None]  # (layer, CUDA event after it, or None: already queued)
@@ -70,6 +71,7 @@ class PrefillGraphs:
         self.pool: Any = None
         self.defer = False  # a new key runs eagerly and waits in `pending` for `capture_deferred` (nodes)
         self.pending: list[tuple[PrefillKey, bool]] = []
+        self._eager_runs: dict[tuple[PrefillKey, bool], int] = {}  # deferred keys' eager steps so far
 
     def fits(self, num_tokens: int, num_rows: int) -> bool:
         return num_tokens <= self.token_buckets[-1] and num_rows <= self.row_buckets[-1]
@@ -93,11 +95,16 @@ class PrefillGraphs:
         inp.fill_no_sync(chunks)
         wanted = on_layer is not None  # per-layer events cost ~100 us of launch (SmolLM2, H100): only for a listener
         if (key, wanted) not in self.graphs:
-            if self.defer:  # off the request's path: eager now (no capture's ~100 ms), captured when idle
+            if self.defer and self._eager_runs.get((key, wanted), 0) < EAGER_RUNS_BEFORE_CAPTURE:
+                # off the request's path: eager now (no capture's ~100 ms), captured when the node idles,
+                # or here once the key came back often enough to pay for its capture (a busy node never idles)
+                self._eager_runs[(key, wanted)] = self._eager_runs.get((key, wanted), 0) + 1
                 if (key, wanted) not in self.pending:
                     self.pending.append((key, wanted))
                 hook = (lambda i: on_layer(i, None)) if on_layer is not None else None
                 return prefill_forward(self.runner, inp, key, hook)
+            if (key, wanted) in self.pending:
+                self.pending.remove((key, wanted))
             self._capture(key, inp, wanted)
         graph, out, events = self.graphs[(key, wanted)]
         graph.replay()
@@ -112,6 +119,8 @@ class PrefillGraphs:
         capture overwrites the inputs' buffers."""
         while self.pending:
             key, wanted = self.pending.pop(0)
+            if (key, wanted) in self.graphs:
+                continue
             chunks = chunks_for_key(key, self.token_buckets, self.row_buckets, max_model_len)
             if chunks is None or self.key(chunks) != key:
                 log.info("prefill graph key %s: no dummy step makes it; it stays eager", key)

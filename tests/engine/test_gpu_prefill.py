@@ -156,3 +156,21 @@ def test_after_warm_up_a_new_key_runs_eagerly_then_is_captured_when_idle():
     assert not capture_deferred(eng.runner, eng.max_model_len)
     assert eng.generate([PROMPTS[1]], params)[0].output_ids == eager
     assert len(pg.graphs) == captured + 1
+
+
+def test_a_deferred_key_that_keeps_coming_is_captured_on_its_path():
+    """A busy node never idles: a deferred key runs eagerly EAGER_RUNS_BEFORE_CAPTURE times, then
+    the next step captures it as on first use."""
+    from engine.prefill_graphs import EAGER_RUNS_BEFORE_CAPTURE
+    from engine.warmup import warm_up
+
+    eng = engine(0)
+    warm_up(eng.runner, decode=True, prefill=True, prefill_events=False, max_model_len=eng.max_model_len)
+    pg = eng.runner.prefill_graphs
+    captured = len(pg.graphs)
+    params = SamplingParams(max_tokens=2, ignore_eos=True, temperature=0.7, top_k=5, seed=3)
+    runs = [eng.generate([PROMPTS[1]], params)[0].output_ids for _ in range(EAGER_RUNS_BEFORE_CAPTURE)]
+    assert len(pg.graphs) == captured and len(pg.pending) == 1
+    runs.append(eng.generate([PROMPTS[1]], params)[0].output_ids)
+    assert len(pg.graphs) == captured + 1 and not pg.pending
+    assert all(r == runs[0] for r in runs)
