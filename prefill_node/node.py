@@ -5,7 +5,10 @@ descriptor). Each step batches prompt chunks under a token budget (FIFO, chunked
 target; as each target layer finishes for a prompt that completes in this step, its blocks
 are handed to the KV sender (never blocking). Then the first token is sampled (with
 logprobs), the MTP module drafts k tokens and its layer is pushed too, and the first-token
-message goes to the decode node (through `first_token_sink`) and back to the caller.
+message goes back to the caller and, from a small pool of sender threads (off the loop and the
+caller's path), to the decode node (through `first_token_sink`). If the decode node cannot be
+reached, the transfer is aborted: the decode node fails the attempt and the router moves the
+request on (after the first token it has streamed).
 
 With the prefix cache on (`EngineConfig.enable_prefix_caching`), a job starts after its
 longest cached prefix (engine/prefix_cache.py) and its full prompt blocks are cached as they
@@ -24,6 +27,7 @@ runner and the block manager; other threads only enqueue (`submit`, `abort`).
 from __future__ import annotations
 
 import concurrent.futures
+import logging
 import queue
 import time
 from collections.abc import Callable
@@ -46,6 +50,8 @@ from kvtransfer import KVLayout, TransferState, TransferStatus, create_sender
 from protos.messages import FirstToken, TokenLogprobs, token_logprobs
 
 FirstTokenSink = Callable[[str, FirstToken], None]  # (decode address, message)
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -87,6 +93,7 @@ class PrefillNode(StepLoop):
         self.prefix = prefix_cache_for(loaded, config, self.blocks)
         self.num_layers = loaded.model.config.num_hidden_layers
         self._released: queue.SimpleQueue[tuple[str, bool, float]] = queue.SimpleQueue()
+        self._first_sends = concurrent.futures.ThreadPoolExecutor(4, thread_name_prefix="first-token")
         self.sender = create_sender(kv_backend, timeout_s=kv_timeout_s, on_release=self._on_release,
                                     **(kv_options or {}))
         layout = KVLayout(self.runner.kv.layers, block_dim=1)
@@ -127,6 +134,7 @@ class PrefillNode(StepLoop):
 
     def stop(self) -> None:
         self.stop_loop()
+        self._first_sends.shutdown(wait=False, cancel_futures=True)
         self.sender.close()
 
     def _on_release(self, request_id: str, status: TransferStatus) -> None:
@@ -264,14 +272,22 @@ class PrefillNode(StepLoop):
         lps = unpack_logprobs(out.logprobs, lp_nums, out.logprob_rows, 1) if out.logprobs else {}
         for i, j in enumerate(jobs):
             msg = self._first_token(j, firsts[i], drafts[i], probs[i] if probs is not None else None, lps.get(i))
+            self._mark(j.request_id, "first_sent")
+            j.future.set_result(msg)  # the router streams the first token while D's copy is on its way:
+            self._first_sends.submit(self._send_first, j, msg)  # off this loop and the router's path
+
+    def _send_first(self, job: PrefillJob, msg: FirstToken) -> None:
+        """The first-token message to the decode node (a sender thread). Undelivered, the transfer
+        is aborted: the decode node then fails the request's attempt, and the router, which has
+        streamed the first token, moves the request on (its migration resumes after that token)."""
+        try:
+            self.sink(job.decode_address, msg)
+        except Exception as e:
+            log.warning("first-token message for %s not delivered to %s: %s", job.request_id, job.decode_address, e)
             try:
-                self._mark(j.request_id, "first_sent")
-                self.sink(j.decode_address, msg)
-            except Exception as e:
-                self.sender.abort(j.request_id, f"first-token message not delivered: {e}")
-                j.future.set_exception(ConnectionError(f"decode node {j.decode_address} unreachable: {e}"))
-                continue
-            j.future.set_result(msg)
+                self.sender.abort(job.request_id, f"first-token message not delivered: {e}")
+            except Exception:  # already ended (the decode node gave up first, or the router aborted)
+                pass
 
     def _first_token(self, job: PrefillJob, token: int, drafts: list[int], probs: torch.Tensor | None,
                      lp: list | None) -> FirstToken:

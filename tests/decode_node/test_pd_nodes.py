@@ -146,6 +146,30 @@ def test_abort_on_decode_frees_blocks_and_ends_once(tiny):
     assert pair.prefill.blocks.num_free == pair.prefill.blocks.capacity
 
 
+def test_an_undelivered_first_token_fails_the_attempt_on_decode_and_frees_both(tiny):
+    """P answers its caller with the first token while D's copy is sent from another thread: when
+    D cannot be reached, P aborts the transfer, D fails the attempt (one terminal error; the router
+    moves such a request on) and neither node keeps a block."""
+    vocab = tiny.model.config.vocab_size
+    pair = Pair(tiny, 2)
+
+    def unreachable(addr, msg):
+        raise ConnectionError("decode node down")
+
+    try:
+        pair.prefill.sink = unreachable
+        pair.decode.admission_timeout_s = 2.0
+        first = pair.run("x", [1, 2, 3, 4, 5], SamplingParams(max_tokens=40, ignore_eos=True), vocab)
+        assert first.request_id == "x"
+        pair.wait_terminal(["x"])
+        ends = [it for it in pair.outputs["x"] if it.finish_reason or it.error]
+        assert len(ends) == 1 and ends[0].error and not any(it.tokens for it in pair.outputs["x"])
+        wait_until(lambda: pair.decode.status()["free_blocks"] == pair.decode.blocks.capacity)
+        wait_until(lambda: pair.prefill.blocks.num_free == pair.prefill.blocks.capacity)
+    finally:
+        pair.close()
+
+
 def run_concurrently(pair, prompts, params, vocab, tag):
     firsts, threads = {}, []
     for i, p in enumerate(prompts):
