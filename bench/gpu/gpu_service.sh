@@ -67,7 +67,8 @@ if [[ $mode == fault ]]; then  # the decode actor killed once mid-run: migrated 
   exit
 fi
 shape_of() {  # `pdserve up` flags of a MODE: one colocated node on GPU 0, or P and D actors sharing it
-  if [[ $1 == colocated ]]; then echo "--colocated 1 --set colocated.num_gpus=1"
+  local n=${COLOCATED:-1}  # COLOCATED=N: N colocated nodes sharing GPU 0 (their host loops in N processes)
+  if [[ $1 == colocated ]]; then echo "--colocated $n --set colocated.num_gpus=$(python3 -c "print(1 / $n)")"
   else echo "--prefill 1 --decode 1 --set prefill.num_gpus=0.5 --set decode.num_gpus=0.5 --set kv_transfer.backend=$kv"; fi
 }
 read -ra shape <<< "$(shape_of "$mode")"
