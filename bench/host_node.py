@@ -73,6 +73,7 @@ def node_main(options: dict, conn: Any) -> None:
 
     from decode_node.colocated import ColocatedNode
     from decode_node.server import serve_colocated
+    from deploy.actors import freeze_node_heap
     from engine.engine import EngineConfig
     from engine.loader import load_model
 
@@ -81,6 +82,7 @@ def node_main(options: dict, conn: Any) -> None:
                           max_num_batched_tokens=options["max_num_batched_tokens"],
                           kv_cache_bytes=options["kv_cache_bytes"])
     node = ColocatedNode(load_model(options["model"]), config)
+    freeze_node_heap()  # as deploy/actors.py does
     meter = NodeMeter()
     meter.wrap(node)
     node.start()
