@@ -132,6 +132,7 @@ class DecodeNode(StepLoop):
         self.runner, self.blocks, self.max_model_len = build_runner(loaded, config, tp=tp)
         self.prefix = prefix_cache_for(loaded, config, self.blocks)
         self.batch = DecodeBatch(self.runner, self.blocks, config.max_num_seqs)
+        self.batch.keep_logprobs = False  # the output items carry them; nothing here reads them back
         self.vocab = loaded.model.config.vocab_size
         self.num_layers = loaded.model.config.num_hidden_layers + (1 if self.k else 0)
         self._receiver: KVReceiver | None = None  # None: KV never arrives from elsewhere (a colocated node)
@@ -437,11 +438,9 @@ class DecodeNode(StepLoop):
         own_id = choice_id(out.request_id, out.index)
         req = self.requests.get(own_id)
         n = req.params.logprobs if req is not None else None
-        lps = None
-        if n is not None and out.new_logprobs:
-            t = out.new_logprobs
-            lps = TokenLogprobs([x.logprob for x in t], [x.rank for x in t],
-                                [[i for i, _ in x.top] for x in t], [[v for _, v in x.top] for x in t])
+        lps, c = None, out.new_logprobs
+        if n is not None and c is not None and c.logprob:
+            lps = TokenLogprobs(c.logprob, c.rank, c.top_ids, c.top_logprobs)
         item = OutputItem(out.request_id, out.new_token_ids, n if lps else None, lps, out.finish_reason,
                           index=out.index)
         if out.finish_reason is not None and out.finish_reason.startswith(ERROR_PREFIX):  # e.g. a grammar's
