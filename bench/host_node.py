@@ -16,6 +16,8 @@ Measures; never changes what the node does (the wrappers only read clocks).
 from __future__ import annotations
 
 import functools
+import os
+import re
 import threading
 import time
 from typing import Any
@@ -49,22 +51,45 @@ class NodeMeter:
                     self.steps += count
         return timed
 
-    def read(self) -> dict[str, float]:
+    def read(self) -> dict[str, Any]:
         with self._lock:
             return {"process_cpu_s": time.process_time(), "loop_cpu_s": self.loop_cpu_s,
-                    "compute_cpu_s": self.compute_cpu_s, "loop_rounds": self.steps}
+                    "compute_cpu_s": self.compute_cpu_s, "loop_rounds": self.steps, "threads": thread_cpu_s()}
 
 
-def split(before: dict[str, float], after: dict[str, float], tokens: int) -> dict[str, float]:
+def thread_cpu_s() -> dict[str, float]:
+    """CPU seconds of this process's threads by kind: Python threads by name (digits dropped:
+    `ThreadPoolExecutor-0_` is the gRPC servicer's pool), the others by their OS name (gRPC core's
+    `event_engine`...). Linux only (empty elsewhere)."""
+    names = {t.native_id: t.name for t in threading.enumerate()}
+    out: dict[str, float] = {}
+    tick = os.sysconf("SC_CLK_TCK")
+    for tid in os.listdir("/proc/self/task") if os.path.isdir("/proc/self/task") else []:
+        try:
+            with open(f"/proc/self/task/{tid}/stat") as f:
+                comm, _, rest = f.read().partition(" (")[2].rpartition(") ")
+            fields = rest.split()
+        except OSError:
+            continue
+        name = names.get(int(tid)) or comm
+        kind = re.sub(r"\d+", "", name).rstrip("_-") or name
+        out[kind] = out.get(kind, 0.0) + (int(fields[11]) + int(fields[12])) / tick
+    return out
+
+
+def split(before: dict[str, Any], after: dict[str, Any], tokens: int) -> dict[str, Any]:
     """The node's CPU between two readings, in us per output token: all, model compute, host path
     (all - compute), and the host path's parts: the loop thread's and the other threads' (gRPC)."""
-    d = {k: after[k] - before[k] for k in after}
+    d = {k: after[k] - before[k] for k in after if k != "threads"}
+    threads = {k: round(1e6 * (v - before["threads"].get(k, 0.0)) / tokens, 1) if tokens else float("nan")
+               for k, v in after["threads"].items()}
     per = lambda s: round(1e6 * s / tokens, 1) if tokens else float("nan")  # noqa: E731
     return {"tokens": tokens, "loop_rounds": int(d["loop_rounds"]), "cpu_s": round(d["process_cpu_s"], 3),
             "us_per_token": per(d["process_cpu_s"]), "compute_us_per_token": per(d["compute_cpu_s"]),
             "host_us_per_token": per(d["process_cpu_s"] - d["compute_cpu_s"]),
             "loop_host_us_per_token": per(d["loop_cpu_s"] - d["compute_cpu_s"]),
-            "other_threads_us_per_token": per(d["process_cpu_s"] - d["loop_cpu_s"])}
+            "other_threads_us_per_token": per(d["process_cpu_s"] - d["loop_cpu_s"]),
+            "threads_us_per_token": {k: v for k, v in sorted(threads.items(), key=lambda kv: -kv[1]) if v > 0}}
 
 
 def node_main(options: dict, conn: Any) -> None:
