@@ -365,11 +365,10 @@ class DecodeNode(StepLoop):
 
     def _count_accepted(self, outputs: list[RequestOutput]) -> None:
         """Each output is one request's step: k drafts verified, the first len - 1 accepted."""
-        for out in outputs:
-            accepted = len(out.new_token_ids) - 1
-            for pos in range(self.k):
-                self.draft_tokens[pos] += 1
-                self.accepted_per_pos[pos] += pos < accepted
+        accepted = Counter(len(out.new_token_ids) - 1 for out in outputs)
+        for pos in range(self.k):
+            self.draft_tokens[pos] += len(outputs)
+            self.accepted_per_pos[pos] += sum(n for a, n in accepted.items() if a > pos)
 
     def _kv_landed(self, p: Pending) -> None:
         """The request's transfer is DONE (once per request): count it, cache its full prompt blocks."""
@@ -439,7 +438,7 @@ class DecodeNode(StepLoop):
         req = self.requests.get(own_id)
         n = req.params.logprobs if req is not None else None
         lps, c = None, out.new_logprobs
-        if n is not None and c is not None and c.logprob:
+        if n is not None and c is not None and c.logprob:  # top columns: n x 0 may come as no rows (same wire)
             lps = TokenLogprobs(c.logprob, c.rank, c.top_ids, c.top_logprobs)
         item = OutputItem(out.request_id, out.new_token_ids, n if lps else None, lps, out.finish_reason,
                           index=out.index)

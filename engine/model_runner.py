@@ -379,7 +379,8 @@ def logprob_columns(lp: LogprobsTensors, num_top: dict[int, int], rows: list[int
                     counts: list[int] | None = None) -> dict[int, LogprobColumns]:
     """Per row, the logprobs of its first `counts[row]` tokens (default all `width`), as columns.
     `rows` as in `unpack_logprobs`. One `tolist` per column (none for the top columns when no row
-    asked for top entries), then slices: no object per token."""
+    asked for top entries), then slices: no object per token (a row without top entries has empty
+    top columns)."""
     at = rows if isinstance(rows, dict) else {row: i for i, row in enumerate(rows)}
     vals, ranks = lp.token_logprob.tolist(), lp.token_rank.tolist()
     wide = any(num_top[row] for row in at)
@@ -389,9 +390,11 @@ def logprob_columns(lp: LogprobsTensors, num_top: dict[int, int], rows: list[int
     for row, i in at.items():
         a, n = i * width, num_top[row]
         b = a + (width if counts is None else counts[row])
-        ids = [x[:n] for x in top_ids[a:b]] if n else [[] for _ in range(a, b)]
-        tops = [x[:n] for x in top_lps[a:b]] if n else [[] for _ in range(a, b)]
-        out[row] = LogprobColumns(vals[a:b], ranks[a:b], ids, tops)
+        if n:
+            out[row] = LogprobColumns(vals[a:b], ranks[a:b], [x[:n] for x in top_ids[a:b]],
+                                      [x[:n] for x in top_lps[a:b]])
+        else:  # no top entries: no row of them either
+            out[row] = LogprobColumns(vals[a:b], ranks[a:b], [], [])
     return out
 
 

@@ -26,14 +26,15 @@ class LogprobColumns:
 
     logprob: list[float]
     rank: list[int]
-    top_ids: list[list[int]]
+    top_ids: list[list[int]]  # one row per token; empty (no rows) when no top entries were asked
     top_logprobs: list[list[float]]
 
     def entries(self, tokens: list[int]) -> list[TokenLogprob]:
         """One TokenLogprob per token (`tokens`: the tokens these columns are of)."""
-        return [TokenLogprob(t, lp, r, list(zip(ids, vals, strict=True)))
-                for t, lp, r, ids, vals in zip(tokens, self.logprob, self.rank, self.top_ids, self.top_logprobs,
-                                               strict=True)]
+        ids = self.top_ids or [[] for _ in tokens]
+        vals = self.top_logprobs or [[] for _ in tokens]
+        return [TokenLogprob(t, lp, r, list(zip(i, v, strict=True)))
+                for t, lp, r, i, v in zip(tokens, self.logprob, self.rank, ids, vals, strict=True)]
 
 
 @dataclass
