@@ -55,6 +55,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "on the CPU) instead of synthetic nodes, and split its CPU per token (bench/host_node.py)")
     p.add_argument("--max-num-batched-tokens", type=int, default=512, help="--node-model: prefill tokens per round")
     p.add_argument("--kv-cache-bytes", type=int, default=256 << 20, help="--node-model: the node's KV cache")
+    p.add_argument("--node-device", default="cpu", help="--node-model: the node's device (cpu, cuda)")
     p.add_argument("--node-py-spy", default=None, metavar="FILE", help="--node-model: sample the node process "
                    "with py-spy over the load (every thread); collapsed stacks to FILE")
 
@@ -100,7 +101,8 @@ def _start_nodes(args: argparse.Namespace, nodes: _Procs) -> list[str]:
         from bench.host_node import node_main
 
         options = {"model": args.node_model, "k": args.spec_tokens, "max_num_seqs": args.max_num_seqs,
-                   "max_num_batched_tokens": args.max_num_batched_tokens, "kv_cache_bytes": args.kv_cache_bytes}
+                   "max_num_batched_tokens": args.max_num_batched_tokens, "kv_cache_bytes": args.kv_cache_bytes,
+                   "device": args.node_device}
         return [nodes.start(node_main, options, "node0")]
     return [nodes.start(_node_main, dict(vocab_of(args.model), k=args.spec_tokens, step_s=args.step_ms / 1000,
                                          max_num_seqs=args.max_num_seqs), f"node{i}") for i in range(args.nodes)]
@@ -167,12 +169,12 @@ def _table(report: dict) -> str:
         rows.append(f"{i} | {r['output_throughput']:,.0f} | {c.get('share')} | {c.get('us_per_token')} | "
                     f"{c.get('us_per_chunk')} | {c.get('tokens_per_s_per_core')} | {sum(clients):.2f}")
     if any("node" in r for r in report["runs"]):
-        rows += ["", "run | node share | node us/token | compute | host path | host: loop thread | host: other "
-                 "threads | tokens/round"]
+        rows += ["", "run | node share | node us/token | compute | host path | host: loop thread (read point) | "
+                 "host: other threads | tokens/round"]
         for i, r in enumerate(report["runs"]):
             n, share = r["node"], r["cpu"].get("node0", {}).get("share")
             rows.append(f"{i} | {share} | {n['us_per_token']} | {n['compute_us_per_token']} | "
-                        f"{n['host_us_per_token']} | {n['loop_host_us_per_token']} | "
+                        f"{n['host_us_per_token']} | {n['loop_host_us_per_token']} ({n['read_point_us_per_token']}) | "
                         f"{n['other_threads_us_per_token']} | {n['tokens'] / max(n['loop_rounds'], 1):.1f}")
     return "\n".join(rows)
 

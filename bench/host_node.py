@@ -6,7 +6,8 @@ publishing to the owners' streams) behind the real servicer (decode_node/server.
 process, with torch on one thread so the model's compute runs on the loop thread alone. Hands back,
 on request over its pipe, a `NodeMeter` reading: the process's CPU seconds (every thread), the
 loop thread's, and the loop thread's inside the runner's model calls (`launch_decode`, `prefill`:
-the model's compute, which on a CPU runs inside the launch). The rest of the process's CPU, the
+the model's compute, which on a CPU runs inside the launch), and the decode read point's
+(`collect`: on a GPU it waits for the step). The rest of the process's CPU, the
 host path, is the node's cost per output token that does not shrink with a faster device: the
 loop's bookkeeping around the model, output items, packing, the gRPC stream writes.
 
@@ -29,6 +30,7 @@ class NodeMeter:
     def __init__(self) -> None:
         self.loop_cpu_s = 0.0
         self.compute_cpu_s = 0.0
+        self.read_cpu_s = 0.0
         self.steps = 0
         self._lock = threading.Lock()
 
@@ -37,6 +39,7 @@ class NodeMeter:
         node.step = self._timed(node.step, "loop_cpu_s", count=True)
         for name in ("launch_decode", "prefill"):
             setattr(node.runner, name, self._timed(getattr(node.runner, name), "compute_cpu_s"))
+        node.runner.collect = self._timed(node.runner.collect, "read_cpu_s")
 
     def _timed(self, fn: Any, counter: str, count: bool = False) -> Any:
         @functools.wraps(fn)
@@ -54,7 +57,8 @@ class NodeMeter:
     def read(self) -> dict[str, Any]:
         with self._lock:
             return {"process_cpu_s": time.process_time(), "loop_cpu_s": self.loop_cpu_s,
-                    "compute_cpu_s": self.compute_cpu_s, "loop_rounds": self.steps, "threads": thread_cpu_s()}
+                    "compute_cpu_s": self.compute_cpu_s, "read_cpu_s": self.read_cpu_s, "loop_rounds": self.steps,
+                    "threads": thread_cpu_s()}
 
 
 def thread_cpu_s() -> dict[str, float]:
@@ -88,6 +92,7 @@ def split(before: dict[str, Any], after: dict[str, Any], tokens: int) -> dict[st
             "us_per_token": per(d["process_cpu_s"]), "compute_us_per_token": per(d["compute_cpu_s"]),
             "host_us_per_token": per(d["process_cpu_s"] - d["compute_cpu_s"]),
             "loop_host_us_per_token": per(d["loop_cpu_s"] - d["compute_cpu_s"]),
+            "read_point_us_per_token": per(d["read_cpu_s"]),  # of the loop's: the decode read point (a wait on a GPU)
             "other_threads_us_per_token": per(d["process_cpu_s"] - d["loop_cpu_s"]),
             "threads_us_per_token": {k: v for k, v in sorted(threads.items(), key=lambda kv: -kv[1]) if v > 0}}
 
@@ -105,8 +110,8 @@ def node_main(options: dict, conn: Any) -> None:
     torch.set_num_threads(1)  # the model's compute on the loop thread only: the split is exact
     config = EngineConfig(num_speculative_tokens=options["k"], max_num_seqs=options["max_num_seqs"],
                           max_num_batched_tokens=options["max_num_batched_tokens"],
-                          kv_cache_bytes=options["kv_cache_bytes"])
-    node = ColocatedNode(load_model(options["model"]), config)
+                          kv_cache_bytes=options["kv_cache_bytes"], device=options["device"])
+    node = ColocatedNode(load_model(options["model"], device=options["device"]), config)
     freeze_node_heap()  # as deploy/actors.py does
     meter = NodeMeter()
     meter.wrap(node)
