@@ -5,11 +5,13 @@ ColocatedNode (decode_node/colocated.py: its step loop, chunked prefill, MTP dec
 publishing to the owners' streams) behind the real servicer (decode_node/server.py), in its own
 process, with torch on one thread so the model's compute runs on the loop thread alone. Hands back,
 on request over its pipe, a `NodeMeter` reading: the process's CPU seconds (every thread), the
-loop thread's, and the loop thread's inside the runner's model calls (`launch_decode`, `prefill`:
-the model's compute, which on a CPU runs inside the launch), and the decode read point's
-(`collect`: on a GPU it waits for the step). The rest of the process's CPU, the
-host path, is the node's cost per output token that does not shrink with a faster device: the
-loop's bookkeeping around the model, output items, packing, the gRPC stream writes.
+loop thread's, the loop thread's inside the runner's model calls (`launch_decode`, `prefill`: the
+model's compute, which on a CPU runs inside the launch), the decode read point's (`collect`: on a
+GPU it waits for the step) and the rounds' prefill part as a whole (`ChunkedPrefill.run`: its
+compute, its first tokens' read, which on a GPU waits for the step in flight too, the inserts).
+The rest of the process's CPU, the host path, is the node's cost per output token that does not
+shrink with a faster device: the loop's bookkeeping around the model, output items, packing, the
+gRPC stream writes.
 
 Measures; never changes what the node does (the wrappers only read clocks).
 """
@@ -31,6 +33,7 @@ class NodeMeter:
         self.loop_cpu_s = 0.0
         self.compute_cpu_s = 0.0
         self.read_cpu_s = 0.0
+        self.prefill_cpu_s = 0.0  # the whole prefill part of a round: its compute, its first tokens' read, inserts
         self.steps = 0
         self._lock = threading.Lock()
 
@@ -40,6 +43,7 @@ class NodeMeter:
         for name in ("launch_decode", "prefill"):
             setattr(node.runner, name, self._timed(getattr(node.runner, name), "compute_cpu_s"))
         node.runner.collect = self._timed(node.runner.collect, "read_cpu_s")
+        node.prefill.run = self._timed(node.prefill.run, "prefill_cpu_s")
 
     def _timed(self, fn: Any, counter: str, count: bool = False) -> Any:
         @functools.wraps(fn)
@@ -57,8 +61,8 @@ class NodeMeter:
     def read(self) -> dict[str, Any]:
         with self._lock:
             return {"process_cpu_s": time.process_time(), "loop_cpu_s": self.loop_cpu_s,
-                    "compute_cpu_s": self.compute_cpu_s, "read_cpu_s": self.read_cpu_s, "loop_rounds": self.steps,
-                    "threads": thread_cpu_s()}
+                    "compute_cpu_s": self.compute_cpu_s, "read_cpu_s": self.read_cpu_s,
+                    "prefill_cpu_s": self.prefill_cpu_s, "loop_rounds": self.steps, "threads": thread_cpu_s()}
 
 
 def thread_cpu_s() -> dict[str, float]:
@@ -93,6 +97,7 @@ def split(before: dict[str, Any], after: dict[str, Any], tokens: int) -> dict[st
             "host_us_per_token": per(d["process_cpu_s"] - d["compute_cpu_s"]),
             "loop_host_us_per_token": per(d["loop_cpu_s"] - d["compute_cpu_s"]),
             "read_point_us_per_token": per(d["read_cpu_s"]),  # of the loop's: the decode read point (a wait on a GPU)
+            "prefill_round_us_per_token": per(d["prefill_cpu_s"]),  # compute included; its first-token read waits
             "other_threads_us_per_token": per(d["process_cpu_s"] - d["loop_cpu_s"]),
             "threads_us_per_token": {k: v for k, v in sorted(threads.items(), key=lambda kv: -kv[1]) if v > 0}}
 
