@@ -316,7 +316,7 @@ class DecodeNode(StepLoop):
             return f"the router that sent {rid!r} has no output stream open here"
         if not 0 < prompt_len < self.max_model_len:
             return f"prompt of {prompt_len} tokens does not fit the context {self.max_model_len}"
-        if prompt and (len(prompt) != prompt_len or any(not 0 <= t < self.vocab for t in prompt)):
+        if prompt and (len(prompt) != prompt_len or min(prompt) < 0 or max(prompt) >= self.vocab):  # C-level scans
             return f"prompt token ids must be {prompt_len} ids inside the vocabulary"
         return ""
 
