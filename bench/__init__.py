@@ -14,7 +14,8 @@ BENCHES = [
     ("acceptance", "bench.acceptance", "MTP draft acceptance and tokens/s on held-out prompts (k = 0 vs k)"),
     ("pd", "bench.pd", "disaggregated (prefill + decode node) vs colocated: TTFT and ITL, same requests"),
     ("serve", "bench.serve", "load a router (gRPC or HTTP): TTFT/ITL/e2e percentiles, goodput, plots"),
-    ("host", "bench.host", "the host path alone: a router in front of synthetic nodes (no model): output "
+    ("host", "bench.host", "the host path alone: a router in front of synthetic nodes (no model), or of one "
+     "real colocated node (--node-model tiny: its CPU per token, model compute vs host path): output "
      "tokens/s and the router's CPU per token"),
     ("prefix", "bench.prefix", "multi-turn chat on a local service without and with the prefix cache + "
      "prefix routing: TTFT, prefill tokens computed"),

@@ -11,6 +11,11 @@ message (one per node step), and the output tokens/s one router core could carry
 
 The tokenizer is the model's (`--model`, smollm2 by default: detokenization is real work); the
 tokens are the prompt's own ids cycled, so the text is real text.
+
+`--node-model M` (`tiny` on a CPU) puts one REAL colocated node there instead (bench/host_node.py:
+the node's step loop, model, output items and stream writes) and reports, per run, the node
+process's CPU per output token split into the model's compute and the host path (`node` in each
+run; the router uses M's tokenizer). `--node-py-spy FILE` samples that node process.
 """
 
 from __future__ import annotations
@@ -47,23 +52,31 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", default=None, metavar="FILE", help="write the report here")
     p.add_argument("--py-spy", default=None, metavar="FILE", help="sample the router with py-spy (on PATH or "
                    "beside this Python) over the load; collapsed stacks (flamegraph.pl's input) to FILE")
+    p.add_argument("--node-model", default=None, help="run one real colocated node with this model (e.g. tiny, "
+                   "on the CPU) instead of synthetic nodes, and split its CPU per token (bench/host_node.py)")
+    p.add_argument("--max-num-batched-tokens", type=int, default=512, help="--node-model: prefill tokens per round")
+    p.add_argument("--kv-cache-bytes", type=int, default=256 << 20, help="--node-model: the node's KV cache")
+    p.add_argument("--node-device", default="cpu", help="--node-model: the node's device (cpu, cuda)")
+    p.add_argument("--node-py-spy", default=None, metavar="FILE", help="--node-model: sample the node process "
+                   "with py-spy over the load (every thread); collapsed stacks to FILE")
 
 
 def run(args: argparse.Namespace) -> int:
-    nodes, router, spy = _Procs(), _Procs(), None
+    nodes, router, spies = _Procs(), _Procs(), []
+    if args.node_model:
+        args.model = args.node_model  # the router's tokenizer and vocabulary are the node's
     try:
-        addresses = [nodes.start(_node_main, dict(vocab_of(args.model), k=args.spec_tokens, step_s=args.step_ms / 1000,
-                                                  max_num_seqs=args.max_num_seqs), f"node{i}")
-                     for i in range(args.nodes)]
+        addresses = _start_nodes(args, nodes)
         options = {"model": args.model, "colocated": addresses, "queue_size": 4 * args.num_prompts,
                    "processes": args.routers, "ports": None}
         ports = router.start(_router_main, options, "router")
         for i in range(1, args.routers):  # the same ports (SO_REUSEPORT): clients' connections spread
             router.start(_router_main, {**options, "ports": ports}, f"router{i}")
-        spy = _py_spy(args.py_spy, router.pids["router"]) if args.py_spy else None
-        report = asyncio.run(_load(args, ports, {**nodes.pids, **router.pids}))
+        spies = [_py_spy(out, pid) for out, pid in ((args.py_spy, router.pids["router"]),
+                                                    (args.node_py_spy, nodes.pids["node0"])) if out]
+        report = asyncio.run(_runs(args, ports, {**nodes.pids, **router.pids}, nodes))
     finally:
-        if spy is not None:
+        for spy in spies:
             spy.send_signal(signal.SIGINT)  # py-spy writes its file on SIGINT
             spy.wait(timeout=60)
         router.stop()
@@ -84,13 +97,44 @@ def _py_spy(out: str, pid: int) -> subprocess.Popen:
                              "--nonblocking"], stdout=subprocess.DEVNULL)
 
 
+def _start_nodes(args: argparse.Namespace, nodes: _Procs) -> list[str]:
+    if args.node_model:
+        from bench.host_node import node_main
+
+        options = {"model": args.node_model, "k": args.spec_tokens, "max_num_seqs": args.max_num_seqs,
+                   "max_num_batched_tokens": args.max_num_batched_tokens, "kv_cache_bytes": args.kv_cache_bytes,
+                   "device": args.node_device}
+        return [nodes.start(node_main, options, "node0")]
+    return [nodes.start(_node_main, dict(vocab_of(args.model), k=args.spec_tokens, step_s=args.step_ms / 1000,
+                                         max_num_seqs=args.max_num_seqs), f"node{i}") for i in range(args.nodes)]
+
+
+async def _runs(args: argparse.Namespace, ports: dict, pids: dict[str, int], nodes: _Procs) -> dict:
+    """`--repeat` runs; with a real node each run is loaded alone, between two readings of its meter."""
+    if not args.node_model:
+        return await _load(args, ports, pids, args.repeat)
+    from bench.host_node import split
+
+    report: dict = {}
+    runs = []
+    for _ in range(args.repeat):
+        before = await asyncio.to_thread(nodes.ask, "node0", "meter")
+        report = await _load(args, ports, pids, 1)
+        after = await asyncio.to_thread(nodes.ask, "node0", "meter")
+        r = report["runs"][0]
+        r["node"] = split(before, after, round(r["output_throughput"] * r["duration_s"]))
+        runs.append(r)
+    report["runs"] = runs
+    return report
+
+
 def vocab_of(model: str) -> dict[str, int]:
     from engine.loader import load_model_info
 
     return {"vocab": load_model_info(model).config.vocab_size}
 
 
-async def _load(args: argparse.Namespace, ports: dict, pids: dict[str, int]) -> dict:
+async def _load(args: argparse.Namespace, ports: dict, pids: dict[str, int], repeat: int) -> dict:
     from bench import serve
 
     p = argparse.ArgumentParser()
@@ -101,7 +145,7 @@ async def _load(args: argparse.Namespace, ports: dict, pids: dict[str, int]) -> 
                        "--client-processes", str(args.client_processes), "--http-client", args.http_client])
     ns.max_concurrency, ns.service_pids = args.max_concurrency, pids
     items = serve.load_dataset(ns)
-    report = await serve.sweep(ns, items, [float("inf")] * args.repeat)
+    report = await serve.sweep(ns, items, [float("inf")] * repeat)
     for r in report["runs"]:
         r.pop("samples")
     return report
@@ -125,6 +169,14 @@ def _table(report: dict) -> str:
         c, clients = r["cpu"].get("routers", {}), [v["share"] for k, v in r["cpu"].items() if k.startswith("client")]
         rows.append(f"{i} | {r['output_throughput']:,.0f} | {c.get('share')} | {c.get('us_per_token')} | "
                     f"{c.get('us_per_chunk')} | {c.get('tokens_per_s_per_core')} | {sum(clients):.2f}")
+    if any("node" in r for r in report["runs"]):
+        rows += ["", "run | node share | node us/token | compute | host path | host: loop thread (read point) | "
+                 "host: other threads | tokens/round"]
+        for i, r in enumerate(report["runs"]):
+            n, share = r["node"], r["cpu"].get("node0", {}).get("share")
+            rows.append(f"{i} | {share} | {n['us_per_token']} | {n['compute_us_per_token']} | "
+                        f"{n['host_us_per_token']} | {n['loop_host_us_per_token']} ({n['read_point_us_per_token']}) | "
+                        f"{n['other_threads_us_per_token']} | {n['tokens'] / max(n['loop_rounds'], 1):.1f}")
     return "\n".join(rows)
 
 
@@ -152,6 +204,12 @@ class _Procs:
         assert what == "ready" and proc.pid is not None
         self.pids[name] = proc.pid
         return info
+
+    def ask(self, name: str, what: str) -> Any:
+        """Send `what` to child `name` and return its answer."""
+        conn = self.conns[list(self.pids).index(name)]
+        conn.send(what)
+        return conn.recv()
 
     def stop(self) -> list[dict]:
         out = []

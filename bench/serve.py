@@ -35,8 +35,8 @@ from pathlib import Path
 from typing import Any
 
 from bench.serve_clients import measured_load
-from bench.serve_metrics import breakdown, scrape
 from bench.serve_load import Item, Result
+from bench.serve_metrics import breakdown, scrape
 
 BUILTIN_PROMPTS = [
     "What is the capital of France?", "Write a haiku about the sea.", "Explain in one sentence what a GPU is.",
@@ -94,7 +94,13 @@ def run(args: argparse.Namespace) -> int:
     service = None
     args.service_pids = {"router": args.router_pid} if args.router_pid else {}
     if args.launch:
-        from deploy.cli_service import client_ca, scheme, service_config, start_service, startup_line
+        from deploy.cli_service import (
+            client_ca,
+            scheme,
+            service_config,
+            start_service,
+            startup_line,
+        )
 
         cfg = service_config(args, local=True)
         service, args.router = start_service(cfg)

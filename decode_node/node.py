@@ -138,6 +138,7 @@ class DecodeNode(StepLoop):
                                     max_model_len=self.max_model_len).seconds
         self.prefix = prefix_cache_for(loaded, config, self.blocks)
         self.batch = DecodeBatch(self.runner, self.blocks, config.max_num_seqs)
+        self.batch.keep_logprobs = False  # the output items carry them; nothing here reads them back
         self.vocab = loaded.model.config.vocab_size
         self.num_layers = loaded.model.config.num_hidden_layers + (1 if self.k else 0)
         self._receiver: KVReceiver | None = None  # None: KV never arrives from elsewhere (a colocated node)
@@ -321,7 +322,7 @@ class DecodeNode(StepLoop):
             return f"the router that sent {rid!r} has no output stream open here"
         if not 0 < prompt_len < self.max_model_len:
             return f"prompt of {prompt_len} tokens does not fit the context {self.max_model_len}"
-        if prompt and (len(prompt) != prompt_len or any(not 0 <= t < self.vocab for t in prompt)):
+        if prompt and (len(prompt) != prompt_len or min(prompt) < 0 or max(prompt) >= self.vocab):  # C-level scans
             return f"prompt token ids must be {prompt_len} ids inside the vocabulary"
         return ""
 
@@ -370,11 +371,10 @@ class DecodeNode(StepLoop):
 
     def _count_accepted(self, outputs: list[RequestOutput]) -> None:
         """Each output is one request's step: k drafts verified, the first len - 1 accepted."""
-        for out in outputs:
-            accepted = len(out.new_token_ids) - 1
-            for pos in range(self.k):
-                self.draft_tokens[pos] += 1
-                self.accepted_per_pos[pos] += pos < accepted
+        accepted = Counter(len(out.new_token_ids) - 1 for out in outputs)
+        for pos in range(self.k):
+            self.draft_tokens[pos] += len(outputs)
+            self.accepted_per_pos[pos] += sum(n for a, n in accepted.items() if a > pos)
 
     def _kv_landed(self, p: Pending) -> None:
         """The request's transfer is DONE (once per request): count it, cache its full prompt blocks."""
@@ -443,11 +443,9 @@ class DecodeNode(StepLoop):
         own_id = choice_id(out.request_id, out.index)
         req = self.requests.get(own_id)
         n = req.params.logprobs if req is not None else None
-        lps = None
-        if n is not None and out.new_logprobs:
-            t = out.new_logprobs
-            lps = TokenLogprobs([x.logprob for x in t], [x.rank for x in t],
-                                [[i for i, _ in x.top] for x in t], [[v for _, v in x.top] for x in t])
+        lps, c = None, out.new_logprobs
+        if n is not None and c is not None and c.logprob:  # top columns: n x 0 may come as no rows (same wire)
+            lps = TokenLogprobs(c.logprob, c.rank, c.top_ids, c.top_logprobs)
         item = OutputItem(out.request_id, out.new_token_ids, n if lps else None, lps, out.finish_reason,
                           index=out.index)
         if out.finish_reason is not None and out.finish_reason.startswith(ERROR_PREFIX):  # e.g. a grammar's

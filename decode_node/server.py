@@ -120,7 +120,7 @@ class ColocatedServicer(DecodeServicer):
             rid = check_request_id(request.request_id)
             params, seed, stops = sampling_from_proto(request.sampling, self.vocab)
             prompt = list(request.prompt_token_ids)
-            if not prompt or len(prompt) != request.prompt_len or any(not 0 <= t < self.vocab for t in prompt):
+            if not prompt or len(prompt) != request.prompt_len or min(prompt) < 0 or max(prompt) >= self.vocab:
                 raise ValueError("prompt_token_ids must be prompt_len (> 0) ids inside the vocabulary")
         except ValueError as e:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))

@@ -8,6 +8,7 @@ Ray only places, watches and restarts the processes. Each actor restarts forever
 
 from __future__ import annotations
 
+import gc
 import socket
 import time
 from typing import TYPE_CHECKING, Any
@@ -140,6 +141,7 @@ class NodeActor:
             raise ValueError(f"unknown node role {role!r}")
         clock.mark("node_build")  # the runner: KV cache, CUDA graph capture, warm-up (split out below)
         clock.split("node_build", "warmup", getattr(self.node, "warmup_s", 0.0))
+        freeze_node_heap()
         self.node.start()
         if tp is None or tp.rank == 0:
             self.server, self.port = serve(self.node, node_id, host, secret=cfg.cluster.secret, tls=tls)
@@ -162,6 +164,15 @@ class NodeActor:
         if self.server is not None:
             self.server.stop(grace=1)
         self.node.stop()
+
+
+def freeze_node_heap() -> None:
+    """Exclude everything alive once the node is built (modules, the model, the runner, Triton's and
+    the CUDA graphs' objects) from the garbage collector's full passes, as the router does
+    (router.router.freeze_heap): the step loop makes objects every step, and each full collection
+    would otherwise walk that whole heap on the loop thread. Once per node process."""
+    gc.collect()
+    gc.freeze()
 
 
 def _kv_options(cfg: ServiceConfig, role: str, host: str) -> dict[str, Any]:

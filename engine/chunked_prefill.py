@@ -17,11 +17,11 @@ from __future__ import annotations
 
 from engine.decode_batch import DecodeBatch
 from engine.fork import fork_no_sync
-from engine.model_runner import ModelRunner, unpack_logprobs
+from engine.model_runner import ModelRunner, logprob_columns
 from engine.prefill_step import PrefillChunk
 from engine.prefix_cache import PrefixCache
 from engine.prompt_logprobs import add_prompt_logprobs
-from engine.request import Request, RequestOutput, TokenLogprob
+from engine.request import Request, RequestOutput
 
 
 class ChunkedPrefill:
@@ -72,14 +72,13 @@ class ChunkedPrefill:
             return []
         firsts = out.first_token.tolist()  # the prefill read point (not in the decode loop)
         lp_nums = {i: chunks[r].logprobs or 0 for i, r in enumerate(out.last_rows) if chunks[r].logprobs is not None}
-        lps = unpack_logprobs(out.logprobs, lp_nums, out.logprob_rows, 1) if out.logprobs else {}
+        lps = logprob_columns(out.logprobs, lp_nums, out.logprob_rows, 1) if out.logprobs else {}
         results = []
         for i, r in enumerate(out.last_rows):
             req = reqs[r]
             self.requests.remove(req)
             fork_no_sync(self.batch, req)  # n > 1: before the first token may end it
-            tlp = [TokenLogprob(firsts[i], *lps[i][0])] if i in lps else []
-            results.append(self.batch.emit(req, [firsts[i]], tlp))
+            results.append(self.batch.emit(req, [firsts[i]], lps.get(i)))
             results[-1].prompt_logprobs = req.prompt_logprobs
             if not req.finished:
                 drafts = out.drafts[i] if out.drafts is not None else None

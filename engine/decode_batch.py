@@ -34,7 +34,7 @@ from engine.constrained import ConstrainedRows
 from engine.kv_cache import BlockManager
 from engine.model_runner import DecodeHandle, ModelRunner
 from engine.penalties import PenaltyInit
-from engine.request import Request, RequestOutput, TokenLogprob
+from engine.request import LogprobColumns, Request, RequestOutput
 
 InFlight = tuple[DecodeHandle, list[Request], dict[int, int]]
 
@@ -83,6 +83,9 @@ class DecodeBatch:
         self.on_finish: Callable[[Request], None] | None = None
         self.constrained = ConstrainedRows(runner)  # grammar matchers of structured-output requests
         self._ended: list[RequestOutput] = []  # terminal outputs of requests ended at insert: the next step's
+        # Request.logprobs gets every emitted token's entry (the single-process engine's answer); a
+        # node, which hands the outputs' columns on and never reads them back, turns this off
+        self.keep_logprobs = True
 
     @property
     def busy(self) -> bool:
@@ -124,7 +127,7 @@ class DecodeBatch:
                 self.constrained.add(req, drafts)
             except ValueError as e:
                 self.finish(req, f"error: {e}")
-                self._ended.append(RequestOutput(req.group_id, [], [], req.finish_reason, req.index))
+                self._ended.append(RequestOutput(req.group_id, [], None, req.finish_reason, req.index))
                 return
         init = SlotInit(
             seq_len=req.num_prompt_tokens if seq_len is None else seq_len, first_token=first, drafts=drafts, draft_probs=draft_probs,
@@ -181,12 +184,11 @@ class DecodeBatch:
             if req.finished or not toks:
                 continue
             if req.slot in self.constrained.matchers and not self._advance_grammar(req, toks, res.drafts, row):
-                outputs.append(RequestOutput(req.group_id, [], [], req.finish_reason, req.index))
+                outputs.append(RequestOutput(req.group_id, [], None, req.finish_reason, req.index))
                 continue
             req.steps += 1
             req.accepted_tokens += len(toks) - 1
-            tlps = [TokenLogprob(t, *e) for t, e in zip(toks, res.logprobs.get(row, []), strict=False)]
-            outputs.append(self.emit(req, toks, tlps, device_finished=res.finished[row]))
+            outputs.append(self.emit(req, toks, res.logprobs.get(row), device_finished=res.finished[row]))
         return outputs
 
     def _advance_grammar(self, req: Request, toks: list[int], drafts: list[list[int]] | None, row: int) -> bool:
@@ -198,15 +200,18 @@ class DecodeBatch:
         self.finish(req, f"error: emitted tokens {toks} do not match the structured output")
         return False
 
-    def emit(self, req: Request, toks: list[int], tlps: list[TokenLogprob], device_finished: bool = False) -> RequestOutput:
-        """Record new tokens; finish the request on a stop token or at max_tokens."""
+    def emit(self, req: Request, toks: list[int], lps: LogprobColumns | None,
+             device_finished: bool = False) -> RequestOutput:
+        """Record new tokens (and their logprobs, per token, when `keep_logprobs`); finish the request
+        on a stop token or at max_tokens."""
         req.output_ids += toks
-        req.logprobs += tlps
+        if lps is not None and self.keep_logprobs:
+            req.logprobs += lps.entries(toks)
         if toks[-1] in req.stop_ids:
             self.finish(req, "stop")
         elif len(req.output_ids) >= req.max_tokens or device_finished:
             self.finish(req, "length")
-        return RequestOutput(req.group_id, toks, tlps, req.finish_reason, req.index)
+        return RequestOutput(req.group_id, toks, lps, req.finish_reason, req.index)
 
     def finish(self, req: Request, reason: str) -> None:
         """End a request: mask its slot on the device, free its slot, free its blocks safely."""

@@ -35,6 +35,7 @@ from engine.prefill_graphs import LayerReady, PrefillGraphs
 from engine.prefill_step import PrefillChunk, PrefillInputs, PrefillResult, key_for, prefill_forward
 from engine.prompt_logprobs import PromptLogprobPlan
 from engine.prompt_logprobs import plan as plan_prompt_logprobs
+from engine.request import LogprobColumns
 from engine.sampler import LogprobsTensors, SamplingTensors, compute_logprobs
 from engine.spec_decode import verify
 from engine.step_output import HostCopy, HostOutputs, StepLayout, astuple_lp
@@ -115,7 +116,7 @@ class DecodeResult:
     slots: list[int]
     tokens: list[list[int]]  # emitted tokens per row
     finished: list[bool]
-    logprobs: dict[int, list[tuple[float, int, list[tuple[int, float]]]]]  # row -> per token
+    logprobs: dict[int, LogprobColumns]  # row -> its emitted tokens' logprobs (rows that asked)
     drafts: list[list[int]] | None = None  # the next step's drafts per row (a constrained step's)
 
 
@@ -364,15 +365,37 @@ class ModelRunner:
         tokens, counts, finished, lp = h.layout.views(h.copy.host)
         toks, cnt = tokens[:n].tolist(), counts[:n].tolist()
         emitted = [row[:c] for row, c in zip(toks, cnt, strict=True)]
-        lps: dict[int, list] = {}
+        lps: dict[int, LogprobColumns] = {}
         if lp is not None and h.logprob_at:
-            for row, entries in unpack_logprobs(lp, num_top, h.logprob_at, width=h.layout.k1).items():
-                lps[row] = entries[: cnt[row]]
+            lps = logprob_columns(lp, num_top, h.logprob_at, h.layout.k1, cnt)
         done = [bool(f) for f in finished[:n].tolist()]
         drafts = h.layout.drafts_view(h.copy.host)
         new_drafts = drafts[:n].tolist() if drafts is not None else None
         self.outputs.release(h.copy)
         return DecodeResult(h.slots, emitted, done, lps, new_drafts)
+
+
+def logprob_columns(lp: LogprobsTensors, num_top: dict[int, int], rows: list[int] | dict[int, int], width: int,
+                    counts: list[int] | None = None) -> dict[int, LogprobColumns]:
+    """Per row, the logprobs of its first `counts[row]` tokens (default all `width`), as columns.
+    `rows` as in `unpack_logprobs`. One `tolist` per column (none for the top columns when no row
+    asked for top entries), then slices: no object per token (a row without top entries has empty
+    top columns)."""
+    at = rows if isinstance(rows, dict) else {row: i for i, row in enumerate(rows)}
+    vals, ranks = lp.token_logprob.tolist(), lp.token_rank.tolist()
+    wide = any(num_top[row] for row in at)
+    top_ids = lp.top_ids.tolist() if wide else []
+    top_lps = lp.top_logprobs.tolist() if wide else []
+    out = {}
+    for row, i in at.items():
+        a, n = i * width, num_top[row]
+        b = a + (width if counts is None else counts[row])
+        if n:
+            out[row] = LogprobColumns(vals[a:b], ranks[a:b], [x[:n] for x in top_ids[a:b]],
+                                      [x[:n] for x in top_lps[a:b]])
+        else:  # no top entries: no row of them either
+            out[row] = LogprobColumns(vals[a:b], ranks[a:b], [], [])
+    return out
 
 
 def unpack_logprobs(lp: LogprobsTensors, num_top: dict[int, int], rows: list[int] | dict[int, int], width: int):

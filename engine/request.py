@@ -20,6 +20,24 @@ class TokenLogprob:
 
 
 @dataclass
+class LogprobColumns:
+    """The logprobs of a run of tokens, by column: what a step's read point hands on (a few lists per
+    request and step, no object per token; the wire's shape: protos.messages.TokenLogprobs)."""
+
+    logprob: list[float]
+    rank: list[int]
+    top_ids: list[list[int]]  # one row per token; empty (no rows) when no top entries were asked
+    top_logprobs: list[list[float]]
+
+    def entries(self, tokens: list[int]) -> list[TokenLogprob]:
+        """One TokenLogprob per token (`tokens`: the tokens these columns are of)."""
+        ids = self.top_ids or [[] for _ in tokens]
+        vals = self.top_logprobs or [[] for _ in tokens]
+        return [TokenLogprob(t, lp, r, list(zip(i, v, strict=True)))
+                for t, lp, r, i, v in zip(tokens, self.logprob, self.rank, ids, vals, strict=True)]
+
+
+@dataclass
 class Request:
     request_id: str
     prompt: list[int]  # empty on a decode node, which only knows `num_prompt_tokens`
@@ -69,7 +87,7 @@ class RequestOutput:
 
     request_id: str  # the request's id (`Request.group_id`), whichever choice this is
     new_token_ids: list[int]
-    new_logprobs: list[TokenLogprob]
+    new_logprobs: LogprobColumns | None  # when the request asked for logprobs and the step emitted tokens
     finish_reason: str | None
     index: int = 0  # the choice (n > 1)
     prompt_logprobs: list[TokenLogprob] | None = None  # with a request's first token, when asked

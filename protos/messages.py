@@ -206,13 +206,28 @@ class OutputItem:
     malformed: bool = False  # made by the receiver for an item it refused (never on the wire)
 
     def to_obj(self) -> dict:
+        """The item's map. Fields at their default (None, 0, no prompt logprobs) are left out: readers
+        take a missing one as its default, so most items of a step are three or four keys."""
         has = self.num_logprobs is not None
         flag = (FLAG_LOGPROBS if has else 0) | (FLAG_FINISHED if self.finish_reason else 0) | (
             FLAG_ERROR if self.error else 0)
-        return {"rid": self.request_id, "toks": self.tokens, "meta": pack_meta(flag, self.num_logprobs or 0),
-                "lp": self.logprobs.flat() if has and self.logprobs else None,
-                "fin": self.finish_reason, "err": self.error, "steps": self.steps, "acc": self.accepted,
-                "idx": self.index, **pack_prompt_logprobs(self.num_prompt_logprobs, self.prompt_logprobs)}
+        o = {"rid": self.request_id, "toks": self.tokens, "meta": pack_meta(flag, self.num_logprobs or 0)}
+        if has and self.logprobs:
+            o["lp"] = self.logprobs.flat()
+        if (self.finish_reason is not None or self.error is not None or self.steps or self.accepted or self.index
+                or self.num_prompt_logprobs is not None):
+            self._rare_fields(o)  # a terminal (stats), a choice of n > 1, a colocated first token
+        return o
+
+    def _rare_fields(self, o: dict) -> None:
+        for key, value in (("fin", self.finish_reason), ("err", self.error)):
+            if value is not None:
+                o[key] = value
+        for key, number in (("steps", self.steps), ("acc", self.accepted), ("idx", self.index)):
+            if number:
+                o[key] = number
+        if self.num_prompt_logprobs is not None:
+            o.update(pack_prompt_logprobs(self.num_prompt_logprobs, self.prompt_logprobs))
 
     @classmethod
     def from_obj(cls, o: Any, vocab: int) -> OutputItem:

@@ -68,7 +68,7 @@ def test_spare_padding_rows_change_nothing_but_the_spare_and_trash(tiny):
     read = [runner.collect(DecodeHandle(slots, o.layout, runner.outputs.copy_no_sync(o.packed), {0: 0, 1: 1}), lp)
             for o in (plain, padded)]  # what the host reads of the packed outputs: the padding rows left out
     assert read[0] == read[1] and [len(t) for t in read[0].tokens] == plain.num_emitted.tolist()
-    assert [len(e[2]) for e in read[0].logprobs[1]] == [2] * len(read[0].tokens[1])
+    assert [len(ids) for ids in read[0].logprobs[1].top_ids] == [2] * len(read[0].tokens[1])
     keep = torch.arange(runner.kv.num_blocks, device=DEVICE) != TRASH_BLOCK
     for i in range(len(runner.kv.layers)):
         assert torch.equal(after_padded[f"kv{i}"][:, keep], after_plain[f"kv{i}"][:, keep])

@@ -11,13 +11,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.engine import EngineConfig, LLMEngine
-from engine.prefill_graphs import pow2_buckets
-from engine.prefill_step import key_for
-from engine.sampling_params import SamplingParams
 from engine.dummy_prompts import chunks_for_key, dummy_chunks
-from engine.prefill_graphs import PrefillGraphs
-from engine.prefill_step import PrefillChunk
+from engine.engine import EngineConfig, LLMEngine
+from engine.prefill_graphs import PrefillGraphs, pow2_buckets
+from engine.prefill_step import PrefillChunk, key_for
+from engine.sampling_params import SamplingParams
 from engine.warmup import GREEDY, SAMPLED, VARIANTS, capture_deferred, rows_for, warm_up
 from tests.engine.conftest import DEVICE
 

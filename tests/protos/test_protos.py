@@ -61,6 +61,16 @@ def test_output_batch_round_trip_reads_exactly_the_asked_columns():
     assert unpack_outputs(pack_outputs(items), VOCAB) == items
 
 
+def test_output_item_leaves_out_its_default_fields():
+    """A step's plain item is three keys on the wire; every other field comes back as sent."""
+    assert set(OutputItem("a", [1]).to_obj()) == {"rid", "toks", "meta"}
+    assert set(OutputItem("a", [1], 0, lps(1, 0)).to_obj()) == {"rid", "toks", "meta", "lp"}
+    items = [OutputItem("a", [1, 2], steps=1, accepted=1), OutputItem("b", [3], index=2),
+             OutputItem("c", [], finish_reason="abort"), OutputItem("d", [4], 1, lps(1, 1), num_prompt_logprobs=0,
+                                                                  prompt_logprobs=lps(2, 0))]
+    assert unpack_outputs(pack_outputs(items), VOCAB) == items
+
+
 @pytest.mark.parametrize(
     "mutate, message",
     [
