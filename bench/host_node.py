@@ -7,8 +7,8 @@ process, with torch on one thread so the model's compute runs on the loop thread
 on request over its pipe, a `NodeMeter` reading: the process's CPU seconds (every thread), the
 loop thread's, the loop thread's inside the runner's model calls (`launch_decode`, `prefill`: the
 model's compute, which on a CPU runs inside the launch), the decode read point's (`collect`: on a
-GPU it waits for the step) and the rounds' prefill part as a whole (`ChunkedPrefill.run`: its
-compute, its first tokens' read, which on a GPU waits for the step in flight too, the inserts).
+GPU it waits for the step) and the rounds' prefill part as a whole (`ChunkedPrefill.launch` and
+`finish`: its compute, its first tokens' read, the inserts).
 The rest of the process's CPU, the host path, is the node's cost per output token that does not
 shrink with a faster device: the loop's bookkeeping around the model, output items, packing, the
 gRPC stream writes.
@@ -43,7 +43,8 @@ class NodeMeter:
         for name in ("launch_decode", "prefill"):
             setattr(node.runner, name, self._timed(getattr(node.runner, name), "compute_cpu_s"))
         node.runner.collect = self._timed(node.runner.collect, "read_cpu_s")
-        node.prefill.run = self._timed(node.prefill.run, "prefill_cpu_s")
+        for name in ("launch", "finish"):  # the round's prefill: queued before its decode step, read after
+            setattr(node.prefill, name, self._timed(getattr(node.prefill, name), "prefill_cpu_s"))
 
     def _timed(self, fn: Any, counter: str, count: bool = False) -> Any:
         @functools.wraps(fn)

@@ -27,7 +27,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from decode_node.node import DecodeNode, Reservation
-from engine.chunked_prefill import ChunkedPrefill
+from engine.chunked_prefill import ChunkedPrefill, Launched
 from engine.engine import EngineConfig
 from engine.loader import LoadedModel
 from engine.model_runner import kv_room_needed
@@ -71,37 +71,53 @@ class ColocatedNode(DecodeNode):
 
     # ---- the loop thread -------------------------------------------------------------
     def step(self) -> bool:
-        """Commands, one prefill step (if a prompt waits), one decode step. Loop thread only."""
+        """Commands, one prefill step (if a prompt waits), one decode step. Loop thread only. The
+        prefill is queued first and read after the decode step is queued behind it, so the device
+        never waits for this thread's reading of first tokens; the prompts it completes join the
+        batch at its next launch."""
         items: list[OutputItem] = []
         self._drain_inbox(items)
         prefilled = bool(self.prefill.requests)
-        if prefilled:
-            items += self._prefill_step()
+        launched = self._prefill_launch(items) if prefilled else None
         busy = self.batch.busy
         outputs = self.batch.step()
         self._count_accepted(outputs)
         items += [self._item(o) for o in outputs]
+        if launched is not None:
+            items += self._prefill_finish(*launched)
         self._publish(items)
         if busy or prefilled or items:
             return True
         return capture_deferred(self.runner, self.max_model_len)  # idle: a graph a step ran eagerly
 
-    def _prefill_step(self) -> list[OutputItem]:
+    def _prefill_launch(self, items: list[OutputItem]) -> tuple[Launched, float] | None:
         chunks, reqs = self.prefill.schedule()
         start = time.perf_counter()
         try:
-            outputs = self.prefill.run(chunks, reqs)
+            launched = self.prefill.launch(chunks, reqs)
         except Exception as e:  # a failed step fails its requests; the node keeps serving
-            log.exception("colocated prefill step failed")
-            items = []
-            for req in reqs:
-                items.append(OutputItem(req.request_id, [], error=f"prefill failed: {e}"))
-                self._end(req, "error")
-            return items
+            self._prefill_failed(reqs, e, items)
+            return None
         self.prefill_steps += 1
         self.counters["prefill_tokens"] += sum(c.end - c.start for c in chunks)
-        self.counters["prefill_seconds"] += time.perf_counter() - start
+        return launched, time.perf_counter() - start
+
+    def _prefill_finish(self, launched: Launched, spent: float) -> list[OutputItem]:
+        start = time.perf_counter()
+        items: list[OutputItem] = []
+        try:
+            outputs = self.prefill.finish(launched)
+        except Exception as e:
+            self._prefill_failed(launched.reqs, e, items)
+            return items
+        self.counters["prefill_seconds"] += spent + time.perf_counter() - start
         return [self._item(o) for o in outputs]
+
+    def _prefill_failed(self, reqs: list[Request], e: Exception, items: list[OutputItem]) -> None:
+        log.exception("colocated prefill step failed")
+        for req in reqs:
+            items.append(OutputItem(req.request_id, [], error=f"prefill failed: {e}"))
+            self._end(req, "error")
 
     def _command(self, kind: str, args: Sequence[Any], items: list[OutputItem]) -> None:
         if kind == "submit":

@@ -15,13 +15,20 @@ point (the first tokens), as LLMEngine always did.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
 from engine.decode_batch import DecodeBatch
 from engine.fork import fork_no_sync
-from engine.model_runner import ModelRunner, logprob_columns
+from engine.model_runner import ModelRunner, PrefillOutput, logprob_columns
 from engine.prefill_step import PrefillChunk
 from engine.prefix_cache import PrefixCache
 from engine.prompt_logprobs import add_prompt_logprobs
 from engine.request import Request, RequestOutput
+from engine.sampler import LogprobsTensors
+from engine.step_output import astuple_lp
 
 
 class ChunkedPrefill:
@@ -63,16 +70,29 @@ class ChunkedPrefill:
         return self.run(chunks, reqs) if chunks else []
 
     def run(self, chunks: list[PrefillChunk], reqs: list[Request]) -> list[RequestOutput]:
+        """Compute `chunks` and hand on the completed prompts at once (`launch` then `finish`)."""
+        return self.finish(self.launch(chunks, reqs))
+
+    def launch(self, chunks: list[PrefillChunk], reqs: list[Request]) -> Launched:
+        """Queue the prefill of `chunks`, and the copies of what `finish` reads, without waiting.
+        The caller may queue more work (a decode step) before `finish`: that wait is for the
+        prefill alone, not for what was queued after it."""
         out = self.runner.prefill(chunks)
         for c, req in zip(chunks, reqs, strict=True):
             req.num_prefilled = c.end
             self.prefix.register(req.block_ids, req.block_hashes, c.end)
         add_prompt_logprobs(out, reqs)
-        if not out.last_rows:
+        return Launched(chunks, reqs, out, FirstTokenCopy.of(out) if out.last_rows else None)
+
+    def finish(self, launched: Launched) -> list[RequestOutput]:
+        """First tokens of the completed prompts (the prefill read point); their requests go into
+        the decode batch (its next launch) with their MTP drafts."""
+        chunks, reqs, out, host = launched.chunks, launched.reqs, launched.out, launched.host
+        if host is None:
             return []
-        firsts = out.first_token.tolist()  # the prefill read point (not in the decode loop)
+        firsts, lp = host.read()
         lp_nums = {i: chunks[r].logprobs or 0 for i, r in enumerate(out.last_rows) if chunks[r].logprobs is not None}
-        lps = logprob_columns(out.logprobs, lp_nums, out.logprob_rows, 1) if out.logprobs else {}
+        lps = logprob_columns(lp, lp_nums, out.logprob_rows, 1) if lp is not None else {}
         results = []
         for i, r in enumerate(out.last_rows):
             req = reqs[r]
@@ -81,7 +101,56 @@ class ChunkedPrefill:
             results.append(self.batch.emit(req, [firsts[i]], lps.get(i)))
             results[-1].prompt_logprobs = req.prompt_logprobs
             if not req.finished:
-                drafts = out.drafts[i] if out.drafts is not None else None
-                probs = out.draft_probs[i] if out.draft_probs is not None else None
-                self.batch.insert(req, out.first_token[i], drafts, probs)
+                drafts = host.drafts[i] if host.drafts is not None else None
+                probs = host.draft_probs[i] if host.draft_probs is not None else None
+                self.batch.insert(req, host.first_token[i], drafts, probs)
         return results
+
+
+@dataclass
+class Launched:
+    """A prefill step queued by `ChunkedPrefill.launch`, for its `finish`."""
+
+    chunks: list[PrefillChunk]
+    reqs: list[Request]
+    out: PrefillOutput
+    host: FirstTokenCopy | None  # None: no prompt completed in this step
+
+
+@dataclass
+class FirstTokenCopy:
+    """A prefill step's first tokens and logprobs on their way to pinned host memory (one event
+    after them), and its device outputs the batch inserts, cloned: a prefill graph's outputs are
+    overwritten by its next replay, which may come before the insert (the colocated node's next
+    round)."""
+
+    first_token: torch.Tensor  # device, [R]
+    drafts: torch.Tensor | None
+    draft_probs: torch.Tensor | None
+    host_first: torch.Tensor
+    host_lp: LogprobsTensors | None
+    done: Any  # a CUDA event after the copies; None on the CPU (the copies are done)
+
+    @staticmethod
+    def of(out: PrefillOutput) -> FirstTokenCopy:
+        def to_host(t: torch.Tensor) -> torch.Tensor:
+            if t.device.type == "cpu":
+                return t.clone()
+            dst = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+            return dst.copy_(t, non_blocking=True)
+
+        def clone(t: torch.Tensor | None) -> torch.Tensor | None:
+            return None if t is None else t.clone()
+
+        lp = LogprobsTensors(*(to_host(t) for t in astuple_lp(out.logprobs))) if out.logprobs is not None else None
+        host_first = to_host(out.first_token)
+        done = None
+        if out.first_token.device.type == "cuda":
+            done = torch.cuda.Event()
+            done.record()
+        return FirstTokenCopy(out.first_token.clone(), clone(out.drafts), clone(out.draft_probs), host_first, lp, done)
+
+    def read(self) -> tuple[list[int], LogprobsTensors | None]:
+        if self.done is not None:
+            self.done.synchronize()  # the prefill and these copies, not the work queued after them
+        return self.host_first.tolist(), self.host_lp
