@@ -14,7 +14,9 @@ import math
 import os
 import random
 import time
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 
@@ -107,22 +109,15 @@ def _http_sender(base_url: str, api_key: str | None, tls_ca: str | None) -> Any:
     client = openai.AsyncOpenAI(base_url=base_url.rstrip("/") + "/v1", api_key=api_key or "none", max_retries=0,
                                 http_client=http)
 
-    async def send(item: Item) -> Result:
-        res, clock = Result(), _Clock()
-        try:
-            stream = await client.completions.create(
-                model="", prompt=item.prompt, max_tokens=item.output_len, temperature=0, stream=True,
-                logprobs=0, extra_body={"ignore_eos": True})
-            async for chunk in stream:
-                lps = chunk.choices[0].logprobs if chunk.choices else None
-                clock.tokens(res, len(lps.tokens or []) if lps else 0)  # one logprob entry per token
-            res.ok = True
-        except Exception as e:
-            res.error = str(e)
-        res.e2e = clock.now()
-        return res
+    async def counts(item: Item) -> AsyncIterator[int]:
+        stream = await client.completions.create(
+            model="", prompt=item.prompt, max_tokens=item.output_len, temperature=0, stream=True,
+            logprobs=0, extra_body={"ignore_eos": True})
+        async for chunk in stream:
+            lps = chunk.choices[0].logprobs if chunk.choices else None
+            yield len(lps.tokens or []) if lps else 0  # one logprob entry per token
 
-    return send, client.close
+    return partial(_timed, counts), client.close
 
 
 def _raw_http_sender(base_url: str, api_key: str | None, tls_ca: str | None) -> Any:
@@ -140,30 +135,36 @@ def _raw_http_sender(base_url: str, api_key: str | None, tls_ca: str | None) -> 
     client = httpx.AsyncClient(base_url=base_url.rstrip("/"), headers=headers, verify=verify, timeout=None,
                                limits=httpx.Limits(max_connections=None, max_keepalive_connections=None))
 
-    async def send(item: Item) -> Result:
-        res, clock = Result(), _Clock()
+    async def counts(item: Item) -> AsyncIterator[int]:
         body = {"model": "", "prompt": item.prompt, "max_tokens": item.output_len, "temperature": 0,
                 "stream": True, "logprobs": 0, "ignore_eos": True}
-        try:
-            async with client.stream("POST", "/v1/completions", content=json.dumps(body),
-                                     headers={"Content-Type": "application/json"}) as resp:
-                if resp.status_code != 200:
-                    raise RuntimeError(f"HTTP {resp.status_code}: {(await resp.aread()).decode()[:200]}")
-                async for line in resp.aiter_lines():
-                    if not line.startswith("data: ") or line == "data: [DONE]":
-                        continue
-                    event = json.loads(line[6:])
-                    if "error" in event:
-                        raise RuntimeError(str(event["error"]))
-                    lps = event["choices"][0].get("logprobs") if event.get("choices") else None
-                    clock.tokens(res, len(lps.get("tokens") or []) if lps else 0)
-            res.ok = True
-        except Exception as e:
-            res.error = str(e)
-        res.e2e = clock.now()
-        return res
+        async with client.stream("POST", "/v1/completions", content=json.dumps(body),
+                                 headers={"Content-Type": "application/json"}) as resp:
+            if resp.status_code != 200:
+                raise RuntimeError(f"HTTP {resp.status_code}: {(await resp.aread()).decode()[:200]}")
+            async for line in resp.aiter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                event = json.loads(line[6:])
+                if "error" in event:
+                    raise RuntimeError(str(event["error"]))
+                lps = event["choices"][0].get("logprobs") if event.get("choices") else None
+                yield len(lps.get("tokens") or []) if lps else 0
 
-    return send, client.aclose
+    return partial(_timed, counts), client.aclose
+
+
+async def _timed(counts: Any, item: Item) -> Result:
+    """One request: `counts(item)` yields the tokens each message brings; errors end it as failed."""
+    res, clock = Result(), _Clock()
+    try:
+        async for n in counts(item):
+            clock.tokens(res, n)
+        res.ok = True
+    except Exception as e:
+        res.error = str(e)
+    res.e2e = clock.now()
+    return res
 
 
 class _Clock:
