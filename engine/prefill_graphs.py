@@ -10,12 +10,14 @@ sampling flags, logprobs, fresh or not) and captured on first use
 (lazily: a capture is ~100 launches' worth of host time once per key, and the keys a server
 meets are few). Steps beyond the largest bucket run eagerly, where compute hides the launches.
 
-Layer-wise KV push: the graph records an external CUDA event after each target layer; after
-the replay, `on_layer(i, event)` hands each to the caller (the prefill node's sender waits on
-event i before sending layer i, so KV leaves while later layers compute). Only for a caller
-that listens: a step without `on_layer` replays a graph captured without the events, whose
-launch call is ~100 us shorter (SmolLM2 1 x 128: 124 -> 26 us, and 30 us less GPU time; H100,
-bench/gpu/prefill_launch.py, 2026-11-25).
+Layer-wise KV push: after a replay, `on_layer(i, None)` hands every layer to the caller as
+queued; the prefill node's sender then waits for an event it records after the replay, so a
+replayed step's KV leaves after the whole step (an eager step's leaves layer by layer). Graphs
+used to record an external event per layer for the sender to wait on, but such an event cannot
+be waited on before its node runs: the wait sees the previous replay's record, and layers were
+read before they were written (wrong tokens through the GPU service once the sender's copies left
+the default stream, 2026-11-26). Overlapping a replayed step's push needs a signal the device
+writes (or per-layer graphs): open.
 
 Careful when editing: graphs share one memory pool of their own (not the decode graphs'); a
 replay overwrites the static outputs of the previous prefill replay, so a step's outputs
@@ -93,7 +95,12 @@ class PrefillGraphs:
         key = self.key(chunks)
         inp = self._inputs(key)
         inp.fill_no_sync(chunks)
-        wanted = on_layer is not None  # per-layer events cost ~100 us of launch (SmolLM2, H100): only for a listener
+        # No per-layer events in graphs: an event a graph's node records cannot be waited on from outside
+        # before that node runs (the wait, or a host sync, sees the previous replay's record), so a KV
+        # sender that waited on layer i's event could read layer i before this replay wrote it (wrong
+        # tokens through the GPU service, 2026-11-26). A listener gets every layer once the replay is
+        # queued, and its sender waits for an event recorded after the replay.
+        wanted = False
         if (key, wanted) not in self.graphs:
             if self.defer and self._eager_runs.get((key, wanted), 0) < EAGER_RUNS_BEFORE_CAPTURE:
                 # off the request's path: eager now (no capture's ~100 ms), captured when the node idles,
@@ -106,11 +113,11 @@ class PrefillGraphs:
             if (key, wanted) in self.pending:
                 self.pending.remove((key, wanted))
             self._capture(key, inp, wanted)
-        graph, out, events = self.graphs[(key, wanted)]
+        graph, out, _ = self.graphs[(key, wanted)]
         graph.replay()
         if on_layer is not None:
-            for layer, event in enumerate(events):
-                on_layer(layer, event)
+            for layer in range(self.runner.num_target_layers):
+                on_layer(layer, None)
         return out
 
     def capture_deferred(self, max_model_len: int) -> bool:

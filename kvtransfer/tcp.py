@@ -9,15 +9,13 @@ Faults: any bad frame (malformed, oversized, wrong version, unannounced data)
 makes the receiver answer ``error``, close that connection and fail the requests
 bound to it; its other connections keep serving. A closed connection fails the
 open requests on both ends at once; a silent peer fails them after ``timeout_s``.
-CUDA tensors are staged through pinned host memory by copies on a stream of the transport
-thread's own (`_copy_stream`), so they overlap the compute queued on the device.
+CUDA tensors are staged through host memory.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import threading
 from typing import Any
 
 import numpy as np
@@ -42,52 +40,19 @@ async def read_msg(reader: asyncio.StreamReader) -> dict[str, Any] | None:
     return wire.decode(await reader.readexactly(wire.frame_length(header)))
 
 
-_STREAMS: dict[Any, Any] = {}  # (device, thread) -> the CUDA stream staging copies use there
-
-
-def _copy_stream(device: torch.device) -> Any:
-    """A stream of the calling thread's own for staging copies. Not the default stream: a copy
-    queued there waits behind everything queued before it on the device (a prefill graph's later
-    layers, the decode node's running steps), so the layer-wise push would not overlap compute."""
-    key = (device, threading.get_ident())
-    if key not in _STREAMS:
-        _STREAMS[key] = torch.cuda.Stream(device)
-    return _STREAMS[key]
-
-
-def _bytes_of(t: torch.Tensor) -> memoryview:
-    array: Any = t.numpy()
+def _host_buffer(view: torch.Tensor) -> memoryview:
+    array: Any = view.cpu().numpy() if view.is_cuda else view.numpy()
     return memoryview(array)
 
 
-def _host_buffers(views: list[torch.Tensor]) -> list[memoryview]:
-    """The views' bytes on the host. CUDA views are gathered into one pinned buffer by copies on
-    this thread's staging stream, with one wait (the caller waited for the layer's event first)."""
-    if not views or not views[0].is_cuda:
-        return [_bytes_of(v) for v in views]
-    host = torch.empty(sum(v.numel() for v in views), dtype=torch.uint8, pin_memory=True)
-    stream, at = _copy_stream(views[0].device), 0
-    with torch.cuda.stream(stream):
-        for v in views:
-            host[at : at + v.numel()].view(v.shape).copy_(v, non_blocking=True)
-            at += v.numel()
-    stream.synchronize()
-    return [_bytes_of(host)]
-
-
 async def _read_into(reader: asyncio.StreamReader, views: list[torch.Tensor]) -> None:
-    if not views or not views[0].is_cuda:
-        for view in views:
-            view.numpy()[:] = np.frombuffer(await reader.readexactly(view.numel()), np.uint8)
-        return
-    host = torch.empty(sum(v.numel() for v in views), dtype=torch.uint8, pin_memory=True)
-    host.numpy()[:] = np.frombuffer(await reader.readexactly(host.numel()), np.uint8)
-    stream, at = _copy_stream(views[0].device), 0
-    with torch.cuda.stream(stream):  # the decode node's queued steps are not waited for
-        for v in views:
-            v.copy_(host[at : at + v.numel()].view(v.shape), non_blocking=True)
-            at += v.numel()
-    stream.synchronize()  # in place before the run is acknowledged
+    for view in views:
+        data = await reader.readexactly(view.numel())
+        src = np.frombuffer(data, np.uint8)
+        if view.is_cuda:
+            view.copy_(torch.from_numpy(src.copy()))
+        else:
+            view.numpy()[:] = src
 
 
 async def _discard(reader: asyncio.StreamReader, nbytes: int) -> None:
@@ -110,8 +75,8 @@ class _Conn(Link):
         nbytes = sum(v.numel() for v in views)
         header = wire.make("data", rid=desc["rid"], layer=layer, run=run, nbytes=nbytes)
         self.writer.write(wire.frame(header))
-        for buf in _host_buffers(views):  # no await between writes: frames never interleave
-            self.writer.write(buf)
+        for view in views:  # no await between writes: frames never interleave
+            self.writer.write(_host_buffer(view))
         await self.writer.drain()
         return 1
 

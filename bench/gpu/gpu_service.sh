@@ -39,7 +39,7 @@ case $stage in
     rm -rf "$wheels"; ls -la .svc_parts; exit 0 ;;
   stash)
     mkdir -p $STASH && cp .svc_parts/part.* .svc_parts/sha256 $STASH/ && ls $STASH; exit 0 ;;
-  run|saturate|ttft|structured|procs)
+  run|saturate|ttft|structured|procs|install)
     need python3 "apt-get install python3 python3-pip"
     need nvidia-smi "the NVIDIA driver's utilities, nvidia-utils-VERSION, on a machine with an NVIDIA GPU"
     require_done
@@ -58,6 +58,7 @@ fi
 export PYTHONPATH=/tmp/svc/site:$PWD:/tmp/svc/m PATH=/tmp/svc/site/bin:$PATH RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
+[[ $stage == install ]] && { echo "installed under /tmp/svc (PYTHONPATH=/tmp/svc/site:\$PWD:/tmp/svc/m)"; exit 0; }
 if [[ $mode == fault ]]; then  # the decode actor killed once mid-run: migrated requests' tokens must equal
   # the single-process engine's on the same GPU (batch-invariant kernels: batching cannot change them)
   python3 -m deploy.cli bench chaos --model smollm2 --spec-tokens 3 --device cuda --deterministic \

@@ -1,6 +1,6 @@
-"""GPU only (skipped without CUDA): tcp moves CUDA KV blocks exactly, staging them through pinned
-host memory on the transport threads' own streams (kvtransfer/tcp.py), while other work is queued
-on the device's default stream."""
+"""GPU only (skipped without CUDA): tcp moves CUDA KV blocks exactly (staged through host memory,
+kvtransfer/tcp.py) while other work is queued on the device's default stream, each layer sent once
+an event recorded after its data has passed."""
 
 from __future__ import annotations
 
