@@ -36,7 +36,7 @@ from typing import Any
 
 from bench.serve_clients import measured_load
 from bench.serve_load import Item, Result
-from bench.serve_metrics import breakdown, scrape
+from bench.serve_metrics import breakdown, scrape, settle
 
 BUILTIN_PROMPTS = [
     "What is the capital of France?", "Write a haiku about the sea.", "Explain in one sentence what a GPU is.",
@@ -181,6 +181,7 @@ async def sweep(args: argparse.Namespace, items: list[Item], rates: list[float])
             results, wall, cpu = await measured_load(args, items, rate, bar)
             run = {**summarize(results, rate, wall, args), "cpu": cpu}
             run["server"] = breakdown(before, await asyncio.to_thread(scrape, args.base_url, key), run["completed"])
+            run["server"].update(await asyncio.to_thread(settle, args.base_url, before, key))
             runs.append(run)
     held = []  # rates, lowest first, up to the first that misses the p99 SLO
     for r in sorted(runs, key=lambda r: r["request_rate"]):

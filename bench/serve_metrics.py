@@ -12,11 +12,14 @@ metrics (another vendor's) gives an empty breakdown.
 from __future__ import annotations
 
 import re
+import time
 import urllib.request
 
 _LINE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[^}]*\})?\s+([-+0-9.eEinfNa]+)$")
 WANTED = ("pdserve:time_to_first_token_seconds_sum", "pdserve:time_to_first_token_seconds_count",
-          "pdserve:prefill_seconds", "pdserve:prefill_tokens", "pdserve:kv_transfer_seconds")
+          "pdserve:prefill_seconds", "pdserve:prefill_tokens", "pdserve:kv_transfer_seconds",
+          "pdserve:kv_blocks_used")
+SETTLE_S = 10.0  # how long after a run the nodes' used KV blocks may take to come back (status polls)
 
 
 def scrape(base_url: str | None, api_key: str | None = None) -> dict[str, float]:
@@ -59,3 +62,19 @@ def breakdown(before: dict[str, float], after: dict[str, float], completed: int)
     out["prefill_ms_per_request"] = round(1000 * delta("pdserve:prefill_seconds") / completed, 2)
     out["kv_transfer_ms_per_request"] = round(1000 * delta("pdserve:kv_transfer_seconds") / completed, 2)
     return out
+
+
+def settle(base_url: str | None, before: dict[str, float], api_key: str | None = None) -> dict[str, float]:
+    """The nodes' KV blocks in use before a run and once it is over: scrapes until they are back to
+    the run's start (the router's view of a node is its last status poll) or SETTLE_S passes. A
+    difference left is blocks the run's requests still hold: a leak (issue 27's check)."""
+    if not before or "pdserve:kv_blocks_used" not in before:
+        return {}
+    deadline, after = time.monotonic() + SETTLE_S, before
+    while True:
+        after = scrape(base_url, api_key) or after
+        if after.get("pdserve:kv_blocks_used", 0.0) <= before["pdserve:kv_blocks_used"] or time.monotonic() > deadline:
+            break
+        time.sleep(0.25)
+    return {"kv_blocks_used_before": before["pdserve:kv_blocks_used"],
+            "kv_blocks_used_after": after.get("pdserve:kv_blocks_used", 0.0)}

@@ -37,6 +37,7 @@ async def test_bench_serve_grpc_and_http_sweep(tmp_path):
                 assert len(run["samples"]["itl_ms"]) == sum(i.output_len for i in items) - 12
                 if "base_url" in target:  # the router's own TTFT lies inside the client's, request by request
                     assert 0 < run["server"]["router_ttft_mean_ms"] <= run["ttft"]["mean_ms"]
+                    assert run["server"]["kv_blocks_used_after"] == run["server"]["kv_blocks_used_before"]
                 else:
                     assert run["server"] == {}
             serve.plot(report, tmp_path)
