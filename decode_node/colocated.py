@@ -94,7 +94,7 @@ class ColocatedNode(DecodeNode):
         chunks, reqs = self.prefill.schedule()
         start = time.perf_counter()
         try:
-            launched = self.prefill.launch(chunks, reqs)
+            launched = self.prefill.launch(chunks, reqs, inserted_late=True)
         except Exception as e:  # a failed step fails its requests; the node keeps serving
             self._prefill_failed(reqs, e, items)
             return None

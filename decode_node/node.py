@@ -134,7 +134,7 @@ class DecodeNode(StepLoop):
         self.runner, self.blocks, self.max_model_len = build_runner(loaded, config, tp=tp)
         self.warmup_s = 0.0  # start-up seconds spent capturing graphs before serving (engine/warmup.py)
         if config.warmup and (tp is None or tp.size == 1):  # TP ranks capture in lockstep: not warmed yet
-            self.warmup_s = warm_up(self.runner, decode=True, prefill=self.prefills, prefill_events=False,
+            self.warmup_s = warm_up(self.runner, decode=True, prefill=self.prefills,
                                     max_model_len=self.max_model_len).seconds
         self.prefix = prefix_cache_for(loaded, config, self.blocks)
         self.batch = DecodeBatch(self.runner, self.blocks, config.max_num_seqs)

@@ -73,16 +73,18 @@ class ChunkedPrefill:
         """Compute `chunks` and hand on the completed prompts at once (`launch` then `finish`)."""
         return self.finish(self.launch(chunks, reqs))
 
-    def launch(self, chunks: list[PrefillChunk], reqs: list[Request]) -> Launched:
+    def launch(self, chunks: list[PrefillChunk], reqs: list[Request], inserted_late: bool = False) -> Launched:
         """Queue the prefill of `chunks`, and the copies of what `finish` reads, without waiting.
         The caller may queue more work (a decode step) before `finish`: that wait is for the
-        prefill alone, not for what was queued after it."""
+        prefill alone, not for what was queued after it. `inserted_late`: the batch takes the
+        completed prompts after the next prefill step is queued (the colocated node), so their
+        device outputs are cloned first."""
         out = self.runner.prefill(chunks)
         for c, req in zip(chunks, reqs, strict=True):
             req.num_prefilled = c.end
             self.prefix.register(req.block_ids, req.block_hashes, c.end)
         add_prompt_logprobs(out, reqs)
-        return Launched(chunks, reqs, out, FirstTokenCopy.of(out) if out.last_rows else None)
+        return Launched(chunks, reqs, out, FirstTokenCopy.of(out, inserted_late) if out.last_rows else None)
 
     def finish(self, launched: Launched) -> list[RequestOutput]:
         """First tokens of the completed prompts (the prefill read point); their requests go into
@@ -120,9 +122,8 @@ class Launched:
 @dataclass
 class FirstTokenCopy:
     """A prefill step's first tokens and logprobs on their way to pinned host memory (one event
-    after them), and its device outputs the batch inserts, cloned: a prefill graph's outputs are
-    overwritten by its next replay, which may come before the insert (the colocated node's next
-    round)."""
+    after them), and the device outputs the batch inserts: cloned when the insert comes after the
+    next prefill step (a prefill graph's outputs are overwritten by its next replay)."""
 
     first_token: torch.Tensor  # device, [R]
     drafts: torch.Tensor | None
@@ -132,7 +133,7 @@ class FirstTokenCopy:
     done: Any  # a CUDA event after the copies; None on the CPU (the copies are done)
 
     @staticmethod
-    def of(out: PrefillOutput) -> FirstTokenCopy:
+    def of(out: PrefillOutput, clone_outputs: bool) -> FirstTokenCopy:
         def to_host(t: torch.Tensor) -> torch.Tensor:
             if t.device.type == "cpu":
                 return t.clone()
@@ -140,7 +141,7 @@ class FirstTokenCopy:
             return dst.copy_(t, non_blocking=True)
 
         def clone(t: torch.Tensor | None) -> torch.Tensor | None:
-            return None if t is None else t.clone()
+            return t.clone() if t is not None and clone_outputs else t
 
         lp = LogprobsTensors(*(to_host(t) for t in astuple_lp(out.logprobs))) if out.logprobs is not None else None
         host_first = to_host(out.first_token)
@@ -148,7 +149,8 @@ class FirstTokenCopy:
         if out.first_token.device.type == "cuda":
             done = torch.cuda.Event()
             done.record()
-        return FirstTokenCopy(out.first_token.clone(), clone(out.drafts), clone(out.draft_probs), host_first, lp, done)
+        first = out.first_token.clone() if clone_outputs else out.first_token
+        return FirstTokenCopy(first, clone(out.drafts), clone(out.draft_probs), host_first, lp, done)
 
     def read(self) -> tuple[list[int], LogprobsTensors | None]:
         if self.done is not None:

@@ -26,8 +26,7 @@ def chunks_for_key(key: PrefillKey, token_buckets: list[int], row_buckets: list[
     logprobs and freshness; None when no such step fits `max_model_len`. The first chunk is the
     longest, the others share the rest of the fewest tokens the bucket allows."""
     params = SamplingParams(temperature=0.0 if key.all_greedy else 1.0, top_k=20 if key.needs_filter else 0,
-                            max_tokens=1)
-    logprobs = None if key.top_logprobs is None else 0
+                            max_tokens=1, logprobs=None if key.top_logprobs is None else 0)
     past = 0 if key.fresh else 1  # a token before each chunk: its key is not fresh
     tokens = _counts_in_bucket(key.tokens, token_buckets)
     for rows in _counts_in_bucket(key.rows, row_buckets):
@@ -36,7 +35,7 @@ def chunks_for_key(key: PrefillKey, token_buckets: list[int], row_buckets: list[
             if longest + past > max_model_len or low > min(tokens[0], longest * rows):
                 continue
             lengths = _split(low, rows, longest)
-            return [PrefillChunk([0] * (past + n), past, past + n, [], _with_logprobs(params, logprobs), 0)
+            return [PrefillChunk([0] * (past + n), past, past + n, [], params, 0)
                     for n in lengths]
     return None
 
@@ -54,6 +53,3 @@ def _split(total: int, rows: int, longest: int) -> list[int]:
     rest, others = total - longest, rows - 1
     return [longest, *[rest // others + (1 if i < rest % others else 0) for i in range(others)]] if others else [longest]
 
-
-def _with_logprobs(params: SamplingParams, logprobs: int | None) -> SamplingParams:
-    return SamplingParams(temperature=params.temperature, top_k=params.top_k, max_tokens=1, logprobs=logprobs)

@@ -69,11 +69,11 @@ class PrefillGraphs:
         self.token_buckets = pow2_buckets(MIN_TOKENS, max(max_tokens, MIN_TOKENS))
         self.row_buckets = pow2_buckets(1, max(max_rows, 1))
         self.inputs: dict[tuple[int, int], PrefillInputs] = {}
-        self.graphs: dict[tuple[PrefillKey, bool], tuple[torch.cuda.CUDAGraph, PrefillResult, list[Any]]] = {}
+        self.graphs: dict[PrefillKey, tuple[torch.cuda.CUDAGraph, PrefillResult, list[Any]]] = {}
         self.pool: Any = None
         self.defer = False  # a new key runs eagerly and waits in `pending` for `capture_deferred` (nodes)
-        self.pending: list[tuple[PrefillKey, bool]] = []
-        self._eager_runs: dict[tuple[PrefillKey, bool], int] = {}  # deferred keys' eager steps so far
+        self.pending: list[PrefillKey] = []
+        self._eager_runs: dict[PrefillKey, int] = {}  # deferred keys' eager steps so far
 
     def fits(self, num_tokens: int, num_rows: int) -> bool:
         return num_tokens <= self.token_buckets[-1] and num_rows <= self.row_buckets[-1]
@@ -100,20 +100,19 @@ class PrefillGraphs:
         # sender that waited on layer i's event could read layer i before this replay wrote it (wrong
         # tokens through the GPU service, 2026-11-26). A listener gets every layer once the replay is
         # queued, and its sender waits for an event recorded after the replay.
-        wanted = False
-        if (key, wanted) not in self.graphs:
-            if self.defer and self._eager_runs.get((key, wanted), 0) < EAGER_RUNS_BEFORE_CAPTURE:
+        if key not in self.graphs:
+            if self.defer and self._eager_runs.get(key, 0) < EAGER_RUNS_BEFORE_CAPTURE:
                 # off the request's path: eager now (no capture's ~100 ms), captured when the node idles,
                 # or here once the key came back often enough to pay for its capture (a busy node never idles)
-                self._eager_runs[(key, wanted)] = self._eager_runs.get((key, wanted), 0) + 1
-                if (key, wanted) not in self.pending:
-                    self.pending.append((key, wanted))
+                self._eager_runs[key] = self._eager_runs.get(key, 0) + 1
+                if key not in self.pending:
+                    self.pending.append(key)
                 hook = (lambda i: on_layer(i, None)) if on_layer is not None else None
                 return prefill_forward(self.runner, inp, key, hook)
-            if (key, wanted) in self.pending:
-                self.pending.remove((key, wanted))
-            self._capture(key, inp, wanted)
-        graph, out, _ = self.graphs[(key, wanted)]
+            if key in self.pending:
+                self.pending.remove(key)
+            self._capture(key, inp)
+        graph, out, _ = self.graphs[key]
         graph.replay()
         if on_layer is not None:
             for layer in range(self.runner.num_target_layers):
@@ -125,8 +124,8 @@ class PrefillGraphs:
         block (engine/dummy_prompts.py); False when none is pending. Only between steps: the
         capture overwrites the inputs' buffers."""
         while self.pending:
-            key, wanted = self.pending.pop(0)
-            if (key, wanted) in self.graphs:
+            key = self.pending.pop(0)
+            if key in self.graphs:
                 continue
             chunks = chunks_for_key(key, self.token_buckets, self.row_buckets, max_model_len)
             if chunks is None or self.key(chunks) != key:
@@ -134,7 +133,7 @@ class PrefillGraphs:
                 continue
             inp = self._inputs(key)
             inp.fill_no_sync(chunks)
-            self._capture(key, inp, wanted)
+            self._capture(key, inp)
             return True
         return False
 
@@ -145,7 +144,9 @@ class PrefillGraphs:
             self.inputs[(key.tokens, key.rows)] = inp
         return inp
 
-    def _capture(self, key: PrefillKey, inp: PrefillInputs, with_events: bool) -> None:
+    def _capture(self, key: PrefillKey, inp: PrefillInputs, with_events: bool = False) -> None:
+        """Capture `key`'s graph over `inp`. `with_events` records an external event per layer
+        (bench/gpu/prefill_launch.py measures what they cost; nothing serving waits on them)."""
         r = self.runner
         side = torch.cuda.Stream(r.device)
         side.wait_stream(torch.cuda.current_stream(r.device))
@@ -157,4 +158,4 @@ class PrefillGraphs:
         with torch.no_grad(), torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
             out = prefill_forward(r, inp, key, on_layer=(lambda i: events[i].record()) if with_events else None)
         self.pool = graph.pool()
-        self.graphs[(key, with_events)] = (graph, out, events)
+        self.graphs[key] = (graph, out, events)

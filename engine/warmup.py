@@ -46,15 +46,14 @@ class WarmupReport:
     seconds: float = 0.0
 
 
-def warm_up(runner, *, decode: bool, prefill: bool, prefill_events: bool, max_model_len: int) -> WarmupReport:
+def warm_up(runner, *, decode: bool, prefill: bool, max_model_len: int) -> WarmupReport:
     """Capture the node's graphs (module docstring): `decode` for a node that decodes, `prefill`
-    for one that prefills (`prefill_events`: the prefill node, whose steps record per-layer events
-    for its layer-wise KV push). Nothing to do without CUDA graphs."""
+    for one that prefills. Nothing to do without CUDA graphs."""
     t0, report = time.perf_counter(), WarmupReport()
     if decode and runner.graphs is not None:
         report.decode_graphs = _warm_decode(runner.graphs)
     if prefill and runner.prefill_graphs is not None:
-        report.prefill_graphs = _warm_prefill(runner.prefill_graphs, prefill_events, max_model_len)
+        report.prefill_graphs = _warm_prefill(runner.prefill_graphs, max_model_len)
         runner.prefill_graphs.defer = True  # from now on a new key runs eagerly; `capture_deferred` when idle
     report.seconds = time.perf_counter() - t0
     if report.decode_graphs or report.prefill_graphs:
@@ -74,24 +73,23 @@ def _warm_decode(graphs) -> int:
     return len(graphs.graphs) - before
 
 
-def _warm_prefill(graphs: PrefillGraphs, events: bool, max_model_len: int) -> int:
+def _warm_prefill(graphs: PrefillGraphs, max_model_len: int) -> int:
     before = len(graphs.graphs)
-    on_layer = (lambda layer, ready: None) if events else None
     for tokens in graphs.token_buckets:
         rows = rows_for(tokens, graphs.row_buckets, max_model_len)
         if rows is None:
             continue
         for params, lp in VARIANTS:
-            graphs.run(dummy_chunks(tokens, rows, params, lp), on_layer)
+            graphs.run(dummy_chunks(tokens, rows, params, lp))
     if len(graphs.row_buckets) > 1:  # two prompts in one step (a prefill node at a few requests/s)
         for tokens in graphs.token_buckets[1:]:
             if tokens // 2 <= max_model_len:
                 for params, lp in ((GREEDY, 0), (SAMPLED, None)):
-                    graphs.run(dummy_chunks(tokens, 2, params, lp), on_layer)
+                    graphs.run(dummy_chunks(tokens, 2, params, lp))
     tokens = graphs.token_buckets[-1]
     for rows in graphs.row_buckets:
         if tokens >= rows and (tokens // rows) <= max_model_len:
-            graphs.run(dummy_chunks(tokens, rows, GREEDY, 0), on_layer)
+            graphs.run(dummy_chunks(tokens, rows, GREEDY, 0))
     return len(graphs.graphs) - before
 
 

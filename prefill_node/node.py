@@ -88,7 +88,7 @@ class PrefillNode(StepLoop):
         self.runner, self.blocks, self.max_model_len = build_runner(loaded, config, decodes=False, tp=tp)
         self.warmup_s = 0.0  # start-up seconds spent capturing graphs before serving (engine/warmup.py)
         if config.warmup and (tp is None or tp.size == 1):  # TP ranks capture in lockstep: not warmed yet
-            self.warmup_s = warm_up(self.runner, decode=False, prefill=True, prefill_events=True,
+            self.warmup_s = warm_up(self.runner, decode=False, prefill=True,
                                     max_model_len=self.max_model_len).seconds
         self.prefix = prefix_cache_for(loaded, config, self.blocks)
         self.num_layers = loaded.model.config.num_hidden_layers

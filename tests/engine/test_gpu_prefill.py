@@ -127,7 +127,7 @@ def test_warmed_up_node_captures_nothing_for_single_prompts(k):
     from engine.warmup import warm_up
 
     eng = engine(k)
-    report = warm_up(eng.runner, decode=True, prefill=True, prefill_events=False, max_model_len=eng.max_model_len)
+    report = warm_up(eng.runner, decode=True, prefill=True, max_model_len=eng.max_model_len)
     assert report.decode_graphs > 0 and report.prefill_graphs > 0
     pg, dg = eng.runner.prefill_graphs, eng.runner.graphs
     captured = (len(pg.graphs), len(dg.graphs))
@@ -145,7 +145,7 @@ def test_after_warm_up_a_new_key_runs_eagerly_then_is_captured_when_idle():
     from engine.warmup import capture_deferred, warm_up
 
     eng = engine(3)
-    warm_up(eng.runner, decode=True, prefill=True, prefill_events=False, max_model_len=eng.max_model_len)
+    warm_up(eng.runner, decode=True, prefill=True, max_model_len=eng.max_model_len)
     pg = eng.runner.prefill_graphs
     captured = len(pg.graphs)
     params = SamplingParams(max_tokens=8, ignore_eos=True, temperature=0.7, top_k=5, seed=3)
@@ -164,7 +164,7 @@ def test_a_deferred_key_that_keeps_coming_is_captured_on_its_path():
     from engine.warmup import warm_up
 
     eng = engine(0)
-    warm_up(eng.runner, decode=True, prefill=True, prefill_events=False, max_model_len=eng.max_model_len)
+    warm_up(eng.runner, decode=True, prefill=True, max_model_len=eng.max_model_len)
     pg = eng.runner.prefill_graphs
     captured = len(pg.graphs)
     params = SamplingParams(max_tokens=2, ignore_eos=True, temperature=0.7, top_k=5, seed=3)

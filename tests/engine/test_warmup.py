@@ -83,5 +83,5 @@ def test_rows_fit_the_context():
 
 def test_nothing_to_warm_without_graphs(tiny):
     eng = LLMEngine(tiny, EngineConfig(num_speculative_tokens=2, device=DEVICE, enforce_eager=True))
-    report = warm_up(eng.runner, decode=True, prefill=True, prefill_events=False, max_model_len=eng.max_model_len)
+    report = warm_up(eng.runner, decode=True, prefill=True, max_model_len=eng.max_model_len)
     assert (report.decode_graphs, report.prefill_graphs) == (0, 0)
