@@ -30,6 +30,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 from collections.abc import Callable
+from contextlib import AbstractContextManager
 from typing import Any
 
 import torch
@@ -44,6 +45,7 @@ from engine.prefill_step import (
     key_for,
     prefill_forward,
 )
+from kernels._dispatch import batch_invariant
 
 log = logging.getLogger(__name__)
 
@@ -108,7 +110,8 @@ class PrefillGraphs:
                 if key not in self.pending:
                     self.pending.append(key)
                 hook = (lambda i: on_layer(i, None)) if on_layer is not None else None
-                return prefill_forward(self.runner, inp, key, hook)
+                with self._kernel_mode():
+                    return prefill_forward(self.runner, inp, key, hook)
             if key in self.pending:
                 self.pending.remove(key)
             self._capture(key, inp)
@@ -150,12 +153,20 @@ class PrefillGraphs:
         r = self.runner
         side = torch.cuda.Stream(r.device)
         side.wait_stream(torch.cuda.current_stream(r.device))
-        with torch.cuda.stream(side), torch.no_grad():
+        with torch.cuda.stream(side), torch.no_grad(), self._kernel_mode():
             prefill_forward(r, inp, key)  # warm-up: compiles kernels (the same writes the replay makes)
         torch.cuda.current_stream(r.device).wait_stream(side)
         events = [torch.cuda.Event(external=True) for _ in range(r.num_target_layers if with_events else 0)]
         graph = torch.cuda.CUDAGraph()
-        with torch.no_grad(), torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
+        with torch.no_grad(), torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"), \
+                self._kernel_mode():
             out = prefill_forward(r, inp, key, on_layer=(lambda i: events[i].record()) if with_events else None)
         self.pool = graph.pool()
         self.graphs[key] = (graph, out, events)
+
+    def _kernel_mode(self) -> AbstractContextManager[None]:
+        """The runner's kernel mode (batch-invariant with `--deterministic`). The runner's own
+        `prefill` sets it, but the warm-up and idle captures call in from outside: a graph they
+        captured without it ran the ordinary kernels, and a deterministic service's tokens left
+        the reference (2026-11-26; the mode is resolved at capture and baked into the graph)."""
+        return batch_invariant(getattr(self.runner, "deterministic", False))

@@ -69,7 +69,7 @@ def test_chunked_and_cached_prefixes_give_one_shot_tokens_through_graphs():
     cached = engine(3, enable_prefix_caching=True)
     cached.generate(prompts[:1], params)  # leaves the shared blocks cached
     assert [r.output_ids for r in cached.generate(prompts, params)] == one_shot
-    assert any(not key.fresh for key, _ in cached.runner.prefill_graphs.graphs), "a step ran after a cached prefix"
+    assert any(not key.fresh for key in cached.runner.prefill_graphs.graphs), "a step ran after a cached prefix"
 
 
 def test_a_replay_hands_every_layer_out_as_queued_in_order():
@@ -173,3 +173,47 @@ def test_a_deferred_key_that_keeps_coming_is_captured_on_its_path():
     runs.append(eng.generate([PROMPTS[1]], params)[0].output_ids)
     assert len(pg.graphs) == captured + 1 and not pg.pending
     assert all(r == runs[0] for r in runs)
+
+
+def test_deterministic_warm_up_and_idle_captures_take_the_batch_invariant_kernels(monkeypatch):
+    """The warm-up and `capture_deferred` call the graphs from outside the runner's `prefill`, which
+    sets the kernel mode: with `--deterministic` every prefill they capture must still run the
+    batch-invariant kernels (the mode is baked into the graph; without it a deterministic
+    service's tokens left the reference, 2026-11-26)."""
+    import engine.prefill_graphs as prefill_graphs
+    from engine.warmup import capture_deferred, warm_up
+    from kernels._dispatch import invariant
+
+    modes: list[bool] = []
+    original = prefill_graphs.prefill_forward
+
+    def recording(*args, **kw):
+        modes.append(invariant())
+        return original(*args, **kw)
+
+    monkeypatch.setattr(prefill_graphs, "prefill_forward", recording)
+    eng = engine(3, dtype="bfloat16", deterministic=True)
+    warm_up(eng.runner, decode=True, prefill=True, max_model_len=eng.max_model_len)
+    assert modes and all(modes)
+    params = SamplingParams(max_tokens=4, ignore_eos=True, temperature=0.7, top_k=5, seed=3)
+    eng.generate([PROMPTS[1]], params)  # a key the warm-up left out: eager, then pending
+    modes.clear()
+    assert capture_deferred(eng.runner, eng.max_model_len)
+    assert modes and all(modes)
+
+
+@pytest.mark.parametrize("k", [0, 3])
+def test_deterministic_resume_from_a_reprefill_gives_the_same_bits(k):
+    """A migrated request resumes by prefilling its prompt and the tokens it has: under
+    `--deterministic` (bf16) its next tokens and their logprobs' bits must be those of the request
+    that was never moved, which decoded those positions one step (or verify window) at a time."""
+    params = SamplingParams(max_tokens=40, ignore_eos=True, logprobs=1)
+    prompts = [list(range(7, 7 + n)) for n in (9, 30, 77)]
+    whole = engine(k, dtype="bfloat16", deterministic=True).generate(prompts, params)
+    cut = 17
+    resumed_prompts = [p + r.output_ids[:cut] for p, r in zip(prompts, whole, strict=True)]
+    rest = SamplingParams(max_tokens=40 - cut, ignore_eos=True, logprobs=1)
+    resumed = engine(k, dtype="bfloat16", deterministic=True).generate(resumed_prompts, rest)
+    for a, b in zip(whole, resumed, strict=True):
+        assert a.output_ids[cut:] == b.output_ids
+        assert [lp.logprob for lp in a.logprobs[cut:]] == [lp.logprob for lp in b.logprobs]

@@ -222,3 +222,32 @@ def test_public_entry_point_dispatches_on_device():
     batch = make_batch([17, 50], [1, 4], head_dim=16)
     expected = pa.paged_attention_triton if DEVICE == "cuda" else pa.paged_attention_ref
     assert torch.equal(batch.run(pa.paged_attention), batch.run(expected))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="MMA bits: needs CUDA")
+def test_invariant_mode_gives_a_query_the_same_bits_in_prefill_verify_and_decode():
+    """`--deterministic`: a query's output bits must not depend on the step that computes it (a
+    prefill chunk, a k+1 verify window, a decode step), or a request that migrates (its tokens
+    re-prefilled) leaves the tokens of one that did not. The kernel's tile shape then cannot
+    follow max_q (its M rows and warps changed the MMA, and the bits, between forms)."""
+    from kernels._dispatch import batch_invariant
+
+    n = 192
+    pre = make_batch([n], [n], group=3, num_kv_heads=3, head_dim=64, dtype=torch.bfloat16, seed=5)
+    positions = [0, 5, 63, 64, 130, n - 1]
+
+    def rows(q_len: int) -> Batch:
+        starts = [max(0, p - q_len + 1) for p in positions]
+        q = torch.cat([pre.q[s : p + 1] for s, p in zip(starts, positions, strict=True)])
+        lens = [p + 1 - s for s, p in zip(starts, positions, strict=True)]
+        return Batch(q, pre.kv_cache, pre.block_tables.expand(len(positions), -1).contiguous(),
+                     torch.tensor([p + 1 for p in positions], device=DEVICE),
+                     torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], device=DEVICE), q_len)
+
+    with batch_invariant():
+        whole = pre.run(pa.paged_attention_triton)[positions]
+        decode = rows(1).run(pa.paged_attention_triton)
+        verify = rows(4).run(pa.paged_attention_triton)
+    last = verify.view(-1, *verify.shape[1:])[torch.tensor(rows(4).query_start[1:].tolist()) - 1]
+    assert torch.equal(decode, whole), "decode and prefill bits differ"
+    assert torch.equal(last, whole), "verify and prefill bits differ"
