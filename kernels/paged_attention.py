@@ -41,7 +41,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels._dispatch import use_triton
+from kernels._dispatch import invariant, use_triton
 from kernels.pdl import pdl_args, wait_for_previous
 
 HEAD_DIMS = (16, 32, 64, 128)
@@ -176,10 +176,13 @@ class _Tiles:
     num_warps: int
 
 
-def _tiles(max_q: int, group: int, head_dim: int, block_size: int) -> _Tiles:
+def _tiles(max_q: int, group: int, head_dim: int, block_size: int, same_for_any_q: bool = False) -> _Tiles:
     """Decode/verify (max_q * G <= 128) fit one query tile, M rounded up to a power of two so
-    few variants compile; prefill packs M = 128 rows (128 // G queries)."""
-    block_m = min(128, max(16, triton.next_power_of_2(max_q * group)))
+    few variants compile; prefill packs M = 128 rows (128 // G queries). `same_for_any_q` (the
+    batch-invariant mode): M = 128 whatever max_q, so a query's bits are the same in a decode
+    step, a verify window and a prefill chunk (another M is another compiled kernel, whose fp32
+    sums may round differently; decode then computes masked rows, cheap next to its K/V reads)."""
+    block_m = 128 if same_for_any_q else min(128, max(16, triton.next_power_of_2(max_q * group)))
     block_q = max(1, block_m // group)
     block_n = max(block_size, 64)
     num_warps = 8 if block_m == 128 and head_dim >= 64 else 4
@@ -223,7 +226,7 @@ def paged_attention_triton(
     if rows == 0 or max_q == 0 or num_tokens == 0:
         return out
     group = num_q_heads // num_kv_heads
-    tiles = _tiles(max_q, group, head_dim, block_size)
+    tiles = _tiles(max_q, group, head_dim, block_size, same_for_any_q=invariant())
     dtype = _dot_dtype(q, kv_cache)
     if num_splits == 1:
         ws_acc = ws_max = ws_sum = out  # unused by the kernel
