@@ -5,7 +5,9 @@ what the service measured itself over it: the router's TTFT (`time_to_first_toke
 the request's arrival at the router to its first token going out), the prefill nodes' step time per
 completed request (`prefill_seconds`: the steps' host-measured time, the device's work included)
 and the KV transfer seconds per request (PD). Against the client's TTFT, these split the time into
-the HTTP/client side, the router and queues, and the prefill itself. A server without these
+the HTTP/client side, the router and queues, and the prefill itself; the router's reservation
+(Reserve on a decode node, Submit on a colocated one) and Prefill calls, as it timed them, split
+the router's part. A server without these
 metrics (another vendor's) gives an empty breakdown.
 """
 
@@ -18,7 +20,9 @@ import urllib.request
 _LINE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[^}]*\})?\s+([-+0-9.eEinfNa]+)$")
 WANTED = ("pdserve:time_to_first_token_seconds_sum", "pdserve:time_to_first_token_seconds_count",
           "pdserve:prefill_seconds", "pdserve:prefill_tokens", "pdserve:kv_transfer_seconds",
-          "pdserve:kv_blocks_used")
+          "pdserve:kv_blocks_used", "pdserve:request_reserve_time_seconds_sum",
+          "pdserve:request_reserve_time_seconds_count", "pdserve:request_prefill_time_seconds_sum",
+          "pdserve:request_prefill_time_seconds_count")
 SETTLE_S = 10.0  # how long after a run the nodes' used KV blocks may take to come back (status polls)
 
 
@@ -59,6 +63,10 @@ def breakdown(before: dict[str, float], after: dict[str, float], completed: int)
     n = delta("pdserve:time_to_first_token_seconds_count")
     if n > 0:
         out["router_ttft_mean_ms"] = round(1000 * delta("pdserve:time_to_first_token_seconds_sum") / n, 2)
+    for phase in ("reserve", "prefill"):  # the router's view of the placement calls, per attempt
+        calls = delta(f"pdserve:request_{phase}_time_seconds_count")
+        if calls > 0:
+            out[f"router_{phase}_call_mean_ms"] = round(1000 * delta(f"pdserve:request_{phase}_time_seconds_sum") / calls, 2)
     out["prefill_ms_per_request"] = round(1000 * delta("pdserve:prefill_seconds") / completed, 2)
     out["kv_transfer_ms_per_request"] = round(1000 * delta("pdserve:kv_transfer_seconds") / completed, 2)
     return out

@@ -45,6 +45,11 @@ class RouterMetrics:
         self.ttft = histogram("time_to_first_token_seconds", "Time to first token (router arrival to first token out)")
         self.itl = histogram("inter_token_latency_seconds", "Time between output tokens")
         self.e2e = histogram("e2e_request_latency_seconds", "End-to-end latency of finished requests")
+        # where a request's TTFT goes before its first token (each placement attempt observes once):
+        self.reserve_time = histogram("request_reserve_time_seconds", "The router's KV reservation on a decode "
+                                      "node (Reserve), or its submission to a colocated node (Submit), per attempt")
+        self.prefill_time = histogram("request_prefill_time_seconds", "A prefill node's Prefill call as the "
+                                      "router sees it, from the call to the first token's reply, per attempt")
         self.success = Counter("pdserve:request_success", "Finished requests by finish reason",
                                [*labels, "finished_reason"], registry=r)
         self.failure = Counter("pdserve:request_failure", "Requests ended by an error (gRPC code name)",

@@ -37,6 +37,7 @@ import gc
 import logging
 import os
 import random
+import time
 import uuid
 from collections import Counter
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
@@ -308,17 +309,23 @@ class Router:
         """Submit the whole request to a colocated node (policy order; all refuse -> the queue, as a
         decode reservation); every token comes on its output stream (`_stream` with no first token)."""
         st.attempt += 1
+        start = time.monotonic()
         await self._reserve(st, st.attempt, st.resume_prompt(), st.resume_sampling(), "colocated")
+        self.metrics.reserve_time.observe(time.monotonic() - start)
 
     async def _place(self, st: RequestState) -> FirstToken:
         tried: dict[str, str] = {}
         prompt, sampling = st.resume_prompt(), st.resume_sampling()
         for _ in range(self.config.prefill_retries + 1):
+            start = time.monotonic()
             decode, descriptor, prefill, work = await self._reserve_pair(st, prompt, sampling, tried)
+            reserved = time.monotonic()
+            self.metrics.reserve_time.observe(reserved - start)
             req = node_pb2.PrefillRequest(
                 request_id=st.node_rid, prompt_token_ids=prompt, sampling=sampling,
                 descriptor_msgpack=descriptor, decode_address=decode.address)
             payload = await self._prefill(st, prefill, work, req)
+            self.metrics.prefill_time.observe(time.monotonic() - reserved)
             if payload is not None:
                 return self._read_first(st, prefill, payload)
             tried[prefill.address] = prefill.last_error or "unavailable"

@@ -36,7 +36,10 @@ async def test_bench_serve_grpc_and_http_sweep(tmp_path):
                     assert run[key]["p50_ms"] <= run[key]["p90_ms"] <= run[key]["p99_ms"]
                 assert len(run["samples"]["itl_ms"]) == sum(i.output_len for i in items) - 12
                 if "base_url" in target:  # the router's own TTFT lies inside the client's, request by request
-                    assert 0 < run["server"]["router_ttft_mean_ms"] <= run["ttft"]["mean_ms"]
+                    server = run["server"]
+                    assert 0 < server["router_ttft_mean_ms"] <= run["ttft"]["mean_ms"]
+                    assert 0 < server["router_reserve_call_mean_ms"] + server["router_prefill_call_mean_ms"] \
+                        <= server["router_ttft_mean_ms"]  # one attempt per request; both before its first token
                     assert run["server"]["kv_blocks_used_after"] == run["server"]["kv_blocks_used_before"]
                 else:
                     assert run["server"] == {}

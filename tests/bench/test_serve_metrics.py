@@ -28,4 +28,7 @@ def test_breakdown_is_per_request_over_the_run():
     after["pdserve:prefill_seconds"] += 0.008
     got = breakdown(before, after, completed=4)
     assert got == {"router_ttft_mean_ms": 20.0, "prefill_ms_per_request": 2.0, "kv_transfer_ms_per_request": 0.0}
+    after["pdserve:request_reserve_time_seconds_sum"] = 0.006  # 5 reservations (one request moved once)
+    after["pdserve:request_reserve_time_seconds_count"] = 5
+    assert breakdown(before, after, completed=4)["router_reserve_call_mean_ms"] == 1.2
     assert breakdown({}, after, 4) == {} and breakdown(before, after, 0) == {}

@@ -306,6 +306,9 @@ def test_metrics_scrape_counts_add_up(service):
     assert delta("pdserve:time_to_first_token_seconds_count") == 5
     assert delta("pdserve:inter_token_latency_seconds_count") == tokens - 5
     assert delta("pdserve:e2e_request_latency_seconds_count") == 5
+    for phase in ("reserve", "prefill"):  # one placement each (no migration); inside their TTFTs
+        assert delta(f"pdserve:request_{phase}_time_seconds_count") == 5
+        assert 0 < delta(f"pdserve:request_{phase}_time_seconds_sum") < delta("pdserve:time_to_first_token_seconds_sum")
     nodes = {dict(ls)["node"] for (n, ls) in after if n == "pdserve:kv_blocks_free"}
     assert len(nodes) == sum(1 for key in svc.actors)
     assert total(after, "pdserve:kv_blocks_used") == 0
