@@ -19,6 +19,14 @@ is checked against the prompt (never past its full blocks before the last token,
 destination list must cover exactly the rest) before the transfer starts, and a job whose
 descriptor fails the check is refused. The prefill node never guesses what the decode node holds.
 
+The descriptor may also come after the job (`attach`): the router then reserves on the decode node
+while this node computes, and its first token does not wait for the reservation. A job without
+its descriptor computes as any other; its layers wait (with their CUDA events) and, once it is
+done, so does its first-token message to the decode node; `attach` starts the transfer and
+sends what waited. An attach that comes before its job waits for it (the two calls race through
+the server's threads). A job whose descriptor has not come within the KV timeout is dropped and
+its blocks freed.
+
 Source blocks stay leased until the decode node acknowledges, the job is aborted, or the
 lease expires; only then are they freed (a cached block stays cached, evictable). One thread (the loop) owns the scheduler, the
 runner and the block manager; other threads only enqueue (`submit`, `abort`).
@@ -61,8 +69,8 @@ class PrefillJob:
     params: SamplingParams
     seed: int
     stop_ids: tuple[int, ...]
-    descriptor: dict[str, Any]
-    decode_address: str
+    descriptor: dict[str, Any] | None  # None: it comes later (`PrefillNode.attach`)
+    decode_address: str  # "" until the descriptor comes
     future: concurrent.futures.Future = field(default_factory=concurrent.futures.Future)
     block_ids: list[int] = field(default_factory=list)
     block_hashes: list[bytes] = field(default_factory=list)  # prefix-cache keys of its full prompt blocks
@@ -70,6 +78,13 @@ class PrefillJob:
     skip: int = 0  # leading prompt blocks the decode node holds already: not sent
     aborted: str | None = None
     prompt_logprobs: list[TokenLogprob] | None = None  # asked: filled chunk by chunk
+    held_layers: list[tuple[int, Any]] = field(default_factory=list)  # (layer, ready) computed before the descriptor
+    held_first: FirstToken | None = None  # done before the descriptor: D's first-token message waits
+    attach_by: float = 0.0  # monotonic deadline for a job without its descriptor
+
+    @property
+    def attached(self) -> bool:
+        return self.descriptor is not None
 
     @property
     def remaining(self) -> int:
@@ -78,6 +93,7 @@ class PrefillJob:
 
 class PrefillNode(StepLoop):
     loop_name = "prefill-loop"
+    takes_attach = True  # a job may come without its descriptor (`attach`)
 
     def __init__(self, loaded: LoadedModel, config: EngineConfig, first_token_sink: FirstTokenSink,
                  kv_backend: str = "ucx", kv_timeout_s: float = 10.0, kv_options: dict | None = None,
@@ -109,6 +125,9 @@ class PrefillNode(StepLoop):
         self._inbox: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
         self.waiting: list[PrefillJob] = []
         self.leased: dict[str, list[int]] = {}  # request id -> source blocks under lease
+        self.kv_timeout_s = kv_timeout_s
+        self.detached: dict[str, PrefillJob] = {}  # done, their descriptor not come yet
+        self._early: dict[str, tuple[dict, str, concurrent.futures.Future, float]] = {}  # attaches before their job
         self.queued_tokens = 0
 
     # ---- any thread ------------------------------------------------------------------
@@ -125,12 +144,20 @@ class PrefillNode(StepLoop):
         self._inbox.put(("abort", (request_id, reason)))
         self.wake()
 
+    def attach(self, request_id: str, descriptor: dict[str, Any], decode_address: str) -> concurrent.futures.Future:
+        """The KV descriptor of a job submitted without one; the future ends (None) once the transfer
+        started, or with ValueError (a bad descriptor: the job fails) or KeyError (no such job)."""
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        self._inbox.put(("attach", (request_id, descriptor, decode_address, future)))
+        self.wake()
+        return future
+
     def status(self) -> dict[str, Any]:
         """Load, and cumulative counters for /metrics: kv_seconds sums, per transfer, the time from
         its last layer queued to the decode node's acknowledgement (what compute did not hide)."""
         return {"free_blocks": self.blocks.num_free, "total_blocks": self.blocks.capacity,
                 "running": len(self.waiting), "queued_tokens": self.queued_tokens, **self.counters,
-                **self.prefix.status()}
+                **self.prefix.status(), "takes_attach": self.takes_attach}
 
     def stop(self) -> None:
         self.stop_loop()
@@ -146,6 +173,7 @@ class PrefillNode(StepLoop):
         """One scheduling step; returns whether there was work. Only the loop calls it."""
         self._drain_inbox()
         self._free_released()
+        self._expire_unattached()
         jobs = self._admit_and_plan()
         if not jobs:
             return capture_deferred(self.runner, self.max_model_len)  # idle: a graph a step ran eagerly
@@ -177,8 +205,15 @@ class PrefillNode(StepLoop):
                 return
             if kind == "submit":
                 self._mark(item.request_id, "queued")
+                if not item.attached:
+                    item.attach_by = time.monotonic() + self.kv_timeout_s
                 self.waiting.append(item)
                 self.queued_tokens += len(item.prompt)
+                early = self._early.pop(item.request_id, None)
+                if early is not None:
+                    self._attach_now(item.request_id, *early[:3])
+            elif kind == "attach":
+                self._attach_now(*item)
             else:
                 self._abort_now(*item)
 
@@ -189,8 +224,13 @@ class PrefillNode(StepLoop):
                 self.queued_tokens -= j.remaining
                 self._fail(j, reason)
                 return
-        if request_id in self.leased:
+        if request_id in self.detached:
+            self._drop_detached(self.detached.pop(request_id))
+        elif request_id in self.leased:
             self.sender.abort(request_id, reason)
+        early = self._early.pop(request_id, None)
+        if early is not None:
+            early[2].set_exception(KeyError(f"{request_id}: aborted ({reason})"))
 
     def _admit_and_plan(self) -> list[tuple[PrefillJob, int]]:
         """FIFO under the token budget; a job gets its blocks (its cached prefix first) when it starts."""
@@ -216,14 +256,14 @@ class PrefillNode(StepLoop):
             job.block_hashes = self.prefix.hashes(job.prompt, job.params.prompt_logprobs is not None)
         if not self.prefix.fits(job.block_hashes, need):
             return False
-        try:
-            job.skip = self._decode_holds(job)
-            self.sender.start(job.request_id, job.descriptor)
-        except Exception as e:
-            self.waiting.remove(job)
-            self.queued_tokens -= job.remaining
-            job.future.set_exception(ValueError(f"bad KV descriptor: {e}"))
-            return True
+        if job.attached:
+            try:
+                self._start_transfer(job)
+            except Exception as e:
+                self.waiting.remove(job)
+                self.queued_tokens -= job.remaining
+                job.future.set_exception(ValueError(f"bad KV descriptor: {e}"))
+                return True
         got = self.prefix.allocate(job.prompt, job.block_hashes, need)
         assert got is not None  # checked above; nothing ran in between
         job.block_ids, job.num_prefilled = got
@@ -231,9 +271,16 @@ class PrefillNode(StepLoop):
         self.leased[job.request_id] = job.block_ids
         return True
 
+    def _start_transfer(self, job: PrefillJob) -> None:
+        """Check the job's descriptor and start its transfer (raises on a bad descriptor)."""
+        assert job.descriptor is not None
+        job.skip = self._decode_holds(job)
+        self.sender.start(job.request_id, job.descriptor)
+
     def _decode_holds(self, job: PrefillJob) -> int:
         """The descriptor's `skip` (prompt blocks the decode node holds), validated: at most the
         prompt's full blocks before its last token, and one destination per block after them."""
+        assert job.descriptor is not None
         skip, dst = job.descriptor.get("skip", 0), job.descriptor.get("blocks")
         full = (len(job.prompt) - 1) // self.blocks.block_size
         if type(skip) is not int or not 0 <= skip <= full:
@@ -249,8 +296,14 @@ class PrefillNode(StepLoop):
         if ready is None:
             ready = _event_after_queued_work(self.runner.device)
         for j in jobs:
-            nb = self.blocks.blocks_for(len(j.prompt))
-            self.sender.send_layer(j.request_id, layer, j.block_ids[j.skip : nb], ready=ready)
+            if j.attached:
+                self._send_layer(j, layer, ready)
+            else:
+                j.held_layers.append((layer, ready))
+
+    def _send_layer(self, job: PrefillJob, layer: int, ready: Any) -> None:
+        nb = self.blocks.blocks_for(len(job.prompt))
+        self.sender.send_layer(job.request_id, layer, job.block_ids[job.skip : nb], ready=ready)
 
     def _complete(self, jobs: list[PrefillJob], out: PrefillOutput, chunks: list[PrefillChunk]) -> None:
         if not jobs:
@@ -258,10 +311,10 @@ class PrefillNode(StepLoop):
         if self.k:
             self._push_layer(jobs, self.num_layers)  # the MTP layer, after the draft chain
         for j in jobs:
-            self.sender.finish(j.request_id)
-            self._sent_at[j.request_id] = time.monotonic()
-            self.counters["kv_bytes"] += (self.blocks.blocks_for(len(j.prompt)) - j.skip) * self._kv_block_bytes
-            self.counters["kv_skipped_bytes"] += j.skip * self._kv_block_bytes
+            if j.attached:
+                self._finish_transfer(j)
+            else:
+                self.detached[j.request_id] = j
             self.waiting.remove(j)
         firsts = out.first_token.tolist()  # the prefill read point
         for j in jobs:
@@ -274,7 +327,65 @@ class PrefillNode(StepLoop):
             msg = self._first_token(j, firsts[i], drafts[i], probs[i] if probs is not None else None, lps.get(i))
             self._mark(j.request_id, "first_sent")
             j.future.set_result(msg)  # the router streams the first token while D's copy is on its way:
-            self._first_sends.submit(self._send_first, j, msg)  # off this loop and the router's path
+            if j.attached:
+                self._first_sends.submit(self._send_first, j, msg)  # off this loop and the router's path
+            else:
+                j.held_first = msg
+
+    def _finish_transfer(self, job: PrefillJob) -> None:
+        """Every layer of `job` is queued: end its transfer and count its bytes."""
+        self.sender.finish(job.request_id)
+        self._sent_at[job.request_id] = time.monotonic()
+        self.counters["kv_bytes"] += (self.blocks.blocks_for(len(job.prompt)) - job.skip) * self._kv_block_bytes
+        self.counters["kv_skipped_bytes"] += job.skip * self._kv_block_bytes
+
+    def _attach_now(self, rid: str, descriptor: dict[str, Any], address: str,
+                    future: concurrent.futures.Future) -> None:
+        """The descriptor of a job submitted without one: start its transfer and send what waited."""
+        job = self.detached.get(rid) or next((j for j in self.waiting if j.request_id == rid), None)
+        if job is None:  # its Prefill call has not come through yet (or the job is gone: it expires)
+            self._early[rid] = (descriptor, address, future, time.monotonic() + self.kv_timeout_s)
+            return
+        if job.attached:
+            future.set_exception(ValueError(f"{rid}: its KV descriptor came already"))
+            return
+        job.descriptor, job.decode_address = descriptor, address
+        if job.block_ids:  # started: its blocks are there to send from
+            try:
+                self._start_transfer(job)
+            except Exception as e:
+                job.descriptor, job.decode_address = None, ""  # no transfer to abort: its blocks are freed
+                future.set_exception(ValueError(f"bad KV descriptor: {e}"))
+                self._abort_now(rid, f"bad KV descriptor: {e}")
+                return
+        for layer, ready in job.held_layers:
+            self._send_layer(job, layer, ready)
+        job.held_layers = []
+        if rid in self.detached:
+            del self.detached[rid]
+            self._finish_transfer(job)
+            assert job.held_first is not None
+            self._first_sends.submit(self._send_first, job, job.held_first)
+        future.set_result(None)
+
+    def _expire_unattached(self) -> None:
+        """Drop jobs whose descriptor did not come in time (their blocks freed), and early attaches
+        whose job never came."""
+        now = time.monotonic()
+        for rid, job in list(self.detached.items()):
+            if job.attach_by < now:
+                log.warning("%s: no KV descriptor came within %.0f s; dropped", rid, self.kv_timeout_s)
+                self._drop_detached(self.detached.pop(rid))
+        for job in [j for j in self.waiting if not j.attached and j.attach_by < now]:
+            self._fail(job, "no KV descriptor came in time")
+        for rid, (_, _, future, by) in list(self._early.items()):
+            if by < now:
+                del self._early[rid]
+                future.set_exception(KeyError(f"{rid}: no such prefill job"))
+
+    def _drop_detached(self, job: PrefillJob) -> None:
+        """A finished job whose transfer never started: its blocks go back now."""
+        self._release(job.request_id, False, time.monotonic())
 
     def _send_first(self, job: PrefillJob, msg: FirstToken) -> None:
         """The first-token message to the decode node (a sender thread). Undelivered, the transfer
@@ -305,8 +416,12 @@ class PrefillNode(StepLoop):
     def _fail(self, job: PrefillJob, reason: str) -> None:
         if job in self.waiting:
             self.waiting.remove(job)
+            self.queued_tokens -= job.remaining
         if job.request_id in self.leased:
-            self.sender.abort(job.request_id, reason)
+            if job.attached:
+                self.sender.abort(job.request_id, reason)
+            else:  # no transfer started: nothing will release its blocks but this
+                self._release(job.request_id, False, time.monotonic())
         if not job.future.done():
             job.future.set_exception(RuntimeError(reason))
 

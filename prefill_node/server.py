@@ -55,9 +55,10 @@ class PrefillServicer(node_pb2_grpc.PrefillControlServicer):
             if not prompt or any(not 0 <= t < vocab for t in prompt):
                 raise ValueError("prompt_token_ids must be non-empty ids inside the vocabulary")
             params, seed, stops = sampling_from_proto(request.sampling, vocab)
-            descriptor = msgpack.unpackb(request.descriptor_msgpack, raw=False)
-            if not isinstance(descriptor, dict) or not request.decode_address:
-                raise ValueError("a KV descriptor map and a decode_address are required")
+            later = not request.descriptor_msgpack and not request.decode_address  # from Attach
+            if later and not self.node.takes_attach:
+                raise ValueError("this prefill node (tensor parallel) needs the KV descriptor with the request")
+            descriptor = None if later else _descriptor(request.descriptor_msgpack, request.decode_address)
             job = PrefillJob(rid, prompt, params, seed, stops, descriptor, request.decode_address)
             future = self.node.submit(job)
         except (ValueError, msgpack.UnpackException) as e:
@@ -81,6 +82,24 @@ class PrefillServicer(node_pb2_grpc.PrefillControlServicer):
             context.abort(grpc.StatusCode.ABORTED, str(e))
         return node_pb2.Payload(msgpack=msg.pack())
 
+    def Attach(self, request, context):
+        try:
+            rid = check_request_id(request.request_id)
+            descriptor = _descriptor(request.descriptor_msgpack, request.decode_address)
+        except (ValueError, msgpack.UnpackException) as e:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        try:
+            remaining = context.time_remaining()
+            self.node.attach(rid, descriptor, request.decode_address).result(
+                timeout=remaining if remaining is not None and remaining < 1e6 else None)
+        except KeyError as e:
+            context.abort(grpc.StatusCode.NOT_FOUND, str(e))
+        except ValueError as e:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        except futures.TimeoutError:
+            context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, "the prefill node did not take the descriptor in time")
+        return node_pb2.Ack(ok=True)
+
     def Abort(self, request, context):
         self.node.abort(request.request_id, request.reason or "aborted by router")
         return node_pb2.Ack(ok=True)
@@ -89,6 +108,15 @@ class PrefillServicer(node_pb2_grpc.PrefillControlServicer):
         s = self.node.status()
         return node_pb2.NodeStatus(node_id=self.node_id, kind="prefill", healthy=True,
                                    num_speculative_tokens=self.node.k, **s)
+
+
+def _descriptor(data: bytes, decode_address: str) -> dict[str, Any]:
+    """A KV descriptor map and the decode node it belongs to, both required (checked further by
+    the node and its KV sender)."""
+    descriptor = msgpack.unpackb(data, raw=False)
+    if not isinstance(descriptor, dict) or not decode_address:
+        raise ValueError("a KV descriptor map and a decode_address are required")
+    return descriptor
 
 
 def serve_prefill(node: PrefillNode, node_id: str, host: str = "127.0.0.1", port: int = 0,

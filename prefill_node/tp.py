@@ -27,6 +27,7 @@ from protos.messages import FirstToken
 
 
 class TPPrefillNode(Lockstep, PrefillNode):
+    takes_attach = False  # ranks replay the leader's commands: a job comes with its descriptor
     loop_name = "tp-prefill-loop"
 
     def __init__(self, loaded: LoadedModel, config: EngineConfig, first_token_sink: FirstTokenSink,
@@ -57,6 +58,7 @@ class TPPrefillNode(Lockstep, PrefillNode):
         for cmd in self.commands:
             if cmd[0] == "submit":
                 job = self._job(*cmd[1:])
+                assert job.descriptor is not None  # the server refuses a job without one here (takes_attach)
                 job.descriptor = rank_descriptor(job.descriptor, self.channel.rank, self.channel.size)
                 self._mark(job.request_id, "queued")
                 self.waiting.append(job)

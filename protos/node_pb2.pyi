@@ -83,6 +83,16 @@ class PrefillRequest(_message.Message):
     decode_address: str
     def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[Sampling, _Mapping]] = ..., descriptor_msgpack: _Optional[bytes] = ..., decode_address: _Optional[str] = ...) -> None: ...
 
+class AttachRequest(_message.Message):
+    __slots__ = ("request_id", "descriptor_msgpack", "decode_address")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    DESCRIPTOR_MSGPACK_FIELD_NUMBER: _ClassVar[int]
+    DECODE_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    descriptor_msgpack: bytes
+    decode_address: str
+    def __init__(self, request_id: _Optional[str] = ..., descriptor_msgpack: _Optional[bytes] = ..., decode_address: _Optional[str] = ...) -> None: ...
+
 class Payload(_message.Message):
     __slots__ = ("msgpack",)
     MSGPACK_FIELD_NUMBER: _ClassVar[int]
@@ -116,7 +126,7 @@ class StatusRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class NodeStatus(_message.Message):
-    __slots__ = ("node_id", "kind", "healthy", "free_blocks", "total_blocks", "running", "queued_tokens", "num_speculative_tokens", "prefill_tokens", "prefill_seconds", "kv_bytes", "kv_seconds", "draft_tokens", "accepted_per_pos", "prefix_requests", "prefix_hit_requests", "prefix_query_tokens", "prefix_hit_tokens", "cached_blocks", "evicted_blocks", "kv_skipped_bytes", "shared_blocks")
+    __slots__ = ("node_id", "kind", "healthy", "free_blocks", "total_blocks", "running", "queued_tokens", "num_speculative_tokens", "prefill_tokens", "prefill_seconds", "kv_bytes", "kv_seconds", "draft_tokens", "accepted_per_pos", "prefix_requests", "prefix_hit_requests", "prefix_query_tokens", "prefix_hit_tokens", "cached_blocks", "evicted_blocks", "kv_skipped_bytes", "shared_blocks", "takes_attach")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     KIND_FIELD_NUMBER: _ClassVar[int]
     HEALTHY_FIELD_NUMBER: _ClassVar[int]
@@ -139,6 +149,7 @@ class NodeStatus(_message.Message):
     EVICTED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     KV_SKIPPED_BYTES_FIELD_NUMBER: _ClassVar[int]
     SHARED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    TAKES_ATTACH_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     kind: str
     healthy: bool
@@ -161,4 +172,5 @@ class NodeStatus(_message.Message):
     evicted_blocks: int
     kv_skipped_bytes: int
     shared_blocks: int
-    def __init__(self, node_id: _Optional[str] = ..., kind: _Optional[str] = ..., healthy: _Optional[bool] = ..., free_blocks: _Optional[int] = ..., total_blocks: _Optional[int] = ..., running: _Optional[int] = ..., queued_tokens: _Optional[int] = ..., num_speculative_tokens: _Optional[int] = ..., prefill_tokens: _Optional[int] = ..., prefill_seconds: _Optional[float] = ..., kv_bytes: _Optional[int] = ..., kv_seconds: _Optional[float] = ..., draft_tokens: _Optional[_Iterable[int]] = ..., accepted_per_pos: _Optional[_Iterable[int]] = ..., prefix_requests: _Optional[int] = ..., prefix_hit_requests: _Optional[int] = ..., prefix_query_tokens: _Optional[int] = ..., prefix_hit_tokens: _Optional[int] = ..., cached_blocks: _Optional[int] = ..., evicted_blocks: _Optional[int] = ..., kv_skipped_bytes: _Optional[int] = ..., shared_blocks: _Optional[int] = ...) -> None: ...
+    takes_attach: bool
+    def __init__(self, node_id: _Optional[str] = ..., kind: _Optional[str] = ..., healthy: _Optional[bool] = ..., free_blocks: _Optional[int] = ..., total_blocks: _Optional[int] = ..., running: _Optional[int] = ..., queued_tokens: _Optional[int] = ..., num_speculative_tokens: _Optional[int] = ..., prefill_tokens: _Optional[int] = ..., prefill_seconds: _Optional[float] = ..., kv_bytes: _Optional[int] = ..., kv_seconds: _Optional[float] = ..., draft_tokens: _Optional[_Iterable[int]] = ..., accepted_per_pos: _Optional[_Iterable[int]] = ..., prefix_requests: _Optional[int] = ..., prefix_hit_requests: _Optional[int] = ..., prefix_query_tokens: _Optional[int] = ..., prefix_hit_tokens: _Optional[int] = ..., cached_blocks: _Optional[int] = ..., evicted_blocks: _Optional[int] = ..., kv_skipped_bytes: _Optional[int] = ..., shared_blocks: _Optional[int] = ..., takes_attach: _Optional[bool] = ...) -> None: ...

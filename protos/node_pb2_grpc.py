@@ -286,6 +286,11 @@ class PrefillControlStub:
                 request_serializer=protos_dot_node__pb2.PrefillRequest.SerializeToString,
                 response_deserializer=protos_dot_node__pb2.Payload.FromString,
                 _registered_method=True)
+        self.Attach = channel.unary_unary(
+                '/pdserve.node.v1.PrefillControl/Attach',
+                request_serializer=protos_dot_node__pb2.AttachRequest.SerializeToString,
+                response_deserializer=protos_dot_node__pb2.Ack.FromString,
+                _registered_method=True)
         self.Abort = channel.unary_unary(
                 '/pdserve.node.v1.PrefillControl/Abort',
                 request_serializer=protos_dot_node__pb2.AbortRequest.SerializeToString,
@@ -303,7 +308,16 @@ class PrefillControlServicer:
 
     def Prefill(self, request, context):
         """Prefill a prompt, push its KV to the decode node named in the request, send the
-        first-token message there, and answer with the same first-token message.
+        first-token message there, and answer with the same first-token message. A request with
+        neither descriptor nor decode address gets them from Attach (the router reserves on the
+        decode node meanwhile): its KV and D's first-token message wait for it, its answer does not.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Attach(self, request, context):
+        """The descriptor and decode node of a Prefill call made without them.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -328,6 +342,11 @@ def add_PrefillControlServicer_to_server(servicer, server):
                     servicer.Prefill,
                     request_deserializer=protos_dot_node__pb2.PrefillRequest.FromString,
                     response_serializer=protos_dot_node__pb2.Payload.SerializeToString,
+            ),
+            'Attach': grpc.unary_unary_rpc_method_handler(
+                    servicer.Attach,
+                    request_deserializer=protos_dot_node__pb2.AttachRequest.FromString,
+                    response_serializer=protos_dot_node__pb2.Ack.SerializeToString,
             ),
             'Abort': grpc.unary_unary_rpc_method_handler(
                     servicer.Abort,
@@ -367,6 +386,33 @@ class PrefillControl:
             '/pdserve.node.v1.PrefillControl/Prefill',
             protos_dot_node__pb2.PrefillRequest.SerializeToString,
             protos_dot_node__pb2.Payload.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Attach(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdserve.node.v1.PrefillControl/Attach',
+            protos_dot_node__pb2.AttachRequest.SerializeToString,
+            protos_dot_node__pb2.Ack.FromString,
             options,
             channel_credentials,
             insecure,

@@ -317,23 +317,99 @@ class Router:
         tried: dict[str, str] = {}
         prompt, sampling = st.resume_prompt(), st.resume_sampling()
         for _ in range(self.config.prefill_retries + 1):
-            start = time.monotonic()
-            decode, descriptor, prefill, work = await self._reserve_pair(st, prompt, sampling, tried)
-            reserved = time.monotonic()
-            self.metrics.reserve_time.observe(reserved - start)
-            req = node_pb2.PrefillRequest(
-                request_id=st.node_rid, prompt_token_ids=prompt, sampling=sampling,
-                descriptor_msgpack=descriptor, decode_address=decode.address)
-            payload = await self._prefill(st, prefill, work, req)
-            self.metrics.prefill_time.observe(time.monotonic() - reserved)
+            placed = await self._place_overlapped(st, prompt, sampling, tried) if self._may_overlap(tried) else None
+            if placed is None or isinstance(placed, int):  # reserve first: others wait in the queue, or no
+                placed = await self._place_in_turn(st, prompt, sampling, tried, asked=placed)  # node admitted
+            prefill, payload = placed
             if payload is not None:
                 return self._read_first(st, prefill, payload)
             tried[prefill.address] = prefill.last_error or "unavailable"
             await self._abort_decode(st, "the prefill node failed; retrying elsewhere")
         raise RequestError("UNAVAILABLE", _no_prefill_message(tried))
 
+    def _may_overlap(self, tried: dict[str, str]) -> bool:
+        """Whether to reserve while the prefill node computes (`router.overlap_reserve`): not while
+        requests wait for a decode node (they go first), and only with a decode and a prefill node
+        to ask."""
+        return (self.config.overlap_reserve and not len(self._queue) and bool(self.pool.healthy("decode"))
+                and any(n.address not in tried for n in self.pool.healthy("prefill")))
+
+    async def _place_in_turn(self, st: RequestState, prompt: list[int], sampling: node_pb2.Sampling,
+                             tried: dict[str, str], asked: int | None = None) -> tuple[Node, node_pb2.Payload | None]:
+        """Reserve on a decode node (queueing if none admits), then prefill with its descriptor.
+        `asked`: every decode node refused at this queue epoch already (`_reserve`)."""
+        start = time.monotonic()
+        decode, descriptor, prefill, work = await self._reserve_pair(st, prompt, sampling, tried, asked)
+        reserved = time.monotonic()
+        self.metrics.reserve_time.observe(reserved - start)
+        req = node_pb2.PrefillRequest(
+            request_id=st.node_rid, prompt_token_ids=prompt, sampling=sampling,
+            descriptor_msgpack=descriptor, decode_address=decode.address)
+        self._hold_prefill(st, prefill, work)  # still held if the driver is cancelled: _release aborts P
+        payload = await self._await_prefill(st, prefill, prefill.stub.Prefill(req))
+        self.metrics.prefill_time.observe(time.monotonic() - reserved)
+        return prefill, payload
+
+    async def _place_overlapped(self, st: RequestState, prompt: list[int], sampling: node_pb2.Sampling,
+                                tried: dict[str, str]) -> tuple[Node, node_pb2.Payload | None] | int | None:
+        """Prefill without a descriptor while reserving on a decode node, then hand P the descriptor
+        (Attach). When no decode node admitted at once, P's job is given up and the answer is the
+        router queue's epoch before they were asked: the caller reserves first (queueing), without
+        asking them again unless capacity news came since; None when the prefill node takes no
+        Attach (tensor parallel): the caller reserves first. AttemptLost when P could not take the
+        descriptor."""
+        prefill, work = self._choose_prefill(prompt, exclude=tried)
+        if prefill.status is None or not prefill.status.takes_attach:  # a TP prefill node: reserve first
+            return None
+        st.attempt += 1
+        rid, start = f"{self.router_id}/{st.request_id}/{st.attempt}", time.monotonic()
+        self._hold_prefill(st, prefill, work)
+        call = asyncio.ensure_future(prefill.stub.Prefill(node_pb2.PrefillRequest(
+            request_id=rid, prompt_token_ids=prompt, sampling=sampling)))
+        reserve = node_pb2.ReserveRequest(request_id=rid, prompt_len=len(prompt), sampling=sampling,
+                                          prompt_token_ids=prompt)
+        seen = self._queue.epoch
+        try:
+            found = await self._try_reserve(st, reserve, "decode")
+        except BaseException:
+            self._give_up_prefill(st, prefill, rid, call, "the reservation failed")
+            raise
+        if found is None:
+            self._give_up_prefill(st, prefill, rid, call, "no decode node admitted the request at once")
+            return seen
+        self.metrics.reserve_time.observe(time.monotonic() - start)
+        decode, descriptor = found
+        attach = asyncio.ensure_future(prefill.stub.Attach(node_pb2.AttachRequest(
+            request_id=rid, descriptor_msgpack=descriptor, decode_address=decode.address),
+            timeout=self.config.rpc_timeout_s))
+        try:
+            payload = await self._await_prefill(st, prefill, call)
+        except BaseException:
+            attach.cancel()
+            raise
+        self.metrics.prefill_time.observe(time.monotonic() - start)
+        if payload is not None:
+            await self._attached(prefill, attach)
+        else:
+            attach.cancel()
+        return prefill, payload
+
+    async def _attached(self, prefill: Node, attach: asyncio.Future) -> None:
+        """The Attach call's end; AttemptLost when P did not take the descriptor (its KV and first
+        token then never reach the decode node, whose reservation is given up by the migration)."""
+        try:
+            await attach
+        except grpc.aio.AioRpcError as e:
+            self.pool.rpc_failed(prefill, e, "Attach")
+            raise AttemptLost(f"prefill node {prefill.address} did not take the KV descriptor: {e.details()}") from None
+
+    def _give_up_prefill(self, st: RequestState, prefill: Node, rid: str, call: asyncio.Future, reason: str) -> None:
+        call.cancel()
+        self._drop_prefill(st)
+        self.pool.spawn(self._send_abort(prefill, rid, reason))
+
     async def _reserve_pair(self, st: RequestState, prompt: list[int], sampling: node_pb2.Sampling,
-                            tried: dict[str, str]) -> tuple[Node, bytes, Node, int]:
+                            tried: dict[str, str], asked: int | None = None) -> tuple[Node, bytes, Node, int]:
         """A decode reservation and the prefill node to fill it (with its work). When every prefill
         node went down while the reservation waited (node restarts), the reservation is given back
         and the request waits for one (`_await_node`, at most `node_wait_s` each time) rather than
@@ -342,7 +418,8 @@ class Router:
             if not await self._await_node("prefill", tried):
                 raise RequestError("UNAVAILABLE", _no_prefill_message(tried))  # before reserving
             st.attempt += 1
-            decode, descriptor = await self._reserve(st, st.attempt, prompt, sampling)
+            decode, descriptor = await self._reserve(st, st.attempt, prompt, sampling, asked=asked)
+            asked = None
             try:
                 prefill, work = self._choose_prefill(prompt, exclude=tried)
             except RequestError:
@@ -350,14 +427,12 @@ class Router:
                 continue
             return decode, descriptor, prefill, work
 
-    async def _prefill(self, st: RequestState, prefill: Node, work: int,
-                       req: node_pb2.PrefillRequest) -> node_pb2.Payload | None:
-        """The Prefill call; None when the prefill node is unavailable (try another). AttemptLost
-        when the decode node fails meanwhile (the call is cancelled and P told to drop it), or P
-        could not reach it (FAILED_PRECONDITION)."""
-        self._hold_prefill(st, prefill, work)  # still held if the driver is cancelled: _release aborts P
+    async def _await_prefill(self, st: RequestState, prefill: Node, call: Awaitable[Any]) -> node_pb2.Payload | None:
+        """The Prefill call's answer (the caller held the prefill node); None when the prefill node is
+        unavailable (try another). AttemptLost when the decode node fails meanwhile (the call is
+        cancelled and P told to drop it), or P could not reach it (FAILED_PRECONDITION)."""
         try:
-            payload: node_pb2.Payload = await self._unless_lost(st, prefill.stub.Prefill(req))
+            payload: node_pb2.Payload = await self._unless_lost(st, call)
         except AttemptLost:
             self._drop_prefill(st)
             self.pool.spawn(self._send_abort(prefill, st.node_rid, "the decode node was lost"))
@@ -381,11 +456,13 @@ class Router:
                 return node, self.policy.routed(node.address, prompt)
         raise RequestError("UNAVAILABLE", _no_prefill_message(exclude))
 
-    async def _reserve(self, st: RequestState, attempt: int, prompt: list[int],
-                       sampling: node_pb2.Sampling, kind: str = "decode") -> tuple[Node, bytes]:
+    async def _reserve(self, st: RequestState, attempt: int, prompt: list[int], sampling: node_pb2.Sampling,
+                       kind: str = "decode", asked: int | None = None) -> tuple[Node, bytes]:
         """Reserve on the first decode node (policy order) that admits, or submit to the first
-        colocated one (`kind`); queue when none does."""
-        wait, front = len(self._queue) > 0, False  # FIFO: do not pass those already waiting
+        colocated one (`kind`); queue when none does. `asked`: every node refused at this queue
+        epoch already; unless capacity news came since, the request queues without asking again."""
+        # FIFO: do not pass those already waiting
+        wait, front = len(self._queue) > 0 or (asked is not None and self._queue.epoch == asked), False
         req = node_pb2.ReserveRequest(request_id=f"{self.router_id}/{st.request_id}/{attempt}",
                                       prompt_len=len(prompt), sampling=sampling, prompt_token_ids=prompt)
         while True:

@@ -300,6 +300,11 @@ class FakePrefill(_Server, node_pb2_grpc.PrefillControlServicer):
         self.prompts: list[tuple[list[int], int]] = []  # per call: prompt ids, max_tokens
         self.aborts: list[str] = []
         self.active: set[str] = set()
+        self.deferred: list[str] = []  # Prefill calls made without a descriptor (it comes by Attach)
+        self.attaches: list[str] = []  # request ids whose descriptor came by Attach
+        self.refuse_attaches = 0  # the next this many Attach calls answer NOT_FOUND (D never hears)
+        self.takes_attach = True  # False: its Status says it needs the descriptor with the call (TP)
+        self._attached: dict[str, asyncio.Future[str | None]] = {}  # request id -> its decode address
         self._decode_stubs: dict[str, node_pb2_grpc.DecodeControlStub] = {}
         self._channels: list[grpc.aio.Channel] = []
 
@@ -327,11 +332,17 @@ class FakePrefill(_Server, node_pb2_grpc.PrefillControlServicer):
             if self.hold is not None:
                 await self.hold.wait()
             first = FirstToken(request.request_id, *self._first(request))
-            stub = self._decode_stubs.get(request.decode_address)
+            address = request.decode_address
+            if not address:  # the descriptor comes by Attach; unlike the real node, the answer waits for it
+                self.deferred.append(request.request_id)
+                address = await self._attach_future(request.request_id)
+                if address is None:  # the Attach was refused: answer, D never hears of it
+                    return node_pb2.Payload(msgpack=first.pack())
+            stub = self._decode_stubs.get(address)
             if stub is None:
-                channel = grpc.aio.insecure_channel(request.decode_address)
+                channel = grpc.aio.insecure_channel(address)
                 self._channels.append(channel)
-                stub = self._decode_stubs[request.decode_address] = node_pb2_grpc.DecodeControlStub(channel)
+                stub = self._decode_stubs[address] = node_pb2_grpc.DecodeControlStub(channel)
             await stub.FirstToken(node_pb2.Payload(msgpack=first.pack()))
             if self.fail_after_first_token:  # D already decodes; the router never hears back
                 if self.hold_failure is not None:
@@ -341,6 +352,23 @@ class FakePrefill(_Server, node_pb2_grpc.PrefillControlServicer):
         finally:
             self.active.discard(request.request_id)
             self.changed()
+
+    def _attach_future(self, rid: str) -> asyncio.Future[str | None]:
+        if rid not in self._attached:
+            self._attached[rid] = asyncio.get_running_loop().create_future()
+        return self._attached[rid]
+
+    async def Attach(self, request, context):  # noqa: N802
+        self.attaches.append(request.request_id)
+        future = self._attach_future(request.request_id)
+        refuse = self.refuse_attaches > 0
+        self.refuse_attaches -= refuse
+        if not future.done():
+            future.set_result(None if refuse else request.decode_address)
+        self.changed()
+        if refuse:
+            await context.abort(grpc.StatusCode.NOT_FOUND, f"{request.request_id}: no such prefill job (test)")
+        return node_pb2.Ack(ok=True)
 
     @staticmethod
     def _first(request) -> tuple:
@@ -353,6 +381,9 @@ class FakePrefill(_Server, node_pb2_grpc.PrefillControlServicer):
 
     async def Abort(self, request, context):  # noqa: N802
         self.aborts.append(request.request_id)
+        waiting = self._attached.get(request.request_id)
+        if waiting is not None and not waiting.done():  # its Prefill call waits for a descriptor: it ends
+            waiting.set_exception(RuntimeError(f"{request.request_id} aborted (test)"))
         self.changed()
         return node_pb2.Ack(ok=True)
 
@@ -360,4 +391,4 @@ class FakePrefill(_Server, node_pb2_grpc.PrefillControlServicer):
         if self.fail:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "down (test)")
         return node_pb2.NodeStatus(node_id=self.name, kind="prefill", healthy=True, running=len(self.active),
-                                   queued_tokens=self.queued_tokens)
+                                   takes_attach=self.takes_attach, queued_tokens=self.queued_tokens)

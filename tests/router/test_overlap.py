@@ -1,0 +1,60 @@
+"""PD placement that reserves on the decode node while the prefill node computes
+(`router.overlap_reserve`): the Prefill call carries no KV descriptor and an Attach call brings
+it; with no room on a decode node the prefill is given up and the request queues; a refused
+Attach moves the request. Against the scripted fake nodes."""
+
+from __future__ import annotations
+
+import asyncio
+
+from tests.router.conftest import cluster
+from tests.router.test_lifecycle import collect, text
+
+
+async def test_the_prefill_starts_without_a_descriptor_and_gets_it_by_attach():
+    async with cluster() as c:
+        p, d = c.prefill[0], c.decode[0]
+        msgs = await collect(c, prompt="ab", max_tokens=6)
+        assert text(msgs) == "chello" and msgs[-1].finished.reason == "length"
+        (rid,) = d.admitted
+        assert p.calls == p.deferred == p.attaches == d.first_tokens == [rid]
+        await c.settled()
+    async with cluster(overlap_reserve=False) as c:
+        msgs = await collect(c, prompt="ab", max_tokens=6)
+        assert text(msgs) == "chello"
+        assert c.prefill[0].calls and not c.prefill[0].deferred and not c.prefill[0].attaches
+        await c.settled()
+    async with cluster() as c:  # a prefill node whose Status says it takes no Attach (tensor parallel)
+        c.prefill[0].takes_attach = False
+        await c.router.refresh()
+        assert text(await collect(c, prompt="ab", max_tokens=6)) == "chello"
+        assert c.prefill[0].calls and not c.prefill[0].deferred
+        await c.settled()
+
+
+async def test_no_room_on_a_decode_node_gives_the_prefill_up_and_queues_without_asking_twice():
+    async with cluster(queue_size=4) as c:
+        p, d = c.prefill[0], c.decode[0]
+        d.refuse = True
+        waiting = asyncio.create_task(collect(c, prompt="ab", max_tokens=4))
+        await c.until(lambda: c.router.num_queued == 1)
+        assert len(d.reserves) == 1  # asked once, while P computed; then the queue
+        await p.until(lambda: p.aborts == p.deferred)  # the prefill without a reservation is given up
+        d.refuse = False
+        await c.router.refresh()
+        msgs = await asyncio.wait_for(waiting, 50)
+        assert text(msgs) == "chel" and msgs[-1].finished.reason == "length"
+        assert len(p.calls) == 2 and len(p.deferred) == 1 and not p.attaches  # the second came with its descriptor
+        await c.settled()
+
+
+async def test_a_refused_attach_moves_the_request():
+    async with cluster() as c:
+        p, d = c.prefill[0], c.decode[0]
+        p.refuse_attaches = 1
+        msgs = await collect(c, prompt="ab", max_tokens=5)
+        assert text(msgs) == "chell" and msgs[-1].finished.reason == "length"
+        first, second = p.attaches
+        assert first in d.aborts and d.first_tokens == [second]  # the first reservation went back
+        assert c.router.migrations == 1
+        await c.settled()
