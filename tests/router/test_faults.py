@@ -343,6 +343,7 @@ async def test_a_malformed_item_in_a_batch_moves_its_request_only():
         d0.resume()
         ends = [[ord("c")] + tokens(await read_to_end(s)) for s in streams]
         assert all(len(e) == 12 for e in ends) and c.router.migrations == 1
+        await d0.until(lambda: len(d0.aborts) == 1)  # spawned as the request moves
         assert len(d0.aborts) == 1 and len(d0.admitted) == 4  # the moved request's new attempt
         assert (await c.client.health()).decode_nodes == 1 and c.router.counts["finished:length"] == 3
         await c.settled()
@@ -360,6 +361,7 @@ async def test_a_malformed_item_without_migration_ends_its_request_only():
         ends = [await read_to_end(s) for s in streams]
         errors = [e[-1].error for e in ends if e[-1].HasField("error")]
         assert len(errors) == 1 and errors[0].code == "UNAVAILABLE" and "malformed output item" in errors[0].message
+        await d0.until(lambda: len(d0.aborts) == 1)  # spawned as the request ends: it may land after its stream
         assert c.router.counts["finished:length"] == 2 and len(d0.aborts) == 1
         assert (await c.client.health()).decode_nodes == 1
         await c.settled()
