@@ -83,6 +83,8 @@ class PrefillServicer(node_pb2_grpc.PrefillControlServicer):
         return node_pb2.Payload(msgpack=msg.pack())
 
     def Attach(self, request, context):
+        if not self.node.takes_attach:
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION, "this prefill node (tensor parallel) takes no Attach")
         try:
             rid = check_request_id(request.request_id)
             descriptor = _descriptor(request.descriptor_msgpack, request.decode_address)

@@ -389,18 +389,23 @@ class Router:
             raise
         self.metrics.prefill_time.observe(time.monotonic() - start)
         if payload is not None:
-            await self._attached(prefill, attach)
+            await self._attached(prefill, rid, attach)
         else:
             attach.cancel()
         return prefill, payload
 
-    async def _attached(self, prefill: Node, attach: asyncio.Future) -> None:
+    async def _attached(self, prefill: Node, rid: str, attach: asyncio.Future) -> None:
         """The Attach call's end; AttemptLost when P did not take the descriptor (its KV and first
-        token then never reach the decode node, whose reservation is given up by the migration)."""
+        token then never reach the decode node, whose reservation is given up by the migration).
+        Either way P is told to drop the job, which it would otherwise hold until the KV timeout."""
         try:
             await attach
+        except asyncio.CancelledError:
+            self.pool.spawn(self._send_abort(prefill, rid, "the request ended before its KV descriptor went out"))
+            raise
         except grpc.aio.AioRpcError as e:
             self.pool.rpc_failed(prefill, e, "Attach")
+            self.pool.spawn(self._send_abort(prefill, rid, "its KV descriptor was not taken"))
             raise AttemptLost(f"prefill node {prefill.address} did not take the KV descriptor: {e.details()}") from None
 
     def _give_up_prefill(self, st: RequestState, prefill: Node, rid: str, call: asyncio.Future, reason: str) -> None:
