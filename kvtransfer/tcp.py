@@ -108,6 +108,7 @@ class TcpReceiver(StreamingReceiver):
             self._protocol_error(link, exc)
             reason = f"connection closed after protocol error: {exc}"
             await _try_send(link, wire.make("error", reason=str(exc)[: wire.MAX_STR]))
+            await _linger(link)
         except (OSError, asyncio.IncompleteReadError) as exc:
             reason = f"sender connection lost: {exc!r}"
         finally:
@@ -128,6 +129,20 @@ class TcpReceiver(StreamingReceiver):
 
     async def _close_transport(self) -> None:
         self._server.close()
+
+
+async def _linger(link: _Conn, seconds: float = 1.0) -> None:
+    """After an error reply: end our side, then read and drop what the peer still sends, for at
+    most `seconds`. Closing with unread bytes makes the kernel reset the connection, and a reset
+    can reach the peer before the error reply it was sent (which it then never reads)."""
+    try:
+        if link.writer.can_write_eof():
+            link.writer.write_eof()
+        async with asyncio.timeout(seconds):
+            while await link.reader.read(1 << 16):
+                pass
+    except (TimeoutError, OSError):
+        pass
 
 
 async def _try_send(link: _Conn, msg: dict[str, Any]) -> None:
