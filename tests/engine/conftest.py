@@ -38,3 +38,21 @@ def smollm2_gguf() -> str:
     from engine.weights import smollm2_gguf_path
 
     return smollm2_gguf_path()
+
+
+@pytest.fixture
+def prefill_modes(monkeypatch) -> list[bool]:
+    """Whether each `prefill_forward` the prefill graphs make (eager steps, captures) ran in the
+    batch-invariant kernel mode, in call order."""
+    import engine.prefill_graphs as prefill_graphs
+    from kernels._dispatch import invariant
+
+    modes: list[bool] = []
+    original = prefill_graphs.prefill_forward
+
+    def recording(*args, **kw):
+        modes.append(invariant())
+        return original(*args, **kw)
+
+    monkeypatch.setattr(prefill_graphs, "prefill_forward", recording)
+    return modes

@@ -175,23 +175,14 @@ def test_a_deferred_key_that_keeps_coming_is_captured_on_its_path():
     assert all(r == runs[0] for r in runs)
 
 
-def test_deterministic_warm_up_and_idle_captures_take_the_batch_invariant_kernels(monkeypatch):
+def test_deterministic_warm_up_and_idle_captures_take_the_batch_invariant_kernels(prefill_modes):
     """The warm-up and `capture_deferred` call the graphs from outside the runner's `prefill`, which
     sets the kernel mode: with `--deterministic` every prefill they capture must still run the
     batch-invariant kernels (the mode is baked into the graph; without it a deterministic
     service's tokens left the reference, 2026-11-26)."""
-    import engine.prefill_graphs as prefill_graphs
     from engine.warmup import capture_deferred, warm_up
-    from kernels._dispatch import invariant
 
-    modes: list[bool] = []
-    original = prefill_graphs.prefill_forward
-
-    def recording(*args, **kw):
-        modes.append(invariant())
-        return original(*args, **kw)
-
-    monkeypatch.setattr(prefill_graphs, "prefill_forward", recording)
+    modes = prefill_modes
     eng = engine(3, dtype="bfloat16", deterministic=True)
     warm_up(eng.runner, decode=True, prefill=True, max_model_len=eng.max_model_len)
     assert modes and all(modes)

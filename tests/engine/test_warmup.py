@@ -87,21 +87,12 @@ def test_nothing_to_warm_without_graphs(tiny):
     assert (report.decode_graphs, report.prefill_graphs) == (0, 0)
 
 
-def test_a_deferred_eager_step_runs_in_the_runners_kernel_mode(tiny, monkeypatch):
+def test_a_deferred_eager_step_runs_in_the_runners_kernel_mode(tiny, prefill_modes):
     """`PrefillGraphs.run` may be called from outside the runner's `prefill` (the warm-up): its
     eager step (and its captures, tests/engine/test_gpu_prefill.py) still run batch-invariant
     kernels under `--deterministic`."""
-    import engine.prefill_graphs as prefill_graphs
     from kernels._dispatch import invariant
 
-    modes: list[bool] = []
-    original = prefill_graphs.prefill_forward
-
-    def recording(*args, **kw):
-        modes.append(invariant())
-        return original(*args, **kw)
-
-    monkeypatch.setattr(prefill_graphs, "prefill_forward", recording)
     for deterministic in (True, False):
         eng = LLMEngine(tiny, EngineConfig(device=DEVICE, enforce_eager=True, deterministic=deterministic))
         graphs = PrefillGraphs(eng.runner, 512, 8)
@@ -109,4 +100,4 @@ def test_a_deferred_eager_step_runs_in_the_runners_kernel_mode(tiny, monkeypatch
         assert not invariant()
         out = graphs.run(dummy_chunks(64, 2, GREEDY, None))
         assert out.first_token.shape == (2,) and graphs.pending
-    assert modes == [True, False]
+    assert prefill_modes == [True, False]
