@@ -169,4 +169,4 @@ class PrefillGraphs:
         `prefill` sets it, but the warm-up and idle captures call in from outside: a graph they
         captured without it ran the ordinary kernels, and a deterministic service's tokens left
         the reference (2026-11-26; the mode is resolved at capture and baked into the graph)."""
-        return batch_invariant(getattr(self.runner, "deterministic", False))
+        return batch_invariant(self.runner.deterministic)

@@ -68,6 +68,7 @@ class PrefillRunner(Protocol):
     num_target_layers: int
     max_blocks: int
     device: torch.device
+    deterministic: bool  # batch-invariant kernels (`kernels._dispatch.batch_invariant`)
 
     def draft_chain(self, h: torch.Tensor, base: torch.Tensor, st: SamplingTensors, tables: torch.Tensor,
                     masked: Any, num_kv_blocks: int) -> tuple[torch.Tensor, torch.Tensor | None]: ...

@@ -318,8 +318,8 @@ class Router:
         prompt, sampling = st.resume_prompt(), st.resume_sampling()
         for _ in range(self.config.prefill_retries + 1):
             placed = await self._place_overlapped(st, prompt, sampling, tried) if self._may_overlap(tried) else None
-            if placed is None or isinstance(placed, int):  # reserve first: others wait in the queue, or no
-                placed = await self._place_in_turn(st, prompt, sampling, tried, asked=placed)  # node admitted
+            if not isinstance(placed, tuple):  # reserve first: others wait in the queue, no node admitted,
+                placed = await self._place_in_turn(st, prompt, sampling, tried, asked=placed)  # or a TP P
             prefill, payload = placed
             if payload is not None:
                 return self._read_first(st, prefill, payload)
@@ -362,12 +362,11 @@ class Router:
         if prefill.status is None or not prefill.status.takes_attach:  # a TP prefill node: reserve first
             return None
         st.attempt += 1
-        rid, start = f"{self.router_id}/{st.request_id}/{st.attempt}", time.monotonic()
+        reserve, start = self._reserve_request(st, st.attempt, prompt, sampling), time.monotonic()
+        rid = reserve.request_id
         self._hold_prefill(st, prefill, work)
         call = asyncio.ensure_future(prefill.stub.Prefill(node_pb2.PrefillRequest(
             request_id=rid, prompt_token_ids=prompt, sampling=sampling)))
-        reserve = node_pb2.ReserveRequest(request_id=rid, prompt_len=len(prompt), sampling=sampling,
-                                          prompt_token_ids=prompt)
         seen = self._queue.epoch
         try:
             found = await self._try_reserve(st, reserve, "decode")
@@ -468,8 +467,7 @@ class Router:
         epoch already; unless capacity news came since, the request queues without asking again."""
         # FIFO: do not pass those already waiting
         wait, front = len(self._queue) > 0 or (asked is not None and self._queue.epoch == asked), False
-        req = node_pb2.ReserveRequest(request_id=f"{self.router_id}/{st.request_id}/{attempt}",
-                                      prompt_len=len(prompt), sampling=sampling, prompt_token_ids=prompt)
+        req = self._reserve_request(st, attempt, prompt, sampling)
         while True:
             if not wait:
                 seen = self._queue.epoch
@@ -485,6 +483,12 @@ class Router:
                 raise RequestError("RESOURCE_EXHAUSTED", f"no {kind} node can admit the request now and the "
                                    f"router's queue ({self._queue.size}) is full")
             front = True
+
+    def _reserve_request(self, st: RequestState, attempt: int, prompt: list[int],
+                         sampling: node_pb2.Sampling) -> node_pb2.ReserveRequest:
+        """The Reserve (or Submit) of an attempt; its id is the one P and D know the attempt by."""
+        return node_pb2.ReserveRequest(request_id=f"{self.router_id}/{st.request_id}/{attempt}",
+                                       prompt_len=len(prompt), sampling=sampling, prompt_token_ids=prompt)
 
     async def _await_node(self, kind: str, exclude: dict[str, str] | None = None) -> bool:
         """Whether a healthy `kind` node (not in `exclude`) is there, waiting up to
