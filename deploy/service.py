@@ -3,8 +3,10 @@
 Starts Ray (a local cluster, or joins `cluster.address`), creates the node actors (each
 restarts forever on death, placed only on Ray nodes offering the section's `resources`) and
 the router actor, all named `pdserve-...` in the namespace (`pdserve status` finds them),
-then watches: every `status_interval_s` it asks each node actor for its address; a node that does not answer is taken out of the
-router's directory, and one that answers again (restarted: a new port) is put back. A node of
+then watches: every `status_interval_s` it asks each node actor for its address; a node whose
+actor is gone, or that has not answered for SLOW_GRACE_S (alive but slow, as on a loaded host, it
+keeps its place until then), is taken out of the router's directory, and one that answers again
+(restarted: a new port) is put back. A node of
 TP size N > 1 is a placement group of N rank actors (deploy/tp_group.py): it answers when all
 its ranks do, and a rank's death restarts the whole group.
 
@@ -33,6 +35,7 @@ from deploy.tp_group import TPNodeGroup
 
 ROLES = ("prefill", "decode", "colocated")
 ACTOR_PREFIX = "pdserve-"  # actors are named pdserve-router, pdserve-prefill-0, ... in the namespace
+SLOW_GRACE_S = 5.0  # how long a node actor that answers too slowly keeps its place in the directory
 log = logging.getLogger(__name__)
 
 
@@ -78,6 +81,7 @@ class Service:
         node_tls(self.cfg)  # node TLS files checked here first: a clear error before any actor starts
         self.actors: dict[tuple[str, int], Any] = {}
         self.addresses: dict[tuple[str, int], str | None] = {}
+        self._answered: dict[tuple[str, int], float] = {}  # when each node actor last gave its address
         self.router: Any = None  # the first router actor (`pdserve status` asks it)
         self.routers: list[Any] = []  # every router actor (router.processes), the first one first
         self.router_address = ""
@@ -143,11 +147,7 @@ class Service:
         groups = {key: h for key, h in self.actors.items() if isinstance(h, TPNodeGroup)}
         refs = {key: h.address.remote() for key, h in self.actors.items() if key not in groups}
         for key, ref in refs.items():
-            try:
-                addr = ray.get(ref, timeout=wait_s)
-            except Exception:
-                addr = None
-            self.addresses[key] = addr
+            self.addresses[key] = self._answer(key, ref, wait_s)
         for key, group in groups.items():  # a TP node is up when all its ranks are; else it restarts
             self.addresses[key] = group.poll(wait_s)
         for role in ROLES:
@@ -158,6 +158,22 @@ class Service:
                           timeout=60.0)
         self._router_serving(serving[0])
         return dict(self.addresses)
+
+    def _answer(self, key: tuple[str, int], ref: Any, wait_s: float) -> str | None:
+        """A node actor's address, or None: its actor died (or is restarting), or it has not
+        answered for SLOW_GRACE_S. A call that only timed out keeps the last address until then:
+        one late answer on a busy host is no failure (taking the node out moves its requests)."""
+        import ray
+
+        try:
+            addr = ray.get(ref, timeout=wait_s)
+        except ray.exceptions.GetTimeoutError:
+            last = self._answered.get(key)
+            return self.addresses.get(key) if last is not None and time.monotonic() - last < SLOW_GRACE_S else None
+        except Exception:
+            return None
+        self._answered[key] = time.monotonic()
+        return addr
 
     def _peers(self, i: int) -> list[Any]:
         return [h for j, h in enumerate(self.routers) if j != i]

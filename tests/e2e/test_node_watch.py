@@ -1,0 +1,61 @@
+"""The service's node watcher (deploy/service.py) on a real Ray actor: a node actor that answers
+late keeps its place in the router's directory for SLOW_GRACE_S (one slow answer on a loaded
+host is no failure: taking the node out would move its requests), then loses it; one whose
+actor is gone loses it at once."""
+
+from __future__ import annotations
+
+import time
+
+from deploy import service as service_mod
+from deploy.config import ServiceConfig
+from deploy.service import Service
+from tests.e2e.conftest import BASE
+
+
+class SlowNode:
+    def __init__(self) -> None:
+        self.delay = 0.0
+
+    def set_delay(self, delay: float) -> None:
+        self.delay = delay
+
+    def address(self) -> str:
+        time.sleep(self.delay)
+        return "127.0.0.1:4242"
+
+
+def test_a_slow_node_keeps_its_place_for_the_grace_and_a_dead_one_loses_it_at_once(ray_cluster, monkeypatch):
+    import ray
+
+    monkeypatch.setattr(service_mod, "SLOW_GRACE_S", 1.5)
+    svc = Service(ServiceConfig.load(None, BASE))
+    node = ray.remote(SlowNode).options(num_cpus=0, max_concurrency=4).remote()
+    key = ("decode", 0)
+
+    def poll() -> str | None:
+        svc.addresses[key] = svc._answer(key, node.address.remote(), 0.3)
+        return svc.addresses[key]
+
+    ray.get(node.set_delay.remote(0.0), timeout=60)  # started
+    assert poll() == "127.0.0.1:4242"
+    ray.get(node.set_delay.remote(2.0))
+    started = time.monotonic()
+    assert poll() == "127.0.0.1:4242"  # timed out, within the grace: kept
+    while time.monotonic() - started < 1.6:
+        last = poll()
+    assert last is None  # no answer for longer than the grace: out
+    ray.get(node.set_delay.remote(0.0))
+    deadline = time.monotonic() + 10
+    while poll() is None:  # answers again: back
+        assert time.monotonic() < deadline, "the node did not come back"
+    monkeypatch.setattr(service_mod, "SLOW_GRACE_S", 600.0)
+    ray.kill(node, no_restart=True)
+    deadline = time.monotonic() + 30
+    while True:  # the kill is asynchronous
+        try:
+            ray.get(node.address.remote(), timeout=5)
+        except ray.exceptions.RayActorError:
+            break
+        assert time.monotonic() < deadline, "the actor did not die"
+    assert poll() is None  # the actor is gone: out at once, however recent its last answer
