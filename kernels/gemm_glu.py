@@ -30,7 +30,6 @@ import triton
 import triton.language as tl
 
 from kernels.activation import silu_and_mul_ref
-from kernels.norm import rms_norm_ref, row_sumsq
 from kernels.pdl import pdl_args, wait_for_previous
 
 try:
@@ -69,9 +68,9 @@ def _tile_ids(M, INTER, BM: tl.constexpr, BN: tl.constexpr, GROUP_M: tl.constexp
 
 
 @triton.jit
-def _glu_gemm_kernel(x_ptr, w_ptr, y_ptr, M, INTER, K, stride_x, stride_w, stride_y, eps,
+def _glu_gemm_kernel(x_ptr, w_ptr, y_ptr, M, INTER, K, stride_x, stride_w, stride_y,
                      BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
-                     NORM: tl.constexpr, PRECISION: tl.constexpr, PDL: tl.constexpr):
+                     PRECISION: tl.constexpr, PDL: tl.constexpr):
     wait_for_previous(PDL)
     pid_m, pid_n = _tile_ids(M, INTER, BM, BN, GROUP_M)
     rm = pid_m * BM + tl.arange(0, BM)
@@ -82,26 +81,20 @@ def _glu_gemm_kernel(x_ptr, w_ptr, y_ptr, M, INTER, K, stride_x, stride_w, strid
     u_ptrs = g_ptrs + INTER.to(tl.int64) * stride_w
     acc_g = tl.zeros([BM, BN], dtype=tl.float32)
     acc_u = tl.zeros([BM, BN], dtype=tl.float32)
-    sumsq = tl.zeros([BM], dtype=tl.float32)
     for k0 in range(0, K, BK):
         k_ok = (k0 + rk) < K
         a = tl.load(a_ptrs + k0, mask=k_ok[None, :], other=0.0)
-        if NORM:
-            sumsq += row_sumsq(a)
         acc_g = tl.dot(a, tl.load(g_ptrs + k0, mask=k_ok[:, None], other=0.0), acc_g, input_precision=PRECISION)
         acc_u = tl.dot(a, tl.load(u_ptrs + k0, mask=k_ok[:, None], other=0.0), acc_u, input_precision=PRECISION)
-    if NORM:
-        rstd = tl.rsqrt(sumsq / K + eps)[:, None]
-        acc_g, acc_u = acc_g * rstd, acc_u * rstd
     out = _swiglu(acc_g, acc_u, y_ptr.dtype.element_ty)
     mask = (rm[:, None] < M) & (rn[None, :] < INTER)
     tl.store(y_ptr + rm[:, None].to(tl.int64) * stride_y + rn[None, :], out, mask=mask)
 
 
 @triton.jit
-def _glu_gemm_tma_kernel(x_desc, w_desc, y_ptr, M, INTER, K, stride_y, eps,
+def _glu_gemm_tma_kernel(x_desc, w_desc, y_ptr, M, INTER, K, stride_y,
                          BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
-                         NORM: tl.constexpr, PRECISION: tl.constexpr, PDL: tl.constexpr):
+                         PRECISION: tl.constexpr, PDL: tl.constexpr):
     """The same through TMA descriptors: x_desc [M, K] in [BM, BK] blocks, w_desc [2I, K] in
     [BN, BK] blocks (out-of-range rows and columns read as zeros). INTER % BN == 0."""
     wait_for_previous(PDL)
@@ -109,16 +102,10 @@ def _glu_gemm_tma_kernel(x_desc, w_desc, y_ptr, M, INTER, K, stride_y, eps,
     m0, n0 = pid_m * BM, pid_n * BN
     acc_g = tl.zeros([BM, BN], dtype=tl.float32)
     acc_u = tl.zeros([BM, BN], dtype=tl.float32)
-    sumsq = tl.zeros([BM], dtype=tl.float32)
     for k0 in range(0, K, BK):
         a = x_desc.load([m0, k0])
-        if NORM:
-            sumsq += row_sumsq(a)
         acc_g = tl.dot(a, w_desc.load([n0, k0]).T, acc_g, input_precision=PRECISION)
         acc_u = tl.dot(a, w_desc.load([INTER + n0, k0]).T, acc_u, input_precision=PRECISION)
-    if NORM:
-        rstd = tl.rsqrt(sumsq / K + eps)[:, None]
-        acc_g, acc_u = acc_g * rstd, acc_u * rstd
     out = _swiglu(acc_g, acc_u, y_ptr.dtype.element_ty)
     rm = m0 + tl.arange(0, BM)
     rn = n0 + tl.arange(0, BN)
@@ -151,11 +138,9 @@ def tma_usable(x: torch.Tensor, w: torch.Tensor, cfg: Config) -> bool:
             and (w.stride(0) * w.element_size()) % 16 == 0)
 
 
-def glu_gemm(x: torch.Tensor, w: torch.Tensor, config: Config | None = None,
-             norm_eps: float | None = None) -> torch.Tensor:
+def glu_gemm(x: torch.Tensor, w: torch.Tensor, config: Config | None = None) -> torch.Tensor:
     """`out` [M, I] for x [M, K] (rows contiguous in K) and w [2I, K]; Triton (CUDA, or the CPU
-    under TRITON_INTERPRET=1). `norm_eps`: of a weightless RMSNorm of x that the kernel applies
-    (`glu_gemm_ref`'s)."""
+    under TRITON_INTERPRET=1)."""
     m, k = x.shape
     inter = w.shape[0] // 2
     assert w.shape == (2 * inter, k) and x.stride(-1) == 1 and w.stride(-1) == 1, (x.shape, w.shape)
@@ -163,21 +148,18 @@ def glu_gemm(x: torch.Tensor, w: torch.Tensor, config: Config | None = None,
     if m == 0:
         return y
     cfg = config or default_config(m, inter, k)
-    eps = norm_eps if norm_eps is not None else 0.0
     grid = (triton.cdiv(m, cfg.bm) * triton.cdiv(inter, cfg.bn),)
     common = dict(BM=cfg.bm, BN=cfg.bn, BK=cfg.bk, GROUP_M=cfg.group_m,
-                  NORM=norm_eps is not None, PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
+                  PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
                   num_warps=cfg.warps, num_stages=cfg.stages, **pdl_args(x))
     if cfg.tma and tma_usable(x, w, cfg):
         x_desc = TensorDescriptor.from_tensor(x, [cfg.bm, cfg.bk])
         w_desc = TensorDescriptor.from_tensor(w, [cfg.bn, cfg.bk])
-        _glu_gemm_tma_kernel[grid](x_desc, w_desc, y, m, inter, k, y.stride(0), eps, **common)
+        _glu_gemm_tma_kernel[grid](x_desc, w_desc, y, m, inter, k, y.stride(0), **common)
     else:
-        _glu_gemm_kernel[grid](x, w, y, m, inter, k, x.stride(0), w.stride(0), y.stride(0), eps, **common)
+        _glu_gemm_kernel[grid](x, w, y, m, inter, k, x.stride(0), w.stride(0), y.stride(0), **common)
     return y
 
 
-def glu_gemm_ref(x: torch.Tensor, w: torch.Tensor, norm_eps: float | None = None) -> torch.Tensor:
-    """The meaning; with `norm_eps`, of a weightless RMSNorm of x (rounded, as the norm kernel)."""
-    h = rms_norm_ref(x, None, norm_eps) if norm_eps is not None else x
-    return silu_and_mul_ref(torch.nn.functional.linear(h, w))
+def glu_gemm_ref(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    return silu_and_mul_ref(torch.nn.functional.linear(x, w))

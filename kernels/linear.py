@@ -42,7 +42,7 @@ import triton.language as tl
 from kernels import gemm_glu
 from kernels._dispatch import invariant, use_triton
 from kernels.activation import silu_and_mul, silu_and_mul_ref
-from kernels.norm import rms_norm, rms_norm_ref, row_sumsq
+from kernels.norm import rms_norm, rms_norm_ref
 from kernels.pdl import pdl_args, wait_for_previous
 
 FUSED_MAX_M = int(os.environ.get("PDSERVE_FUSED_MAX_M", "64"))  # rows up to which the kernel runs by default
@@ -51,7 +51,7 @@ SMALL_WEIGHT = int(os.environ.get("PDSERVE_SMALL_WEIGHT", str(2**21)))  # of at 
 MAX_BM = int(os.environ.get("PDSERVE_MAX_BM", "64"))  # the kernel's row tile: rows above it take more tiles
 INVARIANT_BM = 16
 
-Norm = tuple[torch.Tensor | None, float]  # (weight, or None where it is folded into the GEMM's; eps)
+Norm = tuple[torch.Tensor, float]
 
 
 def tile_config(n: int, k: int) -> tuple[int, int, int]:
@@ -91,10 +91,10 @@ def _epilogue(acc, acc_up, rm, rn, M, N, b_ptr, r_ptr, stride_r, y_ptr, stride_y
 
 @triton.jit
 def _skinny_kernel(x_ptr, w_ptr, b_ptr, r_ptr, y_ptr, ws_ptr, val_ptr, idx_ptr,
-                   M, N, K, stride_x, stride_w, stride_r, stride_y, k_per_split, eps,
+                   M, N, K, stride_x, stride_w, stride_r, stride_y, k_per_split,
                    HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr,
                    ARGMAX: tl.constexpr, SPLIT: tl.constexpr, PRECISION: tl.constexpr, GLU: tl.constexpr,
-                   NORM: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, PDL: tl.constexpr):
+                   BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, PDL: tl.constexpr):
     wait_for_previous(PDL)
     pid_m, pid_n, pid_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     rm = pid_m * BM + tl.arange(0, BM)
@@ -102,24 +102,17 @@ def _skinny_kernel(x_ptr, w_ptr, b_ptr, r_ptr, y_ptr, ws_ptr, val_ptr, idx_ptr,
     rk = tl.arange(0, BK)
     acc = tl.zeros([BM, BN], dtype=tl.float32)
     acc_up = tl.zeros([BM, BN], dtype=tl.float32)  # GLU: the up half's columns (weight rows N + rn)
-    sumsq = tl.zeros([BM], dtype=tl.float32)  # NORM: x's row sums of squares, from the tiles read anyway
     k_lo = pid_k * k_per_split
     for k0 in range(k_lo, k_lo + k_per_split, BK):  # in order: the same sum whatever M is
         kk = k0 + rk
         a = tl.load(x_ptr + rm[:, None].to(tl.int64) * stride_x + kk[None, :],
                     mask=(rm[:, None] < M) & (kk[None, :] < K), other=0.0)
-        if NORM:
-            sumsq += row_sumsq(a)
         w_rows = w_ptr + rn[:, None].to(tl.int64) * stride_w + kk[None, :]
         w_mask = (rn[:, None] < N) & (kk[None, :] < K)
         acc += tl.dot(a, tl.trans(tl.load(w_rows, mask=w_mask, other=0.0)), input_precision=PRECISION)
         if GLU:
             w_up = tl.load(w_rows + N * stride_w, mask=w_mask, other=0.0)
             acc_up += tl.dot(a, tl.trans(w_up), input_precision=PRECISION)
-    if NORM:  # a weightless RMSNorm of x, applied to the sums (SPLIT == 1: they are whole)
-        rstd = tl.rsqrt(sumsq / K + eps)[:, None]
-        acc *= rstd
-        acc_up *= rstd
     if ARGMAX:  # this tile's best column per row, of the logits rounded as torch would
         logit = tl.where(rn[None, :] < N, acc.to(y_ptr.dtype.element_ty).to(tl.float32), float("-inf"))
         best, at = tl.max(logit, axis=1, return_indices=True, return_indices_tie_break_left=True)
@@ -172,26 +165,20 @@ def _block_m(m: int) -> int:
     return INVARIANT_BM if invariant() else min(MAX_BM, max(16, triton.next_power_of_2(m)))
 
 
-def _split(w: torch.Tensor, config: tuple[int, int, int] | None, whole: bool) -> int:
-    """The launch's split-K count; `whole` (an argmax, silu * up): 1, they need the whole sum."""
-    return 1 if whole else (config or tile_config(*w.shape))[2]
-
-
 def _launch(x2, w, b, residual, y, argmax_out=None, config: tuple[int, int, int] | None = None,
-            glu: bool = False, id_map=None, norm_eps: float | None = None) -> None:
+            glu: bool = False, id_map=None) -> None:
     """One GEMM launch (and its split-K sum or argmax pass). `glu`: y = silu(x @ gate.T) * (x @ up.T)
     with w = [gate; up] stacked by rows, one output column per gate/up row pair. `id_map`: the
-    argmax pass writes id_map[argmax]. `norm_eps`: x is normalized (a weightless RMSNorm) in the
-    kernel, its row scale applied to the sums (the launch must not split K)."""
+    argmax pass writes id_map[argmax]."""
     m, (n, k) = x2.shape[0], w.shape
     assert w.stride(-1) == 1 and x2.shape[1] == k, f"weight {tuple(w.shape)} does not take {x2.shape[1]} inputs"
-    bn, bk, _ = config or tile_config(n, k)
-    split = _split(w, config, argmax_out is not None or glu)
-    assert norm_eps is None or split == 1, "a norm in the GEMM needs the whole of K in one program"
+    bn, bk, split = config or tile_config(n, k)
     bm, n_out = _block_m(m), n
     if glu:
         assert n % 2 == 0 and b is None and residual is None, "gate/up GEMM: an even weight, no bias or add"
         n_out, bn = n // 2, max(16, bn // 2)  # each program reads bn rows of gate and bn of up
+    if argmax_out is not None or glu:
+        split = 1  # the argmax and silu * up need the whole sum
     while bm * bk + (2 if glu else 1) * bn * bk > 16384 and bk > 16:
         bk //= 2  # keep three stages in shared memory
     k_per = triton.cdiv(triton.cdiv(k, split), bk) * bk
@@ -206,10 +193,9 @@ def _launch(x2, w, b, residual, y, argmax_out=None, config: tuple[int, int, int]
     _skinny_kernel[grid](
         x2, w, b if b is not None else w, r, y, ws, val, idx,
         m, n_out, k, x2.stride(0), w.stride(0), r.stride(0), y.stride(0), k_per,
-        norm_eps if norm_eps is not None else 0.0,
         HAS_BIAS=b is not None, HAS_RES=residual is not None,
         ARGMAX=argmax_out is not None, SPLIT=split, PRECISION="ieee" if x2.dtype == torch.float32 else "tf32",
-        GLU=glu, NORM=norm_eps is not None, BM=bm, BN=bn, BK=bk, num_warps=4, num_stages=3, **pdl)
+        GLU=glu, BM=bm, BN=bn, BK=bk, num_warps=4, num_stages=3, **pdl)
     if argmax_out is not None:
         _argmax_tiles_kernel[(m,)](val, idx, id_map if id_map is not None else idx, argmax_out, grid[1],
                                    BLOCK=triton.next_power_of_2(grid[1]), HAS_MAP=id_map is not None, **pdl)
@@ -222,41 +208,32 @@ def _launch(x2, w, b, residual, y, argmax_out=None, config: tuple[int, int, int]
 def linear_triton(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None, norm: Norm | None = None,
                   residual: torch.Tensor | None = None, config: tuple[int, int, int] | None = None) -> torch.Tensor:
     """`config`: (BN, BK, SPLIT) instead of `tile_config`'s (bench/gpu/gpu_gemv.py sweeps them)."""
-    x2, eps = _pre(x, norm, _split(w, config, False))
+    x2 = _rows(_norm(x, norm))
     y = torch.empty(x2.shape[0], w.shape[0], dtype=x.dtype, device=x.device)
     if x2.shape[0]:
-        _launch(x2, w, b, _rows(residual) if residual is not None else None, y, config=config, norm_eps=eps)
+        _launch(x2, w, b, _rows(residual) if residual is not None else None, y, config=config)
     return y.view(*x.shape[:-1], w.shape[0])
 
 
 def linear_glu_triton(x: torch.Tensor, w: torch.Tensor, norm: Norm | None = None,
                       config: tuple[int, int, int] | None = None) -> torch.Tensor:
-    x2, eps = _pre(x, norm, 1)
+    x2 = _rows(_norm(x, norm))
     y = torch.empty(x2.shape[0], w.shape[0] // 2, dtype=x.dtype, device=x.device)
     if x2.shape[0]:
-        _launch(x2, w, None, None, y, config=config, glu=True, norm_eps=eps)
+        _launch(x2, w, None, None, y, config=config, glu=True)
     return y.view(*x.shape[:-1], w.shape[0] // 2)
 
 
 def linear_argmax_triton(x: torch.Tensor, w: torch.Tensor, norm: Norm | None = None, id_map: torch.Tensor | None = None,
                          out: torch.Tensor | None = None, config: tuple[int, int, int] | None = None) -> torch.Tensor:
     """`out`: a contiguous int64 tensor of x's rows to write into (made when None)."""
-    x2, eps = _pre(x, norm, 1)
+    x2 = _rows(_norm(x, norm))
     if out is None:
         out = torch.empty(x.shape[:-1], dtype=torch.int64, device=x.device)
     assert out.is_contiguous() and out.dtype == torch.int64 and out.numel() == x2.shape[0]
     if x2.shape[0]:
-        _launch(x2, w, None, None, torch.empty(0, 1, dtype=x.dtype, device=x.device), out, config=config,
-                id_map=id_map, norm_eps=eps)
+        _launch(x2, w, None, None, torch.empty(0, 1, dtype=x.dtype, device=x.device), out, config=config, id_map=id_map)
     return out
-
-
-def _pre(x: torch.Tensor, norm: Norm | None, split: int) -> tuple[torch.Tensor, float | None]:
-    """x's rows for a launch of `split` K shares, and the eps of a weightless norm for the kernel
-    to apply itself (None: x is what it reads; a weighted norm ran as its own kernel first)."""
-    if norm is not None and norm[0] is None and split == 1:
-        return _rows(x), norm[1]
-    return _rows(_norm(x, norm)), None
 
 
 def _norm(x: torch.Tensor, norm: Norm | None) -> torch.Tensor:
@@ -333,8 +310,7 @@ def linear_glu(x: torch.Tensor, w: torch.Tensor, norm: Norm | None = None) -> to
     if _fused(x, w):
         return linear_glu_triton(x, w, norm)
     if use_triton(x, w) and gemm_glu.enabled():  # prefill sizes: SwiGLU in the GEMM's epilogue
-        x2, eps = _pre(x, norm, 1)
-        return gemm_glu.glu_gemm(x2, w, norm_eps=eps).view(*x.shape[:-1], w.shape[0] // 2)
+        return gemm_glu.glu_gemm(_rows(_norm(x, norm)), w).view(*x.shape[:-1], w.shape[0] // 2)
     return silu_and_mul(linear(x, w, norm=norm))
 
 

@@ -3,9 +3,6 @@
     rms_norm(x, w, eps)            = w * round_x(x * rsqrt(mean(x^2) + eps))
     add_rms_norm(d, r, w, eps)     = (rms_norm(s, w, eps), s)  with  s = round_x(r + d)
 
-w None: no weight (a unit one), for a norm whose weight is folded into the next GEMM's
-(`engine.model.fuse_projections`).
-
 x^2, the mean and rsqrt are fp32; `round_x` rounds to x's dtype, and the product with w is
 rounded to the promoted dtype of w and x. These are the rounding steps of the torch code
 (`engine.model.RMSNorm` and the decoder layer's `x = x + delta`), which `*_ref` reproduces
@@ -35,19 +32,11 @@ def _add(a, b):
 
 
 @triton.jit
-def row_sumsq(a):
-    """Per row, the fp32 sum of squares of a [BM, BK] tile: for GEMMs that normalize their A
-    operand's rows themselves (a weightless norm, its scale applied to their sums)."""
-    af = a.to(tl.float32)
-    return tl.reduce(af * af, 1, _add)
-
-
-@triton.jit
 def _add_rms_norm_kernel(
     delta_ptr, residual_ptr, weight_ptr, out_ptr, sum_ptr,
     stride_delta, stride_residual, stride_out, stride_sum,  # row strides, in elements
     H, eps,
-    HAS_DELTA: tl.constexpr, HAS_WEIGHT: tl.constexpr, BLOCK: tl.constexpr,
+    HAS_DELTA: tl.constexpr, BLOCK: tl.constexpr,
     PDL: tl.constexpr,
 ):
     wait_for_previous(PDL)
@@ -64,11 +53,9 @@ def _add_rms_norm_kernel(
     # triton.language, so Triton's interpreter can run it even if triton was imported first
     inv_rms = tl.rsqrt(tl.reduce(x * x, 0, _add) / H + eps)
     normed = (x * inv_rms).to(sum_ptr.dtype.element_ty).to(tl.float32)
-    if HAS_WEIGHT:
-        w = tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-        # exact in fp32 for bf16/fp16 operands, so one rounding to the output dtype, as torch
-        normed = w * normed
-    tl.store(out_ptr + row * stride_out + cols, normed.to(out_ptr.dtype.element_ty), mask=mask)
+    w = tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    # exact in fp32 for bf16/fp16 operands, so one rounding to the output dtype, as torch
+    tl.store(out_ptr + row * stride_out + cols, (w * normed).to(out_ptr.dtype.element_ty), mask=mask)
 
 
 def _rows(x: torch.Tensor) -> torch.Tensor:
@@ -79,11 +66,11 @@ def _rows(x: torch.Tensor) -> torch.Tensor:
 
 
 def add_rms_norm_triton(
-    delta: torch.Tensor | None, residual: torch.Tensor, weight: torch.Tensor | None, eps: float,
+    delta: torch.Tensor | None, residual: torch.Tensor, weight: torch.Tensor, eps: float,
     out: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     h = residual.shape[-1]
-    assert weight is None or weight.shape == (h,), f"weight {tuple(weight.shape)} does not match hidden size {h}"
+    assert weight.shape == (h,), f"weight {tuple(weight.shape)} does not match hidden size {h}"
     r = _rows(residual)
     if delta is None:
         d, s = r, r  # not read, not written (HAS_DELTA is off)
@@ -91,16 +78,16 @@ def add_rms_norm_triton(
         assert delta.shape == residual.shape, f"delta {tuple(delta.shape)} vs residual {tuple(residual.shape)}"
         d = _rows(delta)
         s = torch.empty(r.shape, dtype=torch.result_type(r, d), device=r.device)
-    dtype = s.dtype if weight is None else torch.promote_types(weight.dtype, s.dtype)
+    dtype = torch.promote_types(weight.dtype, s.dtype)
     if out is None:
         out = torch.empty(r.shape, dtype=dtype, device=r.device)
     assert out.shape == r.shape and out.stride(-1) == 1 and out.dtype == dtype, "out: [rows, H], rows of any stride"
     block = triton.next_power_of_2(h)
     _add_rms_norm_kernel[(r.shape[0],)](
-        d, r, weight.contiguous() if weight is not None else r, out, s,
+        d, r, weight.contiguous(), out, s,
         d.stride(0), r.stride(0), out.stride(0), s.stride(0),
         h, eps,
-        HAS_DELTA=delta is not None, HAS_WEIGHT=weight is not None, BLOCK=block,
+        HAS_DELTA=delta is not None, BLOCK=block,
         num_warps=min(max(block // 256, 1), 8), enable_fp_fusion=False, **pdl_args(r),
     )
     new_residual = residual if delta is None else s.view(residual.shape)
@@ -108,40 +95,35 @@ def add_rms_norm_triton(
 
 
 def add_rms_norm_ref(
-    delta: torch.Tensor | None, residual: torch.Tensor, weight: torch.Tensor | None, eps: float
+    delta: torch.Tensor | None, residual: torch.Tensor, weight: torch.Tensor, eps: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
     new_residual = residual if delta is None else residual + delta
     return rms_norm_ref(new_residual, weight, eps), new_residual
 
 
 def add_rms_norm(
-    delta: torch.Tensor | None, residual: torch.Tensor, weight: torch.Tensor | None, eps: float
+    delta: torch.Tensor | None, residual: torch.Tensor, weight: torch.Tensor, eps: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(rms_norm(residual + delta), residual + delta); delta None: (rms_norm(residual), residual)."""
-    tensors = tuple(t for t in (delta, residual, weight) if t is not None)
+    tensors = (residual, weight) if delta is None else (delta, residual, weight)
     if use_triton(*tensors):
         return add_rms_norm_triton(delta, residual, weight, eps)
     return add_rms_norm_ref(delta, residual, weight, eps)
 
 
-def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor | None, eps: float,
-                    out: torch.Tensor | None = None) -> torch.Tensor:
+def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float, out: torch.Tensor | None = None) -> torch.Tensor:
     return add_rms_norm_triton(None, x, weight, eps, out)[0]
 
 
-def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor | None, eps: float,
-                 out: torch.Tensor | None = None) -> torch.Tensor:
+def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float, out: torch.Tensor | None = None) -> torch.Tensor:
     xf = x.float()
-    y = (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
-    if weight is not None:
-        y = weight * y
+    y = weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
     return out.copy_(y.view(out.shape)) if out is not None else y
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float,
-             out: torch.Tensor | None = None) -> torch.Tensor:
-    """weight * normalize(x) over the last dim (weight None: normalize(x)): the Triton kernel on
-    CUDA, else the reference; written into `out` [rows, H] (rows of any stride) when given."""
-    if use_triton(*(t for t in (x, weight) if t is not None)):
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, out: torch.Tensor | None = None) -> torch.Tensor:
+    """weight * normalize(x) over the last dim: the Triton kernel on CUDA, else the reference;
+    written into `out` [rows, H] (rows of any stride) when given."""
+    if use_triton(x, weight):
         return rms_norm_triton(x, weight, eps, out)
     return rms_norm_ref(x, weight, eps, out)

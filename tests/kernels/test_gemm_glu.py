@@ -55,16 +55,3 @@ def test_16_bit_matches_cublas_and_silu(m, tma):
     cfg = gemm_glu.default_config(m, 1536, 576)._replace(tma=tma)
     got, want = glu_gemm(x, w, cfg), glu_gemm_ref(x, w)
     torch.testing.assert_close(got.float(), want.float(), rtol=2**-6, atol=1e-2)
-
-
-@pytest.mark.parametrize("tma", [False, True])
-def test_a_folded_norm_in_the_kernel_equals_norm_then_gemm(device, tma):
-    """norm_eps: the kernel normalizes x's rows itself (a weightless RMSNorm, its scale applied
-    to the sums), as the norm kernel then the GEMM would."""
-    x, w = operands(37, 32, 64, device)
-    x = 4 * x
-    cfg = Config(16, 16, 16, 4, 1, tma=tma)
-    if tma and not gemm_glu.tma_usable(x, w, cfg):
-        pytest.skip("no tensor descriptors here (a GPU before Hopper, or an older Triton)")
-    torch.testing.assert_close(glu_gemm(x, w, cfg, norm_eps=1e-5), glu_gemm_ref(x, w, norm_eps=1e-5),
-                               atol=2e-5, rtol=2e-5)

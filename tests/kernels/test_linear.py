@@ -100,32 +100,3 @@ def test_linear_runs_the_kernel_at_decode_sizes_and_the_composition_otherwise(mo
             L.linear(randn(L.FUSED_MAX_M + 5, 16), w)  # kernel: always in the mode
     L.linear(randn(2, 16), w, residual=r(2))  # CPU tensors outside triton_on_cpu: the reference
     assert calls == [L.FUSED_MAX_M, L.FUSED_MAX_M + 1, 2, L.FUSED_MAX_M + 5]
-
-
-@pytest.mark.parametrize(("m", "k", "n", "glu"), [(3, 96, 40, False), (17, 300, 33, True), (70, 80, 24, False)])
-def test_a_folded_norm_runs_inside_the_gemm(device, monkeypatch, m, k, n, glu):
-    """norm = (None, eps): a weightless RMSNorm (its weight folded into w) that the kernel applies
-    itself, from the row sums of squares of the x tiles it reads: no norm kernel runs, and the
-    result is the composition's (norm, rounded, then the GEMM) to fp32 sums."""
-    x = randn(m, k, device=device, scale=3.0)
-    w = randn(2 * n if glu else n, k, device=device, seed=1, scale=0.1)
-    b = None if glu else randn(n, device=device, seed=2)
-    monkeypatch.setattr(L, "rms_norm", lambda *a: pytest.fail("the norm ran as its own kernel"))
-    if glu:
-        got, want = L.linear_glu_triton(x, w, (None, 1e-5)), L.linear_glu_ref(x, w, (None, 1e-5))
-    else:
-        got, want = L.linear_triton(x, w, b, (None, 1e-5)), L.linear_ref(x, w, b, (None, 1e-5))
-    torch.testing.assert_close(got, want, atol=5e-5, rtol=1e-5)
-
-
-def test_a_folded_norm_in_front_of_a_split_gemm_runs_as_its_own_kernel(device):
-    x, w = randn(3, 4160, device=device), randn(24, 4160, device=device, seed=1, scale=0.1)  # split-K in four
-    torch.testing.assert_close(L.linear_triton(x, w, None, (None, 1e-5)), L.linear_ref(x, w, None, (None, 1e-5)),
-                               atol=5e-5, rtol=1e-5)
-
-
-def test_invariant_mode_with_a_folded_norm_rows_alone_equal_rows_in_a_batch(device):
-    x, w = randn(40, 576, device=device, scale=2.0), randn(64, 576, device=device, seed=1)
-    with batch_invariant():
-        one, seven, forty = (L.linear_triton(x[:m], w, None, (None, 1e-5)) for m in (1, 7, 40))
-    assert torch.equal(one, seven[:1]) and torch.equal(seven, forty[:7])
