@@ -351,6 +351,7 @@ class FakePrefill(_Server, node_pb2_grpc.PrefillControlServicer):
             return node_pb2.Payload(msgpack=first.pack())
         finally:
             self.active.discard(request.request_id)
+            self._attached.pop(request.request_id, None)  # a client may reuse its request id later
             self.changed()
 
     def _attach_future(self, rid: str) -> asyncio.Future[str | None]:
@@ -381,7 +382,7 @@ class FakePrefill(_Server, node_pb2_grpc.PrefillControlServicer):
 
     async def Abort(self, request, context):  # noqa: N802
         self.aborts.append(request.request_id)
-        waiting = self._attached.get(request.request_id)
+        waiting = self._attached.pop(request.request_id, None)
         if waiting is not None and not waiting.done():  # its Prefill call waits for a descriptor: it ends
             waiting.set_exception(RuntimeError(f"{request.request_id} aborted (test)"))
         self.changed()
