@@ -152,7 +152,8 @@ class DecodeBatch:
             self._to_insert.clear()
         plan = self.plan(previous)
         if plan.slots and self.constrained:
-            self.constrained.write_masks_no_sync(plan.slots)
+            greedy = all(self.running[s].params.greedy for s in plan.slots)
+            self.constrained.write_masks_no_sync(plan.slots, greedy)
         self._inflight = self._launch(plan.slots) if plan.slots else None
         if previous is not None:
             outputs += self._collect(*previous)
