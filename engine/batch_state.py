@@ -81,9 +81,6 @@ class BatchState:
         self.seed = z(n)
         self.penalties = PenaltyState(n, vocab, device)
         self.grammar_mask: torch.Tensor | None = None  # [n, k+1, ceil(V/32)] int32; all ones: no grammar
-        # [n] int64, made with grammar_mask: a greedy constrained row's drafts the grammar takes
-        # (it keeps at most that many, and no bonus token after one: engine/constrained.py); -1: no limit
-        self.grammar_limit: torch.Tensor | None = None
 
     def step_state(self) -> StepState:
         """The tensors a decode step gathers its rows from (kernels/step_meta.py `step_inputs`)."""
@@ -158,14 +155,11 @@ class BatchState:
             words = -(-self.vocab // 32)
             self.grammar_mask = torch.full((self.capacity + 1, self.k + 1, words), -1, dtype=torch.int32,
                                            device=self.device)
-            self.grammar_limit = torch.full((self.capacity + 1,), -1, dtype=torch.long, device=self.device)
         return self.grammar_mask
 
-    def write_grammar_masks_no_sync(self, slots: torch.Tensor, masks: torch.Tensor, limits: torch.Tensor) -> None:
-        """Slots `slots` [n] (device) get `masks` [n, k+1, W] and `limits` [n] (device); stream-ordered."""
+    def write_grammar_masks_no_sync(self, slots: torch.Tensor, masks: torch.Tensor) -> None:
+        """Slots `slots` [n] (device) get `masks` [n, k+1, W] (device); stream-ordered."""
         self.ensure_grammar_mask().index_copy_(0, slots, masks)
-        assert self.grammar_limit is not None
-        self.grammar_limit.index_copy_(0, slots, limits)
 
     def write_drafts_no_sync(self, slots: torch.Tensor, drafts: torch.Tensor) -> None:
         """Slots `slots` [n] (device) verify `drafts` [n, k] (device) next; stream-ordered."""
@@ -173,9 +167,8 @@ class BatchState:
 
     def clear_grammar_mask(self, slot: int) -> None:
         """A slot whose constrained request left allows every token again (stream-ordered)."""
-        if self.grammar_mask is not None and self.grammar_limit is not None:
+        if self.grammar_mask is not None:
             self.grammar_mask[slot].fill_(-1)
-            self.grammar_limit[slot] = -1
 
     def release(self, slot: int) -> None:
         self.done[slot] = True

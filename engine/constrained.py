@@ -21,16 +21,7 @@ draft was drawn from.
 What this costs: the host must know step N's emitted tokens and drafts before launching step
 N + 1, so while a constrained request runs DecodeBatch collects the step in flight before it
 launches the next (no overlap; every other request of the batch runs at that pace too). The
-host work per step is O(constrained rows x (k + 1)) mask fills (xgrammar: 35 us each on an H100
-host, ~90 us here; most of the constrained step's host time, 2026-11-26).
-
-Fewer fills: a greedy launch with at least FIRST_MASK_MIN_ROWS constrained rows masks only their
-first verify position (`_fill_first`) and gives each row a limit, the drafts its grammar takes;
-the device keeps at most that many, and emits no bonus token after a kept draft
-(`model_runner.limited_emit`). Still exact: a draft the grammar allows that equals the unmasked
-argmax is also the masked argmax, and the token after the kept drafts is the next step's first,
-masked, position. It pays where the model mostly keeps to the grammar on its own (a real model
-writing JSON); a model that does not keeps ~one token a step (tests/engine/test_grammar.py).
+host work per step is O(constrained rows x (k + 1)) matcher calls (each a few to tens of µs).
 
 A request's grammar state is (spec, tokens): a request inserted with emitted tokens (a decode
 node's first token from the prefill node, a moved request's resumed output) replays them.
@@ -38,7 +29,6 @@ node's first token from the prefill node, a moved request's resumed output) repl
 
 from __future__ import annotations
 
-import os
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -52,10 +42,6 @@ from engine.sampling_params import SamplingParams
 if TYPE_CHECKING:
     from engine.model_runner import ModelRunner
     from engine.prefill_step import PrefillChunk
-
-# A greedy launch with this many constrained rows masks their first verify position only
-# (`ConstrainedRows._fill_first`): fewer mask fills on the host, one bonus token less per step
-FIRST_MASK_MIN_ROWS = int(os.environ.get("PDSERVE_FIRST_MASK_MIN_ROWS", "8"))
 
 
 def grammar_tokens(params: SamplingParams, prompt: list[int], output: list[int]) -> list[int]:
@@ -140,23 +126,16 @@ class ConstrainedRows:
         self.drafts[slot] = list(drafts or [])
         return all(m.accept(t) for t in tokens)
 
-    def write_masks_no_sync(self, slots: list[int], all_greedy: bool = False) -> None:
+    def write_masks_no_sync(self, slots: list[int]) -> None:
         """The masks of the constrained slots among `slots` (module docstring) into the device's
-        `grammar_mask`: one pinned buffer, one copy, one scatter; stream-ordered, before the launch.
-        A greedy launch with at least FIRST_MASK_MIN_ROWS constrained rows fills their first verify
-        position's mask only (`_fill_first`)."""
+        `grammar_mask`: one pinned buffer, one copy, one scatter; stream-ordered, before the launch."""
         mine = [s for s in slots if s in self.matchers]
         if not mine:
             return
         k1 = self.k + 1
         host = self._buffer(len(mine) * k1)
         drafts = [list(self.drafts.get(s, [])) for s in mine]
-        matchers = [self.matchers[s] for s in mine]
-        if all_greedy and self.k and len(mine) >= FIRST_MASK_MIN_ROWS:
-            limits = self._fill_first(matchers, drafts, host)
-        else:
-            self._fill_levels(matchers, drafts, host, [self.greedy.get(s, False) for s in mine])
-            limits = [-1] * len(mine)
+        self._fill_levels([self.matchers[s] for s in mine], drafts, host, [self.greedy.get(s, False) for s in mine])
         changed = [j for j, s in enumerate(mine) if drafts[j] != self.drafts.get(s, [])]
         state = self.runner.state
         if changed:  # forced tokens in place of forbidden drafts: the step reads them from the state
@@ -167,8 +146,7 @@ class ConstrainedRows:
             dev = dev.to(state.device, non_blocking=True)
             self._copied = self._copied or torch.cuda.Event()
             self._copied.record()
-        state.write_grammar_masks_no_sync(to_device_no_sync(mine, torch.long, state.device), dev,
-                                          to_device_no_sync(limits, torch.long, state.device))
+        state.write_grammar_masks_no_sync(to_device_no_sync(mine, torch.long, state.device), dev)
 
     def _fill_levels(self, matchers: list[Matcher], drafts: list[list[int]], host: torch.Tensor,
                      greedy: list[bool]) -> None:
@@ -190,32 +168,6 @@ class ConstrainedRows:
             self.filler.fill([matchers[j] for j in live], host, [j * k1 + i for j in live])
         for m, n in zip(matchers, taken, strict=True):
             m.rollback(n)
-
-    def _fill_first(self, matchers: list[Matcher], drafts: list[list[int]], host: torch.Tensor) -> list[int]:
-        """Greedy rows, the first verify position's mask only (one batched fill), and each row's
-        limit: the drafts its grammar takes (a refused one becomes the forced token where there is
-        one: its position's mask is filled to find out). The device keeps at most that many drafts
-        and no bonus token after a kept one (`model_runner.limited_emit`): a draft the grammar
-        takes and the unmasked argmax agrees with is what the masked argmax would keep, and the
-        token after it, unmasked, is left to the next step, whose first position is masked. So
-        the output is exactly the masked greedy one, for 1 to 2 mask fills a row instead of up
-        to k + 1, at the price of that bonus token."""
-        k1 = self.k + 1
-        host[: len(matchers) * k1].fill_(-1)
-        self.filler.fill(matchers, host, [j * k1 for j in range(len(matchers))])
-        limits = []
-        for j, m in enumerate(matchers):
-            taken = 0
-            for i in range(len(drafts[j])):
-                if not m.accept(drafts[j][i]):
-                    if i:  # state after the first i drafts: its mask tells whether one token is forced
-                        m.fill_mask(host, j * k1 + i)
-                    if not self._take(m, drafts[j], i, host[j * k1 + i], True):
-                        break
-                taken += 1
-            m.rollback(taken)
-            limits.append(taken)
-        return limits
 
     @staticmethod
     def _take(m: Matcher, drafts: list[int], i: int, mask: torch.Tensor, greedy: bool) -> bool:

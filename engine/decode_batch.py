@@ -152,8 +152,7 @@ class DecodeBatch:
             self._to_insert.clear()
         plan = self.plan(previous)
         if plan.slots and self.constrained:
-            greedy = all(self.running[s].params.greedy for s in plan.slots)
-            self.constrained.write_masks_no_sync(plan.slots, greedy)
+            self.constrained.write_masks_no_sync(plan.slots)
         self._inflight = self._launch(plan.slots) if plan.slots else None
         if previous is not None:
             outputs += self._collect(*previous)

@@ -316,11 +316,10 @@ class ModelRunner:
 
     def _verify_step(self, hidden: torch.Tensor, rows: torch.Tensor, drafts: torch.Tensor, sampling: SamplingTensors,
                      seq: torch.Tensor, flags: StepFlags, logprobs: bool):
-        """(logits [R, k+1, V] or None, target ids [R, k+1], tokens to emit or None when all
+        """(logits [R, k+1, V] or None, target ids [R, k+1], verified counts or None when all
         greedy): the argmax inside the LM head's GEMM when no logits are needed. Grammar masks
         (verify position i of row r: `grammar_mask[rows[r], i]`) apply before penalties; the
-        logits returned (logprobs) are the raw ones. A greedy constrained batch counts its rows'
-        tokens itself (`limited_emit`: rows the host gave a draft limit)."""
+        logits returned (logprobs) are the raw ones."""
         all_greedy, _, penalized, constrained = flags
         r, k1 = drafts.shape[0], drafts.shape[1] + 1
         if all_greedy and not logprobs and not penalized and not constrained:
@@ -328,11 +327,7 @@ class ModelRunner:
         logits = self.model.compute_logits(hidden, float32=not all_greedy or penalized).view(r, k1, -1)
         scored = mask_rows(logits, rows, self.state.ensure_grammar_mask()) if constrained else logits
         scored = self.state.penalties.penalize_rows(scored, rows, drafts) if penalized else scored
-        ids, n_verified = self._verify(scored, rows, drafts, sampling, seq)
-        if constrained and n_verified is None and self.k:
-            assert self.state.grammar_limit is not None
-            n_verified = limited_emit(ids, drafts, self.state.grammar_limit[rows])
-        return logits, ids, n_verified
+        return (logits, *self._verify(scored, rows, drafts, sampling, seq))
 
     def _verify(self, logits: torch.Tensor, rows: torch.Tensor, drafts: torch.Tensor, sampling: SamplingTensors,
                 seq: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -378,18 +373,6 @@ class ModelRunner:
         new_drafts = drafts[:n].tolist() if drafts is not None else None
         self.outputs.release(h.copy)
         return DecodeResult(h.slots, emitted, done, lps, new_drafts)
-
-
-def limited_emit(ids: torch.Tensor, drafts: torch.Tensor, limit: torch.Tensor) -> torch.Tensor:
-    """Tokens each greedy row emits [R]: its accepted drafts (those equal to the target's argmax
-    before them) and the target's token after them (the bonus). A row with `limit` L >= 0 (a
-    constrained row with only its first verify position masked: engine/constrained.py) keeps at
-    most L drafts, and no bonus after a kept draft: there the argmax was not masked."""
-    k = drafts.shape[1]
-    accepted = (drafts == ids[:, :k]).long().cumprod(dim=1).sum(dim=1)
-    limited = limit >= 0
-    accepted = torch.where(limited, torch.minimum(accepted, limit), accepted)
-    return torch.where(limited & (accepted > 0), accepted, accepted + 1)
 
 
 def logprob_columns(lp: LogprobsTensors, num_top: dict[int, int], rows: list[int] | dict[int, int], width: int,
