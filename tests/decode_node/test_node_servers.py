@@ -12,6 +12,7 @@ import threading
 import time
 
 import grpc
+import msgpack
 import pytest
 
 from decode_node.node import DecodeNode
@@ -184,3 +185,22 @@ def test_a_router_that_stops_answering_loses_its_stream_to_keepalive_and_its_req
         child.kill()
         child.wait()
         server.stop(0)
+
+
+def test_attaches_ahead_of_their_jobs_do_not_hold_the_server(cluster):
+    """More Attach calls than the server has threads, each ahead of its job (its Prefill call not
+    yet served): each answers ok within ATTACH_WAIT_S, queued in the node, instead of holding a
+    thread until its job comes, so the server still answers (a Status call here, a Prefill call
+    in the service) and aborts clear them."""
+    loaded, d, p, daddr, outputs, decode, prefill = cluster
+    desc = node_pb2.AttachRequest(descriptor_msgpack=msgpack.packb({"backend": "ucx"}), decode_address=daddr)
+    rids = [f"early-{i}" for i in range(40)]
+    calls = [p.Attach.future(node_pb2.AttachRequest(request_id=r, descriptor_msgpack=desc.descriptor_msgpack,
+                                                    decode_address=daddr), timeout=20) for r in rids]
+    start = time.monotonic()
+    assert p.Status(node_pb2.StatusRequest(), timeout=5).healthy
+    assert all(c.result().ok for c in calls)
+    assert time.monotonic() - start < 10
+    for r in rids:
+        p.Abort(node_pb2.AbortRequest(request_id=r, reason="test"))
+    wait_until(lambda: not prefill._early)
