@@ -23,8 +23,8 @@ The descriptor may also come after the job (`attach`): the router then reserves 
 while this node computes, and its first token does not wait for the reservation. A job without
 its descriptor computes as any other; its layers wait (with their CUDA events) and, once it is
 done, so does its first-token message to the decode node; `attach` starts the transfer and
-sends what waited. An attach that comes before its job waits for it (the two calls race through
-the server's threads). A job whose descriptor has not come within the KV timeout is dropped and
+sends what waited. An attach that comes before its job waits for it here (the two calls race
+through the server's threads; the server answers the Attach call meanwhile: `ATTACH_WAIT_S`). A job whose descriptor has not come within the KV timeout is dropped and
 its blocks freed.
 
 Source blocks stay leased until the decode node acknowledges, the job is aborted, or the
@@ -220,9 +220,7 @@ class PrefillNode(StepLoop):
     def _abort_now(self, request_id: str, reason: str) -> None:
         for j in self.waiting:
             if j.request_id == request_id:
-                self.waiting.remove(j)
-                self.queued_tokens -= j.remaining
-                self._fail(j, reason)
+                self._fail(j, reason)  # out of the queue, its tokens off the queued count
                 return
         if request_id in self.detached:
             self._drop_detached(self.detached.pop(request_id))

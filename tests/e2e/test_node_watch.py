@@ -28,9 +28,9 @@ class SlowNode:
 def test_a_slow_node_keeps_its_place_for_the_grace_and_a_dead_one_loses_it_at_once(ray_cluster, monkeypatch):
     import ray
 
-    monkeypatch.setattr(service_mod, "SLOW_GRACE_S", 1.5)
+    monkeypatch.setattr(service_mod, "SLOW_GRACE_S", 3.0)
     svc = Service(ServiceConfig.load(None, BASE))
-    node = ray.remote(SlowNode).options(num_cpus=0, max_concurrency=4).remote()
+    node = ray.remote(SlowNode).options(num_cpus=0, max_concurrency=32).remote()
     key = ("decode", 0)
 
     def poll() -> str | None:
@@ -39,10 +39,10 @@ def test_a_slow_node_keeps_its_place_for_the_grace_and_a_dead_one_loses_it_at_on
 
     ray.get(node.set_delay.remote(0.0), timeout=60)  # started
     assert poll() == "127.0.0.1:4242"
-    ray.get(node.set_delay.remote(2.0))
+    ray.get(node.set_delay.remote(5.0))
     started = time.monotonic()
     assert poll() == "127.0.0.1:4242"  # timed out, within the grace: kept
-    while time.monotonic() - started < 1.6:
+    while time.monotonic() - started < 3.1:
         last = poll()
     assert last is None  # no answer for longer than the grace: out
     ray.get(node.set_delay.remote(0.0))
