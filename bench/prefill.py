@@ -27,6 +27,7 @@ import torch
 from bench.engine import SHAPES, busy_share, load
 from engine.engine import EngineConfig, LLMEngine
 from engine.loader import LoadedModel
+from engine.model import folds_norms
 from engine.model_runner import kv_room_needed
 from engine.sampling_params import SamplingParams
 from kernels import gemm_glu, linear, qkv_rope
@@ -71,8 +72,11 @@ def _engine(loaded: LoadedModel, k: int, batch: int, n: int, args: argparse.Name
 
 
 def _fusions() -> str:
-    """Which prefill fusions are on (PDSERVE_PREFILL_GLU, PDSERVE_PREFILL_QKV_ROPE, PDSERVE_FUSED_MAX_M)."""
+    """Which prefill fusions are on (PDSERVE_PREFILL_GLU, PDSERVE_PREFILL_QKV_ROPE, PDSERVE_FOLD_NORM,
+    PDSERVE_FUSED_MAX_M)."""
     on = [name for name, mod in (("glu", gemm_glu), ("qkv_rope", qkv_rope)) if mod.enabled()]
+    if folds_norms():
+        on.append("norm")
     if linear.FUSED_MAX_M != 64:  # PDSERVE_FUSED_MAX_M: the decode path's Triton GEMMs up to this many rows
         on.append(f"triton-gemm<={linear.FUSED_MAX_M}")
     return "+".join(on) or "none"

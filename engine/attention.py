@@ -21,7 +21,7 @@ import torch
 from kernels._dispatch import invariant
 from kernels.flash_prefill import flash_prefill, triton_preferred
 from kernels.flash_varlen import flash_varlen, flash_varlen_usable
-from kernels.norm import rms_norm
+from kernels.norm import rms_norm, row_sumsq_of
 from kernels.paged_attention import paged_attention
 from kernels.qkv_rope import qkv_rope
 from kernels.qkv_rope import usable as qkv_rope_usable
@@ -58,7 +58,7 @@ class AttentionBackend(ABC):
         """Rotary embedding on q and k, then `forward`; a backend may fuse the two."""
         return self.forward(rope(positions, q), rope(positions, k), v, kv_cache, meta, scale)
 
-    def project_forward(self, x, norm: tuple[torch.Tensor, float], qkv: tuple[torch.Tensor, torch.Tensor | None],
+    def project_forward(self, x, norm: tuple[torch.Tensor | None, float], qkv: tuple[torch.Tensor, torch.Tensor | None],
                         heads: tuple[int, int, int], rope, positions, kv_cache, meta: AttentionMetadata,
                         scale: float) -> torch.Tensor | None:
         """attention(q, k, v) with q, k, v = split(norm(x) @ w.T + b) rotated, from the residual
@@ -132,15 +132,18 @@ class TritonAttention(AttentionBackend):
 
     def project_forward(self, x, norm, qkv, heads, rope, positions, kv_cache, meta, scale):
         """Fresh 16-bit steps on CUDA: rms_norm, then one GEMM with rotary and the K/V write in its
-        epilogue (kernels/qkv_rope.py), then the fresh-step attention on its output."""
+        epilogue (kernels/qkv_rope.py; a norm folded into w runs in the GEMM too, where the GEMM
+        that wrote x left its rows' sums of squares), then the fresh-step attention on its output."""
         hq, hkv, d = heads
         usable = flash_varlen_usable(x[:, :d], kv_cache)  # x's dtype and device; heads of d
         if not (meta.fresh and not invariant() and usable and qkv_rope_usable(x, qkv[0], d)):
             return None
-        h = rms_norm(x, *norm)
+        weight, eps = norm
+        partials = row_sumsq_of(x) if weight is None else None  # left by the GEMM that wrote x
+        h = x if partials is not None else rms_norm(x, weight, eps)
         w, b = qkv
         out = qkv_rope(h.reshape(-1, h.shape[-1]), w, b, heads, positions, rope.cos, rope.sin, kv_cache,
-                       meta.slot_mapping)
+                       meta.slot_mapping, norm=(eps, partials) if partials is not None else None)
         t = out.shape[0]
         q, k, v = out.split([hq * d, hkv * d, hkv * d], dim=-1)
         return self._attend_fresh(q.view(t, hq, d), k.view(t, hkv, d), v.view(t, hkv, d), meta, scale)

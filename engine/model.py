@@ -19,6 +19,7 @@ there. Its MLP may be wider than the target's (`config.mtp_intermediate_size`).
 from __future__ import annotations
 
 import math
+import os
 
 import torch
 from torch import nn
@@ -37,18 +38,23 @@ class Linear(nn.Linear):
 
 
 class RMSNorm(nn.Module):
+    """`folded` (set by `fuse_projections`): the weight has been multiplied into the columns of
+    the GEMM weights that read this norm's output, so the norm itself applies none."""
+
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
+        self.folded = False
 
     def forward(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-        return rms_norm(x, self.weight, self.eps, out)
+        return rms_norm(x, None if self.folded else self.weight, self.eps, out)
 
     @property
-    def spec(self) -> tuple[torch.Tensor, float]:
-        """(weight, eps): what `kernels.linear.linear(norm=...)` applies in front of a GEMM."""
-        return self.weight, self.eps
+    def spec(self) -> tuple[torch.Tensor | None, float]:
+        """(weight, eps): what `kernels.linear.linear(norm=...)` applies in front of a GEMM; a
+        folded norm's weight is None, and the GEMM kernels then normalize x themselves."""
+        return None if self.folded else self.weight, self.eps
 
 
 def rope_inv_freq(config: ArchConfig) -> torch.Tensor:
@@ -293,6 +299,14 @@ def fuse_projections(model: CausalLM) -> None:
 
     The fused weight is a new tensor and the original parameters become views into it, so
     no memory is duplicated and the names still load. For inference only (the runner on a GPU).
+
+    Then each layer's two norms are folded into the GEMMs that read them (`fold_norms`):
+    norm(x) @ w.T = rstd(x) * (x @ (w * g).T), so the q/k/v and gate/up kernels apply rstd(x) in
+    their epilogue, from the row sums of squares that the residual GEMM which wrote x left
+    (kernels/linear.py), and no norm kernel runs there (SmolLM2's 1 x 128 prefill on an H100 lost
+    0.17 ms of ~1.05 with its 60 norm kernels skipped). Where x has no such sums, a weightless norm
+    kernel runs. Weights loaded afterwards would miss the fold: load first. PDSERVE_FOLD_NORM=0
+    keeps the norms' kernels.
     """
     layers: list[DecoderLayer] = [*model.model.layers]  # type: ignore[list-item]
     if model.mtp is not None:
@@ -307,6 +321,26 @@ def fuse_projections(model: CausalLM) -> None:
             assert weight is not None
             a.qkv = (weight, _fuse(qkv, "bias"))
             m.gate_up = _fuse((m.gate_proj, m.up_proj), "weight")
+        if folds_norms():
+            for layer in layers:
+                fold_norms(layer)
+
+
+def folds_norms() -> bool:
+    """Whether `fuse_projections` folds the norms (PDSERVE_FOLD_NORM=0: not, for A/B runs)."""
+    return os.environ.get("PDSERVE_FOLD_NORM", "1") != "0"
+
+
+def fold_norms(layer: DecoderLayer) -> None:
+    """Multiply the layer's input and post-attention norm weights into the columns of its fused
+    q/k/v and gate/up weights (in place, rounded to their dtype) and mark the norms folded;
+    done once (a re-fused layer keeps its fold)."""
+    a, m = layer.self_attn, layer.mlp
+    assert a.qkv is not None and m.gate_up is not None, "fold after fusing"
+    for norm, weight in ((layer.input_layernorm, a.qkv[0]), (layer.post_attention_layernorm, m.gate_up)):
+        if not norm.folded:
+            weight.mul_(norm.weight.to(weight.dtype)[None, :])
+            norm.folded = True
 
 
 def _fuse(linears: tuple[nn.Linear, ...], attr: str) -> torch.Tensor | None:

@@ -44,7 +44,8 @@ from engine.config import ArchConfig
 from engine.model import MLP, Attention, CausalLM, DecoderLayer, RMSNorm, fuse_projections
 from engine.tp_allreduce import SymmAllReduce
 from engine.tp_allreduce import make as make_all_reduce
-from kernels.linear import linear, linear_glu
+from kernels.linear import Norm, linear, linear_glu
+from kernels.norm import forget_row_sumsq
 
 
 @dataclass(frozen=True)
@@ -57,7 +58,9 @@ class TPGroup:
     fast: SymmAllReduce | None = None  # GPUs: the one-shot all-reduce (engine/tp_allreduce.py)
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
-        """Sum of `x` over the ranks, in place; every rank gets the same tensor."""
+        """Sum of `x` over the ranks, in place; every rank gets the same tensor. Row sums of
+        squares a GEMM left on this rank's partial `x` (kernels/linear.py) no longer hold."""
+        forget_row_sumsq(x)
         if self.fast is not None and self.fast.accepts(x):
             return self.fast(x)
         if self.size > 1:
@@ -197,7 +200,7 @@ class ParallelLMHead(nn.Module):
         """Full logits [..., V] on every rank."""
         return torch.cat(self.tp.all_gather(linear(h, self.weight)), dim=-1)
 
-    def argmax(self, h: torch.Tensor, norm: tuple[torch.Tensor, float] | None = None) -> torch.Tensor:
+    def argmax(self, h: torch.Tensor, norm: Norm | None = None) -> torch.Tensor:
         """forward(norm(h)).argmax(-1), the first id on ties, gathering two numbers per row."""
         best, at = linear(h, self.weight, norm=norm).float().max(dim=-1)
         mine = torch.stack([best, (at + self.start).float()], dim=-1)  # ids < 2**24: exact in fp32

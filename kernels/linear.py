@@ -18,9 +18,15 @@ tile over a fixed share of K (split-K: SPLIT shares, summed in order by a second
 the bias, residual add, silu(gate) * up (the program reads a block of gate rows and the
 matching up rows into two accumulators) or a per-tile argmax in its epilogue: at decode sizes
 (M <= FUSED_MAX_M) one launch where cuBLAS + an elementwise op takes two, and no logits
-written for an argmax. The norm stays its own kernel (`kernels.norm.rms_norm`): applied to the
-A operand as it is loaded, it kept Triton from pipelining the weight loads (1.3-3x slower on
-an H100, bench/gpu/gpu_gemv.py, 2026-11-23), as silu * up did on the down projection's A.
+written for an argmax. A weighted norm stays its own kernel (`kernels.norm.rms_norm`): applied
+to the A operand as it is loaded, it kept Triton from pipelining the weight loads (1.3-3x slower
+on an H100, bench/gpu/gpu_gemv.py, 2026-11-23), as silu * up did on the down projection's A, and
+so did summing A's squares in the K loop (2026-11-26, BENCHMARKS.md). A weightless norm (its
+weight folded into w: `engine.model.fold_norms`) runs in the epilogue instead, as a row scale on
+the sums, from x's row sums of squares that the GEMM which wrote x (a residual add: this kernel,
+or its split-K sum) stored per column tile (`kernels.norm.store_partial_sumsq`, carried on the
+output tensor: `row_sumsq_of`); the main loop is untouched. Where x has none (cuBLAS wrote it, or
+it changed in place since), the norm runs as its own kernel.
 
 Batch-invariant mode (`kernels._dispatch.batch_invariant()`, `--deterministic`): a row's result
 must not depend on how many rows share the call. cuBLAS and CPU BLAS pick tiling, split-K and
@@ -42,7 +48,14 @@ import triton.language as tl
 from kernels import gemm_glu
 from kernels._dispatch import invariant, use_triton
 from kernels.activation import silu_and_mul, silu_and_mul_ref
-from kernels.norm import rms_norm, rms_norm_ref
+from kernels.norm import (
+    attach_row_sumsq,
+    rms_norm,
+    rms_norm_ref,
+    row_sumsq_of,
+    rstd_of_partials,
+    store_partial_sumsq,
+)
 from kernels.pdl import pdl_args, wait_for_previous
 
 FUSED_MAX_M = int(os.environ.get("PDSERVE_FUSED_MAX_M", "64"))  # rows up to which the kernel runs by default
@@ -51,7 +64,8 @@ SMALL_WEIGHT = int(os.environ.get("PDSERVE_SMALL_WEIGHT", str(2**21)))  # of at 
 MAX_BM = int(os.environ.get("PDSERVE_MAX_BM", "64"))  # the kernel's row tile: rows above it take more tiles
 INVARIANT_BM = 16
 
-Norm = tuple[torch.Tensor, float]
+Norm = tuple[torch.Tensor | None, float]  # (weight, or None where it is folded into the GEMM's; eps)
+RowNorm = tuple[float, torch.Tensor]  # (eps, x's partial row sums of squares [M, tiles]): the kernel's own norm
 
 
 def tile_config(n: int, k: int) -> tuple[int, int, int]:
@@ -74,8 +88,8 @@ def _silu_mul(gate, up, dtype: tl.constexpr):
 
 
 @triton.jit
-def _epilogue(acc, acc_up, rm, rn, M, N, b_ptr, r_ptr, stride_r, y_ptr, stride_y,
-              HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr, GLU: tl.constexpr):
+def _epilogue(acc, acc_up, rm, rn, M, N, b_ptr, r_ptr, stride_r, y_ptr, stride_y, sso_ptr,
+              HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr, GLU: tl.constexpr, SS_OUT: tl.constexpr):
     mask = (rm[:, None] < M) & (rn[None, :] < N)
     if HAS_BIAS:
         acc += tl.load(b_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)[None, :]
@@ -87,13 +101,16 @@ def _epilogue(acc, acc_up, rm, rn, M, N, b_ptr, r_ptr, stride_r, y_ptr, stride_y
         r = tl.load(r_ptr + rm[:, None].to(tl.int64) * stride_r + rn[None, :], mask=mask, other=0.0)
         out = (out.to(tl.float32) + r.to(tl.float32)).to(y_ptr.dtype.element_ty)
     tl.store(y_ptr + rm[:, None].to(tl.int64) * stride_y + rn[None, :], out, mask=mask)
+    if SS_OUT:  # for the next GEMM's norm (kernels.norm.rstd_of_partials)
+        store_partial_sumsq(out, rm, rn, M, N, sso_ptr)
 
 
 @triton.jit
-def _skinny_kernel(x_ptr, w_ptr, b_ptr, r_ptr, y_ptr, ws_ptr, val_ptr, idx_ptr,
-                   M, N, K, stride_x, stride_w, stride_r, stride_y, k_per_split,
+def _skinny_kernel(x_ptr, w_ptr, b_ptr, r_ptr, y_ptr, ws_ptr, val_ptr, idx_ptr, ssi_ptr, sso_ptr,
+                   M, N, K, stride_x, stride_w, stride_r, stride_y, k_per_split, eps, NTI,
                    HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr,
                    ARGMAX: tl.constexpr, SPLIT: tl.constexpr, PRECISION: tl.constexpr, GLU: tl.constexpr,
+                   NORM: tl.constexpr, NTP: tl.constexpr, SS_OUT: tl.constexpr,
                    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, PDL: tl.constexpr):
     wait_for_previous(PDL)
     pid_m, pid_n, pid_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
@@ -113,6 +130,10 @@ def _skinny_kernel(x_ptr, w_ptr, b_ptr, r_ptr, y_ptr, ws_ptr, val_ptr, idx_ptr,
         if GLU:
             w_up = tl.load(w_rows + N * stride_w, mask=w_mask, other=0.0)
             acc_up += tl.dot(a, tl.trans(w_up), input_precision=PRECISION)
+    if NORM:  # a weightless RMSNorm of x, applied to the sums (SPLIT == 1: they are whole)
+        rstd = rstd_of_partials(ssi_ptr, rm, M, NTI, K, eps, NTP)[:, None]
+        acc *= rstd
+        acc_up *= rstd
     if ARGMAX:  # this tile's best column per row, of the logits rounded as torch would
         logit = tl.where(rn[None, :] < N, acc.to(y_ptr.dtype.element_ty).to(tl.float32), float("-inf"))
         best, at = tl.max(logit, axis=1, return_indices=True, return_indices_tie_break_left=True)
@@ -120,15 +141,16 @@ def _skinny_kernel(x_ptr, w_ptr, b_ptr, r_ptr, y_ptr, ws_ptr, val_ptr, idx_ptr,
         tl.store(val_ptr + rm * n_tiles + pid_n, best, mask=rm < M)
         tl.store(idx_ptr + rm * n_tiles + pid_n, pid_n * BN + at, mask=rm < M)
     elif SPLIT == 1:
-        _epilogue(acc, acc_up, rm, rn, M, N, b_ptr, r_ptr, stride_r, y_ptr, stride_y, HAS_BIAS, HAS_RES, GLU)
+        _epilogue(acc, acc_up, rm, rn, M, N, b_ptr, r_ptr, stride_r, y_ptr, stride_y, sso_ptr,
+                  HAS_BIAS, HAS_RES, GLU, SS_OUT)
     else:
         part = ws_ptr + pid_k * M * N + rm[:, None] * N + rn[None, :]
         tl.store(part, acc, mask=(rm[:, None] < M) & (rn[None, :] < N))
 
 
 @triton.jit
-def _sum_splits_kernel(ws_ptr, b_ptr, r_ptr, y_ptr, M, N, stride_r, stride_y,
-                       HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr, SPLIT: tl.constexpr,
+def _sum_splits_kernel(ws_ptr, b_ptr, r_ptr, y_ptr, sso_ptr, M, N, stride_r, stride_y,
+                       HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr, SPLIT: tl.constexpr, SS_OUT: tl.constexpr,
                        BM: tl.constexpr, BN: tl.constexpr, PDL: tl.constexpr):
     wait_for_previous(PDL)
     rm = tl.program_id(0) * BM + tl.arange(0, BM)
@@ -137,7 +159,7 @@ def _sum_splits_kernel(ws_ptr, b_ptr, r_ptr, y_ptr, M, N, stride_r, stride_y,
     acc = tl.zeros([BM, BN], dtype=tl.float32)
     for s in range(SPLIT):  # in order
         acc += tl.load(ws_ptr + s * M * N + rm[:, None] * N + rn[None, :], mask=mask, other=0.0)
-    _epilogue(acc, acc, rm, rn, M, N, b_ptr, r_ptr, stride_r, y_ptr, stride_y, HAS_BIAS, HAS_RES, False)
+    _epilogue(acc, acc, rm, rn, M, N, b_ptr, r_ptr, stride_r, y_ptr, stride_y, sso_ptr, HAS_BIAS, HAS_RES, False, SS_OUT)
 
 
 @triton.jit
@@ -165,20 +187,28 @@ def _block_m(m: int) -> int:
     return INVARIANT_BM if invariant() else min(MAX_BM, max(16, triton.next_power_of_2(m)))
 
 
+def _split(w: torch.Tensor, config: tuple[int, int, int] | None, whole: bool) -> int:
+    """The launch's split-K count; `whole` (an argmax, silu * up): 1, they need the whole sum."""
+    return 1 if whole else (config or tile_config(*w.shape))[2]
+
+
 def _launch(x2, w, b, residual, y, argmax_out=None, config: tuple[int, int, int] | None = None,
-            glu: bool = False, id_map=None) -> None:
+            glu: bool = False, id_map=None, norm: RowNorm | None = None) -> torch.Tensor | None:
     """One GEMM launch (and its split-K sum or argmax pass). `glu`: y = silu(x @ gate.T) * (x @ up.T)
     with w = [gate; up] stacked by rows, one output column per gate/up row pair. `id_map`: the
-    argmax pass writes id_map[argmax]."""
+    argmax pass writes id_map[argmax]. `norm`: x is normalized (a weightless RMSNorm) by the
+    kernel, from its rows' partial sums of squares, the row scale applied to the sums (the launch
+    must not split K). With a residual add, returns y's rows' partial sums of squares [M, tiles]
+    (for the next GEMM's norm)."""
     m, (n, k) = x2.shape[0], w.shape
     assert w.stride(-1) == 1 and x2.shape[1] == k, f"weight {tuple(w.shape)} does not take {x2.shape[1]} inputs"
-    bn, bk, split = config or tile_config(n, k)
+    bn, bk, _ = config or tile_config(n, k)
+    split = _split(w, config, argmax_out is not None or glu)
+    assert norm is None or split == 1, "a norm in the GEMM needs the whole of K in one program"
     bm, n_out = _block_m(m), n
     if glu:
         assert n % 2 == 0 and b is None and residual is None, "gate/up GEMM: an even weight, no bias or add"
         n_out, bn = n // 2, max(16, bn // 2)  # each program reads bn rows of gate and bn of up
-    if argmax_out is not None or glu:
-        split = 1  # the argmax and silu * up need the whole sum
     while bm * bk + (2 if glu else 1) * bn * bk > 16384 and bk > 16:
         bk //= 2  # keep three stages in shared memory
     k_per = triton.cdiv(triton.cdiv(k, split), bk) * bk
@@ -189,51 +219,74 @@ def _launch(x2, w, b, residual, y, argmax_out=None, config: tuple[int, int, int]
         val = torch.empty(m, grid[1], dtype=torch.float32, device=x2.device)
         idx = torch.empty(m, grid[1], dtype=torch.int32, device=x2.device)
     r = residual if residual is not None else y
+    sso = torch.empty(m, grid[1], dtype=torch.float32, device=x2.device) if residual is not None else None
+    eps, ssi = norm if norm is not None else (0.0, None)
+    nti = ssi.shape[1] if ssi is not None else 1
     pdl = pdl_args(x2)
     _skinny_kernel[grid](
-        x2, w, b if b is not None else w, r, y, ws, val, idx,
-        m, n_out, k, x2.stride(0), w.stride(0), r.stride(0), y.stride(0), k_per,
+        x2, w, b if b is not None else w, r, y, ws, val, idx, ssi if ssi is not None else y,
+        sso if sso is not None else y,
+        m, n_out, k, x2.stride(0), w.stride(0), r.stride(0), y.stride(0), k_per, eps, nti,
         HAS_BIAS=b is not None, HAS_RES=residual is not None,
         ARGMAX=argmax_out is not None, SPLIT=split, PRECISION="ieee" if x2.dtype == torch.float32 else "tf32",
-        GLU=glu, BM=bm, BN=bn, BK=bk, num_warps=4, num_stages=3, **pdl)
+        GLU=glu, NORM=ssi is not None, NTP=triton.next_power_of_2(nti), SS_OUT=sso is not None and split == 1,
+        BM=bm, BN=bn, BK=bk, num_warps=4, num_stages=3, **pdl)
     if argmax_out is not None:
         _argmax_tiles_kernel[(m,)](val, idx, id_map if id_map is not None else idx, argmax_out, grid[1],
                                    BLOCK=triton.next_power_of_2(grid[1]), HAS_MAP=id_map is not None, **pdl)
     elif split > 1:
         _sum_splits_kernel[(triton.cdiv(m, bm), triton.cdiv(n_out, bn))](
-            ws, b if b is not None else ws, r, y, m, n_out, r.stride(0), y.stride(0),
-            HAS_BIAS=b is not None, HAS_RES=residual is not None, SPLIT=split, BM=bm, BN=bn, **pdl)
+            ws, b if b is not None else ws, r, y, sso if sso is not None else ws, m, n_out, r.stride(0), y.stride(0),
+            HAS_BIAS=b is not None, HAS_RES=residual is not None, SPLIT=split, SS_OUT=sso is not None,
+            BM=bm, BN=bn, **pdl)
+    return sso
 
 
 def linear_triton(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None, norm: Norm | None = None,
                   residual: torch.Tensor | None = None, config: tuple[int, int, int] | None = None) -> torch.Tensor:
     """`config`: (BN, BK, SPLIT) instead of `tile_config`'s (bench/gpu/gpu_gemv.py sweeps them)."""
-    x2 = _rows(_norm(x, norm))
+    x2, row_norm = _pre(x, norm, _split(w, config, False))
     y = torch.empty(x2.shape[0], w.shape[0], dtype=x.dtype, device=x.device)
+    sso = None
     if x2.shape[0]:
-        _launch(x2, w, b, _rows(residual) if residual is not None else None, y, config=config)
-    return y.view(*x.shape[:-1], w.shape[0])
+        sso = _launch(x2, w, b, _rows(residual) if residual is not None else None, y, config=config, norm=row_norm)
+    out = y.view(*x.shape[:-1], w.shape[0])
+    if sso is not None:
+        attach_row_sumsq(out, sso)
+    return out
 
 
 def linear_glu_triton(x: torch.Tensor, w: torch.Tensor, norm: Norm | None = None,
                       config: tuple[int, int, int] | None = None) -> torch.Tensor:
-    x2 = _rows(_norm(x, norm))
+    x2, row_norm = _pre(x, norm, 1)
     y = torch.empty(x2.shape[0], w.shape[0] // 2, dtype=x.dtype, device=x.device)
     if x2.shape[0]:
-        _launch(x2, w, None, None, y, config=config, glu=True)
+        _launch(x2, w, None, None, y, config=config, glu=True, norm=row_norm)
     return y.view(*x.shape[:-1], w.shape[0] // 2)
 
 
 def linear_argmax_triton(x: torch.Tensor, w: torch.Tensor, norm: Norm | None = None, id_map: torch.Tensor | None = None,
                          out: torch.Tensor | None = None, config: tuple[int, int, int] | None = None) -> torch.Tensor:
     """`out`: a contiguous int64 tensor of x's rows to write into (made when None)."""
-    x2 = _rows(_norm(x, norm))
+    x2, row_norm = _pre(x, norm, 1)
     if out is None:
         out = torch.empty(x.shape[:-1], dtype=torch.int64, device=x.device)
     assert out.is_contiguous() and out.dtype == torch.int64 and out.numel() == x2.shape[0]
     if x2.shape[0]:
-        _launch(x2, w, None, None, torch.empty(0, 1, dtype=x.dtype, device=x.device), out, config=config, id_map=id_map)
+        _launch(x2, w, None, None, torch.empty(0, 1, dtype=x.dtype, device=x.device), out, config=config,
+                id_map=id_map, norm=row_norm)
     return out
+
+
+def _pre(x: torch.Tensor, norm: Norm | None, split: int) -> tuple[torch.Tensor, RowNorm | None]:
+    """x's rows for a launch of `split` K shares, and the norm for the kernel to apply itself: a
+    weightless one where the GEMM that wrote x left its rows' partial sums of squares. Else the
+    norm (if any) runs as its own kernel first."""
+    if norm is not None and norm[0] is None and split == 1:
+        partials = row_sumsq_of(x)
+        if partials is not None and partials.shape[0] == x.numel() // x.shape[-1]:
+            return _rows(x), (norm[1], partials)
+    return _rows(_norm(x, norm)), None
 
 
 def _norm(x: torch.Tensor, norm: Norm | None) -> torch.Tensor:
@@ -280,7 +333,9 @@ def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None, norm
     batch-invariant mode; the torch composition otherwise (its norm still a Triton kernel on CUDA,
     its add in cuBLAS's epilogue). `residual` may come back updated in place (`_addmm`): pass
     one that is not read afterwards (the decoder's residual stream)."""
-    if _fused(x, w, plain=residual is None):
+    # x's norm can run inside the kernel (where x's writer left its sums of squares): not a plain GEMM
+    own_norm = norm is not None and norm[0] is None and row_sumsq_of(x) is not None
+    if _fused(x, w, plain=residual is None and not own_norm):
         return linear_triton(x, w, b, norm, residual)
     if norm is not None and use_triton(x, w):
         x, norm = rms_norm(x, *norm), None

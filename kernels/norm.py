@@ -3,6 +3,9 @@
     rms_norm(x, w, eps)            = w * round_x(x * rsqrt(mean(x^2) + eps))
     add_rms_norm(d, r, w, eps)     = (rms_norm(s, w, eps), s)  with  s = round_x(r + d)
 
+w None: no weight (a unit one), for a norm whose weight is folded into the next GEMM's
+(`engine.model.fuse_projections`).
+
 x^2, the mean and rsqrt are fp32; `round_x` rounds to x's dtype, and the product with w is
 rounded to the promoted dtype of w and x. These are the rounding steps of the torch code
 (`engine.model.RMSNorm` and the decoder layer's `x = x + delta`), which `*_ref` reproduces
@@ -32,11 +35,30 @@ def _add(a, b):
 
 
 @triton.jit
+def rstd_of_partials(ss_ptr, rm, M, NT, K, eps, NTP: tl.constexpr):
+    """[BM] 1 / rms of rows `rm` (of width K) from their NT partial sums of squares
+    (ss_ptr [M, NT] fp32, `store_partial_sumsq`), summed in one order whatever M is."""
+    t = tl.arange(0, NTP)
+    parts = tl.load(ss_ptr + rm[:, None].to(tl.int64) * NT + t[None, :],
+                    mask=(rm[:, None] < M) & (t[None, :] < NT), other=0.0)
+    return tl.rsqrt(tl.reduce(parts, 1, _add) / K + eps)
+
+
+@triton.jit
+def store_partial_sumsq(out, rm, rn, M, N, ss_ptr):
+    """ss_ptr[rm, this column tile] := the row sums of squares of a GEMM's rounded output tile
+    `out` [BM, BN] (columns rn; grid axis 1 tiles the columns)."""
+    v = tl.where(rn[None, :] < N, out.to(tl.float32), 0.0)
+    n_tiles = tl.num_programs(1)
+    tl.store(ss_ptr + rm.to(tl.int64) * n_tiles + tl.program_id(1), tl.reduce(v * v, 1, _add), mask=rm < M)
+
+
+@triton.jit
 def _add_rms_norm_kernel(
     delta_ptr, residual_ptr, weight_ptr, out_ptr, sum_ptr,
     stride_delta, stride_residual, stride_out, stride_sum,  # row strides, in elements
     H, eps,
-    HAS_DELTA: tl.constexpr, BLOCK: tl.constexpr,
+    HAS_DELTA: tl.constexpr, HAS_WEIGHT: tl.constexpr, BLOCK: tl.constexpr,
     PDL: tl.constexpr,
 ):
     wait_for_previous(PDL)
@@ -53,9 +75,11 @@ def _add_rms_norm_kernel(
     # triton.language, so Triton's interpreter can run it even if triton was imported first
     inv_rms = tl.rsqrt(tl.reduce(x * x, 0, _add) / H + eps)
     normed = (x * inv_rms).to(sum_ptr.dtype.element_ty).to(tl.float32)
-    w = tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-    # exact in fp32 for bf16/fp16 operands, so one rounding to the output dtype, as torch
-    tl.store(out_ptr + row * stride_out + cols, (w * normed).to(out_ptr.dtype.element_ty), mask=mask)
+    if HAS_WEIGHT:
+        w = tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+        # exact in fp32 for bf16/fp16 operands, so one rounding to the output dtype, as torch
+        normed = w * normed
+    tl.store(out_ptr + row * stride_out + cols, normed.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 def _rows(x: torch.Tensor) -> torch.Tensor:
@@ -66,11 +90,11 @@ def _rows(x: torch.Tensor) -> torch.Tensor:
 
 
 def add_rms_norm_triton(
-    delta: torch.Tensor | None, residual: torch.Tensor, weight: torch.Tensor, eps: float,
+    delta: torch.Tensor | None, residual: torch.Tensor, weight: torch.Tensor | None, eps: float,
     out: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     h = residual.shape[-1]
-    assert weight.shape == (h,), f"weight {tuple(weight.shape)} does not match hidden size {h}"
+    assert weight is None or weight.shape == (h,), f"weight {tuple(weight.shape)} does not match hidden size {h}"
     r = _rows(residual)
     if delta is None:
         d, s = r, r  # not read, not written (HAS_DELTA is off)
@@ -78,16 +102,16 @@ def add_rms_norm_triton(
         assert delta.shape == residual.shape, f"delta {tuple(delta.shape)} vs residual {tuple(residual.shape)}"
         d = _rows(delta)
         s = torch.empty(r.shape, dtype=torch.result_type(r, d), device=r.device)
-    dtype = torch.promote_types(weight.dtype, s.dtype)
+    dtype = s.dtype if weight is None else torch.promote_types(weight.dtype, s.dtype)
     if out is None:
         out = torch.empty(r.shape, dtype=dtype, device=r.device)
     assert out.shape == r.shape and out.stride(-1) == 1 and out.dtype == dtype, "out: [rows, H], rows of any stride"
     block = triton.next_power_of_2(h)
     _add_rms_norm_kernel[(r.shape[0],)](
-        d, r, weight.contiguous(), out, s,
+        d, r, weight.contiguous() if weight is not None else r, out, s,
         d.stride(0), r.stride(0), out.stride(0), s.stride(0),
         h, eps,
-        HAS_DELTA=delta is not None, BLOCK=block,
+        HAS_DELTA=delta is not None, HAS_WEIGHT=weight is not None, BLOCK=block,
         num_warps=min(max(block // 256, 1), 8), enable_fp_fusion=False, **pdl_args(r),
     )
     new_residual = residual if delta is None else s.view(residual.shape)
@@ -95,35 +119,62 @@ def add_rms_norm_triton(
 
 
 def add_rms_norm_ref(
-    delta: torch.Tensor | None, residual: torch.Tensor, weight: torch.Tensor, eps: float
+    delta: torch.Tensor | None, residual: torch.Tensor, weight: torch.Tensor | None, eps: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
     new_residual = residual if delta is None else residual + delta
     return rms_norm_ref(new_residual, weight, eps), new_residual
 
 
 def add_rms_norm(
-    delta: torch.Tensor | None, residual: torch.Tensor, weight: torch.Tensor, eps: float
+    delta: torch.Tensor | None, residual: torch.Tensor, weight: torch.Tensor | None, eps: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(rms_norm(residual + delta), residual + delta); delta None: (rms_norm(residual), residual)."""
-    tensors = (residual, weight) if delta is None else (delta, residual, weight)
+    tensors = tuple(t for t in (delta, residual, weight) if t is not None)
     if use_triton(*tensors):
         return add_rms_norm_triton(delta, residual, weight, eps)
     return add_rms_norm_ref(delta, residual, weight, eps)
 
 
-def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float, out: torch.Tensor | None = None) -> torch.Tensor:
+def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor | None, eps: float,
+                    out: torch.Tensor | None = None) -> torch.Tensor:
     return add_rms_norm_triton(None, x, weight, eps, out)[0]
 
 
-def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float, out: torch.Tensor | None = None) -> torch.Tensor:
+def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor | None, eps: float,
+                 out: torch.Tensor | None = None) -> torch.Tensor:
     xf = x.float()
-    y = weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+    y = (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+    if weight is not None:
+        y = weight * y
     return out.copy_(y.view(out.shape)) if out is not None else y
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, out: torch.Tensor | None = None) -> torch.Tensor:
-    """weight * normalize(x) over the last dim: the Triton kernel on CUDA, else the reference;
-    written into `out` [rows, H] (rows of any stride) when given."""
-    if use_triton(x, weight):
+def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float,
+             out: torch.Tensor | None = None) -> torch.Tensor:
+    """weight * normalize(x) over the last dim (weight None: normalize(x)): the Triton kernel on
+    CUDA, else the reference; written into `out` [rows, H] (rows of any stride) when given."""
+    if use_triton(*(t for t in (x, weight) if t is not None)):
         return rms_norm_triton(x, weight, eps, out)
     return rms_norm_ref(x, weight, eps, out)
+
+
+# A tensor written by a GEMM that also stored its rows' partial sums of squares
+# (`kernels.linear`, the residual GEMMs) carries them here, with its version: an in-place change
+# since (cuBLAS's in-place add, an all-reduce) makes them stale, and they are then not used.
+_ROW_SUMSQ = "_pdserve_row_sumsq"
+
+
+def attach_row_sumsq(t: torch.Tensor, partials: torch.Tensor) -> None:
+    setattr(t, _ROW_SUMSQ, (partials, t._version))
+
+
+def row_sumsq_of(t: torch.Tensor) -> torch.Tensor | None:
+    """The partial sums of squares [rows, tiles] fp32 of `t`'s rows, if they still hold."""
+    got = getattr(t, _ROW_SUMSQ, None)
+    return got[0] if got is not None and got[1] == t._version else None
+
+
+def forget_row_sumsq(t: torch.Tensor) -> None:
+    """`t` was changed in a way its version may not show (a collective writing it in place)."""
+    if hasattr(t, _ROW_SUMSQ):
+        delattr(t, _ROW_SUMSQ)

@@ -29,6 +29,7 @@ import triton
 import triton.language as tl
 
 from kernels.gemm_glu import _tile_ids
+from kernels.norm import rms_norm_ref, rstd_of_partials
 from kernels.pdl import pdl_args, wait_for_previous
 from kernels.rotary import rope_and_cache_with_k
 
@@ -51,8 +52,11 @@ class Config(NamedTuple):
 @triton.jit
 def _rope_epilogue(acc1, acc2, rm, rj, M, HQ, HKV, HALF, b_ptr, pos_ptr, cos_ptr, sin_ptr, stride_cos,
                    cache_ptr, slot_ptr, stride_cache_kv, stride_cache_slot, stride_cache_h, y_ptr, stride_y,
-                   HAS_BIAS: tl.constexpr):
-    """Bias, rotation of q and k, the stores of qkv and of k, v into the cache."""
+                   ssi_ptr, NTI, K, eps, HAS_BIAS: tl.constexpr, NORM: tl.constexpr, NTP: tl.constexpr):
+    """The norm's row scale, bias, rotation of q and k, the stores of qkv and of k, v into the cache."""
+    if NORM:
+        rstd = rstd_of_partials(ssi_ptr, rm, M, NTI, K, eps, NTP)[:, None]
+        acc1, acc2 = acc1 * rstd, acc2 * rstd
     head = rj // HALF
     d = rj % HALF
     col = head * (2 * HALF) + d  # the first half's column of qkv
@@ -92,9 +96,10 @@ def _rope_epilogue(acc1, acc2, rm, rj, M, HQ, HKV, HALF, b_ptr, pos_ptr, cos_ptr
 @triton.jit
 def _qkv_rope_kernel(x_ptr, w_ptr, b_ptr, pos_ptr, cos_ptr, sin_ptr, cache_ptr, slot_ptr, y_ptr,
                      M, K, HQ, HKV, HALF, stride_x, stride_w, stride_cos,
-                     stride_cache_kv, stride_cache_slot, stride_cache_h, stride_y,
-                     HAS_BIAS: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                     GROUP_M: tl.constexpr, PRECISION: tl.constexpr, PDL: tl.constexpr):
+                     stride_cache_kv, stride_cache_slot, stride_cache_h, stride_y, ssi_ptr, NTI, eps,
+                     HAS_BIAS: tl.constexpr, NORM: tl.constexpr, NTP: tl.constexpr, BM: tl.constexpr,
+                     BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr, PRECISION: tl.constexpr,
+                     PDL: tl.constexpr):
     wait_for_previous(PDL)
     half_cols = (HQ + 2 * HKV) * HALF
     pid_m, pid_n = _tile_ids(M, half_cols, BM, BN, GROUP_M)
@@ -113,13 +118,15 @@ def _qkv_rope_kernel(x_ptr, w_ptr, b_ptr, pos_ptr, cos_ptr, sin_ptr, cache_ptr, 
         acc1 = tl.dot(a, tl.load(w1_ptrs + k0, mask=k_ok[:, None], other=0.0), acc1, input_precision=PRECISION)
         acc2 = tl.dot(a, tl.load(w2_ptrs + k0, mask=k_ok[:, None], other=0.0), acc2, input_precision=PRECISION)
     _rope_epilogue(acc1, acc2, rm, rj, M, HQ, HKV, HALF, b_ptr, pos_ptr, cos_ptr, sin_ptr, stride_cos,
-                   cache_ptr, slot_ptr, stride_cache_kv, stride_cache_slot, stride_cache_h, y_ptr, stride_y, HAS_BIAS)
+                   cache_ptr, slot_ptr, stride_cache_kv, stride_cache_slot, stride_cache_h, y_ptr, stride_y,
+                   ssi_ptr, NTI, K, eps, HAS_BIAS, NORM, NTP)
 
 
 @triton.jit
 def _qkv_rope_tma_kernel(x_desc, w_desc, b_ptr, pos_ptr, cos_ptr, sin_ptr, cache_ptr, slot_ptr, y_ptr,
                          M, K, HQ, HKV, HALF, stride_cos, stride_cache_kv, stride_cache_slot, stride_cache_h, stride_y,
-                         HAS_BIAS: tl.constexpr, BM: tl.constexpr, BH: tl.constexpr, D2: tl.constexpr,
+                         ssi_ptr, NTI, eps, HAS_BIAS: tl.constexpr, NORM: tl.constexpr, NTP: tl.constexpr,
+                         BM: tl.constexpr, BH: tl.constexpr, D2: tl.constexpr,
                          BK: tl.constexpr, GROUP_M: tl.constexpr, PRECISION: tl.constexpr, PDL: tl.constexpr):
     """The same through TMA: x_desc [M, K] in [BM, BK] blocks, w_desc over w as [heads, 2, D/2, K]
     in [BH, 1, D/2, BK] blocks (D2 = D/2 = HALF; heads past the last read as zeros)."""
@@ -138,7 +145,8 @@ def _qkv_rope_tma_kernel(x_desc, w_desc, b_ptr, pos_ptr, cos_ptr, sin_ptr, cache
     rm = m0 + tl.arange(0, BM)
     rj = h0 * D2 + tl.arange(0, BH * D2)
     _rope_epilogue(acc1, acc2, rm, rj, M, HQ, HKV, HALF, b_ptr, pos_ptr, cos_ptr, sin_ptr, stride_cos,
-                   cache_ptr, slot_ptr, stride_cache_kv, stride_cache_slot, stride_cache_h, y_ptr, stride_y, HAS_BIAS)
+                   cache_ptr, slot_ptr, stride_cache_kv, stride_cache_slot, stride_cache_h, y_ptr, stride_y,
+                   ssi_ptr, NTI, K, eps, HAS_BIAS, NORM, NTP)
 
 
 def default_config(m: int, heads: int, head_dim: int, k: int) -> Config:
@@ -176,10 +184,13 @@ def _tma_usable(x: torch.Tensor, w: torch.Tensor, cfg: Config) -> bool:
 
 def qkv_rope(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, heads: tuple[int, int, int],
              positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_cache: torch.Tensor,
-             slot_mapping: torch.Tensor, config: Config | None = None) -> torch.Tensor:
+             slot_mapping: torch.Tensor, config: Config | None = None,
+             norm: tuple[float, torch.Tensor] | None = None) -> torch.Tensor:
     """The module docstring's qkv [T, (Hq + 2 Hkv) D]: x [T, K] (rows contiguous in K), w and b the
     fused projection, heads (Hq, Hkv, D), positions and slot_mapping [T] int64, cos and sin
-    [max_positions, D] fp32, kv_cache [2, blocks, block_size, Hkv, D] contiguous."""
+    [max_positions, D] fp32, kv_cache [2, blocks, block_size, Hkv, D] contiguous. `norm` (eps,
+    x's partial row sums of squares [T, tiles]): x is normalized first, by a weightless RMSNorm
+    whose row scale the kernel applies to the GEMM's sums."""
     hq, hkv, d = heads
     t, k = x.shape
     n = (hq + 2 * hkv) * d
@@ -194,7 +205,9 @@ def qkv_rope(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, heads: tu
     bn = cfg.bh * half
     grid = (triton.cdiv(t, cfg.bm) * triton.cdiv((hq + 2 * hkv) * half, bn),)
     cache_strides = (kv_cache.stride(0), kv_cache.stride(2), kv_cache.stride(3))
-    common = dict(HAS_BIAS=b is not None, BM=cfg.bm, BK=cfg.bk, GROUP_M=cfg.group_m,
+    eps, ssi = norm if norm is not None else (0.0, None)
+    nti = ssi.shape[1] if ssi is not None else 1
+    common = dict(HAS_BIAS=b is not None, NORM=ssi is not None, NTP=triton.next_power_of_2(nti), BM=cfg.bm, BK=cfg.bk, GROUP_M=cfg.group_m,
                   PRECISION="ieee" if x.dtype == torch.float32 else "tf32", num_warps=cfg.warps,
                   num_stages=cfg.stages, enable_fp_fusion=False, **pdl_args(x))
     bias = b if b is not None else y
@@ -203,21 +216,22 @@ def qkv_rope(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, heads: tu
         w_desc = TensorDescriptor.from_tensor(w.view(hq + 2 * hkv, 2, half, k), [cfg.bh, 1, half, cfg.bk])
         _qkv_rope_tma_kernel[grid](x_desc, w_desc, bias, positions, cos, sin, kv_cache, slot_mapping, y,
                                    t, k, hq, hkv, half, cos.stride(0), *cache_strides, y.stride(0),
-                                   BH=cfg.bh, D2=half, **common)
+                                   ssi if ssi is not None else y, nti, eps, BH=cfg.bh, D2=half, **common)
     else:
         _qkv_rope_kernel[grid](x, w, bias, positions, cos, sin, kv_cache, slot_mapping, y,
                                t, k, hq, hkv, half, x.stride(0), w.stride(0), cos.stride(0), *cache_strides,
-                               y.stride(0), BN=bn, **common)
+                               y.stride(0), ssi if ssi is not None else y, nti, eps, BN=bn, **common)
     return y
 
 
 def qkv_rope_ref(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, heads: tuple[int, int, int],
                  positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_cache: torch.Tensor,
-                 slot_mapping: torch.Tensor) -> torch.Tensor:
-    """cuBLAS (or CPU BLAS) + the rotary kernel's reference."""
+                 slot_mapping: torch.Tensor, norm_eps: float | None = None) -> torch.Tensor:
+    """cuBLAS (or CPU BLAS) + the rotary kernel's reference (after a weightless norm, `norm_eps`)."""
     hq, hkv, d = heads
     t = x.shape[0]
-    qkv = torch.nn.functional.linear(x, w, b)
+    h = rms_norm_ref(x, None, norm_eps) if norm_eps is not None else x
+    qkv = torch.nn.functional.linear(h, w, b)
     q, k, v = qkv.split([hq * d, hkv * d, hkv * d], dim=-1)
     q = q.view(t, hq, d)
     k, v = k.view(t, hkv, d), v.view(t, hkv, d)

@@ -8,7 +8,10 @@
 #            the two kernels' sweeps (bench/gpu/gpu_glu.py, bench/gpu/gpu_qkv_rope.py) with `sweep`
 #   profile: the same cases with --profile (kernels, GPU busy, host ms per layer), prefill
 #            graphs off (--enforce-eager) beside them, and --deterministic's prefill cost
-# Usage: bash bench/gpu/gpu_prefill.sh check|bench|fused|sweep|profile|all
+#   fold:    the layers' norms folded into the q/k/v and gate/up GEMMs (PDSERVE_FOLD_NORM 0, then
+#            1, twice): prefill at 1 x 128 and 1 x 512 and the decode step at batch 1, k = 0, then
+#            the GPU tests of the kernels and the engine with the fold on
+# Usage: bash bench/gpu/gpu_prefill.sh check|bench|fused|sweep|profile|fold|all
 set -uo pipefail
 . "$(dirname "$0")/../../deploy/require.sh"; need_gpu_machine; require_done
 export PYTHONUNBUFFERED=1
@@ -50,6 +53,20 @@ if [[ $stage == fused || $stage == all ]]; then
     PDSERVE_FUSED_MAX_M=$m prefill --arch llama-1b --cases 1x128,1x512 --spec-tokens 0
   done
   for n in 32768 16384; do prefill --arch llama-1b --cases 1x512 --spec-tokens 3 --draft-vocab $n; done
+fi
+if [[ $stage == fold ]]; then
+  for fold in 0 1 0 1; do
+    export PDSERVE_FOLD_NORM=$fold
+    for arch in smollm2 llama-1b; do
+      prefill --arch $arch --cases 1x128,1x512 --spec-tokens 0 --iters 30
+      python3 -m deploy.cli bench engine --device cuda --arch $arch --batch 1 --max-tokens 64 --spec-tokens 0 2>&1 \
+        | grep '"ms_per_step"' | sed "s/^/fold=$fold /" | tee -a "$OUT/decode.txt"
+    done
+  done
+  unset PDSERVE_FOLD_NORM
+  timeout 200 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_linear.py tests/kernels/test_gemm_glu.py \
+    tests/kernels/test_qkv_rope.py tests/kernels/test_norm.py tests/engine/test_gpu_prefill.py tests/engine/test_gpu.py \
+    2>&1 | tee "$OUT/tests.log" | tail -8
 fi
 if [[ $stage == profile || $stage == all ]]; then
   prefill --arch smollm2 --cases 1x128,1x2048 --spec-tokens 3 --profile

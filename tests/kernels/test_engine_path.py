@@ -44,3 +44,27 @@ def test_triton_path_equals_reference_greedy_with_logprobs(k, middle):
         assert [lp.logprob for lp in a.logprobs] == pytest.approx([lp.logprob for lp in b.logprobs], abs=1e-4)
         assert [lp.top for lp in a.logprobs][0][0][0] == [lp.top for lp in b.logprobs][0][0][0]
     assert fast.num_free_blocks == fast.blocks.capacity
+
+
+def test_folded_norms_leave_two_norm_kernels_a_forward(monkeypatch):
+    """With the norms folded, each residual GEMM leaves its rows' sums of squares for the next q/k/v
+    or gate/up GEMM, which normalizes x itself: a forward runs the norm kernel for the first
+    layer's input and the final norm only (2 L + 1 without the fold)."""
+    from kernels import norm as norm_mod
+
+    calls: list[int] = []
+    real = norm_mod.add_rms_norm_triton
+    monkeypatch.setattr(norm_mod, "add_rms_norm_triton", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    counts, layers = {}, 0
+    for fold in ("0", "1"):
+        monkeypatch.setenv("PDSERVE_FOLD_NORM", fold)
+        loaded = load_model("tiny", dtype="float32")
+        layers = loaded.model.config.num_hidden_layers
+        fuse_projections(loaded.model)
+        with triton_on_cpu():
+            eng = LLMEngine(loaded, EngineConfig(num_speculative_tokens=0, block_size=8, attention_backend="triton"))
+            calls.clear()
+            eng.generate([[5, 6, 7]], SamplingParams(max_tokens=5, ignore_eos=True))
+        counts[fold] = len(calls)
+    forwards = 5  # the prefill and 4 decode steps
+    assert counts == {"0": forwards * (2 * layers + 1), "1": forwards * 2}

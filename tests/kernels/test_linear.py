@@ -9,6 +9,7 @@ import torch
 
 from kernels import linear as L
 from kernels._dispatch import batch_invariant, triton_on_cpu
+from kernels.norm import row_sumsq_of
 
 
 def randn(*shape, device="cpu", seed=0, scale=1.0) -> torch.Tensor:
@@ -100,3 +101,56 @@ def test_linear_runs_the_kernel_at_decode_sizes_and_the_composition_otherwise(mo
             L.linear(randn(L.FUSED_MAX_M + 5, 16), w)  # kernel: always in the mode
     L.linear(randn(2, 16), w, residual=r(2))  # CPU tensors outside triton_on_cpu: the reference
     assert calls == [L.FUSED_MAX_M, L.FUSED_MAX_M + 1, 2, L.FUSED_MAX_M + 5]
+
+
+def residual_out(m: int, k: int, device, seed: int = 5, split: bool = False) -> torch.Tensor:
+    """x as the decoder's residual stream is written: residual + a GEMM's output (this kernel's,
+    which leaves x's rows' partial sums of squares on it; split-K for `split`)."""
+    a = randn(m, 4160 if split else 48, device=device, seed=seed)
+    w0 = randn(k, a.shape[1], device=device, seed=seed + 1, scale=0.2)
+    return L.linear_triton(a, w0, residual=randn(m, k, device=device, seed=seed + 2, scale=3.0))
+
+
+@pytest.mark.parametrize("split", [False, True])
+def test_a_residual_gemm_leaves_its_rows_sums_of_squares(device, split):
+    x = residual_out(9, 100, device, split=split)
+    partials = row_sumsq_of(x)
+    assert partials is not None and partials.shape[0] == 9
+    torch.testing.assert_close(partials.sum(dim=1), x.float().pow(2).sum(dim=1), rtol=1e-5, atol=1e-4)
+    x.add_(1.0)  # changed in place since: the sums no longer hold
+    assert row_sumsq_of(x) is None
+
+
+@pytest.mark.parametrize(("m", "k", "n", "glu"), [(3, 96, 40, False), (17, 300, 33, True), (70, 80, 24, False)])
+def test_a_folded_norm_runs_inside_the_gemm(device, monkeypatch, m, k, n, glu):
+    """norm = (None, eps): a weightless RMSNorm (its weight folded into w). Where x came from a
+    residual GEMM, the kernel applies it itself from the sums of squares that GEMM left: no norm
+    kernel runs, and the result is the composition's (norm, rounded, then the GEMM) to fp32 sums."""
+    x = residual_out(m, k, device)
+    w = randn(2 * n if glu else n, k, device=device, seed=1, scale=0.1)
+    b = None if glu else randn(n, device=device, seed=2)
+    monkeypatch.setattr(L, "rms_norm", lambda *a: pytest.fail("the norm ran as its own kernel"))
+    if glu:
+        got, want = L.linear_glu_triton(x, w, (None, 1e-5)), L.linear_glu_ref(x, w, (None, 1e-5))
+    else:
+        got, want = L.linear_triton(x, w, b, (None, 1e-5)), L.linear_ref(x, w, b, (None, 1e-5))
+    torch.testing.assert_close(got, want, atol=5e-5, rtol=1e-5)
+
+
+def test_a_folded_norm_without_sums_runs_as_its_own_kernel(device):
+    x = randn(5, 96, device=device, scale=3.0)  # not written by a residual GEMM
+    w = randn(24, 96, device=device, seed=1)
+    torch.testing.assert_close(L.linear_triton(x, w, None, (None, 1e-5)), L.linear_ref(x, w, None, (None, 1e-5)),
+                               atol=5e-5, rtol=1e-5)
+    x, w = residual_out(3, 4160, device), randn(24, 4160, device=device, seed=1, scale=0.1)  # split-K in four
+    torch.testing.assert_close(L.linear_triton(x, w, None, (None, 1e-5)), L.linear_ref(x, w, None, (None, 1e-5)),
+                               atol=5e-4, rtol=1e-5)
+
+
+def test_invariant_mode_with_a_folded_norm_rows_alone_equal_rows_in_a_batch(device):
+    a, w0 = randn(40, 64, device=device), randn(576, 64, device=device, seed=1, scale=0.2)
+    r, w = randn(40, 576, device=device, seed=2), randn(64, 576, device=device, seed=3)
+    with batch_invariant():
+        one, seven, forty = (L.linear_triton(L.linear_triton(a[:m], w0, residual=r[:m]), w, None, (None, 1e-5))
+                             for m in (1, 7, 40))
+    assert torch.equal(one, seven[:1]) and torch.equal(seven, forty[:7])

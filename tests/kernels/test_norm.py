@@ -50,6 +50,15 @@ def test_rms_norm_kernel_matches_reference(device, dtype, hidden, tokens):
     assert_within_a_rounding(norm.rms_norm_triton(x, w, EPS), norm.rms_norm_ref(x, w, EPS))
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rms_norm_without_a_weight_normalizes_only(device, dtype):
+    """weight None: a norm whose weight is folded into the next GEMM's (engine.model.fold_norms)."""
+    x = randn(5, 576, dtype=dtype, device=device) * 3
+    got = norm.rms_norm_triton(x, None, EPS)
+    assert_within_a_rounding(got, norm.rms_norm_ref(x, None, EPS))
+    assert_within_a_rounding(norm.rms_norm_ref(x, None, EPS), norm.rms_norm_ref(x, torch.ones(576, dtype=dtype, device=device), EPS))
+
+
 def test_rms_norm_kernel_reads_strided_rows_and_leading_dims(device):
     wide = randn(4, 200, device=device)
     x = wide[:, :72]  # row stride 200

@@ -64,3 +64,21 @@ def test_16_bit_matches_cublas_and_rotary(t, tma):
     got = qkv_rope(x, w, b, heads, pos, cos, sin, cache, slots, default_config(t, 48, 64, 2048)._replace(tma=tma))
     torch.testing.assert_close(got.float(), want.float(), rtol=2**-6, atol=2e-2)
     torch.testing.assert_close(cache.float(), want_cache.float(), rtol=2**-6, atol=2e-2)
+
+
+@pytest.mark.parametrize("tma", [False, True])
+@pytest.mark.parametrize("bias", [False, True])
+def test_a_folded_norm_from_partial_sums_equals_norm_then_gemm_then_rotary(device, tma, bias):
+    """norm = (eps, x's partial row sums of squares): the kernel normalizes x's rows itself (the
+    norm's weight folded into w), the row scale applied to the sums before the bias and rotation."""
+    x, w, b, heads, pos, cos, sin, cache, slots = case(33, (6, 3, 32), 64, device, bias)
+    x = 3 * x
+    partials = torch.stack([c.float().pow(2).sum(dim=1) for c in x.split([16, 16, 32], dim=1)], dim=1)
+    cfg = Config(16, 4, 32, 4, 2, tma=tma, group_m=2)
+    if tma and not _tma_usable(x, w, cfg):
+        pytest.skip("no tensor descriptors here (a GPU before Hopper, or an older Triton)")
+    want_cache = cache.clone()
+    want = qkv_rope_ref(x, w, b, heads, pos, cos, sin, want_cache, slots, norm_eps=1e-5)
+    got = qkv_rope(x, w, b, heads, pos, cos, sin, cache, slots, cfg, norm=(1e-5, partials))
+    torch.testing.assert_close(got, want, atol=3e-5, rtol=3e-5)
+    torch.testing.assert_close(cache, want_cache, atol=3e-5, rtol=3e-5)
