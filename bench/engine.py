@@ -142,7 +142,10 @@ def _engine(loaded: LoadedModel, k: int, args: argparse.Namespace,
                                             max_num_batched_tokens=args.batch * args.prompt_len,
                                             max_model_len=max_len, enforce_eager=args.enforce_eager,
                                             deterministic=args.deterministic), tp=tp)
-    engine.generate(prompts[:1], SamplingParams(max_tokens=4, ignore_eos=True))  # warm-up
+    if getattr(args, "structured_regex", None):  # the whole run once: its graphs (captured on first use) and grammar
+        engine.generate(prompts, _params(args))
+    else:
+        engine.generate(prompts[:1], SamplingParams(max_tokens=4, ignore_eos=True))  # warm-up
     return engine, prompts
 
 

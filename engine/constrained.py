@@ -18,10 +18,14 @@ it, since the masked argmax can only be that token. Elsewhere a forbidden draft 
 rejected. Sampled rows keep their drafts: their acceptance test needs the distribution each
 draft was drawn from.
 
-What this costs: the host must know step N's emitted tokens and drafts before launching step
-N + 1, so while a constrained request runs DecodeBatch collects the step in flight before it
-launches the next (no overlap; every other request of the batch runs at that pace too). The
-host work per step is O(constrained rows x (k + 1)) matcher calls (each a few to tens of µs).
+What this costs: the host must know step N's emitted tokens and drafts before the masks of step
+N + 1, so while a constrained request runs DecodeBatch runs each step in two halves: the
+forward of N + 1 (which needs no mask) is queued, step N is read and the masks are filled
+while it runs, then the rest of N + 1 is queued (engine/decode_batch.py). The forward has read
+the drafts by then, so forced tokens replace none in that mode; with PDSERVE_MASK_OVERLAP=0
+step N is read before N + 1 is launched whole (no overlap: every request of the batch waits
+for the masks), and forced tokens apply. The host work per step is O(constrained rows x
+(k + 1)) matcher calls (each a few to tens of µs).
 
 A request's grammar state is (spec, tokens): a request inserted with emitted tokens (a decode
 node's first token from the prefill node, a moved request's resumed output) replays them.
@@ -126,16 +130,19 @@ class ConstrainedRows:
         self.drafts[slot] = list(drafts or [])
         return all(m.accept(t) for t in tokens)
 
-    def write_masks_no_sync(self, slots: list[int]) -> None:
+    def write_masks_no_sync(self, slots: list[int], force: bool = True) -> None:
         """The masks of the constrained slots among `slots` (module docstring) into the device's
-        `grammar_mask`: one pinned buffer, one copy, one scatter; stream-ordered, before the launch."""
+        `grammar_mask`: one pinned buffer, one copy, one scatter; stream-ordered, before the launch
+        (or before its second half). `force`: forced tokens may replace greedy rows' drafts (not
+        once the launch's forward has read them)."""
         mine = [s for s in slots if s in self.matchers]
         if not mine:
             return
         k1 = self.k + 1
         host = self._buffer(len(mine) * k1)
         drafts = [list(self.drafts.get(s, [])) for s in mine]
-        self._fill_levels([self.matchers[s] for s in mine], drafts, host, [self.greedy.get(s, False) for s in mine])
+        self._fill_levels([self.matchers[s] for s in mine], drafts, host,
+                          [force and self.greedy.get(s, False) for s in mine])
         changed = [j for j, s in enumerate(mine) if drafts[j] != self.drafts.get(s, [])]
         state = self.runner.state
         if changed:  # forced tokens in place of forbidden drafts: the step reads them from the state
@@ -182,7 +189,7 @@ class ConstrainedRows:
 
     def _buffer(self, rows: int) -> torch.Tensor:
         """The host rows, reused once their last copy has run (in constrained mode it has: the
-        step that read them was collected)."""
+        step that read them was collected before the next masks are filled)."""
         words = self.runner.state.ensure_grammar_mask().shape[-1]
         if self._host is None or self._host.shape[0] < rows:
             cap = (self.runner.state.capacity + 1) * (self.k + 1)

@@ -11,7 +11,9 @@ one event (engine/step_output.py). The step reads the state's rows through one g
 
 Graphs are keyed by (B, all_greedy, needs_filter, penalized, constrained, logprobs) and captured on
 first use; the greedy ones without penalties, grammar masks or logprobs for every bucket are
-captured up front (`capture_greedy`). A constrained graph reads `BatchState.grammar_mask`.
+captured up front (`capture_greedy`). A constrained graph reads `BatchState.grammar_mask`; a
+constrained step also comes as two graphs (`halves`: the forward, then masks, verification and
+redraft), so the host can write the masks between them (engine/decode_batch.py).
 A capture synchronizes the device once (torch's capture does), so it is a one-time cost
 per key, paid before the loop runs for the keys captured up front.
 
@@ -23,6 +25,9 @@ the host right after the replay, in stream order, into a pinned buffer of its ow
 
 from __future__ import annotations
 
+import gc
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any, Protocol
 
 import torch
@@ -46,6 +51,27 @@ class DecodeRunner(Protocol):
     def decode_step(self, rows: torch.Tensor, flags: StepFlags, lp_sel: Any, num_top: int,
                     num_kv_blocks: int) -> StepOutputs: ...
 
+    def decode_forward(self, rows: torch.Tensor, flags: StepFlags, num_kv_blocks: int) -> Any: ...
+
+    def decode_finish(self, fwd: Any, rows: torch.Tensor, flags: StepFlags, lp_sel: Any, num_top: int,
+                      num_kv_blocks: int) -> StepOutputs: ...
+
+
+@contextmanager
+def capturing(graph: torch.cuda.CUDAGraph, pool: Any) -> Iterator[None]:
+    """Capture into `graph` (memory from `pool`), with no autograd and the garbage collector off:
+    a collection during the capture can free another engine's graph, whose reset is not allowed
+    while a stream captures and ends this capture with an error (seen on an H100 when a test made
+    an engine per token, 2026-11-26)."""
+    was_enabled = gc.isenabled()
+    gc.disable()  # dead cycles wait until the capture is over
+    try:
+        with torch.no_grad(), torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
+            yield
+    finally:
+        if was_enabled:
+            gc.enable()
+
 
 def bucket_sizes(max_batch: int) -> list[int]:
     """1, 2, 4, ... below `max_batch`, then `max_batch` itself."""
@@ -62,6 +88,8 @@ class DecodeGraphs:
         self.max_batch = max_batch
         self.buckets = bucket_sizes(max_batch)
         self.graphs: dict[GraphKey, tuple[torch.cuda.CUDAGraph, StepOutputs]] = {}
+        # a constrained step in two halves (forward; masks, verify, redraft), the first's outputs kept for the second
+        self.halves: dict[GraphKey, tuple[torch.cuda.CUDAGraph, torch.cuda.CUDAGraph, Any, StepOutputs]] = {}
         self.pool: Any = None  # all graphs share one memory pool (they never run at once)
         self._rows: list[int] = [runner.state.spare] * max_batch  # what `step_rows` holds
 
@@ -79,6 +107,22 @@ class DecodeGraphs:
         graph.replay()
         return out
 
+    def replay_forward(self, slots: list[int], flags: StepFlags, logprobs: bool) -> None:
+        """The first half of a constrained step for `slots` (`ModelRunner.launch_forward`)."""
+        b = self.bucket(len(slots))
+        key = (b, *flags, logprobs)
+        if key not in self.halves:
+            self.capture_halves(key)
+        self._set_rows(slots + [self.runner.state.spare] * (b - len(slots)))
+        self.halves[key][0].replay()
+
+    def replay_finish(self, n: int, flags: StepFlags, logprobs: bool) -> StepOutputs:
+        """The second half of the step `replay_forward` began for n rows (nothing in between
+        changes the rows)."""
+        _, graph, _, out = self.halves[(self.bucket(n), *flags, logprobs)]
+        graph.replay()
+        return out
+
     def capture_greedy(self) -> None:
         for b in self.buckets:
             self.capture((b, True, False, False, False, False))
@@ -89,8 +133,9 @@ class DecodeGraphs:
                                                           non_blocking=True)
             self._rows[: len(rows)] = rows
 
-    def capture(self, key: GraphKey) -> None:
-        b, all_greedy, needs_filter, penalized, constrained, logprobs = key
+    def _prepare(self, key: GraphKey) -> None:
+        """The state buffers a key's step reads, made before its capture; every row on the spare slot."""
+        b, all_greedy, _, penalized, constrained, _ = key
         r = self.runner
         if not all_greedy:
             r.state.ensure_draft_probs()
@@ -99,6 +144,11 @@ class DecodeGraphs:
         if constrained:
             r.state.ensure_grammar_mask()
         self._set_rows([r.state.spare] * b)
+
+    def capture(self, key: GraphKey) -> None:
+        b, all_greedy, needs_filter, penalized, constrained, logprobs = key
+        r = self.runner
+        self._prepare(key)
         rows = r.state.step_rows[:b]
 
         def step() -> StepOutputs:
@@ -106,13 +156,40 @@ class DecodeGraphs:
             flags = (all_greedy, needs_filter, penalized, constrained)
             return r.decode_step(rows, flags, lp_sel, MAX_TOP_LOGPROBS, r.max_blocks)
 
-        side = torch.cuda.Stream(r.device)
-        side.wait_stream(torch.cuda.current_stream(r.device))
-        with torch.cuda.stream(side), torch.no_grad():
-            step()  # warm-up: compiles kernels, sizes workspaces
-        torch.cuda.current_stream(r.device).wait_stream(side)
+        self._warm_up(step)
         graph = torch.cuda.CUDAGraph()
-        with torch.no_grad(), torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
+        with capturing(graph, self.pool):
             out = step()
         self.pool = graph.pool()
         self.graphs[key] = (graph, out)
+
+    def capture_halves(self, key: GraphKey) -> None:
+        """Two graphs for a constrained key: the forward, then the rest reading its outputs (kept
+        alive with the graphs, so no later capture in the shared pool reuses their memory)."""
+        b, *flags, logprobs = key
+        r = self.runner
+        self._prepare(key)
+        rows = r.state.step_rows[:b]
+        f = tuple(flags)
+        lp_sel = slice(None) if logprobs else None
+
+        def finish(fwd: Any) -> StepOutputs:
+            return r.decode_finish(fwd, rows, f, lp_sel, MAX_TOP_LOGPROBS, r.max_blocks)  # type: ignore[arg-type]
+
+        self._warm_up(lambda: finish(r.decode_forward(rows, f, r.max_blocks)))  # type: ignore[arg-type]
+        first, second = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
+        with capturing(first, self.pool):
+            fwd = r.decode_forward(rows, f, r.max_blocks)  # type: ignore[arg-type]
+        self.pool = first.pool()
+        with capturing(second, self.pool):
+            out = finish(fwd)
+        self.halves[key] = (first, second, fwd, out)
+
+    def _warm_up(self, step) -> None:
+        """Run `step` once on a side stream (compiles kernels, sizes workspaces) before a capture."""
+        r = self.runner
+        side = torch.cuda.Stream(r.device)
+        side.wait_stream(torch.cuda.current_stream(r.device))
+        with torch.cuda.stream(side), torch.no_grad():
+            step()
+        torch.cuda.current_stream(r.device).wait_stream(side)

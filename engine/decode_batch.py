@@ -11,9 +11,12 @@ The launch is sized before the step in flight is read, from host integers only
 (`plan_launch`): the rows that really run (next_real_bsz) and next_real_bsz * (k + 1) query
 tokens, never from sequence lengths the host learns one step late.
 
-While a grammar-constrained request runs, `step` collects the step in flight before it launches
-the next (the masks of step N + 1 need step N's tokens and drafts: engine/constrained.py), so
-the overlap is lost only then.
+While a grammar-constrained request runs, the masks of step N + 1 need step N's tokens and
+drafts (engine/constrained.py). The step then runs in two halves: the forward of N + 1 is
+queued first, step N is read while it runs, the host writes N + 1's masks, and the rest of
+N + 1 (masks, verification, redraft) is queued (`_step_in_halves`). The device waits for the
+host only when the masks take longer than that forward. PDSERVE_MASK_OVERLAP=0 reads step N
+before launching N + 1 whole instead (no overlap, but forced tokens may replace drafts).
 
 Rules an editor must keep:
   * a request's KV blocks are freed only after the step in flight has been collected
@@ -24,6 +27,7 @@ Rules an editor must keep:
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -31,12 +35,14 @@ import torch
 
 from engine.batch_state import SlotInit
 from engine.constrained import ConstrainedRows
+from engine.cuda_graphs import StepFlags
 from engine.kv_cache import BlockManager
 from engine.model_runner import DecodeHandle, ModelRunner
 from engine.penalties import PenaltyInit
 from engine.request import LogprobColumns, Request, RequestOutput
 
 InFlight = tuple[DecodeHandle, list[Request], dict[int, int]]
+HALVES = os.environ.get("PDSERVE_MASK_OVERLAP", "1") != "0"  # constrained steps in two halves (0: read first)
 
 
 @dataclass(frozen=True)
@@ -140,10 +146,13 @@ class DecodeBatch:
 
     def step(self) -> list[RequestOutput]:
         """Launch the next decode step (if any row really runs: `plan`), then read the previous one;
-        while a constrained request runs, read it first and write the launch's grammar masks."""
+        while a constrained request runs, the launch's grammar masks need the previous step's
+        tokens: the step runs in two halves around that read (`_step_in_halves`), or (with
+        HALVES off) the previous step is read first."""
         previous, outputs, self._ended = self._inflight, self._ended, []
         self._release_held()
-        if previous is not None and self.constrained:  # constrained mode: read it first (module docstring)
+        halves = bool(self.constrained) and HALVES
+        if previous is not None and self.constrained and not halves:  # read it first (module docstring)
             outputs += self._collect(*previous)
             self._free_deferred()
             self._inflight = previous = None
@@ -151,12 +160,34 @@ class DecodeBatch:
             self.runner.insert_many_no_sync(list(self._to_insert.items()))
             self._to_insert.clear()
         plan = self.plan(previous)
+        if plan.slots and halves:
+            return outputs + self._step_in_halves(previous, plan.slots)
         if plan.slots and self.constrained:
             self.constrained.write_masks_no_sync(plan.slots)
         self._inflight = self._launch(plan.slots) if plan.slots else None
         if previous is not None:
             outputs += self._collect(*previous)
             self._free_deferred()
+        return outputs
+
+    def _step_in_halves(self, previous: InFlight | None, slots: list[int]) -> list[RequestOutput]:
+        """Queue the forward half of step N + 1, read step N while it runs, write N + 1's masks
+        from N's tokens and drafts, then queue the rest of N + 1. The drafts N + 1 verifies are
+        already read by its forward, so no forced token replaces one (engine/constrained.py).
+        Blocks freed while step N is read wait for N + 1: its forward may still write rows the
+        host ended only now (the device learns of those after it was queued)."""
+        reqs = [self.running[s] for s in slots]
+        flags, lp = self._flags(slots, reqs)
+        half = self.runner.launch_forward(slots, flags, lp, max(len(r.block_ids) for r in reqs))
+        ready, self._free_after_collect = self._free_after_collect, []  # ended before the forward was queued
+        outputs: list[RequestOutput] = []
+        if previous is not None:
+            self._inflight = previous  # keeps `finish` from freeing blocks at once
+            outputs = self._collect(*previous)
+        for blocks in ready:
+            self.blocks.free(blocks)
+        self.constrained.write_masks_no_sync(slots, force=False)
+        self._inflight = self.runner.launch_finish(half), reqs, lp
         return outputs
 
     def plan(self, in_flight: InFlight | None) -> LaunchPlan:
@@ -167,14 +198,19 @@ class DecodeBatch:
             s for s, r in zip(in_flight[0].slots, in_flight[1], strict=True) if self.running.get(s) is r}
         return plan_launch(known, mine, self.runner.k)
 
-    def _launch(self, slots: list[int]) -> InFlight:
-        reqs = [self.running[s] for s in slots]
+    def _flags(self, slots: list[int], reqs: list[Request]) -> tuple[StepFlags, dict[int, int]]:
+        """A launch's host-known flags (engine/cuda_graphs.py) and its rows' logprob widths."""
         sampled = [r.params for r in reqs if not r.params.greedy]
         flags = (not sampled, any(p.top_k > 0 or p.top_p < 1.0 for p in sampled), any(r.params.penalized for r in reqs),
                  any(s in self.constrained.matchers for s in slots))
         lp = {i: r.params.logprobs for i, r in enumerate(reqs) if r.params.logprobs is not None}
+        return flags, lp
+
+    def _launch(self, slots: list[int]) -> InFlight:
+        reqs = [self.running[s] for s in slots]
+        flags, lp = self._flags(slots, reqs)
         width = max(len(r.block_ids) for r in reqs)
-        return self.runner.launch_decode(slots, flags, lp, width), reqs, lp  # type: ignore[arg-type]
+        return self.runner.launch_decode(slots, flags, lp, width), reqs, lp
 
     def _collect(self, handle: DecodeHandle, reqs: list[Request], lp: dict[int, int]) -> list[RequestOutput]:
         res = self.runner.collect(handle, lp)

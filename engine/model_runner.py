@@ -41,7 +41,7 @@ from engine.spec_decode import verify
 from engine.step_output import HostCopy, HostOutputs, StepLayout, astuple_lp
 from kernels._dispatch import batch_invariant
 from kernels.decode_tail import accept_and_advance
-from kernels.step_meta import Meta, step_inputs, uniform_meta
+from kernels.step_meta import Meta, StepInputs, step_inputs, uniform_meta
 from kernels.token_mask import mask_rows
 
 SPLIT_BLOCKS = 16  # KV blocks per split-KV partition in decode
@@ -109,6 +109,29 @@ class StepOutputs:
     logprobs: LogprobsTensors | None  # rows of `lp_sel`, k+1 entries each
     packed: torch.Tensor  # int64, `layout.words`
     layout: StepLayout
+
+
+@dataclass
+class DecodeForward:
+    """The first half of a decode step (`ModelRunner.decode_forward`): what the second reads."""
+
+    x: StepInputs
+    sampling: SamplingTensors
+    meta: AttentionMetadata
+    hidden: torch.Tensor
+    logits: torch.Tensor | None  # [R, k+1, V] (a constrained step's), else None
+
+
+@dataclass
+class ForwardHandle:
+    """A launched first half (`launch_forward`): `launch_finish` queues the second."""
+
+    slots: list[int]
+    flags: StepFlags
+    logprobs: dict[int, int]
+    num_kv_blocks: int
+    forward: DecodeForward | None  # the eager half's tensors (None: a graph's, kept by `DecodeGraphs`)
+    rows: torch.Tensor | None = None
 
 
 @dataclass
@@ -276,6 +299,32 @@ class ModelRunner:
             at = {row: i for i, row in enumerate(lp_rows)}
         return DecodeHandle(slots, out.layout, self.outputs.copy_no_sync(out.packed), at)
 
+    def launch_forward(self, slots: list[int], flags: StepFlags, logprobs: dict[int, int],
+                       num_kv_blocks: int) -> ForwardHandle:
+        """Queue the first half of a constrained step (`decode_forward`): the host writes the
+        step's grammar masks while it runs, then queues the rest (`launch_finish`). Never syncs."""
+        assert flags[3], "only a constrained step runs in halves"
+        if self.graphs is not None and len(slots) <= self.graphs.max_batch:
+            self.graphs.replay_forward(slots, flags, bool(logprobs))
+            return ForwardHandle(slots, flags, logprobs, num_kv_blocks, None)
+        rows = to_device_no_sync(slots, torch.long, self.device)
+        return ForwardHandle(slots, flags, logprobs, num_kv_blocks, self.decode_forward(rows, flags, num_kv_blocks), rows)
+
+    def launch_finish(self, h: ForwardHandle) -> DecodeHandle:
+        """Queue the second half of the step `h` began, and the one copy of its outputs."""
+        lp_rows = sorted(h.logprobs)
+        if h.forward is None:
+            assert self.graphs is not None
+            out = self.graphs.replay_finish(len(h.slots), h.flags, bool(lp_rows))
+            at = {row: row for row in lp_rows}
+        else:
+            assert h.rows is not None
+            sel = to_device_no_sync(lp_rows, torch.long, self.device) if lp_rows else None
+            out = self.decode_finish(h.forward, h.rows, h.flags, sel, max(h.logprobs.values(), default=0),
+                                     h.num_kv_blocks)
+            at = {row: i for i, row in enumerate(lp_rows)}
+        return DecodeHandle(h.slots, out.layout, self.outputs.copy_no_sync(out.packed), at)
+
     @_in_mode
     def decode_step(self, rows: torch.Tensor, flags: StepFlags, lp_sel: torch.Tensor | slice | None,
                     num_top: int, num_kv_blocks: int) -> StepOutputs:
@@ -284,14 +333,36 @@ class ModelRunner:
         Logprobs (top `num_top`) are computed for the rows `lp_sel` selects (None: none).
         Reads every input from `BatchState` (one gather kernel: kernels/step_meta.py) and
         writes the advanced state back; what the host reads lands in one packed buffer.
+        A constrained step may run as its two halves, `decode_forward` then `decode_finish`,
+        with the host writing the grammar masks between them (engine/constrained.py).
         """
-        s, k, r = self.state, self.k, rows.shape[0]
-        x = step_inputs(rows, s.step_state(), k + 1, self.block_size)
+        fwd = self.decode_forward(rows, flags, num_kv_blocks)
+        return self.decode_finish(fwd, rows, flags, lp_sel, num_top, num_kv_blocks)
+
+    @_in_mode
+    def decode_forward(self, rows: torch.Tensor, flags: StepFlags, num_kv_blocks: int) -> DecodeForward:
+        """The step's first half: its inputs, the target forward over [last, d1..dk], and the logits
+        a constrained step masks (None where the LM head's GEMM takes the argmax itself)."""
+        k, r = self.k, rows.shape[0]
+        x = step_inputs(rows, self.state.step_state(), k + 1, self.block_size)
         sampling = SamplingTensors(x.temperature, x.top_k, x.top_p, x.seed, flags[0], flags[1])
         meta = self._attn_meta(x.meta, x.tables, k + 1, num_kv_blocks)
         hidden = self.model(x.input_ids, meta.positions, self.kv.layers, meta, self.backend)
+        logits = None
+        if flags[3]:  # constrained: the logits always (the masks apply to them in the second half)
+            logits = self.model.compute_logits(hidden, float32=not flags[0] or flags[2]).view(r, k + 1, -1)
+        return DecodeForward(x, sampling, meta, hidden, logits)
+
+    @_in_mode
+    def decode_finish(self, fwd: DecodeForward, rows: torch.Tensor, flags: StepFlags,
+                      lp_sel: torch.Tensor | slice | None, num_top: int, num_kv_blocks: int) -> StepOutputs:
+        """The step's second half: masks, penalties, verification, the state's advance, logprobs,
+        the MTP redraft, and the packed outputs."""
+        s, k, r = self.state, self.k, rows.shape[0]
+        x, sampling, meta, hidden = fwd.x, fwd.sampling, fwd.meta, fwd.hidden
         drafts = x.input_ids.view(r, k + 1)[:, 1:]
-        logits, ids, n_verified = self._verify_step(hidden, rows, drafts, sampling, x.seq, flags, lp_sel is not None)
+        logits, ids, n_verified = self._verify_step(hidden, rows, drafts, sampling, x.seq, flags, lp_sel is not None,
+                                                    fwd.logits)
         n_lp = r if isinstance(lp_sel, slice) else (0 if lp_sel is None else lp_sel.shape[0])
         layout = StepLayout(r, k + 1, n_lp if logits is not None else 0, num_top, drafts=flags[3] and k > 0)
         packed = layout.empty(self.device)
@@ -315,16 +386,18 @@ class ModelRunner:
         return StepOutputs(tokens, n_emit, finished, lps, packed, layout)
 
     def _verify_step(self, hidden: torch.Tensor, rows: torch.Tensor, drafts: torch.Tensor, sampling: SamplingTensors,
-                     seq: torch.Tensor, flags: StepFlags, logprobs: bool):
+                     seq: torch.Tensor, flags: StepFlags, logprobs: bool, logits: torch.Tensor | None = None):
         """(logits [R, k+1, V] or None, target ids [R, k+1], verified counts or None when all
-        greedy): the argmax inside the LM head's GEMM when no logits are needed. Grammar masks
+        greedy): the argmax inside the LM head's GEMM when no logits are needed (`logits`: the
+        forward half's, when it computed them). Grammar masks
         (verify position i of row r: `grammar_mask[rows[r], i]`) apply before penalties; the
         logits returned (logprobs) are the raw ones."""
         all_greedy, _, penalized, constrained = flags
         r, k1 = drafts.shape[0], drafts.shape[1] + 1
         if all_greedy and not logprobs and not penalized and not constrained:
             return None, self.model.greedy_ids(hidden).view(r, k1), None
-        logits = self.model.compute_logits(hidden, float32=not all_greedy or penalized).view(r, k1, -1)
+        if logits is None:
+            logits = self.model.compute_logits(hidden, float32=not all_greedy or penalized).view(r, k1, -1)
         scored = mask_rows(logits, rows, self.state.ensure_grammar_mask()) if constrained else logits
         scored = self.state.penalties.penalize_rows(scored, rows, drafts) if penalized else scored
         return (logits, *self._verify(scored, rows, drafts, sampling, seq))

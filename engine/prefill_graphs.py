@@ -35,6 +35,7 @@ from typing import Any
 
 import torch
 
+from engine.cuda_graphs import capturing
 from engine.dummy_prompts import chunks_for_key
 from engine.prefill_step import (
     PrefillChunk,
@@ -158,8 +159,7 @@ class PrefillGraphs:
         torch.cuda.current_stream(r.device).wait_stream(side)
         events = [torch.cuda.Event(external=True) for _ in range(r.num_target_layers if with_events else 0)]
         graph = torch.cuda.CUDAGraph()
-        with torch.no_grad(), torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"), \
-                self._kernel_mode():
+        with capturing(graph, self.pool), self._kernel_mode():
             out = prefill_forward(r, inp, key, on_layer=(lambda i: events[i].record()) if with_events else None)
         self.pool = graph.pool()
         self.graphs[key] = (graph, out, events)

@@ -9,6 +9,10 @@
 #   structured: structured outputs (issue 28): the grammar tests on the GPU, `bench structured` on the
 #              50 schemas (k=0 and 3, with and without the constraint), and the masks' cost per decode
 #              step at batch 32 (`bench engine --structured-regex`, GPU time from --profile)
+#   halves:    constrained steps in two halves around the host's masks against read-first (issue 28):
+#              the grammar tests and the constrained no-sync test on the GPU, bench/gpu/gpu_halves.py
+#              (the 50 schemas, k=0 and 3, batch 32), and `bench engine --structured-regex` at batch 32
+#              and 1 with PDSERVE_MASK_OVERLAP 0 / 1 beside the free step
 #   all:       acceptance and startup
 # The GGUF (98 MB) is over one call's carry limit, so it travels in three parts, one per call,
 # while the machine stays warm (30 s between calls):
@@ -32,7 +36,7 @@ case "${1:-}" in
   *) echo "usage: $0 split | stash PART | run PART [acceptance|startup|all]"; exit 2 ;;
 esac
 stage=${3:-acceptance}
-[[ $stage =~ ^(acceptance|startup|structured|mask-threads|all)$ ]] || { echo "unknown stage $stage: acceptance, startup, structured or all"; exit 2; }
+[[ $stage =~ ^(acceptance|startup|structured|mask-threads|halves|all)$ ]] || { echo "unknown stage $stage: acceptance, startup, structured, halves or all"; exit 2; }
 cat $STASH/xaa $STASH/xab $STASH/xac > /tmp/smollm2.gguf || exit 1
 [[ $(sha256sum /tmp/smollm2.gguf | cut -d' ' -f1) == $(cat $STASH/sha256) ]] || { echo "GGUF checksum mismatch"; exit 1; }
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
@@ -75,6 +79,20 @@ for l in sys.stdin:
     r = json.loads(l); print('k', r['spec_tokens'], 'regex', r.get('structured_regex'), 'ms/step', r['ms_per_step'],
                              'GPU us/step', r.get('gpu_us_per_step'), 'busy', r.get('gpu_busy'), 'tok/s', r['tokens_per_s'])"
   done
+fi
+if [[ $stage == halves ]]; then
+  PDSERVE_TEST_DEVICE=cuda timeout 300 python3 -m pytest -q -p no:cacheprovider tests/engine/test_grammar.py \
+    tests/engine/test_gpu.py::test_constrained_steps_in_halves_never_sync ${HALVES_TESTS:-} 2>&1 \
+    | tee "$OUT/halves_tests.log" | tail -4
+  python3 bench/gpu/gpu_halves.py --model smollm2 --device cuda --batch 32 2>>"$OUT/err.log" | tee "$OUT/halves.txt" | grep -v '^{'
+  for b in 32 1; do for k in 0 3; do for ov in free 0 1; do
+    regex=(--structured-regex "[a-z ]{2000}"); [[ $ov == free ]] && regex=()
+    PDSERVE_MASK_OVERLAP=${ov/free/1} python3 -m deploy.cli bench engine --model smollm2 --device cuda --batch $b \
+      --spec-tokens $k --max-tokens 128 "${regex[@]}" 2>>"$OUT/err.log" | grep '"spec_tokens"' | python3 -c "import json,sys
+for l in sys.stdin:
+    r = json.loads(l); print('batch $b k $k overlap $ov ms/step', r['ms_per_step'], 'tok/s', r['tokens_per_s'])" \
+      | tee -a "$OUT/halves_engine.txt"
+  done; done; done
 fi
 generate() {  # LABEL [ENV=VALUE ...]: the issue's command, wall time and its stderr phase line
   local label=$1; shift

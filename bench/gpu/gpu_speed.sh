@@ -9,7 +9,10 @@
 # fp32 greedy equal to the reference, penalties on the graph path, the step's kernels); then the Llama-1B k=3 / k=0 step ratio at
 # batch 1 with the full vocabulary and FR-Spec draft vocabularies of 32k and 16k, SmolLM2 at batch
 # 32 (GPU busy, kernels/copies per step), each with --profile, and the draft heads' GEMM sweep.
-# Usage: bash bench/gpu/gpu_speed.sh check|bench|profile|pdl|frspec|all
+# `regress`: the batch 64 / 128 rows issue 30 must not lose (Llama-1B b64, SmolLM2 b128), SmolLM2
+# b32 GPU busy, Llama-1B k=3 with a 32k draft vocabulary; then the GPU tests of graph capture
+# (decode halves, prefill graphs, the grammar on CUDA).
+# Usage: bash bench/gpu/gpu_speed.sh check|bench|profile|pdl|frspec|regress|all
 set -uo pipefail
 . "$(dirname "$0")/../../deploy/require.sh"; need_gpu_machine; require_done
 export PYTHONUNBUFFERED=1
@@ -36,6 +39,17 @@ if [[ $stage == bench || $stage == all ]]; then
   bench --arch llama-1b --batch 1 --max-tokens 128 --spec-tokens 3 --profile --hf
   bench --arch llama-1b --batch 64 --max-tokens 128 --spec-tokens 3 --hf
   python3 bench/gpu/bench_table.py "$OUT/bench.jsonl"
+fi
+
+if [[ $stage == regress ]]; then
+  bench --arch smollm2 --batch 128 --max-tokens 128 --spec-tokens 3
+  bench --arch llama-1b --batch 64 --max-tokens 128 --spec-tokens 3
+  bench --arch smollm2 --batch 32 --max-tokens 128 --spec-tokens 3 --profile
+  bench --arch llama-1b --batch 1 --max-tokens 128 --spec-tokens 3 --draft-vocab 32768
+  python3 bench/gpu/bench_table.py "$OUT/bench.jsonl"
+  PDSERVE_TEST_DEVICE=cuda timeout 240 python3 -m pytest -q -p no:cacheprovider tests/engine/test_grammar.py \
+    tests/engine/test_gpu.py::test_constrained_steps_in_halves_never_sync tests/engine/test_gpu_prefill.py 2>&1 \
+    | tee "$OUT/tests.log" | tail -4
 fi
 
 if [[ $stage == pdl ]]; then  # programmatic dependent launch off and on, same code otherwise

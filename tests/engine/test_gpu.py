@@ -1,5 +1,6 @@
 """GPU-only checks (skipped without CUDA): the decode loop never syncs (I3) on the graph path
-and the eager path, also with a draft vocabulary, and each launch copies its outputs to the host
+and the eager path, also with a draft vocabulary and with grammar-constrained rows (steps in two
+halves around the masks), and each launch copies its outputs to the host
 once, into one of two reused pinned buffers; the fast path (CUDA graphs + Triton kernels) gives
 the eager torch reference's tokens; bf16 runs."""
 
@@ -14,6 +15,7 @@ from engine.draft_vocab import write_ranking
 from engine.engine import EngineConfig, LLMEngine
 from engine.loader import load_model
 from engine.sampling_params import SamplingParams
+from engine.structured import StructuredSpec
 from kernels._dispatch import reference_kernels
 from mtp.loop import grow_head
 
@@ -23,30 +25,43 @@ PARAMS = [SamplingParams(max_tokens=40, ignore_eos=True),
           SamplingParams(max_tokens=40, ignore_eos=True, temperature=0.8, top_p=0.9, seed=1, logprobs=3)]
 
 
-def _run(eng: LLMEngine, checked: bool, params: list[SamplingParams] = PARAMS) -> int:
-    """Requests to the end; with `checked`, every decode launch runs under sync mode "error"."""
+def _run(eng: LLMEngine, checked: bool, params: list[SamplingParams] = PARAMS,
+         calls: tuple[str, ...] = ("runner.launch_decode",)) -> int:
+    """Requests to the end; with `checked`, every call of `calls` (paths from the engine) runs under
+    sync mode "error". Returns how many times the first was called."""
     for i, p in enumerate(params):
         eng.add_request(list(range(5, 12 + 7 * i)), p)
     eng.step()  # prefill (has its own read point) + first decode launch
-    launches = 0
-    real = eng.runner.launch_decode
+    counts = dict.fromkeys(calls, 0)
+    owners = [(eng if "." not in c else _owner(eng, c), c.rsplit(".", 1)[-1], c) for c in calls]
+    reals = [getattr(o, n) for o, n, _ in owners]
 
-    def launch(*a, **kw):
-        nonlocal launches
-        torch.cuda.set_sync_debug_mode("error" if checked else "default")
-        try:
-            return real(*a, **kw)
-        finally:
-            torch.cuda.set_sync_debug_mode("default")
-            launches += 1
+    def wrap(real, path):
+        def call(*a, **kw):
+            torch.cuda.set_sync_debug_mode("error" if checked else "default")
+            try:
+                return real(*a, **kw)
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+                counts[path] += 1
+        return call
 
-    eng.runner.launch_decode = launch  # type: ignore[method-assign]
+    for (o, n, path), real in zip(owners, reals, strict=True):
+        setattr(o, n, wrap(real, path))
     try:
         while eng.has_unfinished():
             eng.step()
     finally:
-        eng.runner.launch_decode = real  # type: ignore[method-assign]
-    return launches
+        for (o, n, _), real in zip(owners, reals, strict=True):
+            setattr(o, n, real)
+    return counts[calls[0]]
+
+
+def _owner(eng: LLMEngine, path: str):
+    obj = eng
+    for part in path.split(".")[:-1]:
+        obj = getattr(obj, part)
+    return obj
 
 
 @pytest.mark.parametrize("eager", [False, True])
@@ -66,6 +81,24 @@ def test_decode_launch_never_syncs(k, features, draft_vocab, eager, tmp_path):
     assert _run(eng, checked=True) > 5
     assert all(len(r.output_ids) == 40 for r in eng.requests.values())
     assert eng.runner.outputs.num_buffers == 2  # launch N+1 before reading N: double buffered
+
+
+@pytest.mark.parametrize("eager", [False, True])
+@pytest.mark.parametrize("k", [0, 3])
+def test_constrained_steps_in_halves_never_sync(k, eager):
+    """A batch with grammar-constrained rows (greedy and sampled) beside a free one: each step's
+    forward half, its masks' fill and copy, and its second half are queued without a sync (the
+    read of the previous step between them is the loop's one read point)."""
+    eng = LLMEngine(load_model("tiny", device="cuda", dtype="bfloat16"),
+                    EngineConfig(num_speculative_tokens=k, device="cuda", enforce_eager=eager))
+    regex = StructuredSpec("regex", "[a-z ]{60}")
+    params = [SamplingParams(max_tokens=40, structured=regex),
+              SamplingParams(max_tokens=40, structured=regex, temperature=0.9, seed=4, logprobs=2), PARAMS[0]]
+    calls = ("runner.launch_forward", "runner.launch_finish", "batch.constrained.write_masks_no_sync")
+    _run(eng, checked=False, params=params, calls=calls)  # captures the graphs
+    assert _run(eng, checked=True, params=params, calls=calls) > 5
+    assert all(len(r.output_ids) == 40 for r in eng.requests.values())
+    assert eng.num_free_blocks == eng.blocks.capacity
 
 
 @pytest.mark.parametrize("eager", [False, True])

@@ -217,8 +217,16 @@ def unconstrained_prompts() -> list[list[int]]:
     return [[7, 8, 9], [200, 100, 50, 25, 12]]
 
 
+@pytest.mark.parametrize("halves", [True, False], ids=["halves", "read-first"])
 @pytest.mark.parametrize("drafts", ["mtp", "oracle"])
-def test_greedy_mtp_equals_plain_in_a_mixed_batch(tiny, drafts, monkeypatch):
+def test_greedy_mtp_equals_plain_in_a_mixed_batch(tiny, drafts, halves, monkeypatch):
+    """k = 3 equals k = 0 token for token, the steps in two halves around the masks (the default)
+    or with the previous step read first (where forced tokens replace refused drafts)."""
+    monkeypatch.setattr("engine.decode_batch.HALVES", halves)
+    launched = Counter()
+    for name in ("launch_decode", "launch_forward"):
+        real = getattr(ModelRunner, name)
+        monkeypatch.setattr(ModelRunner, name, lambda self, *a, _f=real, _n=name: launched.update([_n]) or _f(self, *a))
     kinds = ["json", "regex", "choice"]
     prompts = [PROMPT, PROMPT[:5], PROMPT[2:]] + unconstrained_prompts()
     plain_p = SamplingParams(max_tokens=30, ignore_eos=True)
@@ -237,8 +245,10 @@ def test_greedy_mtp_equals_plain_in_a_mixed_batch(tiny, drafts, monkeypatch):
         check(kind, text_of(r))
     if drafts == "oracle":
         assert all(r.steps < len(r.output_ids) - 1 for r in got)  # drafts were accepted
-    else:  # tiny's MTP drafts are noise, but the schema's keys and separators are forced tokens
+    elif not halves:  # tiny's MTP drafts are noise, but the schema's keys and separators are forced tokens
         assert got[0].steps < (len(got[0].output_ids) - 1) * 3 // 4, (got[0].steps, len(got[0].output_ids))
+    assert (launched["launch_forward"] > 0) == halves  # the constrained steps ran in halves
+    assert halves or launched["launch_decode"] > 0
     assert eng.num_free_blocks == eng.blocks.capacity and not eng.batch.constrained
 
 
@@ -420,3 +430,32 @@ def test_abort_mid_generation_frees_the_matcher_and_blocks(tiny):
     assert not eng.batch.constrained and eng.num_free_blocks == eng.blocks.capacity
     state = eng.runner.state
     assert state.grammar_mask is not None and bool((state.grammar_mask == -1).all())  # every slot unmasked again
+
+
+def test_in_halves_a_request_ended_at_the_read_frees_its_blocks_after_the_next_read(tiny, monkeypatch):
+    """In halves the forward of step N + 1 is queued before step N is read, and it still writes
+    the rows the host ends at that read: their blocks are refcounted until N + 1 is read."""
+    from engine.constrained import ConstrainedRows
+
+    monkeypatch.setattr("engine.decode_batch.HALVES", True)
+    real, seen = ConstrainedRows.advance, {"n": 0}
+
+    def advance(self, slot, tokens, drafts):  # the third read of the request's steps refuses its tokens
+        seen["n"] += 1
+        return seen["n"] < 3 and real(self, slot, tokens, drafts)
+
+    monkeypatch.setattr(ConstrainedRows, "advance", advance)
+    eng = engine(tiny, 2)
+    rid = eng.add_request(PROMPT, SamplingParams(max_tokens=40, structured=SPECS["regex"]))
+    eng.add_request(PROMPT[:4], SamplingParams(max_tokens=30, ignore_eos=True))
+    blocks: list[int] = []
+    while eng.requests[rid].finish_reason is None:
+        blocks = list(eng.requests[rid].block_ids) or blocks
+        eng.step()
+    assert eng.requests[rid].finish_reason.startswith("error: ") and blocks
+    assert all(eng.blocks.refcount(b) > 0 for b in blocks)  # the forward in flight may still write them
+    eng.step()
+    assert all(eng.blocks.refcount(b) == 0 for b in blocks)
+    while eng.has_unfinished():
+        eng.step()
+    assert eng.num_free_blocks == eng.blocks.capacity

@@ -94,7 +94,8 @@ def full_logits(loaded, seq: list[int]) -> torch.Tensor:
         return torch.tensor(x, device=DEVICE)
 
     slots = [blocks[i // 16] * 16 + i % 16 for i in range(n)]
-    meta = AttentionMetadata(t(slots), t(list(range(n))), t([blocks]), t([0] * n), t(list(range(n))), n, len(blocks))
+    meta = AttentionMetadata(t(slots), t(list(range(n))), t([blocks]), t([0] * n), t(list(range(n))), n, len(blocks),
+                             seq_lens=t([n]), query_start=t([0, n]))  # the CUDA backend's paged kernel reads these
     with torch.no_grad():
         hidden = loaded.model(t(seq), meta.positions, eng.runner.kv.layers, meta, eng.runner.backend)
         return loaded.model.compute_logits(hidden)[-1].cpu()
