@@ -23,7 +23,6 @@ from kernels.flash_prefill import flash_prefill, triton_preferred
 from kernels.flash_varlen import flash_varlen, flash_varlen_usable
 from kernels.norm import rms_norm, row_sumsq_of
 from kernels.paged_attention import paged_attention
-from kernels.qkv_rope import decode_enabled as qkv_rope_decode_enabled
 from kernels.qkv_rope import qkv_rope
 from kernels.qkv_rope import usable as qkv_rope_usable
 from kernels.rotary import rope_and_cache, rope_and_cache_with_k, write_kv
@@ -137,8 +136,7 @@ class TritonAttention(AttentionBackend):
         that wrote x left its rows' sums of squares), then the fresh-step attention on its output."""
         hq, hkv, d = heads
         usable = flash_varlen_usable(x[:, :d], kv_cache)  # x's dtype and device; heads of d
-        steps_ok = meta.fresh or qkv_rope_decode_enabled()
-        if not (steps_ok and not invariant() and usable and qkv_rope_usable(x, qkv[0], d)):
+        if not (meta.fresh and not invariant() and usable and qkv_rope_usable(x, qkv[0], d)):
             return None
         weight, eps = norm
         partials = row_sumsq_of(x) if weight is None else None  # left by the GEMM that wrote x
@@ -148,8 +146,6 @@ class TritonAttention(AttentionBackend):
                        meta.slot_mapping, norm=(eps, partials) if partials is not None else None)
         t = out.shape[0]
         q, k, v = out.split([hq * d, hkv * d, hkv * d], dim=-1)
-        if not meta.fresh:  # over cached keys: paged attention reads the K/V the epilogue wrote
-            return self._attend(q.view(t, hq, d), kv_cache, meta, scale)
         return self._attend_fresh(q.view(t, hq, d), k.view(t, hkv, d), v.view(t, hkv, d), meta, scale)
 
     @staticmethod

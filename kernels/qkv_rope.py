@@ -153,8 +153,6 @@ def default_config(m: int, heads: int, head_dim: int, k: int) -> Config:
     """Tiles from a sweep on an H100 (bench/gpu/gpu_qkv_rope.py, 2026-11-25): 64 rows by 64
     output columns with pointer loads for short steps, TMA and twice the columns from 1024 tokens."""
     bh = max(1, 64 // head_dim)
-    if m <= 32:  # decode steps (PDSERVE_DECODE_QKV_ROPE) and short prompts: no 64-row tile for a few rows
-        return Config(max(16, triton.next_power_of_2(m)), bh, int(os.environ.get("PDSERVE_QKV_ROPE_BK", "128")), 4, 3)
     return Config(64, bh, 64, 4, 4) if m < 1024 else Config(64, 2 * bh, 64, 4, 4, True)
 
 
@@ -164,12 +162,6 @@ FUSED_MAX_WORK = 1.6e9  # tokens x q/k/v width x hidden up to which the fused ke
 def enabled() -> bool:
     """PDSERVE_PREFILL_QKV_ROPE=0 keeps cuBLAS + the rotary kernel in fresh prefill steps."""
     return os.environ.get("PDSERVE_PREFILL_QKV_ROPE", "1") != "0"
-
-
-def decode_enabled() -> bool:
-    """PDSERVE_DECODE_QKV_ROPE=1: steps over cached keys (decode, chunked prefill) take the fused
-    kernel too, then paged attention over the cache it wrote (an experiment: off by default)."""
-    return os.environ.get("PDSERVE_DECODE_QKV_ROPE", "0") == "1"
 
 
 def usable(x: torch.Tensor, w: torch.Tensor, head_dim: int) -> bool:

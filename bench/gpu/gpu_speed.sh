@@ -12,10 +12,7 @@
 # `regress`: the batch 64 / 128 rows issue 30 must not lose (Llama-1B b64, SmolLM2 b128), SmolLM2
 # b32 GPU busy, Llama-1B k=3 with a 32k draft vocabulary; then the GPU tests of graph capture
 # (decode halves, prefill graphs, the grammar on CUDA).
-# `qkvrope` (issue 30): rotary and the K/V write in the decode step's q/k/v GEMM
-# (PDSERVE_DECODE_QKV_ROPE 0 / 1, twice): the kernel's tests, batch-1 steps, SmolLM2 b32 k=3, and
-# tiny's bf16 greedy tokens each way.
-# Usage: bash bench/gpu/gpu_speed.sh check|bench|profile|pdl|frspec|regress|qkvrope|all
+# Usage: bash bench/gpu/gpu_speed.sh check|bench|profile|pdl|frspec|regress|all
 set -uo pipefail
 . "$(dirname "$0")/../../deploy/require.sh"; need_gpu_machine; require_done
 export PYTHONUNBUFFERED=1
@@ -53,21 +50,6 @@ if [[ $stage == regress ]]; then
   PDSERVE_TEST_DEVICE=cuda timeout 240 python3 -m pytest -q -p no:cacheprovider tests/engine/test_grammar.py \
     tests/engine/test_gpu.py::test_constrained_steps_in_halves_never_sync tests/engine/test_gpu_prefill.py 2>&1 \
     | tee "$OUT/tests.log" | tail -4
-fi
-
-if [[ $stage == qkvrope ]]; then
-  python3 -m pytest -q -p no:cacheprovider tests/kernels/test_qkv_rope.py 2>&1 | tail -2
-  for on in 0 1 0 1; do
-    export PDSERVE_DECODE_QKV_ROPE=$on
-    for a in smollm2 llama-1b; do bench --arch $a --batch 1 --max-tokens 64 --spec-tokens 0 | grep -o '"model.*ms_per_step": [0-9.]*' | sed "s/^/qkvrope=$on /"; done
-    bench --arch smollm2 --batch 32 --max-tokens 64 --spec-tokens 3 | grep -o '"spec_tokens": [0-9].*ms_per_step": [0-9.]*' | sed "s/^/qkvrope=$on b32 /"
-    python3 -c "
-from engine.engine import EngineConfig, LLMEngine; from engine.loader import load_model; from engine.sampling_params import SamplingParams
-e = LLMEngine(load_model('tiny', device='cuda', dtype='bfloat16'), EngineConfig(num_speculative_tokens=3, device='cuda'))
-out = e.generate([list(range(3, 3 + n)) for n in (5, 17, 33, 2)], SamplingParams(max_tokens=48, ignore_eos=True))
-import hashlib; print('qkvrope=$on tiny bf16 tokens', [r.output_ids[:12] for r in out][:2], hashlib.md5(str([r.output_ids for r in out]).encode()).hexdigest()[:10])"
-  done
-  unset PDSERVE_DECODE_QKV_ROPE
 fi
 
 if [[ $stage == pdl ]]; then  # programmatic dependent launch off and on, same code otherwise

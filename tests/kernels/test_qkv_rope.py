@@ -46,7 +46,6 @@ def test_kernel_equals_gemm_then_rotary(device, t, heads, k, bias, config, tma):
 
 def test_default_tiles_and_use_follow_the_step(monkeypatch):
     assert default_config(128, 48, 64, 2048).bh < default_config(8192, 48, 64, 2048).bh
-    assert [default_config(m, 48, 64, 2048).bm for m in (1, 16, 17, 32, 33)] == [16, 16, 32, 32, 64]  # few rows
     monkeypatch.delenv("PDSERVE_PREFILL_QKV_ROPE", raising=False)
     w = torch.empty(3072, 2048)
     assert usable(torch.empty(128, 2048), w, 64) and not usable(torch.empty(8192, 2048), w, 64)
