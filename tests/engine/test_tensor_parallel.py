@@ -114,6 +114,20 @@ def test_tiny_tp4_replicates_kv_heads_and_equals_tp1():
     assert all(len(ids) == 12 for case in tp1 for ids, _ in case)
 
 
+def test_tiny_tp2_equals_tp1_under_a_grammar():
+    """Constrained steps (in halves around the masks, engine/decode_batch.py) on every rank: the
+    same masks, so the same tokens as TP=1."""
+    from engine.structured import StructuredSpec
+
+    spec = StructuredSpec("regex", "[a-z]{4,9}@[a-z]{3}")
+    cases = [(k, SamplingParams(max_tokens=16, structured=spec, logprobs=2)) for k in (0, 3)]
+    lengths = [5, 23, 9]
+    _, tp1 = run_cases("tiny", lengths, cases, None)
+    (_, out0), (_, out1) = spawn_ranks(2, rank_cases, ("tiny", lengths, cases))
+    assert out1 == out0
+    assert_same(out0, tp1)
+
+
 def test_a_second_engine_on_a_sharded_model_sizes_its_cache_from_the_whole_model():
     loaded = load_model("tiny", dtype="float32")
     config = EngineConfig(kv_cache_bytes=96 << 10, num_speculative_tokens=3)  # the byte cap sets the count
