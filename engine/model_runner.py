@@ -227,7 +227,8 @@ class ModelRunner:
 
     # ---- prefill --------------------------------------------------------------------
     @_in_mode
-    def prefill(self, chunks: list[PrefillChunk], on_layer: LayerReady | None = None) -> PrefillOutput:
+    def prefill(self, chunks: list[PrefillChunk], on_layer: LayerReady | None = None,
+                on_first: Callable[[PrefillOutput], None] | None = None) -> PrefillOutput:
         """Run target (+ MTP) over prompt chunks; sample first tokens and drafts for finished prompts.
 
         `on_layer(i, ready)` hands out target layer i once its work is queued: `ready` is a CUDA
@@ -235,20 +236,24 @@ class ModelRunner:
         layer is the last work queued. Replays a prefill graph when the step fits one
         (engine/prefill_graphs.py), else runs the same step eagerly at its exact size (always
         with penalties, prompt logprobs or a grammar: a constrained prompt's first token is
-        sampled under its matcher's first mask, engine/constrained.py)."""
+        sampled under its matcher's first mask, engine/constrained.py). `on_first(output)` runs
+        once the first tokens (and logprobs) of the completed prompts are queued, before the MTP
+        layer and drafts are: `output` has no drafts (a caller queues the first tokens' copy to
+        the host there, so they leave ahead of the drafts)."""
         n = sum(c.end - c.start for c in chunks)
         penalties = prefill_penalties([PenaltyInit.of(c.params, c.prompt, []) if c.is_last else None for c in chunks],
                                       self.state.vocab, self.device)
         prompt_lp = plan_prompt_logprobs(chunks)
         masks = prefill_masks(self.grammar, chunks, self.device)
         plain = penalties is None and prompt_lp is None and masks is None
+        first = (lambda res: on_first(self._last_rows(chunks, res))) if on_first is not None else None
         if plain and self.prefill_graphs is not None and self.prefill_graphs.fits(n, len(chunks)):
-            return self._last_rows(chunks, self.prefill_graphs.run(chunks, on_layer))
+            return self._last_rows(chunks, self.prefill_graphs.run(chunks, on_layer, first))
         inp = PrefillInputs(n, len(chunks), self.max_blocks, self.device)  # eager: penalties, prompt logprobs, grammars
         inp.fill_no_sync(chunks)
         key = key_for(chunks, n, len(chunks), max(c.end - c.start for c in chunks))
         hook = (lambda i: on_layer(i, None)) if on_layer is not None else None
-        res = prefill_forward(self, inp, key, hook, penalties, prompt_lp, masks)
+        res = prefill_forward(self, inp, key, hook, penalties, prompt_lp, masks, first)
         out = self._last_rows(chunks, res)
         out.prompt_logprobs, out.prompt_lp_plan = res.prompt_logprobs, prompt_lp
         return out

@@ -179,15 +179,42 @@ def key_for(chunks: list[PrefillChunk], tokens: int, rows: int, max_q: int) -> P
 LayerHook = Callable[[int], None]
 
 
+FirstHook = Callable[["PrefillResult"], None]
+
+
+@dataclass
+class PrefillHead:
+    """What the second part of a prefill step (MTP and drafts) reads of the first."""
+
+    hidden: torch.Tensor
+    meta: AttentionMetadata
+    next_ids: torch.Tensor  # [T] each token's next id, first tokens put in (the MTP layer's input)
+    last_idx: torch.Tensor  # [R] each row's last token in the step's flat order
+    sampling: SamplingTensors
+
+
 def prefill_forward(runner: PrefillRunner, inp: PrefillInputs, key: PrefillKey, on_layer: LayerHook | None = None,
                     penalties: Penalties | None = None, prompt_lp: PromptLogprobPlan | None = None,
-                    token_mask: torch.Tensor | None = None) -> PrefillResult:
-    """The whole step over `inp` (module docstring); `on_layer(i)` right after layer i is queued.
+                    token_mask: torch.Tensor | None = None, on_first: FirstHook | None = None) -> PrefillResult:
+    """The whole step over `inp` (module docstring): `prefill_head`, `on_first(result)` once the
+    first tokens (and logprobs) are queued (its drafts are not yet: a caller may queue the first
+    tokens' copy to the host there, ahead of the MTP work), then `prefill_tail`."""
+    head, out = prefill_head(runner, inp, key, on_layer, penalties, prompt_lp, token_mask)
+    if on_first is not None:
+        on_first(out)
+    prefill_tail(runner, inp, key, head, out)
+    return out
+
+
+def prefill_head(runner: PrefillRunner, inp: PrefillInputs, key: PrefillKey, on_layer: LayerHook | None = None,
+                 penalties: Penalties | None = None, prompt_lp: PromptLogprobPlan | None = None,
+                 token_mask: torch.Tensor | None = None) -> tuple[PrefillHead, PrefillResult]:
+    """The target forward and the first tokens; `on_layer(i)` right after layer i is queued.
     `runner` is the ModelRunner (model, KV cache, backend, k, draft chain). First tokens are sampled
     from logits masked by `token_mask` ([R, W] int32 grammar bitmasks, engine/constrained.py), then
     with `penalties` applied (engine/penalties.py; logprobs stay the raw ones); `prompt_lp` asks
-    for prompt logprobs (engine/prompt_logprobs.py). MTP drafts are drawn unmasked."""
-    model, k = runner.model, runner.k
+    for prompt logprobs (engine/prompt_logprobs.py)."""
+    model = runner.model
     m = prefill_meta(inp.ids, inp.query_start, inp.start, inp.tables, inp.row_next, inp.is_last, runner.block_size)
     meta = AttentionMetadata(m.slot_mapping, m.positions, inp.tables, m.token_row, m.token_col, key.max_q,
                              inp.width, seq_lens=m.seq_lens, query_start=inp.query_start, fresh=key.fresh,
@@ -199,14 +226,22 @@ def prefill_forward(runner: PrefillRunner, inp: PrefillInputs, key: PrefillKey, 
     first = sample(apply_penalties(scored, penalties) if penalties is not None else scored, st, inp.base, STREAM_SAMPLE)
     lps = compute_logprobs(logits, first, key.top_logprobs) if key.top_logprobs is not None else None
     out = PrefillResult(first, lps, None, None, compute_prompt_logprobs(model, hidden, prompt_lp) if prompt_lp else None)
-    if k:
-        next_ids = m.next_ids.index_put((m.put_idx,), first)[: key.tokens]
-        mtp_cache = runner.kv.layers[runner.num_target_layers]
-        mh = model.mtp_forward(next_ids, meta.positions, hidden, mtp_cache, meta, runner.backend)
-        masked = inp.is_last == 0  # their drafts are not read: their KV goes to the trash block
-        out.drafts, out.draft_probs = runner.draft_chain(mh.index_select(0, m.last_idx), inp.base, st,
-                                                          inp.tables, masked, _draft_blocks(key, inp, runner))
-    return out
+    next_ids = m.next_ids.index_put((m.put_idx,), first)[: key.tokens] if runner.k else m.next_ids
+    return PrefillHead(hidden, meta, next_ids, m.last_idx, st), out
+
+
+def prefill_tail(runner: PrefillRunner, inp: PrefillInputs, key: PrefillKey, head: PrefillHead,
+                 out: PrefillResult) -> None:
+    """The MTP layer over the step's tokens, then k chained drafts per row into `out` (k > 0).
+    MTP drafts are drawn unmasked."""
+    if not runner.k:
+        return
+    model, meta = runner.model, head.meta
+    mtp_cache = runner.kv.layers[runner.num_target_layers]
+    mh = model.mtp_forward(head.next_ids, meta.positions, head.hidden, mtp_cache, meta, runner.backend)
+    masked = inp.is_last == 0  # their drafts are not read: their KV goes to the trash block
+    out.drafts, out.draft_probs = runner.draft_chain(mh.index_select(0, head.last_idx), inp.base, head.sampling,
+                                                      inp.tables, masked, _draft_blocks(key, inp, runner))
 
 
 def _draft_blocks(key: PrefillKey, inp: PrefillInputs, runner: PrefillRunner) -> int:

@@ -77,10 +77,10 @@ fi
 python3 - "$OUT/prefill.jsonl" <<'PY' 2>/dev/null
 import json, sys
 rows = [json.loads(l) for l in open(sys.argv[1]) if l.startswith("{")]
-print("| model | BxN | k | draft vocab | fused | eager | det | TTFT ms | HF ms | floor ms | x floor | kernels | busy | host ms/layer |")
+print("| model | BxN | k | draft vocab | fused | eager | det | TTFT ms | with drafts ms | HF ms | floor ms | x floor | kernels | busy | host ms/layer |")
 for r in rows:
     f = r.get("floor_ms")
     print(f"| {r['model']} | {r['batch']}x{r['prompt']} | {r['spec_tokens']} | {r.get('draft_vocab') or '-'} | {r.get('fused', '-')} | {not r['graphs']} | {r['deterministic']} | "
-          f"{r['ttft_ms']} | {r.get('hf_ms','-')} | {f or '-'} | {(r['ttft_ms']/f) if f else 0:.2f} | "
+          f"{r['ttft_ms']} | {r.get('step_ms','-')} | {r.get('hf_ms','-')} | {f or '-'} | {(r['ttft_ms']/f) if f else 0:.2f} | "
           f"{r.get('kernels_per_step','-')} | {r.get('gpu_busy','-')} | {r.get('host_ms_per_layer','-')} |")
 PY

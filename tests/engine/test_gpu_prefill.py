@@ -208,3 +208,13 @@ def test_deterministic_resume_from_a_reprefill_gives_the_same_bits(k):
     for a, b in zip(whole, resumed, strict=True):
         assert a.output_ids[cut:] == b.output_ids
         assert [lp.logprob for lp in a.logprobs[cut:]] == [lp.logprob for lp in b.logprobs]
+
+
+@pytest.mark.parametrize("k", [0, 3])
+def test_mtp_drafts_replay_a_graph_of_their_own_after_the_first_tokens(k):
+    """With MTP a prefill key has two graphs, the first tokens' and then the drafts' (the engine
+    queues the first tokens' copy to the host between them: engine/chunked_prefill.py)."""
+    eng = engine(k)
+    eng.generate(PROMPTS[:2], SamplingParams(max_tokens=4, ignore_eos=True))
+    tails = [tail for _, tail, _, _ in eng.runner.prefill_graphs.graphs.values()]
+    assert tails and all((tail is not None) == (k > 0) for tail in tails)
