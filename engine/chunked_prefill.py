@@ -147,6 +147,12 @@ class HostFirst:
             done.record()
         return HostFirst(first, lp, done)
 
+    def read(self) -> tuple[list[int], LogprobsTensors | None]:
+        """The first tokens as host ints and the logprobs' host tensors, once the copies are done."""
+        if self.done is not None:
+            self.done.synchronize()  # the first tokens and these copies, not the drafts or work queued after them
+        return self.first.tolist(), self.logprobs
+
 
 @dataclass
 class FirstTokenCopy:
@@ -157,9 +163,7 @@ class FirstTokenCopy:
     first_token: torch.Tensor  # device, [R]
     drafts: torch.Tensor | None
     draft_probs: torch.Tensor | None
-    host_first: torch.Tensor
-    host_lp: LogprobsTensors | None
-    done: Any  # a CUDA event after the copies; None on the CPU (the copies are done)
+    host: HostFirst
 
     @staticmethod
     def of(out: PrefillOutput, clone_outputs: bool, early: HostFirst | None = None) -> FirstTokenCopy:
@@ -167,11 +171,9 @@ class FirstTokenCopy:
         def clone(t: torch.Tensor | None) -> torch.Tensor | None:
             return t.clone() if t is not None and clone_outputs else t
 
-        host = early if early is not None else HostFirst.start(out)
         first = out.first_token.clone() if clone_outputs else out.first_token
-        return FirstTokenCopy(first, clone(out.drafts), clone(out.draft_probs), host.first, host.logprobs, host.done)
+        return FirstTokenCopy(first, clone(out.drafts), clone(out.draft_probs),
+                              early if early is not None else HostFirst.start(out))
 
     def read(self) -> tuple[list[int], LogprobsTensors | None]:
-        if self.done is not None:
-            self.done.synchronize()  # the first tokens and these copies, not the drafts or work queued after them
-        return self.host_first.tolist(), self.host_lp
+        return self.host.read()
