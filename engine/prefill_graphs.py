@@ -6,7 +6,8 @@ that bucket's `PrefillInputs` (padding tokens write the trash block, padding row
 tokens), then one replay runs `prefill_forward`: metadata kernel, every layer, first tokens,
 logprobs and the MTP drafts. The host cost no longer grows with the layers. Graphs are keyed by
 `PrefillKey` (buckets, the longest chunk's power of two, which bounds the attention grid,
-sampling flags, logprobs, fresh or not) and captured on first use
+sampling flags, logprobs, fresh or not, grammar masks or not: a constrained key reads its
+first tokens' masks from the bucket's `PrefillInputs.token_mask`) and captured on first use
 (lazily: a capture is ~100 launches' worth of host time once per key, and the keys a server
 meets are few). Steps beyond the largest bucket run eagerly, where compute hides the launches.
 
@@ -98,14 +99,17 @@ class PrefillGraphs:
         return key
 
     def run(self, chunks: list[PrefillChunk], on_layer: LayerReady | None = None,
-            on_first: FirstHook | None = None) -> PrefillResult:
-        """Pack `chunks` into their bucket, replay (capturing on first use, or with `defer` running
+            on_first: FirstHook | None = None, masks: torch.Tensor | None = None, words: int = 0) -> PrefillResult:
+        """Pack `chunks` into their bucket (and the first tokens' grammar masks, [n, `words`] int32
+        on the host, into its mask rows), replay (capturing on first use, or with `defer` running
         eagerly and capturing later), hand out the layer events. `on_first(result)` runs between the
         replay of the first tokens and that of the MTP drafts (`prefill_forward`). Never syncs,
         except a capture."""
         key = self.key(chunks)
         inp = self._inputs(key)
         inp.fill_no_sync(chunks)
+        if key.constrained:
+            inp.fill_mask_no_sync(masks, words)
         # No per-layer events in graphs: an event a graph's node records cannot be waited on from outside
         # before that node runs (the wait, or a host sync, sees the previous replay's record), so a KV
         # sender that waited on layer i's event could read layer i before this replay wrote it (wrong
@@ -143,12 +147,16 @@ class PrefillGraphs:
             key = self.pending.pop(0)
             if key in self.graphs:
                 continue
-            chunks = chunks_for_key(key, self.token_buckets, self.row_buckets, max_model_len)
-            if chunks is None or self.key(chunks) != key:
+            free = dataclasses.replace(key, constrained=False)  # dummy prompts have no grammar: the mask rows do
+            chunks = chunks_for_key(free, self.token_buckets, self.row_buckets, max_model_len)
+            if chunks is None or self.key(chunks) != free:
                 log.info("prefill graph key %s: no dummy step makes it; it stays eager", key)
                 continue
             inp = self._inputs(key)
             inp.fill_no_sync(chunks)
+            if key.constrained:  # the mask rows a live step filled have the width; all allowed now
+                assert inp.token_mask is not None
+                inp.fill_mask_no_sync(None, inp.token_mask.shape[1])
             self._capture(key, inp)
             return True
         return False

@@ -85,6 +85,7 @@ class PrefillKey:
     needs_filter: bool
     top_logprobs: int | None  # top logprobs computed for every row; None: no logprobs
     fresh: bool  # no row has cached keys before its chunk (attention may skip the cache)
+    constrained: bool = False  # first tokens sampled under grammar masks (`PrefillInputs.token_mask`)
 
 
 @dataclass
@@ -126,6 +127,32 @@ class PrefillInputs:
         self.seed, self.top_k = views["seed"], views["top_k"]
         self.tables = views["tables"].view(r, width)
         self.temperature, self.top_p = self._dev_f[:r], self._dev_f[r:]
+        self.token_mask: torch.Tensor | None = None  # [R, W] int32 grammar bitmasks (constrained keys)
+        self._mask_host: torch.Tensor | None = None
+        self._mask_copied: torch.cuda.Event | None = None
+
+    def ensure_token_mask(self, words: int) -> torch.Tensor:
+        """The rows' grammar bitmasks on the device, made on first use (all allowed)."""
+        if self.token_mask is None or self.token_mask.shape[1] != words:
+            self._mask_host = torch.full((self.rows, words), -1, dtype=torch.int32, pin_memory=self.device.type == "cuda")
+            self.token_mask = self._mask_host.to(self.device)
+        return self.token_mask
+
+    def fill_mask_no_sync(self, masks: torch.Tensor | None, words: int) -> None:
+        """Rows' masks [n <= R, W] int32 on the host (None: none), the rest allowing everything,
+        into `token_mask` by one non-blocking copy from pinned memory."""
+        self.ensure_token_mask(words)
+        assert self._mask_host is not None and self.token_mask is not None
+        if self._mask_copied is not None:
+            self._mask_copied.synchronize()  # the previous copy has left the host rows
+        n = 0 if masks is None else masks.shape[0]
+        if masks is not None and n:
+            self._mask_host[:n].copy_(masks)
+        self._mask_host[n:].fill_(-1)
+        self.token_mask.copy_(self._mask_host, non_blocking=True)
+        if self.device.type == "cuda":
+            self._mask_copied = self._mask_copied or torch.cuda.Event()
+            self._mask_copied.record()
 
     def fill_no_sync(self, chunks: list[PrefillChunk]) -> None:
         """Write the chunks (padding the rest) and start the copies to the device."""
@@ -173,7 +200,8 @@ def key_for(chunks: list[PrefillChunk], tokens: int, rows: int, max_q: int) -> P
     asked = [p.logprobs for p in last if p.logprobs is not None]
     return PrefillKey(tokens, rows, max_q, all_greedy=not sampled,
                       needs_filter=any(p.top_k > 0 or p.top_p < 1.0 for p in sampled),
-                      top_logprobs=max(asked) if asked else None, fresh=all(c.start == 0 for c in chunks))
+                      top_logprobs=max(asked) if asked else None, fresh=all(c.start == 0 for c in chunks),
+                      constrained=any(p.structured is not None for p in last))
 
 
 LayerHook = Callable[[int], None]
@@ -213,8 +241,12 @@ def prefill_head(runner: PrefillRunner, inp: PrefillInputs, key: PrefillKey, on_
     `runner` is the ModelRunner (model, KV cache, backend, k, draft chain). First tokens are sampled
     from logits masked by `token_mask` ([R, W] int32 grammar bitmasks, engine/constrained.py), then
     with `penalties` applied (engine/penalties.py; logprobs stay the raw ones); `prompt_lp` asks
-    for prompt logprobs (engine/prompt_logprobs.py)."""
+    for prompt logprobs (engine/prompt_logprobs.py). A constrained key without `token_mask` reads
+    the inputs' own (`PrefillInputs.token_mask`: a graph's)."""
     model = runner.model
+    if token_mask is None and key.constrained:
+        assert inp.token_mask is not None, "a constrained step's inputs carry its masks"
+        token_mask = inp.token_mask
     m = prefill_meta(inp.ids, inp.query_start, inp.start, inp.tables, inp.row_next, inp.is_last, runner.block_size)
     meta = AttentionMetadata(m.slot_mapping, m.positions, inp.tables, m.token_row, m.token_col, key.max_q,
                              inp.width, seq_lens=m.seq_lens, query_start=inp.query_start, fresh=key.fresh,
