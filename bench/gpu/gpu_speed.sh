@@ -14,7 +14,10 @@
 # (decode halves, prefill graphs, the grammar on CUDA).
 # `fp8head` (issue 30): the draft head in 8 bits (--draft-head-fp8): the kernel tests, then Llama-1B
 # batch 1, k=3 / k=0 with 32k and 16k draft vocabularies, 16-bit then 8-bit heads, twice.
-# Usage: bash bench/gpu/gpu_speed.sh check|bench|profile|pdl|frspec|regress|fp8head|all
+# `ropeattn` (issue 30): rotary and the K/V write inside the attention kernel for decode-sized
+# steps (PDSERVE_ROPE_IN_ATTENTION 0 / 1, twice): the kernel and engine GPU tests with it on, then
+# batch-1 steps and SmolLM2 b32 k=3.
+# Usage: bash bench/gpu/gpu_speed.sh check|bench|profile|pdl|frspec|regress|fp8head|ropeattn|all
 set -uo pipefail
 . "$(dirname "$0")/../../deploy/require.sh"; need_gpu_machine; require_done
 export PYTHONUNBUFFERED=1
@@ -63,6 +66,21 @@ if [[ $stage == fp8head ]]; then
 for l in open('$OUT/bench.jsonl'):
     r = json.loads(l) if l.startswith('{') else {}
     if 'ms_per_step' in r: print(r['spec_tokens'], r.get('draft_vocab'), r.get('draft_head_fp8'), r['ms_per_step'])"
+fi
+
+if [[ $stage == ropeattn ]]; then
+  PDSERVE_ROPE_IN_ATTENTION=1 timeout 240 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_paged_attention.py \
+    tests/engine/test_gpu.py 2>&1 | tail -3
+  for on in 0 1 0 1; do
+    for a in smollm2 llama-1b; do
+      PDSERVE_ROPE_IN_ATTENTION=$on bench --arch $a --batch 1 --max-tokens 128 --spec-tokens 0 > /dev/null
+    done
+    PDSERVE_ROPE_IN_ATTENTION=$on bench --arch smollm2 --batch 32 --max-tokens 64 --spec-tokens 3 > /dev/null
+  done
+  python3 -c "import json
+for l in open('$OUT/bench.jsonl'):
+    r = json.loads(l) if l.startswith('{') else {}
+    if 'ms_per_step' in r: print(r['model'], r['batch'], r['spec_tokens'], r['ms_per_step'])"
 fi
 
 if [[ $stage == pdl ]]; then  # programmatic dependent launch off and on, same code otherwise
