@@ -180,10 +180,8 @@ class DecodeBatch:
         flags, lp = self._flags(slots, reqs)
         half = self.runner.launch_forward(slots, flags, lp, max(len(r.block_ids) for r in reqs))
         ready, self._free_after_collect = self._free_after_collect, []  # ended before the forward was queued
-        outputs: list[RequestOutput] = []
-        if previous is not None:
-            self._inflight = previous  # keeps `finish` from freeing blocks at once
-            outputs = self._collect(*previous)
+        # `_inflight` still holds `previous` while it is read, so `finish` defers the blocks it frees
+        outputs = self._collect(*previous) if previous is not None else []
         for blocks in ready:
             self.blocks.free(blocks)
         self.constrained.write_masks_no_sync(slots, force=False)

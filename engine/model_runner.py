@@ -299,15 +299,27 @@ class ModelRunner:
         this batch size (`DecodeGraphs`), else runs the step eagerly. Then queues the one copy
         of the step's packed outputs to the host (engine/step_output.py). Never syncs.
         """
+        if self._graphed(slots):
+            return self._handle(slots, self.graphs.replay(slots, flags, bool(logprobs)), logprobs, True)  # type: ignore[union-attr]
+        rows = to_device_no_sync(slots, torch.long, self.device)
+        out = self.decode_step(rows, flags, *self._logprob_rows(logprobs), num_kv_blocks)
+        return self._handle(slots, out, logprobs, False)
+
+    def _graphed(self, slots: list[int]) -> bool:
+        """Whether a decode launch for `slots` replays a graph (its batch fits a bucket)."""
+        return self.graphs is not None and len(slots) <= self.graphs.max_batch
+
+    def _logprob_rows(self, logprobs: dict[int, int]) -> tuple[torch.Tensor | None, int]:
+        """An eager step's (rows computing logprobs, on the device, or None; top-n)."""
         lp_rows = sorted(logprobs)
-        if self.graphs is not None and len(slots) <= self.graphs.max_batch:
-            out = self.graphs.replay(slots, flags, bool(lp_rows))
-            at = {row: row for row in lp_rows}  # a graph computes every row's logprobs
-        else:
-            rows = to_device_no_sync(slots, torch.long, self.device)
-            sel = to_device_no_sync(lp_rows, torch.long, self.device) if lp_rows else None
-            out = self.decode_step(rows, flags, sel, max(logprobs.values(), default=0), num_kv_blocks)
-            at = {row: i for i, row in enumerate(lp_rows)}
+        sel = to_device_no_sync(lp_rows, torch.long, self.device) if lp_rows else None
+        return sel, max(logprobs.values(), default=0)
+
+    def _handle(self, slots: list[int], out: StepOutputs, logprobs: dict[int, int], graphed: bool) -> DecodeHandle:
+        """A launched step: the one copy of its packed outputs queued, and where each row's
+        logprobs are (a graph computes every row's; an eager step those `_logprob_rows` chose)."""
+        lp_rows = sorted(logprobs)
+        at = {row: row for row in lp_rows} if graphed else {row: i for i, row in enumerate(lp_rows)}
         return DecodeHandle(slots, out.layout, self.outputs.copy_no_sync(out.packed), at)
 
     def launch_forward(self, slots: list[int], flags: StepFlags, logprobs: dict[int, int],
@@ -315,26 +327,21 @@ class ModelRunner:
         """Queue the first half of a constrained step (`decode_forward`): the host writes the
         step's grammar masks while it runs, then queues the rest (`launch_finish`). Never syncs."""
         assert flags[3], "only a constrained step runs in halves"
-        if self.graphs is not None and len(slots) <= self.graphs.max_batch:
-            self.graphs.replay_forward(slots, flags, bool(logprobs))
+        if self._graphed(slots):
+            self.graphs.replay_forward(slots, flags, bool(logprobs))  # type: ignore[union-attr]
             return ForwardHandle(slots, flags, logprobs, num_kv_blocks, None)
         rows = to_device_no_sync(slots, torch.long, self.device)
         return ForwardHandle(slots, flags, logprobs, num_kv_blocks, self.decode_forward(rows, flags, num_kv_blocks), rows)
 
     def launch_finish(self, h: ForwardHandle) -> DecodeHandle:
         """Queue the second half of the step `h` began, and the one copy of its outputs."""
-        lp_rows = sorted(h.logprobs)
         if h.forward is None:
             assert self.graphs is not None
-            out = self.graphs.replay_finish(len(h.slots), h.flags, bool(lp_rows))
-            at = {row: row for row in lp_rows}
-        else:
-            assert h.rows is not None
-            sel = to_device_no_sync(lp_rows, torch.long, self.device) if lp_rows else None
-            out = self.decode_finish(h.forward, h.rows, h.flags, sel, max(h.logprobs.values(), default=0),
-                                     h.num_kv_blocks)
-            at = {row: i for i, row in enumerate(lp_rows)}
-        return DecodeHandle(h.slots, out.layout, self.outputs.copy_no_sync(out.packed), at)
+            return self._handle(h.slots, self.graphs.replay_finish(len(h.slots), h.flags, bool(h.logprobs)),
+                                h.logprobs, True)
+        assert h.rows is not None
+        out = self.decode_finish(h.forward, h.rows, h.flags, *self._logprob_rows(h.logprobs), h.num_kv_blocks)
+        return self._handle(h.slots, out, h.logprobs, False)
 
     @_in_mode
     def decode_step(self, rows: torch.Tensor, flags: StepFlags, lp_sel: torch.Tensor | slice | None,
@@ -359,10 +366,12 @@ class ModelRunner:
         sampling = SamplingTensors(x.temperature, x.top_k, x.top_p, x.seed, flags[0], flags[1])
         meta = self._attn_meta(x.meta, x.tables, k + 1, num_kv_blocks)
         hidden = self.model(x.input_ids, meta.positions, self.kv.layers, meta, self.backend)
-        logits = None
-        if flags[3]:  # constrained: the logits always (the masks apply to them in the second half)
-            logits = self.model.compute_logits(hidden, float32=not flags[0] or flags[2]).view(r, k + 1, -1)
+        logits = self._logits(hidden, flags, r) if flags[3] else None  # constrained: masked in the second half
         return DecodeForward(x, sampling, meta, hidden, logits)
+
+    def _logits(self, hidden: torch.Tensor, flags: StepFlags, rows: int) -> torch.Tensor:
+        """[R, k+1, V] verify logits: fp32 where a row samples or is penalized."""
+        return self.model.compute_logits(hidden, float32=not flags[0] or flags[2]).view(rows, self.k + 1, -1)
 
     @_in_mode
     def decode_finish(self, fwd: DecodeForward, rows: torch.Tensor, flags: StepFlags,
@@ -408,7 +417,7 @@ class ModelRunner:
         if all_greedy and not logprobs and not penalized and not constrained:
             return None, self.model.greedy_ids(hidden).view(r, k1), None
         if logits is None:
-            logits = self.model.compute_logits(hidden, float32=not all_greedy or penalized).view(r, k1, -1)
+            logits = self._logits(hidden, flags, r)
         scored = mask_rows(logits, rows, self.state.ensure_grammar_mask()) if constrained else logits
         scored = self.state.penalties.penalize_rows(scored, rows, drafts) if penalized else scored
         return (logits, *self._verify(scored, rows, drafts, sampling, seq))
