@@ -30,8 +30,10 @@ from kernels.rotary import rope_and_cache, rope_and_cache_with_k, write_kv
 
 TRASH_BLOCK = 0
 # decode-sized steps rotate q and k and write the step's K/V inside the attention kernel (one launch
-# fewer a layer; kernels/paged_attention.py `paged_attention_rope`): an experiment, off by default
-ROPE_IN_ATTENTION = os.environ.get("PDSERVE_ROPE_IN_ATTENTION", "0") == "1"
+# fewer a layer; kernels/paged_attention.py `paged_attention_rope`). On by default: on the H100 it
+# took Llama-1B batch 1 from 1.21-1.25 to 1.145 ms and SmolLM2 b32 k=0 from 0.82 to 0.77 (BENCHMARKS.md);
+# PDSERVE_ROPE_IN_ATTENTION=0 keeps the rotary kernel
+ROPE_IN_ATTENTION = os.environ.get("PDSERVE_ROPE_IN_ATTENTION", "1") == "1"
 
 
 @dataclass

@@ -17,7 +17,8 @@
 # `ropeattn` (issue 30): rotary and the K/V write inside the attention kernel for decode-sized
 # steps (PDSERVE_ROPE_IN_ATTENTION 0 / 1, twice): the kernel and engine GPU tests with it on, then
 # batch-1 steps and SmolLM2 b32 k=3.
-# Usage: bash bench/gpu/gpu_speed.sh check|bench|profile|pdl|frspec|regress|fp8head|ropeattn|all
+# `b1prof`: batch-1 top kernels and idle gaps (SmolLM2, Llama-1B, k=0).
+# Usage: bash bench/gpu/gpu_speed.sh check|bench|profile|pdl|frspec|regress|fp8head|ropeattn|b1prof|all
 set -uo pipefail
 . "$(dirname "$0")/../../deploy/require.sh"; need_gpu_machine; require_done
 export PYTHONUNBUFFERED=1
@@ -81,6 +82,18 @@ if [[ $stage == ropeattn ]]; then
 for l in open('$OUT/bench.jsonl'):
     r = json.loads(l) if l.startswith('{') else {}
     if 'ms_per_step' in r: print(r['model'], r['batch'], r['spec_tokens'], r['ms_per_step'])"
+fi
+
+if [[ $stage == b1prof ]]; then  # where a batch-1 step's time goes: top kernels and idle gaps
+  bench --arch smollm2 --batch 1 --max-tokens 64 --spec-tokens 0 --profile > /dev/null
+  bench --arch llama-1b --batch 1 --max-tokens 64 --spec-tokens 0 --profile > /dev/null
+  python3 -c "import json
+for l in open('$OUT/bench.jsonl'):
+    r = json.loads(l) if l.startswith('{') else {}
+    if 'top_kernels' not in r: continue
+    print(r['model'], r['ms_per_step'], 'busy', r['gpu_busy'], 'gpu us', r['gpu_us_per_step'], 'kernels', r['kernels_per_step'])
+    for k in r['top_kernels']: print('  ', k)
+    for g in r.get('top_gaps', []): print('  gap', g)"
 fi
 
 if [[ $stage == pdl ]]; then  # programmatic dependent launch off and on, same code otherwise
