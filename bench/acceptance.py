@@ -19,8 +19,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--spec-tokens", type=int, default=3, help="k, draft tokens per step")
     p.add_argument("--draft-vocab", type=int, default=0, metavar="N",
                    help="drafts score the model's N most frequent tokens (FR-Spec); 0 = all")
-    p.add_argument("--draft-head-fp8", action="store_true",
-                   help="greedy drafts score an 8-bit copy of the draft vocabulary's head (needs --draft-vocab)")
     p.add_argument("--prompts", default=str(HELDOUT_PROMPTS), help="one prompt per line ('#' comments)")
     p.add_argument("--num-prompts", type=int, default=None, help="use the first N prompts")
     p.add_argument("--temperature", type=float, default=0.0)

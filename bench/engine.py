@@ -66,8 +66,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--spec-tokens", type=int, default=3)
     p.add_argument("--draft-vocab", type=int, default=0, metavar="N",
                    help="MTP drafts score the N most frequent tokens (FR-Spec); 0 = all")
-    p.add_argument("--draft-head-fp8", action="store_true",
-                   help="greedy drafts score an 8-bit copy of the draft vocabulary's head (needs --draft-vocab)")
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--batches", default=None, metavar="B1,B2,...",
                    help="time each of these batch sizes in turn on the one loaded model (instead of --batch)")
@@ -138,7 +136,6 @@ def _engine(loaded: LoadedModel, k: int, args: argparse.Namespace,
     max_len = args.prompt_len + args.max_tokens + 8
     per_seq = -(-kv_room_needed(max_len, k) // BLOCK_SIZE)
     engine = LLMEngine(loaded, EngineConfig(num_speculative_tokens=k, draft_vocab_size=args.draft_vocab if k else 0,
-                                            draft_head_fp8=bool(k and getattr(args, "draft_head_fp8", False)),
                                             device=args.device,
                                             max_num_seqs=max(args.batch, 1), block_size=BLOCK_SIZE,
                                             num_blocks=1 + args.batch * per_seq,  # the whole batch at once
@@ -172,8 +169,7 @@ def time_engine(loaded: LoadedModel, k: int, args: argparse.Namespace, tp: TPGro
     out = {"model": loaded.name, "device": args.device, "dtype": str(next(loaded.model.parameters()).dtype),
            "graphs": engine.runner.graphs is not None, "deterministic": args.deterministic, "pdl": _pdl(args.device),
            "spec_tokens": k, "tp": tp.size if tp is not None else 1, "all_reduce": _all_reduce(loaded, tp),
-           "draft_vocab": (args.draft_vocab or None) if k else None,
-           "draft_head_fp8": bool(k and getattr(args, "draft_head_fp8", False)), "batch": args.batch,
+           "draft_vocab": (args.draft_vocab or None) if k else None, "batch": args.batch,
            "structured_regex": getattr(args, "structured_regex", None),
            "decode_tokens": tokens, "decode_steps": steps, "seconds": round(elapsed, 4),
            "tokens_per_s": round(tokens / elapsed, 1), "ms_per_step": round(1000 * elapsed / max(steps, 1), 3)}

@@ -86,7 +86,6 @@ class ModelConfig(_Section):
 class SpecConfig(_Section):
     num_speculative_tokens: int = Field(default=0, ge=0)  # k MTP draft tokens per step
     draft_vocab_size: int = Field(default=0, ge=0)  # drafts score the N most frequent tokens (FR-Spec); 0: all
-    draft_head_fp8: bool = False  # greedy drafts score an 8-bit copy of that vocabulary's head rows
 
 
 class CacheConfig(_Section):

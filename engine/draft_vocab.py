@@ -11,10 +11,6 @@ the model's bytes, and k chained drafts read it k times). Hands on, per draft st
   * `draft_tokens`: draft ids in the FULL vocabulary (`ids[argmax]` for greedy rows) and, when
     some row samples, the draft distribution over the full vocabulary [R, V].
 
-With `fp8` the greedy drafts score an 8-bit copy of those rows (one scale per row): half the
-bytes again. A draft only decides how many tokens are accepted, so the output does not change;
-the acceptance may, where the 8-bit argmax differs.
-
 Why verification stays exact. The target still scores the full vocabulary. Greedy: every
 emitted token is the target's argmax; a draft only decides how many are accepted.
 Sampling: rejection sampling emits tokens with the target's distribution p whatever the draft
@@ -44,7 +40,6 @@ from safetensors.torch import save_file
 from torch import Tensor
 
 from engine.sampler import STREAM_DRAFT, SamplingTensors, processed_probs, race
-from kernels.linear import fp8_rows
 
 RANK_SUFFIX = ".vocab_rank.safetensors"  # beside a head: {stem}.safetensors -> {stem}.vocab_rank.safetensors
 
@@ -54,21 +49,14 @@ class DraftVocab:
     ids: Tensor  # [N] int64 on the device: full-vocabulary ids, most frequent first
     weight: Tensor  # [N, hidden]: the LM head's rows for `ids` (a copy)
     vocab_size: int  # V, the full vocabulary
-    # greedy drafts' head in 8 bits (`fp8=True`): float8_e4m3fn rows and their fp32 scales (kernels.linear
-    # `fp8_rows`); half the bytes a draft step reads. Sampled rows' drafts keep `weight`.
-    weight_fp8: Tensor | None = None
-    scale: Tensor | None = None
 
     @classmethod
-    def build(cls, lm_head_weight: Tensor, ranking: Tensor, size: int, fp8: bool = False) -> DraftVocab:
-        """The first `size` ids of `ranking` (host or device) and their LM head rows (and an 8-bit
-        copy of them with `fp8`)."""
+    def build(cls, lm_head_weight: Tensor, ranking: Tensor, size: int) -> DraftVocab:
+        """The first `size` ids of `ranking` (host or device) and their LM head rows."""
         if not 0 < size <= ranking.shape[0]:
             raise ValueError(f"a draft vocabulary of {size} tokens from a ranking of {ranking.shape[0]} ids")
         ids = ranking[:size].to(device=lm_head_weight.device, dtype=torch.int64)
-        weight = lm_head_weight.detach()[ids].contiguous()
-        w8, scale = fp8_rows(weight) if fp8 else (None, None)
-        return cls(ids, weight, int(lm_head_weight.shape[0]), w8, scale)
+        return cls(ids, lm_head_weight.detach()[ids].contiguous(), int(lm_head_weight.shape[0]))
 
     @property
     def size(self) -> int:

@@ -55,7 +55,6 @@ from engine.tensor_parallel import (
 class EngineConfig:
     num_speculative_tokens: int = 0
     draft_vocab_size: int = 0  # MTP drafts score the N most frequent tokens (FR-Spec); 0 or >= V: all
-    draft_head_fp8: bool = False  # greedy drafts score an 8-bit copy of the draft vocabulary's head rows
     block_size: int = 16
     max_num_seqs: int = 32
     max_num_batched_tokens: int = 512
@@ -76,8 +75,6 @@ class EngineConfig:
             raise ValueError(f"num_speculative_tokens (k) must be >= 0, got {self.num_speculative_tokens}")
         if self.draft_vocab_size < 0:
             raise ValueError(f"draft_vocab_size must be >= 0 (0: the full vocabulary), got {self.draft_vocab_size}")
-        if self.draft_head_fp8 and self.draft_vocab_size == 0:
-            raise ValueError("draft_head_fp8 quantizes a draft vocabulary's head: set draft_vocab_size too")
         if self.block_size <= 0 or self.max_num_seqs <= 0 or self.max_num_batched_tokens <= 0:
             raise ValueError("block_size, max_num_seqs and max_num_batched_tokens must be > 0")
 
@@ -157,7 +154,7 @@ def draft_vocab_for(loaded: LoadedModel, config: EngineConfig) -> DraftVocab | N
         raise ValueError("a draft vocabulary is gathered from the whole LM head: load the model again "
                          "(this one is already sharded for tensor parallelism)")
     ranking = read_ranking(loaded.vocab_rank_path, vocab)
-    return DraftVocab.build(loaded.model.lm_head.weight, ranking, n, fp8=config.draft_head_fp8)
+    return DraftVocab.build(loaded.model.lm_head.weight, ranking, n)
 
 
 def resolve_request(

@@ -285,16 +285,13 @@ class CausalLM(nn.Module):
         return logits.float() if float32 else logits
 
     def mtp_greedy_ids(self, mtp_hidden: torch.Tensor, head_weight: torch.Tensor | None = None,
-                       id_map: torch.Tensor | None = None, out: torch.Tensor | None = None,
-                       head_scale: torch.Tensor | None = None) -> torch.Tensor:
+                       id_map: torch.Tensor | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
         """mtp_logits(...).argmax(-1) (ids into `head_weight`'s rows when given, mapped through
         `id_map`, written into `out` when given), the head's norm and the argmax inside the
-        LM-head GEMM where the fused kernel runs. `head_scale`: `head_weight` is 8-bit, its rows
-        scaled by it (a draft vocabulary's `weight_fp8`)."""
+        LM-head GEMM where the fused kernel runs."""
         assert self.mtp is not None
         weight = self.lm_head.weight if head_weight is None else head_weight
-        return linear_argmax(mtp_hidden, weight, norm=self.mtp.shared_head.norm.spec, id_map=id_map, out=out,
-                             w_scale=head_scale)
+        return linear_argmax(mtp_hidden, weight, norm=self.mtp.shared_head.norm.spec, id_map=id_map, out=out)
 
 
 def fuse_projections(model: CausalLM) -> None:

@@ -221,10 +221,7 @@ class ModelRunner:
         dv = self.draft_vocab
         weight = dv.weight if dv is not None else None
         if st.all_greedy:  # the argmax (and the vocabulary's id map) inside the head's GEMM: no logits
-            if dv is not None and dv.weight_fp8 is not None:  # the 8-bit head
-                self.model.mtp_greedy_ids(h, dv.weight_fp8, dv.ids, out=out, head_scale=dv.scale)
-            else:
-                self.model.mtp_greedy_ids(h, weight, dv.ids if dv is not None else None, out=out)
+            self.model.mtp_greedy_ids(h, weight, dv.ids if dv is not None else None, out=out)
             return None
         return draft_tokens(self.model.mtp_logits(h, weight, float32=False), st, base + j, dv, out=out)[1]
 

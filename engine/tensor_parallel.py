@@ -220,10 +220,9 @@ class TPCausalLM(CausalLM):
         return self.lm_head.argmax(hidden[..., : self.config.hidden_size])
 
     def mtp_greedy_ids(self, mtp_hidden: torch.Tensor, head_weight: torch.Tensor | None = None,
-                       id_map: torch.Tensor | None = None, out: torch.Tensor | None = None,
-                       head_scale: torch.Tensor | None = None) -> torch.Tensor:
+                       id_map: torch.Tensor | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
         if head_weight is not None:  # a draft vocabulary's head: replicated, scored locally
-            return super().mtp_greedy_ids(mtp_hidden, head_weight, id_map, out, head_scale)
+            return super().mtp_greedy_ids(mtp_hidden, head_weight, id_map, out)
         assert self.mtp is not None
         ids = self.lm_head.argmax(mtp_hidden, norm=self.mtp.shared_head.norm.spec)
         return out.copy_(ids) if out is not None else ids

@@ -106,11 +106,11 @@ def _epilogue(acc, acc_up, rm, rn, M, N, b_ptr, r_ptr, stride_r, y_ptr, stride_y
 
 
 @triton.jit
-def _skinny_kernel(x_ptr, w_ptr, b_ptr, r_ptr, y_ptr, ws_ptr, val_ptr, idx_ptr, ssi_ptr, sso_ptr, wsc_ptr,
+def _skinny_kernel(x_ptr, w_ptr, b_ptr, r_ptr, y_ptr, ws_ptr, val_ptr, idx_ptr, ssi_ptr, sso_ptr,
                    M, N, K, stride_x, stride_w, stride_r, stride_y, k_per_split, eps, NTI,
                    HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr,
                    ARGMAX: tl.constexpr, SPLIT: tl.constexpr, PRECISION: tl.constexpr, GLU: tl.constexpr,
-                   NORM: tl.constexpr, NTP: tl.constexpr, SS_OUT: tl.constexpr, W_SCALE: tl.constexpr,
+                   NORM: tl.constexpr, NTP: tl.constexpr, SS_OUT: tl.constexpr,
                    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, PDL: tl.constexpr):
     wait_for_previous(PDL)
     pid_m, pid_n, pid_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
@@ -126,10 +126,7 @@ def _skinny_kernel(x_ptr, w_ptr, b_ptr, r_ptr, y_ptr, ws_ptr, val_ptr, idx_ptr, 
                     mask=(rm[:, None] < M) & (kk[None, :] < K), other=0.0)
         w_rows = w_ptr + rn[:, None].to(tl.int64) * stride_w + kk[None, :]
         w_mask = (rn[:, None] < N) & (kk[None, :] < K)
-        wt = tl.load(w_rows, mask=w_mask, other=0.0)
-        if W_SCALE:  # an 8-bit weight, widened in registers; its rows' scales apply to the sums
-            wt = wt.to(a.dtype)
-        acc += tl.dot(a, tl.trans(wt), input_precision=PRECISION)
+        acc += tl.dot(a, tl.trans(tl.load(w_rows, mask=w_mask, other=0.0)), input_precision=PRECISION)
         if GLU:
             w_up = tl.load(w_rows + N * stride_w, mask=w_mask, other=0.0)
             acc_up += tl.dot(a, tl.trans(w_up), input_precision=PRECISION)
@@ -137,8 +134,6 @@ def _skinny_kernel(x_ptr, w_ptr, b_ptr, r_ptr, y_ptr, ws_ptr, val_ptr, idx_ptr, 
         rstd = rstd_of_partials(ssi_ptr, rm, M, NTI, K, eps, NTP)[:, None]
         acc *= rstd
         acc_up *= rstd
-    if W_SCALE:  # (argmax launches only: SPLIT == 1, no GLU)
-        acc *= tl.load(wsc_ptr + rn, mask=rn < N, other=0.0)[None, :]
     if ARGMAX:  # this tile's best column per row, of the logits rounded as torch would
         logit = tl.where(rn[None, :] < N, acc.to(y_ptr.dtype.element_ty).to(tl.float32), float("-inf"))
         best, at = tl.max(logit, axis=1, return_indices=True, return_indices_tie_break_left=True)
@@ -198,17 +193,14 @@ def _split(w: torch.Tensor, config: tuple[int, int, int] | None, whole: bool) ->
 
 
 def _launch(x2, w, b, residual, y, argmax_out=None, config: tuple[int, int, int] | None = None,
-            glu: bool = False, id_map=None, norm: RowNorm | None = None,
-            w_scale: torch.Tensor | None = None) -> torch.Tensor | None:
+            glu: bool = False, id_map=None, norm: RowNorm | None = None) -> torch.Tensor | None:
     """One GEMM launch (and its split-K sum or argmax pass). `glu`: y = silu(x @ gate.T) * (x @ up.T)
     with w = [gate; up] stacked by rows, one output column per gate/up row pair. `id_map`: the
     argmax pass writes id_map[argmax]. `norm`: x is normalized (a weightless RMSNorm) by the
     kernel, from its rows' partial sums of squares, the row scale applied to the sums (the launch
     must not split K). With a residual add, returns y's rows' partial sums of squares [M, tiles]
-    (for the next GEMM's norm). `w_scale` [N] fp32 (an argmax launch): w is 8-bit, row n scaled
-    by w_scale[n]."""
+    (for the next GEMM's norm)."""
     m, (n, k) = x2.shape[0], w.shape
-    assert w_scale is None or (argmax_out is not None and not glu), "an 8-bit weight: argmax launches only"
     assert w.stride(-1) == 1 and x2.shape[1] == k, f"weight {tuple(w.shape)} does not take {x2.shape[1]} inputs"
     bn, bk, _ = config or tile_config(n, k)
     split = _split(w, config, argmax_out is not None or glu)
@@ -233,12 +225,12 @@ def _launch(x2, w, b, residual, y, argmax_out=None, config: tuple[int, int, int]
     pdl = pdl_args(x2)
     _skinny_kernel[grid](
         x2, w, b if b is not None else w, r, y, ws, val, idx, ssi if ssi is not None else y,
-        sso if sso is not None else y, w_scale if w_scale is not None else y,
+        sso if sso is not None else y,
         m, n_out, k, x2.stride(0), w.stride(0), r.stride(0), y.stride(0), k_per, eps, nti,
         HAS_BIAS=b is not None, HAS_RES=residual is not None,
         ARGMAX=argmax_out is not None, SPLIT=split, PRECISION="ieee" if x2.dtype == torch.float32 else "tf32",
         GLU=glu, NORM=ssi is not None, NTP=triton.next_power_of_2(nti), SS_OUT=sso is not None and split == 1,
-        W_SCALE=w_scale is not None, BM=bm, BN=bn, BK=bk, num_warps=4, num_stages=3, **pdl)
+        BM=bm, BN=bn, BK=bk, num_warps=4, num_stages=3, **pdl)
     if argmax_out is not None:
         _argmax_tiles_kernel[(m,)](val, idx, id_map if id_map is not None else idx, argmax_out, grid[1],
                                    BLOCK=triton.next_power_of_2(grid[1]), HAS_MAP=id_map is not None, **pdl)
@@ -274,8 +266,7 @@ def linear_glu_triton(x: torch.Tensor, w: torch.Tensor, norm: Norm | None = None
 
 
 def linear_argmax_triton(x: torch.Tensor, w: torch.Tensor, norm: Norm | None = None, id_map: torch.Tensor | None = None,
-                         out: torch.Tensor | None = None, config: tuple[int, int, int] | None = None,
-                         w_scale: torch.Tensor | None = None) -> torch.Tensor:
+                         out: torch.Tensor | None = None, config: tuple[int, int, int] | None = None) -> torch.Tensor:
     """`out`: a contiguous int64 tensor of x's rows to write into (made when None)."""
     x2, row_norm = _pre(x, norm, 1)
     if out is None:
@@ -283,7 +274,7 @@ def linear_argmax_triton(x: torch.Tensor, w: torch.Tensor, norm: Norm | None = N
     assert out.is_contiguous() and out.dtype == torch.int64 and out.numel() == x2.shape[0]
     if x2.shape[0]:
         _launch(x2, w, None, None, torch.empty(0, 1, dtype=x.dtype, device=x.device), out, config=config,
-                id_map=id_map, norm=row_norm, w_scale=w_scale)
+                id_map=id_map, norm=row_norm)
     return out
 
 
@@ -367,14 +358,6 @@ def _addmm(x: torch.Tensor, w: torch.Tensor, residual: torch.Tensor) -> torch.Te
     return residual
 
 
-def fp8_rows(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(w8 [N, K] float8_e4m3fn, scale [N] fp32) with w8[n] * scale[n] ~ w[n]: each row scaled so
-    its largest magnitude is e4m3's largest finite value (448); an all-zero row gets scale 1."""
-    amax = w.detach().abs().amax(dim=-1).float()
-    scale = torch.where(amax > 0, amax / 448.0, torch.ones_like(amax))
-    return (w.detach().float() / scale[:, None]).to(torch.float8_e4m3fn).contiguous(), scale.contiguous()
-
-
 def linear_glu(x: torch.Tensor, w: torch.Tensor, norm: Norm | None = None) -> torch.Tensor:
     """silu(gate) * up of linear(x, w, norm=norm) with w = [gate; up] (a fused [2I, K] weight):
     one launch where the kernel runs; at prefill sizes on CUDA `kernels.gemm_glu` (the same in
@@ -391,16 +374,12 @@ def linear_glu_ref(x: torch.Tensor, w: torch.Tensor, norm: Norm | None = None) -
 
 
 def linear_argmax(x: torch.Tensor, w: torch.Tensor, norm: Norm | None = None, id_map: torch.Tensor | None = None,
-                  out: torch.Tensor | None = None, w_scale: torch.Tensor | None = None) -> torch.Tensor:
+                  out: torch.Tensor | None = None) -> torch.Tensor:
     """The argmax row ids of linear(x, w, norm=norm) [..., N] (first on ties), without
     writing the logits where the kernel runs; id_map[argmax] with `id_map` [N] int64 (a draft
-    vocabulary's ids), written into `out` when given (one launch fewer each). `w_scale` [N] fp32:
-    w is 8-bit (float8_e4m3fn), its row n standing for w[n] * w_scale[n] (`fp8_rows`)."""
+    vocabulary's ids), written into `out` when given (one launch fewer each)."""
     if _fused(x, w):
-        return linear_argmax_triton(x, w, norm, id_map, out, w_scale=w_scale)
-    if w_scale is not None:  # the reference: the rows widened to x's dtype, the sums scaled in fp32
-        ids = (linear(x, w.to(x.dtype), norm=norm).float() * w_scale).argmax(dim=-1)
-    else:
-        ids = linear(x, w, norm=norm).argmax(dim=-1)
+        return linear_argmax_triton(x, w, norm, id_map, out)
+    ids = linear(x, w, norm=norm).argmax(dim=-1)
     ids = id_map[ids] if id_map is not None else ids
     return out.copy_(ids) if out is not None else ids

@@ -55,7 +55,6 @@ def run_engine(loaded: LoadedModel, k: int, prompts: list[list[int]], params: li
                args: argparse.Namespace) -> RunStats:
     longest = max(len(p) for p in prompts) + args.max_tokens + 8
     engine = LLMEngine(loaded, EngineConfig(num_speculative_tokens=k, draft_vocab_size=args.draft_vocab if k else 0,
-                                            draft_head_fp8=bool(k and getattr(args, "draft_head_fp8", False)),
                                             device=args.device, max_num_seqs=args.batch, max_model_len=longest))
     engine.generate(prompts[:1], SamplingParams(max_tokens=4))  # warm-up
     start = time.perf_counter()
@@ -111,7 +110,6 @@ def measure(loaded: LoadedModel, args: argparse.Namespace) -> dict:
         "model": loaded.name, "mtp_trained": loaded.mtp_trained, "device": args.device,
         "dtype": str(next(loaded.model.parameters()).dtype).removeprefix("torch."),
         "spec_tokens": args.spec_tokens, "draft_vocab": args.draft_vocab or None,
-        "draft_head_fp8": bool(getattr(args, "draft_head_fp8", False)),
         "draft_vocab_coverage": draft_vocab_coverage(loaded, args.draft_vocab, plain.outputs),
         "temperature": args.temperature, "prompts": len(prompts),
         "prompts_file": Path(args.prompts).name, "max_tokens": args.max_tokens, "batch": args.batch,

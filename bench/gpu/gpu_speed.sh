@@ -12,13 +12,11 @@
 # `regress`: the batch 64 / 128 rows issue 30 must not lose (Llama-1B b64, SmolLM2 b128), SmolLM2
 # b32 GPU busy, Llama-1B k=3 with a 32k draft vocabulary; then the GPU tests of graph capture
 # (decode halves, prefill graphs, the grammar on CUDA).
-# `fp8head` (issue 30): the draft head in 8 bits (--draft-head-fp8): the kernel tests, then Llama-1B
-# batch 1, k=3 / k=0 with 32k and 16k draft vocabularies, 16-bit then 8-bit heads, twice.
 # `ropeattn` (issue 30): rotary and the K/V write inside the attention kernel for decode-sized
 # steps (PDSERVE_ROPE_IN_ATTENTION 0 / 1, twice): the kernel and engine GPU tests with it on, then
 # batch-1 steps and SmolLM2 b32 k=3.
 # `b1prof`: batch-1 top kernels and idle gaps (SmolLM2, Llama-1B, k=0).
-# Usage: bash bench/gpu/gpu_speed.sh check|bench|profile|pdl|frspec|regress|fp8head|ropeattn|b1prof|all
+# Usage: bash bench/gpu/gpu_speed.sh check|bench|profile|pdl|frspec|regress|ropeattn|b1prof|all
 set -uo pipefail
 . "$(dirname "$0")/../../deploy/require.sh"; need_gpu_machine; require_done
 export PYTHONUNBUFFERED=1
@@ -56,17 +54,6 @@ if [[ $stage == regress ]]; then
   PDSERVE_TEST_DEVICE=cuda timeout 240 python3 -m pytest -q -p no:cacheprovider tests/engine/test_grammar.py \
     tests/engine/test_gpu.py::test_constrained_steps_in_halves_never_sync tests/engine/test_gpu_prefill.py 2>&1 \
     | tee "$OUT/tests.log" | tail -4
-fi
-
-if [[ $stage == fp8head ]]; then
-  python3 -m pytest -q -p no:cacheprovider tests/kernels/test_linear.py 2>&1 | tail -2
-  for rep in 1 2; do for n in 32768 16384; do for fp8 in "" --draft-head-fp8; do
-    bench --arch llama-1b --batch 1 --max-tokens 128 --spec-tokens 3 --draft-vocab $n $fp8 > /dev/null
-  done; done; done
-  python3 -c "import json
-for l in open('$OUT/bench.jsonl'):
-    r = json.loads(l) if l.startswith('{') else {}
-    if 'ms_per_step' in r: print(r['spec_tokens'], r.get('draft_vocab'), r.get('draft_head_fp8'), r['ms_per_step'])"
 fi
 
 if [[ $stage == ropeattn ]]; then

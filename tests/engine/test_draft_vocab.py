@@ -156,7 +156,7 @@ class OracleLogits:
 
         monkeypatch.setattr(model_runner.ModelRunner, "draft_chain", chain)
         monkeypatch.setattr(CausalLM, "mtp_logits", logits)
-        def greedy_ids(model, h, head_weight=None, id_map=None, out=None, head_scale=None):
+        def greedy_ids(model, h, head_weight=None, id_map=None, out=None):
             ids = logits(model, h, head_weight).argmax(-1)
             ids = id_map[ids] if id_map is not None else ids
             return out.copy_(ids) if out is not None else ids
@@ -177,32 +177,6 @@ def test_greedy_output_with_a_draft_vocabulary_equals_plain(tiny, tmp_path):
         out = eng.generate(prompts, GREEDY)
         assert [r.output_ids for r in out] == [r.output_ids for r in plain]
         assert eng.num_free_blocks == eng.blocks.capacity
-
-
-def test_greedy_output_with_an_8_bit_draft_head_equals_plain(tiny, tmp_path, monkeypatch):
-    """`draft_head_fp8`: greedy drafts score an 8-bit copy of the draft vocabulary's rows (one
-    scale a row); the output is plain greedy's token for token. Without a draft vocabulary the
-    setting is refused."""
-    vocab = tiny.model.config.vocab_size
-    prompts = prompts_of([5, 23, 9, 40], vocab, seed=3)
-    plain = engine_for(tiny, 0).generate(prompts, GREEDY)
-    ranked = ranked_tiny(tiny, tmp_path, output_counts(plain, vocab))
-    scaled = []
-    real = CausalLM.mtp_greedy_ids
-
-    def spy(model, h, head_weight=None, id_map=None, out=None, head_scale=None):
-        scaled.append(head_scale is not None and head_weight is not None and head_weight.dtype == torch.float8_e4m3fn)
-        return real(model, h, head_weight, id_map, out, head_scale)
-
-    monkeypatch.setattr(CausalLM, "mtp_greedy_ids", spy)
-    eng = engine_for(ranked, 3, draft_vocab_size=64, draft_head_fp8=True)
-    dv = eng.runner.draft_vocab
-    assert dv is not None and dv.weight_fp8 is not None and dv.scale is not None and dv.weight_fp8.shape == dv.weight.shape
-    out = eng.generate(prompts, GREEDY)
-    assert [r.output_ids for r in out] == [r.output_ids for r in plain]
-    assert scaled and all(scaled)
-    with pytest.raises(ValueError, match="draft_vocab_size"):
-        EngineConfig(num_speculative_tokens=3, draft_head_fp8=True)
 
 
 def test_oracle_drafts_accepted_only_inside_the_set_output_exact(tiny, tmp_path, monkeypatch):

@@ -66,33 +66,6 @@ def test_argmax_maps_through_a_draft_vocabulary_into_a_given_buffer(device):
         assert (buf[0] == -1).all() and (buf[2] == -1).all()
 
 
-def test_fp8_rows_keep_each_rows_scale_and_direction():
-    w = randn(50, 64, seed=1)
-    w[7] = 0.0  # an all-zero row: scale 1, zeros back
-    w8, scale = L.fp8_rows(w)
-    assert w8.dtype == torch.float8_e4m3fn and scale.shape == (50,) and scale[7] == 1.0
-    back = w8.float() * scale[:, None]
-    assert back.abs().amax(dim=-1)[:7].sub(w.abs().amax(dim=-1)[:7]).abs().max() < 1e-5  # the row's max is exact
-    torch.testing.assert_close(back, w, atol=0.07 * w.abs().max().item(), rtol=0.07)  # e4m3: 3 mantissa bits
-    assert torch.equal(back[7], torch.zeros(64))
-
-
-@pytest.mark.parametrize("norm", [False, True])
-def test_argmax_over_an_8_bit_head_equals_the_widened_reference(device, norm):
-    """An 8-bit draft head (kernels.linear.fp8_rows): the kernel widens the rows in registers and
-    scales the sums per row before the argmax; mapped through a draft vocabulary's ids."""
-    x = randn(4, 96, device=device)
-    w8, scale = L.fp8_rows(randn(700, 96, seed=1))
-    w8, scale = w8.to(device), scale.to(device)
-    nw = (randn(96, seed=3).abs().to(device) + 0.5, 1e-5) if norm else None
-    id_map = torch.randperm(9000, generator=torch.Generator().manual_seed(2))[:700].to(device)
-    logits = L.linear_ref(x, w8.to(x.dtype), norm=nw).float() * scale
-    want = id_map[logits.argmax(dim=-1)]
-    assert not torch.equal(want, id_map[L.linear_ref(x, w8.to(x.dtype), norm=nw).argmax(dim=-1)])  # scales matter
-    for fn in (L.linear_argmax_triton, L.linear_argmax):
-        assert torch.equal(fn(x, w8, nw, id_map, w_scale=scale), want)
-
-
 @pytest.mark.parametrize(("m", "k", "inter", "norm"), [(1, 64, 40, False), (17, 96, 33, True), (3, 300, 16, False)])
 def test_gate_up_gemm_with_silu_in_its_epilogue_matches_the_composition(device, m, k, inter, norm):
     x = randn(m, k, device=device)
