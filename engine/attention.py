@@ -13,6 +13,7 @@ Nothing here syncs with the device; all shapes come from host-known integers.
 
 from __future__ import annotations
 
+import os
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
@@ -22,12 +23,17 @@ from kernels._dispatch import invariant
 from kernels.flash_prefill import flash_prefill, triton_preferred
 from kernels.flash_varlen import flash_varlen, flash_varlen_usable
 from kernels.norm import rms_norm, row_sumsq_of
-from kernels.paged_attention import paged_attention
+from kernels.paged_attention import NewKV, paged_attention, paged_attention_rope
 from kernels.qkv_rope import qkv_rope
 from kernels.qkv_rope import usable as qkv_rope_usable
 from kernels.rotary import rope_and_cache, rope_and_cache_with_k, write_kv
 
 TRASH_BLOCK = 0
+# decode-sized steps rotate q and k and write the step's K/V inside the attention kernel (one launch
+# fewer a layer; kernels/paged_attention.py `paged_attention_rope`). On by default: on the H100 it
+# took Llama-1B batch 1 from 1.21-1.25 to 1.145 ms and SmolLM2 b32 k=0 from 0.82 to 0.77 (BENCHMARKS.md);
+# PDSERVE_ROPE_IN_ATTENTION=0 keeps the rotary kernel
+ROPE_IN_ATTENTION = os.environ.get("PDSERVE_ROPE_IN_ATTENTION", "1") == "1"
 
 
 @dataclass
@@ -127,6 +133,11 @@ class TritonAttention(AttentionBackend):
         if meta.fresh and not invariant() and flash_varlen_usable(q, kv_cache):
             q, k = rope_and_cache_with_k(q, k, v, positions, rope.cos, rope.sin, kv_cache, meta.slot_mapping)
             return self._attend_fresh(q, k, v, meta, scale)
+        if ROPE_IN_ATTENTION and not invariant():
+            assert meta.seq_lens is not None and meta.query_start is not None, "metadata lacks seq_lens"
+            new = NewKV(k, v, positions, rope.cos, rope.sin, meta.slot_mapping)
+            return paged_attention_rope(q, new, kv_cache, meta.block_tables, meta.seq_lens, meta.query_start,
+                                        meta.max_q, scale, meta.num_splits)
         q = rope_and_cache(q, k, v, positions, rope.cos, rope.sin, kv_cache, meta.slot_mapping)
         return self._attend(q, kv_cache, meta, scale)
 

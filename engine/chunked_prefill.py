@@ -79,12 +79,14 @@ class ChunkedPrefill:
         prefill alone, not for what was queued after it. `inserted_late`: the batch takes the
         completed prompts after the next prefill step is queued (the colocated node), so their
         device outputs are cloned first."""
-        out = self.runner.prefill(chunks)
+        early: list[HostFirst] = []  # the first tokens' copies, queued ahead of the MTP drafts
+        out = self.runner.prefill(chunks, on_first=lambda o: early.append(HostFirst.start(o)) if o.last_rows else None)
         for c, req in zip(chunks, reqs, strict=True):
             req.num_prefilled = c.end
             self.prefix.register(req.block_ids, req.block_hashes, c.end)
         add_prompt_logprobs(out, reqs)
-        return Launched(chunks, reqs, out, FirstTokenCopy.of(out, inserted_late) if out.last_rows else None)
+        host = FirstTokenCopy.of(out, inserted_late, early[0] if early else None) if out.last_rows else None
+        return Launched(chunks, reqs, out, host)
 
     def finish(self, launched: Launched) -> list[RequestOutput]:
         """First tokens of the completed prompts (the prefill read point); their requests go into
@@ -120,39 +122,58 @@ class Launched:
 
 
 @dataclass
-class FirstTokenCopy:
-    """A prefill step's first tokens and logprobs on their way to pinned host memory (one event
-    after them), and the device outputs the batch inserts: cloned when the insert comes after the
-    next prefill step (a prefill graph's outputs are overwritten by its next replay)."""
+class HostFirst:
+    """A prefill step's first tokens and logprobs on their way to pinned host memory, with one
+    event after the copies. Queued as soon as they are sampled (`ModelRunner.prefill`'s
+    `on_first`), so their read waits for the target forward, not for the MTP drafts after it."""
 
-    first_token: torch.Tensor  # device, [R]
-    drafts: torch.Tensor | None
-    draft_probs: torch.Tensor | None
-    host_first: torch.Tensor
-    host_lp: LogprobsTensors | None
+    first: torch.Tensor  # host, [R]
+    logprobs: LogprobsTensors | None
     done: Any  # a CUDA event after the copies; None on the CPU (the copies are done)
 
     @staticmethod
-    def of(out: PrefillOutput, clone_outputs: bool) -> FirstTokenCopy:
+    def start(out: PrefillOutput) -> HostFirst:
         def to_host(t: torch.Tensor) -> torch.Tensor:
             if t.device.type == "cpu":
                 return t.clone()
             dst = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
             return dst.copy_(t, non_blocking=True)
 
-        def clone(t: torch.Tensor | None) -> torch.Tensor | None:
-            return t.clone() if t is not None and clone_outputs else t
-
         lp = LogprobsTensors(*(to_host(t) for t in astuple_lp(out.logprobs))) if out.logprobs is not None else None
-        host_first = to_host(out.first_token)
+        first = to_host(out.first_token)
         done = None
         if out.first_token.device.type == "cuda":
             done = torch.cuda.Event()
             done.record()
-        first = out.first_token.clone() if clone_outputs else out.first_token
-        return FirstTokenCopy(first, clone(out.drafts), clone(out.draft_probs), host_first, lp, done)
+        return HostFirst(first, lp, done)
 
     def read(self) -> tuple[list[int], LogprobsTensors | None]:
+        """The first tokens as host ints and the logprobs' host tensors, once the copies are done."""
         if self.done is not None:
-            self.done.synchronize()  # the prefill and these copies, not the work queued after them
-        return self.host_first.tolist(), self.host_lp
+            self.done.synchronize()  # the first tokens and these copies, not the drafts or work queued after them
+        return self.first.tolist(), self.logprobs
+
+
+@dataclass
+class FirstTokenCopy:
+    """A prefill step's first tokens and logprobs on their way to the host (`HostFirst`), and the
+    device outputs the batch inserts: cloned when the insert comes after the next prefill step
+    (a prefill graph's outputs are overwritten by its next replay)."""
+
+    first_token: torch.Tensor  # device, [R]
+    drafts: torch.Tensor | None
+    draft_probs: torch.Tensor | None
+    host: HostFirst
+
+    @staticmethod
+    def of(out: PrefillOutput, clone_outputs: bool, early: HostFirst | None = None) -> FirstTokenCopy:
+        """`early`: the copies queued before the drafts (else they are queued now, after them)."""
+        def clone(t: torch.Tensor | None) -> torch.Tensor | None:
+            return t.clone() if t is not None and clone_outputs else t
+
+        first = out.first_token.clone() if clone_outputs else out.first_token
+        return FirstTokenCopy(first, clone(out.drafts), clone(out.draft_probs),
+                              early if early is not None else HostFirst.start(out))
+
+    def read(self) -> tuple[list[int], LogprobsTensors | None]:
+        return self.host.read()

@@ -54,11 +54,10 @@ def grammar_tokens(params: SamplingParams, prompt: list[int], output: list[int])
     return prompt[cut:] + output
 
 
-def prefill_masks(compiler: GrammarCompiler | None, chunks: list[PrefillChunk],
-                  device: torch.device) -> torch.Tensor | None:
-    """[R, W] int32 masks of a prefill step's first tokens (None: no constrained prompt ends here).
-    A spec that does not compile leaves its row unmasked: inserting the request into a decode
-    batch ends it with that error."""
+def prefill_masks(compiler: GrammarCompiler | None, chunks: list[PrefillChunk]) -> torch.Tensor | None:
+    """[R, W] int32 masks of a prefill step's first tokens, on the host (None: no constrained
+    prompt ends here). A spec that does not compile leaves its row unmasked: inserting the
+    request into a decode batch ends it with that error."""
     ends = [r for r, c in enumerate(chunks) if c.is_last and c.params.structured is not None]
     if compiler is None or not ends:
         return None
@@ -70,7 +69,7 @@ def prefill_masks(compiler: GrammarCompiler | None, chunks: list[PrefillChunk],
             compiler.matcher(c.params.structured, grammar_tokens(c.params, c.prompt, [])).fill_mask(host, r)
         except ValueError:
             pass
-    return host.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else host
+    return host
 
 
 def forced_token(mask: torch.Tensor) -> int | None:

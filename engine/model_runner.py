@@ -27,7 +27,7 @@ from engine.batch_state import BatchState, SlotInit, to_device_no_sync
 from engine.constrained import prefill_masks
 from engine.cuda_graphs import MAX_TOP_LOGPROBS, DecodeGraphs, StepFlags
 from engine.draft_vocab import DraftVocab, draft_tokens
-from engine.grammar import GrammarCompiler
+from engine.grammar import GrammarCompiler, mask_words
 from engine.kv_cache import KVCache
 from engine.model import CausalLM
 from engine.penalties import PenaltyInit, prefill_penalties
@@ -227,28 +227,36 @@ class ModelRunner:
 
     # ---- prefill --------------------------------------------------------------------
     @_in_mode
-    def prefill(self, chunks: list[PrefillChunk], on_layer: LayerReady | None = None) -> PrefillOutput:
+    def prefill(self, chunks: list[PrefillChunk], on_layer: LayerReady | None = None,
+                on_first: Callable[[PrefillOutput], None] | None = None) -> PrefillOutput:
         """Run target (+ MTP) over prompt chunks; sample first tokens and drafts for finished prompts.
 
         `on_layer(i, ready)` hands out target layer i once its work is queued: `ready` is a CUDA
         event after the layer (a graph replay queues every layer at once), or None when the
         layer is the last work queued. Replays a prefill graph when the step fits one
-        (engine/prefill_graphs.py), else runs the same step eagerly at its exact size (always
-        with penalties, prompt logprobs or a grammar: a constrained prompt's first token is
-        sampled under its matcher's first mask, engine/constrained.py)."""
+        (engine/prefill_graphs.py; a constrained prompt's first token is sampled under its
+        matcher's first mask, engine/constrained.py, which the graph reads from its inputs), else
+        runs the same step eagerly at its exact size (always with penalties or prompt logprobs).
+        `on_first(output)` runs once the first tokens (and logprobs) of the completed prompts are
+        queued, before the MTP layer and drafts are: `output` has no drafts (a caller queues the
+        first tokens' copy to the host there, so they leave ahead of the drafts)."""
         n = sum(c.end - c.start for c in chunks)
         penalties = prefill_penalties([PenaltyInit.of(c.params, c.prompt, []) if c.is_last else None for c in chunks],
                                       self.state.vocab, self.device)
         prompt_lp = plan_prompt_logprobs(chunks)
-        masks = prefill_masks(self.grammar, chunks, self.device)
-        plain = penalties is None and prompt_lp is None and masks is None
+        masks = prefill_masks(self.grammar, chunks)
+        plain = penalties is None and prompt_lp is None
+        first = (lambda res: on_first(self._last_rows(chunks, res))) if on_first is not None else None
         if plain and self.prefill_graphs is not None and self.prefill_graphs.fits(n, len(chunks)):
-            return self._last_rows(chunks, self.prefill_graphs.run(chunks, on_layer))
-        inp = PrefillInputs(n, len(chunks), self.max_blocks, self.device)  # eager: penalties, prompt logprobs, grammars
+            words = self.grammar.words if self.grammar is not None else mask_words(self.state.vocab)
+            return self._last_rows(chunks, self.prefill_graphs.run(chunks, on_layer, first, masks, words))
+        inp = PrefillInputs(n, len(chunks), self.max_blocks, self.device)  # eager: penalties, prompt logprobs
         inp.fill_no_sync(chunks)
         key = key_for(chunks, n, len(chunks), max(c.end - c.start for c in chunks))
+        if masks is not None:
+            inp.fill_mask_no_sync(masks, masks.shape[1])
         hook = (lambda i: on_layer(i, None)) if on_layer is not None else None
-        res = prefill_forward(self, inp, key, hook, penalties, prompt_lp, masks)
+        res = prefill_forward(self, inp, key, hook, penalties, prompt_lp, on_first=first)
         out = self._last_rows(chunks, res)
         out.prompt_logprobs, out.prompt_lp_plan = res.prompt_logprobs, prompt_lp
         return out

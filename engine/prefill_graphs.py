@@ -6,7 +6,8 @@ that bucket's `PrefillInputs` (padding tokens write the trash block, padding row
 tokens), then one replay runs `prefill_forward`: metadata kernel, every layer, first tokens,
 logprobs and the MTP drafts. The host cost no longer grows with the layers. Graphs are keyed by
 `PrefillKey` (buckets, the longest chunk's power of two, which bounds the attention grid,
-sampling flags, logprobs, fresh or not) and captured on first use
+sampling flags, logprobs, fresh or not, grammar masks or not: a constrained key reads its
+first tokens' masks from the bucket's `PrefillInputs.token_mask`) and captured on first use
 (lazily: a capture is ~100 launches' worth of host time once per key, and the keys a server
 meets are few). Steps beyond the largest bucket run eagerly, where compute hides the launches.
 
@@ -38,6 +39,7 @@ import torch
 from engine.cuda_graphs import capturing
 from engine.dummy_prompts import chunks_for_key
 from engine.prefill_step import (
+    FirstHook,
     PrefillChunk,
     PrefillInputs,
     PrefillKey,
@@ -45,6 +47,8 @@ from engine.prefill_step import (
     PrefillRunner,
     key_for,
     prefill_forward,
+    prefill_head,
+    prefill_tail,
 )
 from kernels._dispatch import batch_invariant
 
@@ -72,7 +76,9 @@ class PrefillGraphs:
         self.token_buckets = pow2_buckets(MIN_TOKENS, max(max_tokens, MIN_TOKENS))
         self.row_buckets = pow2_buckets(1, max(max_rows, 1))
         self.inputs: dict[tuple[int, int], PrefillInputs] = {}
-        self.graphs: dict[PrefillKey, tuple[torch.cuda.CUDAGraph, PrefillResult, list[Any]]] = {}
+        # key -> (first tokens' graph, MTP drafts' graph or None at k = 0, static outputs, layer events)
+        self.graphs: dict[PrefillKey, tuple[torch.cuda.CUDAGraph, torch.cuda.CUDAGraph | None, PrefillResult,
+                                            list[Any]]] = {}
         self.pool: Any = None
         self.defer = False  # a new key runs eagerly and waits in `pending` for `capture_deferred` (nodes)
         self.pending: list[PrefillKey] = []
@@ -92,12 +98,18 @@ class PrefillGraphs:
             key = dataclasses.replace(key, top_logprobs=MAX_TOP_LOGPROBS)
         return key
 
-    def run(self, chunks: list[PrefillChunk], on_layer: LayerReady | None = None) -> PrefillResult:
-        """Pack `chunks` into their bucket, replay (capturing on first use, or with `defer` running
-        eagerly and capturing later), hand out the layer events. Never syncs, except a capture."""
+    def run(self, chunks: list[PrefillChunk], on_layer: LayerReady | None = None,
+            on_first: FirstHook | None = None, masks: torch.Tensor | None = None, words: int = 0) -> PrefillResult:
+        """Pack `chunks` into their bucket (and the first tokens' grammar masks, [n, `words`] int32
+        on the host, into its mask rows), replay (capturing on first use, or with `defer` running
+        eagerly and capturing later), hand out the layer events. `on_first(result)` runs between the
+        replay of the first tokens and that of the MTP drafts (`prefill_forward`). Never syncs,
+        except a capture."""
         key = self.key(chunks)
         inp = self._inputs(key)
         inp.fill_no_sync(chunks)
+        if key.constrained:
+            inp.fill_mask_no_sync(masks, words)
         # No per-layer events in graphs: an event a graph's node records cannot be waited on from outside
         # before that node runs (the wait, or a host sync, sees the previous replay's record), so a KV
         # sender that waited on layer i's event could read layer i before this replay wrote it (wrong
@@ -112,12 +124,16 @@ class PrefillGraphs:
                     self.pending.append(key)
                 hook = (lambda i: on_layer(i, None)) if on_layer is not None else None
                 with self._kernel_mode():
-                    return prefill_forward(self.runner, inp, key, hook)
+                    return prefill_forward(self.runner, inp, key, hook, on_first=on_first)
             if key in self.pending:
                 self.pending.remove(key)
             self._capture(key, inp)
-        graph, out, _ = self.graphs[key]
-        graph.replay()
+        head, tail, out, _ = self.graphs[key]
+        head.replay()
+        if on_first is not None:
+            on_first(dataclasses.replace(out, drafts=None, draft_probs=None))  # the tail has not run yet
+        if tail is not None:
+            tail.replay()
         if on_layer is not None:
             for layer in range(self.runner.num_target_layers):
                 on_layer(layer, None)
@@ -131,12 +147,16 @@ class PrefillGraphs:
             key = self.pending.pop(0)
             if key in self.graphs:
                 continue
-            chunks = chunks_for_key(key, self.token_buckets, self.row_buckets, max_model_len)
-            if chunks is None or self.key(chunks) != key:
+            free = dataclasses.replace(key, constrained=False)  # dummy prompts have no grammar: the mask rows do
+            chunks = chunks_for_key(free, self.token_buckets, self.row_buckets, max_model_len)
+            if chunks is None or self.key(chunks) != free:
                 log.info("prefill graph key %s: no dummy step makes it; it stays eager", key)
                 continue
             inp = self._inputs(key)
             inp.fill_no_sync(chunks)
+            if key.constrained:  # the mask rows a live step filled have the width; all allowed now
+                assert inp.token_mask is not None
+                inp.fill_mask_no_sync(None, inp.token_mask.shape[1])
             self._capture(key, inp)
             return True
         return False
@@ -158,11 +178,15 @@ class PrefillGraphs:
             prefill_forward(r, inp, key)  # warm-up: compiles kernels (the same writes the replay makes)
         torch.cuda.current_stream(r.device).wait_stream(side)
         events = [torch.cuda.Event(external=True) for _ in range(r.num_target_layers if with_events else 0)]
-        graph = torch.cuda.CUDAGraph()
+        graph, tail = torch.cuda.CUDAGraph(), None
         with capturing(graph, self.pool), self._kernel_mode():
-            out = prefill_forward(r, inp, key, on_layer=(lambda i: events[i].record()) if with_events else None)
+            head, out = prefill_head(r, inp, key, on_layer=(lambda i: events[i].record()) if with_events else None)
         self.pool = graph.pool()
-        self.graphs[key] = (graph, out, events)
+        if r.k:  # the MTP layer and drafts: a graph of their own, so the first tokens can leave before them
+            tail = torch.cuda.CUDAGraph()
+            with capturing(tail, self.pool), self._kernel_mode():
+                prefill_tail(r, inp, key, head, out)
+        self.graphs[key] = (graph, tail, out, events)
 
     def _kernel_mode(self) -> AbstractContextManager[None]:
         """The runner's kernel mode (batch-invariant with `--deterministic`). The runner's own

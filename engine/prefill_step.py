@@ -85,6 +85,7 @@ class PrefillKey:
     needs_filter: bool
     top_logprobs: int | None  # top logprobs computed for every row; None: no logprobs
     fresh: bool  # no row has cached keys before its chunk (attention may skip the cache)
+    constrained: bool = False  # first tokens sampled under grammar masks (`PrefillInputs.token_mask`)
 
 
 @dataclass
@@ -126,6 +127,32 @@ class PrefillInputs:
         self.seed, self.top_k = views["seed"], views["top_k"]
         self.tables = views["tables"].view(r, width)
         self.temperature, self.top_p = self._dev_f[:r], self._dev_f[r:]
+        self.token_mask: torch.Tensor | None = None  # [R, W] int32 grammar bitmasks (constrained keys)
+        self._mask_host: torch.Tensor | None = None
+        self._mask_copied: torch.cuda.Event | None = None
+
+    def ensure_token_mask(self, words: int) -> torch.Tensor:
+        """The rows' grammar bitmasks on the device, made on first use (all allowed)."""
+        if self.token_mask is None or self.token_mask.shape[1] != words:
+            self._mask_host = torch.full((self.rows, words), -1, dtype=torch.int32, pin_memory=self.device.type == "cuda")
+            self.token_mask = self._mask_host.to(self.device)
+        return self.token_mask
+
+    def fill_mask_no_sync(self, masks: torch.Tensor | None, words: int) -> None:
+        """Rows' masks [n <= R, W] int32 on the host (None: none), the rest allowing everything,
+        into `token_mask` by one non-blocking copy from pinned memory."""
+        self.ensure_token_mask(words)
+        assert self._mask_host is not None and self.token_mask is not None
+        if self._mask_copied is not None:
+            self._mask_copied.synchronize()  # the previous copy has left the host rows
+        n = 0 if masks is None else masks.shape[0]
+        if masks is not None and n:
+            self._mask_host[:n].copy_(masks)
+        self._mask_host[n:].fill_(-1)
+        self.token_mask.copy_(self._mask_host, non_blocking=True)
+        if self.device.type == "cuda":
+            self._mask_copied = self._mask_copied or torch.cuda.Event()
+            self._mask_copied.record()
 
     def fill_no_sync(self, chunks: list[PrefillChunk]) -> None:
         """Write the chunks (padding the rest) and start the copies to the device."""
@@ -173,21 +200,53 @@ def key_for(chunks: list[PrefillChunk], tokens: int, rows: int, max_q: int) -> P
     asked = [p.logprobs for p in last if p.logprobs is not None]
     return PrefillKey(tokens, rows, max_q, all_greedy=not sampled,
                       needs_filter=any(p.top_k > 0 or p.top_p < 1.0 for p in sampled),
-                      top_logprobs=max(asked) if asked else None, fresh=all(c.start == 0 for c in chunks))
+                      top_logprobs=max(asked) if asked else None, fresh=all(c.start == 0 for c in chunks),
+                      constrained=any(p.structured is not None for p in last))
 
 
 LayerHook = Callable[[int], None]
 
 
+FirstHook = Callable[["PrefillResult"], None]
+
+
+@dataclass
+class PrefillHead:
+    """What the second part of a prefill step (MTP and drafts) reads of the first."""
+
+    hidden: torch.Tensor
+    meta: AttentionMetadata
+    next_ids: torch.Tensor  # [T] each token's next id, first tokens put in (the MTP layer's input)
+    last_idx: torch.Tensor  # [R] each row's last token in the step's flat order
+    sampling: SamplingTensors
+
+
 def prefill_forward(runner: PrefillRunner, inp: PrefillInputs, key: PrefillKey, on_layer: LayerHook | None = None,
                     penalties: Penalties | None = None, prompt_lp: PromptLogprobPlan | None = None,
-                    token_mask: torch.Tensor | None = None) -> PrefillResult:
-    """The whole step over `inp` (module docstring); `on_layer(i)` right after layer i is queued.
+                    token_mask: torch.Tensor | None = None, on_first: FirstHook | None = None) -> PrefillResult:
+    """The whole step over `inp` (module docstring): `prefill_head`, `on_first(result)` once the
+    first tokens (and logprobs) are queued (its drafts are not yet: a caller may queue the first
+    tokens' copy to the host there, ahead of the MTP work), then `prefill_tail`."""
+    head, out = prefill_head(runner, inp, key, on_layer, penalties, prompt_lp, token_mask)
+    if on_first is not None:
+        on_first(out)
+    prefill_tail(runner, inp, key, head, out)
+    return out
+
+
+def prefill_head(runner: PrefillRunner, inp: PrefillInputs, key: PrefillKey, on_layer: LayerHook | None = None,
+                 penalties: Penalties | None = None, prompt_lp: PromptLogprobPlan | None = None,
+                 token_mask: torch.Tensor | None = None) -> tuple[PrefillHead, PrefillResult]:
+    """The target forward and the first tokens; `on_layer(i)` right after layer i is queued.
     `runner` is the ModelRunner (model, KV cache, backend, k, draft chain). First tokens are sampled
     from logits masked by `token_mask` ([R, W] int32 grammar bitmasks, engine/constrained.py), then
     with `penalties` applied (engine/penalties.py; logprobs stay the raw ones); `prompt_lp` asks
-    for prompt logprobs (engine/prompt_logprobs.py). MTP drafts are drawn unmasked."""
-    model, k = runner.model, runner.k
+    for prompt logprobs (engine/prompt_logprobs.py). A constrained key without `token_mask` reads
+    the inputs' own (`PrefillInputs.token_mask`: a graph's)."""
+    model = runner.model
+    if token_mask is None and key.constrained:
+        assert inp.token_mask is not None, "a constrained step's inputs carry its masks"
+        token_mask = inp.token_mask
     m = prefill_meta(inp.ids, inp.query_start, inp.start, inp.tables, inp.row_next, inp.is_last, runner.block_size)
     meta = AttentionMetadata(m.slot_mapping, m.positions, inp.tables, m.token_row, m.token_col, key.max_q,
                              inp.width, seq_lens=m.seq_lens, query_start=inp.query_start, fresh=key.fresh,
@@ -199,14 +258,22 @@ def prefill_forward(runner: PrefillRunner, inp: PrefillInputs, key: PrefillKey, 
     first = sample(apply_penalties(scored, penalties) if penalties is not None else scored, st, inp.base, STREAM_SAMPLE)
     lps = compute_logprobs(logits, first, key.top_logprobs) if key.top_logprobs is not None else None
     out = PrefillResult(first, lps, None, None, compute_prompt_logprobs(model, hidden, prompt_lp) if prompt_lp else None)
-    if k:
-        next_ids = m.next_ids.index_put((m.put_idx,), first)[: key.tokens]
-        mtp_cache = runner.kv.layers[runner.num_target_layers]
-        mh = model.mtp_forward(next_ids, meta.positions, hidden, mtp_cache, meta, runner.backend)
-        masked = inp.is_last == 0  # their drafts are not read: their KV goes to the trash block
-        out.drafts, out.draft_probs = runner.draft_chain(mh.index_select(0, m.last_idx), inp.base, st,
-                                                          inp.tables, masked, _draft_blocks(key, inp, runner))
-    return out
+    next_ids = m.next_ids.index_put((m.put_idx,), first)[: key.tokens] if runner.k else m.next_ids
+    return PrefillHead(hidden, meta, next_ids, m.last_idx, st), out
+
+
+def prefill_tail(runner: PrefillRunner, inp: PrefillInputs, key: PrefillKey, head: PrefillHead,
+                 out: PrefillResult) -> None:
+    """The MTP layer over the step's tokens, then k chained drafts per row into `out` (k > 0).
+    MTP drafts are drawn unmasked."""
+    if not runner.k:
+        return
+    model, meta = runner.model, head.meta
+    mtp_cache = runner.kv.layers[runner.num_target_layers]
+    mh = model.mtp_forward(head.next_ids, meta.positions, head.hidden, mtp_cache, meta, runner.backend)
+    masked = inp.is_last == 0  # their drafts are not read: their KV goes to the trash block
+    out.drafts, out.draft_probs = runner.draft_chain(mh.index_select(0, head.last_idx), inp.base, head.sampling,
+                                                      inp.tables, masked, _draft_blocks(key, inp, runner))
 
 
 def _draft_blocks(key: PrefillKey, inp: PrefillInputs, runner: PrefillRunner) -> int:

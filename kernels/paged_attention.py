@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 import triton
@@ -43,6 +44,7 @@ import triton.language as tl
 
 from kernels._dispatch import invariant, use_triton
 from kernels.pdl import pdl_args, wait_for_previous
+from kernels.rotary import rope_and_cache
 
 HEAD_DIMS = (16, 32, 64, 128)
 _LOG2E = math.log2(math.e)
@@ -84,14 +86,32 @@ def _attend_key_tiles(
 
 
 @triton.jit
+def _rotated(x_ptr, row_off, mask, tokens, pos_ptr, cos_ptr, sin_ptr, stride_cos, HEAD_DIM: tl.constexpr):
+    """Rows x[row_off + d] rotated at their tokens' positions (rotate_half, fp32, the ops of
+    kernels/rotary.py in its order: the launch turns fp fusion off): d < D/2 takes
+    x[d] cos[d] - x[d + D/2] sin[d], d >= D/2 takes x[d] cos[d] + x[d - D/2] sin[d]."""
+    half: tl.constexpr = HEAD_DIM // 2
+    d = tl.arange(0, HEAD_DIM)[None, :]
+    partner = (d + half) % HEAD_DIM
+    x = tl.load(x_ptr + row_off + d, mask=mask, other=0.0).to(tl.float32)
+    xp = tl.load(x_ptr + row_off + partner, mask=mask, other=0.0).to(tl.float32)
+    pos = tl.load(pos_ptr + tokens, mask=tl.max(mask.to(tl.int32), 1) > 0, other=0)[:, None]
+    cos = tl.load(cos_ptr + pos * stride_cos + d, mask=mask, other=0.0)
+    sin = tl.load(sin_ptr + pos * stride_cos + d, mask=mask, other=0.0)
+    return x * cos + tl.where(d < half, -xp, xp) * sin
+
+
+@triton.jit
 def _paged_attention_kernel(
     q_ptr, kv_ptr, out_ptr, ws_acc_ptr, ws_max_ptr, ws_sum_ptr,
     block_tables_ptr, seq_lens_ptr, query_start_ptr, qk_scale,
     stride_qt, stride_qh, stride_kv, stride_kb, stride_ks, stride_kh, stride_bt,
     stride_ot, stride_oh, stride_ws_split, stride_ws_t,
+    k_new_ptr, v_new_ptr, pos_ptr, cos_ptr, sin_ptr, slot_ptr,
+    stride_knt, stride_knh, stride_vnt, stride_vnh, stride_cos,
     G: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr,
-    DTYPE: tl.constexpr, PRECISION: tl.constexpr,
+    DTYPE: tl.constexpr, PRECISION: tl.constexpr, ROPE: tl.constexpr, Q_POW2: tl.constexpr,
     PDL: tl.constexpr,
 ):
     wait_for_previous(PDL)
@@ -114,7 +134,11 @@ def _paged_attention_kernel(
     q_pos = seq_len - q_len + q_idx
     m_ok = (offs_m < BLOCK_Q * G) & (q_idx < q_len)
     q_off = tokens[:, None] * stride_qt + heads[:, None] * stride_qh + offs_d[None, :]
-    q = tl.load(q_ptr + q_off, mask=m_ok[:, None], other=0.0).to(DTYPE)
+    if ROPE:  # q as it comes from the projection: rotated here, rounded to its dtype as the rotary kernel does
+        q = _rotated(q_ptr, tokens[:, None] * stride_qt + heads[:, None] * stride_qh, m_ok[:, None], tokens,
+                     pos_ptr, cos_ptr, sin_ptr, stride_cos, HEAD_DIM).to(q_ptr.dtype.element_ty).to(DTYPE)
+    else:
+        q = tl.load(q_ptr + q_off, mask=m_ok[:, None], other=0.0).to(DTYPE)
 
     # Keys the tile's last query sees, in BLOCK_N tiles; this split takes one share of them.
     kv_end = seq_len - q_len + tl.minimum(q_tile_start + BLOCK_Q, q_len)
@@ -122,6 +146,21 @@ def _paged_attention_kernel(
     per_split = tl.cdiv(num_tiles, NUM_SPLITS)
     tile_lo = split * per_split
     tile_hi = tl.minimum(tile_lo + per_split, num_tiles)
+    if ROPE:  # this step's keys in this split's share: rotated, written with their values, then read back below
+        i = q_tile_start + tl.arange(0, Q_POW2)
+        t_new = q_begin + i
+        tile_of = (seq_len - q_len + i) // BLOCK_N
+        mine = (i < q_len) & (i < q_tile_start + BLOCK_Q) & (tile_of >= tile_lo) & (tile_of < tile_hi)
+        k_rot = _rotated(k_new_ptr, t_new[:, None] * stride_knt + kv_head * stride_knh, mine[:, None], t_new,
+                         pos_ptr, cos_ptr, sin_ptr, stride_cos, HEAD_DIM)
+        cache_ty = kv_ptr.dtype.element_ty
+        slot = tl.load(slot_ptr + t_new, mask=mine, other=0)
+        dst = kv_ptr + slot[:, None] * stride_ks + kv_head * stride_kh + offs_d[None, :]
+        tl.store(dst, k_rot.to(k_new_ptr.dtype.element_ty).to(cache_ty), mask=mine[:, None])
+        v_new = tl.load(v_new_ptr + t_new[:, None] * stride_vnt + kv_head * stride_vnh + offs_d[None, :],
+                        mask=mine[:, None], other=0.0)
+        tl.store(dst + stride_kv, v_new.to(cache_ty), mask=mine[:, None])
+        tl.debug_barrier()  # the program's threads see these writes before they read the tiles
     acc, m_i, l_i = _attend_key_tiles(
         q, q_pos, kv_ptr + kv_head * stride_kh, block_tables_ptr + row * stride_bt, kv_end,
         tile_lo, tile_hi, qk_scale, stride_kv, stride_kb, stride_ks,
@@ -200,6 +239,18 @@ def _dot_dtype(q: torch.Tensor, kv_cache: torch.Tensor) -> tl.dtype:
     return _TL_DTYPES[q.dtype]
 
 
+class NewKV(NamedTuple):
+    """A step's own k and v as projected ([T, Hkv, D], last dim dense), for the kernel to rotate
+    and write into the cache itself (`paged_attention_rope`)."""
+
+    k: torch.Tensor
+    v: torch.Tensor
+    positions: torch.Tensor  # [T] int64
+    cos: torch.Tensor  # [max_positions, D] fp32
+    sin: torch.Tensor
+    slot_mapping: torch.Tensor  # [T] int64
+
+
 def paged_attention_triton(
     q: torch.Tensor,
     kv_cache: torch.Tensor,
@@ -209,8 +260,10 @@ def paged_attention_triton(
     max_q: int,
     scale: float,
     num_splits: int = 1,
+    new: NewKV | None = None,
 ) -> torch.Tensor:
-    """The Triton path (CUDA tensors, or CPU ones under TRITON_INTERPRET=1). No host sync."""
+    """The Triton path (CUDA tensors, or CPU ones under TRITON_INTERPRET=1). No host sync. With
+    `new`, q is unrotated and the step's keys are not in the cache yet (`paged_attention_rope`)."""
     num_tokens, num_q_heads, head_dim = q.shape
     _, _, block_size, num_kv_heads, _ = kv_cache.shape
     assert head_dim in HEAD_DIMS, f"paged_attention: head_dim {head_dim} not in {HEAD_DIMS}"
@@ -235,16 +288,21 @@ def paged_attention_triton(
         ws_sum = torch.empty_like(ws_max)
         ws_acc = torch.empty(*ws_max.shape, head_dim, dtype=torch.float32, device=q.device)
     grid = (rows, triton.cdiv(max_q, tiles.block_q), num_kv_heads * num_splits)
+    assert new is None or grid[1] == 1, "keys written in the kernel: one query tile a row (decode, verify)"
+    nk = new if new is not None else NewKV(q, q, seq_lens, q, q, seq_lens)  # unused without ROPE
     _paged_attention_kernel[grid](
         q, kv_cache, out, ws_acc, ws_max, ws_sum,
         block_tables, seq_lens, query_start, scale * _LOG2E,
         q.stride(0), q.stride(1), kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2),
         kv_cache.stride(3), block_tables.stride(0), out.stride(0), out.stride(1),
         ws_max.stride(0), ws_max.stride(1),
+        nk.k, nk.v, nk.positions, nk.cos, nk.sin, nk.slot_mapping,
+        nk.k.stride(0), nk.k.stride(1), nk.v.stride(0), nk.v.stride(1), nk.cos.stride(0),
         G=group, BLOCK_Q=tiles.block_q, BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n,
         BLOCK_SIZE=block_size, HEAD_DIM=head_dim, NUM_SPLITS=num_splits, DTYPE=dtype,
         PRECISION="ieee" if dtype == tl.float32 else "tf32",  # ieee: fp32 stays fp32, no TF32
-        num_warps=tiles.num_warps, num_stages=2, **pdl_args(q),
+        ROPE=new is not None, Q_POW2=triton.next_power_of_2(tiles.block_q),
+        num_warps=tiles.num_warps, num_stages=2, enable_fp_fusion=new is None, **pdl_args(q),
     )
     if num_splits > 1:
         _combine_splits_kernel[(num_tokens, num_q_heads)](
@@ -303,6 +361,21 @@ def paged_attention_ref(
     probs = torch.where(visible.any(-1)[:, None, None, :, None], probs, 0.0)  # sees nothing
     out = torch.einsum("rkgqs,rskd->rqkgd", probs, values).flatten(2, 3)  # [R, Q, Hq, D]
     return torch.where(in_row[:, None, None], out[row, col], 0.0).to(q.dtype)
+
+
+def paged_attention_rope(q: torch.Tensor, new: NewKV, kv_cache: torch.Tensor, block_tables: torch.Tensor,
+                         seq_lens: torch.Tensor, query_start: torch.Tensor, max_q: int, scale: float,
+                         num_splits: int = 1) -> torch.Tensor:
+    """`kernels.rotary.rope_and_cache` then `paged_attention`, as one launch where the kernel runs
+    and the step's queries of a row fit one query tile (decode, verify, the MTP chain): each
+    program rotates its queries, and writes the step's keys (rotated) and values that fall in
+    its share of the row's keys before it reads them. Elsewhere, the two calls."""
+    group = q.shape[1] // kv_cache.shape[3]
+    one_tile = max_q <= _tiles(max_q, group, q.shape[2], kv_cache.shape[2], invariant()).block_q
+    if use_triton(q, kv_cache) and one_tile and q.shape[2] in HEAD_DIMS:
+        return paged_attention_triton(q, kv_cache, block_tables, seq_lens, query_start, max_q, scale, num_splits, new)
+    q_rot = rope_and_cache(q, new.k, new.v, new.positions, new.cos, new.sin, kv_cache, new.slot_mapping)
+    return paged_attention(q_rot, kv_cache, block_tables, seq_lens, query_start, max_q, scale, num_splits)
 
 
 def paged_attention(

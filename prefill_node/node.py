@@ -44,6 +44,7 @@ from typing import Any
 
 import torch
 
+from engine.chunked_prefill import HostFirst
 from engine.engine import EngineConfig, build_runner, prefix_cache_for
 from engine.loader import LoadedModel
 from engine.model_runner import PrefillOutput, kv_room_needed, unpack_logprobs
@@ -181,8 +182,10 @@ class PrefillNode(StepLoop):
                   for j, n in jobs]
         finishing = [j for (j, _), c in zip(jobs, chunks, strict=True) if c.is_last]
         start = time.perf_counter()
+        early: list[HostFirst] = []  # the first tokens' copy to the host, queued ahead of the MTP drafts
         try:
-            out = self.runner.prefill(chunks, on_layer=lambda layer, ready: self._push_layer(finishing, layer, ready))
+            out = self.runner.prefill(chunks, on_layer=lambda layer, ready: self._push_layer(finishing, layer, ready),
+                                      on_first=lambda o: early.append(HostFirst.start(o)) if o.last_rows else None)
         except Exception as e:  # a failed step fails its jobs, the node keeps serving
             for j, _ in jobs:
                 self._fail(j, f"prefill failed: {e}")
@@ -192,7 +195,7 @@ class PrefillNode(StepLoop):
             self.queued_tokens -= n
             self.prefix.register(j.block_ids, j.block_hashes, j.num_prefilled)
         add_prompt_logprobs(out, [j for j, _ in jobs])
-        self._complete(finishing, out, chunks)  # holds the step's read point
+        self._complete(finishing, out, chunks, early[0] if early else None)  # holds the step's read points
         self.counters["prefill_tokens"] += sum(n for _, n in jobs)
         self.counters["prefill_seconds"] += time.perf_counter() - start
         return True
@@ -303,7 +306,11 @@ class PrefillNode(StepLoop):
         nb = self.blocks.blocks_for(len(job.prompt))
         self.sender.send_layer(job.request_id, layer, job.block_ids[job.skip : nb], ready=ready)
 
-    def _complete(self, jobs: list[PrefillJob], out: PrefillOutput, chunks: list[PrefillChunk]) -> None:
+    def _complete(self, jobs: list[PrefillJob], out: PrefillOutput, chunks: list[PrefillChunk],
+                  early: HostFirst | None = None) -> None:
+        """The step's completed prompts: their first tokens to the router as soon as they are on the
+        host (`early`: copied ahead of the MTP drafts; the router ignores drafts), then, with the
+        drafts, the first-token messages for the decode nodes."""
         if not jobs:
             return
         if self.k:
@@ -314,17 +321,20 @@ class PrefillNode(StepLoop):
             else:
                 self.detached[j.request_id] = j
             self.waiting.remove(j)
-        firsts = out.first_token.tolist()  # the prefill read point
+        if early is None:
+            early = HostFirst.start(out)
+        firsts, lp = early.read()  # the first tokens' read point: the target forward, not the drafts
         for j in jobs:
             self._mark(j.request_id, "computed")
-        drafts = out.drafts.tolist() if out.drafts is not None else [[] for _ in jobs]
-        probs = out.draft_probs.float().cpu() if out.draft_probs is not None else None
         lp_nums = {i: jobs[i].params.logprobs or 0 for i in out.logprob_rows}
-        lps = unpack_logprobs(out.logprobs, lp_nums, out.logprob_rows, 1) if out.logprobs else {}
+        lps = unpack_logprobs(lp, lp_nums, out.logprob_rows, 1) if lp is not None else {}
+        for i, j in enumerate(jobs):  # the router streams the first token while the drafts run
+            j.future.set_result(self._first_token(j, firsts[i], [], None, lps.get(i)))
+            self._mark(j.request_id, "first_sent")
+        drafts = out.drafts.tolist() if out.drafts is not None else [[] for _ in jobs]  # the drafts' read point
+        probs = out.draft_probs.float().cpu() if out.draft_probs is not None else None
         for i, j in enumerate(jobs):
             msg = self._first_token(j, firsts[i], drafts[i], probs[i] if probs is not None else None, lps.get(i))
-            self._mark(j.request_id, "first_sent")
-            j.future.set_result(msg)  # the router streams the first token while D's copy is on its way:
             if j.attached:
                 self._first_sends.submit(self._send_first, j, msg)  # off this loop and the router's path
             else:

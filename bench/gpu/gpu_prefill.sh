@@ -11,7 +11,10 @@
 #   fold:    the layers' norms folded into the q/k/v and gate/up GEMMs (PDSERVE_FOLD_NORM 0, then
 #            1, twice): prefill at 1 x 128 and 1 x 512 and the decode step at batch 1, k = 0, then
 #            the GPU tests of the kernels and the engine with the fold on
-# Usage: bash bench/gpu/gpu_prefill.sh check|bench|fused|sweep|profile|fold|all
+#   early:   the first tokens read before the MTP drafts and constrained prompts in prefill graphs
+#            (branch wip/next): the GPU tests of prefill graphs, decode and grammars, then TTFT and
+#            the step with its drafts at k = 0 and 3 (SmolLM2, Llama-1B; 1 x 128, 1 x 512)
+# Usage: bash bench/gpu/gpu_prefill.sh check|bench|fused|sweep|profile|fold|early|all
 set -uo pipefail
 . "$(dirname "$0")/../../deploy/require.sh"; need_gpu_machine; require_done
 export PYTHONUNBUFFERED=1
@@ -68,6 +71,12 @@ if [[ $stage == fold ]]; then
     tests/kernels/test_qkv_rope.py tests/kernels/test_norm.py tests/engine/test_gpu_prefill.py tests/engine/test_gpu.py \
     2>&1 | tee "$OUT/tests.log" | tail -8
 fi
+if [[ $stage == early ]]; then
+  PDSERVE_TEST_DEVICE=cuda timeout 300 python3 -m pytest -q -p no:cacheprovider tests/engine/test_gpu_prefill.py \
+    tests/engine/test_gpu.py tests/engine/test_first_token.py tests/engine/test_grammar.py 2>&1 | tee "$OUT/tests.log" | tail -6
+  prefill --arch smollm2 --cases 1x128,1x512 --spec-tokens 3 --iters 30
+  prefill --arch llama-1b --cases 1x128,1x512 --spec-tokens 3 --iters 30
+fi
 if [[ $stage == profile || $stage == all ]]; then
   prefill --arch smollm2 --cases 1x128,1x2048 --spec-tokens 3 --profile
   prefill --arch smollm2 --cases 1x128,1x2048 --spec-tokens 0 --profile --enforce-eager
@@ -77,10 +86,10 @@ fi
 python3 - "$OUT/prefill.jsonl" <<'PY' 2>/dev/null
 import json, sys
 rows = [json.loads(l) for l in open(sys.argv[1]) if l.startswith("{")]
-print("| model | BxN | k | draft vocab | fused | eager | det | TTFT ms | HF ms | floor ms | x floor | kernels | busy | host ms/layer |")
+print("| model | BxN | k | draft vocab | fused | eager | det | TTFT ms | with drafts ms | HF ms | floor ms | x floor | kernels | busy | host ms/layer |")
 for r in rows:
     f = r.get("floor_ms")
     print(f"| {r['model']} | {r['batch']}x{r['prompt']} | {r['spec_tokens']} | {r.get('draft_vocab') or '-'} | {r.get('fused', '-')} | {not r['graphs']} | {r['deterministic']} | "
-          f"{r['ttft_ms']} | {r.get('hf_ms','-')} | {f or '-'} | {(r['ttft_ms']/f) if f else 0:.2f} | "
+          f"{r['ttft_ms']} | {r.get('step_ms','-')} | {r.get('hf_ms','-')} | {f or '-'} | {(r['ttft_ms']/f) if f else 0:.2f} | "
           f"{r.get('kernels_per_step','-')} | {r.get('gpu_busy','-')} | {r.get('host_ms_per_layer','-')} |")
 PY

@@ -12,7 +12,11 @@
 # `regress`: the batch 64 / 128 rows issue 30 must not lose (Llama-1B b64, SmolLM2 b128), SmolLM2
 # b32 GPU busy, Llama-1B k=3 with a 32k draft vocabulary; then the GPU tests of graph capture
 # (decode halves, prefill graphs, the grammar on CUDA).
-# Usage: bash bench/gpu/gpu_speed.sh check|bench|profile|pdl|frspec|regress|all
+# `ropeattn` (issue 30): rotary and the K/V write inside the attention kernel for decode-sized
+# steps (PDSERVE_ROPE_IN_ATTENTION 0 / 1, twice): the kernel and engine GPU tests with it on, then
+# batch-1 steps and SmolLM2 b32 k=3.
+# `b1prof`: batch-1 top kernels and idle gaps (SmolLM2, Llama-1B, k=0).
+# Usage: bash bench/gpu/gpu_speed.sh check|bench|profile|pdl|frspec|regress|ropeattn|b1prof|all
 set -uo pipefail
 . "$(dirname "$0")/../../deploy/require.sh"; need_gpu_machine; require_done
 export PYTHONUNBUFFERED=1
@@ -50,6 +54,33 @@ if [[ $stage == regress ]]; then
   PDSERVE_TEST_DEVICE=cuda timeout 240 python3 -m pytest -q -p no:cacheprovider tests/engine/test_grammar.py \
     tests/engine/test_gpu.py::test_constrained_steps_in_halves_never_sync tests/engine/test_gpu_prefill.py 2>&1 \
     | tee "$OUT/tests.log" | tail -4
+fi
+
+if [[ $stage == ropeattn ]]; then
+  PDSERVE_ROPE_IN_ATTENTION=1 timeout 240 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_paged_attention.py \
+    tests/engine/test_gpu.py 2>&1 | tail -3
+  for on in 0 1 0 1; do
+    for a in smollm2 llama-1b; do
+      PDSERVE_ROPE_IN_ATTENTION=$on bench --arch $a --batch 1 --max-tokens 128 --spec-tokens 0 > /dev/null
+    done
+    PDSERVE_ROPE_IN_ATTENTION=$on bench --arch smollm2 --batch 32 --max-tokens 64 --spec-tokens 3 > /dev/null
+  done
+  python3 -c "import json
+for l in open('$OUT/bench.jsonl'):
+    r = json.loads(l) if l.startswith('{') else {}
+    if 'ms_per_step' in r: print(r['model'], r['batch'], r['spec_tokens'], r['ms_per_step'])"
+fi
+
+if [[ $stage == b1prof ]]; then  # where a batch-1 step's time goes: top kernels and idle gaps
+  bench --arch smollm2 --batch 1 --max-tokens 64 --spec-tokens 0 --profile > /dev/null
+  bench --arch llama-1b --batch 1 --max-tokens 64 --spec-tokens 0 --profile > /dev/null
+  python3 -c "import json
+for l in open('$OUT/bench.jsonl'):
+    r = json.loads(l) if l.startswith('{') else {}
+    if 'top_kernels' not in r: continue
+    print(r['model'], r['ms_per_step'], 'busy', r['gpu_busy'], 'gpu us', r['gpu_us_per_step'], 'kernels', r['kernels_per_step'])
+    for k in r['top_kernels']: print('  ', k)
+    for g in r.get('top_gaps', []): print('  gap', g)"
 fi
 
 if [[ $stage == pdl ]]; then  # programmatic dependent launch off and on, same code otherwise

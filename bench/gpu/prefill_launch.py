@@ -35,7 +35,7 @@ def measure(arch: str, n: int = 128, steps: int = 50) -> dict[str, float]:
     for _ in range(3):
         _ttft_step(eng, prompts)
     pg = eng.runner.prefill_graphs
-    ((key, (graph, _, _)),) = pg.graphs.items()  # the step's graph, captured without events
+    ((key, (graph, _, _, _)),) = pg.graphs.items()  # the step's graph (k = 0: no tail), captured without events
     inp = pg.inputs[(key.tokens, key.rows)]
     blocks = eng.blocks.allocate(eng.blocks.blocks_for(n + 8))
     chunk = PrefillChunk(prompts[0], 0, n, blocks, SamplingParams(max_tokens=1), 1)

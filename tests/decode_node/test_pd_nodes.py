@@ -86,6 +86,24 @@ def reference(loaded, prompts, params):
     return [r.output_ids for r in eng.generate(prompts, params)]
 
 
+def test_the_router_gets_the_first_token_before_the_drafts_are_read(tiny):
+    """P answers the router once the first token is on the host (copied ahead of the MTP drafts);
+    D's first-token message carries the k drafts, read after."""
+    sent: list[FirstToken] = []
+    pair = Pair(tiny, 3)
+    to_decode = pair.prefill.sink
+    pair.prefill.sink = lambda addr, msg: (sent.append(msg), to_decode(addr, msg))[1]
+    try:
+        vocab = tiny.model.config.vocab_size
+        params = SamplingParams(max_tokens=6, ignore_eos=True)
+        first = pair.run("e0", [5, 17, 99, 3, 8], params, vocab)
+        pair.wait_terminal(["e0"])
+        assert first.drafts == [] and [m.token for m in sent] == [first.token] and len(sent[0].drafts) == 3
+        assert pair.tokens("e0", first) == reference(tiny, [[5, 17, 99, 3, 8]], params)[0]
+    finally:
+        pair.close()
+
+
 @pytest.mark.parametrize("backend", ["local", "ucx"])
 @pytest.mark.parametrize("k", [0, 3])
 def test_pd_greedy_equals_single_process(tiny, k, backend):

@@ -208,3 +208,46 @@ def test_deterministic_resume_from_a_reprefill_gives_the_same_bits(k):
     for a, b in zip(whole, resumed, strict=True):
         assert a.output_ids[cut:] == b.output_ids
         assert [lp.logprob for lp in a.logprobs[cut:]] == [lp.logprob for lp in b.logprobs]
+
+
+@pytest.mark.parametrize("k", [0, 3])
+def test_mtp_drafts_replay_a_graph_of_their_own_after_the_first_tokens(k):
+    """With MTP a prefill key has two graphs, the first tokens' and then the drafts' (the engine
+    queues the first tokens' copy to the host between them: engine/chunked_prefill.py)."""
+    eng = engine(k)
+    eng.generate(PROMPTS[:2], SamplingParams(max_tokens=4, ignore_eos=True))
+    tails = [tail for _, tail, _, _ in eng.runner.prefill_graphs.graphs.values()]
+    assert tails and all((tail is not None) == (k > 0) for tail in tails)
+
+
+def test_constrained_first_tokens_replay_a_graph_and_equal_eager():
+    """A prompt with a grammar prefills through a graph (its first token's mask in the bucket's
+    mask rows, beside a free prompt's all-allowed row) and gives eager's tokens (fp32); a
+    deferred constrained key is captured over dummy prompts and replays the same."""
+    import re
+
+    from engine.structured import StructuredSpec
+    from engine.tiny import EOS_ID
+    from engine.warmup import capture_deferred, warm_up
+
+    regex = "[a-c]{3}x[0-9]{2}"
+    spec = StructuredSpec("regex", regex)
+    params = [SamplingParams(max_tokens=10, structured=spec), SamplingParams(max_tokens=10, structured=spec,
+                                                                              temperature=0.9, seed=3),
+              SamplingParams(max_tokens=10, ignore_eos=True)]
+    fast = engine(3)
+    got = fast.generate(PROMPTS[:3], params)
+    assert any(key.constrained for key in fast.runner.prefill_graphs.graphs)
+    want = engine(3, enforce_eager=True).generate(PROMPTS[:3], params)
+    assert [r.output_ids for r in got] == [r.output_ids for r in want]
+    for r in got[:2]:
+        assert r.output_ids[-1] == EOS_ID and re.fullmatch(regex, bytes(r.output_ids[:-1]).decode())
+    node = engine(3)  # a node defers new keys: eager first, then captured when idle
+    warm_up(node.runner, decode=True, prefill=True, max_model_len=node.max_model_len)
+    pg = node.runner.prefill_graphs
+    first = node.generate([PROMPTS[1]], params[0])[0].output_ids
+    assert any(key.constrained for key in pg.pending)
+    while capture_deferred(node.runner, node.max_model_len):
+        pass
+    assert any(key.constrained for key in pg.graphs) and not pg.pending
+    assert node.generate([PROMPTS[1]], params[0])[0].output_ids == first

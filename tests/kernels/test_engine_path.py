@@ -26,8 +26,12 @@ PENALIZED = SamplingParams(max_tokens=12, ignore_eos=True, logprobs=3, repetitio
 CONSTRAINED = SamplingParams(max_tokens=12, logprobs=3, structured=StructuredSpec("regex", "[a-f]{3}-[0-9]+"))
 
 
+@pytest.mark.parametrize("rope_in_attention", [False, True], ids=["rope-kernel", "rope-in-attention"])
 @pytest.mark.parametrize("k,middle", [(0, None), (3, None), (2, PENALIZED), (3, CONSTRAINED)])
-def test_triton_path_equals_reference_greedy_with_logprobs(k, middle):
+def test_triton_path_equals_reference_greedy_with_logprobs(k, middle, rope_in_attention, monkeypatch):
+    """`rope_in_attention`: decode steps and the MTP chain rotate q and k and write the step's K/V
+    inside the attention kernel (PDSERVE_ROPE_IN_ATTENTION)."""
+    monkeypatch.setattr("engine.attention.ROPE_IN_ATTENTION", rope_in_attention)
     params: SamplingParams | list[SamplingParams] = SamplingParams(max_tokens=12, ignore_eos=True, logprobs=3)
     if middle is not None:  # the middle request penalized or constrained, its neighbours not
         params = [params, middle, params]

@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 
 import kernels.paged_attention as pa
+from kernels._dispatch import triton_on_cpu
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # CPU: the interpreter (tests/conftest.py)
 
@@ -251,3 +252,76 @@ def test_invariant_mode_gives_a_query_the_same_bits_in_prefill_verify_and_decode
     last = verify.view(-1, *verify.shape[1:])[torch.tensor(rows(4).query_start[1:].tolist()) - 1]
     assert torch.equal(decode, whole), "decode and prefill bits differ"
     assert torch.equal(last, whole), "verify and prefill bits differ"
+
+
+def rope_case(batch: Batch, done_row: int | None = None, seed: int = 5):
+    """The step's raw k and v (views of a fused buffer), positions, rotary tables and slots for
+    `batch`'s queries (the last q_len keys of each row); `done_row`'s tokens write the trash block."""
+    from kernels.paged_attention import NewKV
+
+    gen = torch.Generator().manual_seed(seed)
+    t, hq, d = batch.q.shape
+    hkv, bs = batch.kv_cache.shape[3], batch.kv_cache.shape[2]
+    kv = torch.randn(t, 2 * hkv * d, generator=gen).to(DEVICE, batch.q.dtype)
+    k, v = kv[:, : hkv * d].view(t, hkv, d), kv[:, hkv * d :].view(t, hkv, d)
+    starts, lens = batch.query_start.tolist(), batch.seq_lens.tolist()
+    pos, slots = [], []
+    for r in range(len(lens)):
+        for i in range(starts[r + 1] - starts[r]):
+            p = lens[r] - (starts[r + 1] - starts[r]) + i
+            pos.append(p)
+            slots.append(i if r == done_row else int(batch.block_tables[r, p // bs]) * bs + p % bs)
+    ang = torch.arange(max(lens) + 1).float()[:, None] * torch.rand(d // 2, generator=gen)[None, :]
+    cos, sin = torch.cat([ang.cos()] * 2, -1).to(DEVICE), torch.cat([ang.sin()] * 2, -1).to(DEVICE)
+    as_long = dict(dtype=torch.int64, device=DEVICE)
+    return NewKV(k, v, torch.tensor(pos, **as_long), cos, sin, torch.tensor(slots, **as_long))
+
+
+@pytest.mark.parametrize("num_splits", [1, 3])
+@pytest.mark.parametrize(("group", "q_lens"), [(1, [1, 1, 1]), (3, [4, 2, 3]), (4, [4, 4, 1])])
+def test_rotary_and_kv_write_inside_the_kernel_equal_the_two_launches(group, q_lens, num_splits):
+    """Decode and verify steps: q rotated in the kernel, the step's keys rotated and written with
+    their values by the programs whose share holds them (some share a key tile with older keys,
+    some straddle two shares), then attended; against `rope_and_cache` + the kernel, outputs and
+    cache alike. Row 1 is done: its tokens write the trash block."""
+    from kernels.rotary import rope_and_cache
+
+    batch = make_batch([130, 47, 65], q_lens, group=group, seed=3)
+    new = rope_case(batch, done_row=1)
+    want_cache = batch.kv_cache.clone()
+    q_rot = rope_and_cache(batch.q, new.k, new.v, new.positions, new.cos, new.sin, want_cache, new.slot_mapping)
+    want = pa.paged_attention_triton(q_rot, want_cache, batch.block_tables, batch.seq_lens, batch.query_start,
+                                     batch.max_q, batch.scale, num_splits)
+    calls = []
+    real = pa.paged_attention_triton
+    with triton_on_cpu(), pytest.MonkeyPatch.context() as mp:
+        mp.setattr(pa, "paged_attention_triton", lambda *a: calls.append(a[-1] is not None) or real(*a))
+        got = pa.paged_attention_rope(batch.q, new, batch.kv_cache, batch.block_tables, batch.seq_lens,
+                                      batch.query_start, batch.max_q, batch.scale, num_splits)
+    assert calls == [True]  # one launch, the step's keys written inside it
+    torch.testing.assert_close(batch.kv_cache, want_cache, atol=0, rtol=0)
+    live = torch.ones(got.shape[0], dtype=torch.bool)
+    live[batch.query_start[1] : batch.query_start[2]] = False  # the done row reads keys nobody wrote
+    torch.testing.assert_close(got[live], want[live], atol=1e-5, rtol=1e-5)
+
+
+def test_rotary_inside_the_kernel_falls_back_to_two_launches_for_prefill_chunks():
+    """A chunk longer than one query tile (64 queries at G = 2): the step's keys must be in the
+    cache before any tile reads them, so the two launches run (same results either way)."""
+    from kernels.rotary import rope_and_cache
+
+    batch = make_batch([140, 70], [100, 30], group=2, seed=4)
+    new = rope_case(batch)
+    want_cache = batch.kv_cache.clone()
+    q_rot = rope_and_cache(batch.q, new.k, new.v, new.positions, new.cos, new.sin, want_cache, new.slot_mapping)
+    want = pa.paged_attention(q_rot, want_cache, batch.block_tables, batch.seq_lens, batch.query_start,
+                              batch.max_q, batch.scale)
+    calls = []
+    real = pa.paged_attention_triton
+    with triton_on_cpu(), pytest.MonkeyPatch.context() as mp:
+        mp.setattr(pa, "paged_attention_triton", lambda *a: calls.append(len(a) > 8 and a[8] is not None) or real(*a))
+        got = pa.paged_attention_rope(batch.q, new, batch.kv_cache, batch.block_tables, batch.seq_lens,
+                                      batch.query_start, batch.max_q, batch.scale)
+    assert calls == [False]  # the rotary kernel, then the attention kernel over the cache
+    torch.testing.assert_close(batch.kv_cache, want_cache, atol=0, rtol=0)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
