@@ -28,6 +28,11 @@ or its split-K sum) stored per column tile (`kernels.norm.store_partial_sumsq`, 
 output tensor: `row_sumsq_of`); the main loop is untouched. Where x has none (cuBLAS wrote it, or
 it changed in place since), the norm runs as its own kernel.
 
+Under programmatic dependent launch (kernels/pdl.py) the kernel starts while the one before it
+still runs; before its wait it asks for its share of the weights in L2 (`_prefetch_rows`, whole
+rows up to PREFETCH_BYTES a launch), for weights of at most PREFETCH_MAX bytes: SmolLM2's batch-1
+step fell 10% (0.69 -> 0.63 ms on an H100), Llama-1B's larger weights gained nothing at batch 1.
+
 Batch-invariant mode (`kernels._dispatch.batch_invariant()`, `--deterministic`): a row's result
 must not depend on how many rows share the call. cuBLAS and CPU BLAS pick tiling, split-K and
 kernels by M, so there:
@@ -56,13 +61,18 @@ from kernels.norm import (
     rstd_of_partials,
     store_partial_sumsq,
 )
-from kernels.pdl import pdl_args, wait_for_previous
+from kernels.pdl import pdl_args, prefetch_l2, prefetch_on, wait_for_previous
 
 FUSED_MAX_M = int(os.environ.get("PDSERVE_FUSED_MAX_M", "64"))  # rows up to which the kernel runs by default
 SMALL_MAX_M = int(os.environ.get("PDSERVE_SMALL_MAX_M", "128"))  # and up to this many rows for weights
 SMALL_WEIGHT = int(os.environ.get("PDSERVE_SMALL_WEIGHT", str(2**21)))  # of at most this many elements
 MAX_BM = int(os.environ.get("PDSERVE_MAX_BM", "64"))  # the kernel's row tile: rows above it take more tiles
 INVARIANT_BM = 16
+PREFETCH_BYTES = int(float(os.environ.get("PDSERVE_PREFETCH_MB", "4")) * 2**20)  # L2 prefetch per launch, at most
+# weights above PREFETCH_MAX get none: on an H100 Llama-1B's (8-67 MB) gained nothing at batch 1 and
+# lost with more than 4 MB a launch, while SmolLM2's (<= 3.5 MB) step fell 10% (BENCHMARKS.md)
+PREFETCH_MAX = int(float(os.environ.get("PDSERVE_PREFETCH_MAX_MB", "8")) * 2**20)
+EVICT_LAST = os.environ.get("PDSERVE_PREFETCH_EVICT_LAST", "0") == "1"
 
 Norm = tuple[torch.Tensor | None, float]  # (weight, or None where it is folded into the GEMM's; eps)
 RowNorm = tuple[float, torch.Tensor]  # (eps, x's partial row sums of squares [M, tiles]): the kernel's own norm
@@ -111,7 +121,12 @@ def _skinny_kernel(x_ptr, w_ptr, b_ptr, r_ptr, y_ptr, ws_ptr, val_ptr, idx_ptr, 
                    HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr,
                    ARGMAX: tl.constexpr, SPLIT: tl.constexpr, PRECISION: tl.constexpr, GLU: tl.constexpr,
                    NORM: tl.constexpr, NTP: tl.constexpr, SS_OUT: tl.constexpr,
-                   BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, PDL: tl.constexpr):
+                   BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, PDL: tl.constexpr,
+                   PREFETCH: tl.constexpr = False, LINES: tl.constexpr = 1, PER_LINE: tl.constexpr = 64,
+                   EVICT_LAST: tl.constexpr = False):
+    if PREFETCH:  # the weights are never written: ask for this program's share in L2 while the kernel before runs
+        _prefetch_rows(w_ptr, tl.program_id(1) * BN + tl.arange(0, BN), tl.program_id(2) * k_per_split,
+                       k_per_split, N, K, stride_w, GLU, LINES, PER_LINE, EVICT_LAST)
     wait_for_previous(PDL)
     pid_m, pid_n, pid_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     rm = pid_m * BM + tl.arange(0, BM)
@@ -146,6 +161,19 @@ def _skinny_kernel(x_ptr, w_ptr, b_ptr, r_ptr, y_ptr, ws_ptr, val_ptr, idx_ptr, 
     else:
         part = ws_ptr + pid_k * M * N + rm[:, None] * N + rn[None, :]
         tl.store(part, acc, mask=(rm[:, None] < M) & (rn[None, :] < N))
+
+
+@triton.jit
+def _prefetch_rows(w_ptr, rn, k_lo, k_len, N, K, stride_w, GLU: tl.constexpr, LINES: tl.constexpr,
+                   PER_LINE: tl.constexpr, EVICT_LAST: tl.constexpr):
+    """L2 prefetch of weight rows `rn` (and their up rows N + rn with GLU), columns k_lo to
+    k_lo + k_len: one request per 128-byte line of PER_LINE elements (LINES >= lines per row;
+    extra ones repeat the last)."""
+    cols = tl.minimum(k_lo + tl.arange(0, LINES) * PER_LINE, tl.minimum(k_lo + k_len, K) - 1)
+    rows = tl.minimum(rn, N - 1).to(tl.int64)
+    prefetch_l2(w_ptr + rows[:, None] * stride_w + cols[None, :], EVICT_LAST)
+    if GLU:
+        prefetch_l2(w_ptr + (rows[:, None] + N) * stride_w + cols[None, :], EVICT_LAST)
 
 
 @triton.jit
@@ -223,6 +251,7 @@ def _launch(x2, w, b, residual, y, argmax_out=None, config: tuple[int, int, int]
     eps, ssi = norm if norm is not None else (0.0, None)
     nti = ssi.shape[1] if ssi is not None else 1
     pdl = pdl_args(x2)
+    pf = _prefetch_args(w, k_per, split) if prefetch_on(pdl) and w.numel() * w.element_size() <= PREFETCH_MAX else {}
     _skinny_kernel[grid](
         x2, w, b if b is not None else w, r, y, ws, val, idx, ssi if ssi is not None else y,
         sso if sso is not None else y,
@@ -230,7 +259,7 @@ def _launch(x2, w, b, residual, y, argmax_out=None, config: tuple[int, int, int]
         HAS_BIAS=b is not None, HAS_RES=residual is not None,
         ARGMAX=argmax_out is not None, SPLIT=split, PRECISION="ieee" if x2.dtype == torch.float32 else "tf32",
         GLU=glu, NORM=ssi is not None, NTP=triton.next_power_of_2(nti), SS_OUT=sso is not None and split == 1,
-        BM=bm, BN=bn, BK=bk, num_warps=4, num_stages=3, **pdl)
+        BM=bm, BN=bn, BK=bk, num_warps=4, num_stages=3, **pdl, **pf)
     if argmax_out is not None:
         _argmax_tiles_kernel[(m,)](val, idx, id_map if id_map is not None else idx, argmax_out, grid[1],
                                    BLOCK=triton.next_power_of_2(grid[1]), HAS_MAP=id_map is not None, **pdl)
@@ -240,6 +269,18 @@ def _launch(x2, w, b, residual, y, argmax_out=None, config: tuple[int, int, int]
             HAS_BIAS=b is not None, HAS_RES=residual is not None, SPLIT=split, SS_OUT=sso is not None,
             BM=bm, BN=bn, **pdl)
     return sso
+
+
+def _prefetch_args(w: torch.Tensor, k_per: int, split: int) -> dict:
+    """The L2 prefetch of a launch's weights: whole rows up to PREFETCH_BYTES in all, else the
+    first lines of each program's row share (Llama-1B's 67 MB gate/up prefetched whole made its
+    batch-1 step 27% slower: L2 holds 50 MB)."""
+    per_line = 128 // w.element_size()
+    lines = triton.cdiv(k_per, per_line)
+    fit = max(1, PREFETCH_BYTES // (w.shape[0] * split * 128))
+    if lines > fit:
+        lines = 1 << (fit.bit_length() - 1)  # a power of two at most `fit`
+    return {"PREFETCH": True, "LINES": triton.next_power_of_2(lines), "PER_LINE": per_line, "EVICT_LAST": EVICT_LAST}
 
 
 def linear_triton(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None, norm: Norm | None = None,

@@ -13,6 +13,11 @@ that reads memory before `wait_for_previous` races the kernel before it.
 
 Off on the CPU (the interpreter), before Hopper, when this Triton has no `launch_pdl`, or
 with PDSERVE_PDL=0.
+
+Memory no kernel of the step writes (the weights) may be read before the wait. `prefetch_l2`
+asks for such lines in L2 while the kernel before still runs: a decode GEMM launched early under
+PDL starts its weight reads there instead of after the previous kernel ends
+(PDSERVE_PREFETCH=0: off; `pdl_args` passes the `PREFETCH` constexpr).
 """
 
 from __future__ import annotations
@@ -50,6 +55,19 @@ def _supported(device_index: int) -> bool:
     return has_option and torch.cuda.get_device_capability(device_index) >= (9, 0)
 
 
+@triton.jit
+def prefetch_l2(ptrs, EVICT_LAST: tl.constexpr = False):
+    """Ask for the cache lines holding `ptrs` (a tensor of pointers, one per line wanted) in L2
+    (`EVICT_LAST`: kept ahead of lines streamed past); no value comes back. Only for memory
+    nothing in flight writes (see the module's text)."""
+    addr = ptrs.to(tl.int64, bitcast=True)
+    if EVICT_LAST:
+        tl.inline_asm_elementwise("prefetch.global.L2::evict_last [$1];", "=r,l", [addr], dtype=tl.int32,
+                                  is_pure=False, pack=1)
+    else:
+        tl.inline_asm_elementwise("prefetch.global.L2 [$1];", "=r,l", [addr], dtype=tl.int32, is_pure=False, pack=1)
+
+
 def pdl_args(t: torch.Tensor) -> dict[str, bool]:
     """The launch arguments for a kernel working on t: `PDL` (its constexpr) and `launch_pdl`."""
     if not t.is_cuda or os.environ.get("PDSERVE_PDL", "1") == "0":
@@ -57,3 +75,8 @@ def pdl_args(t: torch.Tensor) -> dict[str, bool]:
     index = t.device.index if t.device.index is not None else torch.cuda.current_device()
     on = _supported(index)
     return {"PDL": on, "launch_pdl": on}
+
+
+def prefetch_on(pdl: dict[str, bool]) -> bool:
+    """Whether a kernel launched with `pdl` prefetches its weights into L2 before its wait."""
+    return pdl["PDL"] and os.environ.get("PDSERVE_PREFETCH", "1") == "1"

@@ -15,8 +15,10 @@
 # `ropeattn` (issue 30): rotary and the K/V write inside the attention kernel for decode-sized
 # steps (PDSERVE_ROPE_IN_ATTENTION 0 / 1, twice): the kernel and engine GPU tests with it on, then
 # batch-1 steps and SmolLM2 b32 k=3.
+# `prefetch`: decode GEMMs' weights prefetched into L2 before the PDL wait, off / on twice.
+# `final6`: the engine GPU tests and the goal / regress rows with session 6's defaults.
 # `b1prof`: batch-1 top kernels and idle gaps (SmolLM2, Llama-1B, k=0).
-# Usage: bash bench/gpu/gpu_speed.sh check|bench|profile|pdl|frspec|regress|ropeattn|b1prof|all
+# Usage: bash bench/gpu/gpu_speed.sh check|bench|profile|pdl|frspec|regress|ropeattn|prefetch|final6|b1prof|all
 set -uo pipefail
 . "$(dirname "$0")/../../deploy/require.sh"; need_gpu_machine; require_done
 export PYTHONUNBUFFERED=1
@@ -69,6 +71,36 @@ if [[ $stage == ropeattn ]]; then
 for l in open('$OUT/bench.jsonl'):
     r = json.loads(l) if l.startswith('{') else {}
     if 'ms_per_step' in r: print(r['model'], r['batch'], r['spec_tokens'], r['ms_per_step'])"
+fi
+
+if [[ $stage == prefetch ]]; then  # weights asked for in L2 before the PDL wait: variants, twice
+  python3 -m pytest -q -p no:cacheprovider tests/kernels/test_linear.py 2>&1 | tail -2
+  for rep in 1 2; do for v in "PDSERVE_PREFETCH=0" "PDSERVE_PREFETCH_MAX_MB=8" "PDSERVE_PREFETCH_EVICT_LAST=1" \
+      "PDSERVE_PREFETCH_EVICT_LAST=1 PDSERVE_PREFETCH_MB=16"; do
+    for a in smollm2 llama-1b; do
+      env $v python3 -m deploy.cli bench engine --device cuda --arch $a --batch 1 --max-tokens 96 --spec-tokens 0 \
+        | sed "s/^{/{\"variant\": \"$v\", /" >> "$OUT/bench.jsonl"
+    done
+    env $v python3 -m deploy.cli bench engine --device cuda --arch llama-1b --batch 64 --max-tokens 48 --spec-tokens 0 \
+      | sed "s/^{/{\"variant\": \"$v\", /" >> "$OUT/bench.jsonl"
+  done; done
+  python3 -c "import json
+for l in open('$OUT/bench.jsonl'):
+    r = json.loads(l) if l.startswith('{') else {}
+    if 'ms_per_step' in r: print(r['variant'], r['model'], r['batch'], r['spec_tokens'], r['ms_per_step'])"
+fi
+
+if [[ $stage == final6 ]]; then  # session 6's defaults: the engine GPU tests, then the goal and regress rows
+  PDSERVE_TEST_DEVICE=cuda timeout 200 python3 -m pytest -q -p no:cacheprovider tests/engine/test_gpu.py \
+    tests/engine/test_first_token.py 2>&1 | tail -2
+  bench --arch smollm2 --batch 1 --max-tokens 96 --spec-tokens 3 > /dev/null
+  bench --arch llama-1b --batch 1 --max-tokens 96 --spec-tokens 3 --draft-vocab 32768 > /dev/null
+  bench --arch smollm2 --batch 32 --max-tokens 64 --spec-tokens 3 --profile > /dev/null
+  bench --arch smollm2 --batch 128 --max-tokens 64 --spec-tokens 3 > /dev/null
+  python3 -c "import json
+for l in open('$OUT/bench.jsonl'):
+    r = json.loads(l) if l.startswith('{') else {}
+    if 'ms_per_step' in r: print(r['model'], r['batch'], r['spec_tokens'], r.get('draft_vocab'), r['ms_per_step'], r['tokens_per_s'], r.get('gpu_busy'))"
 fi
 
 if [[ $stage == b1prof ]]; then  # where a batch-1 step's time goes: top kernels and idle gaps

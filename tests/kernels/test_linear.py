@@ -154,3 +154,18 @@ def test_invariant_mode_with_a_folded_norm_rows_alone_equal_rows_in_a_batch(devi
         one, seven, forty = (L.linear_triton(L.linear_triton(a[:m], w0, residual=r[:m]), w, None, (None, 1e-5))
                              for m in (1, 7, 40))
     assert torch.equal(one, seven[:1]) and torch.equal(seven, forty[:7])
+
+
+def test_the_l2_prefetch_takes_whole_rows_of_small_weights_and_the_first_lines_of_large_ones(monkeypatch):
+    """`_prefetch_args` (CUDA with PDL only; shapes alone here): SmolLM2's gate/up (3072 x 576 bf16,
+    9 lines a row) whole; Llama-1B's (16384 x 2048, 32 lines a row) capped at PREFETCH_BYTES: 2 lines
+    a row at 4 MB; a split-K launch's row shares count once per split."""
+    monkeypatch.setattr(L, "PREFETCH_BYTES", 4 * 2**20)
+    small = L._prefetch_args(torch.empty(3072, 576, dtype=torch.bfloat16), 576, 1)
+    assert small["PER_LINE"] == 64 and small["LINES"] == 16  # 9 lines, rounded up to a power of two
+    big = L._prefetch_args(torch.empty(16384, 2048, dtype=torch.bfloat16), 2048, 1)
+    assert big["LINES"] == 2 and big["LINES"] * big["PER_LINE"] * 2 * 16384 <= L.PREFETCH_BYTES
+    split = L._prefetch_args(torch.empty(2048, 8192, dtype=torch.bfloat16), 2048, 4)
+    assert split["LINES"] == 4  # 2048 rows x 4 shares x 4 lines x 128 B = 4 MB
+    fp32 = L._prefetch_args(torch.empty(960, 576, dtype=torch.float32), 576, 1)
+    assert fp32["PER_LINE"] == 32 and fp32["LINES"] == 32  # 18 lines of 32 floats
