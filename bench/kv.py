@@ -314,12 +314,9 @@ def perftest_gbps(msg_bytes: int, total_bytes: int, device: str, thp: bool = Tru
         server_env, client_env = ({**env, "CUDA_VISIBLE_DEVICES": gpu} for gpu in _two_gpus())
     server = subprocess.Popen([exe, "-p", port, *mem], env=server_env,
                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    client = [exe, "127.0.0.1", "-p", port, "-t", "tag_bw", "-s", str(msg_bytes), "-n", str(iters), "-w", "10", "-f", *mem]
     try:
-        time.sleep(1.0)
-        out = subprocess.run(
-            [exe, "127.0.0.1", "-p", port, "-t", "tag_bw", "-s", str(msg_bytes), "-n", str(iters),
-             "-w", "10", "-f", *mem], env=client_env, capture_output=True, text=True, timeout=300,
-        ).stdout
+        out = _perftest_client(client, client_env, server)
     finally:
         server.wait(timeout=30)
     rows = [line.split() for line in out.splitlines() if re.match(r"^(Final:)?\s*\d+\s+\d", line)]
@@ -327,6 +324,19 @@ def perftest_gbps(msg_bytes: int, total_bytes: int, device: str, thp: bool = Tru
         raise RuntimeError(f"ucx_perftest printed no result:\n{out}")
     mib_per_s = float(rows[-1][-3])  # overall bandwidth; perftest's MB is 2**20 bytes
     return mib_per_s * 2**20 / 1e9
+
+
+def _perftest_client(cmd: list[str], env: dict[str, str], server: subprocess.Popen, wait_s: float = 30.0) -> str:
+    """The client's output, retried while the server is not listening yet: a fixed one-second
+    wait lost that race on a loaded 2-core machine ("connect() failed: Connection refused", a
+    fresh-clone CI run, 2026-11-26). A refused client leaves the server waiting for the next."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        time.sleep(0.25)
+        out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300).stdout
+        refused = "connect() failed" in out or "Connection refused" in out
+        if not refused or server.poll() is not None or time.monotonic() > deadline:
+            return out
 
 
 def _two_gpus() -> tuple[str, str]:

@@ -36,3 +36,18 @@ def test_resident_shim_faults_in_large_anonymous_mappings() -> None:
         out = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, check=True)
         grown[mode] = int(out.stdout)  # KiB
     assert grown["mmap"] >= 32 << 10 and grown["off"] < 8 << 10
+
+
+def test_the_perftest_client_is_retried_while_its_server_is_not_listening(tmp_path):
+    """`bench.kv._perftest_client`: a client refused (the server not listening yet) runs again;
+    the first answer that is not a refusal is the result. A stand-in client refuses twice."""
+    tries = tmp_path / "tries"
+    script = (f"import pathlib; p = pathlib.Path({str(tries)!r}); n = int(p.read_text()) if p.exists() else 0; "
+              "p.write_text(str(n + 1)); "
+              "print('UCX ERROR client failed. connect() failed: Connection refused' if n < 2 else 'Final: 1 2 3')")
+    server = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    try:
+        out = kv._perftest_client([sys.executable, "-c", script], {}, server)
+    finally:
+        server.kill()
+    assert out.strip() == "Final: 1 2 3" and tries.read_text() == "3"
