@@ -96,7 +96,11 @@ async def _one(address, request):
 
 
 def test_prefill_actor_killed_requests_retried(tiny_reference):
-    service, address = start_service(2, 1, 0, **{"router.prefill_retries": 3})
+    # node_wait_s: with one prefill node killed, the other busy with all 24 prompts on a loaded
+    # 2-core machine missed its 5 s Status deadline once, was unselectable for a moment, and a
+    # retried request ended UNAVAILABLE "no healthy prefill node" (a fresh-clone CI run,
+    # 2026-11-26); a service that expects node loss waits for a node, as the chaos test does
+    service, address = start_service(2, 1, 0, **{"router.prefill_retries": 3, "router.node_wait_s": 30})
     prompts = [[(7 * i + j) % 256 for j in range(120)] for i in range(24)]
     try:
         async def main():
