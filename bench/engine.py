@@ -152,17 +152,17 @@ def _engine(loaded: LoadedModel, k: int, args: argparse.Namespace,
 def time_engine(loaded: LoadedModel, k: int, args: argparse.Namespace, tp: TPGroup | None = None) -> dict:
     engine, prompts = _engine(loaded, k, args, tp)
     params = _params(args)
-    _sync(args.device)
+    sync_device(args.device)
     for p in prompts:
         engine.add_request(p, params)
     engine.step()  # the whole batch prefills in one step
     assert not engine.waiting, "the KV cache holds the whole batch"
-    _sync(args.device)
+    sync_device(args.device)
     start, steps = time.perf_counter(), 0
     while engine.has_unfinished():
         engine.step()
         steps += 1
-    _sync(args.device)
+    sync_device(args.device)
     elapsed = time.perf_counter() - start
     done = [r for r in engine.requests.values() if r.finished][-args.batch:]
     tokens = sum(len(r.output_ids) - 1 for r in done)
@@ -343,7 +343,7 @@ def time_hf(loaded: LoadedModel, args: argparse.Namespace) -> dict:
             "hf_tokens_per_s": round(args.batch / step, 1)}
 
 
-def _sync(device: str) -> None:
+def sync_device(device: str) -> None:
     if device.startswith("cuda"):
         torch.cuda.synchronize()
 

@@ -24,7 +24,7 @@ import time
 
 import torch
 
-from bench.engine import SHAPES, busy_share, load
+from bench.engine import SHAPES, busy_share, load, sync_device
 from engine.engine import EngineConfig, LLMEngine
 from engine.loader import LoadedModel
 from engine.model import folds_norms
@@ -94,21 +94,16 @@ def _ttft_step(engine: LLMEngine, prompts: list[list[int]], whole: list[float] |
     params = SamplingParams(max_tokens=1, ignore_eos=True)
     for p in prompts:
         engine.add_request(p, params)
-    _sync(engine)
+    sync_device(engine.runner.device.type)
     start = time.perf_counter()
     outs = engine.step()
     took = time.perf_counter() - start
     if whole is not None:
-        _sync(engine)
+        sync_device(engine.runner.device.type)
         whole.append(time.perf_counter() - start)
     assert len(outs) == len(prompts) and not engine.has_unfinished(), "the batch prefills in one step"
     engine.requests.clear()
     return took
-
-
-def _sync(engine: LLMEngine) -> None:
-    if engine.runner.device.type == "cuda":
-        torch.cuda.synchronize(engine.runner.device)
 
 
 def time_case(loaded: LoadedModel, k: int, batch: int, n: int, args: argparse.Namespace) -> dict:

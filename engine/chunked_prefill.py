@@ -79,13 +79,13 @@ class ChunkedPrefill:
         prefill alone, not for what was queued after it. `inserted_late`: the batch takes the
         completed prompts after the next prefill step is queued (the colocated node), so their
         device outputs are cloned first."""
-        early: list[HostFirst] = []  # the first tokens' copies, queued ahead of the MTP drafts
-        out = self.runner.prefill(chunks, on_first=lambda o: early.append(HostFirst.start(o)) if o.last_rows else None)
+        early = EarlyFirst()
+        out = self.runner.prefill(chunks, on_first=early)
         for c, req in zip(chunks, reqs, strict=True):
             req.num_prefilled = c.end
             self.prefix.register(req.block_ids, req.block_hashes, c.end)
         add_prompt_logprobs(out, reqs)
-        host = FirstTokenCopy.of(out, inserted_late, early[0] if early else None) if out.last_rows else None
+        host = FirstTokenCopy.of(out, inserted_late, early.copy) if out.last_rows else None
         return Launched(chunks, reqs, out, host)
 
     def finish(self, launched: Launched) -> list[RequestOutput]:
@@ -152,6 +152,18 @@ class HostFirst:
         if self.done is not None:
             self.done.synchronize()  # the first tokens and these copies, not the drafts or work queued after them
         return self.first.tolist(), self.logprobs
+
+
+class EarlyFirst:
+    """An `on_first` for `ModelRunner.prefill`: queues the completed prompts' first tokens' copy to
+    the host (`HostFirst`) there, ahead of the MTP drafts; `copy` is it (None: none completed)."""
+
+    def __init__(self) -> None:
+        self.copy: HostFirst | None = None
+
+    def __call__(self, out: PrefillOutput) -> None:
+        if out.last_rows:
+            self.copy = HostFirst.start(out)
 
 
 @dataclass

@@ -72,7 +72,6 @@ PREFETCH_BYTES = int(float(os.environ.get("PDSERVE_PREFETCH_MB", "4")) * 2**20) 
 # weights above PREFETCH_MAX get none: on an H100 Llama-1B's (8-67 MB) gained nothing at batch 1 and
 # lost with more than 4 MB a launch, while SmolLM2's (<= 3.5 MB) step fell 10% (BENCHMARKS.md)
 PREFETCH_MAX = int(float(os.environ.get("PDSERVE_PREFETCH_MAX_MB", "8")) * 2**20)
-EVICT_LAST = os.environ.get("PDSERVE_PREFETCH_EVICT_LAST", "0") == "1"
 
 Norm = tuple[torch.Tensor | None, float]  # (weight, or None where it is folded into the GEMM's; eps)
 RowNorm = tuple[float, torch.Tensor]  # (eps, x's partial row sums of squares [M, tiles]): the kernel's own norm
@@ -122,11 +121,10 @@ def _skinny_kernel(x_ptr, w_ptr, b_ptr, r_ptr, y_ptr, ws_ptr, val_ptr, idx_ptr, 
                    ARGMAX: tl.constexpr, SPLIT: tl.constexpr, PRECISION: tl.constexpr, GLU: tl.constexpr,
                    NORM: tl.constexpr, NTP: tl.constexpr, SS_OUT: tl.constexpr,
                    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, PDL: tl.constexpr,
-                   PREFETCH: tl.constexpr = False, LINES: tl.constexpr = 1, PER_LINE: tl.constexpr = 64,
-                   EVICT_LAST: tl.constexpr = False):
+                   PREFETCH: tl.constexpr = False, LINES: tl.constexpr = 1, PER_LINE: tl.constexpr = 64):
     if PREFETCH:  # the weights are never written: ask for this program's share in L2 while the kernel before runs
         _prefetch_rows(w_ptr, tl.program_id(1) * BN + tl.arange(0, BN), tl.program_id(2) * k_per_split,
-                       k_per_split, N, K, stride_w, GLU, LINES, PER_LINE, EVICT_LAST)
+                       k_per_split, N, K, stride_w, GLU, LINES, PER_LINE)
     wait_for_previous(PDL)
     pid_m, pid_n, pid_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     rm = pid_m * BM + tl.arange(0, BM)
@@ -165,15 +163,15 @@ def _skinny_kernel(x_ptr, w_ptr, b_ptr, r_ptr, y_ptr, ws_ptr, val_ptr, idx_ptr, 
 
 @triton.jit
 def _prefetch_rows(w_ptr, rn, k_lo, k_len, N, K, stride_w, GLU: tl.constexpr, LINES: tl.constexpr,
-                   PER_LINE: tl.constexpr, EVICT_LAST: tl.constexpr):
+                   PER_LINE: tl.constexpr):
     """L2 prefetch of weight rows `rn` (and their up rows N + rn with GLU), columns k_lo to
     k_lo + k_len: one request per 128-byte line of PER_LINE elements (LINES >= lines per row;
     extra ones repeat the last)."""
     cols = tl.minimum(k_lo + tl.arange(0, LINES) * PER_LINE, tl.minimum(k_lo + k_len, K) - 1)
     rows = tl.minimum(rn, N - 1).to(tl.int64)
-    prefetch_l2(w_ptr + rows[:, None] * stride_w + cols[None, :], EVICT_LAST)
+    prefetch_l2(w_ptr + rows[:, None] * stride_w + cols[None, :])
     if GLU:
-        prefetch_l2(w_ptr + (rows[:, None] + N) * stride_w + cols[None, :], EVICT_LAST)
+        prefetch_l2(w_ptr + (rows[:, None] + N) * stride_w + cols[None, :])
 
 
 @triton.jit
@@ -280,7 +278,7 @@ def _prefetch_args(w: torch.Tensor, k_per: int, split: int) -> dict:
     fit = max(1, PREFETCH_BYTES // (w.shape[0] * split * 128))
     if lines > fit:
         lines = 1 << (fit.bit_length() - 1)  # a power of two at most `fit`
-    return {"PREFETCH": True, "LINES": triton.next_power_of_2(lines), "PER_LINE": per_line, "EVICT_LAST": EVICT_LAST}
+    return {"PREFETCH": True, "LINES": triton.next_power_of_2(lines), "PER_LINE": per_line}
 
 
 def linear_triton(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None, norm: Norm | None = None,

@@ -16,8 +16,8 @@ with PDSERVE_PDL=0.
 
 Memory no kernel of the step writes (the weights) may be read before the wait. `prefetch_l2`
 asks for such lines in L2 while the kernel before still runs: a decode GEMM launched early under
-PDL starts its weight reads there instead of after the previous kernel ends
-(PDSERVE_PREFETCH=0: off; `pdl_args` passes the `PREFETCH` constexpr).
+PDL starts its weight reads there instead of after the previous kernel ends (`prefetch_on`;
+PDSERVE_PREFETCH=0: off).
 """
 
 from __future__ import annotations
@@ -28,6 +28,8 @@ import os
 import torch
 import triton
 import triton.language as tl
+
+PREFETCH = os.environ.get("PDSERVE_PREFETCH", "1") == "1"
 
 try:
     from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
@@ -56,16 +58,11 @@ def _supported(device_index: int) -> bool:
 
 
 @triton.jit
-def prefetch_l2(ptrs, EVICT_LAST: tl.constexpr = False):
-    """Ask for the cache lines holding `ptrs` (a tensor of pointers, one per line wanted) in L2
-    (`EVICT_LAST`: kept ahead of lines streamed past); no value comes back. Only for memory
-    nothing in flight writes (see the module's text)."""
+def prefetch_l2(ptrs):
+    """Ask for the cache lines holding `ptrs` (a tensor of pointers, one per line wanted) in L2;
+    no value comes back. Only for memory nothing in flight writes (see the module's text)."""
     addr = ptrs.to(tl.int64, bitcast=True)
-    if EVICT_LAST:
-        tl.inline_asm_elementwise("prefetch.global.L2::evict_last [$1];", "=r,l", [addr], dtype=tl.int32,
-                                  is_pure=False, pack=1)
-    else:
-        tl.inline_asm_elementwise("prefetch.global.L2 [$1];", "=r,l", [addr], dtype=tl.int32, is_pure=False, pack=1)
+    tl.inline_asm_elementwise("prefetch.global.L2 [$1];", "=r,l", [addr], dtype=tl.int32, is_pure=False, pack=1)
 
 
 def pdl_args(t: torch.Tensor) -> dict[str, bool]:
@@ -79,4 +76,4 @@ def pdl_args(t: torch.Tensor) -> dict[str, bool]:
 
 def prefetch_on(pdl: dict[str, bool]) -> bool:
     """Whether a kernel launched with `pdl` prefetches its weights into L2 before its wait."""
-    return pdl["PDL"] and os.environ.get("PDSERVE_PREFETCH", "1") == "1"
+    return pdl["PDL"] and PREFETCH

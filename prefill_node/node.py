@@ -44,7 +44,7 @@ from typing import Any
 
 import torch
 
-from engine.chunked_prefill import HostFirst
+from engine.chunked_prefill import EarlyFirst, HostFirst
 from engine.engine import EngineConfig, build_runner, prefix_cache_for
 from engine.loader import LoadedModel
 from engine.model_runner import PrefillOutput, kv_room_needed, unpack_logprobs
@@ -182,10 +182,10 @@ class PrefillNode(StepLoop):
                   for j, n in jobs]
         finishing = [j for (j, _), c in zip(jobs, chunks, strict=True) if c.is_last]
         start = time.perf_counter()
-        early: list[HostFirst] = []  # the first tokens' copy to the host, queued ahead of the MTP drafts
+        early = EarlyFirst()  # the first tokens' copy to the host, queued ahead of the MTP drafts
         try:
             out = self.runner.prefill(chunks, on_layer=lambda layer, ready: self._push_layer(finishing, layer, ready),
-                                      on_first=lambda o: early.append(HostFirst.start(o)) if o.last_rows else None)
+                                      on_first=early)
         except Exception as e:  # a failed step fails its jobs, the node keeps serving
             for j, _ in jobs:
                 self._fail(j, f"prefill failed: {e}")
@@ -195,7 +195,7 @@ class PrefillNode(StepLoop):
             self.queued_tokens -= n
             self.prefix.register(j.block_ids, j.block_hashes, j.num_prefilled)
         add_prompt_logprobs(out, [j for j, _ in jobs])
-        self._complete(finishing, out, chunks, early[0] if early else None)  # holds the step's read points
+        self._complete(finishing, out, chunks, early.copy)  # holds the step's read points
         self.counters["prefill_tokens"] += sum(n for _, n in jobs)
         self.counters["prefill_seconds"] += time.perf_counter() - start
         return True

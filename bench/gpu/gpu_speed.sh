@@ -75,8 +75,7 @@ fi
 
 if [[ $stage == prefetch ]]; then  # weights asked for in L2 before the PDL wait: variants, twice
   python3 -m pytest -q -p no:cacheprovider tests/kernels/test_linear.py 2>&1 | tail -2
-  for rep in 1 2; do for v in "PDSERVE_PREFETCH=0" "PDSERVE_PREFETCH_MAX_MB=8" "PDSERVE_PREFETCH_EVICT_LAST=1" \
-      "PDSERVE_PREFETCH_EVICT_LAST=1 PDSERVE_PREFETCH_MB=16"; do
+  for rep in 1 2; do for v in "PDSERVE_PREFETCH=0" "PDSERVE_PREFETCH=1" "PDSERVE_PREFETCH_MAX_MB=1e9"; do
     for a in smollm2 llama-1b; do
       env $v python3 -m deploy.cli bench engine --device cuda --arch $a --batch 1 --max-tokens 96 --spec-tokens 0 \
         | sed "s/^{/{\"variant\": \"$v\", /" >> "$OUT/bench.jsonl"
