@@ -7,7 +7,7 @@ object per k. On CUDA it also prints, from the same process, the floor a decode 
 compared with (parameter bytes / measured copy bandwidth) and, with `--hf`, Hugging Face
 `generate` on the same weights. `--profile` adds kernels per decode step (copies, memsets and
 torch's own kernels apart: `launch_counts`) and the share of the decode loop the GPU is busy
-(torch profiler).
+(torch profiler), and where the host's time per step goes (`bench/host_split.py`).
 `--draft-vocab N` drafts over the N most frequent tokens (FR-Spec); random weights use the
 shipped ranking of the named model (its drafts are never accepted: this times the step).
 """
@@ -22,6 +22,7 @@ from pathlib import Path
 
 import torch
 
+from bench.host_split import host_split
 from engine.config import ArchConfig
 from engine.draft_vocab import RANK_SUFFIX, ranking_path_beside, write_ranking
 from engine.engine import EngineConfig, LLMEngine
@@ -173,6 +174,8 @@ def time_engine(loaded: LoadedModel, k: int, args: argparse.Namespace, tp: TPGro
            "structured_regex": getattr(args, "structured_regex", None),
            "decode_tokens": tokens, "decode_steps": steps, "seconds": round(elapsed, 4),
            "tokens_per_s": round(tokens / elapsed, 1), "ms_per_step": round(1000 * elapsed / max(steps, 1), 3)}
+    if args.profile:
+        out.update(host_split(engine, prompts, params, PROFILE_STEPS))
     if args.profile and args.device.startswith("cuda"):
         out.update(profile_decode(engine, prompts, params))
     return out

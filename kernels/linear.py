@@ -71,21 +71,26 @@ INVARIANT_BM = 16
 PREFETCH_BYTES = int(float(os.environ.get("PDSERVE_PREFETCH_MB", "4")) * 2**20)  # L2 prefetch per launch, at most
 # weights above PREFETCH_MAX get none: on an H100 Llama-1B's (8-67 MB) gained nothing at batch 1 and
 # lost with more than 4 MB a launch, while SmolLM2's (<= 3.5 MB) step fell 10% (BENCHMARKS.md)
+MID_TILES = os.environ.get("PDSERVE_MID_TILES", "1") == "1"  # tile_config's mid-sized weights; 0: off
 PREFETCH_MAX = int(float(os.environ.get("PDSERVE_PREFETCH_MAX_MB", "8")) * 2**20)
 
 Norm = tuple[torch.Tensor | None, float]  # (weight, or None where it is folded into the GEMM's; eps)
 RowNorm = tuple[float, torch.Tensor]  # (eps, x's partial row sums of squares [M, tiles]): the kernel's own norm
 
 
-def tile_config(n: int, k: int) -> tuple[int, int, int]:
-    """(BN, BK, SPLIT) for a weight [n, k], from a sweep on an H100 (bench/gpu/gpu_gemv.py):
-    narrow tiles keep enough programs in flight for the small weights, wide ones suit the large;
-    long rows are split in four so that a short N still fills the GPU. Shape only: the
-    batch-invariant mode relies on it not depending on M."""
+def tile_config(n: int, k: int) -> tuple[int, int, int, int, int]:
+    """(BN, BK, SPLIT, WARPS, STAGES) for a weight [n, k], from sweeps on an H100
+    (bench/gpu/gpu_gemv.py): narrow tiles keep enough programs in flight for the small weights,
+    wide ones suit the large; long rows are split in four so that a short N still fills the GPU.
+    Mid-sized weights (8-48 MB: Llama-1B's q/k/v, o and down) take 32-column tiles and deeper
+    pipelines (`MID_TILES`). Shape only: the batch-invariant mode relies on it not depending on M."""
+    size = 2 * n * k
+    if MID_TILES and 8 * 2**20 <= size <= 48 * 2**20:
+        return (32, 256, 1, 4, 6) if n > k else (32, 128, 4, 4, 4)
     bn = 64 if n >= 8192 else 16
     bk = 256 if k >= 256 else max(16, triton.next_power_of_2(k))
     split = 4 if k >= 4096 else 1
-    return bn, bk, split
+    return bn, bk, split, 4, 3
 
 
 @triton.jit
@@ -213,12 +218,15 @@ def _block_m(m: int) -> int:
     return INVARIANT_BM if invariant() else min(MAX_BM, max(16, triton.next_power_of_2(m)))
 
 
-def _split(w: torch.Tensor, config: tuple[int, int, int] | None, whole: bool) -> int:
+Config = tuple[int, ...]  # (BN, BK, SPLIT) or (BN, BK, SPLIT, WARPS, STAGES): a sweep's choice over tile_config's
+
+
+def _split(w: torch.Tensor, config: Config | None, whole: bool) -> int:
     """The launch's split-K count; `whole` (an argmax, silu * up): 1, they need the whole sum."""
     return 1 if whole else (config or tile_config(*w.shape))[2]
 
 
-def _launch(x2, w, b, residual, y, argmax_out=None, config: tuple[int, int, int] | None = None,
+def _launch(x2, w, b, residual, y, argmax_out=None, config: Config | None = None,
             glu: bool = False, id_map=None, norm: RowNorm | None = None) -> torch.Tensor | None:
     """One GEMM launch (and its split-K sum or argmax pass). `glu`: y = silu(x @ gate.T) * (x @ up.T)
     with w = [gate; up] stacked by rows, one output column per gate/up row pair. `id_map`: the
@@ -228,15 +236,17 @@ def _launch(x2, w, b, residual, y, argmax_out=None, config: tuple[int, int, int]
     (for the next GEMM's norm)."""
     m, (n, k) = x2.shape[0], w.shape
     assert w.stride(-1) == 1 and x2.shape[1] == k, f"weight {tuple(w.shape)} does not take {x2.shape[1]} inputs"
-    bn, bk, _ = config or tile_config(n, k)
+    full = config or tile_config(n, k)
+    bn, bk = full[:2]
+    warps, stages = full[3:5] if len(full) == 5 else (4, 3)
     split = _split(w, config, argmax_out is not None or glu)
     assert norm is None or split == 1, "a norm in the GEMM needs the whole of K in one program"
     bm, n_out = _block_m(m), n
     if glu:
         assert n % 2 == 0 and b is None and residual is None, "gate/up GEMM: an even weight, no bias or add"
         n_out, bn = n // 2, max(16, bn // 2)  # each program reads bn rows of gate and bn of up
-    while bm * bk + (2 if glu else 1) * bn * bk > 16384 and bk > 16:
-        bk //= 2  # keep three stages in shared memory
+    while (bm * bk + (2 if glu else 1) * bn * bk) * max(stages, 3) > 49152 and bk > 16:
+        bk //= 2  # keep the stages in shared memory
     k_per = triton.cdiv(triton.cdiv(k, split), bk) * bk
     grid = (triton.cdiv(m, bm), triton.cdiv(n_out, bn), split)
     ws = torch.empty(split, m, n_out, dtype=torch.float32, device=x2.device) if split > 1 else y
@@ -257,7 +267,7 @@ def _launch(x2, w, b, residual, y, argmax_out=None, config: tuple[int, int, int]
         HAS_BIAS=b is not None, HAS_RES=residual is not None,
         ARGMAX=argmax_out is not None, SPLIT=split, PRECISION="ieee" if x2.dtype == torch.float32 else "tf32",
         GLU=glu, NORM=ssi is not None, NTP=triton.next_power_of_2(nti), SS_OUT=sso is not None and split == 1,
-        BM=bm, BN=bn, BK=bk, num_warps=4, num_stages=3, **pdl, **pf)
+        BM=bm, BN=bn, BK=bk, num_warps=warps, num_stages=stages, **pdl, **pf)
     if argmax_out is not None:
         _argmax_tiles_kernel[(m,)](val, idx, id_map if id_map is not None else idx, argmax_out, grid[1],
                                    BLOCK=triton.next_power_of_2(grid[1]), HAS_MAP=id_map is not None, **pdl)
@@ -282,8 +292,9 @@ def _prefetch_args(w: torch.Tensor, k_per: int, split: int) -> dict:
 
 
 def linear_triton(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None, norm: Norm | None = None,
-                  residual: torch.Tensor | None = None, config: tuple[int, int, int] | None = None) -> torch.Tensor:
-    """`config`: (BN, BK, SPLIT) instead of `tile_config`'s (bench/gpu/gpu_gemv.py sweeps them)."""
+                  residual: torch.Tensor | None = None, config: Config | None = None) -> torch.Tensor:
+    """`config`: (BN, BK, SPLIT[, WARPS, STAGES]) instead of `tile_config`'s (bench/gpu/gpu_gemv.py
+    sweeps them)."""
     x2, row_norm = _pre(x, norm, _split(w, config, False))
     y = torch.empty(x2.shape[0], w.shape[0], dtype=x.dtype, device=x.device)
     sso = None
@@ -296,7 +307,7 @@ def linear_triton(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = Non
 
 
 def linear_glu_triton(x: torch.Tensor, w: torch.Tensor, norm: Norm | None = None,
-                      config: tuple[int, int, int] | None = None) -> torch.Tensor:
+                      config: Config | None = None) -> torch.Tensor:
     x2, row_norm = _pre(x, norm, 1)
     y = torch.empty(x2.shape[0], w.shape[0] // 2, dtype=x.dtype, device=x.device)
     if x2.shape[0]:

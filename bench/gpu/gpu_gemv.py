@@ -11,7 +11,10 @@ First the fused kernel of kernels/linear.py against the composition it replaces,
 (SPLIT 1: the argmax needs whole sums), with the best per shape as `tile_config` would return it.
 `--prefill`: the short-prefill sizes (M = 128, 256) of both shapes, cuBLAS against the kernel over
 row tiles BM too (kernels.linear.MAX_BM), to choose the tiles prefill steps of a few hundred tokens take.
-Usage: python bench/gpu/gpu_gemv.py [--sweep | --draft | --prefill]
+`--pipeline`: Llama-1B's decode GEMMs as a step runs them (q/k/v plain, o and down with the
+residual add, gate/up with silu * up), M = 1 and 4, over warps and pipeline stages as well: the
+default (4 warps, 3 stages) first, then the best.
+Usage: python bench/gpu/gpu_gemv.py [--sweep | --draft | --prefill | --pipeline]
 """
 
 from __future__ import annotations
@@ -164,6 +167,52 @@ FUSED = [("smol", 576, 960, "norm"), ("smol", 576, 576, "res"), ("smol", 1536, 5
          ("llama", 8192, 2048, "res"), ("llama", 2048, 2048, "res"), ("llama", 2048, 128256, "argmax")]
 
 
+PIPE_OPS = {"llama qkv": (2048, 3072, "plain"), "llama o": (2048, 2048, "res"),
+            "llama gate_up": (2048, 16384, "glu"), "llama down": (8192, 2048, "res")}
+
+
+def pipe_configs(op: str, k: int) -> list[tuple[int, ...]]:
+    """(BN, BK, SPLIT, WARPS, STAGES) to try; SPLIT 1 where the step's op needs whole sums."""
+    splits = (1,) if op == "glu" else (1, 2, 4, 8) if k >= 4096 else (1, 2, 4)
+    return [c for c in itertools.product((16, 32), (128, 256), splits, (4,), (3, 4, 6)) if c[1] * c[2] <= k]
+
+
+def pipe_case(name: str, m: int) -> dict:
+    """The step's op at M rows: us per call from HBM for the default launch and the best config."""
+    from kernels.linear import linear_glu_triton, linear_triton
+
+    k, n, op = PIPE_OPS[name]
+    copies = max(2, -(-(120 << 20) // (k * n * 2)))
+    ws_list = [torch.randn(n, k, device=DEV, dtype=DT) * 0.05 for _ in range(copies)]
+    x = torch.randn(m, k, device=DEV, dtype=DT)
+    res = torch.randn(m, n, device=DEV, dtype=DT) if op == "res" else None
+
+    def run(w, c):
+        if op == "glu":
+            return linear_glu_triton(x, w, config=c)
+        return linear_triton(x, w, residual=res, config=c)
+
+    ref = run(ws_list[0], None).float()
+    default = graph_us(lambda: [run(w, None) for w in ws_list], copies)
+    best: tuple[float, tuple[int, ...] | None] = (default, None)
+    for c in pipe_configs(op, k):
+        try:
+            y = run(ws_list[0], c).float()
+        except Exception as exc:  # a config past the shared memory or registers
+            print(f"  {name} M={m} {c}: {type(exc).__name__}", file=sys.stderr)
+            continue
+        if not ((y - ref).norm() / ref.norm()).item() < 1e-2:
+            print(f"  {name} M={m} {c}: wrong result", file=sys.stderr)
+            continue
+        t = graph_us(lambda c=c: [run(w, c) for w in ws_list], copies)
+        best = min(best, (t, c), key=lambda p: p[0])
+    gb = k * n * 2 / 1e3
+    row = {"case": name, "M": m, "default_us": round(default, 2), "default_tb_s": round(gb / default / 1e3, 2),
+           "best_us": round(best[0], 2), "best_tb_s": round(gb / best[0] / 1e3, 2), "best": best[1]}
+    print(json.dumps(row), flush=True)
+    return row
+
+
 def print_sweep(rows: list[dict]) -> None:
     print(f"\n{'case':22} | M  | cuBLAS us | TB/s | triton us | TB/s | best config")
     for r in rows:
@@ -195,6 +244,13 @@ def main() -> int:
         return 0
     if "--draft" in sys.argv:
         draft_heads()
+        return 0
+    if "--pipeline" in sys.argv:
+        rows = [pipe_case(name, m) for name in PIPE_OPS for m in (1, 4)]
+        print(f"\n{'case':14} | M | default us | TB/s | best us | TB/s | best (BN, BK, SPLIT, WARPS, STAGES)")
+        for r in rows:
+            print(f"{r['case']:14} | {r['M']} | {r['default_us']:10.2f} | {r['default_tb_s']:4.2f} | {r['best_us']:7.2f} "
+                  f"| {r['best_tb_s']:4.2f} | {r['best']}")
         return 0
     print_fused([fused_case(name, k, n, m, op) for name, k, n, op in FUSED for m in (1, 4, 16, 32, 64)])
     if "--sweep" in sys.argv:

@@ -18,7 +18,11 @@
 # `prefetch`: decode GEMMs' weights prefetched into L2 before the PDL wait, off / on twice.
 # `final6`: the engine GPU tests and the goal / regress rows with session 6's defaults.
 # `b1prof`: batch-1 top kernels and idle gaps (SmolLM2, Llama-1B, k=0).
-# Usage: bash bench/gpu/gpu_speed.sh check|bench|profile|pdl|frspec|regress|ropeattn|prefetch|final6|b1prof|all
+# `hostsplit`: where the host's time per decode step goes (bench/host_split.py) beside the GPU's
+# idle gaps, SmolLM2 b1 / b32, and Llama-1B b1 k=0 / k=3 with 32k drafts kernel by kernel.
+# `midtiles`: tile_config's 32-column tiles and deeper pipelines for 8-48 MB weights (PDSERVE_MID_TILES
+# 0 / 1, twice): Llama-1B b1 k=0 / k=3 with 32k drafts, b64 k=0, SmolLM2 b1 as the control.
+# Usage: bash bench/gpu/gpu_speed.sh check|bench|profile|pdl|frspec|regress|ropeattn|prefetch|final6|b1prof|hostsplit|midtiles|all
 set -uo pipefail
 . "$(dirname "$0")/../../deploy/require.sh"; need_gpu_machine; require_done
 export PYTHONUNBUFFERED=1
@@ -112,6 +116,37 @@ for l in open('$OUT/bench.jsonl'):
     print(r['model'], r['ms_per_step'], 'busy', r['gpu_busy'], 'gpu us', r['gpu_us_per_step'], 'kernels', r['kernels_per_step'])
     for k in r['top_kernels']: print('  ', k)
     for g in r.get('top_gaps', []): print('  gap', g)"
+fi
+
+if [[ $stage == hostsplit ]]; then  # is the b32 k=0 step-boundary gap the host's?
+  which nsys ncu 2>&1 | head -2
+  bench --arch smollm2 --batch 32 --max-tokens 64 --spec-tokens 3 --profile > /dev/null
+  bench --arch smollm2 --batch 1 --max-tokens 64 --spec-tokens 0 --profile > /dev/null
+  bench --arch llama-1b --batch 1 --max-tokens 64 --spec-tokens 3 --draft-vocab 32768 --profile > /dev/null
+  python3 -c "import json
+for l in open('$OUT/bench.jsonl'):
+    r = json.loads(l) if l.startswith('{') else {}
+    if 'host_split' not in r: continue
+    print(r['model'], 'b', r['batch'], 'k', r['spec_tokens'], r['ms_per_step'], 'busy', r.get('gpu_busy'), r['host_split'])
+    for g in r.get('top_gaps', [])[:4]: print('  gap', g)
+    if 'llama' in r['model']:
+        for k in r['top_kernels'][:14]: print('  ', k)"
+fi
+
+if [[ $stage == midtiles ]]; then
+  PDSERVE_MID_TILES=1 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_linear.py 2>&1 | tail -1
+  for rep in 1 2; do for on in 0 1; do
+    PDSERVE_MID_TILES=$on bench --arch llama-1b --batch 1 --max-tokens 96 --spec-tokens 3 --draft-vocab 32768 > /dev/null
+    PDSERVE_MID_TILES=$on bench --arch llama-1b --batch 64 --max-tokens 64 --spec-tokens 0 > /dev/null
+    PDSERVE_MID_TILES=$on bench --arch smollm2 --batch 1 --max-tokens 96 --spec-tokens 0 > /dev/null
+    echo "{\"variant_done\": \"mid=$on\"}" >> "$OUT/bench.jsonl"
+  done; done
+  python3 -c "import json
+v = 0
+for l in open('$OUT/bench.jsonl'):
+    r = json.loads(l) if l.startswith('{') else {}
+    if 'variant_done' in r: v += 1
+    if 'ms_per_step' in r: print('mid=%d' % (v % 2), r['model'], r['batch'], r['spec_tokens'], r['ms_per_step'])"
 fi
 
 if [[ $stage == pdl ]]; then  # programmatic dependent launch off and on, same code otherwise

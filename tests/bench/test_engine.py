@@ -1,6 +1,6 @@
 """`pdserve bench engine` on the CPU: a TP run prints rank 0's rows only, one per batch size
 and k; device-drawn random weights are scaled as the host-drawn ones; the profile's launch
-counts tell kernels, copies, memsets and torch's own kernels apart."""
+counts tell kernels, copies, memsets and torch's own kernels apart; the host split adds up."""
 
 from __future__ import annotations
 
@@ -52,3 +52,19 @@ def test_launch_counts_tell_kernels_copies_and_torch_ops_apart():
     counts = launch_counts([argparse.Namespace(name=n) for n in names * PROFILE_STEPS])
     assert counts == {"gpu_ops_per_step": 5.0, "copies_per_step": 1.0, "memsets_per_step": 1.0,
                       "kernels_per_step": 3.0, "torch_kernels_per_step": 1.0}
+
+
+def test_the_host_split_adds_up_and_leaves_the_engine_as_it_was(capfd):
+    from engine.step_output import HostCopy
+
+    wait = HostCopy.wait
+    assert run(_args("--model", "tiny", "--batch", "2", "--spec-tokens", "1", "--max-tokens", "60",
+                     "--prompt-len", "8", "--profile")) == 0
+    rows = [json.loads(line) for line in capfd.readouterr().out.splitlines() if line.startswith("{")]
+    assert [r["spec_tokens"] for r in rows] == [0, 1]
+    for r in rows:
+        split = r["host_split"]
+        parts = split["wait_us"] + split["launch_us"] + split["read_us"] + split["other_us"]
+        assert split["launch_us"] > 0 and split["read_us"] >= 0 and split["other_us"] > 0
+        assert parts == pytest.approx(split["step_us"], abs=0.5)  # each part rounded to 0.1 us
+    assert HostCopy.wait is wait  # the read point is unwrapped after the run

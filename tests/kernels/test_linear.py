@@ -169,3 +169,16 @@ def test_the_l2_prefetch_takes_whole_rows_of_small_weights_and_the_first_lines_o
     assert split["LINES"] == 4  # 2048 rows x 4 shares x 4 lines x 128 B = 4 MB
     fp32 = L._prefetch_args(torch.empty(960, 576, dtype=torch.float32), 576, 1)
     assert fp32["PER_LINE"] == 32 and fp32["LINES"] == 32  # 18 lines of 32 floats
+
+
+@pytest.mark.parametrize(("k", "n", "res"), [(2048, 3072, False), (2048, 2048, True)])
+def test_mid_sized_weights_take_their_own_tiles_and_match_the_composition(device, monkeypatch, k, n, res):
+    """With MID_TILES, Llama-1B's 8-48 MB weights take 32-column tiles and deeper pipelines
+    (q/k/v whole rows, o split in four); the results are the composition's."""
+    monkeypatch.setattr(L, "MID_TILES", True)  # the default; PDSERVE_MID_TILES=0 turns it off
+    assert L.tile_config(n, k) == ((32, 256, 1, 4, 6) if n > k else (32, 128, 4, 4, 4))
+    x = randn(2, k, device=device)
+    w = randn(n, k, device=device, seed=1, scale=0.05)
+    r = randn(2, n, device=device, seed=4) if res else None
+    torch.testing.assert_close(L.linear_triton(x, w, None, None, r), L.linear_ref(x, w, None, None, r),
+                               atol=5e-5, rtol=1e-5)
