@@ -16,7 +16,7 @@
 # steps (PDSERVE_ROPE_IN_ATTENTION 0 / 1, twice): the kernel and engine GPU tests with it on, then
 # batch-1 steps and SmolLM2 b32 k=3.
 # `prefetch`: decode GEMMs' weights prefetched into L2 before the PDL wait, off / on twice.
-# `final6`: the engine GPU tests and the goal / regress rows with session 6's defaults.
+# `final6`: the engine GPU tests and the goal / regress rows with the defaults (Llama-1B b64 since session 7).
 # `b1prof`: batch-1 top kernels and idle gaps (SmolLM2, Llama-1B, k=0).
 # `hostsplit`: where the host's time per decode step goes (bench/host_split.py) beside the GPU's
 # idle gaps, SmolLM2 b1 / b32, and Llama-1B b1 k=0 / k=3 with 32k drafts kernel by kernel.
@@ -100,10 +100,11 @@ if [[ $stage == final6 ]]; then  # session 6's defaults: the engine GPU tests, t
   bench --arch llama-1b --batch 1 --max-tokens 96 --spec-tokens 3 --draft-vocab 32768 > /dev/null
   bench --arch smollm2 --batch 32 --max-tokens 64 --spec-tokens 3 --profile > /dev/null
   bench --arch smollm2 --batch 128 --max-tokens 64 --spec-tokens 3 > /dev/null
+  bench --arch llama-1b --batch 64 --max-tokens 64 --spec-tokens 0 > /dev/null
   python3 -c "import json
 for l in open('$OUT/bench.jsonl'):
     r = json.loads(l) if l.startswith('{') else {}
-    if 'ms_per_step' in r: print(r['model'], r['batch'], r['spec_tokens'], r.get('draft_vocab'), r['ms_per_step'], r['tokens_per_s'], r.get('gpu_busy'))"
+    if 'ms_per_step' in r: print(r['model'], r['batch'], r['spec_tokens'], r.get('draft_vocab'), r['ms_per_step'], r['tokens_per_s'], r.get('gpu_busy'), r.get('host_split'))"
 fi
 
 if [[ $stage == b1prof ]]; then  # where a batch-1 step's time goes: top kernels and idle gaps
