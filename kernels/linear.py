@@ -86,7 +86,7 @@ def tile_config(n: int, k: int) -> tuple[int, int, int, int, int]:
     pipelines (`MID_TILES`). Shape only: the batch-invariant mode relies on it not depending on M."""
     size = 2 * n * k
     if MID_TILES and 8 * 2**20 <= size <= 48 * 2**20:
-        return (32, 256, 1, 4, 6) if n > k else (32, 128, 4, 4, 4)
+        return (32, 128, 1, 4, 6) if n > k else (32, 128, 4, 4, 4)
     bn = 64 if n >= 8192 else 16
     bk = 256 if k >= 256 else max(16, triton.next_power_of_2(k))
     split = 4 if k >= 4096 else 1
@@ -245,7 +245,8 @@ def _launch(x2, w, b, residual, y, argmax_out=None, config: Config | None = None
     if glu:
         assert n % 2 == 0 and b is None and residual is None, "gate/up GEMM: an even weight, no bias or add"
         n_out, bn = n // 2, max(16, bn // 2)  # each program reads bn rows of gate and bn of up
-    while (bm * bk + (2 if glu else 1) * bn * bk) * max(stages, 3) > 49152 and bk > 16:
+    room = 49152 if stages <= 3 else 90112  # elements of shared memory for the stages (96 / 176 KB)
+    while (bm * bk + (2 if glu else 1) * bn * bk) * max(stages, 3) > room and bk > 16:
         bk //= 2  # keep the stages in shared memory
     k_per = triton.cdiv(triton.cdiv(k, split), bk) * bk
     grid = (triton.cdiv(m, bm), triton.cdiv(n_out, bn), split)

@@ -14,7 +14,8 @@ row tiles BM too (kernels.linear.MAX_BM), to choose the tiles prefill steps of a
 `--pipeline`: Llama-1B's decode GEMMs as a step runs them (q/k/v plain, o and down with the
 residual add, gate/up with silu * up), M = 1 and 4, over warps and pipeline stages as well: the
 default (4 warps, 3 stages) first, then the best.
-Usage: python bench/gpu/gpu_gemv.py [--sweep | --draft | --prefill | --pipeline]
+`--pipeline-wide`: q/k/v and o at M = 1 over wider tiles, 8 warps and up to 8 stages.
+Usage: python bench/gpu/gpu_gemv.py [--sweep | --draft | --prefill | --pipeline | --pipeline-wide]
 """
 
 from __future__ import annotations
@@ -177,7 +178,14 @@ def pipe_configs(op: str, k: int) -> list[tuple[int, ...]]:
     return [c for c in itertools.product((16, 32), (128, 256), splits, (4,), (3, 4, 6)) if c[1] * c[2] <= k]
 
 
-def pipe_case(name: str, m: int) -> dict:
+def wide_configs(op: str, k: int) -> list[tuple[int, ...]]:
+    """`--pipeline-wide`: wider tiles, 8 warps and up to 8 stages for q/k/v and o."""
+    splits = (1,) if op == "plain" else (2, 4)
+    bks = (128, 256, 512) if op == "plain" else (128, 256)
+    return list(itertools.product((32, 64), bks, splits, (4, 8), (4, 6, 8)))
+
+
+def pipe_case(name: str, m: int, wide: bool = False) -> dict:
     """The step's op at M rows: us per call from HBM for the default launch and the best config."""
     from kernels.linear import linear_glu_triton, linear_triton
 
@@ -195,7 +203,7 @@ def pipe_case(name: str, m: int) -> dict:
     ref = run(ws_list[0], None).float()
     default = graph_us(lambda: [run(w, None) for w in ws_list], copies)
     best: tuple[float, tuple[int, ...] | None] = (default, None)
-    for c in pipe_configs(op, k):
+    for c in (wide_configs if wide else pipe_configs)(op, k):
         try:
             y = run(ws_list[0], c).float()
         except Exception as exc:  # a config past the shared memory or registers
@@ -245,8 +253,10 @@ def main() -> int:
     if "--draft" in sys.argv:
         draft_heads()
         return 0
-    if "--pipeline" in sys.argv:
-        rows = [pipe_case(name, m) for name in PIPE_OPS for m in (1, 4)]
+    if "--pipeline" in sys.argv or "--pipeline-wide" in sys.argv:
+        wide = "--pipeline-wide" in sys.argv
+        rows = ([pipe_case(name, 1, wide=True) for name in ("llama qkv", "llama o")] if wide
+                else [pipe_case(name, m) for name in PIPE_OPS for m in (1, 4)])
         print(f"\n{'case':14} | M | default us | TB/s | best us | TB/s | best (BN, BK, SPLIT, WARPS, STAGES)")
         for r in rows:
             print(f"{r['case']:14} | {r['M']} | {r['default_us']:10.2f} | {r['default_tb_s']:4.2f} | {r['best_us']:7.2f} "

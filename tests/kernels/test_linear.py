@@ -176,7 +176,7 @@ def test_mid_sized_weights_take_their_own_tiles_and_match_the_composition(device
     """With MID_TILES, Llama-1B's 8-48 MB weights take 32-column tiles and deeper pipelines
     (q/k/v whole rows, o split in four); the results are the composition's."""
     monkeypatch.setattr(L, "MID_TILES", True)  # the default; PDSERVE_MID_TILES=0 turns it off
-    assert L.tile_config(n, k) == ((32, 256, 1, 4, 6) if n > k else (32, 128, 4, 4, 4))
+    assert L.tile_config(n, k) == ((32, 128, 1, 4, 6) if n > k else (32, 128, 4, 4, 4))
     x = randn(2, k, device=device)
     w = randn(n, k, device=device, seed=1, scale=0.05)
     r = randn(2, n, device=device, seed=4) if res else None
