@@ -196,6 +196,10 @@ class RouterConfig(_Section):
     max_prompt_bytes: int = Field(default=1 << 20, gt=0)  # prompt text over this: INVALID_ARGUMENT
     status_interval_s: float = Field(default=1.0, gt=0)  # node Status polls and health probes
     rpc_timeout_s: float = Field(default=5.0, gt=0)  # Reserve / Abort / Status calls to nodes
+    # A node that answered before stays selectable through this many Status calls in a row that
+    # run past their deadline (a node busy with a long prefill answers late; Kubernetes' probe
+    # failureThreshold is 3 as well). A refused connection (UNAVAILABLE) takes it out at once.
+    status_failure_threshold: int = Field(default=3, ge=1)
     prefill_retries: int = Field(default=2, ge=0)  # other prefill nodes tried after UNAVAILABLE
     # PD: reserve on the decode node while the prefill node computes (its Prefill call carries no
     # KV descriptor; an Attach call brings it), so the first token does not wait for the

@@ -7,7 +7,8 @@ have freed" (`on_capacity`).
 
 Health rules:
 - A prefill node is selectable after a successful `Status`; a failed RPC marks it unhealthy
-  until a later `Status` succeeds.
+  until a later `Status` succeeds. A `Status` past its deadline (the node is busy, not gone)
+  leaves a healthy node selectable until `status_failure_threshold` of them come in a row.
 - A decode node is selectable only while this router's `Outputs` subscription to it is open
   (subscribed once per node; the node sends initial metadata, or a first batch, once the
   subscriber is registered, so no output can be missed). When the stream breaks, or an RPC
@@ -54,6 +55,7 @@ class Node:
     inflight: int = 0  # this router's requests reserved on (D) / prefilling on (P) the node
     inflight_tokens: int = 0  # P: prompt tokens those prefills compute (less a cached prefix: Policy.routed)
     last_error: str = ""
+    late_status: int = 0  # Status calls in a row past their deadline
     removed: bool = False
     subscription: asyncio.Task[None] | None = field(default=None, repr=False)
 
@@ -65,7 +67,7 @@ class Node:
 
 class NodePool:
     def __init__(self, directory: NodeDirectory, *, vocab_size: int, subscriber: str,
-                 status_interval_s: float, rpc_timeout_s: float,
+                 status_interval_s: float, rpc_timeout_s: float, status_failure_threshold: int = 3,
                  on_items: Callable[[Node, list[OutputItem]], None],
                  on_decode_failure: Callable[[Node, str], None],
                  on_capacity: Callable[[], None], cluster_secret: str | None = None,
@@ -75,6 +77,7 @@ class NodePool:
         self._tls = node_tls  # mutual TLS on every node channel (protos/tls.py); None: plain text
         self.vocab_size, self.subscriber = vocab_size, subscriber
         self.status_interval_s, self.rpc_timeout_s = status_interval_s, rpc_timeout_s
+        self.status_failure_threshold = status_failure_threshold
         self.on_items, self.on_decode_failure, self.on_capacity = on_items, on_decode_failure, on_capacity
         self.nodes: dict[tuple[Kind, str], Node] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -213,18 +216,32 @@ class NodePool:
         try:
             status = await node.stub.Status(node_pb2.StatusRequest(), timeout=self.rpc_timeout_s)
         except grpc.aio.AioRpcError as e:
-            if not self.rpc_failed(node, e, "Status"):
+            if not self.rpc_failed(node, e, "Status") and not self._late_but_kept(node, e):
                 node.healthy, node.last_error = False, f"Status: {e.code().name} {e.details()}"
             return
         if node.removed:
             return
-        node.status = status
+        node.status, node.late_status = status, 0
         if not status.healthy:  # the node says so itself: not chosen, its requests go on
             node.healthy, node.last_error = False, "the node reports itself unhealthy"
         elif node.kind == "prefill" or node.subscription is not None:
-            node.healthy = True
+            node.healthy, node.last_error = True, ""
         else:
             await self._subscribe(node)
+
+    def _late_but_kept(self, node: Node, err: grpc.aio.AioRpcError) -> bool:
+        """Whether a Status past its deadline leaves `node` selectable: it was healthy, and fewer
+        than `status_failure_threshold` such answers came in a row. The count resets on any answer."""
+        if err.code() != grpc.StatusCode.DEADLINE_EXCEEDED:
+            node.late_status = 0
+            return False
+        node.late_status += 1
+        if not node.healthy or node.late_status >= self.status_failure_threshold:
+            return False
+        node.last_error = f"Status past its deadline ({node.late_status} in a row): busy"
+        log.warning("%s node %s: Status past its %.1f s deadline (%d in a row), kept", node.kind, node.address,
+                    self.rpc_timeout_s, node.late_status)
+        return True
 
     async def _subscribe(self, node: Node) -> None:
         call = node.stub.Outputs(node_pb2.OutputsRequest(subscriber=self.subscriber))

@@ -98,7 +98,7 @@ class Router:
         self.pool = NodePool(
             directory, vocab_size=model.config.vocab_size, subscriber=self.router_id,
             status_interval_s=self.config.status_interval_s, rpc_timeout_s=self.config.rpc_timeout_s,
-            on_items=self._on_items, on_decode_failure=self._on_decode_failure,
+            status_failure_threshold=self.config.status_failure_threshold, on_items=self._on_items, on_decode_failure=self._on_decode_failure,
             on_capacity=self._on_capacity, cluster_secret=cluster_secret, node_tls=node_tls)
         self.requests: dict[str, RequestState] = {}  # by client request id, in flight
         self._by_node_rid: dict[str, RequestState] = {}

@@ -11,7 +11,8 @@ FakePrefill.Prefill(request):
     real P does), then answers the router with the same message.
   Knobs: `fail` (answer UNAVAILABLE), `fail_after_first_token` (UNAVAILABLE after D got
   the first token), `hold` (an asyncio.Event the call waits on, to keep a
-  prefill outstanding), `queued_tokens` (reported by Status).
+  prefill outstanding), `queued_tokens` (reported by Status), `status_delay_s` (Status answers
+  that late: a busy node).
 
 FakeDecode:
   - Reserve admits while `refuse` is False and `free_blocks` (blocks = ceil((prompt_len +
@@ -292,6 +293,7 @@ class FakePrefill(_Server, node_pb2_grpc.PrefillControlServicer):
         super().__init__()
         self.name = name
         self.queued_tokens = queued_tokens
+        self.status_delay_s = 0.0
         self.fail = False
         self.fail_after_first_token = False
         self.hold_failure: asyncio.Event | None = None  # when to fail, after the first token
@@ -391,5 +393,7 @@ class FakePrefill(_Server, node_pb2_grpc.PrefillControlServicer):
     async def Status(self, request, context):  # noqa: N802
         if self.fail:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "down (test)")
+        if self.status_delay_s:  # busy: the answer comes after the router's deadline
+            await asyncio.sleep(self.status_delay_s)
         return node_pb2.NodeStatus(node_id=self.name, kind="prefill", healthy=True, running=len(self.active),
                                    takes_attach=self.takes_attach, queued_tokens=self.queued_tokens)

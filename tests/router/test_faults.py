@@ -365,3 +365,34 @@ async def test_a_malformed_item_without_migration_ends_its_request_only():
         assert c.router.counts["finished:length"] == 2 and len(d0.aborts) == 1
         assert (await c.client.health()).decode_nodes == 1
         await c.settled()
+
+
+async def test_a_busy_prefill_node_stays_selectable_until_its_status_is_late_three_times_in_a_row():
+    """A Status past its deadline means busy, not gone: the node stays selectable (requests go on
+    reaching it) until `status_failure_threshold` such answers come in a row; one answer in time
+    resets the count. With a threshold of 1 the first late answer takes it out, as before."""
+    async with cluster(n_prefill=1, rpc_timeout_s=0.3) as c:
+        p, pool = c.prefill[0], c.router.pool
+        [node] = pool.healthy("prefill")
+        p.status_delay_s = 1.0
+        for late in (1, 2):
+            await c.router.refresh()
+            assert pool.healthy("prefill") == [node] and node.late_status == late and "busy" in node.last_error
+        msgs = await collect(c, prompt="ab", max_tokens=3)  # still chosen while late
+        assert msgs[-1].finished.reason == "length"
+        p.status_delay_s = 0.0
+        await c.router.refresh()  # in time: the count starts again
+        assert node.late_status == 0 and node.last_error == ""
+        p.status_delay_s = 1.0
+        for _ in range(3):
+            await c.router.refresh()
+        assert pool.healthy("prefill") == [] and "DEADLINE_EXCEEDED" in node.last_error
+        msgs = await collect(c, prompt="ab", max_tokens=3)
+        assert msgs[-1].error.code == "UNAVAILABLE"  # no healthy prefill node, node_wait_s 0
+        p.status_delay_s = 0.0
+        await c.router.refresh()
+        assert pool.healthy("prefill") == [node]
+    async with cluster(n_prefill=1, rpc_timeout_s=0.3, status_failure_threshold=1) as c:
+        c.prefill[0].status_delay_s = 1.0
+        await c.router.refresh()
+        assert c.router.pool.healthy("prefill") == []
