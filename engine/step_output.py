@@ -9,7 +9,8 @@ step's masks from them.
 After the launch, `HostOutputs.copy_no_sync` queues one copy of that buffer into a pinned host
 buffer and records the buffer's own event; the read point (`ModelRunner.collect`) waits on that
 event and reads the host buffer through the same layout. A step is thus one graph replay, one
-copy and one event record, whatever it outputs.
+copy and one event record, whatever it outputs. On CUDA the copy is a kernel writing the pinned
+buffer (kernels/publish.py; PDSERVE_OUTPUT_KERNEL=0: a memcpy).
 
 Pinned buffers are reused: one is taken at each launch and given back when its step has been
 read, so the overlapped loop (launch step N+1, then read step N) holds two of them (double
@@ -27,6 +28,8 @@ import torch
 from torch import Tensor
 
 from engine.sampler import LogprobsTensors
+from kernels.publish import ENABLED as OUTPUT_KERNEL
+from kernels.publish import publish
 
 
 @dataclass(frozen=True)
@@ -114,7 +117,10 @@ class HostOutputs:
         i = self._take(packed.numel())
         buf, event = self._bufs[i]
         host = buf[: packed.numel()]
-        host.copy_(packed, non_blocking=True)
+        if OUTPUT_KERNEL:  # the SMs write the pinned buffer: no copy engine at the step boundary
+            publish(packed, host)
+        else:
+            host.copy_(packed, non_blocking=True)
         event.record()
         return HostCopy(host, event, i)
 
