@@ -23,8 +23,8 @@
 # `midtiles`: tile_config's 32-column tiles and deeper pipelines for 8-48 MB weights (PDSERVE_MID_TILES
 # 0 / 1, twice): Llama-1B b1 k=0 / k=3 with 32k drafts, b64 k=0, SmolLM2 b1 as the control.
 # `outkernel`: the step's output copy as a kernel writing pinned memory (PDSERVE_OUTPUT_KERNEL 0 / 1, twice).
-# `syncmode`: the output kernel and a sleeping read point (PDSERVE_BLOCKING_SYNC), four variants, twice.
-# Usage: bash bench/gpu/gpu_speed.sh check|bench|profile|pdl|frspec|regress|ropeattn|prefetch|final6|b1prof|hostsplit|midtiles|outkernel|syncmode|all
+# (`syncmode`, the output kernel beside a sleeping read point, ran on commit e5fcb40; its switch is gone.)
+# Usage: bash bench/gpu/gpu_speed.sh check|bench|profile|pdl|frspec|regress|ropeattn|prefetch|final6|b1prof|hostsplit|midtiles|outkernel|all
 set -uo pipefail
 . "$(dirname "$0")/../../deploy/require.sh"; need_gpu_machine; require_done
 export PYTHONUNBUFFERED=1
@@ -136,62 +136,36 @@ for l in open('$OUT/bench.jsonl'):
         for k in r['top_kernels'][:14]: print('  ', k)"
 fi
 
-if [[ $stage == midtiles ]]; then
-  PDSERVE_MID_TILES=1 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_linear.py 2>&1 | tail -1
-  for rep in 1 2; do for on in 0 1; do
-    PDSERVE_MID_TILES=$on bench --arch llama-1b --batch 1 --max-tokens 96 --spec-tokens 3 --draft-vocab 32768 > /dev/null
-    PDSERVE_MID_TILES=$on bench --arch llama-1b --batch 64 --max-tokens 64 --spec-tokens 0 > /dev/null
-    PDSERVE_MID_TILES=$on bench --arch smollm2 --batch 1 --max-tokens 96 --spec-tokens 0 > /dev/null
-    echo "{\"variant_done\": \"mid=$on\"}" >> "$OUT/bench.jsonl"
-  done; done
+ab() {  # ab VAR "bench args" ...: each bench with VAR=0, then VAR=1, twice; rows labelled "VAR=x"
+  local var=$1; shift
+  for rep in 1 2; do for on in 0 1; do for a in "$@"; do
+    env "$var=$on" python3 -m deploy.cli bench engine --device cuda $a | sed "s/^{/{\"variant\": \"$var=$on\", /" >> "$OUT/bench.jsonl"
+  done; done; done
+}
+rows() {  # variant, model, batch, k, ms/step, GPU busy (profiler), the GPU's busy time over the timed step, host split
   python3 -c "import json
-v = 0
 for l in open('$OUT/bench.jsonl'):
     r = json.loads(l) if l.startswith('{') else {}
-    if 'variant_done' in r: v += 1
-    if 'ms_per_step' in r: print('mid=%d' % (v % 2), r['model'], r['batch'], r['spec_tokens'], r['ms_per_step'])"
+    if 'ms_per_step' in r:
+        act = r['gpu_busy'] * r['profiled_ms_per_step'] / r['ms_per_step'] if r.get('gpu_busy') else None
+        print(r.get('variant'), r['model'], r['batch'], r['spec_tokens'], r['ms_per_step'], r.get('gpu_busy'),
+              act and round(act, 4), r.get('host_split'))"
+}
+
+if [[ $stage == midtiles ]]; then
+  PDSERVE_MID_TILES=1 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_linear.py 2>&1 | tail -1
+  ab PDSERVE_MID_TILES "--arch llama-1b --batch 1 --max-tokens 96 --spec-tokens 3 --draft-vocab 32768" \
+    "--arch llama-1b --batch 64 --max-tokens 64 --spec-tokens 0" "--arch smollm2 --batch 1 --max-tokens 96 --spec-tokens 0"
+  rows
 fi
 
 if [[ $stage == outkernel ]]; then
   python3 -m pytest -q -p no:cacheprovider tests/kernels/test_publish.py 2>&1 | tail -1
   PDSERVE_OUTPUT_KERNEL=1 PDSERVE_TEST_DEVICE=cuda timeout 200 python3 -m pytest -q -p no:cacheprovider \
     tests/engine/test_gpu.py 2>&1 | tail -1
-  for rep in 1 2; do for on in 0 1; do
-    PDSERVE_OUTPUT_KERNEL=$on bench --arch smollm2 --batch 1 --max-tokens 96 --spec-tokens 3 > /dev/null
-    PDSERVE_OUTPUT_KERNEL=$on bench --arch smollm2 --batch 32 --max-tokens 64 --spec-tokens 0 --profile > /dev/null
-    PDSERVE_OUTPUT_KERNEL=$on bench --arch llama-1b --batch 1 --max-tokens 96 --spec-tokens 0 > /dev/null
-    echo "{\"variant_done\": \"out=$on\"}" >> "$OUT/bench.jsonl"
-  done; done
-  python3 -c "import json
-v = 0
-for l in open('$OUT/bench.jsonl'):
-    r = json.loads(l) if l.startswith('{') else {}
-    if 'variant_done' in r: v += 1
-    if 'ms_per_step' in r:
-        act = r['gpu_busy'] * r['profiled_ms_per_step'] / r['ms_per_step'] if r.get('gpu_busy') else None
-        print('out=%d' % (v % 2), r['model'], r['batch'], r['spec_tokens'], r['ms_per_step'], r.get('gpu_busy'),
-              act and round(act, 4), r.get('top_gaps', [])[:2])"
-fi
-
-if [[ $stage == syncmode ]]; then
-  PDSERVE_OUTPUT_KERNEL=1 PDSERVE_TEST_DEVICE=cuda timeout 100 python3 -m pytest -q -p no:cacheprovider \
-    tests/engine/test_gpu.py -k "copies_its_outputs or never_sync or no_sync" 2>&1 | tail -1
-  variants=("PDSERVE_OUTPUT_KERNEL=0" "PDSERVE_OUTPUT_KERNEL=1" "PDSERVE_BLOCKING_SYNC=1" "PDSERVE_OUTPUT_KERNEL=1 PDSERVE_BLOCKING_SYNC=1")
-  for rep in 1 2; do for v in "${variants[@]}"; do
-    env $v python3 -m deploy.cli bench engine --device cuda --arch smollm2 --batch 1 --max-tokens 64 --spec-tokens 3 \
-      | sed "s/^{/{\"variant\": \"$v\", /" >> "$OUT/bench.jsonl"
-    env $v python3 -m deploy.cli bench engine --device cuda --arch smollm2 --batch 32 --max-tokens 64 --spec-tokens 0 \
-      --profile | sed "s/^{/{\"variant\": \"$v\", /" >> "$OUT/bench.jsonl"
-    env $v python3 -m deploy.cli bench engine --device cuda --arch llama-1b --batch 1 --max-tokens 64 --spec-tokens 0 \
-      | sed "s/^{/{\"variant\": \"$v\", /" >> "$OUT/bench.jsonl"
-  done; done
-  python3 -c "import json
-for l in open('$OUT/bench.jsonl'):
-    r = json.loads(l) if l.startswith('{') else {}
-    if 'ms_per_step' in r:
-        act = r['gpu_busy'] * r['profiled_ms_per_step'] / r['ms_per_step'] if r.get('gpu_busy') else None
-        print(r['variant'], r['model'], r['batch'], r['spec_tokens'], r['ms_per_step'], r.get('gpu_busy'),
-              act and round(act, 4), r.get('host_split'))"
+  ab PDSERVE_OUTPUT_KERNEL "--arch smollm2 --batch 1 --max-tokens 96 --spec-tokens 3" \
+    "--arch smollm2 --batch 32 --max-tokens 64 --spec-tokens 0 --profile" "--arch llama-1b --batch 1 --max-tokens 96 --spec-tokens 0"
+  rows
 fi
 
 if [[ $stage == pdl ]]; then  # programmatic dependent launch off and on, same code otherwise
