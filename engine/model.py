@@ -26,8 +26,14 @@ from torch import nn
 
 from engine.attention import AttentionBackend, AttentionMetadata
 from engine.config import ArchConfig
+from kernels._dispatch import use_triton
 from kernels.linear import linear, linear_argmax, linear_glu
-from kernels.norm import rms_norm
+from kernels.norm import mtp_input, rms_norm
+
+# The MTP's eh_proj input (embedding gather, enorm, hnorm) in one launch, and eh_proj leaving its
+# rows' sums of squares for the block's folded input norm (PDSERVE_MTP_INPUT_KERNEL=0: three
+# launches, and the block's norm as a kernel of its own)
+MTP_INPUT_KERNEL = os.environ.get("PDSERVE_MTP_INPUT_KERNEL", "1") == "1"
 
 
 class Linear(nn.Linear):
@@ -265,14 +271,27 @@ class CausalLM(nn.Module):
         features: their part of `eh_proj` is skipped, as if they were zero)."""
         assert self.mtp is not None, "model was built without an MTP module"
         m, size = self.mtp, self.config.hidden_size
+        table = self.model.embed_tokens.weight
+        if h_prev.shape[-1] == size and MTP_INPUT_KERNEL and type(self.model.embed_tokens) is nn.Embedding \
+                and use_triton(table, h_prev, next_ids):  # the gather and both norms in one launch
+            x = mtp_input(next_ids, table, h_prev.to(table.dtype), m.enorm.spec, m.hnorm.spec)
+        else:
+            x = self._mtp_input(next_ids, h_prev)
+        weight = m.eh_proj.weight if x.shape[-1] > 2 * size else m.eh_proj.weight[:, : 2 * size]
+        # with its rows' sums of squares: the block's (folded) input norm then runs inside its q/k/v GEMM
+        return m.block(positions, linear(x, weight, m.eh_proj.bias, sumsq=MTP_INPUT_KERNEL), kv_cache, meta, backend)
+
+    def _mtp_input(self, next_ids: torch.Tensor, h_prev: torch.Tensor) -> torch.Tensor:
+        """eh_proj's input [R, (2 + F) * hidden]: enorm(embed(next_ids)), hnorm(h), fnorm(features)."""
+        assert self.mtp is not None
+        m, size = self.mtp, self.config.hidden_size
         emb = self.model.embed_tokens(next_ids)
         parts = [emb, *h_prev.to(emb.dtype).split(size, dim=-1)]  # the token, the hidden, any features
         x = torch.empty(emb.shape[0], len(parts) * size, dtype=torch.promote_types(m.enorm.weight.dtype, emb.dtype),
                         device=emb.device)  # eh_proj's input: each norm writes its block of it, no cat
         for i, (norm, part) in enumerate(zip([m.enorm, m.hnorm, *m.fnorms], parts, strict=False)):
             norm(part, out=x[:, i * size : (i + 1) * size])
-        weight = m.eh_proj.weight if len(parts) > 2 else m.eh_proj.weight[:, : 2 * size]
-        return m.block(positions, linear(x, weight, m.eh_proj.bias), kv_cache, meta, backend)
+        return x
 
     def mtp_logits(self, mtp_hidden: torch.Tensor, head_weight: torch.Tensor | None = None,
                    float32: bool = True) -> torch.Tensor:

@@ -227,13 +227,13 @@ def _split(w: torch.Tensor, config: Config | None, whole: bool) -> int:
 
 
 def _launch(x2, w, b, residual, y, argmax_out=None, config: Config | None = None,
-            glu: bool = False, id_map=None, norm: RowNorm | None = None) -> torch.Tensor | None:
+            glu: bool = False, id_map=None, norm: RowNorm | None = None, sumsq: bool = False) -> torch.Tensor | None:
     """One GEMM launch (and its split-K sum or argmax pass). `glu`: y = silu(x @ gate.T) * (x @ up.T)
     with w = [gate; up] stacked by rows, one output column per gate/up row pair. `id_map`: the
     argmax pass writes id_map[argmax]. `norm`: x is normalized (a weightless RMSNorm) by the
     kernel, from its rows' partial sums of squares, the row scale applied to the sums (the launch
-    must not split K). With a residual add, returns y's rows' partial sums of squares [M, tiles]
-    (for the next GEMM's norm)."""
+    must not split K). With a residual add (or `sumsq`), returns y's rows' partial sums of squares
+    [M, tiles] (for the next GEMM's norm)."""
     m, (n, k) = x2.shape[0], w.shape
     assert w.stride(-1) == 1 and x2.shape[1] == k, f"weight {tuple(w.shape)} does not take {x2.shape[1]} inputs"
     full = config or tile_config(n, k)
@@ -256,7 +256,7 @@ def _launch(x2, w, b, residual, y, argmax_out=None, config: Config | None = None
         val = torch.empty(m, grid[1], dtype=torch.float32, device=x2.device)
         idx = torch.empty(m, grid[1], dtype=torch.int32, device=x2.device)
     r = residual if residual is not None else y
-    sso = torch.empty(m, grid[1], dtype=torch.float32, device=x2.device) if residual is not None else None
+    sso = torch.empty(m, grid[1], dtype=torch.float32, device=x2.device) if residual is not None or sumsq else None
     eps, ssi = norm if norm is not None else (0.0, None)
     nti = ssi.shape[1] if ssi is not None else 1
     pdl = pdl_args(x2)
@@ -293,14 +293,16 @@ def _prefetch_args(w: torch.Tensor, k_per: int, split: int) -> dict:
 
 
 def linear_triton(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None, norm: Norm | None = None,
-                  residual: torch.Tensor | None = None, config: Config | None = None) -> torch.Tensor:
+                  residual: torch.Tensor | None = None, config: Config | None = None,
+                  sumsq: bool = False) -> torch.Tensor:
     """`config`: (BN, BK, SPLIT[, WARPS, STAGES]) instead of `tile_config`'s (bench/gpu/gpu_gemv.py
     sweeps them)."""
     x2, row_norm = _pre(x, norm, _split(w, config, False))
     y = torch.empty(x2.shape[0], w.shape[0], dtype=x.dtype, device=x.device)
     sso = None
     if x2.shape[0]:
-        sso = _launch(x2, w, b, _rows(residual) if residual is not None else None, y, config=config, norm=row_norm)
+        sso = _launch(x2, w, b, _rows(residual) if residual is not None else None, y, config=config, norm=row_norm,
+                      sumsq=sumsq)
     out = y.view(*x.shape[:-1], w.shape[0])
     if sso is not None:
         attach_row_sumsq(out, sso)
@@ -379,15 +381,17 @@ def _fused(x: torch.Tensor, w: torch.Tensor, plain: bool = False) -> bool:
 
 
 def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None, norm: Norm | None = None,
-           residual: torch.Tensor | None = None) -> torch.Tensor:
+           residual: torch.Tensor | None = None, sumsq: bool = False) -> torch.Tensor:
     """residual + F.linear(pre(x), w, b): one Triton launch on CUDA at decode sizes and in the
     batch-invariant mode; the torch composition otherwise (its norm still a Triton kernel on CUDA,
     its add in cuBLAS's epilogue). `residual` may come back updated in place (`_addmm`): pass
-    one that is not read afterwards (the decoder's residual stream)."""
+    one that is not read afterwards (the decoder's residual stream). `sumsq`: where the kernel
+    runs, the output carries its rows' sums of squares, so a weightless norm of it runs inside the
+    next GEMM (the MTP's eh_proj output, read by its block's folded input norm)."""
     # x's norm can run inside the kernel (where x's writer left its sums of squares): not a plain GEMM
     own_norm = norm is not None and norm[0] is None and row_sumsq_of(x) is not None
-    if _fused(x, w, plain=residual is None and not own_norm):
-        return linear_triton(x, w, b, norm, residual)
+    if _fused(x, w, plain=residual is None and not own_norm and not sumsq):
+        return linear_triton(x, w, b, norm, residual, sumsq=sumsq)
     if norm is not None and use_triton(x, w):
         x, norm = rms_norm(x, *norm), None
     if residual is not None and b is None and x.is_cuda and not invariant():

@@ -71,15 +71,44 @@ def _add_rms_norm_kernel(
         s = (x + d).to(sum_ptr.dtype.element_ty)
         tl.store(sum_ptr + row * stride_sum + cols, s, mask=mask)
         x = s.to(tl.float32)
+    normed = _normed_row(x, weight_ptr, cols, mask, H, eps, sum_ptr.dtype.element_ty, HAS_WEIGHT)
+    tl.store(out_ptr + row * stride_out + cols, normed.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _normed_row(x, weight_ptr, cols, mask, H, eps, round_ty: tl.constexpr, HAS_WEIGHT: tl.constexpr):
+    """w * round(x * rsqrt(mean(x^2) + eps)) in fp32, for a row x [BLOCK] fp32 (zero past H)."""
     # tl.sum's reduction with our own combine: the kernel then calls no @jit function of
     # triton.language, so Triton's interpreter can run it even if triton was imported first
     inv_rms = tl.rsqrt(tl.reduce(x * x, 0, _add) / H + eps)
-    normed = (x * inv_rms).to(sum_ptr.dtype.element_ty).to(tl.float32)
+    normed = (x * inv_rms).to(round_ty).to(tl.float32)
     if HAS_WEIGHT:
         w = tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
         # exact in fp32 for bf16/fp16 operands, so one rounding to the output dtype, as torch
         normed = w * normed
-    tl.store(out_ptr + row * stride_out + cols, normed.to(out_ptr.dtype.element_ty), mask=mask)
+    return normed
+
+
+@triton.jit
+def _mtp_input_kernel(ids_ptr, table_ptr, h_ptr, we_ptr, wh_ptr, out_ptr, stride_table, stride_h, stride_out,
+                      H, eps_e, eps_h, E_WEIGHT: tl.constexpr, H_WEIGHT: tl.constexpr, BLOCK: tl.constexpr,
+                      PDL: tl.constexpr):
+    """Row r of the MTP's eh_proj input: program (r, 0) writes enorm(table[ids[r]]) into its first
+    H columns, program (r, 1) hnorm(h[r]) into the next H."""
+    wait_for_previous(PDL)
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < H
+    dst = out_ptr + row * stride_out + cols
+    if tl.program_id(1) == 0:
+        tok = tl.load(ids_ptr + row).to(tl.int64)
+        x = tl.load(table_ptr + tok * stride_table + cols, mask=mask, other=0.0)
+        normed = _normed_row(x.to(tl.float32), we_ptr, cols, mask, H, eps_e, x.dtype, E_WEIGHT)
+        tl.store(dst, normed.to(out_ptr.dtype.element_ty), mask=mask)
+    else:
+        x = tl.load(h_ptr + row * stride_h + cols, mask=mask, other=0.0)
+        normed = _normed_row(x.to(tl.float32), wh_ptr, cols, mask, H, eps_h, x.dtype, H_WEIGHT)
+        tl.store(dst + H, normed.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 def _rows(x: torch.Tensor) -> torch.Tensor:
@@ -133,6 +162,29 @@ def add_rms_norm(
     if use_triton(*tensors):
         return add_rms_norm_triton(delta, residual, weight, eps)
     return add_rms_norm_ref(delta, residual, weight, eps)
+
+
+def mtp_input(ids: torch.Tensor, table: torch.Tensor, h: torch.Tensor,
+              e_norm: tuple[torch.Tensor | None, float], h_norm: tuple[torch.Tensor | None, float]) -> torch.Tensor:
+    """[rows, 2H]: rms_norm(table[ids], *e_norm) | rms_norm(h, *h_norm), the MTP's eh_proj input
+    (`engine.model.CausalLM.mtp_forward`), in one launch where the embedding gather and the two
+    norms took three; bit for bit what those give. `table` [V, H] and `h` [rows, H] of one dtype,
+    the norms' weights (None: none) of one dtype."""
+    rows, size = h.shape
+    assert ids.shape == (rows,) and table.shape[1] == size and table.dtype == h.dtype
+    assert table.stride(-1) == 1 and h.stride(-1) == 1
+    we, wh = e_norm[0], h_norm[0]
+    dtype = torch.promote_types(we.dtype if we is not None else h.dtype, h.dtype)
+    assert dtype == torch.promote_types(wh.dtype if wh is not None else h.dtype, h.dtype), "one output dtype"
+    out = torch.empty(rows, 2 * size, dtype=dtype, device=h.device)
+    if rows:
+        block = triton.next_power_of_2(size)
+        _mtp_input_kernel[(rows, 2)](
+            ids, table, h, we if we is not None else h, wh if wh is not None else h, out,
+            table.stride(0), h.stride(0), out.stride(0), size, e_norm[1], h_norm[1],
+            E_WEIGHT=we is not None, H_WEIGHT=wh is not None, BLOCK=block,
+            num_warps=min(max(block // 256, 1), 8), enable_fp_fusion=False, **pdl_args(h))
+    return out
 
 
 def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor | None, eps: float,

@@ -24,7 +24,9 @@
 # 0 / 1, twice): Llama-1B b1 k=0 / k=3 with 32k drafts, b64 k=0, SmolLM2 b1 as the control.
 # `outkernel`: the step's output copy as a kernel writing pinned memory (PDSERVE_OUTPUT_KERNEL 0 / 1, twice).
 # (`syncmode`, the output kernel beside a sleeping read point, ran on commit e5fcb40; its switch is gone.)
-# Usage: bash bench/gpu/gpu_speed.sh check|bench|profile|pdl|frspec|regress|ropeattn|prefetch|final6|b1prof|hostsplit|midtiles|outkernel|all
+# `mtpinput`: the MTP's input gather + norms in one launch and eh_proj's sums of squares
+# (PDSERVE_MTP_INPUT_KERNEL 0 / 1, twice): SmolLM2 and Llama-1B (32k drafts) b1 k=0 / 3.
+# Usage: bash bench/gpu/gpu_speed.sh check|bench|profile|pdl|frspec|regress|ropeattn|prefetch|final6|b1prof|hostsplit|midtiles|outkernel|mtpinput|all
 set -uo pipefail
 . "$(dirname "$0")/../../deploy/require.sh"; need_gpu_machine; require_done
 export PYTHONUNBUFFERED=1
@@ -165,6 +167,14 @@ if [[ $stage == outkernel ]]; then
     tests/engine/test_gpu.py 2>&1 | tail -1
   ab PDSERVE_OUTPUT_KERNEL "--arch smollm2 --batch 1 --max-tokens 96 --spec-tokens 3" \
     "--arch smollm2 --batch 32 --max-tokens 64 --spec-tokens 0 --profile" "--arch llama-1b --batch 1 --max-tokens 96 --spec-tokens 0"
+  rows
+fi
+
+if [[ $stage == mtpinput ]]; then
+  python3 -m pytest -q -p no:cacheprovider tests/kernels/test_norm.py tests/kernels/test_linear.py 2>&1 | tail -1
+  PDSERVE_TEST_DEVICE=cuda timeout 200 python3 -m pytest -q -p no:cacheprovider tests/engine/test_gpu.py 2>&1 | tail -1
+  ab PDSERVE_MTP_INPUT_KERNEL "--arch smollm2 --batch 1 --max-tokens 96 --spec-tokens 3" \
+    "--arch llama-1b --batch 1 --max-tokens 96 --spec-tokens 3 --draft-vocab 32768"
   rows
 fi
 

@@ -72,3 +72,31 @@ def test_folded_norms_leave_two_norm_kernels_a_forward(monkeypatch):
         counts[fold] = len(calls)
     forwards = 5  # the prefill and 4 decode steps
     assert counts == {"0": forwards * (2 * layers + 1), "1": forwards * 2}
+
+
+def test_the_mtp_input_takes_one_launch_and_its_block_norm_none(monkeypatch):
+    """An MTP forward gathers the embedding and runs enorm and hnorm in one kernel (`mtp_input`),
+    and eh_proj leaves its rows' sums of squares, so the block's input norm runs inside its q/k/v
+    GEMM: three norm kernels fewer per MTP forward than with PDSERVE_MTP_INPUT_KERNEL=0, and
+    the same tokens."""
+    import engine.model as model_mod
+    from kernels import norm as norm_mod
+
+    norms: list[int] = []
+    inputs: list[int] = []
+    real_norm, real_input = norm_mod.add_rms_norm_triton, model_mod.mtp_input
+    monkeypatch.setattr(norm_mod, "add_rms_norm_triton", lambda *a, **kw: norms.append(1) or real_norm(*a, **kw))
+    monkeypatch.setattr(model_mod, "mtp_input", lambda *a, **kw: inputs.append(1) or real_input(*a, **kw))
+    runs = {}
+    for on in (False, True):
+        monkeypatch.setattr(model_mod, "MTP_INPUT_KERNEL", on)
+        loaded = load_model("tiny", dtype="float32")
+        fuse_projections(loaded.model)
+        with triton_on_cpu():
+            eng = LLMEngine(loaded, EngineConfig(num_speculative_tokens=2, block_size=8, attention_backend="triton"))
+            norms.clear(), inputs.clear()
+            out = eng.generate([[5, 6, 7]], SamplingParams(max_tokens=6, ignore_eos=True))
+        runs[on] = (len(norms), len(inputs), out[0].output_ids)
+    (norms_off, inputs_off, toks_off), (norms_on, inputs_on, toks_on) = runs[False], runs[True]
+    assert inputs_off == 0 and inputs_on > 0 and toks_on == toks_off
+    assert norms_off - norms_on == 3 * inputs_on

@@ -182,3 +182,17 @@ def test_mid_sized_weights_take_their_own_tiles_and_match_the_composition(device
     r = randn(2, n, device=device, seed=4) if res else None
     torch.testing.assert_close(L.linear_triton(x, w, None, None, r), L.linear_ref(x, w, None, None, r),
                                atol=5e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("k", [96, 4160])  # whole rows, and split-K summed by the second launch
+def test_a_gemm_asked_for_sums_of_squares_leaves_them_without_a_residual(device, k):
+    """`sumsq`: a plain GEMM (the MTP's eh_proj) leaves its rows' sums of squares, so the norm of
+    its output can run inside the next GEMM."""
+    x = randn(3, k, device=device)
+    w = randn(40, k, device=device, seed=1, scale=0.1)
+    y = L.linear_triton(x, w, sumsq=True)
+    torch.testing.assert_close(y, L.linear_ref(x, w), atol=5e-5, rtol=1e-5)
+    partials = row_sumsq_of(y)
+    assert partials is not None and partials.shape[0] == 3
+    torch.testing.assert_close(partials.sum(dim=1), y.float().pow(2).sum(dim=1), rtol=1e-5, atol=1e-4)
+    assert row_sumsq_of(L.linear_triton(x, w)) is None  # not asked: none

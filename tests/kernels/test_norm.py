@@ -160,3 +160,20 @@ def test_use_triton_needs_cuda_no_autograd_and_no_reference_kernels():
     with _dispatch.reference_kernels():
         assert not _dispatch.use_triton(t())
     assert _dispatch.use_triton(t())
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("weights", [(True, True), (False, True), (True, False)])
+def test_mtp_input_is_the_gather_and_both_norms_bit_for_bit(device, dtype, weights):
+    """One launch gives what the embedding gather, enorm and hnorm (three launches) give, each norm
+    with its own weight (or none) and eps, the two halves side by side."""
+    table = randn(50, 576, dtype=dtype, device=device) * 2
+    h = randn(3, 576, dtype=dtype, device=device, seed=1) * 5
+    ids = torch.tensor([7, 0, 49], device=device)
+    we = randn(576, dtype=dtype, device=device, seed=2) if weights[0] else None
+    wh = randn(576, dtype=dtype, device=device, seed=3) if weights[1] else None
+    got = norm.mtp_input(ids, table, h, (we, 1e-5), (wh, 1e-6))
+    assert got.shape == (3, 1152) and got.dtype == dtype
+    assert torch.equal(got[:, :576], norm.rms_norm_triton(table[ids], we, 1e-5))
+    assert torch.equal(got[:, 576:], norm.rms_norm_triton(h, wh, 1e-6))
+    assert norm.mtp_input(ids[:0], table, h[:0], (we, 1e-5), (wh, 1e-6)).shape == (0, 1152)
