@@ -86,7 +86,7 @@ def test_invariant_mode_rows_alone_equal_rows_in_a_batch(device):
 
 def test_linear_runs_the_kernel_at_decode_sizes_and_the_composition_otherwise(monkeypatch):
     calls = []
-    monkeypatch.setattr(L, "linear_triton", lambda x, *a: calls.append(x.shape[0]) or L.linear_ref(x, *a))
+    monkeypatch.setattr(L, "linear_triton", lambda x, *a, **kw: calls.append(x.shape[0]) or L.linear_ref(x, *a))
     w, big = randn(8, 16, seed=1), randn(8192, 2048, seed=2, scale=0.01)
     mid = randn(8, 2**18 + 1, seed=4)  # just over SMALL_WEIGHT elements
     r = lambda m: randn(m, 8, seed=3)  # noqa: E731
