@@ -105,6 +105,8 @@ class HostOutputs:
         self.min_words = min_words  # buffers are made at least this large: one size serves every step
         self._bufs: list[tuple[Tensor, torch.cuda.Event]] = []
         self._free: list[int] = []
+        if self.cuda and OUTPUT_KERNEL:  # compile (or load) the copy kernel now, not at the first step
+            publish(torch.zeros(1, dtype=torch.long, device=device), torch.zeros(1, dtype=torch.long, pin_memory=True))
 
     @property
     def num_buffers(self) -> int:

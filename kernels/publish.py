@@ -25,7 +25,7 @@ ENABLED = os.environ.get("PDSERVE_OUTPUT_KERNEL", "1") == "1"
 BLOCK = 1024  # words a program copies
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n"])  # one compile for every step size: none inside the decode loop
 def _publish_kernel(src_ptr, dst_ptr, n, BLOCK: tl.constexpr, PDL: tl.constexpr):
     wait_for_previous(PDL)
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
