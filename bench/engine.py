@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from bench.host_split import host_split
+from bench.host_split import host_split, steady_batch
 from engine.config import ArchConfig
 from engine.draft_vocab import RANK_SUFFIX, ranking_path_beside, write_ranking
 from engine.engine import EngineConfig, LLMEngine
@@ -211,19 +211,14 @@ def profile_decode(engine: LLMEngine, prompts: list[list[int]], params: Sampling
     of the whole batch (after its prefill and a few steps)."""
     from torch.profiler import ProfilerActivity, profile
 
-    for p in prompts:
-        engine.add_request(p, params)
-    for _ in range(4):
-        engine.step()  # prefill + the first launches
-    torch.cuda.synchronize()
-    # CUDA activity only: tracing every host op as well would slow the host enough to starve
-    # the GPU (the loop is launch-ahead by one step), and the figure would measure the profiler
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(PROFILE_STEPS):
-            engine.step()
+    with steady_batch(engine, prompts, params):
         torch.cuda.synchronize()
-    while engine.has_unfinished():
-        engine.step()
+        # CUDA activity only: tracing every host op as well would slow the host enough to starve
+        # the GPU (the loop is launch-ahead by one step), and the figure would measure the profiler
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(PROFILE_STEPS):
+                engine.step()
+            torch.cuda.synchronize()
     events = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
     spans = sorted((e.time_range.start, e.time_range.end) for e in events)
     return {**launch_counts(events), "gpu_busy": round(busy_share(spans), 4),

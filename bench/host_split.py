@@ -18,7 +18,8 @@ is not running meanwhile.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 from engine.engine import LLMEngine
@@ -36,13 +37,34 @@ def _timed(fn: Callable[..., Any], spent: dict[str, float], key: str) -> Callabl
     return wrapper
 
 
+@contextmanager
+def steady_batch(engine: LLMEngine, prompts: list[list[int]], params: SamplingParams,
+                 warm_steps: int = 4) -> Iterator[None]:
+    """The prompts decoding together: added, prefilled and `warm_steps` steps in when the body
+    runs (it times steady decode steps); run to their end after it."""
+    for p in prompts:
+        engine.add_request(p, params)
+    for _ in range(warm_steps):
+        engine.step()  # prefill + the first launches
+    yield
+    while engine.has_unfinished():
+        engine.step()
+
+
 def host_split(engine: LLMEngine, prompts: list[list[int]], params: SamplingParams, steps: int) -> dict:
     """Run the prompts, and over `steps` decode steps of the whole batch (after its prefill and
     a few steps) time the host's parts of a step; then finish the requests."""
-    for p in prompts:
-        engine.add_request(p, params)
-    for _ in range(4):
-        engine.step()  # prefill + the first launches
+    with steady_batch(engine, prompts, params):
+        total, spent = _timed_steps(engine, steps)
+    us = {k: 1e6 * v / steps for k, v in spent.items()}
+    split = {"step_us": 1e6 * total / steps, "wait_us": us["wait"], "launch_us": us["launch"],
+             "read_us": us["collect"] - us["wait"], "other_us": 1e6 * total / steps - us["launch"] - us["collect"]}
+    return {"host_split": {k: round(v, 1) for k, v in split.items()}}
+
+
+def _timed_steps(engine: LLMEngine, steps: int) -> tuple[float, dict[str, float]]:
+    """`steps` engine steps with the launch, the read and its wait wrapped in wall clocks:
+    (seconds in all, seconds in each part)."""
     spent = {"launch": 0.0, "collect": 0.0, "wait": 0.0}
     runner = engine.runner
     launch, collect, wait = runner.launch_decode, runner.collect, HostCopy.wait
@@ -57,9 +79,4 @@ def host_split(engine: LLMEngine, prompts: list[list[int]], params: SamplingPara
     finally:
         del runner.launch_decode, runner.collect
         HostCopy.wait = wait  # type: ignore[method-assign]
-    while engine.has_unfinished():
-        engine.step()
-    us = {k: 1e6 * v / steps for k, v in spent.items()}
-    split = {"step_us": 1e6 * total / steps, "wait_us": us["wait"], "launch_us": us["launch"],
-             "read_us": us["collect"] - us["wait"], "other_us": 1e6 * total / steps - us["launch"] - us["collect"]}
-    return {"host_split": {k: round(v, 1) for k, v in split.items()}}
+    return total, spent

@@ -78,7 +78,10 @@ Norm = tuple[torch.Tensor | None, float]  # (weight, or None where it is folded 
 RowNorm = tuple[float, torch.Tensor]  # (eps, x's partial row sums of squares [M, tiles]): the kernel's own norm
 
 
-def tile_config(n: int, k: int) -> tuple[int, int, int, int, int]:
+Config = tuple[int, int, int, int, int]  # (BN, BK, SPLIT, WARPS, STAGES): tile_config's, or a sweep's instead
+
+
+def tile_config(n: int, k: int) -> Config:
     """(BN, BK, SPLIT, WARPS, STAGES) for a weight [n, k], from sweeps on an H100
     (bench/gpu/gpu_gemv.py): narrow tiles keep enough programs in flight for the small weights,
     wide ones suit the large; long rows are split in four so that a short N still fills the GPU.
@@ -218,7 +221,6 @@ def _block_m(m: int) -> int:
     return INVARIANT_BM if invariant() else min(MAX_BM, max(16, triton.next_power_of_2(m)))
 
 
-Config = tuple[int, ...]  # (BN, BK, SPLIT) or (BN, BK, SPLIT, WARPS, STAGES): a sweep's choice over tile_config's
 
 
 def _split(w: torch.Tensor, config: Config | None, whole: bool) -> int:
@@ -236,9 +238,7 @@ def _launch(x2, w, b, residual, y, argmax_out=None, config: Config | None = None
     [M, tiles] (for the next GEMM's norm)."""
     m, (n, k) = x2.shape[0], w.shape
     assert w.stride(-1) == 1 and x2.shape[1] == k, f"weight {tuple(w.shape)} does not take {x2.shape[1]} inputs"
-    full = config or tile_config(n, k)
-    bn, bk = full[:2]
-    warps, stages = full[3:5] if len(full) == 5 else (4, 3)
+    bn, bk, _, warps, stages = config or tile_config(n, k)
     split = _split(w, config, argmax_out is not None or glu)
     assert norm is None or split == 1, "a norm in the GEMM needs the whole of K in one program"
     bm, n_out = _block_m(m), n
@@ -295,7 +295,7 @@ def _prefetch_args(w: torch.Tensor, k_per: int, split: int) -> dict:
 def linear_triton(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None, norm: Norm | None = None,
                   residual: torch.Tensor | None = None, config: Config | None = None,
                   sumsq: bool = False) -> torch.Tensor:
-    """`config`: (BN, BK, SPLIT[, WARPS, STAGES]) instead of `tile_config`'s (bench/gpu/gpu_gemv.py
+    """`config`: (BN, BK, SPLIT, WARPS, STAGES) instead of `tile_config`'s (bench/gpu/gpu_gemv.py
     sweeps them)."""
     x2, row_norm = _pre(x, norm, _split(w, config, False))
     y = torch.empty(x2.shape[0], w.shape[0], dtype=x.dtype, device=x.device)
@@ -319,7 +319,7 @@ def linear_glu_triton(x: torch.Tensor, w: torch.Tensor, norm: Norm | None = None
 
 
 def linear_argmax_triton(x: torch.Tensor, w: torch.Tensor, norm: Norm | None = None, id_map: torch.Tensor | None = None,
-                         out: torch.Tensor | None = None, config: tuple[int, int, int] | None = None) -> torch.Tensor:
+                         out: torch.Tensor | None = None, config: Config | None = None) -> torch.Tensor:
     """`out`: a contiguous int64 tensor of x's rows to write into (made when None)."""
     x2, row_norm = _pre(x, norm, 1)
     if out is None:

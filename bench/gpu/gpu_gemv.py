@@ -48,14 +48,14 @@ def sweep(x: torch.Tensor, w: torch.Tensor, c: dict) -> torch.Tensor:
     """kernels.linear's kernel with the tile configuration `c` instead of its own choice."""
     from kernels.linear import linear_triton
 
-    return linear_triton(x, w, config=(c["BN"], c["BK"], c["SPLIT"]))
+    return linear_triton(x, w, config=(c["BN"], c["BK"], c["SPLIT"], 4, 3))
 
 
 def sweep_argmax(x: torch.Tensor, w: torch.Tensor, c: dict) -> torch.Tensor:
     """The in-GEMM argmax with the tile configuration `c`."""
     from kernels.linear import linear_argmax_triton
 
-    return linear_argmax_triton(x, w, config=(c["BN"], c["BK"], 1))
+    return linear_argmax_triton(x, w, config=(c["BN"], c["BK"], 1, 4, 3))
 
 
 def graph_us(fn, copies: int) -> float:
@@ -172,13 +172,13 @@ PIPE_OPS = {"llama qkv": (2048, 3072, "plain"), "llama o": (2048, 2048, "res"),
             "llama gate_up": (2048, 16384, "glu"), "llama down": (8192, 2048, "res")}
 
 
-def pipe_configs(op: str, k: int) -> list[tuple[int, ...]]:
+def pipe_configs(op: str, k: int) -> list[tuple[int, int, int, int, int]]:
     """(BN, BK, SPLIT, WARPS, STAGES) to try; SPLIT 1 where the step's op needs whole sums."""
     splits = (1,) if op == "glu" else (1, 2, 4, 8) if k >= 4096 else (1, 2, 4)
     return [c for c in itertools.product((16, 32), (128, 256), splits, (4,), (3, 4, 6)) if c[1] * c[2] <= k]
 
 
-def wide_configs(op: str, k: int) -> list[tuple[int, ...]]:
+def wide_configs(op: str, k: int) -> list[tuple[int, int, int, int, int]]:
     """`--pipeline-wide`: wider tiles, 8 warps and up to 8 stages for q/k/v and o."""
     splits = (1,) if op == "plain" else (2, 4)
     bks = (128, 256, 512) if op == "plain" else (128, 256)

@@ -28,6 +28,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 import torch  # noqa: E402
 
 from bench.engine import _engine, _params, add_arguments, load  # noqa: E402
+from bench.host_split import steady_batch  # noqa: E402
 
 
 def trace_steps(args: argparse.Namespace, steps: int) -> list[dict]:
@@ -36,17 +37,12 @@ def trace_steps(args: argparse.Namespace, steps: int) -> list[dict]:
     loaded = load(args, args.device)
     engine, prompts = _engine(loaded, args.spec_tokens, args)
     params = _params(args)
-    for p in prompts:
-        engine.add_request(p, params)
-    for _ in range(6):
-        engine.step()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        for _ in range(steps):
-            engine.step()
+    with steady_batch(engine, prompts, params, warm_steps=6):
         torch.cuda.synchronize()
-    while engine.has_unfinished():
-        engine.step()
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            for _ in range(steps):
+                engine.step()
+            torch.cuda.synchronize()
     path = os.path.join(tempfile.mkdtemp(), "trace.json")
     prof.export_chrome_trace(path)
     with open(path) as f:
