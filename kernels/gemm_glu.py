@@ -3,7 +3,7 @@
     out[t, i] = silu(g) * u,   g = x[t] . w[i],  u = x[t] . w[I + i]      (w = [gate; up], [2I, K])
 
 rounded as `kernels.activation.silu_and_mul` rounds cuBLAS's output: g and u to x's dtype, silu
-in fp32 then rounded, the product rounded (`kernels.linear._silu_mul`). Only the order of the
+in fp32 then rounded, the product rounded (`kernels.epilogue.silu_mul`). Only the order of the
 fp32 sums differs from cuBLAS + silu_and_mul.
 
 Why: at prefill sizes the GEMM is compute-bound and the separate silu * up is a full memory pass

@@ -28,6 +28,10 @@ or its split-K sum) stored per column tile (`kernels.norm.store_partial_sumsq`, 
 output tensor: `row_sumsq_of`); the main loop is untouched. Where x has none (cuBLAS wrote it, or
 it changed in place since), the norm runs as its own kernel.
 
+Launches of at most four rows over small weights (SmolLM2's layers: batch 1, with up to three
+drafts) take the register-tile GEMV of kernels/gemv.py instead, with the same epilogue
+(kernels/epilogue.py), outside the batch-invariant mode.
+
 Under programmatic dependent launch (kernels/pdl.py) the kernel starts while the one before it
 still runs; before its wait it asks for its share of the weights in L2 (`_prefetch_rows`, whole
 rows up to PREFETCH_BYTES a launch), for weights of at most PREFETCH_MAX bytes: SmolLM2's batch-1
@@ -53,13 +57,14 @@ import triton.language as tl
 from kernels import gemm_glu
 from kernels._dispatch import invariant, use_triton
 from kernels.activation import silu_and_mul, silu_and_mul_ref
+from kernels.epilogue import gemm_epilogue
+from kernels.gemv import gemv_config, launch_gemv
 from kernels.norm import (
     attach_row_sumsq,
     rms_norm,
     rms_norm_ref,
     row_sumsq_of,
     rstd_of_partials,
-    store_partial_sumsq,
 )
 from kernels.pdl import pdl_args, prefetch_l2, prefetch_on, wait_for_previous
 
@@ -94,32 +99,6 @@ def tile_config(n: int, k: int) -> Config:
     bk = 256 if k >= 256 else max(16, triton.next_power_of_2(k))
     split = 4 if k >= 4096 else 1
     return bn, bk, split, 4, 3
-
-
-@triton.jit
-def _silu_mul(gate, up, dtype: tl.constexpr):
-    """silu(gate) * up as `kernels.activation` computes it from the rounded GEMM outputs."""
-    g = gate.to(dtype).to(tl.float32)
-    silu = (g / (1.0 + tl.exp(-g))).to(dtype).to(tl.float32)
-    return (silu * up.to(dtype).to(tl.float32)).to(dtype)
-
-
-@triton.jit
-def _epilogue(acc, acc_up, rm, rn, M, N, b_ptr, r_ptr, stride_r, y_ptr, stride_y, sso_ptr,
-              HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr, GLU: tl.constexpr, SS_OUT: tl.constexpr):
-    mask = (rm[:, None] < M) & (rn[None, :] < N)
-    if HAS_BIAS:
-        acc += tl.load(b_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)[None, :]
-    if GLU:
-        out = _silu_mul(acc, acc_up, y_ptr.dtype.element_ty)
-    else:
-        out = acc.to(y_ptr.dtype.element_ty)
-    if HAS_RES:  # torch: residual + round(x @ w.T), rounded again
-        r = tl.load(r_ptr + rm[:, None].to(tl.int64) * stride_r + rn[None, :], mask=mask, other=0.0)
-        out = (out.to(tl.float32) + r.to(tl.float32)).to(y_ptr.dtype.element_ty)
-    tl.store(y_ptr + rm[:, None].to(tl.int64) * stride_y + rn[None, :], out, mask=mask)
-    if SS_OUT:  # for the next GEMM's norm (kernels.norm.rstd_of_partials)
-        store_partial_sumsq(out, rm, rn, M, N, sso_ptr)
 
 
 @triton.jit
@@ -162,7 +141,7 @@ def _skinny_kernel(x_ptr, w_ptr, b_ptr, r_ptr, y_ptr, ws_ptr, val_ptr, idx_ptr, 
         tl.store(val_ptr + rm * n_tiles + pid_n, best, mask=rm < M)
         tl.store(idx_ptr + rm * n_tiles + pid_n, pid_n * BN + at, mask=rm < M)
     elif SPLIT == 1:
-        _epilogue(acc, acc_up, rm, rn, M, N, b_ptr, r_ptr, stride_r, y_ptr, stride_y, sso_ptr,
+        gemm_epilogue(acc, acc_up, rm, rn, M, N, b_ptr, r_ptr, stride_r, y_ptr, stride_y, sso_ptr,
                   HAS_BIAS, HAS_RES, GLU, SS_OUT)
     else:
         part = ws_ptr + pid_k * M * N + rm[:, None] * N + rn[None, :]
@@ -193,7 +172,7 @@ def _sum_splits_kernel(ws_ptr, b_ptr, r_ptr, y_ptr, sso_ptr, M, N, stride_r, str
     acc = tl.zeros([BM, BN], dtype=tl.float32)
     for s in range(SPLIT):  # in order
         acc += tl.load(ws_ptr + s * M * N + rm[:, None] * N + rn[None, :], mask=mask, other=0.0)
-    _epilogue(acc, acc, rm, rn, M, N, b_ptr, r_ptr, stride_r, y_ptr, stride_y, sso_ptr, HAS_BIAS, HAS_RES, False, SS_OUT)
+    gemm_epilogue(acc, acc, rm, rn, M, N, b_ptr, r_ptr, stride_r, y_ptr, stride_y, sso_ptr, HAS_BIAS, HAS_RES, False, SS_OUT)
 
 
 @triton.jit
@@ -238,12 +217,16 @@ def _launch(x2, w, b, residual, y, argmax_out=None, config: Config | None = None
     [M, tiles] (for the next GEMM's norm)."""
     m, (n, k) = x2.shape[0], w.shape
     assert w.stride(-1) == 1 and x2.shape[1] == k, f"weight {tuple(w.shape)} does not take {x2.shape[1]} inputs"
+    if glu:
+        assert n % 2 == 0 and b is None and residual is None, "gate/up GEMM: an even weight, no bias or add"
+    gemv = None if argmax_out is not None or config is not None or invariant() else gemv_config(m, w, glu)
+    if gemv is not None:  # a few rows over a small weight (kernels/gemv.py)
+        return launch_gemv(x2, w, b, residual, y, gemv, glu, norm, sumsq)
     bn, bk, _, warps, stages = config or tile_config(n, k)
     split = _split(w, config, argmax_out is not None or glu)
     assert norm is None or split == 1, "a norm in the GEMM needs the whole of K in one program"
     bm, n_out = _block_m(m), n
     if glu:
-        assert n % 2 == 0 and b is None and residual is None, "gate/up GEMM: an even weight, no bias or add"
         n_out, bn = n // 2, max(16, bn // 2)  # each program reads bn rows of gate and bn of up
     room = 49152 if stages <= 3 else 90112  # elements of shared memory for the stages (96 / 176 KB)
     while (bm * bk + (2 if glu else 1) * bn * bk) * max(stages, 3) > room and bk > 16:

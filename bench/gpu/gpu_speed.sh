@@ -26,7 +26,11 @@
 # (`syncmode`, the output kernel beside a sleeping read point, ran on commit e5fcb40; its switch is gone.)
 # `mtpinput`: the MTP's input gather + norms in one launch and eh_proj's sums of squares
 # (PDSERVE_MTP_INPUT_KERNEL 0 / 1, twice): SmolLM2 and Llama-1B (32k drafts) b1 k=0 / 3.
-# Usage: bash bench/gpu/gpu_speed.sh check|bench|profile|pdl|frspec|regress|ropeattn|prefetch|final6|b1prof|hostsplit|midtiles|outkernel|mtpinput|all
+# `gemv`: the register-tile GEMV for one row over small weights (kernels/gemv.py; PDSERVE_GEMV 0 / 1,
+# twice): SmolLM2 and Llama-1B (32k drafts) b1 k=0 / 3, SmolLM2 b32 (a control); then the kernel and
+# engine GPU tests. (Its first run, commit message of the kernel, also ran bench/gpu/persist_probe.py,
+# up to 4 rows, and Llama-1B with PDSERVE_GEMV_MAX_MB=16.)
+# Usage: bash bench/gpu/gpu_speed.sh check|bench|profile|pdl|frspec|regress|ropeattn|prefetch|final6|b1prof|hostsplit|midtiles|outkernel|mtpinput|gemv|all
 set -uo pipefail
 . "$(dirname "$0")/../../deploy/require.sh"; need_gpu_machine; require_done
 export PYTHONUNBUFFERED=1
@@ -176,6 +180,15 @@ if [[ $stage == mtpinput ]]; then
   ab PDSERVE_MTP_INPUT_KERNEL "--arch smollm2 --batch 1 --max-tokens 96 --spec-tokens 3" \
     "--arch llama-1b --batch 1 --max-tokens 96 --spec-tokens 3 --draft-vocab 32768"
   rows
+fi
+
+if [[ $stage == gemv ]]; then
+  ab PDSERVE_GEMV "--arch smollm2 --batch 1 --max-tokens 96 --spec-tokens 3" \
+    "--arch llama-1b --batch 1 --max-tokens 96 --spec-tokens 3 --draft-vocab 32768"  # their k=0 rows too
+  bench --arch smollm2 --batch 32 --max-tokens 64 --spec-tokens 3 --profile > /dev/null
+  rows
+  PDSERVE_TEST_DEVICE=cuda timeout 200 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_gemv.py \
+    tests/kernels/test_linear.py tests/engine/test_gpu.py 2>&1 | grep -E 'passed|failed|Error' | tail -5
 fi
 
 if [[ $stage == pdl ]]; then  # programmatic dependent launch off and on, same code otherwise

@@ -7,9 +7,17 @@ from __future__ import annotations
 import pytest
 import torch
 
+from kernels import gemv
 from kernels import linear as L
 from kernels._dispatch import batch_invariant, triton_on_cpu
 from kernels.norm import row_sumsq_of
+
+
+@pytest.fixture(autouse=True)
+def split_k_kernel(monkeypatch):
+    """These tests are the split-K kernel's: the GEMV that launches of a few rows over small
+    weights take instead (kernels/gemv.py) is tested in test_gemv.py."""
+    monkeypatch.setattr(gemv, "GEMV", False)
 
 
 def randn(*shape, device="cpu", seed=0, scale=1.0) -> torch.Tensor:

@@ -1,0 +1,126 @@
+"""Decode GEMMs of a few rows over small weights: the weight tile is read into registers before
+the programmatic-dependent-launch wait (kernels/pdl.py).
+
+A program owns BN whole rows of the weight (both halves' rows with silu * up), padded to a
+power of two of K, and there are at most as many programs as SMs. It loads that tile first,
+while the kernel before it still runs (weights are never written by a step), then waits, reads
+x's rows (M <= GEMV_MAX_M) and sums each output in fp32 across K. The epilogue is the split-K
+kernel's (kernels/epilogue.py): bias, silu * up, the residual add, the partial sums of squares
+for the next norm, and a weightless norm's row scale from x's.
+
+Why: SmolLM2's batch-1 step is ~150 dependent launches of 0.7-3.5 MB weights, each bound by
+latency, not bandwidth. A chain of its layers' GEMMs took 2.1-2.2 us a stage this way against
+3.3 us through the split-K kernel with an L2 prefetch (bench/gpu/persist_probe.py, one H100,
+2026-11-27), and 2.8-2.9 us as one persistent kernel with a grid barrier between stages (the
+barrier alone cost 1.05 us).
+
+Not in the batch-invariant mode (the kernel is chosen by M); not for an argmax or a split-K
+launch. PDSERVE_GEMV=0 turns it off.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels.epilogue import gemm_epilogue
+from kernels.norm import rstd_of_partials
+from kernels.pdl import pdl_args, wait_for_previous
+
+GEMV = os.environ.get("PDSERVE_GEMV", "1") == "1"
+# rows: on an H100 the kernel took SmolLM2's batch-1 step from 0.62 to 0.46 ms, but made the k=3
+# step (a verify of 4 rows) slower: 0.81 -> 0.95 ms; up to 4 rows run correctly (the tests' setting)
+GEMV_MAX_M = int(os.environ.get("PDSERVE_GEMV_MAX_M", "1"))
+GEMV_MAX_TILE = 32768  # weight elements a program holds (64 KB of bf16 over 4-8 warps)
+# weights above this many bytes keep the split-K kernel (Llama-1B's o projection, 8 MB, would fit a tile)
+GEMV_MAX_BYTES = int(float(os.environ.get("PDSERVE_GEMV_MAX_MB", "4")) * 2**20)
+GemvConfig = tuple[int, int, int]  # (BN, KP, WARPS)
+
+
+@functools.cache
+def _programs(device_index: int | None) -> int:
+    """The SM count (one program each); off CUDA (the interpreter runs programs one after
+    another, each slowly) 8."""
+    if device_index is None or not torch.cuda.is_available():
+        return 8
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def gemv_config(m: int, w: torch.Tensor, glu: bool, sms: int | None = None) -> GemvConfig | None:
+    """(BN, KP, WARPS) when the kernel takes a launch of m rows over w, else None: BN the smallest
+    power of two that leaves at most one tile per SM (`sms`: w's device's count), while its tile
+    fits GEMV_MAX_TILE."""
+    if not GEMV or m > GEMV_MAX_M or m < 1 or w.numel() * w.element_size() > GEMV_MAX_BYTES:
+        return None
+    n_out, k, device = w.shape[0] // (2 if glu else 1), w.shape[1], w.device
+    sms = sms or _programs(device.index if device.type == "cuda" else None)
+    kp = triton.next_power_of_2(k)
+    bn = 1
+    while triton.cdiv(n_out, bn) > sms:
+        bn *= 2
+    elems = bn * kp * (2 if glu else 1)
+    if elems > GEMV_MAX_TILE:
+        return None
+    return bn, kp, 8 if elems >= 16384 else 4
+
+
+@triton.jit
+def _add(a, b):  # tl.sum's combine, written out: the interpreter then calls no @jit of triton.language
+    return a + b
+
+
+@triton.jit
+def _gemv_kernel(x_ptr, w_ptr, b_ptr, r_ptr, y_ptr, ssi_ptr, sso_ptr,
+                 M, N, K, stride_x, stride_w, stride_r, stride_y, eps, NTI,
+                 HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr, GLU: tl.constexpr, NORM: tl.constexpr,
+                 NTP: tl.constexpr, SS_OUT: tl.constexpr, MP: tl.constexpr, BN: tl.constexpr, KP: tl.constexpr,
+                 PDL: tl.constexpr):
+    rn = tl.program_id(1) * BN + tl.arange(0, BN)  # grid axis 1 tiles the columns (store_partial_sumsq)
+    rk = tl.arange(0, KP)
+    w_mask = (rn[:, None] < N) & (rk[None, :] < K)
+    w_rows = w_ptr + rn[:, None].to(tl.int64) * stride_w + rk[None, :]
+    w = tl.load(w_rows, mask=w_mask, other=0.0)  # before the wait: weights are never written
+    if GLU:
+        u = tl.load(w_rows + N * stride_w, mask=w_mask, other=0.0)
+    else:
+        u = w
+    wait_for_previous(PDL)
+    for m in tl.static_range(MP):
+        rm = m + tl.zeros([1], dtype=tl.int32)
+        x = tl.load(x_ptr + m * stride_x + rk, mask=(rk < K) & (rm < M), other=0.0).to(tl.float32)
+        acc = tl.reduce(w.to(tl.float32) * x[None, :], 1, _add)[None, :]
+        acc_up = acc
+        if GLU:
+            acc_up = tl.reduce(u.to(tl.float32) * x[None, :], 1, _add)[None, :]
+        if NORM:  # a weightless RMSNorm of x, applied to the sums
+            rstd = rstd_of_partials(ssi_ptr, rm, M, NTI, K, eps, NTP)[:, None]
+            acc *= rstd
+            acc_up *= rstd
+        gemm_epilogue(acc, acc_up, rm, rn, M, N, b_ptr, r_ptr, stride_r, y_ptr, stride_y, sso_ptr,
+                      HAS_BIAS, HAS_RES, GLU, SS_OUT)
+
+
+def launch_gemv(x2: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, residual: torch.Tensor | None,
+                y: torch.Tensor, config: GemvConfig, glu: bool, norm, sumsq: bool) -> torch.Tensor | None:
+    """One launch of the kernel for kernels.linear's `_launch` (same arguments; `norm` its
+    RowNorm or None). Returns y's rows' partial sums of squares [M, tiles] with a residual add
+    or `sumsq`."""
+    m, k = x2.shape
+    n_out = w.shape[0] // 2 if glu else w.shape[0]
+    bn, kp, warps = config
+    tiles = triton.cdiv(n_out, bn)
+    r = residual if residual is not None else y
+    sso = torch.empty(m, tiles, dtype=torch.float32, device=x2.device) if residual is not None or sumsq else None
+    eps, ssi = norm if norm is not None else (0.0, None)
+    nti = ssi.shape[1] if ssi is not None else 1
+    _gemv_kernel[(1, tiles)](
+        x2, w, b if b is not None else w, r, y, ssi if ssi is not None else y, sso if sso is not None else y,
+        m, n_out, k, x2.stride(0), w.stride(0), r.stride(0), y.stride(0), eps, nti,
+        HAS_BIAS=b is not None, HAS_RES=residual is not None, GLU=glu, NORM=ssi is not None,
+        NTP=triton.next_power_of_2(nti), SS_OUT=sso is not None, MP=triton.next_power_of_2(m), BN=bn, KP=kp,
+        num_warps=warps, num_stages=1, **pdl_args(x2))
+    return sso

@@ -1,0 +1,86 @@
+"""The register-tile GEMV (kernels/gemv.py), which kernels/linear.py's launches of a few rows over
+small weights take: its choice of tiles, when `linear` takes it, and its results against the
+torch composition with each epilogue (bias, residual add, silu * up, folded norm, sums of squares).
+tests/kernels/test_linear.py runs the split-K kernel's cases with this one off."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kernels import gemv as G
+from kernels import linear as L
+from kernels._dispatch import batch_invariant, triton_on_cpu
+from kernels.norm import row_sumsq_of
+
+
+def randn(*shape, device="cpu", seed=0, scale=1.0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return (scale * torch.randn(*shape, generator=g)).to(device)
+
+
+def test_tiles_leave_one_per_sm_and_large_tiles_or_rows_keep_the_split_k_kernel(monkeypatch):
+    """SmolLM2's weights at an H100's 132 SMs."""
+    monkeypatch.setattr(G, "GEMV_MAX_M", 4)
+    bf = torch.bfloat16
+    assert G.gemv_config(1, torch.empty(960, 576, dtype=bf), False, 132) == (8, 1024, 4)  # q/k/v: 120 programs
+    assert G.gemv_config(4, torch.empty(576, 1536, dtype=bf), False, 132) == (8, 2048, 8)  # down: 72 programs
+    assert G.gemv_config(1, torch.empty(3072, 576, dtype=bf), True, 132) == (16, 1024, 8)  # gate/up: 96 programs
+    assert G.gemv_config(G.GEMV_MAX_M + 1, torch.empty(960, 576, dtype=bf), False) is None  # too many rows
+    assert G.gemv_config(1, torch.empty(576, 8192, dtype=bf), False) is None  # 8 x 8192: too large a tile
+    assert G.gemv_config(1, torch.empty(2048, 2048, dtype=bf), False) is None  # 8 MB: over GEMV_MAX_BYTES
+    monkeypatch.setattr(G, "GEMV_MAX_M", 1)  # the default: batch 1 without drafts
+    assert G.gemv_config(2, torch.empty(960, 576, dtype=bf), False, 132) is None
+
+
+def test_linear_takes_it_for_a_few_rows_but_not_in_the_invariant_mode_or_for_an_argmax(device, monkeypatch):
+    monkeypatch.setattr(G, "GEMV_MAX_M", 4)
+    calls = []
+    real = L.launch_gemv
+    monkeypatch.setattr(L, "launch_gemv", lambda x2, *a: calls.append(x2.shape[0]) or real(x2, *a))
+    w, r = randn(40, 64, device=device, seed=1, scale=0.1), randn(5, 40, device=device, seed=2)
+    with triton_on_cpu():
+        L.linear(randn(3, 64, device=device), w, residual=r[:3])  # here
+        L.linear_glu(randn(2, 64, device=device), randn(80, 64, device=device, seed=3, scale=0.1))  # here
+        L.linear(randn(5, 64, device=device), w, residual=r)  # five rows: the split-K kernel
+        L.linear_argmax(randn(1, 64, device=device), w)  # an argmax: the split-K kernel's
+        with batch_invariant():
+            L.linear(randn(1, 64, device=device), w, residual=r[:1])  # the invariant mode: the split-K kernel
+    assert calls == [3, 2]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("m", [1, 2, 3, 4])
+def test_each_epilogue_matches_the_torch_composition(device, monkeypatch, m, dtype):
+    """A decoder layer's four GEMMs in a row, each through the kernel: q/k/v with a bias and the
+    folded input norm, o with the residual add, gate/up with silu * up and the folded norm, down
+    with the residual add (each residual GEMM leaving the sums of squares the next norm reads)."""
+    monkeypatch.setattr(G, "GEMV_MAX_M", 4)
+    tol = {"atol": 5e-5, "rtol": 1e-5} if dtype == torch.float32 else {"atol": 3e-2, "rtol": 2e-2}
+    h, q, inter = 96, 48, 72
+    x = L.linear_triton(randn(m, 40, device=device).to(dtype), randn(h, 40, device=device, seed=9).to(dtype),
+                        residual=randn(m, h, device=device, seed=8, scale=3.0).to(dtype))
+    assert row_sumsq_of(x) is not None
+    ws = [randn(*s, device=device, seed=i, scale=0.1).to(dtype) for i, s in
+          enumerate([(q, h), (h, q), (2 * inter, h), (h, inter)])]
+    bias = randn(q, device=device, seed=7).to(dtype)
+    qkv = L.linear_triton(x, ws[0], bias, (None, 1e-5))
+    torch.testing.assert_close(qkv, L.linear_ref(x, ws[0], bias, (None, 1e-5)), **tol)
+    x2 = L.linear_triton(qkv, ws[1], residual=x)
+    torch.testing.assert_close(x2, L.linear_ref(qkv, ws[1], residual=x), **tol)
+    sums = row_sumsq_of(x2)
+    assert sums is not None and sums.shape[0] == m
+    torch.testing.assert_close(sums.sum(dim=1), x2.float().pow(2).sum(dim=1), rtol=1e-4, atol=1e-3)
+    act = L.linear_glu_triton(x2, ws[2], (None, 1e-5))
+    torch.testing.assert_close(act, L.linear_glu_ref(x2, ws[2], (None, 1e-5)), **tol)
+    out = L.linear_triton(act, ws[3], residual=x2)
+    torch.testing.assert_close(out, L.linear_ref(act, ws[3], residual=x2), **tol)
+
+
+def test_a_plain_gemm_asked_for_sums_of_squares_leaves_them(device):
+    x, w = randn(2, 72, device=device), randn(40, 72, device=device, seed=1, scale=0.1)
+    y = L.linear_triton(x, w, sumsq=True)
+    torch.testing.assert_close(y, L.linear_ref(x, w), atol=5e-5, rtol=1e-5)
+    partials = row_sumsq_of(y)
+    assert partials is not None
+    torch.testing.assert_close(partials.sum(dim=1), y.float().pow(2).sum(dim=1), rtol=1e-5, atol=1e-4)
