@@ -36,6 +36,9 @@ Under programmatic dependent launch (kernels/pdl.py) the kernel starts while the
 still runs; before its wait it asks for its share of the weights in L2 (`_prefetch_rows`, whole
 rows up to PREFETCH_BYTES a launch), for weights of at most PREFETCH_MAX bytes: SmolLM2's batch-1
 step fell 10% (0.69 -> 0.63 ms on an H100), Llama-1B's larger weights gained nothing at batch 1.
+For weights up to PRELOAD_MAX and up to PRELOAD_MAX_M rows, each program also reads its first K
+block into registers before the wait (`PRELOAD`), and takes that block's product ahead of the
+loop, in the loop's order: SmolLM2's b32 step 0.71 -> 0.68 ms; larger weights and rows lost.
 
 Batch-invariant mode (`kernels._dispatch.batch_invariant()`, `--deterministic`): a row's result
 must not depend on how many rows share the call. cuBLAS and CPU BLAS pick tiling, split-K and
@@ -78,6 +81,13 @@ PREFETCH_BYTES = int(float(os.environ.get("PDSERVE_PREFETCH_MB", "4")) * 2**20) 
 # lost with more than 4 MB a launch, while SmolLM2's (<= 3.5 MB) step fell 10% (BENCHMARKS.md)
 MID_TILES = os.environ.get("PDSERVE_MID_TILES", "1") == "1"  # tile_config's mid-sized weights; 0: off
 PREFETCH_MAX = int(float(os.environ.get("PDSERVE_PREFETCH_MAX_MB", "8")) * 2**20)
+# a program's first K block of weights read into registers before the PDL wait, for weights up to
+# PRELOAD_MAX: on an H100 SmolLM2's b32 step fell 0.71 -> 0.685 ms, while Llama-1B's (8-525 MB) lost
+# (b1 1.103 -> 1.13 ms, b64 1.32 -> 1.56-2.04); PDSERVE_PRELOAD=0: off
+PRELOAD = os.environ.get("PDSERVE_PRELOAD", "1") == "1"
+PRELOAD_MAX = int(float(os.environ.get("PDSERVE_PRELOAD_MAX_MB", "4")) * 2**20)
+# and launches of up to this many rows: SmolLM2's b128 step (128-row launches) lost with it, 0.89 -> 0.97 ms
+PRELOAD_MAX_M = int(os.environ.get("PDSERVE_PRELOAD_MAX_M", "32"))
 
 Norm = tuple[torch.Tensor | None, float]  # (weight, or None where it is folded into the GEMM's; eps)
 RowNorm = tuple[float, torch.Tensor]  # (eps, x's partial row sums of squares [M, tiles]): the kernel's own norm
@@ -108,19 +118,33 @@ def _skinny_kernel(x_ptr, w_ptr, b_ptr, r_ptr, y_ptr, ws_ptr, val_ptr, idx_ptr, 
                    ARGMAX: tl.constexpr, SPLIT: tl.constexpr, PRECISION: tl.constexpr, GLU: tl.constexpr,
                    NORM: tl.constexpr, NTP: tl.constexpr, SS_OUT: tl.constexpr,
                    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, PDL: tl.constexpr,
-                   PREFETCH: tl.constexpr = False, LINES: tl.constexpr = 1, PER_LINE: tl.constexpr = 64):
+                   PREFETCH: tl.constexpr = False, LINES: tl.constexpr = 1, PER_LINE: tl.constexpr = 64,
+                   PRELOAD: tl.constexpr = False):
     if PREFETCH:  # the weights are never written: ask for this program's share in L2 while the kernel before runs
         _prefetch_rows(w_ptr, tl.program_id(1) * BN + tl.arange(0, BN), tl.program_id(2) * k_per_split,
                        k_per_split, N, K, stride_w, GLU, LINES, PER_LINE)
-    wait_for_previous(PDL)
     pid_m, pid_n, pid_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     rm = pid_m * BM + tl.arange(0, BM)
     rn = pid_n * BN + tl.arange(0, BN)
     rk = tl.arange(0, BK)
+    k_lo = pid_k * k_per_split
+    w_mask0 = (rn[:, None] < N) & (k_lo + rk[None, :] < K)
+    w_rows0 = w_ptr + rn[:, None].to(tl.int64) * stride_w + k_lo + rk[None, :]
+    if PRELOAD:  # the first K block of weights into registers while the kernel before runs
+        w0 = tl.load(w_rows0, mask=w_mask0, other=0.0)
+        u0 = tl.load(w_rows0 + N * stride_w, mask=w_mask0 & GLU, other=0.0)
+    wait_for_previous(PDL)
     acc = tl.zeros([BM, BN], dtype=tl.float32)
     acc_up = tl.zeros([BM, BN], dtype=tl.float32)  # GLU: the up half's columns (weight rows N + rn)
-    k_lo = pid_k * k_per_split
-    for k0 in range(k_lo, k_lo + k_per_split, BK):  # in order: the same sum whatever M is
+    k_first = k_lo
+    if PRELOAD:  # that block's product first: the same order of sums as the loop's
+        a0 = tl.load(x_ptr + rm[:, None].to(tl.int64) * stride_x + k_lo + rk[None, :],
+                     mask=(rm[:, None] < M) & (k_lo + rk[None, :] < K), other=0.0)
+        acc += tl.dot(a0, tl.trans(w0), input_precision=PRECISION)
+        if GLU:
+            acc_up += tl.dot(a0, tl.trans(u0), input_precision=PRECISION)
+        k_first = k_lo + BK
+    for k0 in range(k_first, k_lo + k_per_split, BK):  # in order: the same sum whatever M is
         kk = k0 + rk
         a = tl.load(x_ptr + rm[:, None].to(tl.int64) * stride_x + kk[None, :],
                     mask=(rm[:, None] < M) & (kk[None, :] < K), other=0.0)
@@ -244,6 +268,7 @@ def _launch(x2, w, b, residual, y, argmax_out=None, config: Config | None = None
     nti = ssi.shape[1] if ssi is not None else 1
     pdl = pdl_args(x2)
     pf = _prefetch_args(w, k_per, split) if prefetch_on(pdl) and w.numel() * w.element_size() <= PREFETCH_MAX else {}
+    preload = PRELOAD and m <= PRELOAD_MAX_M and w.numel() * w.element_size() <= PRELOAD_MAX
     _skinny_kernel[grid](
         x2, w, b if b is not None else w, r, y, ws, val, idx, ssi if ssi is not None else y,
         sso if sso is not None else y,
@@ -251,7 +276,7 @@ def _launch(x2, w, b, residual, y, argmax_out=None, config: Config | None = None
         HAS_BIAS=b is not None, HAS_RES=residual is not None,
         ARGMAX=argmax_out is not None, SPLIT=split, PRECISION="ieee" if x2.dtype == torch.float32 else "tf32",
         GLU=glu, NORM=ssi is not None, NTP=triton.next_power_of_2(nti), SS_OUT=sso is not None and split == 1,
-        BM=bm, BN=bn, BK=bk, num_warps=warps, num_stages=stages, **pdl, **pf)
+        BM=bm, BN=bn, BK=bk, num_warps=warps, num_stages=stages, PRELOAD=preload, **pdl, **pf)
     if argmax_out is not None:
         _argmax_tiles_kernel[(m,)](val, idx, id_map if id_map is not None else idx, argmax_out, grid[1],
                                    BLOCK=triton.next_power_of_2(grid[1]), HAS_MAP=id_map is not None, **pdl)

@@ -30,7 +30,9 @@
 # twice): SmolLM2 and Llama-1B (32k drafts) b1 k=0 / 3, SmolLM2 b32 (a control); then the kernel and
 # engine GPU tests. (Its first run, commit message of the kernel, also ran bench/gpu/persist_probe.py,
 # up to 4 rows, and Llama-1B with PDSERVE_GEMV_MAX_MB=16.)
-# Usage: bash bench/gpu/gpu_speed.sh check|bench|profile|pdl|frspec|regress|ropeattn|prefetch|final6|b1prof|hostsplit|midtiles|outkernel|mtpinput|gemv|all
+# `preload`: the split-K kernel's first K block of weights read into registers before the PDL wait
+# (PDSERVE_PRELOAD 0 / 1, twice): Llama-1B b1 k=0 / 3 (32k drafts) and b64, SmolLM2 b32.
+# Usage: bash bench/gpu/gpu_speed.sh check|bench|profile|pdl|frspec|regress|ropeattn|prefetch|final6|b1prof|hostsplit|midtiles|outkernel|mtpinput|gemv|preload|all
 set -uo pipefail
 . "$(dirname "$0")/../../deploy/require.sh"; need_gpu_machine; require_done
 export PYTHONUNBUFFERED=1
@@ -189,6 +191,14 @@ if [[ $stage == gemv ]]; then
   rows
   PDSERVE_TEST_DEVICE=cuda timeout 200 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_gemv.py \
     tests/kernels/test_linear.py tests/engine/test_gpu.py 2>&1 | grep -E 'passed|failed|Error' | tail -5
+fi
+
+if [[ $stage == preload ]]; then  # the split-K kernel's first K block read into registers before the PDL wait
+  ab PDSERVE_PRELOAD "--arch llama-1b --batch 1 --max-tokens 96 --spec-tokens 3 --draft-vocab 32768" \
+    "--arch smollm2 --batch 32 --max-tokens 64 --spec-tokens 0 --profile" "--arch llama-1b --batch 64 --max-tokens 48 --spec-tokens 0"
+  rows
+  PDSERVE_TEST_DEVICE=cuda timeout 200 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_linear.py \
+    tests/kernels/test_gemv.py 2>&1 | grep -E 'passed|failed|Error' | tail -5
 fi
 
 if [[ $stage == pdl ]]; then  # programmatic dependent launch off and on, same code otherwise

@@ -204,3 +204,15 @@ def test_a_gemm_asked_for_sums_of_squares_leaves_them_without_a_residual(device,
     assert partials is not None and partials.shape[0] == 3
     torch.testing.assert_close(partials.sum(dim=1), y.float().pow(2).sum(dim=1), rtol=1e-5, atol=1e-4)
     assert row_sumsq_of(L.linear_triton(x, w)) is None  # not asked: none
+
+
+@pytest.mark.parametrize("glu", [False, True])
+def test_the_first_k_block_read_before_the_wait_changes_no_bit(device, monkeypatch, glu):
+    """PRELOAD (small weights): the program's first K block is read before the PDL wait and its
+    product taken ahead of the loop, in the loop's order; the sums are the same to the bit."""
+    x, w = randn(3, 600, device=device), randn(64 if glu else 40, 600, device=device, seed=1, scale=0.1)
+    run = (lambda: L.linear_glu_triton(x, w)) if glu else (lambda: L.linear_triton(x, w, residual=randn(3, 40, device=device)))
+    monkeypatch.setattr(L, "PRELOAD", False)
+    off = run()
+    monkeypatch.setattr(L, "PRELOAD", True)
+    assert torch.equal(run(), off)
