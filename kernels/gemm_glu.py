@@ -30,6 +30,7 @@ import triton
 import triton.language as tl
 
 from kernels.activation import silu_and_mul_ref
+from kernels.epilogue import silu_mul
 from kernels.pdl import pdl_args, wait_for_previous
 
 try:
@@ -46,14 +47,6 @@ class Config(NamedTuple):
     stages: int
     tma: bool = False
     group_m: int = 8
-
-
-@triton.jit
-def _swiglu(g, u, dtype: tl.constexpr):
-    """silu(g) * u as `kernels.activation` computes it from the rounded GEMM outputs."""
-    g = g.to(dtype).to(tl.float32)
-    silu = (g / (1.0 + tl.exp(-g))).to(dtype).to(tl.float32)
-    return (silu * u.to(dtype).to(tl.float32)).to(dtype)
 
 
 @triton.jit
@@ -86,7 +79,7 @@ def _glu_gemm_kernel(x_ptr, w_ptr, y_ptr, M, INTER, K, stride_x, stride_w, strid
         a = tl.load(a_ptrs + k0, mask=k_ok[None, :], other=0.0)
         acc_g = tl.dot(a, tl.load(g_ptrs + k0, mask=k_ok[:, None], other=0.0), acc_g, input_precision=PRECISION)
         acc_u = tl.dot(a, tl.load(u_ptrs + k0, mask=k_ok[:, None], other=0.0), acc_u, input_precision=PRECISION)
-    out = _swiglu(acc_g, acc_u, y_ptr.dtype.element_ty)
+    out = silu_mul(acc_g, acc_u, y_ptr.dtype.element_ty)
     mask = (rm[:, None] < M) & (rn[None, :] < INTER)
     tl.store(y_ptr + rm[:, None].to(tl.int64) * stride_y + rn[None, :], out, mask=mask)
 
@@ -106,7 +99,7 @@ def _glu_gemm_tma_kernel(x_desc, w_desc, y_ptr, M, INTER, K, stride_y,
         a = x_desc.load([m0, k0])
         acc_g = tl.dot(a, w_desc.load([n0, k0]).T, acc_g, input_precision=PRECISION)
         acc_u = tl.dot(a, w_desc.load([INTER + n0, k0]).T, acc_u, input_precision=PRECISION)
-    out = _swiglu(acc_g, acc_u, y_ptr.dtype.element_ty)
+    out = silu_mul(acc_g, acc_u, y_ptr.dtype.element_ty)
     rm = m0 + tl.arange(0, BM)
     rn = n0 + tl.arange(0, BN)
     mask = (rm[:, None] < M) & (rn[None, :] < INTER)
