@@ -69,11 +69,6 @@ def gemv_config(m: int, w: torch.Tensor, glu: bool, sms: int | None = None) -> G
 
 
 @triton.jit
-def _add(a, b):  # tl.sum's combine, written out: the interpreter then calls no @jit of triton.language
-    return a + b
-
-
-@triton.jit
 def _gemv_kernel(x_ptr, w_ptr, b_ptr, r_ptr, y_ptr, ssi_ptr, sso_ptr,
                  M, N, K, stride_x, stride_w, stride_r, stride_y, eps, NTI,
                  HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr, GLU: tl.constexpr, NORM: tl.constexpr,
@@ -92,10 +87,10 @@ def _gemv_kernel(x_ptr, w_ptr, b_ptr, r_ptr, y_ptr, ssi_ptr, sso_ptr,
     for m in tl.static_range(MP):
         rm = m + tl.zeros([1], dtype=tl.int32)
         x = tl.load(x_ptr + m * stride_x + rk, mask=(rk < K) & (rm < M), other=0.0).to(tl.float32)
-        acc = tl.reduce(w.to(tl.float32) * x[None, :], 1, _add)[None, :]
+        acc = tl.sum(w.to(tl.float32) * x[None, :], axis=1)[None, :]
         acc_up = acc
         if GLU:
-            acc_up = tl.reduce(u.to(tl.float32) * x[None, :], 1, _add)[None, :]
+            acc_up = tl.sum(u.to(tl.float32) * x[None, :], axis=1)[None, :]
         if NORM:  # a weightless RMSNorm of x, applied to the sums
             rstd = rstd_of_partials(ssi_ptr, rm, M, NTI, K, eps, NTP)[:, None]
             acc *= rstd
