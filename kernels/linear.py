@@ -28,8 +28,8 @@ or its split-K sum) stored per column tile (`kernels.norm.store_partial_sumsq`, 
 output tensor: `row_sumsq_of`); the main loop is untouched. Where x has none (cuBLAS wrote it, or
 it changed in place since), the norm runs as its own kernel.
 
-Launches of at most four rows over small weights (SmolLM2's layers: batch 1, with up to three
-drafts) take the register-tile GEMV of kernels/gemv.py instead, with the same epilogue
+Launches of one row (kernels.gemv.GEMV_MAX_M) over small weights (SmolLM2's layers at batch 1)
+take the register-tile GEMV of kernels/gemv.py instead, with the same epilogue
 (kernels/epilogue.py), outside the batch-invariant mode.
 
 Under programmatic dependent launch (kernels/pdl.py) the kernel starts while the one before it
@@ -128,9 +128,9 @@ def _skinny_kernel(x_ptr, w_ptr, b_ptr, r_ptr, y_ptr, ws_ptr, val_ptr, idx_ptr, 
     rn = pid_n * BN + tl.arange(0, BN)
     rk = tl.arange(0, BK)
     k_lo = pid_k * k_per_split
-    w_mask0 = (rn[:, None] < N) & (k_lo + rk[None, :] < K)
-    w_rows0 = w_ptr + rn[:, None].to(tl.int64) * stride_w + k_lo + rk[None, :]
     if PRELOAD:  # the first K block of weights into registers while the kernel before runs
+        w_mask0 = (rn[:, None] < N) & (k_lo + rk[None, :] < K)
+        w_rows0 = w_ptr + rn[:, None].to(tl.int64) * stride_w + k_lo + rk[None, :]
         w0 = tl.load(w_rows0, mask=w_mask0, other=0.0)
         u0 = tl.load(w_rows0 + N * stride_w, mask=w_mask0 & GLU, other=0.0)
     wait_for_previous(PDL)
@@ -166,7 +166,7 @@ def _skinny_kernel(x_ptr, w_ptr, b_ptr, r_ptr, y_ptr, ws_ptr, val_ptr, idx_ptr, 
         tl.store(idx_ptr + rm * n_tiles + pid_n, pid_n * BN + at, mask=rm < M)
     elif SPLIT == 1:
         gemm_epilogue(acc, acc_up, rm, rn, M, N, b_ptr, r_ptr, stride_r, y_ptr, stride_y, sso_ptr,
-                  HAS_BIAS, HAS_RES, GLU, SS_OUT)
+                      HAS_BIAS, HAS_RES, GLU, SS_OUT)
     else:
         part = ws_ptr + pid_k * M * N + rm[:, None] * N + rn[None, :]
         tl.store(part, acc, mask=(rm[:, None] < M) & (rn[None, :] < N))
@@ -224,8 +224,6 @@ def _block_m(m: int) -> int:
     return INVARIANT_BM if invariant() else min(MAX_BM, max(16, triton.next_power_of_2(m)))
 
 
-
-
 def _split(w: torch.Tensor, config: Config | None, whole: bool) -> int:
     """The launch's split-K count; `whole` (an argmax, silu * up): 1, they need the whole sum."""
     return 1 if whole else (config or tile_config(*w.shape))[2]
@@ -244,7 +242,7 @@ def _launch(x2, w, b, residual, y, argmax_out=None, config: Config | None = None
     if glu:
         assert n % 2 == 0 and b is None and residual is None, "gate/up GEMM: an even weight, no bias or add"
     gemv = None if argmax_out is not None or config is not None or invariant() else gemv_config(m, w, glu)
-    if gemv is not None:  # a few rows over a small weight (kernels/gemv.py)
+    if gemv is not None:  # one row over a small weight (kernels/gemv.py)
         return launch_gemv(x2, w, b, residual, y, gemv, glu, norm, sumsq)
     bn, bk, _, warps, stages = config or tile_config(n, k)
     split = _split(w, config, argmax_out is not None or glu)
@@ -267,8 +265,9 @@ def _launch(x2, w, b, residual, y, argmax_out=None, config: Config | None = None
     eps, ssi = norm if norm is not None else (0.0, None)
     nti = ssi.shape[1] if ssi is not None else 1
     pdl = pdl_args(x2)
-    pf = _prefetch_args(w, k_per, split) if prefetch_on(pdl) and w.numel() * w.element_size() <= PREFETCH_MAX else {}
-    preload = PRELOAD and m <= PRELOAD_MAX_M and w.numel() * w.element_size() <= PRELOAD_MAX
+    size = w.numel() * w.element_size()
+    pf = _prefetch_args(w, k_per, split) if prefetch_on(pdl) and size <= PREFETCH_MAX else {}
+    preload = PRELOAD and m <= PRELOAD_MAX_M and size <= PRELOAD_MAX
     _skinny_kernel[grid](
         x2, w, b if b is not None else w, r, y, ws, val, idx, ssi if ssi is not None else y,
         sso if sso is not None else y,
