@@ -35,6 +35,7 @@ kernel to it, on CPU through the Triton interpreter (TRITON_INTERPRET=1).
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -47,6 +48,8 @@ from kernels.pdl import pdl_args, wait_for_previous
 from kernels.rotary import rope_and_cache
 
 HEAD_DIMS = (16, 32, 64, 128)
+# with the step's keys written by the kernel (ROPE), the first key tile is read before the PDL wait
+PRELOAD_KV = os.environ.get("PDSERVE_ATTN_PRELOAD", "1") == "1"
 _LOG2E = math.log2(math.e)
 _TL_DTYPES = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}
 
@@ -57,11 +60,13 @@ _TL_DTYPES = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.floa
 @triton.jit
 def _attend_key_tiles(
     q, q_pos, k_ptr, table_ptr, kv_end, tile_lo, tile_hi, qk_scale,
-    stride_kv, stride_kb, stride_ks,
+    stride_kv, stride_kb, stride_ks, k0, v0, new_lo,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-    HEAD_DIM: tl.constexpr, DTYPE: tl.constexpr, PRECISION: tl.constexpr,
+    HEAD_DIM: tl.constexpr, DTYPE: tl.constexpr, PRECISION: tl.constexpr, PRE: tl.constexpr,
 ):
-    """Online softmax of q [BLOCK_M, D] over key tiles [tile_lo, tile_hi): (acc, max, sum)."""
+    """Online softmax of q [BLOCK_M, D] over key tiles [tile_lo, tile_hi): (acc, max, sum).
+    PRE: the first tile's keys and values below position new_lo came in k0 / v0 (`_first_tile`,
+    read before the PDL wait); only its keys from new_lo on (the step's, just written) are read here."""
     offs_d = tl.arange(0, HEAD_DIM)
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
@@ -71,18 +76,52 @@ def _attend_key_tiles(
         k_ok = k_pos < kv_end
         block = tl.load(table_ptr + k_pos // BLOCK_SIZE, mask=k_ok, other=0).to(tl.int64)
         slot = block * stride_kb + (k_pos % BLOCK_SIZE) * stride_ks  # [BLOCK_N]
-        k = tl.load(k_ptr + slot[None, :] + offs_d[:, None], mask=k_ok[None, :], other=0.0)
+        k_at = k_ptr + slot[None, :] + offs_d[:, None]
+        v_at = k_ptr + stride_kv + slot[:, None] + offs_d[None, :]
+        if PRE:
+            if tile == tile_lo:  # the step's own keys: written by this program after k0 was read
+                fresh = k_ok & (k_pos >= new_lo)
+                k = tl.where(fresh[None, :], tl.load(k_at, mask=fresh[None, :], other=0.0), k0)
+                v = tl.where(fresh[:, None], tl.load(v_at, mask=fresh[:, None], other=0.0), v0)
+            else:
+                k = tl.load(k_at, mask=k_ok[None, :], other=0.0)
+                v = tl.load(v_at, mask=k_ok[:, None], other=0.0)
+        else:
+            k = tl.load(k_at, mask=k_ok[None, :], other=0.0)
+            v = tl.load(v_at, mask=k_ok[:, None], other=0.0)
         s = tl.dot(q, k.to(DTYPE), input_precision=PRECISION) * qk_scale
         s = tl.where(k_pos[None, :] <= q_pos[:, None], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row that sees nothing yet
         alpha = tl.exp2(m_i - m_safe)
         p = tl.exp2(s - m_safe[:, None])
-        v = tl.load(k_ptr + stride_kv + slot[:, None] + offs_d[None, :], mask=k_ok[:, None], other=0.0)
         acc = acc * alpha[:, None] + tl.dot(p.to(DTYPE), v.to(DTYPE), input_precision=PRECISION)
         l_i = l_i * alpha + tl.sum(p, 1)
         m_i = m_new
     return acc, m_i, l_i
+
+
+@triton.jit
+def _first_tile(k_ptr, table_ptr, seq_len, q_len, q_tile_start, split, stride_kv, stride_kb, stride_ks,
+                BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
+                NUM_SPLITS: tl.constexpr):
+    """K [D, BLOCK_N] and V [BLOCK_N, D] of the program's first key tile, the keys before the
+    step's own (position < seq_len - q_len) only, zeros elsewhere. Read before the PDL wait: the
+    row's metadata was written at the step's start, older keys by earlier steps, and the step's
+    keys only by this kernel (ROPE), after the wait; under PDL the kernel before this one has
+    itself waited for the one before it, so nothing in flight writes what is read here."""
+    kv_end = seq_len - q_len + tl.minimum(q_tile_start + BLOCK_Q, q_len)
+    num_tiles = tl.cdiv(kv_end, BLOCK_N)
+    per_split = tl.cdiv(num_tiles, NUM_SPLITS)
+    tile_lo = split * per_split
+    k_pos = tile_lo * BLOCK_N + tl.arange(0, BLOCK_N)
+    old = (k_pos < seq_len - q_len) & (k_pos < kv_end)  # none past the last tile
+    block = tl.load(table_ptr + k_pos // BLOCK_SIZE, mask=old, other=0).to(tl.int64)
+    slot = block * stride_kb + (k_pos % BLOCK_SIZE) * stride_ks
+    offs_d = tl.arange(0, HEAD_DIM)
+    k0 = tl.load(k_ptr + slot[None, :] + offs_d[:, None], mask=old[None, :], other=0.0)
+    v0 = tl.load(k_ptr + stride_kv + slot[:, None] + offs_d[None, :], mask=old[:, None], other=0.0)
+    return k0, v0
 
 
 @triton.jit
@@ -112,18 +151,29 @@ def _paged_attention_kernel(
     G: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr,
     DTYPE: tl.constexpr, PRECISION: tl.constexpr, ROPE: tl.constexpr, Q_POW2: tl.constexpr,
-    PDL: tl.constexpr,
+    PDL: tl.constexpr, PRE: tl.constexpr = False,
 ):
-    wait_for_previous(PDL)
     row = tl.program_id(0)
     q_tile_start = tl.program_id(1) * BLOCK_Q
     kv_head = tl.program_id(2) // NUM_SPLITS
     split = tl.program_id(2) % NUM_SPLITS
-    q_begin = tl.load(query_start_ptr + row)
-    q_len = tl.load(query_start_ptr + row + 1) - q_begin
+    if PRE:  # ROPE only: no kernel of the step writes these keys but this one (see `_first_tile`)
+        q_begin = tl.load(query_start_ptr + row)
+        q_len = tl.load(query_start_ptr + row + 1) - q_begin
+        seq_len = tl.load(seq_lens_ptr + row)
+        k0, v0 = _first_tile(kv_ptr + kv_head * stride_kh, block_tables_ptr + row * stride_bt, seq_len, q_len,
+                             q_tile_start, split, stride_kv, stride_kb, stride_ks,
+                             BLOCK_Q, BLOCK_N, BLOCK_SIZE, HEAD_DIM, NUM_SPLITS)
+        wait_for_previous(PDL)
+    else:
+        wait_for_previous(PDL)
+        q_begin = tl.load(query_start_ptr + row)
+        q_len = tl.load(query_start_ptr + row + 1) - q_begin
+        seq_len = tl.load(seq_lens_ptr + row)
+        k0 = tl.zeros([HEAD_DIM, BLOCK_N], dtype=kv_ptr.dtype.element_ty)  # unused
+        v0 = tl.zeros([BLOCK_N, HEAD_DIM], dtype=kv_ptr.dtype.element_ty)
     if q_tile_start >= q_len:
         return
-    seq_len = tl.load(seq_lens_ptr + row)
 
     # M rows = (query i of the tile, head g of the group), i-major.
     offs_m = tl.arange(0, BLOCK_M)
@@ -163,8 +213,8 @@ def _paged_attention_kernel(
         tl.debug_barrier()  # the program's threads see these writes before they read the tiles
     acc, m_i, l_i = _attend_key_tiles(
         q, q_pos, kv_ptr + kv_head * stride_kh, block_tables_ptr + row * stride_bt, kv_end,
-        tile_lo, tile_hi, qk_scale, stride_kv, stride_kb, stride_ks,
-        BLOCK_M, BLOCK_N, BLOCK_SIZE, HEAD_DIM, DTYPE, PRECISION,
+        tile_lo, tile_hi, qk_scale, stride_kv, stride_kb, stride_ks, k0, v0, seq_len - q_len,
+        BLOCK_M, BLOCK_N, BLOCK_SIZE, HEAD_DIM, DTYPE, PRECISION, PRE,
     )
 
     if NUM_SPLITS == 1:
@@ -302,7 +352,8 @@ def paged_attention_triton(
         BLOCK_SIZE=block_size, HEAD_DIM=head_dim, NUM_SPLITS=num_splits, DTYPE=dtype,
         PRECISION="ieee" if dtype == tl.float32 else "tf32",  # ieee: fp32 stays fp32, no TF32
         ROPE=new is not None, Q_POW2=triton.next_power_of_2(tiles.block_q),
-        num_warps=tiles.num_warps, num_stages=2, enable_fp_fusion=new is None, **pdl_args(q),
+        num_warps=tiles.num_warps, num_stages=2, enable_fp_fusion=new is None,
+        PRE=new is not None and PRELOAD_KV, **pdl_args(q),
     )
     if num_splits > 1:
         _combine_splits_kernel[(num_tokens, num_q_heads)](

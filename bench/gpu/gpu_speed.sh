@@ -32,7 +32,10 @@
 # up to 4 rows, and Llama-1B with PDSERVE_GEMV_MAX_MB=16.)
 # `preload`: the split-K kernel's first K block of weights read into registers before the PDL wait
 # (PDSERVE_PRELOAD 0 / 1, twice): Llama-1B b1 k=0 / 3 (32k drafts) and b64, SmolLM2 b32.
-# Usage: bash bench/gpu/gpu_speed.sh check|bench|profile|pdl|frspec|regress|ropeattn|prefetch|final6|b1prof|hostsplit|midtiles|outkernel|mtpinput|gemv|preload|all
+# `next11` (session 9): decode attention's first key tile read before the PDL wait
+# (PDSERVE_ATTN_PRELOAD 0 / 1, twice: Llama-1B b1 k=0 / 3 with 32k drafts, SmolLM2 b32 k=0), then
+# Llama-1B b1's kernels per step (k=0 and k=3), and the attention kernel tests on CUDA.
+# Usage: bash bench/gpu/gpu_speed.sh check|bench|profile|pdl|frspec|regress|ropeattn|prefetch|final6|b1prof|hostsplit|midtiles|outkernel|mtpinput|gemv|preload|next11|all
 set -uo pipefail
 . "$(dirname "$0")/../../deploy/require.sh"; need_gpu_machine; require_done
 export PYTHONUNBUFFERED=1
@@ -199,6 +202,28 @@ if [[ $stage == preload ]]; then  # the split-K kernel's first K block read into
   rows
   PDSERVE_TEST_DEVICE=cuda timeout 200 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_linear.py \
     tests/kernels/test_gemv.py 2>&1 | grep -E 'passed|failed|Error' | tail -5
+fi
+
+if [[ $stage == next11 ]]; then
+  which nsys ncu 2>&1 | head -2
+  ab PDSERVE_ATTN_PRELOAD "--arch llama-1b --batch 1 --max-tokens 64 --spec-tokens 0" \
+    "--arch llama-1b --batch 1 --max-tokens 96 --spec-tokens 3 --draft-vocab 32768" \
+    "--arch smollm2 --batch 32 --max-tokens 64 --spec-tokens 0 --profile"
+  rows
+  : > "$OUT/prof.jsonl"
+  for k in 0 3; do
+    python3 -m deploy.cli bench engine --device cuda --arch llama-1b --batch 1 --max-tokens 64 --spec-tokens $k \
+      --draft-vocab 32768 --profile >> "$OUT/prof.jsonl" 2>/dev/null
+  done
+  python3 -c "import json
+for l in open('$OUT/prof.jsonl'):
+    r = json.loads(l) if l.startswith('{') else {}
+    if 'top_kernels' in r:
+        print(r['model'], r['spec_tokens'], r['ms_per_step'], {k: v for k, v in r.items() if k.endswith('_per_step')})
+        for k in r['top_kernels']: print('  ', k)
+        for g in r['top_gaps']: print('  gap', g)"
+  PDSERVE_TEST_DEVICE=cuda timeout 150 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_paged_attention.py \
+    tests/engine/test_gpu.py 2>&1 | grep -E 'passed|failed|Error' | tail -5
 fi
 
 if [[ $stage == pdl ]]; then  # programmatic dependent launch off and on, same code otherwise
