@@ -28,12 +28,15 @@ from engine.attention import AttentionBackend, AttentionMetadata
 from engine.config import ArchConfig
 from kernels._dispatch import use_triton
 from kernels.linear import linear, linear_argmax, linear_glu
-from kernels.norm import mtp_input, rms_norm
+from kernels.norm import embed_with_sumsq, mtp_input, rms_norm
 
 # The MTP's eh_proj input (embedding gather, enorm, hnorm) in one launch, and eh_proj leaving its
 # rows' sums of squares for the block's folded input norm (PDSERVE_MTP_INPUT_KERNEL=0: three
 # launches, and the block's norm as a kernel of its own)
 MTP_INPUT_KERNEL = os.environ.get("PDSERVE_MTP_INPUT_KERNEL", "1") == "1"
+# the target's embedding gather leaves its rows' sums of squares, for the first layer's folded input
+# norm (one launch where a gather and a norm kernel took two; PDSERVE_EMBED_KERNEL=0: off)
+EMBED_KERNEL = os.environ.get("PDSERVE_EMBED_KERNEL", "1") == "1"
 
 
 class Linear(nn.Linear):
@@ -246,7 +249,7 @@ class CausalLM(nn.Module):
         """
         wanted = self.config.mtp_feature_layers if self.mtp is not None else ()
         features = []
-        x = self.model.embed_tokens(input_ids)
+        x = self._embed(input_ids)
         for i, (layer, cache) in enumerate(zip(self.model.layers, kv_caches, strict=False)):
             x = layer(positions, x, cache, meta, backend)
             if i in wanted:
@@ -255,6 +258,13 @@ class CausalLM(nn.Module):
                 on_layer(i)
         h = self.model.norm(x)
         return torch.cat([h, *features], dim=-1) if features else h
+
+    def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """The target's input rows: through `embed_with_sumsq` where the Triton kernels run."""
+        emb = self.model.embed_tokens
+        if EMBED_KERNEL and type(emb) is nn.Embedding and input_ids.dim() == 1 and use_triton(emb.weight, input_ids):
+            return embed_with_sumsq(input_ids, emb.weight)
+        return emb(input_ids)
 
     def compute_logits(self, hidden: torch.Tensor, float32: bool = True) -> torch.Tensor:
         """LM-head logits; `float32=False` keeps the model dtype (an argmax needs no cast)."""

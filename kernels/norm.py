@@ -111,6 +111,22 @@ def _mtp_input_kernel(ids_ptr, table_ptr, h_ptr, we_ptr, wh_ptr, out_ptr, stride
         tl.store(dst + H, normed.to(out_ptr.dtype.element_ty), mask=mask)
 
 
+@triton.jit
+def _embed_kernel(ids_ptr, table_ptr, out_ptr, ss_ptr, stride_table, stride_out, M, V, H,
+                  BLOCK: tl.constexpr, PDL: tl.constexpr):
+    """Columns of row r: out[r] := table[ids[r]] (zeros for an id outside [0, V): never read out
+    of bounds), and that tile's sum of squares into ss_ptr [M, tiles] (`store_partial_sumsq`)."""
+    wait_for_previous(PDL)
+    row = tl.program_id(0)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    tok = tl.load(ids_ptr + row).to(tl.int64)
+    known = (tok >= 0) & (tok < V)
+    x = tl.load(table_ptr + tl.where(known, tok, 0) * stride_table + cols, mask=cols < H, other=0.0)
+    x = tl.where(known, x, 0.0).to(x.dtype)
+    tl.store(out_ptr + row.to(tl.int64) * stride_out + cols, x, mask=cols < H)
+    store_partial_sumsq(x[None, :], row + tl.zeros([1], dtype=tl.int32), cols, M, H, ss_ptr)
+
+
 def _rows(x: torch.Tensor) -> torch.Tensor:
     """x as [rows, H] with a contiguous last dim (a view whenever possible)."""
     if x.stride(-1) != 1:
@@ -184,6 +200,23 @@ def mtp_input(ids: torch.Tensor, table: torch.Tensor, h: torch.Tensor,
             table.stride(0), h.stride(0), out.stride(0), size, e_norm[1], h_norm[1],
             E_WEIGHT=we is not None, H_WEIGHT=wh is not None, BLOCK=block,
             num_warps=min(max(block // 256, 1), 8), enable_fp_fusion=False, **pdl_args(h))
+    return out
+
+
+def embed_with_sumsq(ids: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
+    """table[ids] [rows, H], in one launch that also leaves its rows' partial sums of squares on
+    it (`attach_row_sumsq`): the first layer's input norm then runs inside its q/k/v GEMM, as
+    every later layer's does, instead of an embedding gather and a norm kernel. ids [rows]."""
+    rows, (vocab, size) = ids.shape[0], table.shape
+    assert ids.dim() == 1 and table.stride(-1) == 1
+    out = torch.empty(rows, size, dtype=table.dtype, device=table.device)
+    block = min(triton.next_power_of_2(size), 1024)
+    tiles = triton.cdiv(size, block)
+    sums = torch.empty(rows, tiles, dtype=torch.float32, device=table.device)
+    if rows:
+        _embed_kernel[(rows, tiles)](ids, table, out, sums, table.stride(0), out.stride(0), rows, vocab, size,
+                                     BLOCK=block, num_warps=4, **pdl_args(table))
+    attach_row_sumsq(out, sums)
     return out
 
 

@@ -35,7 +35,10 @@
 # `next11` (session 9): decode attention's first key tile read before the PDL wait
 # (PDSERVE_ATTN_PRELOAD 0 / 1, twice: Llama-1B b1 k=0 / 3 with 32k drafts, SmolLM2 b32 k=0), then
 # Llama-1B b1's kernels per step (k=0 and k=3), and the attention kernel tests on CUDA.
-# Usage: bash bench/gpu/gpu_speed.sh check|bench|profile|pdl|frspec|regress|ropeattn|prefetch|final6|b1prof|hostsplit|midtiles|outkernel|mtpinput|gemv|preload|next11|all
+# `embed`: the embedding gather leaving its rows' sums of squares, so the first layer's norm runs in its
+# q/k/v GEMM (PDSERVE_EMBED_KERNEL 0 / 1, twice): SmolLM2 b1 k=0 / 3, Llama-1B b1 k=0 / 3 (32k drafts),
+# SmolLM2 b32 k=0 with the profiler; then the norm kernel and engine GPU tests.
+# Usage: bash bench/gpu/gpu_speed.sh check|bench|profile|pdl|frspec|regress|ropeattn|prefetch|final6|b1prof|hostsplit|midtiles|outkernel|mtpinput|gemv|preload|next11|embed|all
 set -uo pipefail
 . "$(dirname "$0")/../../deploy/require.sh"; need_gpu_machine; require_done
 export PYTHONUNBUFFERED=1
@@ -223,6 +226,15 @@ for l in open('$OUT/prof.jsonl'):
         for k in r['top_kernels']: print('  ', k)
         for g in r['top_gaps']: print('  gap', g)"
   PDSERVE_TEST_DEVICE=cuda timeout 150 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_paged_attention.py \
+    tests/engine/test_gpu.py 2>&1 | grep -E 'passed|failed|Error' | tail -5
+fi
+
+if [[ $stage == embed ]]; then
+  ab PDSERVE_EMBED_KERNEL "--arch smollm2 --batch 1 --max-tokens 96 --spec-tokens 3" \
+    "--arch llama-1b --batch 1 --max-tokens 64 --spec-tokens 3 --draft-vocab 32768" \
+    "--arch smollm2 --batch 32 --max-tokens 64 --spec-tokens 0 --profile"
+  rows
+  PDSERVE_TEST_DEVICE=cuda timeout 200 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_norm.py \
     tests/engine/test_gpu.py 2>&1 | grep -E 'passed|failed|Error' | tail -5
 fi
 

@@ -50,28 +50,32 @@ def test_triton_path_equals_reference_greedy_with_logprobs(k, middle, rope_in_at
     assert fast.num_free_blocks == fast.blocks.capacity
 
 
-def test_folded_norms_leave_two_norm_kernels_a_forward(monkeypatch):
+def test_folded_norms_leave_one_norm_kernel_a_forward(monkeypatch):
     """With the norms folded, each residual GEMM leaves its rows' sums of squares for the next q/k/v
-    or gate/up GEMM, which normalizes x itself: a forward runs the norm kernel for the first
-    layer's input and the final norm only (2 L + 1 without the fold)."""
+    or gate/up GEMM, which normalizes x itself, and so does the embedding gather
+    (`embed_with_sumsq`) for the first layer's: a forward runs the final norm's kernel only (2 L + 1
+    without the fold; 2 with the plain gather, PDSERVE_EMBED_KERNEL=0)."""
+    import engine.model as model_mod
     from kernels import norm as norm_mod
 
     calls: list[int] = []
     real = norm_mod.add_rms_norm_triton
     monkeypatch.setattr(norm_mod, "add_rms_norm_triton", lambda *a, **kw: calls.append(1) or real(*a, **kw))
-    counts, layers = {}, 0
-    for fold in ("0", "1"):
+    counts, layers, tokens = {}, 0, {}
+    for fold, embed in (("0", True), ("1", False), ("1", True)):
         monkeypatch.setenv("PDSERVE_FOLD_NORM", fold)
+        monkeypatch.setattr(model_mod, "EMBED_KERNEL", embed)
         loaded = load_model("tiny", dtype="float32")
         layers = loaded.model.config.num_hidden_layers
         fuse_projections(loaded.model)
         with triton_on_cpu():
             eng = LLMEngine(loaded, EngineConfig(num_speculative_tokens=0, block_size=8, attention_backend="triton"))
             calls.clear()
-            eng.generate([[5, 6, 7]], SamplingParams(max_tokens=5, ignore_eos=True))
-        counts[fold] = len(calls)
+            out = eng.generate([[5, 6, 7]], SamplingParams(max_tokens=5, ignore_eos=True))
+        counts[fold, embed], tokens[fold, embed] = len(calls), out[0].output_ids
     forwards = 5  # the prefill and 4 decode steps
-    assert counts == {"0": forwards * (2 * layers + 1), "1": forwards * 2}
+    assert counts == {("0", True): forwards * (2 * layers + 1), ("1", False): forwards * 2, ("1", True): forwards}
+    assert tokens["1", True] == tokens["1", False] == tokens["0", True]
 
 
 def test_the_mtp_input_takes_one_launch_and_its_block_norm_none(monkeypatch):

@@ -177,3 +177,34 @@ def test_mtp_input_is_the_gather_and_both_norms_bit_for_bit(device, dtype, weigh
     assert torch.equal(got[:, :576], norm.rms_norm_triton(table[ids], we, 1e-5))
     assert torch.equal(got[:, 576:], norm.rms_norm_triton(h, wh, 1e-6))
     assert norm.mtp_input(ids[:0], table, h[:0], (we, 1e-5), (wh, 1e-6)).shape == (0, 1152)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("hidden", [576, 2048])
+def test_embed_with_sumsq_is_the_gather_with_its_rows_sums_of_squares(device, dtype, hidden):
+    """The gather's rows bit for bit, and partial sums of squares (one per 1024-column tile) that
+    add up to each row's; an id outside the vocabulary gives a zero row instead of a read out of
+    bounds (the router rejects such ids before they get here)."""
+    table = randn(50, hidden, dtype=dtype, device=device) * 2
+    ids = torch.tensor([7, 0, 49, 50, -1], device=device)
+    got = norm.embed_with_sumsq(ids, table)
+    assert got.shape == (5, hidden) and got.dtype == dtype
+    assert torch.equal(got[:3], table[ids[:3]]) and not got[3:].any()
+    parts = norm.row_sumsq_of(got)
+    assert parts is not None and parts.shape == (5, -(-hidden // 1024))
+    torch.testing.assert_close(parts.sum(1)[:3], table[ids[:3]].float().pow(2).sum(1), rtol=1e-5, atol=0)
+    assert not parts[3:].any()
+    assert norm.embed_with_sumsq(ids[:0], table).shape == (0, hidden)
+
+
+def test_the_first_layers_norm_runs_in_its_gemm_from_the_embeddings_sums(device):
+    """A GEMM with a folded (weightless) norm over `embed_with_sumsq`'s rows gives what it gives
+    over the plain gather, whose norm runs as a kernel first."""
+    from kernels.linear import linear_triton
+
+    table = randn(50, 576, device=device) * 2
+    w = randn(96, 576, device=device, seed=1) * 0.05
+    ids = torch.tensor([3, 11], device=device)
+    folded = linear_triton(norm.embed_with_sumsq(ids, table), w, norm=(None, EPS))
+    plain = linear_triton(table[ids], w, norm=(None, EPS))
+    torch.testing.assert_close(folded, plain, rtol=2e-5, atol=2e-6)
