@@ -38,7 +38,9 @@
 # `embed`: the embedding gather leaving its rows' sums of squares, so the first layer's norm runs in its
 # q/k/v GEMM (PDSERVE_EMBED_KERNEL 0 / 1, twice): SmolLM2 b1 k=0 / 3, Llama-1B b1 k=0 / 3 (32k drafts),
 # SmolLM2 b32 k=0 with the profiler; then the norm kernel and engine GPU tests.
-# Usage: bash bench/gpu/gpu_speed.sh check|bench|profile|pdl|frspec|regress|ropeattn|prefetch|final6|b1prof|hostsplit|midtiles|outkernel|mtpinput|gemv|preload|next11|embed|all
+# `bigbatch`: the batch-64/128 rows with decode attention's first-tile preload off / on
+# (PDSERVE_ATTN_PRELOAD, twice), then with the embedding kernel off: Llama-1B b64 and SmolLM2 b128, k=0.
+# Usage: bash bench/gpu/gpu_speed.sh check|bench|profile|pdl|frspec|regress|ropeattn|prefetch|final6|b1prof|hostsplit|midtiles|outkernel|mtpinput|gemv|preload|next11|embed|bigbatch|all
 set -uo pipefail
 . "$(dirname "$0")/../../deploy/require.sh"; need_gpu_machine; require_done
 export PYTHONUNBUFFERED=1
@@ -236,6 +238,16 @@ if [[ $stage == embed ]]; then
   rows
   PDSERVE_TEST_DEVICE=cuda timeout 200 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_norm.py \
     tests/engine/test_gpu.py 2>&1 | grep -E 'passed|failed|Error' | tail -5
+fi
+
+if [[ $stage == bigbatch ]]; then
+  ab PDSERVE_ATTN_PRELOAD "--arch llama-1b --batch 64 --max-tokens 48 --spec-tokens 0" \
+    "--arch smollm2 --batch 128 --max-tokens 64 --spec-tokens 0"
+  for a in "--arch llama-1b --batch 64 --max-tokens 48 --spec-tokens 0" "--arch smollm2 --batch 128 --max-tokens 64 --spec-tokens 0"; do
+    PDSERVE_EMBED_KERNEL=0 python3 -m deploy.cli bench engine --device cuda $a \
+      | sed "s/^{/{\"variant\": \"PDSERVE_EMBED_KERNEL=0\", /" >> "$OUT/bench.jsonl"
+  done
+  rows
 fi
 
 if [[ $stage == pdl ]]; then  # programmatic dependent launch off and on, same code otherwise
