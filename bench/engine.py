@@ -23,6 +23,7 @@ from pathlib import Path
 import torch
 
 from bench.host_split import host_split, steady_batch
+from bench.step_trace import layer_increments
 from engine.config import ArchConfig
 from engine.draft_vocab import RANK_SUFFIX, ranking_path_beside, write_ranking
 from engine.engine import EngineConfig, LLMEngine
@@ -226,7 +227,8 @@ def profile_decode(engine: LLMEngine, prompts: list[list[int]], params: Sampling
             "gpu_us_per_step": round(sum(e - s for s, e in spans) / PROFILE_STEPS, 1),
             "all_reduce_us_per_step": round(sum(e.time_range.end - e.time_range.start for e in events
                                                 if _is_collective(e.name)) / PROFILE_STEPS, 1),
-            "top_kernels": top_kernels(events), "top_gaps": top_gaps(events)}
+            "top_kernels": top_kernels(events), "top_gaps": top_gaps(events),
+            "layer_increments": layer_increments([(e.time_range.start, e.time_range.end, e.name) for e in events])}
 
 
 def launch_counts(events: list) -> dict[str, float]:

@@ -40,7 +40,10 @@
 # SmolLM2 b32 k=0 with the profiler; then the norm kernel and engine GPU tests.
 # `bigbatch`: the batch-64/128 rows with decode attention's first-tile preload off / on
 # (PDSERVE_ATTN_PRELOAD, twice), then with the embedding kernel off: Llama-1B b64 and SmolLM2 b128, k=0.
-# Usage: bash bench/gpu/gpu_speed.sh check|bench|profile|pdl|frspec|regress|ropeattn|prefetch|final6|b1prof|hostsplit|midtiles|outkernel|mtpinput|gemv|preload|next11|embed|bigbatch|all
+# `b1inc`: what each kernel adds to a batch-1 step under PDL (bench/step_trace.py: its end past the
+# latest end before it, grouped by its offset from the layer's attention kernel): Llama-1B k=0 and k=3
+# (32k drafts), SmolLM2 k=0.
+# Usage: bash bench/gpu/gpu_speed.sh check|bench|profile|pdl|frspec|regress|ropeattn|prefetch|final6|b1prof|hostsplit|midtiles|outkernel|mtpinput|gemv|preload|next11|embed|bigbatch|b1inc|all
 set -uo pipefail
 . "$(dirname "$0")/../../deploy/require.sh"; need_gpu_machine; require_done
 export PYTHONUNBUFFERED=1
@@ -248,6 +251,18 @@ if [[ $stage == bigbatch ]]; then
       | sed "s/^{/{\"variant\": \"PDSERVE_EMBED_KERNEL=0\", /" >> "$OUT/bench.jsonl"
   done
   rows
+fi
+
+if [[ $stage == b1inc ]]; then
+  bench --arch llama-1b --batch 1 --max-tokens 64 --spec-tokens 3 --draft-vocab 32768 --profile > /dev/null
+  bench --arch smollm2 --batch 1 --max-tokens 64 --spec-tokens 0 --profile > /dev/null
+  python3 -c "import json
+for l in open('$OUT/bench.jsonl'):
+    r = json.loads(l) if l.startswith('{') else {}
+    inc = r.get('layer_increments')
+    if not inc: continue
+    print(r['model'], 'k', r['spec_tokens'], r['ms_per_step'], 'ms; span', inc['step_us'], 'us; idle between steps', inc['boundary_idle_us'])
+    for g in inc['groups']: print('  ', g)"
 fi
 
 if [[ $stage == pdl ]]; then  # programmatic dependent launch off and on, same code otherwise

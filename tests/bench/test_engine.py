@@ -68,3 +68,29 @@ def test_the_host_split_adds_up_and_leaves_the_engine_as_it_was(capfd):
         assert split["launch_us"] > 0 and split["read_us"] >= 0 and split["other_us"] > 0
         assert parts == pytest.approx(split["step_us"], abs=0.5)  # each part rounded to 0.1 us
     assert HostCopy.wait is wait  # the read point is unwrapped after the run
+
+
+def test_layer_increments_add_up_and_place_each_kernel_in_its_layer():
+    """Three steps of a two-layer chain under PDL (each kernel starts before the one ahead of it
+    ends): only the middle step counts; its increments are each kernel's end past the latest end
+    before it, they add up to the step's span, and the kernels group by their offset from the last
+    attention kernel (a layer's o projection at 1 in both layers)."""
+    from bench.step_trace import layer_increments
+
+    def step(t0: float) -> list[tuple[float, float, str]]:
+        names = ["_step_inputs_kernel", "_skinny_kernel", "_paged_attention_kernel", "_skinny_kernel",
+                 "_skinny_kernel", "_paged_attention_kernel", "_skinny_kernel", "_tail_kernel"]
+        times = [(0, 2), (1, 7), (6, 9), (8, 14), (12, 19), (15, 21), (16, 26), (25, 27)]
+        return [(t0 + a, t0 + b, n) for (a, b), n in zip(times, names, strict=True)]
+
+    got = layer_increments(step(0.0) + step(40.0) + step(80.0))
+    assert got["steps"] == 1 and got["step_us"] == 27.0 and got["boundary_idle_us"] is None
+    rows = {(off, name): (n, inc, lead) for off, name, n, inc, lead in got["groups"]}
+    assert rows[(1, "_skinny_kernel")] == (2.0, 10.0, 3.0)  # the two o projections: 5 us each past the attention
+    assert rows[(0, "_paged_attention_kernel")] == (2.0, 4.0, 2.5)
+    assert rows[(-2, "_step_inputs_kernel")] == (1.0, 2.0, 0.0)
+    assert rows[(-1, "_skinny_kernel")] == (1.0, 5.0, 1.0)  # the first q/k/v began 1 us before the marker ended
+    assert rows[(2, "_tail_kernel")] == (1.0, 1.0, 1.0)
+    assert sum(inc for _, _, _, inc, _ in got["groups"]) == got["step_us"]
+    idle = layer_increments(step(0.0) + step(40.0) + step(80.0) + step(120.0))
+    assert idle["steps"] == 2 and idle["boundary_idle_us"] == 13.0  # 40 - 27
