@@ -96,12 +96,32 @@ RowNorm = tuple[float, torch.Tensor]  # (eps, x's partial row sums of squares [M
 Config = tuple[int, int, int, int, int]  # (BN, BK, SPLIT, WARPS, STAGES): tile_config's, or a sweep's instead
 
 
+def _tile_overrides(spec: str) -> dict[tuple[int, int], Config]:
+    """PDSERVE_TILES, for sweeps inside the engine's step: "NxK=BN/BK/SPLIT/WARPS/STAGES" entries
+    separated by ";" (weight shape [N, K], as `tile_config` is asked; a gate/up weight's N counts
+    both halves)."""
+    out: dict[tuple[int, int], Config] = {}
+    for entry in filter(None, (e.strip() for e in spec.split(";"))):
+        shape, _, conf = entry.partition("=")
+        n, k = (int(v) for v in shape.split("x"))
+        values = tuple(int(v) for v in conf.split("/"))
+        if len(values) != 5 or min(values) < 1:
+            raise ValueError(f"PDSERVE_TILES: {entry!r} is not NxK=BN/BK/SPLIT/WARPS/STAGES")
+        out[n, k] = values  # type: ignore[assignment]
+    return out
+
+
+TILE_OVERRIDES = _tile_overrides(os.environ.get("PDSERVE_TILES", ""))
+
+
 def tile_config(n: int, k: int) -> Config:
     """(BN, BK, SPLIT, WARPS, STAGES) for a weight [n, k], from sweeps on an H100
     (bench/gpu/gpu_gemv.py): narrow tiles keep enough programs in flight for the small weights,
     wide ones suit the large; long rows are split in four so that a short N still fills the GPU.
     Mid-sized weights (8-48 MB: Llama-1B's q/k/v, o and down) take 32-column tiles and deeper
     pipelines (`MID_TILES`). Shape only: the batch-invariant mode relies on it not depending on M."""
+    if (n, k) in TILE_OVERRIDES:
+        return TILE_OVERRIDES[n, k]
     size = 2 * n * k
     if MID_TILES and 8 * 2**20 <= size <= 48 * 2**20:
         return (32, 128, 1, 4, 6) if n > k else (32, 128, 4, 4, 4)

@@ -43,7 +43,9 @@
 # `b1inc`: what each kernel adds to a batch-1 step under PDL (bench/step_trace.py: its end past the
 # latest end before it, grouped by its offset from the layer's attention kernel): Llama-1B k=0 and k=3
 # (32k drafts), SmolLM2 k=0.
-# Usage: bash bench/gpu/gpu_speed.sh check|bench|profile|pdl|frspec|regress|ropeattn|prefetch|final6|b1prof|hostsplit|midtiles|outkernel|mtpinput|gemv|preload|next11|embed|bigbatch|b1inc|all
+# `tiles`: Llama-1B b1 k=0 with other tiles for o, down and gate/up inside the real step (PDSERVE_TILES;
+# session 7 chose them from isolated chains of one op), twice in alternation.
+# Usage: bash bench/gpu/gpu_speed.sh check|bench|profile|pdl|frspec|regress|ropeattn|prefetch|final6|b1prof|hostsplit|midtiles|outkernel|mtpinput|gemv|preload|next11|embed|bigbatch|b1inc|tiles|all
 set -uo pipefail
 . "$(dirname "$0")/../../deploy/require.sh"; need_gpu_machine; require_done
 export PYTHONUNBUFFERED=1
@@ -263,6 +265,15 @@ for l in open('$OUT/bench.jsonl'):
     if not inc: continue
     print(r['model'], 'k', r['spec_tokens'], r['ms_per_step'], 'ms; span', inc['step_us'], 'us; idle between steps', inc['boundary_idle_us'])
     for g in inc['groups']: print('  ', g)"
+fi
+
+if [[ $stage == tiles ]]; then
+  for rep in 1 2; do for t in "" "2048x2048=32/128/2/4/4" "2048x2048=16/256/1/4/6" "2048x8192=32/128/2/4/4" \
+      "2048x8192=32/128/8/4/4" "16384x2048=128/64/1/4/3"; do
+    PDSERVE_TILES="$t" python3 -m deploy.cli bench engine --device cuda --arch llama-1b --batch 1 --max-tokens 64 \
+      --spec-tokens 0 | sed "s|^{|{\"variant\": \"tiles=$t\", |" >> "$OUT/bench.jsonl"
+  done; done
+  rows
 fi
 
 if [[ $stage == pdl ]]; then  # programmatic dependent launch off and on, same code otherwise

@@ -216,3 +216,17 @@ def test_the_first_k_block_read_before_the_wait_changes_no_bit(device, monkeypat
     off = run()
     monkeypatch.setattr(L, "PRELOAD", True)
     assert torch.equal(run(), off)
+
+
+def test_tile_overrides_replace_one_shapes_tiles_and_bad_entries_are_clear_errors(device, monkeypatch):
+    """PDSERVE_TILES (a sweep inside the engine's step) gives its shapes their tiles; the others
+    keep `tile_config`'s, and the result is still the composition's."""
+    monkeypatch.setattr(L, "TILE_OVERRIDES", L._tile_overrides(" 96x4160=16/64/2/4/3 ; 2048x2048=32/128/1/4/6"))
+    assert L.tile_config(96, 4160) == (16, 64, 2, 4, 3) and L.tile_config(2048, 2048) == (32, 128, 1, 4, 6)
+    assert L.tile_config(96, 4096) == (16, 256, 4, 4, 3)  # not overridden
+    x = randn(2, 4160, device=device)
+    w = randn(96, 4160, device=device, seed=1, scale=0.05)
+    torch.testing.assert_close(L.linear_triton(x, w), L.linear_ref(x, w), atol=5e-5, rtol=1e-5)
+    for bad in ("96x4160=16/64/2/4", "96x4160=16/64/0/4/3", "96=16/64/2/4/3"):
+        with pytest.raises(ValueError):
+            L._tile_overrides(bad)
