@@ -14,7 +14,11 @@ that reads memory before `wait_for_previous` races the kernel before it.
 Off on the CPU (the interpreter), before Hopper, when this Triton has no `launch_pdl`, or
 with PDSERVE_PDL=0.
 
-Memory no kernel of the step writes (the weights) may be read before the wait. `prefetch_l2`
+Memory no kernel of the step writes (the weights) may be read before the wait. One more case:
+decode attention with rotary inside (kernels/paged_attention.py, `PRELOAD_KV`) reads its row's
+metadata and the keys older than the step before its wait. Those were written before the kernel
+ahead of it started, and that kernel has itself waited for the one before it, so nothing still
+running writes them. `prefetch_l2`
 asks for such lines in L2 while the kernel before still runs: a decode GEMM launched early under
 PDL starts its weight reads there instead of after the previous kernel ends (`prefetch_on`;
 PDSERVE_PREFETCH=0: off).
