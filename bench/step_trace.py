@@ -62,12 +62,12 @@ def _split_steps(spans: list[tuple[float, float, str]], marker: str) -> list[lis
 
 def _increments(step: list[tuple[float, float, str]]) -> list[tuple[tuple[int, str], float, float]]:
     """((offset, name), increment, lead) of each kernel of one step, in launch (start) order."""
-    attention = [i for i, (_, _, name) in enumerate(step) if ATTENTION in name]
+    last = next((i for i, (_, _, name) in enumerate(step) if ATTENTION in name), 0)  # the first, before any
     out = []
     latest = step[0][0]
     for i, (start, end, name) in enumerate(step):
-        before = [a for a in attention if a <= i]
-        offset = i - before[-1] if before else (i - attention[0] if attention else i)
-        out.append(((offset, name[:40]), max(0.0, end - latest), max(0.0, latest - start)))
+        if ATTENTION in name:
+            last = i
+        out.append(((i - last, name[:40]), max(0.0, end - latest), max(0.0, latest - start)))
         latest = max(latest, end)
     return out

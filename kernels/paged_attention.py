@@ -160,19 +160,17 @@ def _paged_attention_kernel(
     q_tile_start = tl.program_id(1) * BLOCK_Q
     kv_head = tl.program_id(2) // NUM_SPLITS
     split = tl.program_id(2) % NUM_SPLITS
+    if not PRE:
+        wait_for_previous(PDL)
+    q_begin = tl.load(query_start_ptr + row)
+    q_len = tl.load(query_start_ptr + row + 1) - q_begin
+    seq_len = tl.load(seq_lens_ptr + row)
     if PRE:  # ROPE only: no kernel of the step writes these keys but this one (see `_first_tile`)
-        q_begin = tl.load(query_start_ptr + row)
-        q_len = tl.load(query_start_ptr + row + 1) - q_begin
-        seq_len = tl.load(seq_lens_ptr + row)
         k0, v0 = _first_tile(kv_ptr + kv_head * stride_kh, block_tables_ptr + row * stride_bt, seq_len, q_len,
                              q_tile_start, split, stride_kv, stride_kb, stride_ks,
                              BLOCK_Q, BLOCK_N, BLOCK_SIZE, HEAD_DIM, NUM_SPLITS)
         wait_for_previous(PDL)
     else:
-        wait_for_previous(PDL)
-        q_begin = tl.load(query_start_ptr + row)
-        q_len = tl.load(query_start_ptr + row + 1) - q_begin
-        seq_len = tl.load(seq_lens_ptr + row)
         k0 = tl.zeros([HEAD_DIM, BLOCK_N], dtype=kv_ptr.dtype.element_ty)  # unused
         v0 = tl.zeros([BLOCK_N, HEAD_DIM], dtype=kv_ptr.dtype.element_ty)
     if q_tile_start >= q_len:

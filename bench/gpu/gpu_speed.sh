@@ -130,16 +130,20 @@ for l in open('$OUT/bench.jsonl'):
     if 'ms_per_step' in r: print(r['model'], r['batch'], r['spec_tokens'], r.get('draft_vocab'), r['ms_per_step'], r['tokens_per_s'], r.get('gpu_busy'), r.get('host_split'))"
 fi
 
+kernel_table() {  # kernel_table FILE: each profiled row's top kernels and idle gaps
+  python3 -c "import json
+for l in open('$1'):
+    r = json.loads(l) if l.startswith('{') else {}
+    if 'top_kernels' not in r: continue
+    print(r['model'], 'k', r['spec_tokens'], 'busy', r['gpu_busy'], {k: v for k, v in r.items() if k.endswith('_per_step')})
+    for k in r['top_kernels']: print('  ', k)
+    for g in r.get('top_gaps', []): print('  gap', g)"
+}
+
 if [[ $stage == b1prof ]]; then  # where a batch-1 step's time goes: top kernels and idle gaps
   bench --arch smollm2 --batch 1 --max-tokens 64 --spec-tokens 0 --profile > /dev/null
   bench --arch llama-1b --batch 1 --max-tokens 64 --spec-tokens 0 --profile > /dev/null
-  python3 -c "import json
-for l in open('$OUT/bench.jsonl'):
-    r = json.loads(l) if l.startswith('{') else {}
-    if 'top_kernels' not in r: continue
-    print(r['model'], r['ms_per_step'], 'busy', r['gpu_busy'], 'gpu us', r['gpu_us_per_step'], 'kernels', r['kernels_per_step'])
-    for k in r['top_kernels']: print('  ', k)
-    for g in r.get('top_gaps', []): print('  gap', g)"
+  kernel_table "$OUT/bench.jsonl"
 fi
 
 if [[ $stage == hostsplit ]]; then  # is the b32 k=0 step-boundary gap the host's?
@@ -225,13 +229,7 @@ if [[ $stage == next11 ]]; then
     python3 -m deploy.cli bench engine --device cuda --arch llama-1b --batch 1 --max-tokens 64 --spec-tokens $k \
       --draft-vocab 32768 --profile >> "$OUT/prof.jsonl" 2>/dev/null
   done
-  python3 -c "import json
-for l in open('$OUT/prof.jsonl'):
-    r = json.loads(l) if l.startswith('{') else {}
-    if 'top_kernels' in r:
-        print(r['model'], r['spec_tokens'], r['ms_per_step'], {k: v for k, v in r.items() if k.endswith('_per_step')})
-        for k in r['top_kernels']: print('  ', k)
-        for g in r['top_gaps']: print('  gap', g)"
+  kernel_table "$OUT/prof.jsonl"
   PDSERVE_TEST_DEVICE=cuda timeout 150 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_paged_attention.py \
     tests/engine/test_gpu.py 2>&1 | grep -E 'passed|failed|Error' | tail -5
 fi
