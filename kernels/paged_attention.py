@@ -53,6 +53,12 @@ PRELOAD_KV = os.environ.get("PDSERVE_ATTN_PRELOAD", "1") == "1"
 # for launches of up to this many rows: on an H100 Llama-1B's b1 step fell 1.09 -> 1.07 ms and
 # SmolLM2's b32 0.68 -> 0.66, while Llama-1B's b64 rose 1.30-1.33 -> 1.37
 PRELOAD_KV_MAX_ROWS = int(os.environ.get("PDSERVE_ATTN_PRELOAD_MAX_ROWS", "32"))
+# ... and the last one too, where a tile's K and V are at most 64 x 64 (at D = 128 the two tiles
+# would hold 128 registers a thread; not measured). With the step's keys taken from registers, on
+# an H100 Llama-1B's b1 step fell 1.08 -> 1.05 ms, SmolLM2's 0.44 -> 0.42 and its b32 0.66 -> 0.61-0.63
+# (the first tile only: 1.07, 0.42, 0.73)
+PRELOAD_LAST = os.environ.get("PDSERVE_ATTN_PRELOAD_LAST", "1") == "1"
+PRELOAD_LAST_ELEMS = 64 * 64
 _LOG2E = math.log2(math.e)
 _TL_DTYPES = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}
 
@@ -63,35 +69,38 @@ _TL_DTYPES = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.floa
 @triton.jit
 def _attend_key_tiles(
     q, q_pos, k_ptr, table_ptr, kv_end, tile_lo, tile_hi, qk_scale,
-    stride_kv, stride_kb, stride_ks, k0, v0, new_lo,
+    stride_kv, stride_kb, stride_ks, k0, v0, k1, v1, new_lo, k_new, v_new,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     HEAD_DIM: tl.constexpr, DTYPE: tl.constexpr, PRECISION: tl.constexpr, PRE: tl.constexpr,
+    PRE_LAST: tl.constexpr, Q_POW2: tl.constexpr,
 ):
     """Online softmax of q [BLOCK_M, D] over key tiles [tile_lo, tile_hi): (acc, max, sum).
-    PRE: the first tile's keys and values below position new_lo came in k0 / v0 (`_first_tile`,
-    read before the PDL wait); only its keys from new_lo on (the step's, just written) are read here."""
-    offs_d = tl.arange(0, HEAD_DIM)
+    PRE: the keys and values below position new_lo of the first tile came in k0 / v0, and with
+    PRE_LAST those of the last in k1 / v1 (`_old_tile`, read before the PDL wait); and the step's
+    own (from new_lo on) come in k_new / v_new [Q_POW2, D] as the program wrote them to the cache,
+    so no tile reads them (one query tile a row: k_new's row j is position new_lo + j)."""
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
     for tile in range(tile_lo, tile_hi):
         k_pos = tile * BLOCK_N + tl.arange(0, BLOCK_N)
         k_ok = k_pos < kv_end
-        block = tl.load(table_ptr + k_pos // BLOCK_SIZE, mask=k_ok, other=0).to(tl.int64)
-        slot = block * stride_kb + (k_pos % BLOCK_SIZE) * stride_ks  # [BLOCK_N]
-        k_at = k_ptr + slot[None, :] + offs_d[:, None]
-        v_at = k_ptr + stride_kv + slot[:, None] + offs_d[None, :]
         if PRE:
-            if tile == tile_lo:  # the step's own keys: written by this program after k0 was read
-                fresh = k_ok & (k_pos >= new_lo)
-                k = tl.where(fresh[None, :], tl.load(k_at, mask=fresh[None, :], other=0.0), k0)
-                v = tl.where(fresh[:, None], tl.load(v_at, mask=fresh[:, None], other=0.0), v0)
+            if tile == tile_lo:
+                k, v = k0, v0
+            elif PRE_LAST:
+                if tile == tile_hi - 1:
+                    k, v = k1, v1
+                else:
+                    k, v = _tile_keys(k_ptr, table_ptr, k_pos, k_ok & (k_pos < new_lo), stride_kv, stride_kb,
+                                      stride_ks, BLOCK_SIZE, HEAD_DIM)
             else:
-                k = tl.load(k_at, mask=k_ok[None, :], other=0.0)
-                v = tl.load(v_at, mask=k_ok[:, None], other=0.0)
+                k, v = _tile_keys(k_ptr, table_ptr, k_pos, k_ok & (k_pos < new_lo), stride_kv, stride_kb,
+                                  stride_ks, BLOCK_SIZE, HEAD_DIM)
+            if tile * BLOCK_N + BLOCK_N > new_lo:
+                k, v = _with_step_keys(k, v, k_pos, new_lo, k_new, v_new, Q_POW2)
         else:
-            k = tl.load(k_at, mask=k_ok[None, :], other=0.0)
-            v = tl.load(v_at, mask=k_ok[:, None], other=0.0)
+            k, v = _tile_keys(k_ptr, table_ptr, k_pos, k_ok, stride_kv, stride_kb, stride_ks, BLOCK_SIZE, HEAD_DIM)
         s = tl.dot(q, k.to(DTYPE), input_precision=PRECISION) * qk_scale
         s = tl.where(k_pos[None, :] <= q_pos[:, None], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -105,31 +114,71 @@ def _attend_key_tiles(
 
 
 @triton.jit
-def _first_tile(k_ptr, table_ptr, seq_len, q_len, q_tile_start, split, stride_kv, stride_kb, stride_ks,
-                BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
-                NUM_SPLITS: tl.constexpr):
-    """K [D, BLOCK_N] and V [BLOCK_N, D] of the program's first key tile, the keys before the
-    step's own (position < seq_len - q_len) only, zeros elsewhere. Read before the PDL wait: the
-    row's metadata was written at the step's start, older keys by earlier steps, and the step's
-    keys only by this kernel (ROPE), after the wait; under PDL the kernel before this one has
-    itself waited for the one before it, so nothing in flight writes what is read here."""
-    kv_end = seq_len - q_len + tl.minimum(q_tile_start + BLOCK_Q, q_len)
-    num_tiles = tl.cdiv(kv_end, BLOCK_N)
-    per_split = tl.cdiv(num_tiles, NUM_SPLITS)
-    tile_lo = split * per_split
-    k_pos = tile_lo * BLOCK_N + tl.arange(0, BLOCK_N)
-    old = (k_pos < seq_len - q_len) & (k_pos < kv_end)  # none past the last tile
-    block = tl.load(table_ptr + k_pos // BLOCK_SIZE, mask=old, other=0).to(tl.int64)
+def _tile_keys(k_ptr, table_ptr, k_pos, mask, stride_kv, stride_kb, stride_ks,
+               BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr):
+    """K [D, BLOCK_N] and V [BLOCK_N, D] at positions k_pos where mask holds, zeros elsewhere."""
+    block = tl.load(table_ptr + k_pos // BLOCK_SIZE, mask=mask, other=0).to(tl.int64)
     slot = block * stride_kb + (k_pos % BLOCK_SIZE) * stride_ks
     offs_d = tl.arange(0, HEAD_DIM)
-    k0 = tl.load(k_ptr + slot[None, :] + offs_d[:, None], mask=old[None, :], other=0.0)
-    v0 = tl.load(k_ptr + stride_kv + slot[:, None] + offs_d[None, :], mask=old[:, None], other=0.0)
-    return k0, v0
+    k = tl.load(k_ptr + slot[None, :] + offs_d[:, None], mask=mask[None, :], other=0.0)
+    v = tl.load(k_ptr + stride_kv + slot[:, None] + offs_d[None, :], mask=mask[:, None], other=0.0)
+    return k, v
 
 
 @triton.jit
-def _rotated(x_ptr, row_off, mask, tokens, pos_ptr, cos_ptr, sin_ptr, stride_cos, HEAD_DIM: tl.constexpr):
-    """Rows x[row_off + d] rotated at their tokens' positions (rotate_half, fp32, the ops of
+def _with_step_keys(k, v, k_pos, new_lo, k_new, v_new, Q_POW2: tl.constexpr):
+    """k [D, BLOCK_N] and v [BLOCK_N, D] with the step's key j (rows of k_new / v_new, fp32
+    holding cache-dtype values; rows past the step's keys are zeros and match no position) put
+    at position new_lo + j."""
+    rows = tl.arange(0, Q_POW2)[:, None]
+    for j in tl.static_range(Q_POW2):
+        at = k_pos == new_lo + j
+        kj = tl.sum(tl.where(rows == j, k_new, 0.0), 0)
+        vj = tl.sum(tl.where(rows == j, v_new, 0.0), 0)
+        k = tl.where(at[None, :], kj[:, None].to(k.dtype), k)
+        v = tl.where(at[:, None], vj[None, :].to(v.dtype), v)
+    return k, v
+
+
+@triton.jit
+def _old_tile(k_ptr, table_ptr, tile, end, stride_kv, stride_kb, stride_ks,
+              BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr):
+    """K [D, BLOCK_N] and V [BLOCK_N, D] of key tile `tile` below position `end` (at most the
+    step's first key), zeros elsewhere. Read before the PDL wait: the row's metadata was written
+    at the step's start, older keys by earlier steps, and the step's keys only by this kernel
+    (ROPE), after the wait; under PDL the kernel before this one has itself waited for the one
+    before it, so nothing in flight writes what is read here."""
+    k_pos = tile * BLOCK_N + tl.arange(0, BLOCK_N)
+    return _tile_keys(k_ptr, table_ptr, k_pos, k_pos < end, stride_kv, stride_kb, stride_ks, BLOCK_SIZE, HEAD_DIM)
+
+
+@triton.jit
+def _write_step_keys(k_new_ptr, k_row, cos, sin, v_rows, dst, stride_kv, mask, HEAD_DIM: tl.constexpr):
+    """The step's keys (rows k_new_ptr + k_row, rotated by cos / sin) and values (rows v_rows)
+    written in the cache's dtype at dst (K) and dst + stride_kv (V), where mask holds; returns
+    them as written, in fp32 [R, D]."""
+    d = tl.arange(0, HEAD_DIM)[None, :]
+    cache_ty = dst.dtype.element_ty
+    k = _rotate(k_new_ptr, k_row, mask, cos, sin, HEAD_DIM).to(k_new_ptr.dtype.element_ty).to(cache_ty)
+    v = tl.load(v_rows + d, mask=mask, other=0.0).to(cache_ty)
+    tl.store(dst + d, k, mask=mask)
+    tl.store(dst + stride_kv + d, v, mask=mask)
+    return k.to(tl.float32), v.to(tl.float32)
+
+
+@triton.jit
+def _rope_rows(pos_ptr, cos_ptr, sin_ptr, tokens, mask, stride_cos, HEAD_DIM: tl.constexpr):
+    """cos and sin [R, D] at the positions of `tokens` [R] (rows where mask [R, D] holds)."""
+    d = tl.arange(0, HEAD_DIM)[None, :]
+    pos = tl.load(pos_ptr + tokens, mask=tl.max(mask.to(tl.int32), 1) > 0, other=0)[:, None]
+    cos = tl.load(cos_ptr + pos * stride_cos + d, mask=mask, other=0.0)
+    sin = tl.load(sin_ptr + pos * stride_cos + d, mask=mask, other=0.0)
+    return cos, sin
+
+
+@triton.jit
+def _rotate(x_ptr, row_off, mask, cos, sin, HEAD_DIM: tl.constexpr):
+    """Rows x[row_off + d] rotated by cos / sin (`_rope_rows`; rotate_half, fp32, the ops of
     kernels/rotary.py in its order: the launch turns fp fusion off): d < D/2 takes
     x[d] cos[d] - x[d + D/2] sin[d], d >= D/2 takes x[d] cos[d] + x[d - D/2] sin[d]."""
     half: tl.constexpr = HEAD_DIM // 2
@@ -137,9 +186,6 @@ def _rotated(x_ptr, row_off, mask, tokens, pos_ptr, cos_ptr, sin_ptr, stride_cos
     partner = (d + half) % HEAD_DIM
     x = tl.load(x_ptr + row_off + d, mask=mask, other=0.0).to(tl.float32)
     xp = tl.load(x_ptr + row_off + partner, mask=mask, other=0.0).to(tl.float32)
-    pos = tl.load(pos_ptr + tokens, mask=tl.max(mask.to(tl.int32), 1) > 0, other=0)[:, None]
-    cos = tl.load(cos_ptr + pos * stride_cos + d, mask=mask, other=0.0)
-    sin = tl.load(sin_ptr + pos * stride_cos + d, mask=mask, other=0.0)
     return x * cos + tl.where(d < half, -xp, xp) * sin
 
 
@@ -154,7 +200,7 @@ def _paged_attention_kernel(
     G: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr,
     DTYPE: tl.constexpr, PRECISION: tl.constexpr, ROPE: tl.constexpr, Q_POW2: tl.constexpr,
-    PDL: tl.constexpr, PRE: tl.constexpr = False,
+    PDL: tl.constexpr, PRE: tl.constexpr = False, PRE_LAST: tl.constexpr = False,
 ):
     row = tl.program_id(0)
     q_tile_start = tl.program_id(1) * BLOCK_Q
@@ -165,16 +211,8 @@ def _paged_attention_kernel(
     q_begin = tl.load(query_start_ptr + row)
     q_len = tl.load(query_start_ptr + row + 1) - q_begin
     seq_len = tl.load(seq_lens_ptr + row)
-    if PRE:  # ROPE only: no kernel of the step writes these keys but this one (see `_first_tile`)
-        k0, v0 = _first_tile(kv_ptr + kv_head * stride_kh, block_tables_ptr + row * stride_bt, seq_len, q_len,
-                             q_tile_start, split, stride_kv, stride_kb, stride_ks,
-                             BLOCK_Q, BLOCK_N, BLOCK_SIZE, HEAD_DIM, NUM_SPLITS)
-        wait_for_previous(PDL)
-    else:
-        k0 = tl.zeros([HEAD_DIM, BLOCK_N], dtype=kv_ptr.dtype.element_ty)  # unused
-        v0 = tl.zeros([BLOCK_N, HEAD_DIM], dtype=kv_ptr.dtype.element_ty)
-    if q_tile_start >= q_len:
-        return
+    k_base = kv_ptr + kv_head * stride_kh
+    table = block_tables_ptr + row * stride_bt
 
     # M rows = (query i of the tile, head g of the group), i-major.
     offs_m = tl.arange(0, BLOCK_M)
@@ -184,38 +222,60 @@ def _paged_attention_kernel(
     tokens = q_begin + q_idx
     q_pos = seq_len - q_len + q_idx
     m_ok = (offs_m < BLOCK_Q * G) & (q_idx < q_len)
-    q_off = tokens[:, None] * stride_qt + heads[:, None] * stride_qh + offs_d[None, :]
-    if ROPE:  # q as it comes from the projection: rotated here, rounded to its dtype as the rotary kernel does
-        q = _rotated(q_ptr, tokens[:, None] * stride_qt + heads[:, None] * stride_qh, m_ok[:, None], tokens,
-                     pos_ptr, cos_ptr, sin_ptr, stride_cos, HEAD_DIM).to(q_ptr.dtype.element_ty).to(DTYPE)
-    else:
-        q = tl.load(q_ptr + q_off, mask=m_ok[:, None], other=0.0).to(DTYPE)
+    q_row = tokens[:, None] * stride_qt + heads[:, None] * stride_qh
 
     # Keys the tile's last query sees, in BLOCK_N tiles; this split takes one share of them.
-    kv_end = seq_len - q_len + tl.minimum(q_tile_start + BLOCK_Q, q_len)
+    new_lo = seq_len - q_len  # the step's own keys start here
+    kv_end = new_lo + tl.minimum(q_tile_start + BLOCK_Q, q_len)
     num_tiles = tl.cdiv(kv_end, BLOCK_N)
     per_split = tl.cdiv(num_tiles, NUM_SPLITS)
     tile_lo = split * per_split
     tile_hi = tl.minimum(tile_lo + per_split, num_tiles)
-    if ROPE:  # this step's keys in this split's share: rotated, written with their values, then read back below
-        i = q_tile_start + tl.arange(0, Q_POW2)
-        t_new = q_begin + i
-        tile_of = (seq_len - q_len + i) // BLOCK_N
-        mine = (i < q_len) & (i < q_tile_start + BLOCK_Q) & (tile_of >= tile_lo) & (tile_of < tile_hi)
-        k_rot = _rotated(k_new_ptr, t_new[:, None] * stride_knt + kv_head * stride_knh, mine[:, None], t_new,
-                         pos_ptr, cos_ptr, sin_ptr, stride_cos, HEAD_DIM)
-        cache_ty = kv_ptr.dtype.element_ty
+    # ROPE: the step's keys in this split's share, rotated and written here with their values
+    i = q_tile_start + tl.arange(0, Q_POW2)
+    t_new = q_begin + i
+    tile_of = (new_lo + i) // BLOCK_N
+    mine = (i < q_len) & (i < q_tile_start + BLOCK_Q) & (tile_of >= tile_lo) & (tile_of < tile_hi)
+    k_row = t_new[:, None] * stride_knt + kv_head * stride_knh
+    if PRE:  # ROPE only: what the step's kernels before this one do not write (see `_old_tile`)
+        old_end = tl.minimum(new_lo, kv_end)
+        k0, v0 = _old_tile(k_base, table, tile_lo, old_end, stride_kv, stride_kb, stride_ks,
+                           BLOCK_N, BLOCK_SIZE, HEAD_DIM)
+        if PRE_LAST:  # (none if it is the first)
+            k1, v1 = _old_tile(k_base, table, tile_hi - 1, tl.where(tile_hi - 1 > tile_lo, old_end, 0), stride_kv,
+                               stride_kb, stride_ks, BLOCK_N, BLOCK_SIZE, HEAD_DIM)
+        else:
+            k1, v1 = k0, v0  # unused
+        q_cos, q_sin = _rope_rows(pos_ptr, cos_ptr, sin_ptr, tokens, m_ok[:, None], stride_cos, HEAD_DIM)
+        k_cos, k_sin = _rope_rows(pos_ptr, cos_ptr, sin_ptr, t_new, mine[:, None], stride_cos, HEAD_DIM)
         slot = tl.load(slot_ptr + t_new, mask=mine, other=0)
-        dst = kv_ptr + slot[:, None] * stride_ks + kv_head * stride_kh + offs_d[None, :]
-        tl.store(dst, k_rot.to(k_new_ptr.dtype.element_ty).to(cache_ty), mask=mine[:, None])
-        v_new = tl.load(v_new_ptr + t_new[:, None] * stride_vnt + kv_head * stride_vnh + offs_d[None, :],
-                        mask=mine[:, None], other=0.0)
-        tl.store(dst + stride_kv, v_new.to(cache_ty), mask=mine[:, None])
-        tl.debug_barrier()  # the program's threads see these writes before they read the tiles
+        wait_for_previous(PDL)
+    else:
+        k0 = tl.zeros([HEAD_DIM, BLOCK_N], dtype=kv_ptr.dtype.element_ty)  # unused
+        v0 = tl.zeros([BLOCK_N, HEAD_DIM], dtype=kv_ptr.dtype.element_ty)
+        k1, v1 = k0, v0
+        if ROPE:
+            q_cos, q_sin = _rope_rows(pos_ptr, cos_ptr, sin_ptr, tokens, m_ok[:, None], stride_cos, HEAD_DIM)
+            k_cos, k_sin = _rope_rows(pos_ptr, cos_ptr, sin_ptr, t_new, mine[:, None], stride_cos, HEAD_DIM)
+            slot = tl.load(slot_ptr + t_new, mask=mine, other=0)
+    if q_tile_start >= q_len:
+        return
+
+    if ROPE:  # q as it comes from the projection: rotated here, rounded to its dtype as the rotary kernel does
+        q = _rotate(q_ptr, q_row, m_ok[:, None], q_cos, q_sin, HEAD_DIM).to(q_ptr.dtype.element_ty).to(DTYPE)
+        k_new, v_new = _write_step_keys(
+            k_new_ptr, k_row, k_cos, k_sin, v_new_ptr + t_new[:, None] * stride_vnt + kv_head * stride_vnh,
+            kv_ptr + slot[:, None] * stride_ks + kv_head * stride_kh, stride_kv, mine[:, None], HEAD_DIM)
+        if not PRE:
+            tl.debug_barrier()  # the program's threads see these writes before they read the tiles
+    else:
+        q = tl.load(q_ptr + q_row + offs_d[None, :], mask=m_ok[:, None], other=0.0).to(DTYPE)
+        k_new = tl.zeros([Q_POW2, HEAD_DIM], dtype=tl.float32)  # unused
+        v_new = k_new
     acc, m_i, l_i = _attend_key_tiles(
-        q, q_pos, kv_ptr + kv_head * stride_kh, block_tables_ptr + row * stride_bt, kv_end,
-        tile_lo, tile_hi, qk_scale, stride_kv, stride_kb, stride_ks, k0, v0, seq_len - q_len,
-        BLOCK_M, BLOCK_N, BLOCK_SIZE, HEAD_DIM, DTYPE, PRECISION, PRE,
+        q, q_pos, k_base, table, kv_end, tile_lo, tile_hi, qk_scale, stride_kv, stride_kb, stride_ks,
+        k0, v0, k1, v1, new_lo, k_new, v_new,
+        BLOCK_M, BLOCK_N, BLOCK_SIZE, HEAD_DIM, DTYPE, PRECISION, PRE, PRE_LAST, Q_POW2,
     )
 
     if NUM_SPLITS == 1:
@@ -341,6 +401,7 @@ def paged_attention_triton(
     grid = (rows, triton.cdiv(max_q, tiles.block_q), num_kv_heads * num_splits)
     assert new is None or grid[1] == 1, "keys written in the kernel: one query tile a row (decode, verify)"
     nk = new if new is not None else NewKV(q, q, seq_lens, q, q, seq_lens)  # unused without ROPE
+    pre = new is not None and PRELOAD_KV and rows <= PRELOAD_KV_MAX_ROWS
     _paged_attention_kernel[grid](
         q, kv_cache, out, ws_acc, ws_max, ws_sum,
         block_tables, seq_lens, query_start, scale * _LOG2E,
@@ -352,9 +413,9 @@ def paged_attention_triton(
         G=group, BLOCK_Q=tiles.block_q, BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n,
         BLOCK_SIZE=block_size, HEAD_DIM=head_dim, NUM_SPLITS=num_splits, DTYPE=dtype,
         PRECISION="ieee" if dtype == tl.float32 else "tf32",  # ieee: fp32 stays fp32, no TF32
-        ROPE=new is not None, Q_POW2=triton.next_power_of_2(tiles.block_q),
+        ROPE=new is not None, Q_POW2=triton.next_power_of_2(min(max_q, tiles.block_q)),
         num_warps=tiles.num_warps, num_stages=2, enable_fp_fusion=new is None,
-        PRE=new is not None and PRELOAD_KV and rows <= PRELOAD_KV_MAX_ROWS, **pdl_args(q),
+        PRE=pre, PRE_LAST=pre and PRELOAD_LAST and head_dim * tiles.block_n <= PRELOAD_LAST_ELEMS, **pdl_args(q),
     )
     if num_splits > 1:
         _combine_splits_kernel[(num_tokens, num_q_heads)](
@@ -421,7 +482,8 @@ def paged_attention_rope(q: torch.Tensor, new: NewKV, kv_cache: torch.Tensor, bl
     """`kernels.rotary.rope_and_cache` then `paged_attention`, as one launch where the kernel runs
     and the step's queries of a row fit one query tile (decode, verify, the MTP chain): each
     program rotates its queries, and writes the step's keys (rotated) and values that fall in
-    its share of the row's keys before it reads them. Elsewhere, the two calls."""
+    its share of the row's keys; it attends to them as it holds them (PRE) or reads them back
+    after a barrier. Elsewhere, the two calls."""
     group = q.shape[1] // kv_cache.shape[3]
     one_tile = max_q <= _tiles(max_q, group, q.shape[2], kv_cache.shape[2], invariant()).block_q
     if use_triton(q, kv_cache) and one_tile and q.shape[2] in HEAD_DIMS:

@@ -16,7 +16,8 @@ with PDSERVE_PDL=0.
 
 Memory no kernel of the step writes (the weights) may be read before the wait. One more case:
 decode attention with rotary inside (kernels/paged_attention.py, `PRELOAD_KV`) reads its row's
-metadata and the keys older than the step before its wait. Those were written before the kernel
+metadata (with the positions' rotary rows and the step's cache slots) and the keys older than the
+step, of its first and last key tiles, before its wait. Those were written before the kernel
 ahead of it started, and that kernel has itself waited for the one before it, so nothing still
 running writes them. `prefetch_l2`
 asks for such lines in L2 while the kernel before still runs: a decode GEMM launched early under

@@ -45,7 +45,15 @@
 # (32k drafts), SmolLM2 k=0.
 # `tiles`: Llama-1B b1 k=0 with other tiles for o, down and gate/up inside the real step (PDSERVE_TILES;
 # session 7 chose them from isolated chains of one op), twice in alternation.
-# Usage: bash bench/gpu/gpu_speed.sh check|bench|profile|pdl|frspec|regress|ropeattn|prefetch|final6|b1prof|hostsplit|midtiles|outkernel|mtpinput|gemv|preload|next11|embed|bigbatch|b1inc|tiles|all
+# `pfetch`: Llama-1B b1 k=0 with the L2 prefetch of o's whole weight (PDSERVE_PREFETCH_MB=8) and of
+# q/k/v's (PDSERVE_PREFETCH_MAX_MB=13), twice.
+# `attnregs` (session 10): decode attention with the step's keys kept in registers and its last key tile
+# read before the PDL wait, against the kernel before it (old_paged_attention.py, put there by hand:
+# `git show 9d0193b:kernels/paged_attention.py > old_paged_attention.py`) and against itself with
+# PDSERVE_ATTN_PRELOAD_LAST=0: Llama-1B b1 k=0 / 3 (32k drafts), SmolLM2 b1 k=0 / 3 and b32 k=0.
+# `attnfinal`: the attention, engine-path and engine GPU tests on CUDA, b1inc's trace for Llama-1B and
+# SmolLM2 k=0, SmolLM2 b32 with the profiler, Llama-1B b64 / SmolLM2 b128 with the preload's row limit 32 / 128.
+# Usage: bash bench/gpu/gpu_speed.sh check|bench|profile|pdl|frspec|regress|ropeattn|prefetch|final6|b1prof|hostsplit|midtiles|outkernel|mtpinput|gemv|preload|next11|embed|bigbatch|b1inc|tiles|pfetch|attnregs|attnfinal|all
 set -uo pipefail
 . "$(dirname "$0")/../../deploy/require.sh"; need_gpu_machine; require_done
 export PYTHONUNBUFFERED=1
@@ -254,6 +262,7 @@ if [[ $stage == bigbatch ]]; then
 fi
 
 if [[ $stage == b1inc ]]; then
+  bench --arch llama-1b --batch 1 --max-tokens 64 --spec-tokens 0 --profile > /dev/null
   bench --arch llama-1b --batch 1 --max-tokens 64 --spec-tokens 3 --draft-vocab 32768 --profile > /dev/null
   bench --arch smollm2 --batch 1 --max-tokens 64 --spec-tokens 0 --profile > /dev/null
   python3 -c "import json
@@ -272,6 +281,54 @@ if [[ $stage == tiles ]]; then
       --spec-tokens 0 | sed "s|^{|{\"variant\": \"tiles=$t\", |" >> "$OUT/bench.jsonl"
   done; done
   rows
+fi
+
+if [[ $stage == pfetch ]]; then
+  for rep in 1 2; do for v in "4 8" "8 8" "4 13" "8 13" "13 13"; do set -- $v
+    PDSERVE_PREFETCH_MB=$1 PDSERVE_PREFETCH_MAX_MB=$2 python3 -m deploy.cli bench engine --device cuda --arch llama-1b \
+      --batch 1 --max-tokens 64 --spec-tokens 0 | sed "s/^{/{\"variant\": \"prefetch_mb=$1 max_mb=$2\", /" >> "$OUT/bench.jsonl"
+  done; done
+  rows
+fi
+
+if [[ $stage == attnregs ]]; then
+  PDSERVE_TEST_DEVICE=cuda timeout 200 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_paged_attention.py \
+    tests/kernels/test_engine_path.py tests/engine/test_gpu.py 2>&1 | grep -E 'passed|failed|Error' | tail -3
+  cp kernels/paged_attention.py /tmp/pa_new.py
+  for v in old new0 new old new; do
+    if [[ $v == old ]]; then cp old_paged_attention.py kernels/paged_attention.py; else cp /tmp/pa_new.py kernels/paged_attention.py; fi
+    last=1; [[ $v == new0 ]] && last=0
+    for a in "--arch llama-1b --batch 1 --max-tokens 64 --spec-tokens 0" "--arch llama-1b --batch 1 --max-tokens 64 --spec-tokens 3 --draft-vocab 32768" \
+        "--arch smollm2 --batch 1 --max-tokens 64 --spec-tokens 0" "--arch smollm2 --batch 1 --max-tokens 96 --spec-tokens 3" \
+        "--arch smollm2 --batch 32 --max-tokens 64 --spec-tokens 0"; do
+      PDSERVE_ATTN_PRELOAD_LAST=$last python3 -m deploy.cli bench engine --device cuda $a \
+        | sed "s/^{/{\"variant\": \"$v\", /" >> "$OUT/bench.jsonl"
+    done
+  done
+  cp /tmp/pa_new.py kernels/paged_attention.py
+  rows
+fi
+
+if [[ $stage == attnfinal ]]; then
+  PDSERVE_TEST_DEVICE=cuda timeout 240 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_paged_attention.py \
+    tests/kernels/test_engine_path.py tests/engine/test_gpu.py 2>&1 | tail -4
+  bench --arch llama-1b --batch 1 --max-tokens 64 --spec-tokens 0 --profile > /dev/null
+  bench --arch smollm2 --batch 1 --max-tokens 64 --spec-tokens 0 --profile > /dev/null
+  bench --arch smollm2 --batch 32 --max-tokens 64 --spec-tokens 0 --profile > /dev/null
+  for rows in 32 128; do
+    PDSERVE_ATTN_PRELOAD_MAX_ROWS=$rows python3 -m deploy.cli bench engine --device cuda --arch llama-1b --batch 64 \
+      --max-tokens 64 --spec-tokens 0 | sed "s/^{/{\"variant\": \"max_rows=$rows\", /" >> "$OUT/bench.jsonl"
+    PDSERVE_ATTN_PRELOAD_MAX_ROWS=$rows python3 -m deploy.cli bench engine --device cuda --arch smollm2 --batch 128 \
+      --max-tokens 128 --spec-tokens 0 | sed "s/^{/{\"variant\": \"max_rows=$rows\", /" >> "$OUT/bench.jsonl"
+  done
+  rows
+  python3 -c "import json
+for l in open('$OUT/bench.jsonl'):
+    r = json.loads(l) if l.startswith('{') else {}
+    inc = r.get('layer_increments')
+    if not inc or r['batch'] != 1: continue
+    print(r['model'], 'k', r['spec_tokens'], r['ms_per_step'], 'ms; span', inc['step_us'], 'us')
+    for g in inc['groups']: print('  ', g)"
 fi
 
 if [[ $stage == pdl ]]; then  # programmatic dependent launch off and on, same code otherwise
