@@ -53,7 +53,10 @@
 # PDSERVE_ATTN_PRELOAD_LAST=0: Llama-1B b1 k=0 / 3 (32k drafts), SmolLM2 b1 k=0 / 3 and b32 k=0.
 # `attnfinal`: the attention, engine-path and engine GPU tests on CUDA, b1inc's trace for Llama-1B and
 # SmolLM2 k=0, SmolLM2 b32 with the profiler, Llama-1B b64 / SmolLM2 b128 with the preload's row limit 32 / 128.
-# Usage: bash bench/gpu/gpu_speed.sh check|bench|profile|pdl|frspec|regress|ropeattn|prefetch|final6|b1prof|hostsplit|midtiles|outkernel|mtpinput|gemv|preload|next11|embed|bigbatch|b1inc|tiles|pfetch|attnregs|attnfinal|all
+# `preloadmid` (not yet run): the split-K kernel's first weight block read before the PDL wait for
+# Llama-1B's o (8 MB; PDSERVE_PRELOAD_MAX_MB=9) and q/k/v too (13), against the default 4, twice:
+# b1 k=3 with 32k drafts (its k=0 step beside it). With it on for all of Llama-1B's weights (8-525 MB) b1 lost.
+# Usage: bash bench/gpu/gpu_speed.sh check|bench|profile|pdl|frspec|regress|ropeattn|prefetch|final6|b1prof|hostsplit|midtiles|outkernel|mtpinput|gemv|preload|next11|embed|bigbatch|b1inc|tiles|pfetch|attnregs|attnfinal|preloadmid|all
 set -uo pipefail
 . "$(dirname "$0")/../../deploy/require.sh"; need_gpu_machine; require_done
 export PYTHONUNBUFFERED=1
@@ -329,6 +332,14 @@ for l in open('$OUT/bench.jsonl'):
     if not inc or r['batch'] != 1: continue
     print(r['model'], 'k', r['spec_tokens'], r['ms_per_step'], 'ms; span', inc['step_us'], 'us')
     for g in inc['groups']: print('  ', g)"
+fi
+
+if [[ $stage == preloadmid ]]; then
+  for rep in 1 2; do for mb in 4 9 13; do
+    PDSERVE_PRELOAD_MAX_MB=$mb python3 -m deploy.cli bench engine --device cuda --arch llama-1b --batch 1 --max-tokens 64 \
+      --spec-tokens 3 --draft-vocab 32768 | sed "s/^{/{\"variant\": \"preload_max_mb=$mb\", /" >> "$OUT/bench.jsonl"
+  done; done
+  rows
 fi
 
 if [[ $stage == pdl ]]; then  # programmatic dependent launch off and on, same code otherwise
