@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import math
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import NamedTuple
 
 import torch
@@ -59,6 +59,9 @@ PRELOAD_KV_MAX_ROWS = int(os.environ.get("PDSERVE_ATTN_PRELOAD_MAX_ROWS", "32"))
 # (the first tile only: 1.07, 0.42, 0.73)
 PRELOAD_LAST = os.environ.get("PDSERVE_ATTN_PRELOAD_LAST", "1") == "1"
 PRELOAD_LAST_ELEMS = 64 * 64
+# not yet measured: keys per tile for those launches (a 128-token context in one tile; the last
+# tile's preload then stops at D = 64)
+PRELOAD_BLOCK_N = int(os.environ.get("PDSERVE_ATTN_PRELOAD_BLOCK_N", "64"))
 _LOG2E = math.log2(math.e)
 _TL_DTYPES = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}
 
@@ -402,6 +405,8 @@ def paged_attention_triton(
     assert new is None or grid[1] == 1, "keys written in the kernel: one query tile a row (decode, verify)"
     nk = new if new is not None else NewKV(q, q, seq_lens, q, q, seq_lens)  # unused without ROPE
     pre = new is not None and PRELOAD_KV and rows <= PRELOAD_KV_MAX_ROWS
+    if pre and not invariant():
+        tiles = replace(tiles, block_n=max(PRELOAD_BLOCK_N, block_size))
     _paged_attention_kernel[grid](
         q, kv_cache, out, ws_acc, ws_max, ws_sum,
         block_tables, seq_lens, query_start, scale * _LOG2E,

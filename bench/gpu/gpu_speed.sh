@@ -56,7 +56,10 @@
 # `preloadmid` (not yet run): the split-K kernel's first weight block read before the PDL wait for
 # Llama-1B's o (8 MB; PDSERVE_PRELOAD_MAX_MB=9) and q/k/v too (13), against the default 4, twice:
 # b1 k=3 with 32k drafts (its k=0 step beside it). With it on for all of Llama-1B's weights (8-525 MB) b1 lost.
-# Usage: bash bench/gpu/gpu_speed.sh check|bench|profile|pdl|frspec|regress|ropeattn|prefetch|final6|b1prof|hostsplit|midtiles|outkernel|mtpinput|gemv|preload|next11|embed|bigbatch|b1inc|tiles|pfetch|attnregs|attnfinal|preloadmid|all
+# `attnbn` (not yet run): decode attention's key tile of 64 or 128 tokens where it preloads
+# (PDSERVE_ATTN_PRELOAD_BLOCK_N; the bench's 64-136-token contexts then fit one tile), twice, after
+# the attention tests with 128: Llama-1B b1 k=3 with 32k drafts (and its k=0), SmolLM2 b1 k=3 (and k=0), b32 k=0.
+# Usage: bash bench/gpu/gpu_speed.sh check|bench|profile|pdl|frspec|regress|ropeattn|prefetch|final6|b1prof|hostsplit|midtiles|outkernel|mtpinput|gemv|preload|next11|embed|bigbatch|b1inc|tiles|pfetch|attnregs|attnfinal|preloadmid|attnbn|all
 set -uo pipefail
 . "$(dirname "$0")/../../deploy/require.sh"; need_gpu_machine; require_done
 export PYTHONUNBUFFERED=1
@@ -332,6 +335,17 @@ for l in open('$OUT/bench.jsonl'):
     if not inc or r['batch'] != 1: continue
     print(r['model'], 'k', r['spec_tokens'], r['ms_per_step'], 'ms; span', inc['step_us'], 'us')
     for g in inc['groups']: print('  ', g)"
+fi
+
+if [[ $stage == attnbn ]]; then
+  PDSERVE_ATTN_PRELOAD_BLOCK_N=128 PDSERVE_TEST_DEVICE=cuda timeout 120 python3 -m pytest -q -p no:cacheprovider \
+    tests/kernels/test_paged_attention.py 2>&1 | tail -1
+  for rep in 1 2; do for bn in 64 128; do for a in "--arch llama-1b --batch 1 --max-tokens 64 --spec-tokens 3 --draft-vocab 32768" \
+      "--arch smollm2 --batch 1 --max-tokens 96 --spec-tokens 3" "--arch smollm2 --batch 32 --max-tokens 64 --spec-tokens 0"; do
+    PDSERVE_ATTN_PRELOAD_BLOCK_N=$bn python3 -m deploy.cli bench engine --device cuda $a \
+      | sed "s/^{/{\"variant\": \"block_n=$bn\", /" >> "$OUT/bench.jsonl"
+  done; done; done
+  rows
 fi
 
 if [[ $stage == preloadmid ]]; then
