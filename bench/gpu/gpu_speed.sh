@@ -59,7 +59,10 @@
 # `attnbn` (not yet run): decode attention's key tile of 64 or 128 tokens where it preloads
 # (PDSERVE_ATTN_PRELOAD_BLOCK_N; the bench's 64-136-token contexts then fit one tile), twice, after
 # the attention tests with 128: Llama-1B b1 k=3 with 32k drafts (and its k=0), SmolLM2 b1 k=3 (and k=0), b32 k=0.
-# Usage: bash bench/gpu/gpu_speed.sh check|bench|profile|pdl|frspec|regress|ropeattn|prefetch|final6|b1prof|hostsplit|midtiles|outkernel|mtpinput|gemv|preload|next11|embed|bigbatch|b1inc|tiles|pfetch|attnregs|attnfinal|preloadmid|attnbn|all
+# `qkvsplit` (not yet run): Llama-1B b1 k=0's per-kernel trace with q/k/v split in K in 2 and 4
+# (PDSERVE_TILES; its norm then runs as a kernel of its own and a sum kernel follows): what the GEMM
+# itself would gain if decode attention summed the shares.
+# Usage: bash bench/gpu/gpu_speed.sh check|bench|profile|pdl|frspec|regress|ropeattn|prefetch|final6|b1prof|hostsplit|midtiles|outkernel|mtpinput|gemv|preload|next11|embed|bigbatch|b1inc|tiles|pfetch|attnregs|attnfinal|preloadmid|attnbn|qkvsplit|all
 set -uo pipefail
 . "$(dirname "$0")/../../deploy/require.sh"; need_gpu_machine; require_done
 export PYTHONUNBUFFERED=1
@@ -346,6 +349,20 @@ if [[ $stage == attnbn ]]; then
       | sed "s/^{/{\"variant\": \"block_n=$bn\", /" >> "$OUT/bench.jsonl"
   done; done; done
   rows
+fi
+
+if [[ $stage == qkvsplit ]]; then
+  for t in "" "3072x2048=32/128/2/4/4" "3072x2048=32/128/4/4/4"; do
+    PDSERVE_TILES="$t" python3 -m deploy.cli bench engine --device cuda --arch llama-1b --batch 1 --max-tokens 64 \
+      --spec-tokens 0 --profile | sed "s|^{|{\"variant\": \"tiles=$t\", |" >> "$OUT/bench.jsonl"
+  done
+  python3 -c "import json
+for l in open('$OUT/bench.jsonl'):
+    r = json.loads(l) if l.startswith('{') else {}
+    inc = r.get('layer_increments')
+    if not inc: continue
+    print(r.get('variant'), r['ms_per_step'], 'ms; span', inc['step_us'], 'us')
+    for g in inc['groups']: print('  ', g)"
 fi
 
 if [[ $stage == preloadmid ]]; then
