@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import math
 import os
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import NamedTuple
 
 import torch
@@ -249,18 +249,16 @@ def _paged_attention_kernel(
                                stride_kb, stride_ks, BLOCK_N, BLOCK_SIZE, HEAD_DIM)
         else:
             k1, v1 = k0, v0  # unused
-        q_cos, q_sin = _rope_rows(pos_ptr, cos_ptr, sin_ptr, tokens, m_ok[:, None], stride_cos, HEAD_DIM)
-        k_cos, k_sin = _rope_rows(pos_ptr, cos_ptr, sin_ptr, t_new, mine[:, None], stride_cos, HEAD_DIM)
-        slot = tl.load(slot_ptr + t_new, mask=mine, other=0)
-        wait_for_previous(PDL)
     else:
         k0 = tl.zeros([HEAD_DIM, BLOCK_N], dtype=kv_ptr.dtype.element_ty)  # unused
         v0 = tl.zeros([BLOCK_N, HEAD_DIM], dtype=kv_ptr.dtype.element_ty)
         k1, v1 = k0, v0
-        if ROPE:
-            q_cos, q_sin = _rope_rows(pos_ptr, cos_ptr, sin_ptr, tokens, m_ok[:, None], stride_cos, HEAD_DIM)
-            k_cos, k_sin = _rope_rows(pos_ptr, cos_ptr, sin_ptr, t_new, mine[:, None], stride_cos, HEAD_DIM)
-            slot = tl.load(slot_ptr + t_new, mask=mine, other=0)
+    if ROPE:  # the positions' rotary rows and the step's slots: with PRE still before the wait
+        q_cos, q_sin = _rope_rows(pos_ptr, cos_ptr, sin_ptr, tokens, m_ok[:, None], stride_cos, HEAD_DIM)
+        k_cos, k_sin = _rope_rows(pos_ptr, cos_ptr, sin_ptr, t_new, mine[:, None], stride_cos, HEAD_DIM)
+        slot = tl.load(slot_ptr + t_new, mask=mine, other=0)
+    if PRE:
+        wait_for_previous(PDL)
     if q_tile_start >= q_len:
         return
 
@@ -329,15 +327,18 @@ class _Tiles:
     num_warps: int
 
 
-def _tiles(max_q: int, group: int, head_dim: int, block_size: int, same_for_any_q: bool = False) -> _Tiles:
+def _tiles(max_q: int, group: int, head_dim: int, block_size: int, same_for_any_q: bool = False,
+           min_block_n: int = 64) -> _Tiles:
     """Decode/verify (max_q * G <= 128) fit one query tile, M rounded up to a power of two so
     few variants compile; prefill packs M = 128 rows (128 // G queries). `same_for_any_q` (the
     batch-invariant mode): M = 128 whatever max_q, so a query's bits are the same in a decode
     step, a verify window and a prefill chunk (another M is another compiled kernel, whose fp32
-    sums may round differently; decode then computes masked rows, cheap next to its K/V reads)."""
+    sums may round differently; decode then computes masked rows, cheap next to its K/V reads).
+    `min_block_n`: the fewest keys a tile takes (PRELOAD_BLOCK_N for the launches that preload;
+    64 in the batch-invariant mode whatever it says)."""
     block_m = 128 if same_for_any_q else min(128, max(16, triton.next_power_of_2(max_q * group)))
     block_q = max(1, block_m // group)
-    block_n = max(block_size, 64)
+    block_n = max(block_size, 64 if same_for_any_q else min_block_n)
     num_warps = 8 if block_m == 128 and head_dim >= 64 else 4
     return _Tiles(block_q, block_m, block_n, num_warps)
 
@@ -393,7 +394,9 @@ def paged_attention_triton(
     if rows == 0 or max_q == 0 or num_tokens == 0:
         return out
     group = num_q_heads // num_kv_heads
-    tiles = _tiles(max_q, group, head_dim, block_size, same_for_any_q=invariant())
+    pre = new is not None and PRELOAD_KV and rows <= PRELOAD_KV_MAX_ROWS
+    tiles = _tiles(max_q, group, head_dim, block_size, same_for_any_q=invariant(),
+                   min_block_n=PRELOAD_BLOCK_N if pre else 64)
     dtype = _dot_dtype(q, kv_cache)
     if num_splits == 1:
         ws_acc = ws_max = ws_sum = out  # unused by the kernel
@@ -404,9 +407,6 @@ def paged_attention_triton(
     grid = (rows, triton.cdiv(max_q, tiles.block_q), num_kv_heads * num_splits)
     assert new is None or grid[1] == 1, "keys written in the kernel: one query tile a row (decode, verify)"
     nk = new if new is not None else NewKV(q, q, seq_lens, q, q, seq_lens)  # unused without ROPE
-    pre = new is not None and PRELOAD_KV and rows <= PRELOAD_KV_MAX_ROWS
-    if pre and not invariant():
-        tiles = replace(tiles, block_n=max(PRELOAD_BLOCK_N, block_size))
     _paged_attention_kernel[grid](
         q, kv_cache, out, ws_acc, ws_max, ws_sum,
         block_tables, seq_lens, query_start, scale * _LOG2E,
