@@ -59,9 +59,14 @@ PRELOAD_KV_MAX_ROWS = int(os.environ.get("PDSERVE_ATTN_PRELOAD_MAX_ROWS", "32"))
 # (the first tile only: 1.07, 0.42, 0.73)
 PRELOAD_LAST = os.environ.get("PDSERVE_ATTN_PRELOAD_LAST", "1") == "1"
 PRELOAD_LAST_ELEMS = 64 * 64
-# not yet measured: keys per tile for those launches (a 128-token context in one tile; the last
-# tile's preload then stops at D = 64)
+# keys per tile for those launches (128 puts a 128-token context in one tile; the last tile's
+# preload then stops at D = 64). On an H100 (2026-11-27), 128 against 64 for every such launch:
+# SmolLM2 b1 k=0 0.43 -> 0.41 ms but k=3 0.715 -> 0.73, Llama-1B b1 k=3 1.415 -> 1.424. For the
+# launches of one query a row only (PRELOAD_BLOCK_N_Q1, the default): SmolLM2 b1 k=0 0.43 -> 0.405,
+# k=3 and b32 unchanged, Llama-1B b1 k=0 1.04 -> 1.03; with 2048-token prompts SmolLM2 0.555 -> 0.476,
+# Llama-1B 1.129 -> 1.103
 PRELOAD_BLOCK_N = int(os.environ.get("PDSERVE_ATTN_PRELOAD_BLOCK_N", "64"))
+PRELOAD_BLOCK_N_Q1 = int(os.environ.get("PDSERVE_ATTN_PRELOAD_BLOCK_N_Q1", "128"))
 _LOG2E = math.log2(math.e)
 _TL_DTYPES = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}
 
@@ -343,6 +348,11 @@ def _tiles(max_q: int, group: int, head_dim: int, block_size: int, same_for_any_
     return _Tiles(block_q, block_m, block_n, num_warps)
 
 
+def _preload_block_n(max_q: int) -> int:
+    """Keys per tile for a launch that preloads (PDSERVE_ATTN_PRELOAD_BLOCK_N[_Q1])."""
+    return PRELOAD_BLOCK_N_Q1 if max_q == 1 else PRELOAD_BLOCK_N
+
+
 def _dot_dtype(q: torch.Tensor, kv_cache: torch.Tensor) -> tl.dtype:
     """The dtype of tl.dot's operands: q's 16-bit dtype if the cache's is 16-bit too, else fp32.
     Off-GPU bf16 also runs in fp32: the interpreter's tl.dot multiplies bf16 as raw bits
@@ -396,7 +406,7 @@ def paged_attention_triton(
     group = num_q_heads // num_kv_heads
     pre = new is not None and PRELOAD_KV and rows <= PRELOAD_KV_MAX_ROWS
     tiles = _tiles(max_q, group, head_dim, block_size, same_for_any_q=invariant(),
-                   min_block_n=PRELOAD_BLOCK_N if pre else 64)
+                   min_block_n=_preload_block_n(max_q) if pre else 64)
     dtype = _dot_dtype(q, kv_cache)
     if num_splits == 1:
         ws_acc = ws_max = ws_sum = out  # unused by the kernel

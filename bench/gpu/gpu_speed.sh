@@ -53,16 +53,20 @@
 # PDSERVE_ATTN_PRELOAD_LAST=0: Llama-1B b1 k=0 / 3 (32k drafts), SmolLM2 b1 k=0 / 3 and b32 k=0.
 # `attnfinal`: the attention, engine-path and engine GPU tests on CUDA, b1inc's trace for Llama-1B and
 # SmolLM2 k=0, SmolLM2 b32 with the profiler, Llama-1B b64 / SmolLM2 b128 with the preload's row limit 32 / 128.
-# `preloadmid` (not yet run): the split-K kernel's first weight block read before the PDL wait for
+# `preloadmid` (session 11): the split-K kernel's first weight block read before the PDL wait for
 # Llama-1B's o (8 MB; PDSERVE_PRELOAD_MAX_MB=9) and q/k/v too (13), against the default 4, twice:
 # b1 k=3 with 32k drafts (its k=0 step beside it). With it on for all of Llama-1B's weights (8-525 MB) b1 lost.
-# `attnbn` (not yet run): decode attention's key tile of 64 or 128 tokens where it preloads
+# `attnbn` (session 11): decode attention's key tile of 64 or 128 tokens where it preloads
 # (PDSERVE_ATTN_PRELOAD_BLOCK_N; the bench's 64-136-token contexts then fit one tile), twice, after
 # the attention tests with 128: Llama-1B b1 k=3 with 32k drafts (and its k=0), SmolLM2 b1 k=3 (and k=0), b32 k=0.
-# `qkvsplit` (not yet run): Llama-1B b1 k=0's per-kernel trace with q/k/v split in K in 2 and 4
+# `qkvsplit` (session 11): Llama-1B b1 k=0's per-kernel trace with q/k/v split in K in 2 and 4
 # (PDSERVE_TILES; its norm then runs as a kernel of its own and a sum kernel follows): what the GEMM
 # itself would gain if decode attention summed the shares.
-# Usage: bash bench/gpu/gpu_speed.sh check|bench|profile|pdl|frspec|regress|ropeattn|prefetch|final6|b1prof|hostsplit|midtiles|outkernel|mtpinput|gemv|preload|next11|embed|bigbatch|b1inc|tiles|pfetch|attnregs|attnfinal|preloadmid|attnbn|qkvsplit|all
+# `attnq1` (session 11; 64 / 128 kept): the key tile of 128 only for decode attention's launches of one query a row
+# (PDSERVE_ATTN_PRELOAD_BLOCK_N_Q1; 64 / 64, 64 / 128 and 128 / 128 for all / one-query launches; the first two twice),
+# after the attention tests with it: SmolLM2 b1 k=3 (and k=0), b32 k=0, Llama-1B b1 k=3 with 32k drafts
+# (and k=0); then Llama-1B and SmolLM2 b1 k=0 with 2048-token prompts (16-32 tiles of 64).
+# Usage: bash bench/gpu/gpu_speed.sh check|bench|profile|pdl|frspec|regress|ropeattn|prefetch|final6|b1prof|hostsplit|midtiles|outkernel|mtpinput|gemv|preload|next11|embed|bigbatch|b1inc|tiles|pfetch|attnregs|attnfinal|preloadmid|attnbn|qkvsplit|attnq1|all
 set -uo pipefail
 . "$(dirname "$0")/../../deploy/require.sh"; need_gpu_machine; require_done
 export PYTHONUNBUFFERED=1
@@ -363,6 +367,22 @@ for l in open('$OUT/bench.jsonl'):
     if not inc: continue
     print(r.get('variant'), r['ms_per_step'], 'ms; span', inc['step_us'], 'us')
     for g in inc['groups']: print('  ', g)"
+fi
+
+if [[ $stage == attnq1 ]]; then
+  PDSERVE_ATTN_PRELOAD_BLOCK_N_Q1=128 PDSERVE_TEST_DEVICE=cuda timeout 120 python3 -m pytest -q -p no:cacheprovider \
+    tests/kernels/test_paged_attention.py 2>&1 | tail -1
+  for v in 64/64 64/128 128/128 64/64 64/128; do
+    for a in "--arch smollm2 --batch 1 --max-tokens 96 --spec-tokens 3" "--arch smollm2 --batch 32 --max-tokens 64 --spec-tokens 0" \
+        "--arch llama-1b --batch 1 --max-tokens 64 --spec-tokens 3 --draft-vocab 32768" \
+        "--arch llama-1b --batch 1 --max-tokens 64 --spec-tokens 0 --prompt-len 2048" \
+        "--arch smollm2 --batch 1 --max-tokens 64 --spec-tokens 0 --prompt-len 2048"; do
+      PDSERVE_ATTN_PRELOAD_BLOCK_N=${v%/*} PDSERVE_ATTN_PRELOAD_BLOCK_N_Q1=${v#*/} python3 -m deploy.cli bench engine \
+        --device cuda $a | sed "s|^{|{\"variant\": \"block_n=$v prompt=${a##*--prompt-len }\", |;s|prompt=--arch[^\"]*|prompt=64|" \
+        >> "$OUT/bench.jsonl"
+    done
+  done
+  rows
 fi
 
 if [[ $stage == preloadmid ]]; then

@@ -278,15 +278,18 @@ def rope_case(batch: Batch, done_row: int | None = None, seed: int = 5):
 
 
 @pytest.mark.parametrize("num_splits", [1, 3])
-@pytest.mark.parametrize(("group", "q_lens"), [(1, [1, 1, 1]), (3, [4, 2, 3]), (4, [4, 4, 1])])
-def test_rotary_and_kv_write_inside_the_kernel_equal_the_two_launches(group, q_lens, num_splits):
+@pytest.mark.parametrize(("group", "q_lens", "lens"), [
+    (1, [1, 1, 1], [130, 47, 65]), (3, [4, 2, 3], [130, 47, 65]), (4, [4, 4, 1], [130, 47, 65]),
+    (2, [1, 1, 1], [300, 47, 257]),  # one query a row takes 128-key tiles: 3 tiles, a key just past an edge
+])
+def test_rotary_and_kv_write_inside_the_kernel_equal_the_two_launches(group, q_lens, lens, num_splits):
     """Decode and verify steps: q rotated in the kernel, the step's keys rotated and written with
     their values by the programs whose share holds them (some share a key tile with older keys,
     some straddle two shares), then attended; against `rope_and_cache` + the kernel, outputs and
     cache alike. Row 1 is done: its tokens write the trash block."""
     from kernels.rotary import rope_and_cache
 
-    batch = make_batch([130, 47, 65], q_lens, group=group, seed=3)
+    batch = make_batch(lens, q_lens, group=group, seed=3)
     new = rope_case(batch, done_row=1)
     want_cache = batch.kv_cache.clone()
     q_rot = rope_and_cache(batch.q, new.k, new.v, new.positions, new.cos, new.sin, want_cache, new.slot_mapping)
