@@ -149,7 +149,7 @@ class Service:
         for key, ref in refs.items():
             self.addresses[key] = self._answer(key, ref, wait_s)
         for key, group in groups.items():  # a TP node is up when all its ranks are; else it restarts
-            self.addresses[key] = group.poll(wait_s)
+            self.addresses[key] = group.poll(wait_s, SLOW_GRACE_S)
         for role in ROLES:
             live = [a for (r, _), a in sorted(self.addresses.items()) if r == role and a]
             ray.get([h.set_nodes.remote(role, live) for h in self.routers], timeout=60.0)

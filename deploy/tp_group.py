@@ -2,15 +2,17 @@
 node's CPUs, GPUs and resources) and one TPRankActor per rank.
 
 The ranks live and die together: an actor never restarts on its own (a lone restarted rank
-could not rejoin its group). `poll` asks every rank whether it is alive; when one is not (or
-the group failed to start), it kills the whole group and launches a new one, and answers None
-(the node is down: the service takes it out of the router's directory) until every rank of
+could not rejoin its group). `poll` asks every rank whether it is alive; when one is not, the
+group failed to start, or a rank has not answered for the service's SLOW_GRACE_S (one late answer
+on a loaded host is no failure), it kills the whole group and launches a new one, and answers
+None (the node is down: the service takes it out of the router's directory) until every rank of
 the new group has joined and rank 0 serves again, at a new address.
 """
 
 from __future__ import annotations
 
 import logging
+import time
 from typing import Any
 
 log = logging.getLogger(__name__)
@@ -24,6 +26,8 @@ class TPNodeGroup:
         self.ranks: list[Any] = []
         self._joining: list[Any] = []  # refs of the ranks' join calls; [] once every rank has joined
         self.launches = 0
+        self._address: str | None = None  # rank 0's, as last answered by every rank
+        self._answered: float | None = None  # when (time.monotonic())
 
     def bundle(self) -> dict[str, float]:
         b = {"CPU": float(self.options.get("num_cpus") or 0), **self.options.get("resources", {})}
@@ -52,9 +56,12 @@ class TPNodeGroup:
         address = self.ranks[0].rendezvous.remote()
         self._joining = [h.join.remote(address) for h in self.ranks]
         self.launches += 1
+        self._address = self._answered = None
 
-    def poll(self, wait_s: float) -> str | None:
-        """Rank 0's address when every rank is up; None while (re)starting. Relaunches a broken group."""
+    def poll(self, wait_s: float, grace_s: float = 0.0) -> str | None:
+        """Rank 0's address when every rank is up; None while (re)starting. Relaunches a broken
+        group: a rank died, or the ranks have not all answered for `grace_s` (alive but slow, as on
+        a loaded host, the group keeps its address until then: a restart would end its requests)."""
         import ray
 
         if self._joining:
@@ -69,10 +76,16 @@ class TPNodeGroup:
             self._joining = []
         try:
             addresses = ray.get([h.address.remote() for h in self.ranks], timeout=wait_s)
+        except ray.exceptions.GetTimeoutError:
+            if self._answered is not None and time.monotonic() - self._answered < grace_s:
+                return self._address
+            self._relaunch(f"a rank has not answered for {grace_s:.0f} s")
+            return None
         except Exception as exc:
             self._relaunch(f"a rank is down: {exc}")
             return None
-        return str(addresses[0])
+        self._address, self._answered = str(addresses[0]), time.monotonic()
+        return self._address
 
     def _relaunch(self, why: str) -> None:
         log.warning("TP group %s-%d %s; restarting the whole group", self.role, self.index, why)

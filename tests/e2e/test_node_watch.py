@@ -59,3 +59,33 @@ def test_a_slow_node_keeps_its_place_for_the_grace_and_a_dead_one_loses_it_at_on
             break
         assert time.monotonic() < deadline, "the actor did not die"
     assert poll() is None  # the actor is gone: out at once, however recent its last answer
+
+
+def test_a_slow_tp_group_keeps_its_address_for_the_grace_and_a_dead_rank_relaunches_it_at_once(ray_cluster):
+    """The same for a TP node (deploy/tp_group.py): ranks that answer late keep the group's
+    address for the grace, then the group restarts; a dead rank restarts it at once."""
+    import ray
+
+    from deploy.tp_group import TPNodeGroup
+
+    group = TPNodeGroup("decode", 0, "{}", 2, {})
+    relaunched: list[str] = []
+    group._relaunch = relaunched.append  # type: ignore[method-assign]  # records instead of restarting
+    group.ranks = [ray.remote(SlowNode).options(num_cpus=0, max_concurrency=32).remote() for _ in range(2)]
+    ray.get([r.set_delay.remote(0.0) for r in group.ranks], timeout=60)
+    assert group.poll(0.3, grace_s=3.0) == "127.0.0.1:4242" and not relaunched
+    ray.get(group.ranks[1].set_delay.remote(5.0))
+    started = time.monotonic()
+    assert group.poll(0.3, grace_s=3.0) == "127.0.0.1:4242" and not relaunched  # late, within the grace: kept
+    while time.monotonic() - started < 3.1 and not relaunched:
+        last = group.poll(0.3, grace_s=3.0)
+    assert last is None and relaunched and "not answered" in relaunched[0]
+    ray.get(group.ranks[1].set_delay.remote(0.0))
+    relaunched.clear()
+    assert group.poll(5.0, grace_s=3.0) == "127.0.0.1:4242"  # answers again
+    ray.kill(group.ranks[0], no_restart=True)
+    deadline = time.monotonic() + 30
+    while not relaunched:  # the kill is asynchronous; no grace for a dead rank
+        assert group.poll(5.0, grace_s=600.0) in (None, "127.0.0.1:4242")
+        assert time.monotonic() < deadline, "the dead rank did not relaunch the group"
+    assert "down" in relaunched[0]
