@@ -75,6 +75,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="tensor-parallel ranks: N local processes (cuda:0..N-1 on CUDA); rank 0 prints")
     p.add_argument("--prompt-len", type=int, default=64)
     p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--max-model-len", type=int, default=None,
+                   help="the engine's longest sequence (default: prompt + max tokens + 8). A server's (4096 in the "
+                        "engine) sizes the decode graphs' block tables and so their key splits")
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtype", default="auto")
     p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs for the decode step")
@@ -135,7 +138,7 @@ def _engine(loaded: LoadedModel, k: int, args: argparse.Namespace,
     vocab = loaded.model.config.vocab_size
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(0, vocab, (args.prompt_len,), generator=g).tolist() for _ in range(args.batch)]
-    max_len = args.prompt_len + args.max_tokens + 8
+    max_len = getattr(args, "max_model_len", None) or args.prompt_len + args.max_tokens + 8
     per_seq = -(-kv_room_needed(max_len, k) // BLOCK_SIZE)
     engine = LLMEngine(loaded, EngineConfig(num_speculative_tokens=k, draft_vocab_size=args.draft_vocab if k else 0,
                                             device=args.device,
@@ -173,6 +176,7 @@ def time_engine(loaded: LoadedModel, k: int, args: argparse.Namespace, tp: TPGro
            "spec_tokens": k, "tp": tp.size if tp is not None else 1, "all_reduce": _all_reduce(loaded, tp),
            "draft_vocab": (args.draft_vocab or None) if k else None, "batch": args.batch,
            "structured_regex": getattr(args, "structured_regex", None),
+           "max_model_len": getattr(args, "max_model_len", None),
            "decode_tokens": tokens, "decode_steps": steps, "seconds": round(elapsed, 4),
            "tokens_per_s": round(tokens / elapsed, 1), "ms_per_step": round(1000 * elapsed / max(steps, 1), 3)}
     if args.profile:

@@ -9,9 +9,14 @@ rows, only when the running set changed), one replay, and one copy of its packed
 one event (engine/step_output.py). The step reads the state's rows through one gather kernel
 (kernels/step_meta.py `step_inputs`).
 
-Graphs are keyed by (B, all_greedy, needs_filter, penalized, constrained, logprobs) and captured on
-first use; the greedy ones without penalties, grammar masks or logprobs for every bucket are
-captured up front (`capture_greedy`). A constrained graph reads `BatchState.grammar_mask`; a
+Graphs are keyed by (B, all_greedy, needs_filter, penalized, constrained, logprobs, kv_blocks) and
+captured on first use. `kv_blocks` is the block-table width the step's attention reads: the
+runner's `max_blocks`, or `short_blocks` when every row's blocks fit in that many. The short graphs
+attend in one key split, so their attention needs no combine launch a layer (the long ones split
+as `decode_splits` says for max_model_len: 16 splits and a combine at batch 1 for 4096; on an H100
+that cost Llama-1B's batch-1 step 1.04 -> 1.07 ms and SmolLM2's batch-32 step 0.58 -> 0.67 ms with
+64-token prompts, BENCHMARKS.md). The greedy ones without penalties, grammar masks or logprobs,
+for every bucket and both widths, are captured up front (`capture_greedy`). A constrained graph reads `BatchState.grammar_mask`; a
 constrained step also comes as two graphs (`halves`: the forward, then masks, verification and
 redraft), so the host can write the masks between them (engine/decode_batch.py).
 A capture synchronizes the device once (torch's capture does), so it is a one-time cost
@@ -36,7 +41,7 @@ from engine.batch_state import BatchState, to_device_no_sync
 
 MAX_TOP_LOGPROBS = 20  # graphs that carry logprobs compute this many; rows keep what they asked
 
-GraphKey = tuple[int, bool, bool, bool, bool, bool]  # (bucket, *StepFlags, logprobs)
+GraphKey = tuple[int, bool, bool, bool, bool, bool, int]  # (bucket, *StepFlags, logprobs, kv_blocks)
 StepFlags = tuple[bool, bool, bool, bool]  # (all_greedy, needs_filter, penalized, constrained): host-known per launch
 StepOutputs = Any  # engine.model_runner.StepOutputs: the step's static output tensors
 
@@ -47,6 +52,7 @@ class DecodeRunner(Protocol):
     state: BatchState
     device: torch.device
     max_blocks: int
+    short_blocks: int  # the narrower graphs' block-table width (one key split)
 
     def decode_step(self, rows: torch.Tensor, flags: StepFlags, lp_sel: Any, num_top: int,
                     num_kv_blocks: int) -> StepOutputs: ...
@@ -92,14 +98,21 @@ class DecodeGraphs:
         self.halves: dict[GraphKey, tuple[torch.cuda.CUDAGraph, torch.cuda.CUDAGraph, Any, StepOutputs]] = {}
         self.pool: Any = None  # all graphs share one memory pool (they never run at once)
         self._rows: list[int] = [runner.state.spare] * max_batch  # what `step_rows` holds
+        short = min(runner.short_blocks, runner.max_blocks)
+        self.widths = sorted({short, runner.max_blocks})  # kv_blocks of the keys
 
     def bucket(self, n: int) -> int:
         return next(b for b in self.buckets if b >= n)
 
-    def replay(self, slots: list[int], flags: StepFlags, logprobs: bool) -> StepOutputs:
+    def key(self, n: int, flags: StepFlags, logprobs: bool, num_kv_blocks: int) -> GraphKey:
+        """The graph for n rows whose attention reads at most `num_kv_blocks` table columns."""
+        width = next((w for w in self.widths if w >= num_kv_blocks), self.widths[-1])
+        return (self.bucket(n), *flags, logprobs, width)
+
+    def replay(self, slots: list[int], flags: StepFlags, logprobs: bool, num_kv_blocks: int) -> StepOutputs:
         """Run the step for `slots` (<= max_batch); outputs have the bucket's row count."""
-        b = self.bucket(len(slots))
-        key = (b, *flags, logprobs)
+        key = self.key(len(slots), flags, logprobs, num_kv_blocks)
+        b = key[0]
         if key not in self.graphs:
             self.capture(key)
         self._set_rows(slots + [self.runner.state.spare] * (b - len(slots)))
@@ -107,25 +120,26 @@ class DecodeGraphs:
         graph.replay()
         return out
 
-    def replay_forward(self, slots: list[int], flags: StepFlags, logprobs: bool) -> None:
+    def replay_forward(self, slots: list[int], flags: StepFlags, logprobs: bool, num_kv_blocks: int) -> None:
         """The first half of a constrained step for `slots` (`ModelRunner.launch_forward`)."""
-        b = self.bucket(len(slots))
-        key = (b, *flags, logprobs)
+        key = self.key(len(slots), flags, logprobs, num_kv_blocks)
+        b = key[0]
         if key not in self.halves:
             self.capture_halves(key)
         self._set_rows(slots + [self.runner.state.spare] * (b - len(slots)))
         self.halves[key][0].replay()
 
-    def replay_finish(self, n: int, flags: StepFlags, logprobs: bool) -> StepOutputs:
+    def replay_finish(self, n: int, flags: StepFlags, logprobs: bool, num_kv_blocks: int) -> StepOutputs:
         """The second half of the step `replay_forward` began for n rows (nothing in between
         changes the rows)."""
-        _, graph, _, out = self.halves[(self.bucket(n), *flags, logprobs)]
+        _, graph, _, out = self.halves[self.key(n, flags, logprobs, num_kv_blocks)]
         graph.replay()
         return out
 
     def capture_greedy(self) -> None:
-        for b in self.buckets:
-            self.capture((b, True, False, False, False, False))
+        for width in self.widths:
+            for b in self.buckets:
+                self.capture((b, True, False, False, False, False, width))
 
     def _set_rows(self, rows: list[int]) -> None:
         if rows != self._rows[: len(rows)]:
@@ -135,7 +149,7 @@ class DecodeGraphs:
 
     def _prepare(self, key: GraphKey) -> None:
         """The state buffers a key's step reads, made before its capture; every row on the spare slot."""
-        b, all_greedy, _, penalized, constrained, _ = key
+        b, all_greedy, _, penalized, constrained, _, _ = key
         r = self.runner
         if not all_greedy:
             r.state.ensure_draft_probs()
@@ -146,7 +160,7 @@ class DecodeGraphs:
         self._set_rows([r.state.spare] * b)
 
     def capture(self, key: GraphKey) -> None:
-        b, all_greedy, needs_filter, penalized, constrained, logprobs = key
+        b, all_greedy, needs_filter, penalized, constrained, logprobs, width = key
         r = self.runner
         self._prepare(key)
         rows = r.state.step_rows[:b]
@@ -154,7 +168,7 @@ class DecodeGraphs:
         def step() -> StepOutputs:
             lp_sel = slice(None) if logprobs else None
             flags = (all_greedy, needs_filter, penalized, constrained)
-            return r.decode_step(rows, flags, lp_sel, MAX_TOP_LOGPROBS, r.max_blocks)
+            return r.decode_step(rows, flags, lp_sel, MAX_TOP_LOGPROBS, width)
 
         self._warm_up(step)
         graph = torch.cuda.CUDAGraph()
@@ -166,7 +180,7 @@ class DecodeGraphs:
     def capture_halves(self, key: GraphKey) -> None:
         """Two graphs for a constrained key: the forward, then the rest reading its outputs (kept
         alive with the graphs, so no later capture in the shared pool reuses their memory)."""
-        b, *flags, logprobs = key
+        b, *flags, logprobs, width = key
         r = self.runner
         self._prepare(key)
         rows = r.state.step_rows[:b]
@@ -174,12 +188,12 @@ class DecodeGraphs:
         lp_sel = slice(None) if logprobs else None
 
         def finish(fwd: Any) -> StepOutputs:
-            return r.decode_finish(fwd, rows, f, lp_sel, MAX_TOP_LOGPROBS, r.max_blocks)  # type: ignore[arg-type]
+            return r.decode_finish(fwd, rows, f, lp_sel, MAX_TOP_LOGPROBS, width)  # type: ignore[arg-type]
 
-        self._warm_up(lambda: finish(r.decode_forward(rows, f, r.max_blocks)))  # type: ignore[arg-type]
+        self._warm_up(lambda: finish(r.decode_forward(rows, f, width)))  # type: ignore[arg-type]
         first, second = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
         with capturing(first, self.pool):
-            fwd = r.decode_forward(rows, f, r.max_blocks)  # type: ignore[arg-type]
+            fwd = r.decode_forward(rows, f, width)  # type: ignore[arg-type]
         self.pool = first.pool()
         with capturing(second, self.pool):
             out = finish(fwd)

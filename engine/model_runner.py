@@ -17,6 +17,7 @@ hands back device tensors wrapped in handles; the host reads a decode step's res
 from __future__ import annotations
 
 import functools
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -44,8 +45,11 @@ from kernels.decode_tail import accept_and_advance
 from kernels.step_meta import Meta, StepInputs, step_inputs, uniform_meta
 from kernels.token_mask import mask_rows
 
-SPLIT_BLOCKS = 16  # KV blocks per split-KV partition in decode
+SPLIT_BLOCKS = int(os.environ.get("PDSERVE_SPLIT_BLOCKS", "16"))  # KV blocks per split-KV partition in decode
 FULL_GRID = 264  # programs that fill an H100 twice (132 SMs)
+# the decode graphs for rows of at most this many blocks read no more table columns, so they attend in
+# one split with no combine launch (engine/cuda_graphs.py); 0: one width, max_blocks
+SHORT_KV_BLOCKS = int(os.environ.get("PDSERVE_SHORT_KV_BLOCKS", str(SPLIT_BLOCKS)))
 MAX_GRAPH_ROWS = 64  # prefill graphs' largest row bucket
 MAX_GRAPH_TOKENS = 16384  # prefill graphs' largest token bucket: beyond it compute hides the launches (SmolLM2 4 x 4096 was host-bound eager)
 
@@ -172,6 +176,7 @@ class ModelRunner:
         layers = cfg.num_hidden_layers + (1 if k > 0 else 0)
         self.kv = KVCache(layers, num_blocks, block_size, cfg.num_key_value_heads, cfg.head_dim, dtype, device)
         self.max_blocks = -(-kv_room_needed(max_model_len, k) // block_size)
+        self.short_blocks = SHORT_KV_BLOCKS or self.max_blocks
         self.state = BatchState(max_num_seqs, k, self.max_blocks, cfg.vocab_size, device)
         self.outputs = HostOutputs(device, StepLayout(max_num_seqs, k + 1, max_num_seqs, MAX_TOP_LOGPROBS, True).words)
         self.grammar: GrammarCompiler | None = None  # structured output (engine/grammar.py); None: refused
@@ -297,7 +302,8 @@ class ModelRunner:
         of the step's packed outputs to the host (engine/step_output.py). Never syncs.
         """
         if self._graphed(slots):
-            return self._handle(slots, self.graphs.replay(slots, flags, bool(logprobs)), logprobs, True)  # type: ignore[union-attr]
+            out = self.graphs.replay(slots, flags, bool(logprobs), num_kv_blocks)  # type: ignore[union-attr]
+            return self._handle(slots, out, logprobs, True)
         rows = to_device_no_sync(slots, torch.long, self.device)
         out = self.decode_step(rows, flags, *self._logprob_rows(logprobs), num_kv_blocks)
         return self._handle(slots, out, logprobs, False)
@@ -325,7 +331,7 @@ class ModelRunner:
         step's grammar masks while it runs, then queues the rest (`launch_finish`). Never syncs."""
         assert flags[3], "only a constrained step runs in halves"
         if self._graphed(slots):
-            self.graphs.replay_forward(slots, flags, bool(logprobs))  # type: ignore[union-attr]
+            self.graphs.replay_forward(slots, flags, bool(logprobs), num_kv_blocks)  # type: ignore[union-attr]
             return ForwardHandle(slots, flags, logprobs, num_kv_blocks, None)
         rows = to_device_no_sync(slots, torch.long, self.device)
         return ForwardHandle(slots, flags, logprobs, num_kv_blocks, self.decode_forward(rows, flags, num_kv_blocks), rows)
@@ -334,8 +340,8 @@ class ModelRunner:
         """Queue the second half of the step `h` began, and the one copy of its outputs."""
         if h.forward is None:
             assert self.graphs is not None
-            return self._handle(h.slots, self.graphs.replay_finish(len(h.slots), h.flags, bool(h.logprobs)),
-                                h.logprobs, True)
+            out = self.graphs.replay_finish(len(h.slots), h.flags, bool(h.logprobs), h.num_kv_blocks)
+            return self._handle(h.slots, out, h.logprobs, True)
         assert h.rows is not None
         out = self.decode_finish(h.forward, h.rows, h.flags, *self._logprob_rows(h.logprobs), h.num_kv_blocks)
         return self._handle(h.slots, out, h.logprobs, False)

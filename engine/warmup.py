@@ -7,8 +7,9 @@ TTFT p99 in BENCHMARKS.md), and the node's loop answers nothing meanwhile. A nod
 captures the keys ordinary requests meet before it serves (`model.warmup`, on by default for
 `pdserve up`; `pdserve generate` and the benches capture on first use):
 
-- decode: every batch bucket, greedy and sampled (no top-k/top-p filter), with and without
-  logprobs (the greedy ones without logprobs are captured by `build_runner` already);
+- decode: every batch bucket and both block-table widths (engine/cuda_graphs.py), greedy and
+  sampled (no top-k/top-p filter), with and without logprobs (the greedy ones without logprobs
+  are captured by `build_runner` already);
 - prefill: every token bucket at the fewest rows whose rows fit `max_model_len`, greedy and
   sampled, with and without logprobs, fresh prompts; two equal prompts in every token bucket
   (greedy with logprobs, sampled without); then every row bucket once at the largest token bucket
@@ -64,12 +65,13 @@ def warm_up(runner, *, decode: bool, prefill: bool, max_model_len: int) -> Warmu
 
 def _warm_decode(graphs) -> int:
     before = len(graphs.graphs)
-    for b in graphs.buckets:
-        for all_greedy in (True, False):
-            for logprobs in (False, True):
-                key = (b, all_greedy, False, False, False, logprobs)
-                if key not in graphs.graphs:
-                    graphs.capture(key)
+    for width in graphs.widths:
+        for b in graphs.buckets:
+            for all_greedy in (True, False):
+                for logprobs in (False, True):
+                    key = (b, all_greedy, False, False, False, logprobs, width)
+                    if key not in graphs.graphs:
+                        graphs.capture(key)
     return len(graphs.graphs) - before
 
 

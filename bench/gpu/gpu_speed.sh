@@ -66,7 +66,21 @@
 # (PDSERVE_ATTN_PRELOAD_BLOCK_N_Q1; 64 / 64, 64 / 128 and 128 / 128 for all / one-query launches; the first two twice),
 # after the attention tests with it: SmolLM2 b1 k=3 (and k=0), b32 k=0, Llama-1B b1 k=3 with 32k drafts
 # (and k=0); then Llama-1B and SmolLM2 b1 k=0 with 2048-token prompts (16-32 tiles of 64).
-# Usage: bash bench/gpu/gpu_speed.sh check|bench|profile|pdl|frspec|regress|ropeattn|prefetch|final6|b1prof|hostsplit|midtiles|outkernel|mtpinput|gemv|preload|next11|embed|bigbatch|b1inc|tiles|pfetch|attnregs|attnfinal|preloadmid|attnbn|qkvsplit|attnq1|all
+# `splits` (session 11): decode attention's key splits as a server sizes them: `bench engine` sizes its
+# graphs for prompt + max tokens (one split), a server for max_model_len (4096 by default: 16 splits at
+# batch 1, most of them empty for short contexts, and a combine launch a layer). Llama-1B and SmolLM2
+# b1 k=0 with 64- and 2048-token prompts, --max-model-len 4096, PDSERVE_SPLIT_BLOCKS 16 (the default),
+# 64 and 256 (one split); SmolLM2 b32 k=0 and Llama-1B b1 k=3 (32k drafts) at 4096 too.
+# `splitinc` (session 11): b1inc's per-kernel trace for Llama-1B b1 k=0 with the bench's graphs, with
+# a server's (--max-model-len 4096: 16 splits) at 64- and 2048-token prompts, and with one split
+# (PDSERVE_SPLIT_BLOCKS=256); SmolLM2 b32 k=0's top kernels, the bench's graphs against a server's.
+# `shortkv` (session 11; kept): decode graphs of two block-table widths (engine/cuda_graphs.py): rows whose
+# blocks fit PDSERVE_SHORT_KV_BLOCKS (16) replay graphs with one key split, no combine launch. First the
+# engine GPU tests (both widths against eager fp32), the warm-up and first-token tests; then with
+# --max-model-len 4096 as a server, PDSERVE_SHORT_KV_BLOCKS=0 (one width, before) against the default,
+# twice: Llama-1B b1 k=3 with 32k drafts (and its k=0), SmolLM2 b1 k=3 (and k=0), SmolLM2 b32 k=0, and
+# Llama-1B b1 k=0 with a 2048-token prompt (the wide graphs either way).
+# Usage: bash bench/gpu/gpu_speed.sh check|bench|profile|pdl|frspec|regress|ropeattn|prefetch|final6|b1prof|hostsplit|midtiles|outkernel|mtpinput|gemv|preload|next11|embed|bigbatch|b1inc|tiles|pfetch|attnregs|attnfinal|preloadmid|attnbn|qkvsplit|attnq1|splits|splitinc|shortkv|all
 set -uo pipefail
 . "$(dirname "$0")/../../deploy/require.sh"; need_gpu_machine; require_done
 export PYTHONUNBUFFERED=1
@@ -382,6 +396,63 @@ if [[ $stage == attnq1 ]]; then
         >> "$OUT/bench.jsonl"
     done
   done
+  rows
+fi
+
+if [[ $stage == splits ]]; then
+  sp() {  # variant, then bench engine's arguments
+    local v=$1; shift
+    python3 -m deploy.cli bench engine --device cuda "$@" | sed "s|^{|{\"variant\": \"$v\", |" >> "$OUT/bench.jsonl"
+  }
+  for m in llama-1b smollm2; do
+    sp "prompt=64 mml=bench" --arch $m --batch 1 --max-tokens 64 --spec-tokens 0
+    for p in 64 2048; do for sb in 16 64 256; do
+      PDSERVE_SPLIT_BLOCKS=$sb sp "prompt=$p mml=4096 split_blocks=$sb" --arch $m --batch 1 --max-tokens 64 \
+        --spec-tokens 0 --prompt-len $p --max-model-len 4096
+    done; done
+  done
+  sp "prompt=64 mml=bench" --arch smollm2 --batch 32 --max-tokens 64 --spec-tokens 0
+  sp "prompt=64 mml=4096" --arch smollm2 --batch 32 --max-tokens 64 --spec-tokens 0 --max-model-len 4096
+  sp "prompt=64 mml=4096" --arch llama-1b --batch 1 --max-tokens 64 --spec-tokens 3 --draft-vocab 32768 --max-model-len 4096
+  rows
+fi
+
+if [[ $stage == splitinc ]]; then
+  pv() {  # variant, then bench engine's arguments
+    local v=$1; shift
+    python3 -m deploy.cli bench engine --device cuda --profile "$@" | sed "s|^{|{\"variant\": \"$v\", |" >> "$OUT/bench.jsonl"
+  }
+  a="--arch llama-1b --batch 1 --max-tokens 64 --spec-tokens 0"
+  pv "bench" $a
+  pv "mml=4096" $a --max-model-len 4096
+  PDSERVE_SPLIT_BLOCKS=256 pv "mml=4096 one split" $a --max-model-len 4096
+  pv "mml=4096 prompt=2048" $a --max-model-len 4096 --prompt-len 2048
+  pv "bench" --arch smollm2 --batch 32 --max-tokens 64 --spec-tokens 0
+  pv "mml=4096" --arch smollm2 --batch 32 --max-tokens 64 --spec-tokens 0 --max-model-len 4096
+  python3 -c "import json
+for l in open('$OUT/bench.jsonl'):
+    r = json.loads(l) if l.startswith('{') else {}
+    inc = r.get('layer_increments')
+    if not inc: continue
+    print(r['variant'], r['model'], 'b', r['batch'], r['ms_per_step'], 'ms; span', inc['step_us'], 'us; busy', r['gpu_busy'])
+    for g in inc['groups'] if r['batch'] == 1 else []: print('  ', g)
+    for k in r['top_kernels'] if r['batch'] > 1 else []: print('  ', k)"
+fi
+
+if [[ $stage == shortkv ]]; then
+  timeout 420 python3 -m pytest -q -p no:cacheprovider tests/engine/test_gpu.py tests/engine/test_gpu_prefill.py \
+    tests/engine/test_first_token.py 2>&1 | tail -3
+  skv() {  # PDSERVE_SHORT_KV_BLOCKS, then bench engine's arguments
+    local v=$1; shift
+    PDSERVE_SHORT_KV_BLOCKS=$v python3 -m deploy.cli bench engine --device cuda "$@" --max-model-len 4096 \
+      | sed "s|^{|{\"variant\": \"short_kv_blocks=$v\", |" >> "$OUT/bench.jsonl"
+  }
+  for v in 0 16 0 16; do
+    skv $v --arch llama-1b --batch 1 --max-tokens 64 --spec-tokens 3 --draft-vocab 32768
+    skv $v --arch smollm2 --batch 1 --max-tokens 96 --spec-tokens 3
+    skv $v --arch smollm2 --batch 32 --max-tokens 64 --spec-tokens 0
+  done
+  for v in 0 16; do skv $v --arch llama-1b --batch 1 --max-tokens 64 --spec-tokens 0 --prompt-len 2048; done
   rows
 fi
 

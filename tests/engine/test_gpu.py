@@ -153,6 +153,32 @@ def test_fast_path_greedy_equals_eager_reference_fp32(k):
         assert [lp.logprob for lp in a.logprobs] == pytest.approx([lp.logprob for lp in b.logprobs], abs=1e-4)
 
 
+@pytest.mark.parametrize("k", [0, 3])
+def test_graphs_of_both_table_widths_give_eager_tokens_fp32(k):
+    """A row whose blocks fit `short_blocks` replays the graphs that read that many table columns
+    (one key split); a row that grows past them, and a batch holding one, the full-width graphs
+    (split keys and their combine). The tokens equal the eager reference's either way, and both
+    widths ran."""
+    prompts = [[3 + (7 * i) % 200 for i in range(n)] for n in (5, 230, 300)]
+    params = SamplingParams(max_tokens=48, ignore_eos=True)
+    fast = LLMEngine(load_model("tiny", device="cuda", dtype="float32"),
+                     EngineConfig(num_speculative_tokens=k, device="cuda", max_model_len=1024))
+    graphs = fast.runner.graphs
+    assert graphs is not None and len(graphs.widths) == 2
+    widths, real_key = [], graphs.key
+    graphs.key = lambda *a: widths.append(real_key(*a)[-1]) or real_key(*a)  # type: ignore[method-assign]
+    got = [fast.generate([p], params)[0].output_ids for p in prompts] + [
+        r.output_ids for r in fast.generate(prompts, params)]
+    assert set(widths) == set(graphs.widths)
+    with reference_kernels():
+        ref_eng = LLMEngine(load_model("tiny", device="cuda", dtype="float32"),
+                            EngineConfig(num_speculative_tokens=k, device="cuda", enforce_eager=True,
+                                         attention_backend="torch", max_model_len=1024))
+        ref = [ref_eng.generate([p], params)[0].output_ids for p in prompts] + [
+            r.output_ids for r in ref_eng.generate(prompts, params)]
+    assert got == ref
+
+
 def test_bf16_greedy_generates():
     loaded = load_model("tiny", device="cuda", dtype="bfloat16")
     eng = LLMEngine(loaded, EngineConfig(num_speculative_tokens=2, device="cuda"))
