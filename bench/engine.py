@@ -7,7 +7,10 @@ object per k. On CUDA it also prints, from the same process, the floor a decode 
 compared with (parameter bytes / measured copy bandwidth) and, with `--hf`, Hugging Face
 `generate` on the same weights. `--profile` adds kernels per decode step (copies, memsets and
 torch's own kernels apart: `launch_counts`) and the share of the decode loop the GPU is busy
-(torch profiler), and where the host's time per step goes (`bench/host_split.py`).
+(torch profiler), and where the host's time per step goes (`bench/host_split.py`). With
+PDSERVE_STEP_STAMPS=1 on CUDA (graphs on) it adds the GPU-busy share of the timed loop itself
+from the GPU's clock at each decode graph's start and end, with no profiler (`gpu_busy_stamped`,
+`stamped_step_us`, `stamped_gap_us`: kernels/stamps.py).
 `--draft-vocab N` drafts over the N most frequent tokens (FR-Spec); random weights use the
 shipped ranking of the named model (its drafts are never accepted: this times the step).
 """
@@ -42,6 +45,7 @@ from engine.sampling_params import SamplingParams
 from engine.structured import StructuredSpec
 from engine.tensor_parallel import TPGroup
 from engine.tiny import scale_random_
+from kernels.stamps import StepStamps, stamped_busy
 
 SHAPES = {
     "smollm2": dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
@@ -162,6 +166,9 @@ def time_engine(loaded: LoadedModel, k: int, args: argparse.Namespace, tp: TPGro
         engine.add_request(p, params)
     engine.step()  # the whole batch prefills in one step
     assert not engine.waiting, "the KV cache holds the whole batch"
+    stamps = _stamps(engine)
+    if stamps is not None:
+        stamps.reset()
     sync_device(args.device)
     start, steps = time.perf_counter(), 0
     while engine.has_unfinished():
@@ -179,11 +186,19 @@ def time_engine(loaded: LoadedModel, k: int, args: argparse.Namespace, tp: TPGro
            "max_model_len": getattr(args, "max_model_len", None),
            "decode_tokens": tokens, "decode_steps": steps, "seconds": round(elapsed, 4),
            "tokens_per_s": round(tokens / elapsed, 1), "ms_per_step": round(1000 * elapsed / max(steps, 1), 3)}
+    if stamps is not None:
+        out.update(stamped_busy(stamps.read()))
     if args.profile:
         out.update(host_split(engine, prompts, params, PROFILE_STEPS))
     if args.profile and args.device.startswith("cuda"):
         out.update(profile_decode(engine, prompts, params))
     return out
+
+
+def _stamps(engine: LLMEngine) -> StepStamps | None:
+    """The decode graphs' step stamps (PDSERVE_STEP_STAMPS=1 on CUDA, graphs on), else None."""
+    graphs = engine.runner.graphs
+    return graphs.stamps if graphs is not None else None
 
 
 def _params(args: argparse.Namespace) -> SamplingParams:

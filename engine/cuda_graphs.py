@@ -20,7 +20,9 @@ for every bucket and both widths, are captured up front (`capture_greedy`). A co
 constrained step also comes as two graphs (`halves`: the forward, then masks, verification and
 redraft), so the host can write the masks between them (engine/decode_batch.py).
 A capture synchronizes the device once (torch's capture does), so it is a one-time cost
-per key, paid before the loop runs for the keys captured up front.
+per key, paid before the loop runs for the keys captured up front. With PDSERVE_STEP_STAMPS=1 each
+graph opens and closes with a stamp of the GPU's clock (`stamps`, kernels/stamps.py; a halves
+step: the first graph opens, the second closes); off, the graphs hold the step alone.
 
 Careful when editing: a capture runs the step once (warm-up, to compile kernels) with every
 row on the spare slot, so it changes no request's state; the graphs' outputs are static
@@ -38,6 +40,7 @@ from typing import Any, Protocol
 import torch
 
 from engine.batch_state import BatchState, to_device_no_sync
+from kernels.stamps import StepStamps, stamps_on
 
 MAX_TOP_LOGPROBS = 20  # graphs that carry logprobs compute this many; rows keep what they asked
 
@@ -100,6 +103,7 @@ class DecodeGraphs:
         self._rows: list[int] = [runner.state.spare] * max_batch  # what `step_rows` holds
         short = min(runner.short_blocks, runner.max_blocks)
         self.widths = sorted({short, runner.max_blocks})  # kv_blocks of the keys
+        self.stamps = StepStamps(runner.device) if stamps_on(runner.device) else None  # PDSERVE_STEP_STAMPS=1
 
     def bucket(self, n: int) -> int:
         return next(b for b in self.buckets if b >= n)
@@ -168,7 +172,10 @@ class DecodeGraphs:
         def step() -> StepOutputs:
             lp_sel = slice(None) if logprobs else None
             flags = (all_greedy, needs_filter, penalized, constrained)
-            return r.decode_step(rows, flags, lp_sel, MAX_TOP_LOGPROBS, width)
+            self._stamp(end=False)
+            out = r.decode_step(rows, flags, lp_sel, MAX_TOP_LOGPROBS, width)
+            self._stamp(end=True)
+            return out
 
         self._warm_up(step)
         graph = torch.cuda.CUDAGraph()
@@ -187,17 +194,28 @@ class DecodeGraphs:
         f = tuple(flags)
         lp_sel = slice(None) if logprobs else None
 
-        def finish(fwd: Any) -> StepOutputs:
-            return r.decode_finish(fwd, rows, f, lp_sel, MAX_TOP_LOGPROBS, width)  # type: ignore[arg-type]
+        def forward() -> Any:
+            self._stamp(end=False)
+            return r.decode_forward(rows, f, width)  # type: ignore[arg-type]
 
-        self._warm_up(lambda: finish(r.decode_forward(rows, f, width)))  # type: ignore[arg-type]
+        def finish(fwd: Any) -> StepOutputs:
+            out = r.decode_finish(fwd, rows, f, lp_sel, MAX_TOP_LOGPROBS, width)  # type: ignore[arg-type]
+            self._stamp(end=True)
+            return out
+
+        self._warm_up(lambda: finish(forward()))
         first, second = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
         with capturing(first, self.pool):
-            fwd = r.decode_forward(rows, f, width)  # type: ignore[arg-type]
+            fwd = forward()
         self.pool = first.pool()
         with capturing(second, self.pool):
             out = finish(fwd)
         self.halves[key] = (first, second, fwd, out)
+
+    def _stamp(self, end: bool) -> None:
+        """The step's start or end stamp of the GPU's clock, when stamps are on (kernels/stamps.py)."""
+        if self.stamps is not None:
+            (self.stamps.stamp_end if end else self.stamps.stamp_start)()
 
     def _warm_up(self, step) -> None:
         """Run `step` once on a side stream (compiles kernels, sizes workspaces) before a capture."""

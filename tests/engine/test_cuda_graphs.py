@@ -4,15 +4,20 @@ rows' results nor any state but the spare's and the trash block's. The step runs
 batch-invariant kernels (`--deterministic`), so "the same results" means the same bits on any
 machine: with the default kernels more rows in a GEMM may round differently, and whether that
 moves a token or the order of a top-3 would be the CPU's luck. The host reads the same of
-both steps' packed outputs (`collect`)."""
+both steps' packed outputs (`collect`). The graphs hold no step stamps by default; on a GPU,
+with PDSERVE_STEP_STAMPS=1 they stamp every step and give the same tokens."""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
+import pytest
 import torch
 
 from engine.attention import TRASH_BLOCK
-from engine.cuda_graphs import bucket_sizes
+from engine.cuda_graphs import DecodeGraphs, bucket_sizes
 from engine.engine import EngineConfig, LLMEngine
+from engine.loader import load_model
 from engine.model_runner import DecodeHandle
 from engine.sampling_params import SamplingParams
 
@@ -73,3 +78,29 @@ def test_spare_padding_rows_change_nothing_but_the_spare_and_trash(tiny):
     for i in range(len(runner.kv.layers)):
         assert torch.equal(after_padded[f"kv{i}"][:, keep], after_plain[f"kv{i}"][:, keep])
         assert not torch.equal(after_padded[f"kv{i}"][:, keep], before[f"kv{i}"][:, keep])  # the step wrote
+
+
+def test_graphs_stamp_nothing_by_default(monkeypatch):
+    monkeypatch.delenv("PDSERVE_STEP_STAMPS", raising=False)
+    runner = SimpleNamespace(state=SimpleNamespace(spare=4), device=torch.device("cuda"))
+    assert DecodeGraphs(runner, 4).stamps is None  # type: ignore[arg-type]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="stamps read the GPU's clock: needs CUDA")
+def test_step_stamps_change_no_token_and_stamp_every_step(monkeypatch):
+    loaded = load_model("tiny", device="cuda", dtype="float32")
+    prompts, params = [list(range(5, 12)), list(range(5, 30))], SamplingParams(max_tokens=20, ignore_eos=True)
+    tokens = {}
+    for on in ("0", "1"):
+        monkeypatch.setenv("PDSERVE_STEP_STAMPS", on)
+        eng = LLMEngine(loaded, EngineConfig(num_speculative_tokens=2, device="cuda"))
+        stamps = eng.runner.graphs.stamps  # type: ignore[union-attr]
+        assert (stamps is not None) == (on == "1")
+        if stamps is not None:
+            stamps.reset()
+        tokens[on] = [r.output_ids for r in eng.generate(prompts, params)]
+        if stamps is not None:
+            spans = stamps.read()
+            assert spans and all(0 < s < e for s, e in spans)
+            assert all(e0 <= s1 for (_, e0), (s1, _) in zip(spans, spans[1:], strict=False))
+    assert tokens["0"] == tokens["1"]
