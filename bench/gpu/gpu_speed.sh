@@ -80,7 +80,10 @@
 # --max-model-len 4096 as a server, PDSERVE_SHORT_KV_BLOCKS=0 (one width, before) against the default,
 # twice: Llama-1B b1 k=3 with 32k drafts (and its k=0), SmolLM2 b1 k=3 (and k=0), SmolLM2 b32 k=0, and
 # Llama-1B b1 k=0 with a 2048-token prompt (the wide graphs either way).
-# Usage: bash bench/gpu/gpu_speed.sh check|bench|profile|pdl|frspec|regress|ropeattn|prefetch|final6|b1prof|hostsplit|midtiles|outkernel|mtpinput|gemv|preload|next11|embed|bigbatch|b1inc|tiles|pfetch|attnregs|attnfinal|preloadmid|attnbn|qkvsplit|attnq1|splits|splitinc|shortkv|all
+# `stamps` (session 11): the step stamps' CUDA tests and the constrained GPU tests (xgrammar carried),
+# then SmolLM2 b32 k=0 / k=3 with PDSERVE_STEP_STAMPS=1 and --profile (the stamped busy share beside
+# the profiler's), and k=0 with the stamps off / on unprofiled (their own cost), twice.
+# Usage: bash bench/gpu/gpu_speed.sh check|bench|profile|pdl|frspec|regress|ropeattn|prefetch|final6|b1prof|hostsplit|midtiles|outkernel|mtpinput|gemv|preload|next11|embed|bigbatch|b1inc|tiles|pfetch|attnregs|attnfinal|preloadmid|attnbn|qkvsplit|attnq1|splits|splitinc|shortkv|stamps|all
 set -uo pipefail
 . "$(dirname "$0")/../../deploy/require.sh"; need_gpu_machine; require_done
 export PYTHONUNBUFFERED=1
@@ -454,6 +457,26 @@ if [[ $stage == shortkv ]]; then
   done
   for v in 0 16; do skv $v --arch llama-1b --batch 1 --max-tokens 64 --spec-tokens 0 --prompt-len 2048; done
   rows
+fi
+
+if [[ $stage == stamps ]]; then
+  timeout 240 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_stamps.py tests/engine/test_cuda_graphs.py \
+    tests/engine/test_gpu.py tests/engine/test_gpu_prefill.py -k "stamp or constrained" 2>&1 | tail -3
+  st() {  # variant, then bench engine's arguments
+    local v=$1; shift
+    python3 -m deploy.cli bench engine --device cuda "$@" | sed "s|^{|{\"variant\": \"$v\", |" >> "$OUT/bench.jsonl"
+  }
+  PDSERVE_STEP_STAMPS=1 st "stamps, profiled" --arch smollm2 --batch 32 --max-tokens 128 --spec-tokens 3 --profile
+  for rep in 1 2; do
+    st "no stamps" --arch smollm2 --batch 32 --max-tokens 128 --spec-tokens 0
+    PDSERVE_STEP_STAMPS=1 st "stamps" --arch smollm2 --batch 32 --max-tokens 128 --spec-tokens 0
+  done
+  python3 -c "import json
+for l in open('$OUT/bench.jsonl'):
+    r = json.loads(l) if l.startswith('{') else {}
+    if 'ms_per_step' in r:
+        print(r['variant'], r['model'], r['batch'], r['spec_tokens'], r['ms_per_step'], 'profiler', r.get('gpu_busy'),
+              'stamped', r.get('gpu_busy_stamped'), r.get('stamped_step_us'), r.get('stamped_gap_us'))"
 fi
 
 if [[ $stage == preloadmid ]]; then
