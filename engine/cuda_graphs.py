@@ -11,12 +11,13 @@ one event (engine/step_output.py). The step reads the state's rows through one g
 
 Graphs are keyed by (B, all_greedy, needs_filter, penalized, constrained, logprobs, kv_blocks) and
 captured on first use. `kv_blocks` is the block-table width the step's attention reads: the
-runner's `max_blocks`, or `short_blocks` when every row's blocks fit in that many. The short graphs
-attend in one key split, so their attention needs no combine launch a layer (the long ones split
+runner's `max_blocks`, or `short_blocks` when every row's blocks fit in that many (for the buckets
+whose attention the two widths split differently; the rest have one). The short graphs attend in
+one key split, so their attention needs no combine launch a layer (the long ones split
 as `decode_splits` says for max_model_len: 16 splits and a combine at batch 1 for 4096; on an H100
 that cost Llama-1B's batch-1 step 1.04 -> 1.07 ms and SmolLM2's batch-32 step 0.58 -> 0.67 ms with
 64-token prompts, BENCHMARKS.md). The greedy ones without penalties, grammar masks or logprobs,
-for every bucket and both widths, are captured up front (`capture_greedy`). A constrained graph reads `BatchState.grammar_mask`; a
+for every bucket and its widths, are captured up front (`capture_greedy`). A constrained graph reads `BatchState.grammar_mask`; a
 constrained step also comes as two graphs (`halves`: the forward, then masks, verification and
 redraft), so the host can write the masks between them (engine/decode_batch.py).
 A capture synchronizes the device once (torch's capture does), so it is a one-time cost
@@ -56,6 +57,8 @@ class DecodeRunner(Protocol):
     device: torch.device
     max_blocks: int
     short_blocks: int  # the narrower graphs' block-table width (one key split)
+
+    def attention_splits(self, rows: int, num_kv_blocks: int) -> int: ...
 
     def decode_step(self, rows: torch.Tensor, flags: StepFlags, lp_sel: Any, num_top: int,
                     num_kv_blocks: int) -> StepOutputs: ...
@@ -101,17 +104,24 @@ class DecodeGraphs:
         self.halves: dict[GraphKey, tuple[torch.cuda.CUDAGraph, torch.cuda.CUDAGraph, Any, StepOutputs]] = {}
         self.pool: Any = None  # all graphs share one memory pool (they never run at once)
         self._rows: list[int] = [runner.state.spare] * max_batch  # what `step_rows` holds
-        short = min(runner.short_blocks, runner.max_blocks)
-        self.widths = sorted({short, runner.max_blocks})  # kv_blocks of the keys
+        self.widths = {b: self._widths(b) for b in self.buckets}  # each bucket's kv_blocks, narrow first
         self.stamps = StepStamps(runner.device) if stamps_on(runner.device) else None  # PDSERVE_STEP_STAMPS=1
 
     def bucket(self, n: int) -> int:
         return next(b for b in self.buckets if b >= n)
 
+    def _widths(self, b: int) -> list[int]:
+        """`short_blocks` and `max_blocks` where the two split the keys differently; else only
+        `max_blocks` (a batch whose rows fill the GPU alone attends in one split at any width)."""
+        r = self.runner
+        short = min(r.short_blocks, r.max_blocks)
+        return [short, r.max_blocks] if r.attention_splits(b, short) != r.attention_splits(b, r.max_blocks) else [r.max_blocks]
+
     def key(self, n: int, flags: StepFlags, logprobs: bool, num_kv_blocks: int) -> GraphKey:
         """The graph for n rows whose attention reads at most `num_kv_blocks` table columns."""
-        width = next((w for w in self.widths if w >= num_kv_blocks), self.widths[-1])
-        return (self.bucket(n), *flags, logprobs, width)
+        b = self.bucket(n)
+        width = next((w for w in self.widths[b] if w >= num_kv_blocks), self.widths[b][-1])
+        return (b, *flags, logprobs, width)
 
     def replay(self, slots: list[int], flags: StepFlags, logprobs: bool, num_kv_blocks: int) -> StepOutputs:
         """Run the step for `slots` (<= max_batch); outputs have the bucket's row count."""
@@ -141,8 +151,8 @@ class DecodeGraphs:
         return out
 
     def capture_greedy(self) -> None:
-        for width in self.widths:
-            for b in self.buckets:
+        for b in self.buckets:
+            for width in self.widths[b]:
                 self.capture((b, True, False, False, False, False, width))
 
     def _set_rows(self, rows: list[int]) -> None:

@@ -191,6 +191,10 @@ class ModelRunner:
         meta = uniform_meta(tables, start, masked, q, self.block_size, offset)
         return self._attn_meta(meta, tables, q, num_kv_blocks)
 
+    def attention_splits(self, rows: int, num_kv_blocks: int) -> int:
+        """Key splits of a decode step's attention over `rows` rows and that many table columns."""
+        return 1 if self.deterministic else decode_splits(rows, self.model.config.num_key_value_heads, num_kv_blocks)
+
     def _attn_meta(self, meta: Meta, tables: torch.Tensor, q: int, num_kv_blocks: int) -> AttentionMetadata:
         positions, slots, seq_lens, query_start, token_row, token_col = meta
         rows = tables.shape[0]

@@ -7,7 +7,7 @@ TTFT p99 in BENCHMARKS.md), and the node's loop answers nothing meanwhile. A nod
 captures the keys ordinary requests meet before it serves (`model.warmup`, on by default for
 `pdserve up`; `pdserve generate` and the benches capture on first use):
 
-- decode: every batch bucket and both block-table widths (engine/cuda_graphs.py), greedy and
+- decode: every batch bucket at its block-table widths (engine/cuda_graphs.py), greedy and
   sampled (no top-k/top-p filter), with and without logprobs (the greedy ones without logprobs
   are captured by `build_runner` already);
 - prefill: every token bucket at the fewest rows whose rows fit `max_model_len`, greedy and
@@ -65,8 +65,8 @@ def warm_up(runner, *, decode: bool, prefill: bool, max_model_len: int) -> Warmu
 
 def _warm_decode(graphs) -> int:
     before = len(graphs.graphs)
-    for width in graphs.widths:
-        for b in graphs.buckets:
+    for b in graphs.buckets:
+        for width in graphs.widths[b]:
             for all_greedy in (True, False):
                 for logprobs in (False, True):
                     key = (b, all_greedy, False, False, False, logprobs, width)

@@ -82,7 +82,8 @@ def test_spare_padding_rows_change_nothing_but_the_spare_and_trash(tiny):
 
 def test_graphs_stamp_nothing_by_default(monkeypatch):
     monkeypatch.delenv("PDSERVE_STEP_STAMPS", raising=False)
-    runner = SimpleNamespace(state=SimpleNamespace(spare=4), device=torch.device("cuda"))
+    runner = SimpleNamespace(state=SimpleNamespace(spare=4), device=torch.device("cuda"), short_blocks=16, max_blocks=64,
+                             attention_splits=lambda rows, blocks: 1)
     assert DecodeGraphs(runner, 4).stamps is None  # type: ignore[arg-type]
 
 
@@ -104,3 +105,21 @@ def test_step_stamps_change_no_token_and_stamp_every_step(monkeypatch):
             assert spans and all(0 < s < e for s, e in spans)
             assert all(e0 <= s1 for (_, e0), (s1, _) in zip(spans, spans[1:], strict=False))
     assert tokens["0"] == tokens["1"]
+
+
+def test_graph_keys_take_the_narrow_width_only_where_it_splits_the_keys_differently():
+    """A step whose rows fit `short_blocks` replays the narrow graph (one key split); a wider one,
+    and any step of a bucket whose rows alone fill the GPU (one split at either width), the full
+    width. Shaped as Llama-1B (8 kv heads) with max_model_len 4096: 257 blocks."""
+    from engine.model_runner import decode_splits
+
+    runner = SimpleNamespace(state=SimpleNamespace(spare=128), device=torch.device("cpu"), short_blocks=16,
+                             max_blocks=257, attention_splits=lambda rows, blocks: decode_splits(rows, 8, blocks))
+    graphs = DecodeGraphs(runner, 128)  # type: ignore[arg-type]
+    assert graphs.widths == {1: [16, 257], 2: [16, 257], 4: [16, 257], 8: [16, 257], 16: [16, 257], 32: [257],
+                             64: [257], 128: [257]}
+    flags = (True, False, False, False)
+    assert graphs.key(1, flags, False, 3) == (1, *flags, False, 16)
+    assert graphs.key(3, flags, True, 16) == (4, *flags, True, 16)
+    assert graphs.key(3, flags, False, 17) == (4, *flags, False, 257)
+    assert graphs.key(40, flags, False, 2) == (64, *flags, False, 257)
