@@ -83,7 +83,13 @@
 # `stamps` (session 11): the step stamps' CUDA tests and the constrained GPU tests (xgrammar carried),
 # then SmolLM2 b32 k=0 / k=3 with PDSERVE_STEP_STAMPS=1 and --profile (the stamped busy share beside
 # the profiler's), and k=0 with the stamps off / on unprofiled (their own cost), twice.
-# Usage: bash bench/gpu/gpu_speed.sh check|bench|profile|pdl|frspec|regress|ropeattn|prefetch|final6|b1prof|hostsplit|midtiles|outkernel|mtpinput|gemv|preload|next11|embed|bigbatch|b1inc|tiles|pfetch|attnregs|attnfinal|preloadmid|attnbn|qkvsplit|attnq1|splits|splitinc|shortkv|stamps|all
+# `final7` (not yet run; session 11's defaults): the GPU tests session 11 could not see (step stamps, both
+# graph widths, the constrained ones, the engine's and the first token's: xgrammar carried), then the
+# goal and regress rows sized as a server (--max-model-len 4096), SmolLM2 b32 with the step stamps.
+# `midctx` (not yet run): Llama-1B and SmolLM2 b1 k=0 with 256-, 512- and 1024-token prompts as a server,
+# PDSERVE_SPLIT_BLOCKS 16 (the default: 16 splits at 4096) against 64 (4): whether mid-length contexts
+# want a third graph width with fewer splits.
+# Usage: bash bench/gpu/gpu_speed.sh check|bench|profile|pdl|frspec|regress|ropeattn|prefetch|final6|b1prof|hostsplit|midtiles|outkernel|mtpinput|gemv|preload|next11|embed|bigbatch|b1inc|tiles|pfetch|attnregs|attnfinal|preloadmid|attnbn|qkvsplit|attnq1|splits|splitinc|shortkv|stamps|final7|midctx|all
 set -uo pipefail
 . "$(dirname "$0")/../../deploy/require.sh"; need_gpu_machine; require_done
 export PYTHONUNBUFFERED=1
@@ -477,6 +483,33 @@ for l in open('$OUT/bench.jsonl'):
     if 'ms_per_step' in r:
         print(r['variant'], r['model'], r['batch'], r['spec_tokens'], r['ms_per_step'], 'profiler', r.get('gpu_busy'),
               'stamped', r.get('gpu_busy_stamped'), r.get('stamped_step_us'), r.get('stamped_gap_us'))"
+fi
+
+if [[ $stage == final7 ]]; then
+  timeout 300 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_stamps.py tests/engine/test_cuda_graphs.py \
+    tests/engine/test_gpu.py tests/engine/test_gpu_prefill.py tests/engine/test_first_token.py 2>&1 | tail -4
+  f7() {  # bench engine's arguments, sized as a server
+    python3 -m deploy.cli bench engine --device cuda --max-model-len 4096 "$@" >> "$OUT/bench.jsonl"
+  }
+  f7 --arch smollm2 --batch 1 --max-tokens 96 --spec-tokens 3
+  f7 --arch llama-1b --batch 1 --max-tokens 96 --spec-tokens 3 --draft-vocab 32768
+  PDSERVE_STEP_STAMPS=1 f7 --arch smollm2 --batch 32 --max-tokens 64 --spec-tokens 3
+  f7 --arch smollm2 --batch 128 --max-tokens 64 --spec-tokens 0
+  f7 --arch llama-1b --batch 64 --max-tokens 64 --spec-tokens 0
+  python3 -c "import json
+for l in open('$OUT/bench.jsonl'):
+    r = json.loads(l) if l.startswith('{') else {}
+    if 'ms_per_step' in r: print(r['model'], r['batch'], r['spec_tokens'], r.get('draft_vocab'), r['ms_per_step'],
+                                  r['tokens_per_s'], r.get('gpu_busy_stamped'), r.get('stamped_gap_us'))"
+fi
+
+if [[ $stage == midctx ]]; then
+  for sb in 16 64 16 64; do for m in llama-1b smollm2; do for p in 256 512 1024; do
+    PDSERVE_SPLIT_BLOCKS=$sb python3 -m deploy.cli bench engine --device cuda --arch $m --batch 1 --max-tokens 64 \
+      --spec-tokens 0 --prompt-len $p --max-model-len 4096 | sed "s|^{|{\"variant\": \"split_blocks=$sb prompt=$p\", |" \
+      >> "$OUT/bench.jsonl"
+  done; done; done
+  rows
 fi
 
 if [[ $stage == preloadmid ]]; then
