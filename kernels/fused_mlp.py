@@ -10,15 +10,15 @@ a Llama-1B layer over their weights' read (BENCHMARKS.md, session 10). Here a pr
 the intermediate: it computes them (gate and up rows over the whole of K, the norm's row scale,
 silu * up, rounded as the torch composition rounds), then at once multiplies them by the BI
 columns of down they meet, for every output column, and stores that partial product. No program
-waits for another until the sum launch (`_sum_splits_kernel`, in order over the I / BI partials, with
-the residual add and the next norm's sums of squares), so down's reads follow each program's
-gate/up reads with no gap across the GPU.
+waits for another until the sum launch (`_sum_partials_kernel`: the I / BI partials of a column tile
+in one load, summed as a tree, with the residual add and the next norm's sums of squares), so down's
+reads follow each program's gate/up reads with no gap across the GPU.
 
 Neither loop builds its A operand: gate/up's loads x's rows as they are, down's takes the program's
 silu * up rows from registers and loads only weights, so Triton pipelines both (kernels/linear.py's
 text says why A tiles built inside a loop lost). Rounding: g and u rounded to the model dtype, silu and
 the product too (`silu_mul`), as `linear_glu`; down's sums differ from kernels/linear.py's only in
-their fp32 order (I / BI partials of BI terms, summed in order). Decode sizes only (up to
+their fp32 order (I / BI partials of BI terms, then a tree over the partials). Decode sizes only (up to
 FUSED_MLP_MAX_M rows), outside the batch-invariant mode, where x carries its rows' sums of squares
 (the weightless norm folded into gate/up) and I splits into at least MIN_PROGRAMS row blocks.
 """
@@ -32,8 +32,7 @@ import triton
 import triton.language as tl
 
 from kernels._dispatch import invariant, use_triton
-from kernels.epilogue import silu_mul
-from kernels.linear import _sum_splits_kernel
+from kernels.epilogue import gemm_epilogue, silu_mul
 from kernels.norm import attach_row_sumsq, row_sumsq_of, rstd_of_partials
 from kernels.pdl import pdl_args, wait_for_previous
 
@@ -83,6 +82,23 @@ def _mlp_kernel(x_ptr, wgu_ptr, wd_ptr, ssi_ptr, ws_ptr, M, H, NI, stride_x, eps
         tl.store(part + cols[None, :], y, mask=m_ok & (cols[None, :] < H))
 
 
+@triton.jit
+def _sum_partials_kernel(ws_ptr, r_ptr, y_ptr, sso_ptr, M, N, stride_r, stride_y,
+                         S: tl.constexpr, SP2: tl.constexpr, BN: tl.constexpr, PDL: tl.constexpr):
+    """y[m, cols] = r[m, cols] + the S partials' sum (ws [S, M, N] fp32), read in one load (a loop
+    of S dependent-free loads would wait on L2 S times) and summed as a tree, the same every run;
+    with the rows' partial sums of squares for the next norm."""
+    wait_for_previous(PDL)
+    m = tl.program_id(0)
+    rn = tl.program_id(1) * BN + tl.arange(0, BN)
+    s = tl.arange(0, SP2)
+    parts = tl.load(ws_ptr + s[:, None].to(tl.int64) * M * N + m * N + rn[None, :],
+                    mask=(s[:, None] < S) & (rn[None, :] < N), other=0.0)
+    acc = tl.sum(parts, axis=0)[None, :]
+    gemm_epilogue(acc, acc, m + tl.arange(0, 1), rn, M, N, r_ptr, r_ptr, stride_r, y_ptr, stride_y, sso_ptr,
+                  False, True, False, True)
+
+
 def row_block(inter: int) -> int | None:
     """BI: the widest power of two from 16 to 64 that splits `inter` into at least MIN_PROGRAMS
     blocks, or None."""
@@ -118,11 +134,10 @@ def fused_mlp(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, eps: f
         x2, gate_up, down, ssi, ws, m, h, inter, x2.stride(0), eps, ssi.shape[1],
         NTP=triton.next_power_of_2(ssi.shape[1]), BM=BM, BI=bi, BK=BK, BN2=BN2, PRECISION=precision,
         num_warps=4, num_stages=3, **pdl)
-    bn = 32
+    parts, bn = inter // bi, 32
     sso = torch.empty(m, triton.cdiv(h, bn), dtype=torch.float32, device=x.device)
-    _sum_splits_kernel[(triton.cdiv(m, BM), triton.cdiv(h, bn))](
-        ws, ws, x2, y, sso, m, h, x2.stride(0), y.stride(0),
-        HAS_BIAS=False, HAS_RES=True, SPLIT=inter // bi, SS_OUT=True, BM=BM, BN=bn, **pdl)
+    _sum_partials_kernel[(m, triton.cdiv(h, bn))](ws, x2, y, sso, m, h, x2.stride(0), y.stride(0), S=parts,
+                                                  SP2=triton.next_power_of_2(parts), BN=bn, num_warps=4, **pdl)
     out = y.view(x.shape)
     attach_row_sumsq(out, sso)
     return out
