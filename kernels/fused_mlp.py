@@ -42,6 +42,7 @@ MIN_PROGRAMS = 64  # I // BI at least this: fewer programs cannot pull the weigh
 BM = 16  # tl.dot's smallest M
 BK = 128  # gate/up's K block
 BN2 = 128  # down's output columns a loop step
+ROW_BLOCK = int(os.environ.get("PDSERVE_FUSED_MLP_BI", "0"))  # BI for sweeps (0: `row_block` chooses)
 
 
 @triton.jit
@@ -102,7 +103,7 @@ def _sum_partials_kernel(ws_ptr, r_ptr, y_ptr, sso_ptr, M, N, stride_r, stride_y
 def row_block(inter: int) -> int | None:
     """BI: the widest power of two from 16 to 64 that splits `inter` into at least MIN_PROGRAMS
     blocks, or None."""
-    for bi in (64, 32, 16):
+    for bi in (ROW_BLOCK,) if ROW_BLOCK else (64, 32, 16):
         if inter % bi == 0 and inter // bi >= MIN_PROGRAMS:
             return bi
     return None

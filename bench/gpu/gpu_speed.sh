@@ -90,7 +90,7 @@
 # PDSERVE_SPLIT_BLOCKS 16 (the default: 16 splits at 4096) against 64 (4): whether mid-length contexts
 # want a third graph width with fewer splits.
 # `fusedmlp` (not yet run): the decode MLP in one launch and its sum (kernels/fused_mlp.py,
-# PDSERVE_FUSED_MLP 0 / 1, twice), after its kernel tests on CUDA: Llama-1B b1 k=3 with 32k drafts (and
+# PDSERVE_FUSED_MLP 0 / 1 twice, then with 32-row blocks, PDSERVE_FUSED_MLP_BI=32), after its kernel tests on CUDA: Llama-1B b1 k=3 with 32k drafts (and
 # its k=0), SmolLM2 b1 k=3 (and k=0); then Llama-1B b1 k=0's per-kernel trace with it on.
 # Usage: bash bench/gpu/gpu_speed.sh check|bench|profile|pdl|frspec|regress|ropeattn|prefetch|final6|b1prof|hostsplit|midtiles|outkernel|mtpinput|gemv|preload|next11|embed|bigbatch|b1inc|tiles|pfetch|attnregs|attnfinal|preloadmid|attnbn|qkvsplit|attnq1|splits|splitinc|shortkv|stamps|final7|midctx|fusedmlp|all
 set -uo pipefail
@@ -517,9 +517,9 @@ fi
 
 if [[ $stage == fusedmlp ]]; then
   timeout 120 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_fused_mlp.py 2>&1 | tail -1
-  for v in 0 1 0 1; do for a in "--arch llama-1b --batch 1 --max-tokens 64 --spec-tokens 3 --draft-vocab 32768" \
+  for v in 0 1/0 0 1/0 1/32; do for a in "--arch llama-1b --batch 1 --max-tokens 64 --spec-tokens 3 --draft-vocab 32768" \
       "--arch smollm2 --batch 1 --max-tokens 96 --spec-tokens 3"; do
-    PDSERVE_FUSED_MLP=$v python3 -m deploy.cli bench engine --device cuda $a \
+    PDSERVE_FUSED_MLP=${v%/*} PDSERVE_FUSED_MLP_BI=${v#*/} python3 -m deploy.cli bench engine --device cuda $a \
       | sed "s|^{|{\"variant\": \"fused_mlp=$v\", |" >> "$OUT/bench.jsonl"
   done; done
   rows
