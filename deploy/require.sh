@@ -34,7 +34,7 @@ need_files() {
 need_gpu_machine() {
   need python3 "apt-get install python3 python3-pip"
   need nvidia-smi "the NVIDIA driver's utilities, nvidia-utils-VERSION, on a machine with an NVIDIA GPU"
-  need_files ".whl/*.whl" "run it from the repository root with the wheels carried (.whl/)"
+  need_files ".whl/*.whl" "run it from the repository root with the wheels carried (.whl/: bash bench/gpu/device_wheels.sh)"
 }
 
 require_done() {

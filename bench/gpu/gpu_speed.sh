@@ -2,7 +2,8 @@
 # GPU speed (device tool, one H100 or H200): `check` runs the kernel tests and the engine's GPU
 # tests on CUDA and the kernels against their references at real shapes; `bench` times the
 # engine (CUDA graphs + Triton kernels) on SmolLM2- and Llama-3.2-1B-shaped random weights with
-# the copy floor and Hugging Face generate from the same processes. Needs .whl (gguf) carried.
+# the copy floor and Hugging Face generate from the same processes. Needs .whl carried (bash
+# bench/gpu/device_wheels.sh makes it).
 # `profile` takes the per-kernel profiles (top kernels) and the cost of --deterministic.
 # `pdl` times the key rows with programmatic dependent launch off, then on (PDSERVE_PDL).
 # `frspec` (issue 30): first the GPU tests of the decode step (no sync, one output copy per launch,
