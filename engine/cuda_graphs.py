@@ -11,8 +11,8 @@ one event (engine/step_output.py). The step reads the state's rows through one g
 
 Graphs are keyed by (B, all_greedy, needs_filter, penalized, constrained, logprobs, kv_blocks) and
 captured on first use. `kv_blocks` is the block-table width the step's attention reads: the
-runner's `max_blocks`, or `short_blocks` when every row's blocks fit in that many (for the buckets
-whose attention the two widths split differently; the rest have one). The short graphs attend in
+runner's `max_blocks`, or the narrowest of `short_blocks` (16; PDSERVE_SHORT_KV_BLOCKS) that every
+row's blocks fit (for the buckets whose attention the widths split differently; the rest have one). The short graphs attend in
 one key split, so their attention needs no combine launch a layer (the long ones split
 as `decode_splits` says for max_model_len: 16 splits and a combine at batch 1 for 4096; on an H100
 that cost Llama-1B's batch-1 step 1.04 -> 1.07 ms and SmolLM2's batch-32 step 0.58 -> 0.67 ms with
@@ -57,7 +57,7 @@ class DecodeRunner(Protocol):
     state: BatchState
     device: torch.device
     max_blocks: int
-    short_blocks: int  # the narrower graphs' block-table width (one key split)
+    short_blocks: tuple[int, ...]  # the narrower graphs' block-table widths (16: one key split)
 
     def attention_splits(self, rows: int, num_kv_blocks: int) -> int: ...
 
@@ -112,11 +112,15 @@ class DecodeGraphs:
         return next(b for b in self.buckets if b >= n)
 
     def _widths(self, b: int) -> list[int]:
-        """`short_blocks` and `max_blocks` where the two split the keys differently; else only
-        `max_blocks` (a batch whose rows fill the GPU alone attends in one split at any width)."""
+        """`max_blocks` and those of `short_blocks` that split the keys otherwise than the next
+        wider width kept (a batch whose rows fill the GPU alone attends in one split at any
+        width: `max_blocks` only), narrowest first."""
         r = self.runner
-        short = min(r.short_blocks, r.max_blocks)
-        return [short, r.max_blocks] if r.attention_splits(b, short) != r.attention_splits(b, r.max_blocks) else [r.max_blocks]
+        kept = [r.max_blocks]
+        for w in sorted((w for w in r.short_blocks if w < r.max_blocks), reverse=True):
+            if r.attention_splits(b, w) != r.attention_splits(b, kept[-1]):
+                kept.append(w)
+        return kept[::-1]
 
     def key(self, n: int, flags: StepFlags, logprobs: bool, num_kv_blocks: int) -> GraphKey:
         """The graph for n rows whose attention reads at most `num_kv_blocks` table columns."""

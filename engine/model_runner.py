@@ -47,9 +47,11 @@ from kernels.token_mask import mask_rows
 
 SPLIT_BLOCKS = int(os.environ.get("PDSERVE_SPLIT_BLOCKS", "16"))  # KV blocks per split-KV partition in decode
 FULL_GRID = 264  # programs that fill an H100 twice (132 SMs)
-# the decode graphs for rows of at most this many blocks read no more table columns, so they attend in
-# one split with no combine launch (engine/cuda_graphs.py); 0: one width, max_blocks
-SHORT_KV_BLOCKS = int(os.environ.get("PDSERVE_SHORT_KV_BLOCKS", str(SPLIT_BLOCKS)))
+# the decode graphs' narrower block-table widths (engine/cuda_graphs.py): rows of at most 16 blocks
+# attend in one split with no combine launch. A comma list adds widths ("16,64": up to 64 blocks
+# in 4 splits); 0: one width, max_blocks
+SHORT_KV_BLOCKS = tuple(int(w) for w in os.environ.get("PDSERVE_SHORT_KV_BLOCKS", str(SPLIT_BLOCKS)).split(",")
+                        if int(w) > 0)
 MAX_GRAPH_ROWS = 64  # prefill graphs' largest row bucket
 MAX_GRAPH_TOKENS = 16384  # prefill graphs' largest token bucket: beyond it compute hides the launches (SmolLM2 4 x 4096 was host-bound eager)
 
@@ -176,7 +178,7 @@ class ModelRunner:
         layers = cfg.num_hidden_layers + (1 if k > 0 else 0)
         self.kv = KVCache(layers, num_blocks, block_size, cfg.num_key_value_heads, cfg.head_dim, dtype, device)
         self.max_blocks = -(-kv_room_needed(max_model_len, k) // block_size)
-        self.short_blocks = SHORT_KV_BLOCKS or self.max_blocks
+        self.short_blocks = SHORT_KV_BLOCKS  # narrower graph widths (engine/cuda_graphs.py)
         self.state = BatchState(max_num_seqs, k, self.max_blocks, cfg.vocab_size, device)
         self.outputs = HostOutputs(device, StepLayout(max_num_seqs, k + 1, max_num_seqs, MAX_TOP_LOGPROBS, True).words)
         self.grammar: GrammarCompiler | None = None  # structured output (engine/grammar.py); None: refused

@@ -87,12 +87,10 @@
 # `final7` (not yet run; session 11's defaults): the GPU tests session 11 could not see (step stamps, both
 # graph widths, the constrained ones, the engine's and the first token's: xgrammar carried), then the
 # goal and regress rows sized as a server (--max-model-len 4096), SmolLM2 b32 with the step stamps.
-# `midctx` (not yet run): Llama-1B and SmolLM2 b1 k=0 with 256-, 512- and 1024-token prompts as a server,
-# PDSERVE_SPLIT_BLOCKS 16 (the default: 16 splits at 4096) against 64 (4): whether mid-length contexts
-# want a third graph width with fewer splits.
-# `fusedmlp` (not yet run): the decode MLP in one launch and its sum (kernels/fused_mlp.py,
-# PDSERVE_FUSED_MLP 0 / 1 twice, then with 32-row blocks, PDSERVE_FUSED_MLP_BI=32), after its kernel tests on CUDA: Llama-1B b1 k=3 with 32k drafts (and
-# its k=0), SmolLM2 b1 k=3 (and k=0); then Llama-1B b1 k=0's per-kernel trace with it on.
+# `midctx` (not yet run): Llama-1B and SmolLM2 b1 k=0 with 256-, 640- and 1280-token prompts as a server
+# (--max-model-len 4096), decode graph widths PDSERVE_SHORT_KV_BLOCKS 16 (the default: 1 split up to 16
+# blocks, else 16-17), 16,64 (4 splits up to 64 blocks) and 16,32,128 (2 and 8 splits; once), the first
+# two twice: does a mid-length context want a third width?
 # Usage: bash bench/gpu/gpu_speed.sh check|bench|profile|pdl|frspec|regress|ropeattn|prefetch|final6|b1prof|hostsplit|midtiles|outkernel|mtpinput|gemv|preload|next11|embed|bigbatch|b1inc|tiles|pfetch|attnregs|attnfinal|preloadmid|attnbn|qkvsplit|attnq1|splits|splitinc|shortkv|stamps|final7|midctx|fusedmlp|all
 set -uo pipefail
 . "$(dirname "$0")/../../deploy/require.sh"; need_gpu_machine; require_done
@@ -508,9 +506,9 @@ for l in open('$OUT/bench.jsonl'):
 fi
 
 if [[ $stage == midctx ]]; then
-  for sb in 16 64 16 64; do for m in llama-1b smollm2; do for p in 256 512 1024; do
-    PDSERVE_SPLIT_BLOCKS=$sb python3 -m deploy.cli bench engine --device cuda --arch $m --batch 1 --max-tokens 64 \
-      --spec-tokens 0 --prompt-len $p --max-model-len 4096 | sed "s|^{|{\"variant\": \"split_blocks=$sb prompt=$p\", |" \
+  for w in 16 16,64 16,32,128 16 16,64; do for m in llama-1b smollm2; do for p in 256 640 1280; do
+    PDSERVE_SHORT_KV_BLOCKS=$w python3 -m deploy.cli bench engine --device cuda --arch $m --batch 1 --max-tokens 64 \
+      --spec-tokens 0 --prompt-len $p --max-model-len 4096 | sed "s|^{|{\"variant\": \"widths=$w prompt=$p\", |" \
       >> "$OUT/bench.jsonl"
   done; done; done
   rows

@@ -82,7 +82,7 @@ def test_spare_padding_rows_change_nothing_but_the_spare_and_trash(tiny):
 
 def test_graphs_stamp_nothing_by_default(monkeypatch):
     monkeypatch.delenv("PDSERVE_STEP_STAMPS", raising=False)
-    runner = SimpleNamespace(state=SimpleNamespace(spare=4), device=torch.device("cuda"), short_blocks=16, max_blocks=64,
+    runner = SimpleNamespace(state=SimpleNamespace(spare=4), device=torch.device("cuda"), short_blocks=(16,), max_blocks=64,
                              attention_splits=lambda rows, blocks: 1)
     assert DecodeGraphs(runner, 4).stamps is None  # type: ignore[arg-type]
 
@@ -113,7 +113,7 @@ def test_graph_keys_take_the_narrow_width_only_where_it_splits_the_keys_differen
     width. Shaped as Llama-1B (8 kv heads) with max_model_len 4096: 257 blocks."""
     from engine.model_runner import decode_splits
 
-    runner = SimpleNamespace(state=SimpleNamespace(spare=128), device=torch.device("cpu"), short_blocks=16,
+    runner = SimpleNamespace(state=SimpleNamespace(spare=128), device=torch.device("cpu"), short_blocks=(16,),
                              max_blocks=257, attention_splits=lambda rows, blocks: decode_splits(rows, 8, blocks))
     graphs = DecodeGraphs(runner, 128)  # type: ignore[arg-type]
     assert graphs.widths == {1: [16, 257], 2: [16, 257], 4: [16, 257], 8: [16, 257], 16: [16, 257], 32: [257],
@@ -123,3 +123,9 @@ def test_graph_keys_take_the_narrow_width_only_where_it_splits_the_keys_differen
     assert graphs.key(3, flags, True, 16) == (4, *flags, True, 16)
     assert graphs.key(3, flags, False, 17) == (4, *flags, False, 257)
     assert graphs.key(40, flags, False, 2) == (64, *flags, False, 257)
+    runner.short_blocks = (64, 16)  # PDSERVE_SHORT_KV_BLOCKS=16,64: 4 splits up to 64 blocks where that differs
+    graphs = DecodeGraphs(runner, 128)  # type: ignore[arg-type]
+    assert graphs.widths == {1: [16, 64, 257], 2: [16, 64, 257], 4: [16, 64, 257], 8: [16, 257], 16: [16, 257],
+                             32: [257], 64: [257], 128: [257]}
+    assert [graphs.key(1, flags, False, n)[-1] for n in (16, 17, 64, 65)] == [16, 64, 64, 257]
+    assert graphs.key(8, flags, False, 20)[-1] == 257
