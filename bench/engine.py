@@ -183,7 +183,7 @@ def time_engine(loaded: LoadedModel, k: int, args: argparse.Namespace, tp: TPGro
            "spec_tokens": k, "tp": tp.size if tp is not None else 1, "all_reduce": _all_reduce(loaded, tp),
            "draft_vocab": (args.draft_vocab or None) if k else None, "batch": args.batch,
            "structured_regex": getattr(args, "structured_regex", None),
-           "max_model_len": getattr(args, "max_model_len", None),
+           "max_model_len": engine.max_model_len,
            "decode_tokens": tokens, "decode_steps": steps, "seconds": round(elapsed, 4),
            "tokens_per_s": round(tokens / elapsed, 1), "ms_per_step": round(1000 * elapsed / max(steps, 1), 3)}
     if stamps is not None:
