@@ -74,6 +74,7 @@ class TPNodeGroup:
                 self._relaunch(f"did not start: {exc}")
                 return None
             self._joining = []
+            self._answered = time.monotonic()  # every rank joined: alive, its first late answer is no failure
         try:
             addresses = ray.get([h.address.remote() for h in self.ranks], timeout=wait_s)
         except ray.exceptions.GetTimeoutError:

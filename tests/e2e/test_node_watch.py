@@ -89,3 +89,23 @@ def test_a_slow_tp_group_keeps_its_address_for_the_grace_and_a_dead_rank_relaunc
         assert group.poll(5.0, grace_s=600.0) in (None, "127.0.0.1:4242")
         assert time.monotonic() < deadline, "the dead rank did not relaunch the group"
     assert "down" in relaunched[0]
+
+
+def test_a_tp_group_that_has_just_joined_gets_the_grace_for_its_first_answer(ray_cluster):
+    """Ranks that joined but answer their first address call late (a loaded host) are not
+    relaunched before the grace: the group is alive, only not serving yet (None)."""
+    import ray
+
+    from deploy.tp_group import TPNodeGroup
+
+    group = TPNodeGroup("decode", 0, "{}", 2, {})
+    relaunched: list[str] = []
+    group._relaunch = relaunched.append  # type: ignore[method-assign]
+    group.ranks = [ray.remote(SlowNode).options(num_cpus=0, max_concurrency=32).remote() for _ in range(2)]
+    group._joining = [r.set_delay.remote(5.0) for r in group.ranks]  # joined: their calls have returned
+    ray.get(group._joining, timeout=60)
+    assert group.poll(0.3, grace_s=3.0) is None and not relaunched  # late, within the grace
+    started = time.monotonic()
+    while time.monotonic() - started < 3.1 and not relaunched:
+        group.poll(0.3, grace_s=3.0)
+    assert relaunched and "not answered" in relaunched[0]
