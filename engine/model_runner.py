@@ -50,8 +50,8 @@ FULL_GRID = 264  # programs that fill an H100 twice (132 SMs)
 # the decode graphs' narrower block-table widths (engine/cuda_graphs.py): rows of at most 16 blocks
 # attend in one split with no combine launch. A comma list adds widths ("16,64": up to 64 blocks
 # in 4 splits); 0: one width, max_blocks
-SHORT_KV_BLOCKS = tuple(int(w) for w in os.environ.get("PDSERVE_SHORT_KV_BLOCKS", str(SPLIT_BLOCKS)).split(",")
-                        if int(w) > 0)
+SHORT_KV_BLOCKS = tuple(w for w in map(int, os.environ.get("PDSERVE_SHORT_KV_BLOCKS", str(SPLIT_BLOCKS)).split(","))
+                        if w > 0)
 MAX_GRAPH_ROWS = 64  # prefill graphs' largest row bucket
 MAX_GRAPH_TOKENS = 16384  # prefill graphs' largest token bucket: beyond it compute hides the launches (SmolLM2 4 x 4096 was host-bound eager)
 
@@ -203,7 +203,7 @@ class ModelRunner:
         return AttentionMetadata(
             slots, positions, tables, token_row, token_col, max_q=q,
             num_kv_blocks=min(num_kv_blocks, tables.shape[1]), seq_lens=seq_lens, query_start=query_start,
-            num_splits=decode_splits(rows, self.model.config.num_key_value_heads, num_kv_blocks),
+            num_splits=self.attention_splits(rows, num_kv_blocks),
         )
 
     def draft_chain(
