@@ -249,9 +249,10 @@ def _paged_attention_kernel(
         old_end = tl.minimum(new_lo, kv_end)
         k0, v0 = _old_tile(k_base, table, tile_lo, old_end, stride_kv, stride_kb, stride_ks,
                            BLOCK_N, BLOCK_SIZE, HEAD_DIM)
-        if PRE_LAST:  # (none if it is the first)
-            k1, v1 = _old_tile(k_base, table, tile_hi - 1, tl.where(tile_hi - 1 > tile_lo, old_end, 0), stride_kv,
-                               stride_kb, stride_ks, BLOCK_N, BLOCK_SIZE, HEAD_DIM)
+        if PRE_LAST:  # (none if it is the first; a share with no tiles, as a row with no keys, reads tile_lo's none)
+            k1, v1 = _old_tile(k_base, table, tl.maximum(tile_hi - 1, tile_lo),
+                               tl.where(tile_hi - 1 > tile_lo, old_end, 0), stride_kv, stride_kb, stride_ks,
+                               BLOCK_N, BLOCK_SIZE, HEAD_DIM)
         else:
             k1, v1 = k0, v0  # unused
     else:

@@ -489,7 +489,8 @@ fi
 
 if [[ $stage == final7 ]]; then
   timeout 300 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_stamps.py tests/engine/test_cuda_graphs.py \
-    tests/engine/test_gpu.py tests/engine/test_gpu_prefill.py tests/engine/test_first_token.py 2>&1 | tail -4
+    tests/engine/test_gpu.py tests/engine/test_gpu_prefill.py tests/engine/test_first_token.py 2>&1 \
+    | tee "$OUT/tests.log" | tail -4
   f7() {  # bench engine's arguments, sized as a server
     python3 -m deploy.cli bench engine --device cuda --max-model-len 4096 "$@" >> "$OUT/bench.jsonl"
   }

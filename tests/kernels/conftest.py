@@ -10,3 +10,15 @@ import torch
 @pytest.fixture(params=["cuda" if torch.cuda.is_available() else "cpu"])
 def device(request) -> str:
     return request.param
+
+
+@pytest.fixture(autouse=True)
+def _addresses_checked():
+    """Under the interpreter, every kernel's loads and stores stay inside its arguments (bounds.py)."""
+    if torch.cuda.is_available():
+        yield
+        return
+    from tests.kernels.bounds import checked_addresses
+
+    with checked_addresses():
+        yield

@@ -281,6 +281,7 @@ def rope_case(batch: Batch, done_row: int | None = None, seed: int = 5):
 @pytest.mark.parametrize(("group", "q_lens", "lens"), [
     (1, [1, 1, 1], [130, 47, 65]), (3, [4, 2, 3], [130, 47, 65]), (4, [4, 4, 1], [130, 47, 65]),
     (2, [1, 1, 1], [300, 47, 257]),  # one query a row takes 128-key tiles: 3 tiles, a key just past an edge
+    (2, [1, 1, 0], [47, 65, 0]), (3, [4, 3, 0], [130, 65, 0]),  # a bucket's padding row: no queries, no keys
 ])
 def test_rotary_and_kv_write_inside_the_kernel_equal_the_two_launches(group, q_lens, lens, num_splits):
     """Decode and verify steps: q rotated in the kernel, the step's keys rotated and written with
