@@ -87,11 +87,13 @@
 # `final7` (not yet run; session 11's defaults): the GPU tests session 11 could not see (step stamps, both
 # graph widths, the constrained ones, the engine's and the first token's: xgrammar carried), then the
 # goal and regress rows sized as a server (--max-model-len 4096), SmolLM2 b32 with the step stamps.
+# `final8`: those tests after session 12's padding-row fix, compute-sanitizer's memcheck over the rotary
+# attention tests and the constrained prefill test, then `fusedmlp`.
 # `midctx` (not yet run): Llama-1B and SmolLM2 b1 k=0 with 256-, 640- and 1280-token prompts as a server
 # (--max-model-len 4096), decode graph widths PDSERVE_SHORT_KV_BLOCKS 16 (the default: 1 split up to 16
 # blocks, else 16-17), 16,64 (4 splits up to 64 blocks) and 16,32,128 (2 and 8 splits; once), the first
 # two twice: does a mid-length context want a third width?
-# Usage: bash bench/gpu/gpu_speed.sh check|bench|profile|pdl|frspec|regress|ropeattn|prefetch|final6|b1prof|hostsplit|midtiles|outkernel|mtpinput|gemv|preload|next11|embed|bigbatch|b1inc|tiles|pfetch|attnregs|attnfinal|preloadmid|attnbn|qkvsplit|attnq1|splits|splitinc|shortkv|stamps|final7|midctx|fusedmlp|all
+# Usage: bash bench/gpu/gpu_speed.sh check|bench|profile|pdl|frspec|regress|ropeattn|prefetch|final6|b1prof|hostsplit|midtiles|outkernel|mtpinput|gemv|preload|next11|embed|bigbatch|b1inc|tiles|pfetch|attnregs|attnfinal|preloadmid|attnbn|qkvsplit|attnq1|splits|splitinc|shortkv|stamps|final7|final8|midctx|fusedmlp|all
 set -uo pipefail
 . "$(dirname "$0")/../../deploy/require.sh"; need_gpu_machine; require_done
 export PYTHONUNBUFFERED=1
@@ -504,6 +506,17 @@ for l in open('$OUT/bench.jsonl'):
     r = json.loads(l) if l.startswith('{') else {}
     if 'ms_per_step' in r: print(r['model'], r['batch'], r['spec_tokens'], r.get('draft_vocab'), r['ms_per_step'],
                                   r['tokens_per_s'], r.get('gpu_busy_stamped'), r.get('stamped_gap_us'))"
+fi
+
+if [[ $stage == final8 ]]; then  # session 12: the GPU tests after the padding-row fix, compute-sanitizer, fusedmlp
+  timeout 220 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_stamps.py tests/engine/test_cuda_graphs.py \
+    tests/engine/test_gpu.py tests/engine/test_gpu_prefill.py tests/engine/test_first_token.py > "$OUT/tests.log" 2>&1
+  tail -3 "$OUT/tests.log"
+  timeout 150 compute-sanitizer --tool memcheck --print-limit 5 python3 -m pytest -q -p no:cacheprovider \
+    tests/kernels/test_paged_attention.py -k "rotary or rows_without" \
+    tests/engine/test_gpu_prefill.py::test_constrained_first_tokens_replay_a_graph_and_equal_eager > "$OUT/memcheck.log" 2>&1
+  grep -E "passed|failed|ERROR SUMMARY" "$OUT/memcheck.log" | tail -3
+  stage=fusedmlp
 fi
 
 if [[ $stage == midctx ]]; then
