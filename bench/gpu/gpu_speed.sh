@@ -89,11 +89,13 @@
 # goal and regress rows sized as a server (--max-model-len 4096), SmolLM2 b32 with the step stamps.
 # `final8`: those tests after session 12's padding-row fix, compute-sanitizer's memcheck over the rotary
 # attention tests and the constrained prefill test, then `fusedmlp`.
-# `midctx` (not yet run): Llama-1B and SmolLM2 b1 k=0 with 256-, 640- and 1280-token prompts as a server
+# `warmup`: a decode node's build and warm-up (bench/gpu/warmup_time.py), PDSERVE_SHORT_KV_BLOCKS 0 and 16,
+# cold (own Triton cache) then warm, SmolLM2 and Llama-1B at k=3.
+# `midctx`: Llama-1B and SmolLM2 b1 k=0 with 256-, 640- and 1280-token prompts as a server
 # (--max-model-len 4096), decode graph widths PDSERVE_SHORT_KV_BLOCKS 16 (the default: 1 split up to 16
 # blocks, else 16-17), 16,64 (4 splits up to 64 blocks) and 16,32,128 (2 and 8 splits; once), the first
 # two twice: does a mid-length context want a third width?
-# Usage: bash bench/gpu/gpu_speed.sh check|bench|profile|pdl|frspec|regress|ropeattn|prefetch|final6|b1prof|hostsplit|midtiles|outkernel|mtpinput|gemv|preload|next11|embed|bigbatch|b1inc|tiles|pfetch|attnregs|attnfinal|preloadmid|attnbn|qkvsplit|attnq1|splits|splitinc|shortkv|stamps|final7|final8|midctx|fusedmlp|all
+# Usage: bash bench/gpu/gpu_speed.sh check|bench|profile|pdl|frspec|regress|ropeattn|prefetch|final6|b1prof|hostsplit|midtiles|outkernel|mtpinput|gemv|preload|next11|embed|bigbatch|b1inc|tiles|pfetch|attnregs|attnfinal|preloadmid|attnbn|qkvsplit|attnq1|splits|splitinc|shortkv|stamps|final7|final8|warmup|midctx|fusedmlp|all
 set -uo pipefail
 . "$(dirname "$0")/../../deploy/require.sh"; need_gpu_machine; require_done
 export PYTHONUNBUFFERED=1
@@ -517,6 +519,13 @@ if [[ $stage == final8 ]]; then  # session 12: the GPU tests after the padding-r
     tests/engine/test_gpu_prefill.py::test_constrained_first_tokens_replay_a_graph_and_equal_eager > "$OUT/memcheck.log" 2>&1
   grep -E "passed|failed|ERROR SUMMARY" "$OUT/memcheck.log" | tail -3
   stage=fusedmlp
+fi
+
+if [[ $stage == warmup ]]; then  # a decode node's start-up graphs with one block-table width and with two
+  for a in smollm2 llama-1b; do for run in cold warm; do for w in 0 16; do
+    TRITON_CACHE_DIR=/tmp/tc_${a}_$w PDSERVE_SHORT_KV_BLOCKS=$w timeout 200 python3 bench/gpu/warmup_time.py --arch $a \
+      --spec-tokens 3 | sed "s|^{|{\"run\": \"$run\", |" | tee -a "$OUT/warmup.jsonl"
+  done; done; done
 fi
 
 if [[ $stage == midctx ]]; then
