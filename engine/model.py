@@ -26,7 +26,6 @@ from torch import nn
 
 from engine.attention import AttentionBackend, AttentionMetadata
 from engine.config import ArchConfig
-from kernels import fused_mlp
 from kernels._dispatch import use_triton
 from kernels.linear import linear, linear_argmax, linear_glu
 from kernels.norm import embed_with_sumsq, mtp_input, rms_norm
@@ -173,9 +172,6 @@ class MLP(nn.Module):
         """x + mlp(norm(x)) on the residual stream x; once fused, the GEMMs carry the norm and
         the add (kernels/linear.py)."""
         if self.gate_up is not None and not self.gate_proj.weight.requires_grad:
-            weight, eps = norm.spec
-            if weight is None and fused_mlp.applies(x, self.gate_up, self.down_proj.weight):
-                return fused_mlp.fused_mlp(x, self.gate_up, self.down_proj.weight, eps)  # PDSERVE_FUSED_MLP=1
             return linear(linear_glu(x, self.gate_up, norm=norm.spec), self.down_proj.weight, residual=x)
         h = norm(x)
         return x + self.down_proj(nn.functional.silu(self.gate_proj(h)) * self.up_proj(h))

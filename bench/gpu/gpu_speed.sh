@@ -84,18 +84,19 @@
 # `stamps` (session 11): the step stamps' CUDA tests and the constrained GPU tests (xgrammar carried),
 # then SmolLM2 b32 k=0 / k=3 with PDSERVE_STEP_STAMPS=1 and --profile (the stamped busy share beside
 # the profiler's), and k=0 with the stamps off / on unprofiled (their own cost), twice.
-# `final7` (not yet run; session 11's defaults): the GPU tests session 11 could not see (step stamps, both
+# `final7` (session 11's defaults; run in session 12): the GPU tests session 11 could not see (step stamps, both
 # graph widths, the constrained ones, the engine's and the first token's: xgrammar carried), then the
 # goal and regress rows sized as a server (--max-model-len 4096), SmolLM2 b32 with the step stamps.
 # `final8`: those tests after session 12's padding-row fix, compute-sanitizer's memcheck over the rotary
-# attention tests and the constrained prefill test, then `fusedmlp`.
+# attention tests and the constrained prefill test (it then ran `fusedmlp`, the one-launch decode MLP: it lost and
+# was removed; BENCHMARKS session 12).
 # `warmup`: a decode node's build and warm-up (bench/gpu/warmup_time.py), PDSERVE_SHORT_KV_BLOCKS 0 and 16,
 # cold (own Triton cache) then warm, SmolLM2 and Llama-1B at k=3.
 # `midctx`: Llama-1B and SmolLM2 b1 k=0 with 256-, 640- and 1280-token prompts as a server
 # (--max-model-len 4096), decode graph widths PDSERVE_SHORT_KV_BLOCKS 16 (the default: 1 split up to 16
 # blocks, else 16-17), 16,64 (4 splits up to 64 blocks) and 16,32,128 (2 and 8 splits; once), the first
 # two twice: does a mid-length context want a third width?
-# Usage: bash bench/gpu/gpu_speed.sh check|bench|profile|pdl|frspec|regress|ropeattn|prefetch|final6|b1prof|hostsplit|midtiles|outkernel|mtpinput|gemv|preload|next11|embed|bigbatch|b1inc|tiles|pfetch|attnregs|attnfinal|preloadmid|attnbn|qkvsplit|attnq1|splits|splitinc|shortkv|stamps|final7|final8|warmup|midctx|fusedmlp|all
+# Usage: bash bench/gpu/gpu_speed.sh check|bench|profile|pdl|frspec|regress|ropeattn|prefetch|final6|b1prof|hostsplit|midtiles|outkernel|mtpinput|gemv|preload|next11|embed|bigbatch|b1inc|tiles|pfetch|attnregs|attnfinal|preloadmid|attnbn|qkvsplit|attnq1|splits|splitinc|shortkv|stamps|final7|final8|warmup|midctx|all
 set -uo pipefail
 . "$(dirname "$0")/../../deploy/require.sh"; need_gpu_machine; require_done
 export PYTHONUNBUFFERED=1
@@ -510,7 +511,7 @@ for l in open('$OUT/bench.jsonl'):
                                   r['tokens_per_s'], r.get('gpu_busy_stamped'), r.get('stamped_gap_us'))"
 fi
 
-if [[ $stage == final8 ]]; then  # session 12: the GPU tests after the padding-row fix, compute-sanitizer, fusedmlp
+if [[ $stage == final8 ]]; then  # session 12: the GPU tests after the padding-row fix, compute-sanitizer
   timeout 220 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_stamps.py tests/engine/test_cuda_graphs.py \
     tests/engine/test_gpu.py tests/engine/test_gpu_prefill.py tests/engine/test_first_token.py > "$OUT/tests.log" 2>&1
   tail -3 "$OUT/tests.log"
@@ -518,7 +519,6 @@ if [[ $stage == final8 ]]; then  # session 12: the GPU tests after the padding-r
     tests/kernels/test_paged_attention.py -k "rotary or rows_without" \
     tests/engine/test_gpu_prefill.py::test_constrained_first_tokens_replay_a_graph_and_equal_eager > "$OUT/memcheck.log" 2>&1
   grep -E "passed|failed|ERROR SUMMARY" "$OUT/memcheck.log" | tail -3
-  stage=fusedmlp
 fi
 
 if [[ $stage == warmup ]]; then  # a decode node's start-up graphs with one block-table width and with two
@@ -535,24 +535,6 @@ if [[ $stage == midctx ]]; then
       >> "$OUT/bench.jsonl"
   done; done; done
   rows
-fi
-
-if [[ $stage == fusedmlp ]]; then
-  timeout 120 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_fused_mlp.py 2>&1 | tail -1
-  for v in 0 1/0 0 1/0 1/32; do for a in "--arch llama-1b --batch 1 --max-tokens 64 --spec-tokens 3 --draft-vocab 32768" \
-      "--arch smollm2 --batch 1 --max-tokens 96 --spec-tokens 3"; do
-    PDSERVE_FUSED_MLP=${v%/*} PDSERVE_FUSED_MLP_BI=${v#*/} python3 -m deploy.cli bench engine --device cuda $a \
-      | sed "s|^{|{\"variant\": \"fused_mlp=$v\", |" >> "$OUT/bench.jsonl"
-  done; done
-  rows
-  PDSERVE_FUSED_MLP=1 bench --arch llama-1b --batch 1 --max-tokens 64 --spec-tokens 0 --profile > /dev/null
-  python3 -c "import json
-for l in open('$OUT/bench.jsonl'):
-    r = json.loads(l) if l.startswith('{') else {}
-    inc = r.get('layer_increments')
-    if inc:
-        print(r['model'], r['ms_per_step'], 'ms; span', inc['step_us'])
-        for g in inc['groups']: print('  ', g)"
 fi
 
 if [[ $stage == preloadmid ]]; then

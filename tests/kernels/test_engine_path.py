@@ -105,27 +105,3 @@ def test_the_mtp_input_takes_one_launch_and_its_block_norm_none(monkeypatch):
     assert inputs_off == 0 and inputs_on > 0 and toks_on == toks_off
     assert norms_off - norms_on == 3 * inputs_on
 
-
-@pytest.mark.parametrize("k", [0, 3])
-def test_the_fused_mlp_path_equals_reference_greedy(k, monkeypatch):
-    """PDSERVE_FUSED_MLP=1 (kernels/fused_mlp.py; tiny's intermediate in 16-row blocks, so the
-    program floor is lowered): decode steps and verifies take the one-launch MLP, with the
-    reference's tokens and logprobs."""
-    from kernels import fused_mlp as FM
-
-    monkeypatch.setattr(FM, "ENABLED", True)
-    monkeypatch.setattr(FM, "MIN_PROGRAMS", 1)
-    calls, real = [], FM.fused_mlp
-    monkeypatch.setattr(FM, "fused_mlp", lambda *a: calls.append(a[0].shape[0]) or real(*a))
-    params = SamplingParams(max_tokens=12, ignore_eos=True, logprobs=3)
-    want = LLMEngine(load_model("tiny", dtype="float32"), EngineConfig(num_speculative_tokens=k, block_size=8)).generate(
-        PROMPTS, params)
-    loaded = load_model("tiny", dtype="float32")
-    fuse_projections(loaded.model)
-    with triton_on_cpu():
-        got = LLMEngine(loaded, EngineConfig(num_speculative_tokens=k, block_size=8, attention_backend="triton")).generate(
-            PROMPTS, params)
-    assert calls and max(calls) <= FM.FUSED_MLP_MAX_M
-    assert [r.output_ids for r in got] == [r.output_ids for r in want]
-    for a, b in zip(got, want, strict=True):
-        assert [lp.logprob for lp in a.logprobs] == pytest.approx([lp.logprob for lp in b.logprobs], abs=1e-4)
