@@ -46,11 +46,17 @@ from kernels.step_meta import Meta, StepInputs, step_inputs, uniform_meta
 from kernels.token_mask import mask_rows
 
 SPLIT_BLOCKS = int(os.environ.get("PDSERVE_SPLIT_BLOCKS", "16"))  # KV blocks per split-KV partition in decode
+# contexts of up to this many blocks attend in one split (no combine launch); at most MAX_SPLITS splits
+# (0: no cap but the grid's). For gpu_speed.sh midctx2: midctx (session 12) found a row's decode
+# attention fastest with about one 128-key tile a split and few empty splits (Llama-1B b1: 320 tokens
+# in 4 splits 1.051 ms against 1.068 in 16; 704 tokens in 8 splits 1.06 against 1.078 in 16 and 1.088 in 4)
+ONE_SPLIT_BLOCKS = int(os.environ.get("PDSERVE_ONE_SPLIT_BLOCKS", str(SPLIT_BLOCKS)))
+MAX_SPLITS = int(os.environ.get("PDSERVE_MAX_SPLITS", "0"))
 FULL_GRID = 264  # programs that fill an H100 twice (132 SMs)
 # the decode graphs' narrower block-table widths (engine/cuda_graphs.py): rows of at most 16 blocks
 # attend in one split with no combine launch. A comma list adds widths ("16,64": up to 64 blocks
 # in 4 splits); 0: one width, max_blocks
-SHORT_KV_BLOCKS = tuple(w for w in map(int, os.environ.get("PDSERVE_SHORT_KV_BLOCKS", str(SPLIT_BLOCKS)).split(","))
+SHORT_KV_BLOCKS = tuple(w for w in map(int, os.environ.get("PDSERVE_SHORT_KV_BLOCKS", str(ONE_SPLIT_BLOCKS)).split(","))
                         if w > 0)
 MAX_GRAPH_ROWS = 64  # prefill graphs' largest row bucket
 MAX_GRAPH_TOKENS = 16384  # prefill graphs' largest token bucket: beyond it compute hides the launches (SmolLM2 4 x 4096 was host-bound eager)
@@ -59,9 +65,10 @@ MAX_GRAPH_TOKENS = 16384  # prefill graphs' largest token bucket: beyond it comp
 def decode_splits(rows: int, kv_heads: int, num_kv_blocks: int) -> int:
     """Split-KV partitions for a decode step: enough programs to fill the GPU on long contexts,
     one (no combine launch) when the rows alone fill it or the context is short."""
-    if rows * kv_heads >= FULL_GRID:
+    if rows * kv_heads >= FULL_GRID or num_kv_blocks <= ONE_SPLIT_BLOCKS:
         return 1
-    return max(1, min(-(-num_kv_blocks // SPLIT_BLOCKS), FULL_GRID // (rows * kv_heads)))
+    splits = min(-(-num_kv_blocks // SPLIT_BLOCKS), FULL_GRID // (rows * kv_heads))
+    return max(1, min(splits, MAX_SPLITS) if MAX_SPLITS else splits)
 
 
 def _in_mode(method):

@@ -92,11 +92,15 @@
 # was removed; BENCHMARKS session 12).
 # `warmup`: a decode node's build and warm-up (bench/gpu/warmup_time.py), PDSERVE_SHORT_KV_BLOCKS 0 and 16,
 # cold (own Triton cache) then warm, SmolLM2 and Llama-1B at k=3.
-# `midctx`: Llama-1B and SmolLM2 b1 k=0 with 256-, 640- and 1280-token prompts as a server
+# `sanitize` (not yet run): tests/kernels on CUDA under compute-sanitizer's memcheck.
+# `midctx2` (not yet run): b1 at 256-2048-token prompts (k=0; k=3 to 640) as a server, the defaults against
+# a split per 8 blocks (one 128-key tile) from 17 blocks, at most 16 (PDSERVE_SPLIT_BLOCKS=8, ONE_SPLIT_BLOCKS=16,
+# MAX_SPLITS=16) with widths 16,32,64 (tile3) or 16,64 (tile2, once); then tile3's warm start-up graphs.
+# `midctx` (session 12): Llama-1B and SmolLM2 b1 k=0 with 256-, 640- and 1280-token prompts as a server
 # (--max-model-len 4096), decode graph widths PDSERVE_SHORT_KV_BLOCKS 16 (the default: 1 split up to 16
 # blocks, else 16-17), 16,64 (4 splits up to 64 blocks) and 16,32,128 (2 and 8 splits; once), the first
 # two twice: does a mid-length context want a third width?
-# Usage: bash bench/gpu/gpu_speed.sh check|bench|profile|pdl|frspec|regress|ropeattn|prefetch|final6|b1prof|hostsplit|midtiles|outkernel|mtpinput|gemv|preload|next11|embed|bigbatch|b1inc|tiles|pfetch|attnregs|attnfinal|preloadmid|attnbn|qkvsplit|attnq1|splits|splitinc|shortkv|stamps|final7|final8|warmup|midctx|all
+# Usage: bash bench/gpu/gpu_speed.sh check|bench|profile|pdl|frspec|regress|ropeattn|prefetch|final6|b1prof|hostsplit|midtiles|outkernel|mtpinput|gemv|preload|next11|embed|bigbatch|b1inc|tiles|pfetch|attnregs|attnfinal|preloadmid|attnbn|qkvsplit|attnq1|splits|splitinc|shortkv|stamps|final7|final8|warmup|sanitize|midctx2|midctx|all
 set -uo pipefail
 . "$(dirname "$0")/../../deploy/require.sh"; need_gpu_machine; require_done
 export PYTHONUNBUFFERED=1
@@ -526,6 +530,31 @@ if [[ $stage == warmup ]]; then  # a decode node's start-up graphs with one bloc
     TRITON_CACHE_DIR=/tmp/tc_${a}_$w PDSERVE_SHORT_KV_BLOCKS=$w timeout 200 python3 bench/gpu/warmup_time.py --arch $a \
       --spec-tokens 3 | sed "s|^{|{\"run\": \"$run\", |" | tee -a "$OUT/warmup.jsonl"
   done; done; done
+fi
+
+if [[ $stage == sanitize ]]; then  # every kernel test on CUDA under compute-sanitizer's memcheck (out-of-bounds reads)
+  timeout 540 compute-sanitizer --tool memcheck --print-limit 5 python3 -m pytest -q -p no:cacheprovider tests/kernels \
+    > "$OUT/memcheck.log" 2>&1
+  grep -E "passed|failed|ERROR SUMMARY|Invalid|at .* in .*\.py" "$OUT/memcheck.log" | sort | uniq -c | head -20
+fi
+
+if [[ $stage == midctx2 ]]; then  # a split per 128-key tile for mid-length contexts (session 12's knobs)
+  mid() {  # variant name, then bench engine's arguments; the variant's env is set by the caller
+    local v=$1; shift
+    python3 -m deploy.cli bench engine --device cuda --batch 1 --max-tokens 64 --max-model-len 4096 "$@" \
+      | sed "s|^{|{\"variant\": \"$v $*\", |" >> "$OUT/bench.jsonl"
+  }
+  for rep in 1 2; do for m in llama-1b smollm2; do for p in 256 640 1280 2048; do for k in 0 3; do
+    [[ $k == 3 && ( $p == 1280 || $p == 2048 ) ]] && continue
+    mid default --arch $m --prompt-len $p --spec-tokens $k
+    PDSERVE_SPLIT_BLOCKS=8 PDSERVE_ONE_SPLIT_BLOCKS=16 PDSERVE_MAX_SPLITS=16 PDSERVE_SHORT_KV_BLOCKS=16,32,64 \
+      mid tile3 --arch $m --prompt-len $p --spec-tokens $k
+    [[ $rep == 1 ]] && PDSERVE_SPLIT_BLOCKS=8 PDSERVE_ONE_SPLIT_BLOCKS=16 PDSERVE_MAX_SPLITS=16 \
+      PDSERVE_SHORT_KV_BLOCKS=16,64 mid tile2 --arch $m --prompt-len $p --spec-tokens $k
+  done; done; done; done
+  rows
+  PDSERVE_SPLIT_BLOCKS=8 PDSERVE_ONE_SPLIT_BLOCKS=16 PDSERVE_MAX_SPLITS=16 PDSERVE_SHORT_KV_BLOCKS=16,32,64 \
+    TRITON_CACHE_DIR=/tmp/tc_mid python3 bench/gpu/warmup_time.py --arch smollm2 --spec-tokens 3 | tee -a "$OUT/warmup.jsonl"
 fi
 
 if [[ $stage == midctx ]]; then

@@ -129,3 +129,24 @@ def test_graph_keys_take_the_narrow_width_only_where_it_splits_the_keys_differen
                              32: [257], 64: [257], 128: [257]}
     assert [graphs.key(1, flags, False, n)[-1] for n in (16, 17, 64, 65)] == [16, 64, 64, 257]
     assert graphs.key(8, flags, False, 20)[-1] == 257
+
+
+def test_split_knobs_give_each_mid_width_about_one_key_tile_a_split(monkeypatch):
+    """PDSERVE_SPLIT_BLOCKS=8 with PDSERVE_ONE_SPLIT_BLOCKS=16 and PDSERVE_MAX_SPLITS=16 (gpu_speed.sh
+    midctx2): up to 16 blocks one split, then a split per 8 blocks (one 128-key tile) up to 16; the
+    widths 16, 32, 64 then each split differently from the next wider one at batch 1, and the full
+    width keeps its 16. The defaults split as before (16 blocks a split, no cap)."""
+    import engine.model_runner as mr
+
+    assert [mr.decode_splits(1, 8, n) for n in (16, 17, 64, 257)] == [1, 2, 4, 17]
+    monkeypatch.setattr(mr, "SPLIT_BLOCKS", 8)
+    monkeypatch.setattr(mr, "ONE_SPLIT_BLOCKS", 16)
+    monkeypatch.setattr(mr, "MAX_SPLITS", 16)
+    assert [mr.decode_splits(1, 8, n) for n in (16, 17, 32, 64, 257)] == [1, 3, 4, 8, 16]
+    assert mr.decode_splits(4, 8, 257) == 8  # the grid's cap first
+    runner = SimpleNamespace(state=SimpleNamespace(spare=128), device=torch.device("cpu"), short_blocks=(16, 32, 64),
+                             max_blocks=257, attention_splits=lambda rows, blocks: mr.decode_splits(rows, 8, blocks))
+    graphs = DecodeGraphs(runner, 128)  # type: ignore[arg-type]
+    assert graphs.widths[1] == [16, 32, 64, 257] and graphs.widths[4] == [16, 32, 257]
+    flags = (True, False, False, False)
+    assert [graphs.key(1, flags, False, n)[-1] for n in (16, 20, 33, 65)] == [16, 32, 64, 257]
