@@ -49,7 +49,7 @@ SPLIT_BLOCKS = int(os.environ.get("PDSERVE_SPLIT_BLOCKS", "16"))  # KV blocks pe
 # contexts of up to this many blocks attend in one split (no combine launch); at most MAX_SPLITS splits
 # (0: no cap but the grid's). For gpu_speed.sh midctx2: midctx (session 12) found a row's decode
 # attention fastest with about one 128-key tile a split and few empty splits (Llama-1B b1: 320 tokens
-# in 4 splits 1.051 ms against 1.068 in 16; 704 tokens in 8 splits 1.06 against 1.078 in 16 and 1.088 in 4)
+# in 4 splits 1.051 ms against 1.068 in 17; 704 tokens in 8 splits 1.06 against 1.078 in 17 and 1.088 in 4)
 ONE_SPLIT_BLOCKS = int(os.environ.get("PDSERVE_ONE_SPLIT_BLOCKS", str(SPLIT_BLOCKS)))
 MAX_SPLITS = int(os.environ.get("PDSERVE_MAX_SPLITS", "0"))
 FULL_GRID = 264  # programs that fill an H100 twice (132 SMs)
