@@ -5,12 +5,15 @@ kernels are wired to the right tensors, not only right alone."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
 from engine.engine import EngineConfig, LLMEngine
 from engine.loader import load_model
 from engine.model import fuse_projections
+from engine.prefill_graphs import PrefillGraphs
 from engine.sampling_params import SamplingParams
 from engine.structured import StructuredSpec
 from kernels._dispatch import triton_on_cpu
@@ -105,3 +108,81 @@ def test_the_mtp_input_takes_one_launch_and_its_block_norm_none(monkeypatch):
     assert inputs_off == 0 and inputs_on > 0 and toks_on == toks_off
     assert norms_off - norms_on == 3 * inputs_on
 
+
+
+class EagerGraphs:
+    """engine/cuda_graphs.py's DecodeGraphs with each replay run eagerly (no CUDA on the CPU): the
+    same buckets, block-table widths and spare-slot padding rows, so the graph path's steps run
+    under the interpreter (and its address checks, tests/kernels/bounds.py)."""
+
+    @staticmethod
+    def attach(runner, max_batch: int):
+        from engine.cuda_graphs import MAX_TOP_LOGPROBS, DecodeGraphs
+
+        class _Eager(DecodeGraphs):
+            def replay(self, slots, flags, logprobs, num_kv_blocks):
+                rows = self._rows_for(slots, flags, logprobs, num_kv_blocks)
+                return self.runner.decode_step(rows, flags, slice(None) if logprobs else None, MAX_TOP_LOGPROBS,
+                                               self.key(len(slots), flags, logprobs, num_kv_blocks)[-1])
+
+            def replay_forward(self, slots, flags, logprobs, num_kv_blocks):
+                rows = self._rows_for(slots, flags, logprobs, num_kv_blocks)
+                self._fwd = (rows, self.runner.decode_forward(rows, flags, self.key(len(slots), flags, logprobs,
+                                                                                      num_kv_blocks)[-1]))
+
+            def replay_finish(self, n, flags, logprobs, num_kv_blocks):
+                rows, fwd = self._fwd
+                return self.runner.decode_finish(fwd, rows, flags, slice(None) if logprobs else None, MAX_TOP_LOGPROBS,
+                                                 self.key(n, flags, logprobs, num_kv_blocks)[-1])
+
+            def _rows_for(self, slots, flags, logprobs, num_kv_blocks):
+                key = self.key(len(slots), flags, logprobs, num_kv_blocks)
+                self._prepare(key)
+                self._set_rows(slots + [self.runner.state.spare] * (key[0] - len(slots)))
+                self.keys.append((len(slots), key))
+                return self.runner.state.step_rows[: key[0]]
+
+        graphs = _Eager(runner, max_batch)
+        graphs.keys = []
+        runner.graphs = graphs
+        return graphs
+
+
+# rows that fit 5 blocks of 8 tokens over their whole reservation (prompt + max_tokens + room), and
+# two wide ones that finish first: 5 rows (bucket 8, wide), 4 (bucket 4, wide), then 3 (bucket 4, narrow)
+LENGTHS = [(3, 12), (10, 10), (12, 6), (40, 4), (35, 2)]  # (prompt tokens, max_tokens)
+
+
+@pytest.mark.parametrize("k,middle", [(0, None), (3, CONSTRAINED)])
+def test_the_graph_path_with_padding_rows_equals_reference(k, middle, monkeypatch):
+    """The graphs' steps, run eagerly here at their buckets' sizes: prefill packs the prompts into a
+    token x row bucket (padding rows have no tokens and no keys; PrefillGraphs deferring), decode
+    pads a batch to its bucket with the spare slot (EagerGraphs) and reads the narrow block table
+    while every row fits it. The tokens and logprobs are the reference's, and no kernel reads or
+    writes outside its tensors (a prefill padding row's attention once read before the KV cache:
+    session 12)."""
+    monkeypatch.setattr("engine.attention.ROPE_IN_ATTENTION", True)
+    prompts = [[7 + (i * 13 + j) % 50 for j in range(n)] for i, (n, _) in enumerate(LENGTHS)]
+    params = [SamplingParams(max_tokens=m, ignore_eos=True, logprobs=2) for _, m in LENGTHS]
+    if middle is not None:
+        params[1] = dataclasses.replace(middle, max_tokens=LENGTHS[1][1])
+    want = LLMEngine(load_model("tiny", dtype="float32"), EngineConfig(num_speculative_tokens=k, block_size=8)).generate(
+        prompts, params)
+    loaded = load_model("tiny", dtype="float32")
+    fuse_projections(loaded.model)
+    with triton_on_cpu():
+        fast = LLMEngine(loaded, EngineConfig(num_speculative_tokens=k, block_size=8, attention_backend="triton",
+                                              max_num_seqs=8))
+        fast.runner.short_blocks = (5,)
+        graphs = EagerGraphs.attach(fast.runner, 8)
+        fast.runner.prefill_graphs = pg = PrefillGraphs(fast.runner, 256, 8)
+        pg.defer = True  # each step runs eagerly at its bucket's size, padding rows and tokens included
+        monkeypatch.setattr("engine.prefill_graphs.EAGER_RUNS_BEFORE_CAPTURE", 10**9)  # and never captures
+        got = fast.generate(prompts, params)
+    assert any(key.rows > 5 for key in pg.pending), "the five prompts prefilled in the 8-row bucket"
+    padded = {key[-1] for n, key in graphs.keys if n < key[0]}
+    assert padded == {5, fast.runner.max_blocks}, "padding rows ran at both block-table widths"
+    assert [r.output_ids for r in got] == [r.output_ids for r in want]
+    for a, b in zip(got, want, strict=True):
+        assert [lp.logprob for lp in a.logprobs] == pytest.approx([lp.logprob for lp in b.logprobs], abs=1e-4)
+    assert fast.num_free_blocks == fast.blocks.capacity
