@@ -153,19 +153,13 @@ class EagerGraphs:
 LENGTHS = [(3, 12), (10, 10), (12, 6), (40, 4), (35, 2)]  # (prompt tokens, max_tokens)
 
 
-@pytest.mark.parametrize("k,middle", [(0, None), (3, CONSTRAINED)])
-def test_the_graph_path_with_padding_rows_equals_reference(k, middle, monkeypatch):
-    """The graphs' steps, run eagerly here at their buckets' sizes: prefill packs the prompts into a
-    token x row bucket (padding rows have no tokens and no keys; PrefillGraphs deferring), decode
-    pads a batch to its bucket with the spare slot (EagerGraphs) and reads the narrow block table
-    while every row fits it. The tokens and logprobs are the reference's, and no kernel reads or
-    writes outside its tensors (a prefill padding row's attention once read before the KV cache:
-    session 12)."""
+def padded_run(k: int, prompts: list[list[int]], params: SamplingParams | list[SamplingParams], monkeypatch):
+    """`prompts` through the graphs' steps run eagerly at their buckets' sizes (rope in attention,
+    narrow table width 5 blocks): prefill packs the prompts into a token x row bucket (padding rows
+    have no tokens and no keys; PrefillGraphs deferring, never capturing), decode pads a batch to its
+    bucket with the spare slot (EagerGraphs). Checks the reference's tokens and logprobs and that
+    every block comes back; returns the decode graphs' (rows, key) list and the prefill keys."""
     monkeypatch.setattr("engine.attention.ROPE_IN_ATTENTION", True)
-    prompts = [[7 + (i * 13 + j) % 50 for j in range(n)] for i, (n, _) in enumerate(LENGTHS)]
-    params = [SamplingParams(max_tokens=m, ignore_eos=True, logprobs=2) for _, m in LENGTHS]
-    if middle is not None:
-        params[1] = dataclasses.replace(middle, max_tokens=LENGTHS[1][1])
     want = LLMEngine(load_model("tiny", dtype="float32"), EngineConfig(num_speculative_tokens=k, block_size=8)).generate(
         prompts, params)
     loaded = load_model("tiny", dtype="float32")
@@ -176,13 +170,36 @@ def test_the_graph_path_with_padding_rows_equals_reference(k, middle, monkeypatc
         fast.runner.short_blocks = (5,)
         graphs = EagerGraphs.attach(fast.runner, 8)
         fast.runner.prefill_graphs = pg = PrefillGraphs(fast.runner, 256, 8)
-        pg.defer = True  # each step runs eagerly at its bucket's size, padding rows and tokens included
-        monkeypatch.setattr("engine.prefill_graphs.EAGER_RUNS_BEFORE_CAPTURE", 10**9)  # and never captures
+        pg.defer = True
+        monkeypatch.setattr("engine.prefill_graphs.EAGER_RUNS_BEFORE_CAPTURE", 10**9)
         got = fast.generate(prompts, params)
-    assert any(key.rows > 5 for key in pg.pending), "the five prompts prefilled in the 8-row bucket"
-    padded = {key[-1] for n, key in graphs.keys if n < key[0]}
-    assert padded == {5, fast.runner.max_blocks}, "padding rows ran at both block-table widths"
     assert [r.output_ids for r in got] == [r.output_ids for r in want]
     for a, b in zip(got, want, strict=True):
         assert [lp.logprob for lp in a.logprobs] == pytest.approx([lp.logprob for lp in b.logprobs], abs=1e-4)
     assert fast.num_free_blocks == fast.blocks.capacity
+    return graphs.keys, pg.pending, fast.runner.max_blocks
+
+
+@pytest.mark.parametrize("k,middle", [(0, None), (3, CONSTRAINED)])
+def test_the_graph_path_with_padding_rows_equals_reference(k, middle, monkeypatch):
+    """The graphs' padded steps (`padded_run`), with chunks that fit one query tile (attention
+    rotates and writes the keys itself), and decode at both block-table widths with padding rows:
+    no kernel reads or writes outside its tensors (a prefill padding row's attention once read
+    before the KV cache: session 12)."""
+    prompts = [[7 + (i * 13 + j) % 50 for j in range(n)] for i, (n, _) in enumerate(LENGTHS)]
+    params = [SamplingParams(max_tokens=m, ignore_eos=True, logprobs=2) for _, m in LENGTHS]
+    if middle is not None:
+        params[1] = dataclasses.replace(middle, max_tokens=LENGTHS[1][1])
+    keys, prefill_keys, max_blocks = padded_run(k, prompts, params, monkeypatch)
+    assert any(key.rows == 8 for key in prefill_keys), "the five prompts prefilled in the 8-row bucket"
+    assert {key[-1] for n, key in keys if n < key[0]} == {5, max_blocks}, "padding rows ran at both widths"
+
+
+def test_the_graph_path_with_padding_rows_and_a_long_chunk_equals_reference(monkeypatch):
+    """A prefill bucket whose longest chunk takes more than one query tile (70 tokens: the rotary
+    kernel, then attention over the cache) with a padding row."""
+    prompts = [[7 + j % 50 for j in range(70)], [5, 6, 7], list(range(20, 29))]
+    keys, prefill_keys, _ = padded_run(0, prompts, SamplingParams(max_tokens=6, ignore_eos=True, logprobs=2),
+                                       monkeypatch)
+    assert any(key.rows == 4 and key.max_q == 128 for key in prefill_keys)
+    assert any(n < key[0] for n, key in keys)
