@@ -131,10 +131,9 @@ class DecodeGraphs:
     def replay(self, slots: list[int], flags: StepFlags, logprobs: bool, num_kv_blocks: int) -> StepOutputs:
         """Run the step for `slots` (<= max_batch); outputs have the bucket's row count."""
         key = self.key(len(slots), flags, logprobs, num_kv_blocks)
-        b = key[0]
         if key not in self.graphs:
             self.capture(key)
-        self._set_rows(slots + [self.runner.state.spare] * (b - len(slots)))
+        self._place(slots, key)
         graph, out = self.graphs[key]
         graph.replay()
         return out
@@ -142,10 +141,9 @@ class DecodeGraphs:
     def replay_forward(self, slots: list[int], flags: StepFlags, logprobs: bool, num_kv_blocks: int) -> None:
         """The first half of a constrained step for `slots` (`ModelRunner.launch_forward`)."""
         key = self.key(len(slots), flags, logprobs, num_kv_blocks)
-        b = key[0]
         if key not in self.halves:
             self.capture_halves(key)
-        self._set_rows(slots + [self.runner.state.spare] * (b - len(slots)))
+        self._place(slots, key)
         self.halves[key][0].replay()
 
     def replay_finish(self, n: int, flags: StepFlags, logprobs: bool, num_kv_blocks: int) -> StepOutputs:
@@ -159,6 +157,10 @@ class DecodeGraphs:
         for b in self.buckets:
             for width in self.widths[b]:
                 self.capture((b, True, False, False, False, False, width))
+
+    def _place(self, slots: list[int], key: GraphKey) -> None:
+        """`slots` into the step's rows, padded to the key's bucket with the spare slot."""
+        self._set_rows(slots + [self.runner.state.spare] * (key[0] - len(slots)))
 
     def _set_rows(self, rows: list[int]) -> None:
         if rows != self._rows[: len(rows)]:

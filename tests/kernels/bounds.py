@@ -46,8 +46,8 @@ def _check(ptrs: Any, mask: Any, what: str) -> None:
     ranges = getattr(_launch, "ranges", None)
     if ranges is None:
         return
-    addrs = np.broadcast_to(ptrs.data, np.broadcast(ptrs.data, mask.data).shape)[
-        np.broadcast_to(mask.data, np.broadcast(ptrs.data, mask.data).shape)].astype(np.uint64)
+    shape = np.broadcast(ptrs.data, mask.data).shape
+    addrs = np.broadcast_to(ptrs.data, shape)[np.broadcast_to(mask.data, shape)].astype(np.uint64)
     if addrs.size == 0:
         return
     size = np.dtype(interp._get_np_dtype(ptrs.get_element_ty())).itemsize

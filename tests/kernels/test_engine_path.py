@@ -10,6 +10,7 @@ import dataclasses
 import pytest
 import torch
 
+from engine.cuda_graphs import MAX_TOP_LOGPROBS, DecodeGraphs
 from engine.engine import EngineConfig, LLMEngine
 from engine.loader import load_model
 from engine.model import fuse_projections
@@ -110,42 +111,35 @@ def test_the_mtp_input_takes_one_launch_and_its_block_norm_none(monkeypatch):
 
 
 
-class EagerGraphs:
+class EagerGraphs(DecodeGraphs):
     """engine/cuda_graphs.py's DecodeGraphs with each replay run eagerly (no CUDA on the CPU): the
     same buckets, block-table widths and spare-slot padding rows, so the graph path's steps run
-    under the interpreter (and its address checks, tests/kernels/bounds.py)."""
+    under the interpreter (and its address checks, tests/kernels/bounds.py). `keys`: (rows, key)
+    of every step."""
 
-    @staticmethod
-    def attach(runner, max_batch: int):
-        from engine.cuda_graphs import MAX_TOP_LOGPROBS, DecodeGraphs
+    def __init__(self, runner, max_batch: int) -> None:
+        super().__init__(runner, max_batch)
+        self.keys: list = []
 
-        class _Eager(DecodeGraphs):
-            def replay(self, slots, flags, logprobs, num_kv_blocks):
-                rows = self._rows_for(slots, flags, logprobs, num_kv_blocks)
-                return self.runner.decode_step(rows, flags, slice(None) if logprobs else None, MAX_TOP_LOGPROBS,
-                                               self.key(len(slots), flags, logprobs, num_kv_blocks)[-1])
+    def replay(self, slots, flags, logprobs, num_kv_blocks):
+        rows, width = self._padded(slots, flags, logprobs, num_kv_blocks)
+        return self.runner.decode_step(rows, flags, slice(None) if logprobs else None, MAX_TOP_LOGPROBS, width)
 
-            def replay_forward(self, slots, flags, logprobs, num_kv_blocks):
-                rows = self._rows_for(slots, flags, logprobs, num_kv_blocks)
-                self._fwd = (rows, self.runner.decode_forward(rows, flags, self.key(len(slots), flags, logprobs,
-                                                                                      num_kv_blocks)[-1]))
+    def replay_forward(self, slots, flags, logprobs, num_kv_blocks):
+        rows, width = self._padded(slots, flags, logprobs, num_kv_blocks)
+        self._fwd = (rows, width, self.runner.decode_forward(rows, flags, width))
 
-            def replay_finish(self, n, flags, logprobs, num_kv_blocks):
-                rows, fwd = self._fwd
-                return self.runner.decode_finish(fwd, rows, flags, slice(None) if logprobs else None, MAX_TOP_LOGPROBS,
-                                                 self.key(n, flags, logprobs, num_kv_blocks)[-1])
+    def replay_finish(self, n, flags, logprobs, num_kv_blocks):
+        rows, width, fwd = self._fwd
+        return self.runner.decode_finish(fwd, rows, flags, slice(None) if logprobs else None, MAX_TOP_LOGPROBS, width)
 
-            def _rows_for(self, slots, flags, logprobs, num_kv_blocks):
-                key = self.key(len(slots), flags, logprobs, num_kv_blocks)
-                self._prepare(key)
-                self._set_rows(slots + [self.runner.state.spare] * (key[0] - len(slots)))
-                self.keys.append((len(slots), key))
-                return self.runner.state.step_rows[: key[0]]
-
-        graphs = _Eager(runner, max_batch)
-        graphs.keys = []
-        runner.graphs = graphs
-        return graphs
+    def _padded(self, slots, flags, logprobs, num_kv_blocks):
+        """The padded rows the key's graph would read (its buffers made, as a capture makes them), and its width."""
+        key = self.key(len(slots), flags, logprobs, num_kv_blocks)
+        self._prepare(key)
+        self._place(slots, key)
+        self.keys.append((len(slots), key))
+        return self.runner.state.step_rows[: key[0]], key[-1]
 
 
 # rows that fit 5 blocks of 8 tokens over their whole reservation (prompt + max_tokens + room), and
@@ -168,7 +162,7 @@ def padded_run(k: int, prompts: list[list[int]], params: SamplingParams | list[S
         fast = LLMEngine(loaded, EngineConfig(num_speculative_tokens=k, block_size=8, attention_backend="triton",
                                               max_num_seqs=8))
         fast.runner.short_blocks = (5,)
-        graphs = EagerGraphs.attach(fast.runner, 8)
+        fast.runner.graphs = graphs = EagerGraphs(fast.runner, 8)
         fast.runner.prefill_graphs = pg = PrefillGraphs(fast.runner, 256, 8)
         pg.defer = True
         monkeypatch.setattr("engine.prefill_graphs.EAGER_RUNS_BEFORE_CAPTURE", 10**9)
