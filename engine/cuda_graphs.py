@@ -11,14 +11,15 @@ one event (engine/step_output.py). The step reads the state's rows through one g
 
 Graphs are keyed by (B, all_greedy, needs_filter, penalized, constrained, logprobs, kv_blocks) and
 captured on first use. `kv_blocks` is the block-table width the step's attention reads: the
-runner's `max_blocks`, or the narrowest of `short_blocks` (16; PDSERVE_SHORT_KV_BLOCKS) that every
-row's blocks fit (for the buckets whose attention the widths split differently; the rest have
-one). The short graphs attend in one key split, so their attention needs no combine launch a layer
-(the long ones split as `decode_splits` says for max_model_len: 16 splits and a combine at batch 1
-for 4096; on an H100 that cost Llama-1B's batch-1 step 1.04 -> 1.07 ms and SmolLM2's batch-32 step
-0.58 -> 0.67 ms with 64-token prompts, BENCHMARKS.md). The greedy ones without penalties, grammar
-masks or logprobs, for every bucket and its widths, are captured up front (`capture_greedy`). A
-constrained graph reads `BatchState.grammar_mask`; a constrained step also comes as two graphs
+runner's `max_blocks`, or the narrowest of `short_blocks` (16, 32, 64, 128, 192;
+PDSERVE_SHORT_KV_BLOCKS) that every row's blocks fit (for the buckets whose attention the widths split
+differently; the rest have fewer). Each width splits its keys as `decode_splits` says for it, so a
+row's splits follow its context: up to 16 blocks one split and no combine launch, then about one
+128-key tile a split (4, 8, 16, 24, then 33 at batch 1 for max_model_len 4096). On an H100 one full
+width cost Llama-1B's batch-1 step 1.04 -> 1.07 ms with 64-token prompts, and these widths against
+two save 0.5-9.5% from 256 to 3,072 tokens but lose 1.6-1.8% at 2,048 (BENCHMARKS.md). The greedy
+ones without penalties, grammar masks or logprobs, for every bucket and its widths, are captured up
+front (`capture_greedy`). A constrained graph reads `BatchState.grammar_mask`; a constrained step also comes as two graphs
 (`halves`: the forward, then masks, verification and redraft), so the host can write the masks
 between them (engine/decode_batch.py).
 A capture synchronizes the device once (torch's capture does), so it is a one-time cost
@@ -57,7 +58,7 @@ class DecodeRunner(Protocol):
     state: BatchState
     device: torch.device
     max_blocks: int
-    short_blocks: tuple[int, ...]  # the narrower graphs' block-table widths (16: one key split)
+    short_blocks: tuple[int, ...]  # the narrower graphs' block-table widths (16: one key split; 32, 64, ...)
 
     def attention_splits(self, rows: int, num_kv_blocks: int) -> int: ...
 

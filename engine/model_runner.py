@@ -45,18 +45,18 @@ from kernels.decode_tail import accept_and_advance
 from kernels.step_meta import Meta, StepInputs, step_inputs, uniform_meta
 from kernels.token_mask import mask_rows
 
-SPLIT_BLOCKS = int(os.environ.get("PDSERVE_SPLIT_BLOCKS", "16"))  # KV blocks per split-KV partition in decode
-# contexts of up to this many blocks attend in one split (no combine launch); at most MAX_SPLITS splits
-# (0: no cap but the grid's). For gpu_speed.sh midctx2: midctx (session 12) found a row's decode
-# attention fastest with about one 128-key tile a split and few empty splits (Llama-1B b1: 320 tokens
-# in 4 splits 1.051 ms against 1.068 in 17; 704 tokens in 8 splits 1.06 against 1.078 in 17 and 1.088 in 4)
-ONE_SPLIT_BLOCKS = int(os.environ.get("PDSERVE_ONE_SPLIT_BLOCKS", str(SPLIT_BLOCKS)))
+# Decode attention's key splits. A row's split shares its actual 128-key tiles, and the fastest count is
+# about one tile a split with few empty ones (BENCHMARKS.md, engine, session 13): contexts of up to
+# ONE_SPLIT_BLOCKS blocks attend in one split (no combine launch), longer ones in a split per
+# SPLIT_BLOCKS blocks (8: one tile), at most MAX_SPLITS (0: no cap but the grid's, FULL_GRID).
+SPLIT_BLOCKS = int(os.environ.get("PDSERVE_SPLIT_BLOCKS", "8"))
+ONE_SPLIT_BLOCKS = int(os.environ.get("PDSERVE_ONE_SPLIT_BLOCKS", "16"))
 MAX_SPLITS = int(os.environ.get("PDSERVE_MAX_SPLITS", "0"))
 FULL_GRID = 264  # programs that fill an H100 twice (132 SMs)
-# the decode graphs' narrower block-table widths (engine/cuda_graphs.py): rows of at most 16 blocks
-# attend in one split with no combine launch. A comma list adds widths ("16,64": up to 64 blocks
-# in 4 splits); 0: one width, max_blocks
-SHORT_KV_BLOCKS = tuple(w for w in map(int, os.environ.get("PDSERVE_SHORT_KV_BLOCKS", str(ONE_SPLIT_BLOCKS)).split(","))
+# the decode graphs' narrower block-table widths (engine/cuda_graphs.py), so a step's split count
+# follows its widest row: up to 16 blocks one split, 32 four, 64 eight, 128 sixteen, 192 twenty-four,
+# then max_blocks' count (33 at max_model_len 4096). "16" alone: one narrow width; 0: one width
+SHORT_KV_BLOCKS = tuple(w for w in map(int, os.environ.get("PDSERVE_SHORT_KV_BLOCKS", "16,32,64,128,192").split(","))
                         if w > 0)
 MAX_GRAPH_ROWS = 64  # prefill graphs' largest row bucket
 MAX_GRAPH_TOKENS = 16384  # prefill graphs' largest token bucket: beyond it compute hides the launches (SmolLM2 4 x 4096 was host-bound eager)

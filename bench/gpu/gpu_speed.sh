@@ -93,14 +93,19 @@
 # `warmup`: a decode node's build and warm-up (bench/gpu/warmup_time.py), PDSERVE_SHORT_KV_BLOCKS 0 and 16,
 # cold (own Triton cache) then warm, SmolLM2 and Llama-1B at k=3.
 # `sanitize` (not yet run): tests/kernels on CUDA under compute-sanitizer's memcheck.
-# `midctx2` (not yet run): b1 at 256-2048-token prompts (k=0; k=3 to 640) as a server, the defaults against
+# `midctx2` (session 13; it won up to 1,280 tokens and lost at 2,048: 17 tiles in 16 splits): b1 at 256-2048-token prompts (k=0; k=3 to 640) as a server, the defaults against
 # a split per 8 blocks (one 128-key tile) from 17 blocks, at most 16 (PDSERVE_SPLIT_BLOCKS=8, ONE_SPLIT_BLOCKS=16,
 # MAX_SPLITS=16) with widths 16,32,64 (tile3) or 16,64 (tile2, once); then tile3's warm start-up graphs.
+# `final10`: final9's GPU tests in full, with widths 16,32,64,128,192 (the defaults now).
+# `final9` (session 13; its tests were cut by their timeout): the GPU tests with session 13's split defaults, b1 at 2048/2560 tokens old / new /
+# new with a 192 width (t5), then the new defaults' start-up (SmolLM2, Llama-1B) and t5's (SmolLM2), cold and warm.
+# `midctx3` (session 13; adopted as the defaults): midctx2's knobs without the cap (MAX_SPLITS=0), widths 16,32,64 (t3, once) and
+# 16,32,64,128 (t4), 256-3072-token prompts at k=0; then t4's start-up, cold and warm.
 # `midctx` (session 12): Llama-1B and SmolLM2 b1 k=0 with 256-, 640- and 1280-token prompts as a server
 # (--max-model-len 4096), decode graph widths PDSERVE_SHORT_KV_BLOCKS 16 (the default: 1 split up to 16
 # blocks, else 16-17), 16,64 (4 splits up to 64 blocks) and 16,32,128 (2 and 8 splits; once), the first
 # two twice: does a mid-length context want a third width?
-# Usage: bash bench/gpu/gpu_speed.sh check|bench|profile|pdl|frspec|regress|ropeattn|prefetch|final6|b1prof|hostsplit|midtiles|outkernel|mtpinput|gemv|preload|next11|embed|bigbatch|b1inc|tiles|pfetch|attnregs|attnfinal|preloadmid|attnbn|qkvsplit|attnq1|splits|splitinc|shortkv|stamps|final7|final8|warmup|sanitize|midctx2|midctx|all
+# Usage: bash bench/gpu/gpu_speed.sh check|bench|profile|pdl|frspec|regress|ropeattn|prefetch|final6|b1prof|hostsplit|midtiles|outkernel|mtpinput|gemv|preload|next11|embed|bigbatch|b1inc|tiles|pfetch|attnregs|attnfinal|preloadmid|attnbn|qkvsplit|attnq1|splits|splitinc|shortkv|stamps|final7|final8|warmup|sanitize|midctx2|midctx3|final9|final10|midctx|all
 set -uo pipefail
 . "$(dirname "$0")/../../deploy/require.sh"; need_gpu_machine; require_done
 export PYTHONUNBUFFERED=1
@@ -555,6 +560,59 @@ if [[ $stage == midctx2 ]]; then  # a split per 128-key tile for mid-length cont
   rows
   PDSERVE_SPLIT_BLOCKS=8 PDSERVE_ONE_SPLIT_BLOCKS=16 PDSERVE_MAX_SPLITS=16 PDSERVE_SHORT_KV_BLOCKS=16,32,64 \
     TRITON_CACHE_DIR=/tmp/tc_mid python3 bench/gpu/warmup_time.py --arch smollm2 --spec-tokens 3 | tee -a "$OUT/warmup.jsonl"
+fi
+
+if [[ $stage == final10 ]]; then  # final9's GPU tests again, in full (its 230 s cut them at the 43rd)
+  timeout 500 python3 -m pytest -q -p no:cacheprovider -rf tests/engine/test_gpu.py tests/engine/test_gpu_prefill.py \
+    tests/engine/test_first_token.py > "$OUT/tests.log" 2>&1
+  tail -8 "$OUT/tests.log"
+fi
+
+if [[ $stage == final9 ]]; then  # session 13's split defaults: the GPU tests, the 2-3k-token rows against a 192 width
+  timeout 230 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_stamps.py tests/engine/test_cuda_graphs.py \
+    tests/engine/test_gpu.py tests/engine/test_gpu_prefill.py tests/engine/test_first_token.py > "$OUT/tests.log" 2>&1
+  tail -3 "$OUT/tests.log"
+  old() { PDSERVE_SPLIT_BLOCKS=16 PDSERVE_ONE_SPLIT_BLOCKS=16 PDSERVE_SHORT_KV_BLOCKS=16 "$@"; }
+  t5() { PDSERVE_SHORT_KV_BLOCKS=16,32,64,128,192 "$@"; }
+  mid() {
+    local v=$1; shift
+    timeout 60 python3 -m deploy.cli bench engine --device cuda --batch 1 --max-tokens 64 --max-model-len 4096 "$@" \
+      | sed "s|^{|{\"variant\": \"$v $*\", |" >> "$OUT/bench.jsonl"
+  }
+  for m in llama-1b smollm2; do for p in 2048 2560; do
+    old mid old --arch $m --prompt-len $p --spec-tokens 0
+    mid new --arch $m --prompt-len $p --spec-tokens 0
+    t5 mid t5 --arch $m --prompt-len $p --spec-tokens 0
+  done; done
+  rows
+  for a in smollm2 llama-1b; do for run in cold warm; do
+    TRITON_CACHE_DIR=/tmp/tc_new_$a timeout 90 python3 bench/gpu/warmup_time.py --arch $a --spec-tokens 3 \
+      | sed "s|^{|{\"run\": \"$run\", |" | tee -a "$OUT/warmup.jsonl"
+  done; done
+  for run in cold warm; do
+    t5 env TRITON_CACHE_DIR=/tmp/tc_t5 timeout 90 python3 bench/gpu/warmup_time.py --arch smollm2 --spec-tokens 3 \
+      | sed "s|^{|{\"run\": \"t5 $run\", |" | tee -a "$OUT/warmup.jsonl"
+  done
+fi
+
+if [[ $stage == midctx3 ]]; then  # midctx2 without the 16-split cap (its cliff: 17 tiles in 16 splits), with and without a 128 width
+  t3() { PDSERVE_SPLIT_BLOCKS=8 PDSERVE_ONE_SPLIT_BLOCKS=16 PDSERVE_MAX_SPLITS=0 PDSERVE_SHORT_KV_BLOCKS=16,32,64 "$@"; }
+  t4() { PDSERVE_SPLIT_BLOCKS=8 PDSERVE_ONE_SPLIT_BLOCKS=16 PDSERVE_MAX_SPLITS=0 PDSERVE_SHORT_KV_BLOCKS=16,32,64,128 "$@"; }
+  mid() {  # variant name, then bench engine's arguments; the variant's env is set by the caller
+    local v=$1; shift
+    python3 -m deploy.cli bench engine --device cuda --batch 1 --max-tokens 64 --max-model-len 4096 "$@" \
+      | sed "s|^{|{\"variant\": \"$v $*\", |" >> "$OUT/bench.jsonl"
+  }
+  for rep in 1 2; do for m in llama-1b smollm2; do for p in 256 640 1280 2048 3072; do
+    mid default --arch $m --prompt-len $p --spec-tokens 0
+    [[ $rep == 1 ]] && t3 mid t3 --arch $m --prompt-len $p --spec-tokens 0
+    t4 mid t4 --arch $m --prompt-len $p --spec-tokens 0
+  done; done; done
+  rows
+  for run in cold warm; do
+    t4 env TRITON_CACHE_DIR=/tmp/tc_t4 timeout 100 python3 bench/gpu/warmup_time.py --arch smollm2 --spec-tokens 3 \
+      | sed "s|^{|{\"run\": \"$run\", |" | tee -a "$OUT/warmup.jsonl"
+  done
 fi
 
 if [[ $stage == midctx ]]; then

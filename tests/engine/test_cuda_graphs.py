@@ -107,46 +107,41 @@ def test_step_stamps_change_no_token_and_stamp_every_step(monkeypatch):
     assert tokens["0"] == tokens["1"]
 
 
-def test_graph_keys_take_the_narrow_width_only_where_it_splits_the_keys_differently():
-    """A step whose rows fit `short_blocks` replays the narrow graph (one key split); a wider one,
-    and any step of a bucket whose rows alone fill the GPU (one split at either width), the full
-    width. Shaped as Llama-1B (8 kv heads) with max_model_len 4096: 257 blocks."""
+def _llama_1b_graphs(short_blocks: tuple[int, ...]) -> DecodeGraphs:
+    """DecodeGraphs over a runner shaped as Llama-1B (8 kv heads) at max_model_len 4096 (257 blocks)."""
     from engine.model_runner import decode_splits
 
-    runner = SimpleNamespace(state=SimpleNamespace(spare=128), device=torch.device("cpu"), short_blocks=(16,),
+    runner = SimpleNamespace(state=SimpleNamespace(spare=128), device=torch.device("cpu"), short_blocks=short_blocks,
                              max_blocks=257, attention_splits=lambda rows, blocks: decode_splits(rows, 8, blocks))
-    graphs = DecodeGraphs(runner, 128)  # type: ignore[arg-type]
-    assert graphs.widths == {1: [16, 257], 2: [16, 257], 4: [16, 257], 8: [16, 257], 16: [16, 257], 32: [257],
-                             64: [257], 128: [257]}
-    flags = (True, False, False, False)
-    assert graphs.key(1, flags, False, 3) == (1, *flags, False, 16)
-    assert graphs.key(3, flags, True, 16) == (4, *flags, True, 16)
-    assert graphs.key(3, flags, False, 17) == (4, *flags, False, 257)
-    assert graphs.key(40, flags, False, 2) == (64, *flags, False, 257)
-    runner.short_blocks = (64, 16)  # PDSERVE_SHORT_KV_BLOCKS=16,64: 4 splits up to 64 blocks where that differs
-    graphs = DecodeGraphs(runner, 128)  # type: ignore[arg-type]
-    assert graphs.widths == {1: [16, 64, 257], 2: [16, 64, 257], 4: [16, 64, 257], 8: [16, 257], 16: [16, 257],
-                             32: [257], 64: [257], 128: [257]}
-    assert [graphs.key(1, flags, False, n)[-1] for n in (16, 17, 64, 65)] == [16, 64, 64, 257]
-    assert graphs.key(8, flags, False, 20)[-1] == 257
+    return DecodeGraphs(runner, 128)  # type: ignore[arg-type]
 
 
-def test_split_knobs_give_each_mid_width_about_one_key_tile_a_split(monkeypatch):
-    """PDSERVE_SPLIT_BLOCKS=8 with PDSERVE_ONE_SPLIT_BLOCKS=16 and PDSERVE_MAX_SPLITS=16 (gpu_speed.sh
-    midctx2): up to 16 blocks one split, then a split per 8 blocks (one 128-key tile) up to 16; the
-    widths 16, 32, 64 then each split differently from the next wider one at batch 1, and the full
-    width keeps its 16. The defaults split as before (16 blocks a split, no cap)."""
+def test_default_splits_give_a_row_about_one_key_tile_a_split(monkeypatch):
+    """Up to 16 blocks one split (no combine), then a split per 8 blocks (one 128-key tile), capped
+    by the grid (264 programs) alone; PDSERVE_MAX_SPLITS caps it further."""
     import engine.model_runner as mr
 
-    assert [mr.decode_splits(1, 8, n) for n in (16, 17, 64, 257)] == [1, 2, 4, 17]
-    monkeypatch.setattr(mr, "SPLIT_BLOCKS", 8)
-    monkeypatch.setattr(mr, "ONE_SPLIT_BLOCKS", 16)
+    assert mr.SHORT_KV_BLOCKS == (16, 32, 64, 128, 192)
+    assert [mr.decode_splits(1, 8, n) for n in (16, 17, 32, 64, 128, 192, 257)] == [1, 3, 4, 8, 16, 24, 33]
+    assert [mr.decode_splits(r, 8, 257) for r in (2, 4, 16, 32)] == [16, 8, 2, 1]  # the grid's cap
+    assert mr.decode_splits(1, 3, 2049) == 88  # SmolLM2's 3 kv heads at 32k: the grid caps it
     monkeypatch.setattr(mr, "MAX_SPLITS", 16)
-    assert [mr.decode_splits(1, 8, n) for n in (16, 17, 32, 64, 257)] == [1, 3, 4, 8, 16]
-    assert mr.decode_splits(4, 8, 257) == 8  # the grid's cap first
-    runner = SimpleNamespace(state=SimpleNamespace(spare=128), device=torch.device("cpu"), short_blocks=(16, 32, 64),
-                             max_blocks=257, attention_splits=lambda rows, blocks: mr.decode_splits(rows, 8, blocks))
-    graphs = DecodeGraphs(runner, 128)  # type: ignore[arg-type]
-    assert graphs.widths[1] == [16, 32, 64, 257] and graphs.widths[4] == [16, 32, 257]
+    assert [mr.decode_splits(1, 8, n) for n in (64, 257)] == [8, 16]
+
+
+def test_graph_keys_take_a_narrow_width_only_where_it_splits_the_keys_differently():
+    """A step replays the narrowest width its widest row fits; a bucket keeps only the widths whose
+    split count differs from the next wider one kept (from 32 rows the rows alone fill the GPU:
+    one split at any width, so max_blocks only)."""
+    graphs = _llama_1b_graphs((16, 32, 64, 128, 192))
+    assert graphs.widths == {1: [16, 32, 64, 128, 192, 257], 2: [16, 32, 64, 257], 4: [16, 32, 257], 8: [16, 257],
+                             16: [16, 257], 32: [257], 64: [257], 128: [257]}
     flags = (True, False, False, False)
-    assert [graphs.key(1, flags, False, n)[-1] for n in (16, 20, 33, 65)] == [16, 32, 64, 257]
+    assert [graphs.key(1, flags, False, n)[-1] for n in (3, 16, 17, 33, 65, 128, 129, 193)] == [
+        16, 16, 32, 64, 128, 128, 192, 257]
+    assert graphs.key(3, flags, True, 16) == (4, *flags, True, 16)
+    assert graphs.key(3, flags, False, 65) == (4, *flags, False, 257)
+    assert graphs.key(40, flags, False, 2) == (64, *flags, False, 257)
+    graphs = _llama_1b_graphs((16,))  # PDSERVE_SHORT_KV_BLOCKS=16: one narrow width
+    assert graphs.widths[1] == [16, 257] and graphs.widths[32] == [257]
+    assert [graphs.key(1, flags, False, n)[-1] for n in (16, 17)] == [16, 257]

@@ -11,6 +11,7 @@ import dataclasses
 import pytest
 import torch
 
+from engine import model_runner
 from engine.draft_vocab import write_ranking
 from engine.engine import EngineConfig, LLMEngine
 from engine.loader import load_model
@@ -154,17 +155,19 @@ def test_fast_path_greedy_equals_eager_reference_fp32(k):
 
 
 @pytest.mark.parametrize("k", [0, 3])
-def test_graphs_of_both_table_widths_give_eager_tokens_fp32(k):
-    """A row whose blocks fit `short_blocks` replays the graphs that read that many table columns
-    (one key split); a row that grows past them, and a batch holding one, the full-width graphs
-    (split keys and their combine). The tokens equal the eager reference's either way, and both
-    widths ran."""
-    prompts = [[3 + (7 * i) % 200 for i in range(n)] for n in (5, 230, 300)]
+def test_graphs_of_every_table_width_give_eager_tokens_fp32(k, monkeypatch):
+    """A row replays the graphs of the narrowest block-table width its blocks fit (`short_blocks`
+    16, 32 and 48: 1, 4 and 6 key splits), and a row that grows past them, and a batch holding one,
+    the full-width graphs (max_blocks: 65 at 1024 tokens, 9 splits). The tokens equal the eager
+    reference's either way, and every width ran. (48 in place of the default's 64: with k=0 no row
+    of tiny's 1024 positions outgrows 64 blocks.)"""
+    monkeypatch.setattr(model_runner, "SHORT_KV_BLOCKS", (16, 32, 48))
+    prompts = [[3 + (7 * i) % 200 for i in range(n)] for n in (5, 300, 600, 975)]
     params = SamplingParams(max_tokens=48, ignore_eos=True)
     fast = LLMEngine(load_model("tiny", device="cuda", dtype="float32"),
                      EngineConfig(num_speculative_tokens=k, device="cuda", max_model_len=1024))
     graphs = fast.runner.graphs
-    assert graphs is not None and len(graphs.widths[1]) == len(graphs.widths[4]) == 2
+    assert graphs is not None and graphs.widths[1] == graphs.widths[4] == [16, 32, 48, fast.runner.max_blocks]
     widths, real_key = [], graphs.key
     graphs.key = lambda *a: widths.append(real_key(*a)[-1]) or real_key(*a)  # type: ignore[method-assign]
     got = [fast.generate([p], params)[0].output_ids for p in prompts] + [
