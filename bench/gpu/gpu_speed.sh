@@ -92,20 +92,25 @@
 # was removed; BENCHMARKS session 12).
 # `warmup`: a decode node's build and warm-up (bench/gpu/warmup_time.py), PDSERVE_SHORT_KV_BLOCKS 0 and 16,
 # cold (own Triton cache) then warm, SmolLM2 and Llama-1B at k=3.
-# `sanitize` (not yet run): tests/kernels on CUDA under compute-sanitizer's memcheck.
-# `midctx2` (session 13; it won up to 1,280 tokens and lost at 2,048: 17 tiles in 16 splits): b1 at 256-2048-token prompts (k=0; k=3 to 640) as a server, the defaults against
-# a split per 8 blocks (one 128-key tile) from 17 blocks, at most 16 (PDSERVE_SPLIT_BLOCKS=8, ONE_SPLIT_BLOCKS=16,
-# MAX_SPLITS=16) with widths 16,32,64 (tile3) or 16,64 (tile2, once); then tile3's warm start-up graphs.
+# `sanitize` (session 13: 287 passed, 0 errors): tests/kernels on CUDA under compute-sanitizer's memcheck.
+# `midctx2` (session 13; won up to 1,280 tokens, lost at 2,048: 17 tiles in 16 splits): b1 at 256-2048-token
+# prompts (k=0; k=3 to 640) as a server, the defaults against a split per 8 blocks (one 128-key tile) from 17
+# blocks, at most 16 (PDSERVE_SPLIT_BLOCKS=8, ONE_SPLIT_BLOCKS=16, MAX_SPLITS=16) with widths 16,32,64 (tile3)
+# or 16,64 (tile2, once); then tile3's warm start-up graphs.
+# `final11` (session 13): issue 30's rows as a server with session 13's defaults, then batch 2 and 4 at 400-
+# and 900-token prompts, the old splits against the new.
 # `final10`: final9's GPU tests in full, with widths 16,32,64,128,192 (the defaults now).
-# `final9` (session 13; its tests were cut by their timeout): the GPU tests with session 13's split defaults, b1 at 2048/2560 tokens old / new /
-# new with a 192 width (t5), then the new defaults' start-up (SmolLM2, Llama-1B) and t5's (SmolLM2), cold and warm.
-# `midctx3` (session 13; adopted as the defaults): midctx2's knobs without the cap (MAX_SPLITS=0), widths 16,32,64 (t3, once) and
-# 16,32,64,128 (t4), 256-3072-token prompts at k=0; then t4's start-up, cold and warm.
+# `final9` (session 13; its tests were cut by their timeout): the GPU tests with midctx3's t4 as the defaults,
+# b1 at 2048/2560 tokens old / t4 / t4 with a 192 width (t5, now the default), then t4's start-up
+# (SmolLM2, Llama-1B) and t5's (SmolLM2), cold and warm.
+# `midctx3` (session 13; t4 plus a 192 width became the defaults): midctx2's knobs without the cap
+# (MAX_SPLITS=0), widths 16,32,64 (t3, once) and 16,32,64,128 (t4), 256-3072-token prompts at k=0; then t4's
+# start-up, cold and warm.
 # `midctx` (session 12): Llama-1B and SmolLM2 b1 k=0 with 256-, 640- and 1280-token prompts as a server
 # (--max-model-len 4096), decode graph widths PDSERVE_SHORT_KV_BLOCKS 16 (the default: 1 split up to 16
 # blocks, else 16-17), 16,64 (4 splits up to 64 blocks) and 16,32,128 (2 and 8 splits; once), the first
 # two twice: does a mid-length context want a third width?
-# Usage: bash bench/gpu/gpu_speed.sh check|bench|profile|pdl|frspec|regress|ropeattn|prefetch|final6|b1prof|hostsplit|midtiles|outkernel|mtpinput|gemv|preload|next11|embed|bigbatch|b1inc|tiles|pfetch|attnregs|attnfinal|preloadmid|attnbn|qkvsplit|attnq1|splits|splitinc|shortkv|stamps|final7|final8|warmup|sanitize|midctx2|midctx3|final9|final10|midctx|all
+# Usage: bash bench/gpu/gpu_speed.sh check|bench|profile|pdl|frspec|regress|ropeattn|prefetch|final6|b1prof|hostsplit|midtiles|outkernel|mtpinput|gemv|preload|next11|embed|bigbatch|b1inc|tiles|pfetch|attnregs|attnfinal|preloadmid|attnbn|qkvsplit|attnq1|splits|splitinc|shortkv|stamps|final7|final8|warmup|sanitize|midctx2|midctx3|final9|final10|final11|midctx|all
 set -uo pipefail
 . "$(dirname "$0")/../../deploy/require.sh"; need_gpu_machine; require_done
 export PYTHONUNBUFFERED=1
@@ -560,6 +565,30 @@ if [[ $stage == midctx2 ]]; then  # a split per 128-key tile for mid-length cont
   rows
   PDSERVE_SPLIT_BLOCKS=8 PDSERVE_ONE_SPLIT_BLOCKS=16 PDSERVE_MAX_SPLITS=16 PDSERVE_SHORT_KV_BLOCKS=16,32,64 \
     TRITON_CACHE_DIR=/tmp/tc_mid python3 bench/gpu/warmup_time.py --arch smollm2 --spec-tokens 3 | tee -a "$OUT/warmup.jsonl"
+fi
+
+if [[ $stage == final11 ]]; then  # session 13's split defaults: issue 30's rows as a server, and b2/b4 old / new
+  f11() {  # variant name, then bench engine's arguments, sized as a server
+    local v=$1; shift
+    timeout 90 python3 -m deploy.cli bench engine --device cuda --max-model-len 4096 "$@" \
+      | sed "s|^{|{\"variant\": \"$v $*\", |" >> "$OUT/bench.jsonl"
+  }
+  old() { PDSERVE_SPLIT_BLOCKS=16 PDSERVE_ONE_SPLIT_BLOCKS=16 PDSERVE_SHORT_KV_BLOCKS=16 "$@"; }
+  f11 goal --arch llama-1b --batch 1 --max-tokens 96 --spec-tokens 3 --draft-vocab 32768
+  f11 goal --arch smollm2 --batch 1 --max-tokens 96 --spec-tokens 3
+  PDSERVE_STEP_STAMPS=1 f11 goal --arch smollm2 --batch 32 --max-tokens 64 --spec-tokens 3
+  f11 goal --arch smollm2 --batch 128 --max-tokens 64 --spec-tokens 0
+  f11 goal --arch llama-1b --batch 64 --max-tokens 64 --spec-tokens 0
+  for m in llama-1b smollm2; do for b in 2 4; do for p in 400 900; do
+    old f11 old --arch $m --batch $b --max-tokens 64 --spec-tokens 0 --prompt-len $p
+    f11 new --arch $m --batch $b --max-tokens 64 --spec-tokens 0 --prompt-len $p
+  done; done; done
+  python3 -c "import json
+for l in open('$OUT/bench.jsonl'):
+    r = json.loads(l) if l.startswith('{') else {}
+    if 'ms_per_step' in r: print(r['variant'], '|', r['batch'], r['spec_tokens'], r.get('draft_vocab'), r['ms_per_step'],
+                                  r['tokens_per_s'], r.get('gpu_busy_stamped'))
+    elif 'floor_ms_per_step' in r: print('  floor', r['floor_ms_per_step'], r['copy_tb_per_s'])"
 fi
 
 if [[ $stage == final10 ]]; then  # final9's GPU tests again, in full (its 230 s cut them at the 43rd)
