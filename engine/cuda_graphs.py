@@ -19,9 +19,9 @@ row's splits follow its context: up to 16 blocks one split and no combine launch
 width cost Llama-1B's batch-1 step 1.04 -> 1.07 ms with 64-token prompts, and these widths against
 two save 0.5-9.5% from 256 to 3,072 tokens but lose 1.6-1.8% at 2,048 (BENCHMARKS.md). The greedy
 ones without penalties, grammar masks or logprobs, for every bucket and its widths, are captured up
-front (`capture_greedy`). A constrained graph reads `BatchState.grammar_mask`; a constrained step also comes as two graphs
-(`halves`: the forward, then masks, verification and redraft), so the host can write the masks
-between them (engine/decode_batch.py).
+front (`capture_greedy`). A constrained graph reads `BatchState.grammar_mask`; a constrained step
+also comes as two graphs (`halves`: the forward, then masks, verification and redraft), so the host
+can write the masks between them (engine/decode_batch.py).
 A capture synchronizes the device once (torch's capture does), so it is a one-time cost
 per key, paid before the loop runs for the keys captured up front. With PDSERVE_STEP_STAMPS=1 each
 graph opens and closes with a stamp of the GPU's clock (`stamps`, kernels/stamps.py; a halves
