@@ -232,6 +232,18 @@ ab() {  # ab VAR "bench args" ...: each bench with VAR=0, then VAR=1, twice; row
     env "$var=$on" python3 -m deploy.cli bench engine --device cuda $a | sed "s/^{/{\"variant\": \"$var=$on\", /" >> "$OUT/bench.jsonl"
   done; done; done
 }
+# one engine bench of a variant, sized as a server: its name, then bench engine's arguments (its env is the
+# caller's); its JSON lines, tagged with both, appended to bench.jsonl
+vbench() {
+  local v=$1; shift
+  timeout 120 python3 -m deploy.cli bench engine --device cuda --max-model-len 4096 "$@" \
+    | sed "s|^{|{\"variant\": \"$v $*\", |" >> "$OUT/bench.jsonl"
+}
+mid() {  # vbench at batch 1 for 64 tokens
+  vbench "$@" --batch 1 --max-tokens 64
+}
+old() { PDSERVE_SPLIT_BLOCKS=16 PDSERVE_ONE_SPLIT_BLOCKS=16 PDSERVE_SHORT_KV_BLOCKS=16 "$@"; }  # session 12's splits
+
 rows() {  # variant, model, batch, k, ms/step, GPU busy (profiler), the GPU's busy time over the timed step, host split
   python3 -c "import json
 for l in open('$OUT/bench.jsonl'):
@@ -549,11 +561,6 @@ if [[ $stage == sanitize ]]; then  # every kernel test on CUDA under compute-san
 fi
 
 if [[ $stage == midctx2 ]]; then  # a split per 128-key tile for mid-length contexts (session 12's knobs)
-  mid() {  # variant name, then bench engine's arguments; the variant's env is set by the caller
-    local v=$1; shift
-    python3 -m deploy.cli bench engine --device cuda --batch 1 --max-tokens 64 --max-model-len 4096 "$@" \
-      | sed "s|^{|{\"variant\": \"$v $*\", |" >> "$OUT/bench.jsonl"
-  }
   for rep in 1 2; do for m in llama-1b smollm2; do for p in 256 640 1280 2048; do for k in 0 3; do
     [[ $k == 3 && ( $p == 1280 || $p == 2048 ) ]] && continue
     mid default --arch $m --prompt-len $p --spec-tokens $k
@@ -568,20 +575,14 @@ if [[ $stage == midctx2 ]]; then  # a split per 128-key tile for mid-length cont
 fi
 
 if [[ $stage == final11 ]]; then  # session 13's split defaults: issue 30's rows as a server, and b2/b4 old / new
-  f11() {  # variant name, then bench engine's arguments, sized as a server
-    local v=$1; shift
-    timeout 90 python3 -m deploy.cli bench engine --device cuda --max-model-len 4096 "$@" \
-      | sed "s|^{|{\"variant\": \"$v $*\", |" >> "$OUT/bench.jsonl"
-  }
-  old() { PDSERVE_SPLIT_BLOCKS=16 PDSERVE_ONE_SPLIT_BLOCKS=16 PDSERVE_SHORT_KV_BLOCKS=16 "$@"; }
-  f11 goal --arch llama-1b --batch 1 --max-tokens 96 --spec-tokens 3 --draft-vocab 32768
-  f11 goal --arch smollm2 --batch 1 --max-tokens 96 --spec-tokens 3
-  PDSERVE_STEP_STAMPS=1 f11 goal --arch smollm2 --batch 32 --max-tokens 64 --spec-tokens 3
-  f11 goal --arch smollm2 --batch 128 --max-tokens 64 --spec-tokens 0
-  f11 goal --arch llama-1b --batch 64 --max-tokens 64 --spec-tokens 0
+  vbench goal --arch llama-1b --batch 1 --max-tokens 96 --spec-tokens 3 --draft-vocab 32768
+  vbench goal --arch smollm2 --batch 1 --max-tokens 96 --spec-tokens 3
+  PDSERVE_STEP_STAMPS=1 vbench goal --arch smollm2 --batch 32 --max-tokens 64 --spec-tokens 3
+  vbench goal --arch smollm2 --batch 128 --max-tokens 64 --spec-tokens 0
+  vbench goal --arch llama-1b --batch 64 --max-tokens 64 --spec-tokens 0
   for m in llama-1b smollm2; do for b in 2 4; do for p in 400 900; do
-    old f11 old --arch $m --batch $b --max-tokens 64 --spec-tokens 0 --prompt-len $p
-    f11 new --arch $m --batch $b --max-tokens 64 --spec-tokens 0 --prompt-len $p
+    old vbench old --arch $m --batch $b --max-tokens 64 --spec-tokens 0 --prompt-len $p
+    vbench new --arch $m --batch $b --max-tokens 64 --spec-tokens 0 --prompt-len $p
   done; done; done
   python3 -c "import json
 for l in open('$OUT/bench.jsonl'):
@@ -601,13 +602,7 @@ if [[ $stage == final9 ]]; then  # session 13's split defaults: the GPU tests, t
   timeout 230 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_stamps.py tests/engine/test_cuda_graphs.py \
     tests/engine/test_gpu.py tests/engine/test_gpu_prefill.py tests/engine/test_first_token.py > "$OUT/tests.log" 2>&1
   tail -3 "$OUT/tests.log"
-  old() { PDSERVE_SPLIT_BLOCKS=16 PDSERVE_ONE_SPLIT_BLOCKS=16 PDSERVE_SHORT_KV_BLOCKS=16 "$@"; }
   t5() { PDSERVE_SHORT_KV_BLOCKS=16,32,64,128,192 "$@"; }
-  mid() {
-    local v=$1; shift
-    timeout 60 python3 -m deploy.cli bench engine --device cuda --batch 1 --max-tokens 64 --max-model-len 4096 "$@" \
-      | sed "s|^{|{\"variant\": \"$v $*\", |" >> "$OUT/bench.jsonl"
-  }
   for m in llama-1b smollm2; do for p in 2048 2560; do
     old mid old --arch $m --prompt-len $p --spec-tokens 0
     mid new --arch $m --prompt-len $p --spec-tokens 0
@@ -627,11 +622,6 @@ fi
 if [[ $stage == midctx3 ]]; then  # midctx2 without the 16-split cap (its cliff: 17 tiles in 16 splits), with and without a 128 width
   t3() { PDSERVE_SPLIT_BLOCKS=8 PDSERVE_ONE_SPLIT_BLOCKS=16 PDSERVE_MAX_SPLITS=0 PDSERVE_SHORT_KV_BLOCKS=16,32,64 "$@"; }
   t4() { PDSERVE_SPLIT_BLOCKS=8 PDSERVE_ONE_SPLIT_BLOCKS=16 PDSERVE_MAX_SPLITS=0 PDSERVE_SHORT_KV_BLOCKS=16,32,64,128 "$@"; }
-  mid() {  # variant name, then bench engine's arguments; the variant's env is set by the caller
-    local v=$1; shift
-    python3 -m deploy.cli bench engine --device cuda --batch 1 --max-tokens 64 --max-model-len 4096 "$@" \
-      | sed "s|^{|{\"variant\": \"$v $*\", |" >> "$OUT/bench.jsonl"
-  }
   for rep in 1 2; do for m in llama-1b smollm2; do for p in 256 640 1280 2048 3072; do
     mid default --arch $m --prompt-len $p --spec-tokens 0
     [[ $rep == 1 ]] && t3 mid t3 --arch $m --prompt-len $p --spec-tokens 0
