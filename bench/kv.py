@@ -47,8 +47,10 @@ of a THP run ~2x.
 from __future__ import annotations
 
 import argparse
+import functools
 import hashlib
 import json
+import math
 import mmap
 import multiprocessing as mp
 import os
@@ -70,8 +72,10 @@ os.environ.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--backend", choices=["ucx", "tcp", "local"], default="ucx")
+    parser.add_argument("--backend", choices=["ucx", "tcp", "ipc", "local"], default="ucx")
     parser.add_argument("--layers", type=int, default=32)
+    parser.add_argument("--planes", type=int, default=1,
+                        help="planes per layer (2: K and V apart, as the engine's cache)")
     parser.add_argument("--blocks", type=int, default=256)
     parser.add_argument("--block-bytes", type=int, default=8192)
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
@@ -82,6 +86,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="CPU caches in transparent huge pages (as UCX allocates perftest's)")
     parser.add_argument("--inflight", type=int, default=1,
                         help="transfers in flight at once, each into its own blocks (throughput)")
+    parser.add_argument("--verify-every", type=int, default=1,
+                        help="compare the destination with the source every N-th transfer (and the last "
+                        "of each round); the others run back to back, as on a busy node, where the "
+                        "GPUs' clocks stay up between transfers")
+    parser.add_argument("--isolate", action="store_true",
+                        help="cuda: each process sees only its own GPU (as Ray gives each node actor)")
     parser.add_argument("--json", action="store_true")
 
 
@@ -95,9 +105,9 @@ _HUGE = 2 << 20
 _mappings: list[mmap.mmap] = []  # keep the huge-page mappings of this process alive
 
 
-def _huge_page_tensor(shape: tuple[int, int]) -> torch.Tensor:
+def _huge_page_tensor(shape: tuple[int, ...]) -> torch.Tensor:
     """A zeroed uint8 tensor in 2 MiB-aligned anonymous memory advised MADV_HUGEPAGE."""
-    nbytes = shape[0] * shape[1]
+    nbytes = math.prod(shape)
     m = mmap.mmap(-1, nbytes + _HUGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     _mappings.append(m)
     base = torch.frombuffer(m, dtype=torch.uint8)
@@ -108,7 +118,7 @@ def _huge_page_tensor(shape: tuple[int, int]) -> torch.Tensor:
 
 def _cache(args: argparse.Namespace, device: torch.device, fill: bool) -> list[torch.Tensor]:
     g = torch.Generator().manual_seed(0)
-    shape = (args.blocks * args.inflight, args.block_bytes)
+    shape = (args.planes, args.blocks * args.inflight, args.block_bytes)
     layers = []
     for _ in range(args.layers):
         t = torch.randint(0, 256, shape, generator=g, dtype=torch.uint8) if fill else None
@@ -130,12 +140,14 @@ def _digest(cache: list[torch.Tensor]) -> str:
 def _receiver_main(conn: Connection, args: argparse.Namespace) -> None:
     from kvtransfer import KVLayout, create_receiver
 
+    if args.isolate:  # before CUDA starts in this process
+        os.environ["CUDA_VISIBLE_DEVICES"] = _two_gpus()[0]
     device = _device(args, 1)
     if device.type == "cuda":
         torch.cuda.set_device(device)
     cache = _cache(args, device, fill=False)
     receiver = create_receiver(args.backend, timeout_s=60)
-    receiver.register(KVLayout(cache, 0))
+    receiver.register(KVLayout(cache, 1))
     while (cmd := msgpack.unpackb(conn.recv_bytes(), raw=False))["op"] != "exit":
         if cmd["op"] == "expect":
             first = cmd.get("slot", 0) * args.blocks
@@ -155,7 +167,7 @@ def _call(conn: Connection, op: str, **kw: Any) -> Any:
 
 
 def _one_transfer(sender: Any, conn: Connection, args: argparse.Namespace, rid: str,
-                  cache: list[torch.Tensor]) -> tuple[float, bool]:
+                  cache: list[torch.Tensor], verify: bool = True) -> tuple[float, bool]:
     """One timed transfer of a changed source (``--inflight`` N: N at once, each into its own
     blocks; the time is per transfer); (seconds, destination equals source)."""
     for t in cache:
@@ -182,7 +194,7 @@ def _one_transfer(sender: Any, conn: Connection, args: argparse.Namespace, rid: 
     for r, status in zip(rids, statuses, strict=True):
         if status.state.value != "done" or _call(conn, "wait", rid=r) != "done":
             raise RuntimeError(f"transfer {r} ended {status}")
-    return elapsed, _call(conn, "digest") == _digest(cache)
+    return elapsed, not verify or _call(conn, "digest") == _digest(cache)
 
 
 def _transfer_figures(args: argparse.Namespace, raw: Any) -> dict[str, Any]:
@@ -193,17 +205,21 @@ def _transfer_figures(args: argparse.Namespace, raw: Any) -> dict[str, Any]:
     conn, child = ctx.Pipe()
     proc = ctx.Process(target=_receiver_main, args=(child, args), daemon=True)
     proc.start()
+    if args.isolate:
+        os.environ["CUDA_VISIBLE_DEVICES"] = _two_gpus()[1]
     device = _device(args, 0)
     cache = _cache(args, device, fill=True)
     sender = create_sender(args.backend, timeout_s=60)
-    sender.register(KVLayout(cache, 0))
+    sender.register(KVLayout(cache, 1))
     rounds: list[dict[str, Any]] = []
     intact, n = True, 0
     try:
         for r in range(-1, args.rounds):  # round -1: one warm-up transfer
             times = []
-            for _ in range(args.iters if r >= 0 else 1):
-                seconds, same = _one_transfer(sender, conn, args, f"bench-{n}", cache)
+            iters = args.iters if r >= 0 else 1
+            for i in range(iters):
+                verify = i == iters - 1 or i % args.verify_every == 0
+                seconds, same = _one_transfer(sender, conn, args, f"bench-{n}", cache, verify)
                 times.append(seconds)
                 intact = intact and same
                 n += 1
@@ -339,6 +355,7 @@ def _perftest_client(cmd: list[str], env: dict[str, str], server: subprocess.Pop
             return out
 
 
+@functools.cache
 def _two_gpus() -> tuple[str, str]:
     """The receiver's and the sender's GPU as ``CUDA_VISIBLE_DEVICES`` entries (cuda:1, cuda:0).
 
@@ -347,8 +364,15 @@ def _two_gpus() -> tuple[str, str]:
     one GPU visible to each it reports 220-370 GB/s (16 to 512 MiB messages), under the
     ~390 GB/s copy ceiling (BENCHMARKS.md)."""
     visible = [d for d in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if d.strip()]
-    ids = visible or [str(i) for i in range(torch.cuda.device_count())]
+    ids = visible or [str(i) for i in range(_gpu_count())]
     return ids[1 % len(ids)], ids[0]
+
+
+def _gpu_count() -> int:
+    """GPUs on the machine, without starting CUDA in this process (``--isolate`` narrows what
+    this process sees afterwards, which CUDA reads once, when it starts)."""
+    listed = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True).stdout
+    return max(1, sum(line.startswith("GPU ") for line in listed.splitlines()))
 
 
 def memcpy_gbps(nbytes: int) -> float:
@@ -360,6 +384,29 @@ def memcpy_gbps(nbytes: int) -> float:
         dst.copy_(src)
         best = min(best, time.perf_counter() - t0)
     return nbytes / best / 1e9
+
+
+def _d2d_main(conn: Connection) -> None:
+    while (nbytes := conn.recv()) is not None:
+        conn.send(d2d_gbps(nbytes))
+
+
+class _D2D:
+    """``d2d_gbps`` in a process of its own that sees both GPUs (``cudaMemcpyPeer``'s rate),
+    started before this process narrows what it sees (``--isolate``)."""
+
+    def __init__(self) -> None:
+        self.conn, child = mp.get_context("spawn").Pipe()
+        self.proc = mp.get_context("spawn").Process(target=_d2d_main, args=(child,), daemon=True)
+        self.proc.start()
+
+    def __call__(self, nbytes: int) -> float:
+        self.conn.send(nbytes)
+        return float(self.conn.recv())
+
+    def close(self) -> None:
+        self.conn.send(None)
+        self.proc.join(30)
 
 
 def d2d_gbps(nbytes: int) -> float:
@@ -379,10 +426,14 @@ def d2d_gbps(nbytes: int) -> float:
 
 
 def run(args: argparse.Namespace) -> int:
-    nbytes = args.layers * args.blocks * args.block_bytes
+    nbytes = args.layers * args.planes * args.blocks * args.block_bytes
     msg_bytes = args.blocks * args.block_bytes
+    d2d = _D2D() if args.device == "cuda" else None
+    if d2d is not None:
+        _two_gpus()  # both GPUs' ids, read before --isolate narrows this process's view
     result: dict[str, Any] = {"backend": args.backend, "device": args.device, "bytes": nbytes,
-                              "layers": args.layers, "blocks": args.blocks,
+                              "layers": args.layers, "planes": args.planes, "blocks": args.blocks,
+                              "isolate": args.isolate,
                               "block_bytes": args.block_bytes, "thp": args.thp and args.device == "cpu",
                               "iters": args.iters, "inflight": args.inflight}
     if args.backend == "ucx":
@@ -405,6 +456,11 @@ def run(args: argparse.Namespace) -> int:
             if resident:
                 figures["raw_resident_gbps"] = perftest_gbps(nbytes, nbytes, args.device, thp, resident=True)
             return figures
+    elif d2d is not None:
+        result["raw"] = f"torch copy cuda:0 -> cuda:1 of {nbytes} bytes (cudaMemcpyPeer)"
+
+        def raw() -> dict[str, float]:
+            return {"raw_gbps": d2d(nbytes)}
     else:
         result["raw"] = f"memcpy {nbytes} bytes"
 
@@ -422,9 +478,11 @@ def run(args: argparse.Namespace) -> int:
                 "raw_resident_gbps", "ratio_resident"):
         if key in result["rounds"][0]:
             result[key] = statistics.median(r[key] for r in result["rounds"])
-    if args.device == "cuda":
-        result["d2d_gbps"] = d2d_gbps(nbytes)
+    if d2d is not None:
+        result["d2d_gbps"] = d2d(nbytes)
         result["d2d_ratio"] = result["gbps"] / result["d2d_gbps"]
+        d2d.close()
+    result["verify_every"] = args.verify_every
     _print(result, args.json)
     return 0 if result["intact"] else 1
 

@@ -181,8 +181,8 @@ def _kv_options(cfg: ServiceConfig, role: str, host: str) -> dict[str, Any]:
         from kvtransfer.ucx import restrict_to_loopback
 
         restrict_to_loopback(host)
-    if cfg.kv_transfer.backend == "tcp" and role == "decode":
-        kv["kv_options"] = {"host": host}  # the tcp receiver listens where the node serves
+    if cfg.kv_transfer.backend in ("tcp", "ipc") and role == "decode":
+        kv["kv_options"] = {"host": host}  # the control listener is where the node serves
     if cfg.kv_transfer.faults.any and role == "prefill":  # a fault drill: its KV links misbehave
         kv["kv_options"] = {"faults": cfg.kv_transfer.faults.model_dump()}
     return kv

@@ -116,7 +116,7 @@ class KVFaultsConfig(_Section):
 
 
 class KVTransferConfig(_Section):
-    backend: Literal["ucx", "tcp", "local"] = "ucx"
+    backend: Literal["ucx", "tcp", "ipc", "local"] = "ucx"
     timeout_s: float = Field(default=30.0, gt=0)
     faults: KVFaultsConfig = Field(default_factory=KVFaultsConfig)
 

@@ -89,8 +89,17 @@ class KVLayout:
         # Per layer: each plane's bytes of one block, and each plane as one flat byte buffer
         # (a numpy array for host memory, which transports take as is): a run is a slice.
         self._block_bytes = [[p[0].numel() * p.element_size() for p in layer] for layer in self.planes]
-        self._flat = [[_flat_bytes(p) for p in layer] for layer in self.planes]
+        self.rebind()
         self._num_blocks = [min(p.shape[0] for p in layer) for layer in self.planes]
+
+    def rebind(self) -> None:
+        """Make the flat byte views again: after the planes' storages moved (into shared memory)."""
+        self._flat = [[_flat_bytes(p) for p in layer] for layer in self.planes]
+        self._bytes = [[p.reshape(-1).view(torch.uint8) for p in layer] for layer in self.planes]
+
+    def plane_bytes(self, layer: int) -> list[torch.Tensor]:
+        """Each plane of ``layer`` as one flat uint8 tensor (block b: ``b * block_bytes`` on)."""
+        return self._bytes[layer]
 
     @property
     def num_layers(self) -> int:

@@ -14,6 +14,7 @@ from kvtransfer.base import KVReceiver, KVSender
 BACKENDS: dict[str, tuple[str, str, str]] = {
     "ucx": ("kvtransfer.ucx", "UcxSender", "UcxReceiver"),
     "tcp": ("kvtransfer.tcp", "TcpSender", "TcpReceiver"),
+    "ipc": ("kvtransfer.ipc", "IpcSender", "IpcReceiver"),
     "local": ("kvtransfer.local", "LocalSender", "LocalReceiver"),
 }
 

@@ -251,11 +251,16 @@ class StreamingSender(KVSender):
                     held = nxt
                     break
             await self._send_layers(out, group)
-        streaming = [f for f in out.pending if isinstance(f, asyncio.Task)]
-        if streaming:  # coroutine links write in turn; posted (ucx) sends are ordered already
-            await asyncio.gather(*streaming)
+        await self._flush(out)
         await self._post_ctrl(out, wire.make("finish", rid=out.rid, tok=out.desc["tok"], layers=len(out.sent)))
         out.deadline = time.monotonic() + self.timeout_s  # the ack must come in time
+
+    async def _flush(self, out: _Out) -> None:
+        """Before ``finish``: every layer's data is on its way in order (the receiver acks only
+        once it landed). Coroutine links write in turn; posted (ucx) sends are ordered already."""
+        streaming = [f for f in out.pending if isinstance(f, asyncio.Task)]
+        if streaming:
+            await asyncio.gather(*streaming)
 
     async def _post_ctrl(self, out: _Out, msg: dict[str, Any]) -> None:
         """Send a control message: a posted send (ucx) is ordered before what follows, so it

@@ -154,6 +154,7 @@ async def _try_send(link: _Conn, msg: dict[str, Any]) -> None:
 
 class TcpSender(StreamingSender):
     backend = "tcp"
+    _link_cls = _Conn
 
     def __init__(self, **kwargs: Any) -> None:
         super().__init__(**kwargs)
@@ -179,7 +180,7 @@ class TcpSender(StreamingSender):
         reader, writer = await asyncio.wait_for(
             asyncio.open_connection(host, int(port)), self.timeout_s
         )
-        link = _Conn(reader, writer)
+        link = self._link_cls(reader, writer)
         asyncio.ensure_future(self._read_acks(addr, link))
         return link
 
@@ -190,12 +191,16 @@ class TcpSender(StreamingSender):
                 if msg["t"] == "error":
                     reason = f"receiver closed the connection: {msg['reason']}"
                     break
-                self._on_message(msg)
+                self._on_link_message(link, msg)
         except (wire.WireError, OSError, asyncio.IncompleteReadError) as exc:
             reason = f"receiver connection lost: {exc!r}"
         self._links.pop(addr, None)
         link.writer.close()
         self._on_link_lost(link, reason)
+
+    def _on_link_message(self, link: _Conn, msg: dict[str, Any]) -> None:
+        """A validated message from the receiver on ``link``."""
+        self._on_message(msg)
 
     async def _close_transport(self) -> None:
         for fut in list(self._links.values()):

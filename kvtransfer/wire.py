@@ -21,11 +21,12 @@ from typing import Any
 
 import msgpack
 
-VERSION = 6  # 2: one ``layers`` announce covers every layer queued at once;
+VERSION = 7  # 2: one ``layers`` announce covers every layer queued at once;
 # 3: ucx announces only layers whose runs differ from the destination's (pre-posted) ones;
 # 4: ``desc`` names the receiver's data lanes (ucx: one worker address per lane);
 # 5: the transfer token ``tok`` (see below) replaces ``serial``;
-# 6: ``desc`` says how many of the request's leading blocks the receiver holds already (``skip``)
+# 6: ``desc`` says how many of the request's leading blocks the receiver holds already (``skip``);
+# 7: ``pool``, the receiver's KV memory opened by a sender of the same host (ipc)
 TOKEN_BYTES = 16
 MAX_MESSAGE_BYTES = 1 << 20
 MAX_LIST = 1 << 17
@@ -66,6 +67,18 @@ def _ints(v: Any) -> bool:
             and (not v or (min(v) >= 0 and max(v) <= MAX_INT)))
 
 
+def _handle_part(v: Any) -> bool:
+    return isinstance(v, bool) or _int(v) or _bytes(v) or _str(v)
+
+
+def _handle(v: Any) -> bool:
+    return isinstance(v, list) and len(v) <= 8 and all(_handle_part(x) for x in v)
+
+
+def _plane_rows(v: Any) -> bool:
+    return _list_of(v, lambda row: _list_of(row, lambda p: _ints(p) and len(p) == 3))
+
+
 def _pairs(v: Any) -> bool:
     return _list_of(v, lambda p: _ints(p) and len(p) == 2)
 
@@ -104,6 +117,10 @@ SCHEMAS: dict[str, dict[str, Callable[[Any], bool]]] = {
     # Receiver -> sender. ``error`` closes the connection it arrives on.
     "ack": {**_AUTH, "ok": lambda v: isinstance(v, bool), "reason": _str},
     "error": {"reason": _str},
+    # Receiver -> sender (ipc), once per connection after its first authenticated ``begin``: how
+    # to open the receiver's KV memory (kvtransfer/peer_pool.py; validated again on use).
+    "pool": {"host": _str, "pid": _int, "mem": _str, "storages": lambda v: _list_of(v, _handle),
+             "planes": _plane_rows},
 }
 
 

@@ -104,7 +104,7 @@ def test_the_router_gets_the_first_token_before_the_drafts_are_read(tiny):
         pair.close()
 
 
-@pytest.mark.parametrize("backend", ["local", "ucx"])
+@pytest.mark.parametrize("backend", ["local", "ucx", "ipc"])
 @pytest.mark.parametrize("k", [0, 3])
 def test_pd_greedy_equals_single_process(tiny, k, backend):
     vocab = tiny.model.config.vocab_size

@@ -22,6 +22,7 @@ import numpy as np
 from triton.runtime import interpreter as interp
 
 _launch = threading.local()  # the running launch's kernel name and storages [(start, end)]
+_reachable: list[tuple[int, int]] = []  # storages kernels reach through address tables (`reachable`)
 
 
 def _storages(args: list[Any], kwargs: dict[str, Any]) -> list[tuple[int, int]]:
@@ -63,6 +64,20 @@ def _check(ptrs: Any, mask: Any, what: str) -> None:
 
 
 @contextmanager
+def reachable(*tensors: Any) -> Iterator[None]:
+    """Within it, launches may also touch these tensors' storages: a kernel given their addresses
+    in a table (kernels/block_copy.py) reaches memory that no argument names."""
+    added = [(t.untyped_storage().data_ptr(), t.untyped_storage().data_ptr() + t.untyped_storage().nbytes())
+             for t in tensors]
+    _reachable.extend(added)
+    try:
+        yield
+    finally:
+        for r in added:
+            _reachable.remove(r)
+
+
+@contextmanager
 def checked_addresses() -> Iterator[None]:
     """Within it, interpreted kernels fail on a masked-in load or store outside their arguments."""
     ex, builder = interp.GridExecutor, interp.InterpreterBuilder
@@ -72,7 +87,7 @@ def checked_addresses() -> Iterator[None]:
     def init_args_hst(self: Any, args_dev: Any, kwargs: Any) -> Any:
         args_hst, kwargs_hst = init_args(self, args_dev, kwargs)
         _launch.kernel = getattr(self.fn, "__name__", "kernel")
-        _launch.ranges = _storages(args_hst, kwargs_hst)
+        _launch.ranges = sorted(_storages(args_hst, kwargs_hst) + _reachable)
         return args_hst, kwargs_hst
 
     def load(self: Any, ptrs: Any, mask: Any, other: Any, *rest: Any, **kw: Any) -> Any:

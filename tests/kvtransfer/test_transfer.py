@@ -52,7 +52,7 @@ def interleaved_send(sender, maps: list[tuple[list[int], list[int]]], seed: int)
         sender.finish(rid)
 
 
-@pytest.mark.parametrize(("backend", "lanes"), [("tcp", None), ("ucx", None), ("ucx", 1), ("ucx", 3)])
+@pytest.mark.parametrize(("backend", "lanes"), [("tcp", None), ("ipc", None), ("ucx", None), ("ucx", 1), ("ucx", 3)])
 def test_eight_interleaved_requests_arrive_exactly(
     backend: str, lanes: int | None, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -68,7 +68,7 @@ def test_eight_interleaved_requests_arrive_exactly(
         maps = block_maps(seed=7, requests=8)
         for i, (_, dst) in enumerate(maps):
             desc = receiver.call("expect", request_id=f"req-{i}", dst_block_ids=dst, layers=LAYERS)
-            assert len(desc["lanes"]) == (0 if backend == "tcp" else lanes or 2)
+            assert len(desc["lanes"]) == (lanes or 2 if backend == "ucx" else 0)
             sender.start(f"req-{i}", desc)
         interleaved_send(sender, maps, seed=3)
         for i, (src_ids, dst) in enumerate(maps):
