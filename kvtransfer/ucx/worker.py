@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 import time
 from typing import Any
 
+import settings
 from kvtransfer.ucx.core import (
     EMPTY,
     SPIN,
@@ -21,7 +21,7 @@ from kvtransfer.ucx.core import (
 )
 from kvtransfer.ucx.lanes import Lane, LaneRecv
 
-LANES = max(1, int(os.environ.get("PDSERVE_UCX_LANES", "2")))
+LANES = settings.UCX_LANES
 """Receive lanes per process: layer ``l`` is pulled by lane ``l % LANES`` (see ``Lane``)."""
 SENT_POLL_S = 2e-3
 """How often the driver reaps its data sends while some are pending (see ``Driver.send_data``);

@@ -1,0 +1,33 @@
+"""The settings module: docs/settings.md is its table, every setting parses and rejects what it
+should, and product code reads no PDSERVE_ variable the module does not define."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+import settings
+
+ROOT = Path(__file__).resolve().parent.parent.parent
+
+
+def test_docs_page_is_the_modules_table():
+    page = (ROOT / "docs" / "settings.md").read_text(encoding="utf-8")
+    assert page == settings.table(), "docs/settings.md is stale: run `python -m settings > docs/settings.md`"
+
+
+def test_defaults_parse_and_bad_values_are_errors():
+    for s in settings.REGISTRY.values():
+        assert s.doc and "\n" not in s.doc
+        s.read({})  # every default parses
+    read = {name: s.read for name, s in settings.REGISTRY.items()}
+    assert read["PDSERVE_SHORT_KV_BLOCKS"]({"PDSERVE_SHORT_KV_BLOCKS": "16,0,48"}) == (16, 48)
+    assert read["PDSERVE_SHORT_KV_BLOCKS"]({"PDSERVE_SHORT_KV_BLOCKS": "0"}) == ()
+    assert read["PDSERVE_UCX_SPIN"]({"PDSERVE_UCX_SPIN": "0"}) is False
+    assert read["PDSERVE_API_KEY"]({}) is None
+    with pytest.raises(ValueError, match="at least 1"):
+        read["PDSERVE_UCX_LANES"]({"PDSERVE_UCX_LANES": "0"})
+    with pytest.raises(ValueError, match="0 or 1"):
+        read["PDSERVE_STEP_STAMPS"]({"PDSERVE_STEP_STAMPS": "yes"})
+
