@@ -3,6 +3,7 @@ should, and product code reads no PDSERVE_ variable the module does not define."
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -31,3 +32,15 @@ def test_defaults_parse_and_bad_values_are_errors():
     with pytest.raises(ValueError, match="0 or 1"):
         read["PDSERVE_STEP_STAMPS"]({"PDSERVE_STEP_STAMPS": "yes"})
 
+
+
+def test_product_code_reads_only_defined_settings():
+    """Outside tests/, every PDSERVE_ name in Python source is a setting of the module."""
+    found: set[str] = set()
+    for path in ROOT.rglob("*.py"):
+        rel = path.relative_to(ROOT).parts
+        if rel[0] in ("tests", ".venv", "build") or rel[0].startswith("."):
+            continue
+        found |= set(re.findall(r"PDSERVE_[A-Z0-9_]+", path.read_text(encoding="utf-8")))
+    assert found <= set(settings.REGISTRY), sorted(found - set(settings.REGISTRY))
+    assert len(settings.REGISTRY) <= 12
