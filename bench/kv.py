@@ -330,7 +330,7 @@ def perftest_gbps(msg_bytes: int, total_bytes: int, device: str, thp: bool = Tru
 def _perftest_client(cmd: list[str], env: dict[str, str], server: subprocess.Popen, wait_s: float = 30.0) -> str:
     """The client's output, retried while the server is not listening yet: a fixed one-second
     wait lost that race on a loaded 2-core machine ("connect() failed: Connection refused", a
-    fresh-clone CI run, 2026-11-26). A refused client leaves the server waiting for the next."""
+    fresh-clone CI run). A refused client leaves the server waiting for the next."""
     deadline = time.monotonic() + wait_s
     while True:
         time.sleep(0.25)

@@ -45,10 +45,11 @@ from kernels.decode_tail import accept_and_advance
 from kernels.step_meta import Meta, StepInputs, step_inputs, uniform_meta
 from kernels.token_mask import mask_rows
 
-# Decode attention's key splits. A row's split shares its actual 128-key tiles, and the fastest count is
-# about one tile a split with few empty ones (BENCHMARKS.md, engine, session 13): contexts of up to
-# ONE_SPLIT_BLOCKS blocks attend in one split (no combine launch), longer ones in a split per
-# SPLIT_BLOCKS blocks (8: one tile), at most MAX_SPLITS (0: no cap but the grid's, FULL_GRID).
+# Decode attention's key splits (settings: PDSERVE_SPLIT_BLOCKS, ONE_SPLIT_BLOCKS, MAX_SPLITS). A
+# row's split shares its actual 128-key tiles, and a split of about one tile with few empty ones
+# keeps the most programs busy without a long combine:
+# contexts of up to ONE_SPLIT_BLOCKS blocks attend in one split (no combine launch), longer ones in
+# a split per SPLIT_BLOCKS blocks (8: one tile), at most MAX_SPLITS (0: no cap but the grid's, FULL_GRID).
 SPLIT_BLOCKS = settings.SPLIT_BLOCKS
 ONE_SPLIT_BLOCKS = settings.ONE_SPLIT_BLOCKS
 MAX_SPLITS = settings.MAX_SPLITS

@@ -7,9 +7,11 @@ the H100 they were tuned on, the KV transport's lanes, and profiling aids. vLLM'
 is the model: a name, a type, a default and a one-line description per setting.
 
 This package imports nothing of the project's, so kernels/, engine/ and kvtransfer/ may all
-import it. Readers take a value at call time (`settings.STEP_STAMPS`), so a test may
-`monkeypatch.setattr` one. A process reads the variables once, when it first imports this
-package; processes it spawns read their own (inherited) environment.
+import it. A process reads the variables once, when it first imports this package, and a bad
+value is an error then, naming the variable; processes it spawns read their own (inherited)
+environment. A test changes a value with `monkeypatch.setattr`, on this package where the
+reader looks it up at call time (`settings.STEP_STAMPS`), or on the reader's own copy
+(`engine.model_runner.MAX_SPLITS`).
 
 docs/settings.md is generated from `REGISTRY`: `python -m settings > docs/settings.md`
 (tests/settings/test_settings.py fails when the two disagree).
