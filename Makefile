@@ -24,7 +24,7 @@ lint: venv
 	$(BIN)/ruff check .
 
 typecheck: venv
-	$(BIN)/mypy engine kernels kvtransfer prefill_node decode_node router deploy protos bench mtp
+	$(BIN)/mypy settings engine kernels kvtransfer prefill_node decode_node router deploy protos bench mtp
 
 # Two pytest-xdist workers: the Ray tests wait on actors in one while the other computes
 # (tests/conftest.py shares the tests out). TEST_WORKERS=0 runs them in this process.

@@ -245,6 +245,7 @@ def _free_port() -> int:
 # Preloaded into both perftest processes, this library writes one byte of every 4 KiB page of
 # each buffer as UCX allocates it (after madvise(MADV_HUGEPAGE) for THP, after a large
 # anonymous mmap for 4 KiB pages), which makes perftest move resident memory, as we do.
+# RESIDENT_SHIM_TOUCH (set here for the two processes, not by a user) says which of the two.
 _RESIDENT_SHIM = r"""
 #define _GNU_SOURCE
 #include <stdlib.h>
@@ -254,7 +255,7 @@ _RESIDENT_SHIM = r"""
 #include <unistd.h>
 
 static int touching(const char *mode) {
-    const char *want = getenv("PDSERVE_PERFTEST_TOUCH");
+    const char *want = getenv("RESIDENT_SHIM_TOUCH");
     return want != NULL && strcmp(want, mode) == 0;
 }
 static void touch(void *addr, size_t len) {
@@ -322,7 +323,7 @@ def perftest_gbps(msg_bytes: int, total_bytes: int, device: str, thp: bool = Tru
         shim = _resident_shim()
         if shim is None:
             raise RuntimeError("no C compiler for the resident-memory perftest shim")
-        env.update(LD_PRELOAD=shim, PDSERVE_PERFTEST_TOUCH="thp" if thp else "mmap")
+        env.update(LD_PRELOAD=shim, RESIDENT_SHIM_TOUCH="thp" if thp else "mmap")
     port, iters = str(_free_port()), max(20, total_bytes * 4 // msg_bytes)
     mem = ["-m", "cuda"] if device == "cuda" else []
     server_env, client_env = env, env
@@ -345,7 +346,7 @@ def perftest_gbps(msg_bytes: int, total_bytes: int, device: str, thp: bool = Tru
 def _perftest_client(cmd: list[str], env: dict[str, str], server: subprocess.Popen, wait_s: float = 30.0) -> str:
     """The client's output, retried while the server is not listening yet: a fixed one-second
     wait lost that race on a loaded 2-core machine ("connect() failed: Connection refused", a
-    fresh-clone CI run, 2026-11-26). A refused client leaves the server waiting for the next."""
+    fresh-clone CI run). A refused client leaves the server waiting for the next."""
     deadline = time.monotonic() + wait_s
     while True:
         time.sleep(0.25)

@@ -27,10 +27,8 @@ import torch
 from bench.engine import SHAPES, busy_share, load, sync_device
 from engine.engine import EngineConfig, LLMEngine
 from engine.loader import LoadedModel
-from engine.model import folds_norms
 from engine.model_runner import kv_room_needed
 from engine.sampling_params import SamplingParams
-from kernels import gemm_glu, linear, qkv_rope
 
 BLOCK_SIZE = 16
 DEFAULT_CASES = "1x128,1x512,1x2048,16x512,4x4096"
@@ -71,17 +69,6 @@ def _engine(loaded: LoadedModel, k: int, batch: int, n: int, args: argparse.Name
         enforce_eager=args.enforce_eager, deterministic=args.deterministic))
 
 
-def _fusions() -> str:
-    """Which prefill fusions are on (PDSERVE_PREFILL_GLU, PDSERVE_PREFILL_QKV_ROPE, PDSERVE_FOLD_NORM,
-    PDSERVE_FUSED_MAX_M)."""
-    on = [name for name, mod in (("glu", gemm_glu), ("qkv_rope", qkv_rope)) if mod.enabled()]
-    if folds_norms():
-        on.append("norm")
-    if linear.FUSED_MAX_M != 64:  # PDSERVE_FUSED_MAX_M: the decode path's Triton GEMMs up to this many rows
-        on.append(f"triton-gemm<={linear.FUSED_MAX_M}")
-    return "+".join(on) or "none"
-
-
 def _prompts(vocab: int, batch: int, n: int) -> list[list[int]]:
     g = torch.Generator().manual_seed(0)
     return [torch.randint(0, vocab, (n,), generator=g).tolist() for _ in range(batch)]
@@ -115,7 +102,7 @@ def time_case(loaded: LoadedModel, k: int, batch: int, n: int, args: argparse.Na
     times = [_ttft_step(engine, prompts, whole) for _ in range(args.iters)]
     out = {"model": loaded.name, "device": args.device, "dtype": str(next(loaded.model.parameters()).dtype),
            "spec_tokens": k, "draft_vocab": (args.draft_vocab or None) if k else None, "batch": batch, "prompt": n, "graphs": engine.runner.prefill_graphs is not None,
-           "deterministic": args.deterministic, "fused": _fusions(), "ttft_ms": round(1000 * statistics.median(times), 3),
+           "deterministic": args.deterministic, "ttft_ms": round(1000 * statistics.median(times), 3),
            "ttft_min_ms": round(1000 * min(times), 3), "step_ms": round(1000 * statistics.median(whole), 3)}
     if args.profile and args.device.startswith("cuda"):
         out.update(profile_step(engine, prompts))

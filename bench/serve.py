@@ -28,12 +28,12 @@ import argparse
 import asyncio
 import json
 import math
-import os
 import random
 import sys
 from pathlib import Path
 from typing import Any
 
+import settings
 from bench.serve_clients import measured_load
 from bench.serve_load import Item, Result
 from bench.serve_metrics import breakdown, scrape, settle
@@ -176,7 +176,7 @@ async def sweep(args: argparse.Namespace, items: list[Item], rates: list[float])
     with tqdm(total=len(rates) * len(items), desc="bench serve", unit="req", disable=None) as bar:
         for rate in rates:
             bar.set_postfix(rate=rate)
-            key = getattr(args, "api_key", None) or os.environ.get("PDSERVE_API_KEY")
+            key = getattr(args, "api_key", None) or settings.API_KEY
             before = await asyncio.to_thread(scrape, args.base_url, key)
             results, wall, cpu = await measured_load(args, items, rate, bar)
             run = {**summarize(results, rate, wall, args), "cpu": cpu}

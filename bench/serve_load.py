@@ -11,13 +11,14 @@ from __future__ import annotations
 import argparse
 import asyncio
 import math
-import os
 import random
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
+
+import settings
 
 
 @dataclass
@@ -47,7 +48,7 @@ async def load(args: argparse.Namespace, items: list[Item], rate: float, bar: An
 
 def sender(args: argparse.Namespace) -> tuple[Any, Any]:
     """(send, close): `send(item)` makes one request to the target and times it."""
-    key = getattr(args, "api_key", None) or os.environ.get("PDSERVE_API_KEY")
+    key = getattr(args, "api_key", None) or settings.API_KEY
     ca = args.tls_ca
     if not args.base_url:
         return _grpc_sender(args.router, key, ca)

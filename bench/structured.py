@@ -17,11 +17,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
+
+import settings
 
 SCHEMAS = Path(__file__).resolve().with_name("structured_schemas.json")
 
@@ -103,7 +104,7 @@ def run_http(args: argparse.Namespace, items: list[dict]) -> dict[str, dict]:
     """Every item non-streaming, then streaming: per run the texts, output tokens and seconds."""
     import openai
 
-    client = openai.OpenAI(base_url=args.base_url.rstrip("/") + "/v1", api_key=args.api_key or os.environ.get("PDSERVE_API_KEY") or "none",
+    client = openai.OpenAI(base_url=args.base_url.rstrip("/") + "/v1", api_key=args.api_key or settings.API_KEY or "none",
                            max_retries=0, timeout=600)
     model = client.models.list().data[0].id
     runs = {}

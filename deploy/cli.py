@@ -10,7 +10,6 @@ from __future__ import annotations
 import argparse
 import importlib
 import json
-import os
 import sys
 import threading
 import time
@@ -203,8 +202,8 @@ def start_cuda_init(device: str, rank: int) -> None:
     """On CUDA, create the device's context in a background thread (torch releases the GIL for
     the driver's work), so it overlaps the engine's imports and the GGUF read; the main thread's
     first CUDA call waits for it (torch's lazy init holds a lock). An error is left for the main
-    thread to meet with its own message. PDSERVE_EARLY_CUDA_INIT=0 turns it off (A/B runs)."""
-    if not device.startswith("cuda") or os.environ.get("PDSERVE_EARLY_CUDA_INIT", "1") == "0":
+    thread to meet with its own message."""
+    if not device.startswith("cuda"):
         return
     import torch
 

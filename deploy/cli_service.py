@@ -6,12 +6,13 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import signal
 import tempfile
 import threading
 import time
 from typing import Any
+
+import settings
 
 DEMO_PROMPTS = [
     "What is the capital of France?",
@@ -43,7 +44,7 @@ def service_config(args: argparse.Namespace, local: bool = False) -> Any:
         value = getattr(args, flag, None)
         if value is not None:
             overrides[key] = value
-    api_key = getattr(args, "api_key", None) or os.environ.get("PDSERVE_API_KEY")
+    api_key = getattr(args, "api_key", None) or settings.API_KEY
     if api_key and hasattr(args, "api_key"):  # the service's own key
         overrides["router.api_key"] = api_key
     if local:
@@ -235,7 +236,7 @@ def generate_via_router(args: argparse.Namespace) -> int:
 
     results = run(args.router, args.prompts, chat=not args.raw, temperature=args.temperature, top_p=args.top_p,
                   top_k=args.top_k, seed=args.seed, max_tokens=args.max_tokens, logprobs=args.logprobs,
-                  model=args.model, api_key=args.api_key or os.environ.get("PDSERVE_API_KEY"),
+                  model=args.model, api_key=args.api_key or settings.API_KEY,
                   tls_ca=args.tls_ca)
     for out in results:
         if args.json:

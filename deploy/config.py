@@ -34,13 +34,14 @@ type): with `{pdserve_decode: 1}` decode actors run only on nodes that offer it.
 
 from __future__ import annotations
 
-import os
 import secrets
 from pathlib import Path
 from typing import Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+import settings
 
 DTYPE_NAMES = ("auto", "float32", "fp32", "bfloat16", "bf16", "float16", "fp16")
 
@@ -348,15 +349,15 @@ class ServiceConfig(_Section):
             raise ConfigError(_describe(e, path)) from None
 
 
-def with_cluster_secret(cfg: ServiceConfig, env: dict[str, str] | None = None) -> ServiceConfig:
+def with_cluster_secret(cfg: ServiceConfig, env_secret: str | None = settings.CLUSTER_SECRET) -> ServiceConfig:
     """`cfg` with `cluster.secret` resolved: as given, else read from `cluster.secret_file`, else
-    $PDSERVE_CLUSTER_SECRET, else a new random one (this service's own)."""
+    `env_secret` ($PDSERVE_CLUSTER_SECRET), else a new random one (this service's own)."""
     c = cfg.cluster
     secret = c.secret
     if secret is None and c.secret_file is not None:
         secret = _read_secret(Path(c.secret_file))
     if secret is None:
-        secret = (os.environ if env is None else env).get("PDSERVE_CLUSTER_SECRET") or secrets.token_urlsafe(32)
+        secret = env_secret or secrets.token_urlsafe(32)
     if len(secret) < 16:
         raise ConfigError("the cluster secret must be at least 16 characters")
     return cfg.model_copy(update={"cluster": c.model_copy(update={"secret": secret, "secret_file": None})})

@@ -13,15 +13,14 @@ Nothing here syncs with the device; all shapes come from host-known integers.
 
 from __future__ import annotations
 
-import os
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
 import torch
 
 from kernels._dispatch import invariant
-from kernels.flash_prefill import flash_prefill, triton_preferred
-from kernels.flash_varlen import flash_varlen, flash_varlen_usable
+from kernels.flash_prefill import flash_prefill
+from kernels.flash_varlen import flash_varlen_usable
 from kernels.norm import rms_norm, row_sumsq_of
 from kernels.paged_attention import NewKV, paged_attention, paged_attention_rope
 from kernels.qkv_rope import qkv_rope
@@ -29,11 +28,6 @@ from kernels.qkv_rope import usable as qkv_rope_usable
 from kernels.rotary import rope_and_cache, rope_and_cache_with_k, write_kv
 
 TRASH_BLOCK = 0
-# decode-sized steps rotate q and k and write the step's K/V inside the attention kernel (one launch
-# fewer a layer; kernels/paged_attention.py `paged_attention_rope`). On by default: on the H100 it
-# took Llama-1B batch 1 from 1.21-1.25 to 1.145 ms and SmolLM2 b32 k=0 from 0.82 to 0.77 (BENCHMARKS.md);
-# PDSERVE_ROPE_IN_ATTENTION=0 keeps the rotary kernel
-ROPE_IN_ATTENTION = os.environ.get("PDSERVE_ROPE_IN_ATTENTION", "1") == "1"
 
 
 @dataclass
@@ -124,8 +118,9 @@ class TritonAttention(AttentionBackend):
     run their torch references, so this backend also runs (slowly) on the CPU.
 
     A fresh prefill step (`meta.fresh`: no cached prefix) in 16-bit on CUDA attends over the
-    step's own rotated K/V with a Triton flash kernel (kernels/flash_prefill.py; flash
-    attention 2's varlen kernel with PDSERVE_PREFILL_ATTENTION=flash, kernels/flash_varlen.py); the
+    step's own rotated K/V with a Triton flash kernel (kernels/flash_prefill.py: inside the prefill
+    graph it beats torch's flash attention 2, kernels/flash_varlen.py, whose call also converts
+    the lengths and clears its outputs; where that one is usable, so is this); the
     paged kernel serves chunked prefill over earlier chunks, cached prefixes, fp32, and the
     batch-invariant mode (whose reduction order must match decode's)."""
 
@@ -133,7 +128,7 @@ class TritonAttention(AttentionBackend):
         if meta.fresh and not invariant() and flash_varlen_usable(q, kv_cache):
             q, k = rope_and_cache_with_k(q, k, v, positions, rope.cos, rope.sin, kv_cache, meta.slot_mapping)
             return self._attend_fresh(q, k, v, meta, scale)
-        if ROPE_IN_ATTENTION and not invariant():
+        if not invariant():  # rotary and the K/V write inside the attention kernel: one launch fewer a layer
             assert meta.seq_lens is not None and meta.query_start is not None, "metadata lacks seq_lens"
             new = NewKV(k, v, positions, rope.cos, rope.sin, meta.slot_mapping)
             return paged_attention_rope(q, new, kv_cache, meta.block_tables, meta.seq_lens, meta.query_start,
@@ -163,9 +158,7 @@ class TritonAttention(AttentionBackend):
     def _attend_fresh(q, k, v, meta, scale):
         cu = meta.cu_seqlens if meta.cu_seqlens is not None else meta.query_start
         assert cu is not None, "metadata lacks query_start"
-        if triton_preferred(meta.max_q, meta.num_rows):
-            return flash_prefill(q, k, v, cu, meta.max_q, scale)
-        return flash_varlen(q, k, v, cu, meta.max_q, scale)
+        return flash_prefill(q, k, v, cu, meta.max_q, scale)
 
     def forward(self, q, k, v, kv_cache, meta, scale):
         write_kv(kv_cache, k, v, meta.slot_mapping)

@@ -161,10 +161,6 @@ class BatchState:
         """Slots `slots` [n] (device) get `masks` [n, k+1, W] (device); stream-ordered."""
         self.ensure_grammar_mask().index_copy_(0, slots, masks)
 
-    def write_drafts_no_sync(self, slots: torch.Tensor, drafts: torch.Tensor) -> None:
-        """Slots `slots` [n] (device) verify `drafts` [n, k] (device) next; stream-ordered."""
-        self.drafts.index_copy_(0, slots, drafts)
-
     def clear_grammar_mask(self, slot: int) -> None:
         """A slot whose constrained request left allows every token again (stream-ordered)."""
         if self.grammar_mask is not None:

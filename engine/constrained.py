@@ -11,21 +11,16 @@ masked position, so nothing after it is kept), and the tentative drafts are roll
 
 Exactness comes from masked verification alone: greedy output equals constrained k = 0 output
 token for token, sampled output keeps the masked distribution (rejection sampling against it).
-Drafts are drawn unmasked by the MTP head (in prefill too). Where a greedy row's draft is one the
-grammar forbids and the grammar allows exactly one token there (a JSON key, a separator), that
-token replaces the draft on the device before the launch (`forced_token`): verification keeps
-it, since the masked argmax can only be that token. Elsewhere a forbidden draft is simply
-rejected. Sampled rows keep their drafts: their acceptance test needs the distribution each
-draft was drawn from.
+Drafts are drawn unmasked by the MTP head (in prefill too); a draft the grammar forbids is
+rejected at its masked position.
 
 What this costs: the host must know step N's emitted tokens and drafts before the masks of step
 N + 1, so while a constrained request runs DecodeBatch runs each step in two halves: the
 forward of N + 1 (which needs no mask) is queued, step N is read and the masks are filled
-while it runs, then the rest of N + 1 is queued (engine/decode_batch.py). The forward has read
-the drafts by then, so forced tokens replace none in that mode; with PDSERVE_MASK_OVERLAP=0
-step N is read before N + 1 is launched whole (no overlap: every request of the batch waits
-for the masks), and forced tokens apply. The host work per step is O(constrained rows x
-(k + 1)) matcher calls (each a few to tens of µs).
+while it runs, then the rest of N + 1 is queued (engine/decode_batch.py), so the other requests
+of the batch do not wait for the masks. The forward has read the drafts by then, so a forbidden
+draft cannot be replaced by the one token the grammar allows there. The host work per step is
+O(constrained rows x (k + 1)) matcher calls (each a few to tens of µs).
 
 A request's grammar state is (spec, tokens): a request inserted with emitted tokens (a decode
 node's first token from the prefill node, a moved request's resumed output) replays them.
@@ -35,7 +30,6 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-import numpy as np
 import torch
 
 from engine.batch_state import to_device_no_sync
@@ -72,16 +66,6 @@ def prefill_masks(compiler: GrammarCompiler | None, chunks: list[PrefillChunk]) 
     return host
 
 
-def forced_token(mask: torch.Tensor) -> int | None:
-    """The one token a bitmask row [W] int32 allows, or None when it allows none or several."""
-    words = mask.numpy().view(np.uint32)
-    nz = np.flatnonzero(words)
-    if len(nz) != 1:
-        return None
-    w = int(words[nz[0]])
-    return int(nz[0]) * 32 + w.bit_length() - 1 if w & (w - 1) == 0 else None
-
-
 class ConstrainedRows:
     """The matchers of a decode batch's constrained requests, by slot, and their next masks."""
 
@@ -89,7 +73,6 @@ class ConstrainedRows:
         self.runner, self.k = runner, runner.k
         self.matchers: dict[int, Matcher] = {}
         self.drafts: dict[int, list[int]] = {}  # slot -> the drafts its next launch verifies
-        self.greedy: dict[int, bool] = {}  # slot -> its request is greedy (forced tokens may replace drafts)
         self._host: torch.Tensor | None = None  # [capacity * (k+1), W] int32, pinned on CUDA
         self._copied: torch.cuda.Event | None = None
         self._filler: MaskFiller | None = None
@@ -115,12 +98,10 @@ class ConstrainedRows:
         self.matchers[req.slot] = self.runner.grammar.matcher(spec, grammar_tokens(req.params, req.prompt, req.output_ids))
         host = drafts.tolist() if isinstance(drafts, torch.Tensor) else list(drafts or [])
         self.drafts[req.slot] = host[: self.k]
-        self.greedy[req.slot] = req.params.greedy
 
     def remove(self, slot: int) -> None:
         if self.matchers.pop(slot, None) is not None:
             self.drafts.pop(slot, None)
-            self.greedy.pop(slot, None)
             self.runner.state.clear_grammar_mask(slot)
 
     def advance(self, slot: int, tokens: list[int], drafts: list[int] | None) -> bool:
@@ -129,24 +110,17 @@ class ConstrainedRows:
         self.drafts[slot] = list(drafts or [])
         return all(m.accept(t) for t in tokens)
 
-    def write_masks_no_sync(self, slots: list[int], force: bool = True) -> None:
+    def write_masks_no_sync(self, slots: list[int]) -> None:
         """The masks of the constrained slots among `slots` (module docstring) into the device's
-        `grammar_mask`: one pinned buffer, one copy, one scatter; stream-ordered, before the launch
-        (or before its second half). `force`: forced tokens may replace greedy rows' drafts (not
-        once the launch's forward has read them)."""
+        `grammar_mask`: one pinned buffer, one copy, one scatter; stream-ordered, before the
+        launch's second half."""
         mine = [s for s in slots if s in self.matchers]
         if not mine:
             return
         k1 = self.k + 1
         host = self._buffer(len(mine) * k1)
-        drafts = [list(self.drafts.get(s, [])) for s in mine]
-        self._fill_levels([self.matchers[s] for s in mine], drafts, host,
-                          [force and self.greedy.get(s, False) for s in mine])
-        changed = [j for j, s in enumerate(mine) if drafts[j] != self.drafts.get(s, [])]
+        self._fill_levels([self.matchers[s] for s in mine], [self.drafts.get(s, []) for s in mine], host)
         state = self.runner.state
-        if changed:  # forced tokens in place of forbidden drafts: the step reads them from the state
-            state.write_drafts_no_sync(to_device_no_sync([mine[j] for j in changed], torch.long, state.device),
-                                       to_device_no_sync([drafts[j] for j in changed], torch.long, state.device))
         dev = host[: len(mine) * k1].view(len(mine), k1, -1)
         if state.device.type == "cuda":
             dev = dev.to(state.device, non_blocking=True)
@@ -154,37 +128,22 @@ class ConstrainedRows:
             self._copied.record()
         state.write_grammar_masks_no_sync(to_device_no_sync(mine, torch.long, state.device), dev)
 
-    def _fill_levels(self, matchers: list[Matcher], drafts: list[list[int]], host: torch.Tensor,
-                     greedy: list[bool]) -> None:
+    def _fill_levels(self, matchers: list[Matcher], drafts: list[list[int]], host: torch.Tensor) -> None:
         """Row j*(k+1) + i of `host` := matcher j's mask after its first i drafts, for the drafts
         the grammar takes (rows past the first one it refuses: all ones). One batched fill per
-        verify position, over every row still going, then each matcher rolls its drafts back.
-        A greedy row's refused draft becomes the grammar's forced token where there is one
-        (`drafts` is changed in place)."""
+        verify position, over every row still going, then each matcher rolls its drafts back."""
         k1 = self.k + 1
         host[: len(matchers) * k1].fill_(-1)
         taken = [0] * len(matchers)
         live = list(range(len(matchers)))
         for i in range(k1):
             if i:
-                live = [j for j in live if len(drafts[j]) >= i
-                        and self._take(matchers[j], drafts[j], i - 1, host[j * k1 + i - 1], greedy[j])]
+                live = [j for j in live if len(drafts[j]) >= i and matchers[j].accept(drafts[j][i - 1])]
                 for j in live:
                     taken[j] = i
             self.filler.fill([matchers[j] for j in live], host, [j * k1 + i for j in live])
         for m, n in zip(matchers, taken, strict=True):
             m.rollback(n)
-
-    @staticmethod
-    def _take(m: Matcher, drafts: list[int], i: int, mask: torch.Tensor, greedy: bool) -> bool:
-        """Accept draft i, or for a greedy row the one token `mask` allows in its place."""
-        if m.accept(drafts[i]):
-            return True
-        t = forced_token(mask) if greedy else None
-        if t is None or not m.accept(t):
-            return False
-        drafts[i] = t
-        return True
 
     def _buffer(self, rows: int) -> torch.Tensor:
         """The host rows, reused once their last copy has run (in constrained mode it has: the

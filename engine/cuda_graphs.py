@@ -12,18 +12,19 @@ one event (engine/step_output.py). The step reads the state's rows through one g
 Graphs are keyed by (B, all_greedy, needs_filter, penalized, constrained, logprobs, kv_blocks) and
 captured on first use. `kv_blocks` is the block-table width the step's attention reads: the
 runner's `max_blocks`, or the narrowest of `short_blocks` (16, 32, 64, 128, 192;
-PDSERVE_SHORT_KV_BLOCKS) that every row's blocks fit (for the buckets whose attention the widths split
+settings.SHORT_KV_BLOCKS) that every row's blocks fit (for the buckets whose attention the widths split
 differently; the rest have fewer). Each width splits its keys as `decode_splits` says for it, so a
 row's splits follow its context: up to 16 blocks one split and no combine launch, then about one
-128-key tile a split (4, 8, 16, 24, then 33 at batch 1 for max_model_len 4096). On an H100 one full
-width cost Llama-1B's batch-1 step 1.04 -> 1.07 ms with 64-token prompts, and these widths against
-two save 0.5-9.5% from 256 to 3,072 tokens but lose 1.6-1.8% at 2,048 (BENCHMARKS.md). The greedy
+128-key tile a split (4, 8, 16, 24, then 33 at batch 1 for max_model_len 4096). Why several widths:
+a step's attention reads only the block-table columns its width names, and its split count
+follows the width, so a short context neither walks a long table nor pays for splits it cannot
+fill; each width costs a capture per bucket at warm-up (BENCHMARKS.md has the trade). The greedy
 ones without penalties, grammar masks or logprobs, for every bucket and its widths, are captured up
 front (`capture_greedy`). A constrained graph reads `BatchState.grammar_mask`; a constrained step
 also comes as two graphs (`halves`: the forward, then masks, verification and redraft), so the host
 can write the masks between them (engine/decode_batch.py).
 A capture synchronizes the device once (torch's capture does), so it is a one-time cost
-per key, paid before the loop runs for the keys captured up front. With PDSERVE_STEP_STAMPS=1 each
+per key, paid before the loop runs for the keys captured up front. With `settings.STEP_STAMPS` each
 graph opens and closes with a stamp of the GPU's clock (`stamps`, kernels/stamps.py; a halves
 step: the first graph opens, the second closes); off, the graphs hold the step alone.
 
@@ -75,8 +76,8 @@ class DecodeRunner(Protocol):
 def capturing(graph: torch.cuda.CUDAGraph, pool: Any) -> Iterator[None]:
     """Capture into `graph` (memory from `pool`), with no autograd and the garbage collector off:
     a collection during the capture can free another engine's graph, whose reset is not allowed
-    while a stream captures and ends this capture with an error (seen on an H100 when a test made
-    an engine per token, 2026-11-26)."""
+    while a stream captures and ends this capture with an error (seen when a test made an engine
+    per token)."""
     was_enabled = gc.isenabled()
     gc.disable()  # dead cycles wait until the capture is over
     try:
@@ -107,7 +108,7 @@ class DecodeGraphs:
         self.pool: Any = None  # all graphs share one memory pool (they never run at once)
         self._rows: list[int] = [runner.state.spare] * max_batch  # what `step_rows` holds
         self.widths = {b: self._widths(b) for b in self.buckets}  # each bucket's kv_blocks, narrow first
-        self.stamps = StepStamps(runner.device) if stamps_on(runner.device) else None  # PDSERVE_STEP_STAMPS=1
+        self.stamps = StepStamps(runner.device) if stamps_on(runner.device) else None  # settings.STEP_STAMPS
 
     def bucket(self, n: int) -> int:
         return next(b for b in self.buckets if b >= n)

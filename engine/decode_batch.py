@@ -15,8 +15,8 @@ While a grammar-constrained request runs, the masks of step N + 1 need step N's 
 drafts (engine/constrained.py). The step then runs in two halves: the forward of N + 1 is
 queued first, step N is read while it runs, the host writes N + 1's masks, and the rest of
 N + 1 (masks, verification, redraft) is queued (`_step_in_halves`). The device waits for the
-host only when the masks take longer than that forward. PDSERVE_MASK_OVERLAP=0 reads step N
-before launching N + 1 whole instead (no overlap, but forced tokens may replace drafts).
+host only when the masks take longer than that forward, and the other requests of the batch
+never wait for the masks.
 
 Rules an editor must keep:
   * a request's KV blocks are freed only after the step in flight has been collected
@@ -27,7 +27,6 @@ Rules an editor must keep:
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -42,7 +41,6 @@ from engine.penalties import PenaltyInit
 from engine.request import LogprobColumns, Request, RequestOutput
 
 InFlight = tuple[DecodeHandle, list[Request], dict[int, int]]
-HALVES = os.environ.get("PDSERVE_MASK_OVERLAP", "1") != "0"  # constrained steps in two halves (0: read first)
 
 
 @dataclass(frozen=True)
@@ -147,23 +145,15 @@ class DecodeBatch:
     def step(self) -> list[RequestOutput]:
         """Launch the next decode step (if any row really runs: `plan`), then read the previous one;
         while a constrained request runs, the launch's grammar masks need the previous step's
-        tokens: the step runs in two halves around that read (`_step_in_halves`), or (with
-        HALVES off) the previous step is read first."""
+        tokens: the step runs in two halves around that read (`_step_in_halves`)."""
         previous, outputs, self._ended = self._inflight, self._ended, []
         self._release_held()
-        halves = bool(self.constrained) and HALVES
-        if previous is not None and self.constrained and not halves:  # read it first (module docstring)
-            outputs += self._collect(*previous)
-            self._free_deferred()
-            self._inflight = previous = None
         if self._to_insert:
             self.runner.insert_many_no_sync(list(self._to_insert.items()))
             self._to_insert.clear()
         plan = self.plan(previous)
-        if plan.slots and halves:
-            return outputs + self._step_in_halves(previous, plan.slots)
         if plan.slots and self.constrained:
-            self.constrained.write_masks_no_sync(plan.slots)
+            return outputs + self._step_in_halves(previous, plan.slots)
         self._inflight = self._launch(plan.slots) if plan.slots else None
         if previous is not None:
             outputs += self._collect(*previous)
@@ -173,7 +163,7 @@ class DecodeBatch:
     def _step_in_halves(self, previous: InFlight | None, slots: list[int]) -> list[RequestOutput]:
         """Queue the forward half of step N + 1, read step N while it runs, write N + 1's masks
         from N's tokens and drafts, then queue the rest of N + 1. The drafts N + 1 verifies are
-        already read by its forward, so no forced token replaces one (engine/constrained.py).
+        already read by its forward (engine/constrained.py).
         Blocks freed while step N is read wait for N + 1: its forward may still write rows the
         host ended only now (the device learns of those after it was queued)."""
         reqs = [self.running[s] for s in slots]
@@ -184,7 +174,7 @@ class DecodeBatch:
         outputs = self._collect(*previous) if previous is not None else []
         for blocks in ready:
             self.blocks.free(blocks)
-        self.constrained.write_masks_no_sync(slots, force=False)
+        self.constrained.write_masks_no_sync(slots)
         self._inflight = self.runner.launch_finish(half), reqs, lp
         return outputs
 

@@ -20,7 +20,6 @@ Structured output (`SamplingParams.structured`, issue 28): the runner's grammar 
 from __future__ import annotations
 
 import itertools
-import os
 import random
 from collections import deque
 from dataclasses import dataclass
@@ -103,7 +102,6 @@ def build_runner(loaded: LoadedModel, config: EngineConfig, decodes: bool = True
         fuse_projections(loaded.model)
     graphs = device.type == "cuda" and not config.enforce_eager
     single = tp is None or tp.size == 1  # prefill graphs are not tried under TP yet
-    single = single and os.environ.get("PDSERVE_PREFILL_GRAPHS", "1") != "0"  # (an off switch for A/B runs)
     runner = ModelRunner(
         loaded.model, get_backend(config.attention_backend, config.device), k, num_blocks,
         config.block_size, config.max_num_seqs, max_model_len, device, next(loaded.model.parameters()).dtype,

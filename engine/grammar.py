@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+import settings
 from engine.structured import StructuredSpec
 from engine.tiny import BYTE_VOCAB, ByteTokenizer
 
@@ -124,13 +125,12 @@ class Matcher:
 
 class MaskFiller:
     """Fills many matchers' next-token masks in one call to xgrammar's batch matcher, outside the
-    GIL (one filler per loop thread; it is not shared). PDSERVE_MASK_THREADS sets its threads: 1
-    by default, the fastest on an H100 host (SmolLM2, batch 25-32: the 50 schemas 10.6-11.0 s
-    against 14.7 with more threads or none, 2026-11-26, BENCHMARKS.md); 0 fills one matcher at
-    a time on this thread."""
+    GIL (one filler per loop thread; it is not shared). `settings.MASK_THREADS` sets its threads:
+    1 by default, because on a GPU host more threads contend with the loop thread that launches
+    the steps (BENCHMARKS.md, structured outputs); 0 fills one matcher at a time on this thread."""
 
     def __init__(self, max_threads: int | None = None) -> None:
-        n = int(os.environ.get("PDSERVE_MASK_THREADS", "1")) if max_threads is None else max_threads
+        n = settings.MASK_THREADS if max_threads is None else max_threads
         n = min(n, os.cpu_count() or 1)  # 0: one matcher at a time, on this thread
         self._batch = xgr.BatchGrammarMatcher(max_threads=n) if n > 0 else None
 

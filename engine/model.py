@@ -19,7 +19,6 @@ there. Its MLP may be wider than the target's (`config.mtp_intermediate_size`).
 from __future__ import annotations
 
 import math
-import os
 
 import torch
 from torch import nn
@@ -29,14 +28,6 @@ from engine.config import ArchConfig
 from kernels._dispatch import use_triton
 from kernels.linear import linear, linear_argmax, linear_glu
 from kernels.norm import embed_with_sumsq, mtp_input, rms_norm
-
-# The MTP's eh_proj input (embedding gather, enorm, hnorm) in one launch, and eh_proj leaving its
-# rows' sums of squares for the block's folded input norm (PDSERVE_MTP_INPUT_KERNEL=0: three
-# launches, and the block's norm as a kernel of its own)
-MTP_INPUT_KERNEL = os.environ.get("PDSERVE_MTP_INPUT_KERNEL", "1") == "1"
-# the target's embedding gather leaves its rows' sums of squares, for the first layer's folded input
-# norm (one launch where a gather and a norm kernel took two; PDSERVE_EMBED_KERNEL=0: off)
-EMBED_KERNEL = os.environ.get("PDSERVE_EMBED_KERNEL", "1") == "1"
 
 
 class Linear(nn.Linear):
@@ -260,9 +251,11 @@ class CausalLM(nn.Module):
         return torch.cat([h, *features], dim=-1) if features else h
 
     def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
-        """The target's input rows: through `embed_with_sumsq` where the Triton kernels run."""
+        """The target's input rows: through `embed_with_sumsq` where the Triton kernels run (the
+        gather leaves its rows' sums of squares, so the first layer's folded input norm needs no
+        launch of its own)."""
         emb = self.model.embed_tokens
-        if EMBED_KERNEL and type(emb) is nn.Embedding and input_ids.dim() == 1 and use_triton(emb.weight, input_ids):
+        if type(emb) is nn.Embedding and input_ids.dim() == 1 and use_triton(emb.weight, input_ids):
             return embed_with_sumsq(input_ids, emb.weight)
         return emb(input_ids)
 
@@ -282,14 +275,14 @@ class CausalLM(nn.Module):
         assert self.mtp is not None, "model was built without an MTP module"
         m, size = self.mtp, self.config.hidden_size
         table = self.model.embed_tokens.weight
-        if h_prev.shape[-1] == size and MTP_INPUT_KERNEL and type(self.model.embed_tokens) is nn.Embedding \
+        if h_prev.shape[-1] == size and type(self.model.embed_tokens) is nn.Embedding \
                 and use_triton(table, h_prev, next_ids):  # the gather and both norms in one launch
             x = mtp_input(next_ids, table, h_prev.to(table.dtype), m.enorm.spec, m.hnorm.spec)
         else:
             x = self._mtp_input(next_ids, h_prev)
         weight = m.eh_proj.weight if x.shape[-1] > 2 * size else m.eh_proj.weight[:, : 2 * size]
         # with its rows' sums of squares: the block's (folded) input norm then runs inside its q/k/v GEMM
-        return m.block(positions, linear(x, weight, m.eh_proj.bias, sumsq=MTP_INPUT_KERNEL), kv_cache, meta, backend)
+        return m.block(positions, linear(x, weight, m.eh_proj.bias, sumsq=True), kv_cache, meta, backend)
 
     def _mtp_input(self, next_ids: torch.Tensor, h_prev: torch.Tensor) -> torch.Tensor:
         """eh_proj's input [R, (2 + F) * hidden]: enorm(embed(next_ids)), hnorm(h), fnorm(features)."""
@@ -332,10 +325,9 @@ def fuse_projections(model: CausalLM) -> None:
     Then each layer's two norms are folded into the GEMMs that read them (`fold_norms`):
     norm(x) @ w.T = rstd(x) * (x @ (w * g).T), so the q/k/v and gate/up kernels apply rstd(x) in
     their epilogue, from the row sums of squares that the residual GEMM which wrote x left
-    (kernels/linear.py), and no norm kernel runs there (SmolLM2's 1 x 128 prefill on an H100 lost
-    0.17 ms of ~1.05 with its 60 norm kernels skipped). Where x has no such sums, a weightless norm
-    kernel runs. Weights loaded afterwards would miss the fold: load first. PDSERVE_FOLD_NORM=0
-    keeps the norms' kernels.
+    (kernels/linear.py), and no norm kernel runs there: a short prefill or a decode step is
+    launch-bound, and these are two launches a layer. Where x has no such sums, a weightless norm
+    kernel runs. Weights loaded afterwards would miss the fold: load first.
     """
     layers: list[DecoderLayer] = [*model.model.layers]  # type: ignore[list-item]
     if model.mtp is not None:
@@ -350,14 +342,8 @@ def fuse_projections(model: CausalLM) -> None:
             assert weight is not None
             a.qkv = (weight, _fuse(qkv, "bias"))
             m.gate_up = _fuse((m.gate_proj, m.up_proj), "weight")
-        if folds_norms():
-            for layer in layers:
-                fold_norms(layer)
-
-
-def folds_norms() -> bool:
-    """Whether `fuse_projections` folds the norms (PDSERVE_FOLD_NORM=0: not, for A/B runs)."""
-    return os.environ.get("PDSERVE_FOLD_NORM", "1") != "0"
+        for layer in layers:
+            fold_norms(layer)
 
 
 def fold_norms(layer: DecoderLayer) -> None:

@@ -17,12 +17,12 @@ hands back device tensors wrapped in handles; the host reads a decode step's res
 from __future__ import annotations
 
 import functools
-import os
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
+import settings
 from engine.attention import AttentionBackend, AttentionMetadata
 from engine.batch_state import BatchState, SlotInit, to_device_no_sync
 from engine.constrained import prefill_masks
@@ -45,19 +45,19 @@ from kernels.decode_tail import accept_and_advance
 from kernels.step_meta import Meta, StepInputs, step_inputs, uniform_meta
 from kernels.token_mask import mask_rows
 
-# Decode attention's key splits. A row's split shares its actual 128-key tiles, and the fastest count is
-# about one tile a split with few empty ones (BENCHMARKS.md, engine, session 13): contexts of up to
-# ONE_SPLIT_BLOCKS blocks attend in one split (no combine launch), longer ones in a split per
-# SPLIT_BLOCKS blocks (8: one tile), at most MAX_SPLITS (0: no cap but the grid's, FULL_GRID).
-SPLIT_BLOCKS = int(os.environ.get("PDSERVE_SPLIT_BLOCKS", "8"))
-ONE_SPLIT_BLOCKS = int(os.environ.get("PDSERVE_ONE_SPLIT_BLOCKS", "16"))
-MAX_SPLITS = int(os.environ.get("PDSERVE_MAX_SPLITS", "0"))
+# Decode attention's key splits (settings: PDSERVE_SPLIT_BLOCKS, ONE_SPLIT_BLOCKS, MAX_SPLITS). A
+# row's split shares its actual 128-key tiles, and a split of about one tile with few empty ones
+# keeps the most programs busy without a long combine:
+# contexts of up to ONE_SPLIT_BLOCKS blocks attend in one split (no combine launch), longer ones in
+# a split per SPLIT_BLOCKS blocks (8: one tile), at most MAX_SPLITS (0: no cap but the grid's, FULL_GRID).
+SPLIT_BLOCKS = settings.SPLIT_BLOCKS
+ONE_SPLIT_BLOCKS = settings.ONE_SPLIT_BLOCKS
+MAX_SPLITS = settings.MAX_SPLITS
 FULL_GRID = 264  # programs that fill an H100 twice (132 SMs)
 # the decode graphs' narrower block-table widths (engine/cuda_graphs.py), so a step's split count
 # follows its widest row: up to 16 blocks one split, 32 four, 64 eight, 128 sixteen, 192 twenty-four,
 # then max_blocks' count (33 at max_model_len 4096). "16" alone: one narrow width; 0: one width
-SHORT_KV_BLOCKS = tuple(w for w in map(int, os.environ.get("PDSERVE_SHORT_KV_BLOCKS", "16,32,64,128,192").split(","))
-                        if w > 0)
+SHORT_KV_BLOCKS = settings.SHORT_KV_BLOCKS
 MAX_GRAPH_ROWS = 64  # prefill graphs' largest row bucket
 MAX_GRAPH_TOKENS = 16384  # prefill graphs' largest token bucket: beyond it compute hides the launches (SmolLM2 4 x 4096 was host-bound eager)
 

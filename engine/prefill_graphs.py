@@ -17,7 +17,7 @@ replayed step's KV leaves after the whole step (an eager step's leaves layer by 
 used to record an external event per layer for the sender to wait on, but such an event cannot
 be waited on before its node runs: the wait sees the previous replay's record, and layers were
 read before they were written (wrong tokens through the GPU service once the sender's copies left
-the default stream, 2026-11-26). Overlapping a replayed step's push needs a signal the device
+the default stream). Overlapping a replayed step's push needs a signal the device
 writes (or per-layer graphs): open.
 
 Careful when editing: graphs share one memory pool of their own (not the decode graphs'); a
@@ -113,7 +113,7 @@ class PrefillGraphs:
         # No per-layer events in graphs: an event a graph's node records cannot be waited on from outside
         # before that node runs (the wait, or a host sync, sees the previous replay's record), so a KV
         # sender that waited on layer i's event could read layer i before this replay wrote it (wrong
-        # tokens through the GPU service, 2026-11-26). A listener gets every layer once the replay is
+        # tokens through the GPU service). A listener gets every layer once the replay is
         # queued, and its sender waits for an event recorded after the replay.
         if key not in self.graphs:
             if self.defer and self._eager_runs.get(key, 0) < EAGER_RUNS_BEFORE_CAPTURE:
@@ -192,5 +192,5 @@ class PrefillGraphs:
         """The runner's kernel mode (batch-invariant with `--deterministic`). The runner's own
         `prefill` sets it, but the warm-up and idle captures call in from outside: a graph they
         captured without it ran the ordinary kernels, and a deterministic service's tokens left
-        the reference (2026-11-26; the mode is resolved at capture and baked into the graph)."""
+        the reference (the mode is resolved at capture and baked into the graph)."""
         return batch_invariant(self.runner.deterministic)

@@ -10,7 +10,7 @@ After the launch, `HostOutputs.copy_no_sync` queues one copy of that buffer into
 buffer and records the buffer's own event; the read point (`ModelRunner.collect`) waits on that
 event and reads the host buffer through the same layout. A step is thus one graph replay, one
 copy and one event record, whatever it outputs. On CUDA the copy is a kernel writing the pinned
-buffer (kernels/publish.py; PDSERVE_OUTPUT_KERNEL=0: a memcpy).
+buffer (kernels/publish.py), so no copy engine runs at the step boundary.
 
 Pinned buffers are reused: one is taken at each launch and given back when its step has been
 read, so the overlapped loop (launch step N+1, then read step N) holds two of them (double
@@ -28,7 +28,6 @@ import torch
 from torch import Tensor
 
 from engine.sampler import LogprobsTensors
-from kernels.publish import ENABLED as OUTPUT_KERNEL
 from kernels.publish import publish
 
 
@@ -105,7 +104,7 @@ class HostOutputs:
         self.min_words = min_words  # buffers are made at least this large: one size serves every step
         self._bufs: list[tuple[Tensor, torch.cuda.Event]] = []
         self._free: list[int] = []
-        if self.cuda and OUTPUT_KERNEL:  # compile (or load) the copy kernel now, not at the first step
+        if self.cuda:  # compile (or load) the copy kernel now, not at the first step
             publish(torch.zeros(1, dtype=torch.long, device=device), torch.zeros(1, dtype=torch.long, pin_memory=True))
 
     @property
@@ -119,10 +118,7 @@ class HostOutputs:
         i = self._take(packed.numel())
         buf, event = self._bufs[i]
         host = buf[: packed.numel()]
-        if OUTPUT_KERNEL:  # the SMs write the pinned buffer: no copy engine at the step boundary
-            publish(packed, host)
-        else:
-            host.copy_(packed, non_blocking=True)
+        publish(packed, host)  # the SMs write the pinned buffer: no copy engine at the step boundary
         event.record()
         return HostCopy(host, event, i)
 

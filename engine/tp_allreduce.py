@@ -12,7 +12,7 @@ pointers are fixed at set-up, so it runs inside the decode step's CUDA graph.
 `SymmAllReduce(tp, device, dtype)` owns one buffer of `MAX_BYTES`; a message larger than
 that (a long prefill chunk), of another dtype, or not 16-byte aligned goes to NCCL, as on CPU
 (gloo). `choose(device, size)` says which path a group takes: symm on CUDA for 2, 4 or 8
-ranks, unless `PDSERVE_TP_ALLREDUCE=nccl` (kept as a switch, and for side-by-side timing).
+ranks, unless `settings.TP_ALLREDUCE` is 'nccl' (for a host whose GPUs share no NVLink, and for side-by-side timing).
 
 Careful when editing: every rank must take the same path for each call (the choice depends
 only on the tensor's shape and dtype, which every rank shares), or the ranks deadlock.
@@ -20,25 +20,24 @@ only on the tensor's shape and dtype, which every rank shares), or the ranks dea
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
+import settings
+
 MAX_BYTES = 8 << 20  # 8 MiB: a decode step of 256 rows x 8192 hidden in bf16 and more
 SIZES = (2, 4, 8)  # the group sizes the one-shot kernel is built for
-ENV = "PDSERVE_TP_ALLREDUCE"
 
 
-def choose(device: torch.device, size: int, env: str | None = None) -> str:
-    """'symm' or 'nccl' (on CPU 'gloo') for a group of `size` ranks on `device`."""
-    env = os.environ.get(ENV, "") if env is None else env
-    if env not in ("", "symm", "nccl"):
-        raise ValueError(f"{ENV} must be 'symm' or 'nccl', got {env!r}")
+def choose(device: torch.device, size: int, path: str | None = None) -> str:
+    """'symm' or 'nccl' (on CPU 'gloo') for a group of `size` ranks on `device`; `path`: the
+    choice asked for ('symm' or 'nccl'; None: `settings.TP_ALLREDUCE`)."""
+    path = settings.TP_ALLREDUCE if path is None else settings.parse_allreduce(path)
     if device.type != "cuda":
         return "gloo"
-    return "symm" if env != "nccl" and size in SIZES else "nccl"
+    return "symm" if path != "nccl" and size in SIZES else "nccl"
 
 
 class SymmAllReduce:

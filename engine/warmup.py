@@ -2,8 +2,8 @@
 
 Graphs are otherwise captured on first use (engine/cuda_graphs.py, engine/prefill_graphs.py). On
 a server that first use is a request: its step waits for the capture, and on a cold Triton cache
-for the kernels' compilation too (0.3-4 s per new prefill bucket on an H100, the first requests'
-TTFT p99 in BENCHMARKS.md), and the node's loop answers nothing meanwhile. A node therefore
+for the kernels' compilation too (seconds per new prefill bucket: the first requests' TTFT p99
+in BENCHMARKS.md), and the node's loop answers nothing meanwhile. A node therefore
 captures the keys ordinary requests meet before it serves (`model.warmup`, on by default for
 `pdserve up`; `pdserve generate` and the benches capture on first use):
 

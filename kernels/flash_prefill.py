@@ -27,7 +27,6 @@ hold the kernel to it, on the CPU through the Triton interpreter (TRITON_INTERPR
 from __future__ import annotations
 
 import math
-import os
 
 import torch
 import triton
@@ -98,22 +97,12 @@ def _flash_prefill_kernel(
 
 
 def default_config(max_q: int, heads: int, rows: int, head_dim: int) -> Config:
-    """Tiles from a sweep on an H100 (bench/gpu/gpu_attn_prefill.py, 2026-11-24): 64 x 64 with
-    4 warps, and 128 x 64 with 8 warps for rows of 4096 tokens and more (Llama-1B's 4 x 4096:
-    0.78 against 0.79 ms; 64-query tiles keep the short steps' programs many)."""
+    """Tiles from a sweep on an H100 (bench/gpu/gpu_attn_prefill.py): 64 x 64 with 4 warps, and
+    128 x 64 with 8 warps for rows of 4096 tokens and more, where the larger tile's fewer
+    programs still fill the GPU (64-query tiles keep the short steps' programs many)."""
     if max_q >= 4096:
         return 128, 64, 8, 3
     return 64, 64, 4 if head_dim <= 64 else 8, 3
-
-
-def triton_preferred(max_q: int, rows: int) -> bool:
-    """Whether the engine takes this kernel over torch's flash attention 2 for a fresh step:
-    always, unless PDSERVE_PREFILL_ATTENTION=flash. Alone, flash attention 2 is faster on short
-    steps (Llama-1B 1 x 512: 0.032 against 0.045 ms, bench/gpu/gpu_attn_prefill.py), but inside
-    the prefill graph this kernel made the whole step faster there too (Llama-1B 1 x 512 TTFT
-    2.84 -> 2.51 ms, SmolLM2 1.82 -> 1.49 ms; H100, 2026-11-24): flash attention's call also
-    converts the lengths and clears its outputs. `max_q` and `rows` are for a finer rule."""
-    return os.environ.get("PDSERVE_PREFILL_ATTENTION", "triton") != "flash"
 
 
 def flash_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, query_start: torch.Tensor,

@@ -13,13 +13,16 @@ torch versions expose with different arguments: causal as `window_size=(-1, 0)` 
 the aten op under it is called (it does). fp16/bf16 on CUDA only (`flash_varlen_usable`);
 everything else takes the paged kernel (kernels/paged_attention.py). No host sync: shapes
 come from host ints, so it is captured in the prefill step's CUDA graph.
+
+The engine's fresh steps run kernels/flash_prefill.py, which is faster inside the prefill graph;
+this one is its reference on the GPU (tests, bench/gpu/gpu_attn_prefill.py), and
+`flash_varlen_usable` says where that kernel serves.
 """
 
 from __future__ import annotations
 
 import functools
 import inspect
-import os
 
 import torch
 
@@ -35,9 +38,8 @@ def _varlen_params() -> frozenset[str] | None:
 
 
 def flash_varlen_usable(q: torch.Tensor, kv_cache: torch.Tensor) -> bool:
-    """fp16/bf16 CUDA tensors, a torch with varlen flash attention, and not switched off
-    (PDSERVE_FLASH_PREFILL=0)."""
-    if os.environ.get("PDSERVE_FLASH_PREFILL", "1") == "0" or not q.is_cuda:
+    """fp16/bf16 CUDA tensors and a torch with varlen flash attention."""
+    if not q.is_cuda:
         return False
     if q.dtype not in (torch.float16, torch.bfloat16) or kv_cache.dtype != q.dtype:
         return False

@@ -7,8 +7,8 @@ in fp32 then rounded, the product rounded (`kernels.epilogue.silu_mul`). Only th
 fp32 sums differs from cuBLAS + silu_and_mul.
 
 Why: at prefill sizes the GEMM is compute-bound and the separate silu * up is a full memory pass
-over [T, 2I] (Llama-1B 16 x 512: 0.13 ms a layer, 2.2 ms of a 29 ms step; H100, 2026-11-24),
-and one launch more per layer for short prompts.
+over [T, 2I] (several percent of a prefill step, BENCHMARKS.md), and one launch more per layer
+for short prompts.
 
 A program computes a BM x BN tile of `out` from two accumulators (BN gate rows and the matching
 BN up rows of w), over K in BK steps. Programs are ordered in groups of GROUP_M row tiles, so
@@ -107,20 +107,14 @@ def _glu_gemm_tma_kernel(x_desc, w_desc, y_ptr, M, INTER, K, stride_y,
 
 
 def default_config(m: int, inter: int, k: int) -> Config:
-    """Tiles by the step's size, from a sweep on an H100 (bench/gpu/gpu_glu.py, 2026-11-25): TMA
-    loads won at every size; 128 x 128 tiles with 8 warps for Llama-1B's 8192-wide MLP from 512
-    tokens and SmolLM2's 1536-wide from 4096 (0.92-0.95x and 0.78x of cuBLAS + silu_and_mul),
-    narrower tiles below, where 128 x 128 leaves most SMs idle."""
+    """Tiles by the step's size, from a sweep on an H100 (bench/gpu/gpu_glu.py): TMA loads won at
+    every size; 128 x 128 tiles with 8 warps for wide MLPs (Llama-1B's 8192 from 512 tokens,
+    SmolLM2's 1536 from 4096), narrower tiles below, where 128 x 128 leaves most SMs idle."""
     if inter >= 4096:
         return Config(128, 64, 128, 8, 3, True) if m <= 256 else Config(128, 128, 64, 8, 4, True)
     if m <= 256:
         return Config(64, 64, 64, 4, 4, True)
     return Config(128, 64, 64, 4, 4, True) if m < 4096 else Config(128, 128, 64, 8, 3, True)
-
-
-def enabled() -> bool:
-    """PDSERVE_PREFILL_GLU=0 keeps cuBLAS + silu_and_mul at prefill sizes."""
-    return os.environ.get("PDSERVE_PREFILL_GLU", "1") != "0"
 
 
 def tma_usable(x: torch.Tensor, w: torch.Tensor, cfg: Config) -> bool:

@@ -8,20 +8,19 @@ x's rows (M <= GEMV_MAX_M) and sums each output in fp32 across K. The epilogue i
 kernel's (kernels/epilogue.py): bias, silu * up, the residual add, the partial sums of squares
 for the next norm, and a weightless norm's row scale from x's.
 
-Why: SmolLM2's batch-1 step is ~150 dependent launches of 0.7-3.5 MB weights, each bound by
-latency, not bandwidth. A chain of its layers' GEMMs took 2.1-2.2 us a stage this way against
-3.3 us through the split-K kernel with an L2 prefetch (bench/gpu/persist_probe.py, one H100,
-2026-11-27), and 2.8-2.9 us as one persistent kernel with a grid barrier between stages (the
-barrier alone cost 1.05 us). In the engine the step fell from 0.62 to 0.46 ms (BENCHMARKS.md).
+Why: a small model's batch-1 step (SmolLM2's: ~150 dependent launches of 0.7-3.5 MB weights)
+is bound by each launch's latency, not by bandwidth. Holding the whole tile in registers before
+the wait lets the weight read overlap the kernel before, which the split-K kernel's L2 prefetch
+does only in part; a persistent kernel with a grid barrier between stages lost to both, the
+barrier alone costing about a launch (bench/gpu/persist_probe.py, BENCHMARKS.md).
 
 Not in the batch-invariant mode (the kernel is chosen by M); not for an argmax or a split-K
-launch. PDSERVE_GEMV=0 turns it off.
+launch.
 """
 
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
 import triton
@@ -31,13 +30,12 @@ from kernels.epilogue import gemm_epilogue
 from kernels.norm import rstd_of_partials
 from kernels.pdl import pdl_args, wait_for_previous
 
-GEMV = os.environ.get("PDSERVE_GEMV", "1") == "1"
-# rows: on an H100 the kernel took SmolLM2's batch-1 step from 0.62 to 0.46 ms, but made the k=3
-# step (a verify of 4 rows) slower: 0.81 -> 0.95 ms; up to 4 rows run correctly (the tests' setting)
-GEMV_MAX_M = int(os.environ.get("PDSERVE_GEMV_MAX_M", "1"))
+# rows: one, as a batch-1 step without drafts has; a verify of a few rows runs correctly here (the
+# tests take 4) but is faster through the split-K kernel, whose tiles share each weight read
+GEMV_MAX_M = 1
 GEMV_MAX_TILE = 32768  # weight elements a program holds (64 KB of bf16 over 4-8 warps)
 # weights above this many bytes keep the split-K kernel (Llama-1B's o projection, 8 MB, would fit a tile)
-GEMV_MAX_BYTES = int(float(os.environ.get("PDSERVE_GEMV_MAX_MB", "4")) * 2**20)
+GEMV_MAX_BYTES = 4 * 2**20
 GemvConfig = tuple[int, int, int]  # (BN, KP, WARPS)
 
 
@@ -54,7 +52,7 @@ def gemv_config(m: int, w: torch.Tensor, glu: bool, sms: int | None = None) -> G
     """(BN, KP, WARPS) when the kernel takes a launch of m rows over w, else None: BN the smallest
     power of two that leaves at most one tile per SM (`sms`: w's device's count), while its tile
     fits GEMV_MAX_TILE."""
-    if not GEMV or m > GEMV_MAX_M or m < 1 or w.numel() * w.element_size() > GEMV_MAX_BYTES:
+    if m > GEMV_MAX_M or m < 1 or w.numel() * w.element_size() > GEMV_MAX_BYTES:
         return None
     n_out, k, device = w.shape[0] // (2 if glu else 1), w.shape[1], w.device
     sms = sms or _programs(device.index if device.type == "cuda" else None)

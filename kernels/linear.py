@@ -19,9 +19,9 @@ the bias, residual add, silu(gate) * up (the program reads a block of gate rows 
 matching up rows into two accumulators) or a per-tile argmax in its epilogue: at decode sizes
 (M <= FUSED_MAX_M) one launch where cuBLAS + an elementwise op takes two, and no logits
 written for an argmax. A weighted norm stays its own kernel (`kernels.norm.rms_norm`): applied
-to the A operand as it is loaded, it kept Triton from pipelining the weight loads (1.3-3x slower
-on an H100, bench/gpu/gpu_gemv.py, 2026-11-23), as silu * up did on the down projection's A, and
-so did summing A's squares in the K loop (2026-11-26, BENCHMARKS.md). A weightless norm (its
+to the A operand as it is loaded, it keeps Triton from pipelining the weight loads (several
+times slower), as silu * up does on the down projection's A, and so does summing A's squares in
+the K loop (BENCHMARKS.md). A weightless norm (its
 weight folded into w: `engine.model.fold_norms`) runs in the epilogue instead, as a row scale on
 the sums, from x's row sums of squares that the GEMM which wrote x (a residual add: this kernel,
 or its split-K sum) stored per column tile (`kernels.norm.store_partial_sumsq`, carried on the
@@ -34,11 +34,12 @@ take the register-tile GEMV of kernels/gemv.py instead, with the same epilogue
 
 Under programmatic dependent launch (kernels/pdl.py) the kernel starts while the one before it
 still runs; before its wait it asks for its share of the weights in L2 (`_prefetch_rows`, whole
-rows up to PREFETCH_BYTES a launch), for weights of at most PREFETCH_MAX bytes: SmolLM2's batch-1
-step fell 10% (0.69 -> 0.63 ms on an H100), Llama-1B's larger weights gained nothing at batch 1.
-For weights up to PRELOAD_MAX and up to PRELOAD_MAX_M rows, each program also reads its first K
-block into registers before the wait (`PRELOAD`), and takes that block's product ahead of the
-loop, in the loop's order: SmolLM2's b32 step 0.71 -> 0.68 ms; larger weights and rows lost.
+rows up to PREFETCH_BYTES a launch), for weights of at most PREFETCH_MAX bytes: a small model's
+step is a chain of latency-bound launches, and the prefetch hides part of each one's weight
+read; larger weights gain nothing and evict each other from L2. For weights up to PRELOAD_MAX
+and up to PRELOAD_MAX_M rows, each program also reads its first K block into registers before
+the wait (`PRELOAD`), and takes that block's product ahead of the loop, in the loop's order;
+with larger weights or more rows the held registers cost more than the early read saves.
 
 Batch-invariant mode (`kernels._dispatch.batch_invariant()`, `--deterministic`): a row's result
 must not depend on how many rows share the call. cuBLAS and CPU BLAS pick tiling, split-K and
@@ -49,8 +50,6 @@ kernels by M, so there:
 """
 
 from __future__ import annotations
-
-import os
 
 import torch
 import torch.nn.functional as F
@@ -69,25 +68,20 @@ from kernels.norm import (
     row_sumsq_of,
     rstd_of_partials,
 )
-from kernels.pdl import pdl_args, prefetch_l2, prefetch_on, wait_for_previous
+from kernels.pdl import pdl_args, prefetch_l2, wait_for_previous
 
-FUSED_MAX_M = int(os.environ.get("PDSERVE_FUSED_MAX_M", "64"))  # rows up to which the kernel runs by default
-SMALL_MAX_M = int(os.environ.get("PDSERVE_SMALL_MAX_M", "128"))  # and up to this many rows for weights
-SMALL_WEIGHT = int(os.environ.get("PDSERVE_SMALL_WEIGHT", str(2**21)))  # of at most this many elements
-MAX_BM = int(os.environ.get("PDSERVE_MAX_BM", "64"))  # the kernel's row tile: rows above it take more tiles
+FUSED_MAX_M = 64  # rows up to which the kernel runs by default (decode sizes)
+SMALL_MAX_M = 128  # and up to this many rows for weights
+SMALL_WEIGHT = 2**21  # of at most this many elements
+MAX_BM = 64  # the kernel's row tile: rows above it take more tiles
 INVARIANT_BM = 16
-PREFETCH_BYTES = int(float(os.environ.get("PDSERVE_PREFETCH_MB", "4")) * 2**20)  # L2 prefetch per launch, at most
-# weights above PREFETCH_MAX get none: on an H100 Llama-1B's (8-67 MB) gained nothing at batch 1 and
-# lost with more than 4 MB a launch, while SmolLM2's (<= 3.5 MB) step fell 10% (BENCHMARKS.md)
-MID_TILES = os.environ.get("PDSERVE_MID_TILES", "1") == "1"  # tile_config's mid-sized weights; 0: off
-PREFETCH_MAX = int(float(os.environ.get("PDSERVE_PREFETCH_MAX_MB", "8")) * 2**20)
+PREFETCH_BYTES = 4 * 2**20  # L2 prefetch per launch, at most: more evicts what the step reads next
+# weights above PREFETCH_MAX get none: their own reads already keep the memory busy
+PREFETCH_MAX = 8 * 2**20
 # a program's first K block of weights read into registers before the PDL wait, for weights up to
-# PRELOAD_MAX: on an H100 SmolLM2's b32 step fell 0.71 -> 0.685 ms, while Llama-1B's (8-525 MB) lost
-# (b1 1.103 -> 1.13 ms, b64 1.32 -> 1.56-2.04); PDSERVE_PRELOAD=0: off
-PRELOAD = os.environ.get("PDSERVE_PRELOAD", "1") == "1"
-PRELOAD_MAX = int(float(os.environ.get("PDSERVE_PRELOAD_MAX_MB", "4")) * 2**20)
-# and launches of up to this many rows: SmolLM2's b128 step (128-row launches) lost with it, 0.89 -> 0.97 ms
-PRELOAD_MAX_M = int(os.environ.get("PDSERVE_PRELOAD_MAX_M", "32"))
+# PRELOAD_MAX and launches of up to PRELOAD_MAX_M rows (see the module's text)
+PRELOAD_MAX = 4 * 2**20
+PRELOAD_MAX_M = 32
 
 Norm = tuple[torch.Tensor | None, float]  # (weight, or None where it is folded into the GEMM's; eps)
 RowNorm = tuple[float, torch.Tensor]  # (eps, x's partial row sums of squares [M, tiles]): the kernel's own norm
@@ -96,34 +90,14 @@ RowNorm = tuple[float, torch.Tensor]  # (eps, x's partial row sums of squares [M
 Config = tuple[int, int, int, int, int]  # (BN, BK, SPLIT, WARPS, STAGES): tile_config's, or a sweep's instead
 
 
-def _tile_overrides(spec: str) -> dict[tuple[int, int], Config]:
-    """PDSERVE_TILES, for sweeps inside the engine's step: "NxK=BN/BK/SPLIT/WARPS/STAGES" entries
-    separated by ";" (weight shape [N, K], as `tile_config` is asked; a gate/up weight's N counts
-    both halves)."""
-    out: dict[tuple[int, int], Config] = {}
-    for entry in filter(None, (e.strip() for e in spec.split(";"))):
-        shape, _, conf = entry.partition("=")
-        n, k = (int(v) for v in shape.split("x"))
-        values = tuple(int(v) for v in conf.split("/"))
-        if len(values) != 5 or min(values) < 1:
-            raise ValueError(f"PDSERVE_TILES: {entry!r} is not NxK=BN/BK/SPLIT/WARPS/STAGES")
-        out[n, k] = values  # type: ignore[assignment]
-    return out
-
-
-TILE_OVERRIDES = _tile_overrides(os.environ.get("PDSERVE_TILES", ""))
-
-
 def tile_config(n: int, k: int) -> Config:
     """(BN, BK, SPLIT, WARPS, STAGES) for a weight [n, k], from sweeps on an H100
     (bench/gpu/gpu_gemv.py): narrow tiles keep enough programs in flight for the small weights,
     wide ones suit the large; long rows are split in four so that a short N still fills the GPU.
     Mid-sized weights (8-48 MB: Llama-1B's q/k/v, o and down) take 32-column tiles and deeper
-    pipelines (`MID_TILES`). Shape only: the batch-invariant mode relies on it not depending on M."""
-    if (n, k) in TILE_OVERRIDES:
-        return TILE_OVERRIDES[n, k]
+    pipelines. Shape only: the batch-invariant mode relies on it not depending on M."""
     size = 2 * n * k
-    if MID_TILES and 8 * 2**20 <= size <= 48 * 2**20:
+    if 8 * 2**20 <= size <= 48 * 2**20:
         return (32, 128, 1, 4, 6) if n > k else (32, 128, 4, 4, 4)
     bn = 64 if n >= 8192 else 16
     bk = 256 if k >= 256 else max(16, triton.next_power_of_2(k))
@@ -286,8 +260,8 @@ def _launch(x2, w, b, residual, y, argmax_out=None, config: Config | None = None
     nti = ssi.shape[1] if ssi is not None else 1
     pdl = pdl_args(x2)
     size = w.numel() * w.element_size()
-    pf = _prefetch_args(w, k_per, split) if prefetch_on(pdl) and size <= PREFETCH_MAX else {}
-    preload = PRELOAD and m <= PRELOAD_MAX_M and size <= PRELOAD_MAX
+    pf = _prefetch_args(w, k_per, split) if pdl["PDL"] and size <= PREFETCH_MAX else {}
+    preload = m <= PRELOAD_MAX_M and size <= PRELOAD_MAX
     _skinny_kernel[grid](
         x2, w, b if b is not None else w, r, y, ws, val, idx, ssi if ssi is not None else y,
         sso if sso is not None else y,
@@ -309,8 +283,8 @@ def _launch(x2, w, b, residual, y, argmax_out=None, config: Config | None = None
 
 def _prefetch_args(w: torch.Tensor, k_per: int, split: int) -> dict:
     """The L2 prefetch of a launch's weights: whole rows up to PREFETCH_BYTES in all, else the
-    first lines of each program's row share (Llama-1B's 67 MB gate/up prefetched whole made its
-    batch-1 step 27% slower: L2 holds 50 MB)."""
+    first lines of each program's row share (a weight larger than L2 prefetched whole evicts
+    its own lines before the program reads them)."""
     per_line = 128 // w.element_size()
     lines = triton.cdiv(k_per, per_line)
     fit = max(1, PREFETCH_BYTES // (w.shape[0] * split * 128))
@@ -392,11 +366,10 @@ def linear_invariant_ref(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | Non
 def _fused(x: torch.Tensor, w: torch.Tensor, plain: bool = False) -> bool:
     """Whether the Triton kernel runs: always in the batch-invariant mode; else at decode sizes,
     except for a plain GEMM (no epilogue) of a weight under 8192 x 2048 without programmatic
-    dependent launch (kernels/pdl.py), where cuBLAS was as fast or faster (Llama-1B's q/k/v: 7.5
-    against 8.4 us; bench/gpu/gpu_gemv.py --sweep). With PDL the kernel's launch overlaps the
-    kernel before it, which a cuBLAS launch does not. Up to SMALL_MAX_M rows for small weights:
-    SmolLM2's 1 x 128 prefill went from 1.16-1.19 to 1.03 ms with its GEMMs here (Llama-1B's
-    weights, 2-16x larger, lost: 1.57 -> 1.94 ms; H100, bench prefill, 2026-11-25)."""
+    dependent launch (kernels/pdl.py), where cuBLAS is as fast or faster (bench/gpu/gpu_gemv.py
+    --sweep). With PDL the kernel's launch overlaps the kernel before it, which a cuBLAS launch
+    does not. Up to SMALL_MAX_M rows for small weights, where a short prefill is launch-bound and
+    one launch per GEMM wins; larger weights are bandwidth-bound there, and cuBLAS wins."""
     if not use_triton(x, w):
         return False
     if invariant():
@@ -446,7 +419,7 @@ def linear_glu(x: torch.Tensor, w: torch.Tensor, norm: Norm | None = None) -> to
     one launch); the GEMM then `kernels.activation.silu_and_mul` otherwise."""
     if _fused(x, w):
         return linear_glu_triton(x, w, norm)
-    if use_triton(x, w) and gemm_glu.enabled():  # prefill sizes: SwiGLU in the GEMM's epilogue
+    if use_triton(x, w):  # prefill sizes: SwiGLU in the GEMM's epilogue
         return gemm_glu.glu_gemm(_rows(_norm(x, norm)), w).view(*x.shape[:-1], w.shape[0] // 2)
     return silu_and_mul(linear(x, w, norm=norm))
 

@@ -35,7 +35,6 @@ kernel to it, on CPU through the Triton interpreter (TRITON_INTERPRET=1).
 from __future__ import annotations
 
 import math
-import os
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -48,25 +47,19 @@ from kernels.pdl import pdl_args, wait_for_previous
 from kernels.rotary import rope_and_cache
 
 HEAD_DIMS = (16, 32, 64, 128)
-# with the step's keys written by the kernel (ROPE), the first key tile is read before the PDL wait
-PRELOAD_KV = os.environ.get("PDSERVE_ATTN_PRELOAD", "1") == "1"
-# for launches of up to this many rows: on an H100 Llama-1B's b1 step fell 1.09 -> 1.07 ms and
-# SmolLM2's b32 0.68 -> 0.66, while Llama-1B's b64 rose 1.30-1.33 -> 1.37
-PRELOAD_KV_MAX_ROWS = int(os.environ.get("PDSERVE_ATTN_PRELOAD_MAX_ROWS", "32"))
-# ... and the last one too, where a tile's K and V are at most 64 x 64 (at D = 128 the two tiles
-# would hold 128 registers a thread; not measured). With the step's keys taken from registers, on
-# an H100 Llama-1B's b1 step fell 1.08 -> 1.05 ms, SmolLM2's 0.44 -> 0.42 and its b32 0.66 -> 0.61-0.63
-# (the first tile only: 1.07, 0.42, 0.73)
-PRELOAD_LAST = os.environ.get("PDSERVE_ATTN_PRELOAD_LAST", "1") == "1"
+# With the step's keys written by the kernel (ROPE), the first key tile is read before the PDL
+# wait, for launches of up to PRELOAD_KV_MAX_ROWS rows: a small batch's step is latency-bound and
+# gains the overlap, while a larger one has enough programs in flight to hide the read anyway,
+# and the held registers cost it occupancy.
+PRELOAD_KV_MAX_ROWS = 32
+# ... and the last tile too, where a tile's K and V are at most 64 x 64 (at D = 128 the two tiles
+# would hold 128 registers a thread); the step's own keys then come from registers.
 PRELOAD_LAST_ELEMS = 64 * 64
-# keys per tile for those launches (128 puts a 128-token context in one tile; the last tile's
-# preload then stops at D = 64). On an H100 (2026-11-27), 128 against 64 for every such launch:
-# SmolLM2 b1 k=0 0.43 -> 0.41 ms but k=3 0.715 -> 0.73, Llama-1B b1 k=3 1.415 -> 1.424. For the
-# launches of one query a row only (PRELOAD_BLOCK_N_Q1, the default): SmolLM2 b1 k=0 0.43 -> 0.405,
-# k=3 and b32 unchanged, Llama-1B b1 k=0 1.04 -> 1.03; with 2048-token prompts SmolLM2 0.555 -> 0.476,
-# Llama-1B 1.129 -> 1.103
-PRELOAD_BLOCK_N = int(os.environ.get("PDSERVE_ATTN_PRELOAD_BLOCK_N", "64"))
-PRELOAD_BLOCK_N_Q1 = int(os.environ.get("PDSERVE_ATTN_PRELOAD_BLOCK_N_Q1", "128"))
+# Keys per tile for those launches. One query a row (plain decode): 128, so a 128-token context is
+# one tile and a long one takes half the loop trips. More queries a row (verify): 64, where 128
+# was a little slower (BENCHMARKS.md).
+PRELOAD_BLOCK_N = 64
+PRELOAD_BLOCK_N_Q1 = 128
 _LOG2E = math.log2(math.e)
 _TL_DTYPES = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}
 
@@ -350,7 +343,7 @@ def _tiles(max_q: int, group: int, head_dim: int, block_size: int, same_for_any_
 
 
 def _preload_block_n(max_q: int) -> int:
-    """Keys per tile for a launch that preloads (PDSERVE_ATTN_PRELOAD_BLOCK_N[_Q1])."""
+    """Keys per tile for a launch that preloads."""
     return PRELOAD_BLOCK_N_Q1 if max_q == 1 else PRELOAD_BLOCK_N
 
 
@@ -405,7 +398,7 @@ def paged_attention_triton(
     if rows == 0 or max_q == 0 or num_tokens == 0:
         return out
     group = num_q_heads // num_kv_heads
-    pre = new is not None and PRELOAD_KV and rows <= PRELOAD_KV_MAX_ROWS
+    pre = new is not None and rows <= PRELOAD_KV_MAX_ROWS
     tiles = _tiles(max_q, group, head_dim, block_size, same_for_any_q=invariant(),
                    min_block_n=_preload_block_n(max_q) if pre else 64)
     dtype = _dot_dtype(q, kv_cache)
@@ -431,7 +424,7 @@ def paged_attention_triton(
         PRECISION="ieee" if dtype == tl.float32 else "tf32",  # ieee: fp32 stays fp32, no TF32
         ROPE=new is not None, Q_POW2=triton.next_power_of_2(min(max_q, tiles.block_q)),
         num_warps=tiles.num_warps, num_stages=2, enable_fp_fusion=new is None,
-        PRE=pre, PRE_LAST=pre and PRELOAD_LAST and head_dim * tiles.block_n <= PRELOAD_LAST_ELEMS, **pdl_args(q),
+        PRE=pre, PRE_LAST=pre and head_dim * tiles.block_n <= PRELOAD_LAST_ELEMS, **pdl_args(q),
     )
     if num_splits > 1:
         _combine_splits_kernel[(num_tokens, num_q_heads)](

@@ -11,18 +11,16 @@ store: with it, a kernel never reads or writes anything before the previous one 
 the results are the same with PDL on or off. Careful: a kernel launched with `launch_pdl`
 that reads memory before `wait_for_previous` races the kernel before it.
 
-Off on the CPU (the interpreter), before Hopper, when this Triton has no `launch_pdl`, or
-with PDSERVE_PDL=0.
+Off on the CPU (the interpreter), before Hopper, or when this Triton has no `launch_pdl`.
 
 Memory no kernel of the step writes (the weights) may be read before the wait. One more case:
-decode attention with rotary inside (kernels/paged_attention.py, `PRELOAD_KV`) reads its row's
+decode attention with rotary inside (kernels/paged_attention.py, `PRELOAD_KV_MAX_ROWS`) reads its row's
 metadata (with the positions' rotary rows and the step's cache slots) and the keys older than the
 step, of its first and last key tiles, before its wait. Those were written before the kernel
 ahead of it started, and that kernel has itself waited for the one before it, so nothing still
 running writes them. `prefetch_l2`
 asks for such lines in L2 while the kernel before still runs: a decode GEMM launched early under
-PDL starts its weight reads there instead of after the previous kernel ends (`prefetch_on`;
-PDSERVE_PREFETCH=0: off).
+PDL starts its weight reads there instead of after the previous kernel ends (kernels/linear.py).
 """
 
 from __future__ import annotations
@@ -33,8 +31,6 @@ import os
 import torch
 import triton
 import triton.language as tl
-
-PREFETCH = os.environ.get("PDSERVE_PREFETCH", "1") == "1"
 
 try:
     from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
@@ -72,13 +68,9 @@ def prefetch_l2(ptrs):
 
 def pdl_args(t: torch.Tensor) -> dict[str, bool]:
     """The launch arguments for a kernel working on t: `PDL` (its constexpr) and `launch_pdl`."""
-    if not t.is_cuda or os.environ.get("PDSERVE_PDL", "1") == "0":
+    if not t.is_cuda:
         return {"PDL": False, "launch_pdl": False}
     index = t.device.index if t.device.index is not None else torch.cuda.current_device()
     on = _supported(index)
     return {"PDL": on, "launch_pdl": on}
 
-
-def prefetch_on(pdl: dict[str, bool]) -> bool:
-    """Whether a kernel launched with `pdl` prefetches its weights into L2 before its wait."""
-    return pdl["PDL"] and PREFETCH

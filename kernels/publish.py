@@ -6,14 +6,12 @@ boundary. `publish` does the same copy with the SMs instead: a kernel that store
 words straight into the pinned (host-mapped) buffer, so the boundary is kernel to kernel. The
 step's event, recorded after it, still marks when the host may read the buffer.
 
-On by default: 0.6-1.5% off batch-1 steps on an H100 and an H200 (BENCHMARKS.md, session 7);
-PDSERVE_OUTPUT_KERNEL=0 goes back to the memcpy. CUDA only (off CUDA the host reads the step's
-buffer itself and there is no copy).
+A small batch's step is short enough that the engine switch at its boundary shows (BENCHMARKS.md,
+the step-output copy). CUDA only (off CUDA the host reads the step's buffer itself and there is
+no copy).
 """
 
 from __future__ import annotations
-
-import os
 
 import torch
 import triton
@@ -21,7 +19,6 @@ import triton.language as tl
 
 from kernels.pdl import pdl_args, wait_for_previous
 
-ENABLED = os.environ.get("PDSERVE_OUTPUT_KERNEL", "1") == "1"
 BLOCK = 1024  # words a program copies
 
 

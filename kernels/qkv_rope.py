@@ -150,7 +150,7 @@ def _qkv_rope_tma_kernel(x_desc, w_desc, b_ptr, pos_ptr, cos_ptr, sin_ptr, cache
 
 
 def default_config(m: int, heads: int, head_dim: int, k: int) -> Config:
-    """Tiles from a sweep on an H100 (bench/gpu/gpu_qkv_rope.py, 2026-11-25): 64 rows by 64
+    """Tiles from a sweep on an H100 (bench/gpu/gpu_qkv_rope.py): 64 rows by 64
     output columns with pointer loads for short steps, TMA and twice the columns from 1024 tokens."""
     bh = max(1, 64 // head_dim)
     return Config(64, bh, 64, 4, 4) if m < 1024 else Config(64, 2 * bh, 64, 4, 4, True)
@@ -159,19 +159,13 @@ def default_config(m: int, heads: int, head_dim: int, k: int) -> Config:
 FUSED_MAX_WORK = 1.6e9  # tokens x q/k/v width x hidden up to which the fused kernel ran faster
 
 
-def enabled() -> bool:
-    """PDSERVE_PREFILL_QKV_ROPE=0 keeps cuBLAS + the rotary kernel in fresh prefill steps."""
-    return os.environ.get("PDSERVE_PREFILL_QKV_ROPE", "1") != "0"
-
-
 def usable(x: torch.Tensor, w: torch.Tensor, head_dim: int) -> bool:
-    """Where the fused kernel beat cuBLAS + the rotary kernel on an H100 (bench/gpu/gpu_qkv_rope.py,
-    2026-11-25): steps of up to FUSED_MAX_WORK (SmolLM2 up to ~2k tokens: 0.79-0.96x the two
-    kernels; Llama-1B at 128 tokens: 0.92x). Above it the GEMM lost to cuBLAS (1.2-1.33x: the
-    epilogue's scattered cache stores and the narrow q/k/v width). A power-of-two head dim of
-    16..256, and not switched off."""
+    """Where the fused kernel beats cuBLAS + the rotary kernel (bench/gpu/gpu_qkv_rope.py): steps
+    of up to FUSED_MAX_WORK, where one launch fewer and no round trip of q/k/v through memory
+    win. Above it the GEMM loses to cuBLAS: the epilogue's scattered cache stores and the narrow
+    q/k/v width cost more than they save. A power-of-two head dim of 16..256."""
     work = x.numel() * w.shape[0]  # x [T, K]: T x K x N
-    return (enabled() and work <= FUSED_MAX_WORK and 16 <= head_dim <= 256
+    return (work <= FUSED_MAX_WORK and 16 <= head_dim <= 256
             and head_dim & (head_dim - 1) == 0)
 
 

@@ -1,4 +1,4 @@
-"""Step stamps: the GPU's own clock at the start and the end of every decode step (`PDSERVE_STEP_STAMPS=1`).
+"""Step stamps: the GPU's own clock at the start and the end of every decode step (`settings.STEP_STAMPS`).
 
 What it measures. Each decode graph (engine/cuda_graphs.py) opens with one launch of
 `_stamp_kernel` and closes with another. Each reads the GPU's `%globaltimer` (nanoseconds,
@@ -43,6 +43,7 @@ import torch
 import triton
 import triton.language as tl
 
+import settings
 from kernels.pdl import pdl_args, wait_for_previous
 
 STEPS = 8192  # the ring's length in steps; `read` returns at most the last STEPS
@@ -59,8 +60,8 @@ def _stamp_kernel(buf_ptr, count_ptr, N: tl.constexpr, END: tl.constexpr, PDL: t
 
 
 def stamps_on(device: torch.device) -> bool:
-    """PDSERVE_STEP_STAMPS=1 on a CUDA device, outside Triton's interpreter."""
-    return (os.environ.get("PDSERVE_STEP_STAMPS", "0") == "1" and device.type == "cuda"
+    """`settings.STEP_STAMPS` on a CUDA device, outside Triton's interpreter."""
+    return (settings.STEP_STAMPS and device.type == "cuda"
             and os.environ.get("TRITON_INTERPRET") != "1")
 
 

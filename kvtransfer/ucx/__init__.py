@@ -30,7 +30,7 @@ byte. A layer with other runs is announced; its pre-posted receives are retired 
 announced runs posted under the ``announced`` tags, so the two can never mix.
 
 Threads: the process-wide loop thread (``runtime()``, shared by every UcxSender and
-UcxReceiver of the process) and, in a receiving process, ``PDSERVE_UCX_LANES`` lane
+UcxReceiver of the process) and, in a receiving process, ``settings.UCX_LANES`` lane
 threads (default 2). ucxx's asyncio layer (progress thread, ``Request.wait`` polling with
 ``sleep(0)``) is not used; ``Driver`` drives ucxx's core API from the loop thread, as
 ucx_perftest does: post, ``worker.progress()``, reap completions by callback, sleep on
@@ -40,7 +40,7 @@ receives go to the lanes (``Lane``): one UCX worker and thread
 each, layer ``l`` on lane ``l % lanes``, whose addresses the descriptor carries. The
 receiver pulls the bytes, so the lanes copy in parallel; a lane busy-polls only while
 receives of a transfer that began are pending. ``UCXPY_*`` variables have no effect;
-``PDSERVE_UCX_SPIN=0`` turns the busy-polling off. ``UCX_*`` variables apply.
+``settings.UCX_SPIN`` (off) turns the busy-polling off. ``UCX_*`` variables apply.
 
 Careful: ucxx 0.52 cannot cancel a posted receive from Python. A receive that must go
 (its transfer failed, or its layer was announced with other runs) is *retired*: the

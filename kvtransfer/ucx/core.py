@@ -18,9 +18,11 @@ os.environ.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")
 from ucxx._lib import libucxx as ucx_api  # noqa: E402
 from ucxx._lib.arr import Array  # noqa: E402
 
+import settings
+
 __all__ = ["EMPTY", "SPIN", "Array", "Done", "cached_endpoint", "deliver", "ignore", "settle", "ucx_api"]
 
-SPIN = os.environ.get("PDSERVE_UCX_SPIN", "1") != "0"
+SPIN = settings.UCX_SPIN
 """Busy-poll the worker while data receives are in flight (see ``Driver``)."""
 Done = Callable[[BaseException | None], None]
 """A completion handler: called on the loop thread with None, or with the request's error."""

@@ -40,8 +40,8 @@ class Lane:
 
     Under the rendezvous protocol the receiver pulls the bytes, so on one host the copy (CMA)
     runs inside the receiver's ``worker.progress()``, which releases the GIL: lanes copy in
-    parallel. One worker copies at what one core moves; measured on the 2-vCPU VM (bare ucxx,
-    32 x 2 MiB resident, see BENCHMARKS.md): one lane 7.4-7.9 ms per 64 MiB, two 5.4-6.5 ms.
+    parallel. One worker copies at what one core moves, so a second lane on a second core
+    shortens a transfer (BENCHMARKS.md, UCX lanes).
     The sender sends layer ``l`` to lane ``l % lanes`` (``Descriptor['lanes']``).
 
     Completion handlers run on the loop thread, in batches (``call_soon_threadsafe``): a

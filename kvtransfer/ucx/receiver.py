@@ -43,8 +43,8 @@ class UcxReceiver(StreamingReceiver):
         bind_device(self._thread, layout.device)
         if layout.device.type == "cuda":
             # CUDA IPC pulls are copy-engine work a lane only enqueues and polls: one lane
-            # keeps up, and a second only adds a spinning thread and a hand-over (2x H200,
-            # 512 MiB: 166 GB/s with one lane, 151 with two; BENCHMARKS.md).
+            # keeps up, and a second only adds a spinning thread and a hand-over (BENCHMARKS.md,
+            # KV between GPUs).
             self._data_lanes = self._data_lanes[:1]
 
     def _address(self) -> tuple[bytes, int]:

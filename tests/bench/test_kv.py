@@ -32,7 +32,7 @@ def test_resident_shim_faults_in_large_anonymous_mappings() -> None:
              "print((rss() - before) * mmap.PAGESIZE >> 10)")
     grown = {}
     for mode in ("mmap", "off"):
-        env = {**os.environ, "LD_PRELOAD": shim, "PDSERVE_PERFTEST_TOUCH": mode}
+        env = {**os.environ, "LD_PRELOAD": shim, "RESIDENT_SHIM_TOUCH": mode}
         out = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, check=True)
         grown[mode] = int(out.stdout)  # KiB
     assert grown["mmap"] >= 32 << 10 and grown["off"] < 8 << 10

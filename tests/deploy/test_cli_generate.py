@@ -119,9 +119,6 @@ def test_early_cuda_init_is_for_cuda_only(monkeypatch):
     started = []
     monkeypatch.setattr("threading.Thread.start", lambda self: started.append(self.name))
     start_cuda_init("cpu", 0)
-    monkeypatch.setenv("PDSERVE_EARLY_CUDA_INIT", "0")
-    start_cuda_init("cuda", 0)
     assert started == []
-    monkeypatch.delenv("PDSERVE_EARLY_CUDA_INIT")
     start_cuda_init("cuda", 1)
     assert started == ["cuda-init"]

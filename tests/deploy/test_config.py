@@ -6,6 +6,7 @@ from __future__ import annotations
 import pydantic
 import pytest
 
+import settings
 from deploy.config import (
     ConfigError,
     DecodeConfig,
@@ -129,21 +130,21 @@ def test_enforce_eager_and_deterministic_flags_reach_the_engine_config():
 def test_cluster_secret_is_resolved_once_and_never_shown(tmp_path):
     from deploy.config import ServiceConfig, with_cluster_secret
 
-    made = with_cluster_secret(ServiceConfig(), env={})
+    made = with_cluster_secret(ServiceConfig(), None)
     assert len(made.cluster.secret or "") >= 32
-    assert made.cluster.secret != with_cluster_secret(ServiceConfig(), env={}).cluster.secret  # random
+    assert made.cluster.secret != with_cluster_secret(ServiceConfig(), None).cluster.secret  # random
     assert made.cluster.secret not in repr(made) and made.cluster.secret not in str(made.cluster)
-    env = {"PDSERVE_CLUSTER_SECRET": "from-the-environment-0123"}
-    assert with_cluster_secret(ServiceConfig(), env=env).cluster.secret == env["PDSERVE_CLUSTER_SECRET"]
+    env = settings.REGISTRY["PDSERVE_CLUSTER_SECRET"].read({"PDSERVE_CLUSTER_SECRET": "from-the-environment-0123"})
+    assert with_cluster_secret(ServiceConfig(), env).cluster.secret == "from-the-environment-0123"
     (tmp_path / "secret").write_text("from-a-mounted-secret-file\n")
     cfg = ServiceConfig.load(None, {"cluster.secret_file": str(tmp_path / "secret")})
-    resolved = with_cluster_secret(cfg, env=env)  # the file wins over the environment
+    resolved = with_cluster_secret(cfg, env)  # the file wins over the environment
     assert resolved.cluster.secret == "from-a-mounted-secret-file" and resolved.cluster.secret_file is None
     assert ServiceConfig.model_validate_json(resolved.model_dump_json()).cluster.secret == resolved.cluster.secret
     with pytest.raises(ConfigError, match="cannot read the cluster secret file"):
         with_cluster_secret(ServiceConfig.load(None, {"cluster.secret_file": str(tmp_path / "nope")}))
     with pytest.raises(ConfigError, match="at least 16"):
-        with_cluster_secret(ServiceConfig(), env={"PDSERVE_CLUSTER_SECRET": "short"})
+        with_cluster_secret(ServiceConfig(), "short")
     with pytest.raises(ConfigError, match="not both"):
         ServiceConfig.load(None, {"cluster.secret": "x" * 16, "cluster.secret_file": "f"})
 

@@ -5,7 +5,7 @@ batch-invariant kernels (`--deterministic`), so "the same results" means the sam
 machine: with the default kernels more rows in a GEMM may round differently, and whether that
 moves a token or the order of a top-3 would be the CPU's luck. The host reads the same of
 both steps' packed outputs (`collect`). The graphs hold no step stamps by default; on a GPU,
-with PDSERVE_STEP_STAMPS=1 they stamp every step and give the same tokens."""
+with settings.STEP_STAMPS they stamp every step and give the same tokens."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+import settings
 from engine.attention import TRASH_BLOCK
 from engine.cuda_graphs import DecodeGraphs, bucket_sizes
 from engine.engine import EngineConfig, LLMEngine
@@ -81,7 +82,7 @@ def test_spare_padding_rows_change_nothing_but_the_spare_and_trash(tiny):
 
 
 def test_graphs_stamp_nothing_by_default(monkeypatch):
-    monkeypatch.delenv("PDSERVE_STEP_STAMPS", raising=False)
+    monkeypatch.setattr(settings, "STEP_STAMPS", settings.REGISTRY["PDSERVE_STEP_STAMPS"].read({}))
     runner = SimpleNamespace(state=SimpleNamespace(spare=4), device=torch.device("cuda"), short_blocks=(16,), max_blocks=64,
                              attention_splits=lambda rows, blocks: 1)
     assert DecodeGraphs(runner, 4).stamps is None  # type: ignore[arg-type]
@@ -93,7 +94,7 @@ def test_step_stamps_change_no_token_and_stamp_every_step(monkeypatch):
     prompts, params = [list(range(5, 12)), list(range(5, 30))], SamplingParams(max_tokens=20, ignore_eos=True)
     tokens = {}
     for on in ("0", "1"):
-        monkeypatch.setenv("PDSERVE_STEP_STAMPS", on)
+        monkeypatch.setattr(settings, "STEP_STAMPS", on == "1")
         eng = LLMEngine(loaded, EngineConfig(num_speculative_tokens=2, device="cuda"))
         stamps = eng.runner.graphs.stamps  # type: ignore[union-attr]
         assert (stamps is not None) == (on == "1")
@@ -118,7 +119,7 @@ def _llama_1b_graphs(short_blocks: tuple[int, ...]) -> DecodeGraphs:
 
 def test_default_splits_give_a_row_about_one_key_tile_a_split(monkeypatch):
     """Up to 16 blocks one split (no combine), then a split per 8 blocks (one 128-key tile), capped
-    by the grid (264 programs) alone; PDSERVE_MAX_SPLITS caps it further."""
+    by the grid (264 programs) alone; settings.MAX_SPLITS caps it further."""
     import engine.model_runner as mr
 
     assert mr.SHORT_KV_BLOCKS == (16, 32, 64, 128, 192)
@@ -142,6 +143,6 @@ def test_graph_keys_take_a_narrow_width_only_where_it_splits_the_keys_differentl
     assert graphs.key(3, flags, True, 16) == (4, *flags, True, 16)
     assert graphs.key(3, flags, False, 65) == (4, *flags, False, 257)
     assert graphs.key(40, flags, False, 2) == (64, *flags, False, 257)
-    graphs = _llama_1b_graphs((16,))  # PDSERVE_SHORT_KV_BLOCKS=16: one narrow width
+    graphs = _llama_1b_graphs((16,))  # settings.SHORT_KV_BLOCKS (16,): one narrow width
     assert graphs.widths[1] == [16, 257] and graphs.widths[32] == [257]
     assert [graphs.key(1, flags, False, n)[-1] for n in (16, 17)] == [16, 257]

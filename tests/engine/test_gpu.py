@@ -106,7 +106,7 @@ def test_constrained_steps_in_halves_never_sync(k, eager):
 @pytest.mark.parametrize("params", [PARAMS[:1], PARAMS], ids=["greedy", "with-logprobs"])
 def test_each_decode_launch_copies_its_outputs_to_the_host_once(params, eager):
     """One device-to-host copy per launch (the packed outputs: tokens, counts, flags, logprobs):
-    one publish kernel and no memcpy, or with PDSERVE_OUTPUT_KERNEL=0 one memcpy."""
+    one publish kernel and no memcpy."""
     from torch.profiler import ProfilerActivity, profile
 
     eng = LLMEngine(load_model("tiny", device="cuda", dtype="bfloat16"),
@@ -128,12 +128,10 @@ def test_each_decode_launch_copies_its_outputs_to_the_host_once(params, eager):
         while eng.has_unfinished():
             eng.step()
         torch.cuda.synchronize()
-    from kernels.publish import ENABLED as by_kernel  # the copy is a kernel writing pinned memory
-
     gpu = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
-    copies = [e for e in gpu if ("_publish_kernel" in e.name if by_kernel else "DtoH" in e.name)]
+    copies = [e for e in gpu if "_publish_kernel" in e.name]  # the copy is a kernel writing pinned memory
     assert launches > 5 and len(copies) == launches
-    assert not by_kernel or not any("DtoH" in e.name for e in gpu)
+    assert not any("DtoH" in e.name for e in gpu)
 
 
 @pytest.mark.parametrize("k", [0, 3])

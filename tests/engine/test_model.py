@@ -133,24 +133,21 @@ def test_trash_block_is_never_allocated_to_tables():
 
 
 
-@pytest.mark.parametrize("fold", ["0", "1"])
-def test_fused_and_folded_projections_match_transformers(monkeypatch, fold):
+def test_fused_and_folded_projections_match_transformers():
     """fuse_projections folds each layer's two norm weights into the q/k/v and gate/up weights
     (the GEMMs then normalize x themselves): the logits stay HF's; fusing again (as tensor
-    parallelism re-fuses) does not fold twice; PDSERVE_FOLD_NORM=0 keeps the norms' weights."""
+    parallelism re-fuses) does not fold twice."""
     from engine.model import fuse_projections
 
-    monkeypatch.setenv("PDSERVE_FOLD_NORM", fold)
     hf, ours = make_pair("qwen2")  # q/k/v biases: the bias is added after the norm's scale
     fuse_projections(ours)
     layer = ours.model.layers[0]
-    assert layer.input_layernorm.folded == layer.post_attention_layernorm.folded == (fold == "1")
-    assert (layer.input_layernorm.spec[0] is None) == (fold == "1")
+    assert layer.input_layernorm.folded and layer.post_attention_layernorm.folded
+    assert layer.input_layernorm.spec[0] is None
     once = layer.self_attn.qkv[0].clone()
-    monkeypatch.setenv("PDSERVE_FOLD_NORM", "1")
     layer.self_attn.qkv, layer.mlp.gate_up = None, None  # unfused, as tensor parallelism leaves it
     fuse_projections(ours)
-    assert torch.equal(layer.self_attn.qkv[0], once) or fold == "0"
+    assert torch.equal(layer.self_attn.qkv[0], once)
     seq = torch.randint(0, ours.config.vocab_size, (13,), generator=torch.Generator().manual_seed(1)).tolist()
     logits = PagedRunner(ours, 1, seed=5).run([(0, seq, 0)])
     with torch.no_grad():

@@ -13,7 +13,7 @@ import torch
 from engine.cuda_graphs import MAX_TOP_LOGPROBS, DecodeGraphs
 from engine.engine import EngineConfig, LLMEngine
 from engine.loader import load_model
-from engine.model import fuse_projections
+from engine.model import CausalLM, fuse_projections
 from engine.prefill_graphs import PrefillGraphs
 from engine.sampling_params import SamplingParams
 from engine.structured import StructuredSpec
@@ -30,12 +30,10 @@ PENALIZED = SamplingParams(max_tokens=12, ignore_eos=True, logprobs=3, repetitio
 CONSTRAINED = SamplingParams(max_tokens=12, logprobs=3, structured=StructuredSpec("regex", "[a-f]{3}-[0-9]+"))
 
 
-@pytest.mark.parametrize("rope_in_attention", [False, True], ids=["rope-kernel", "rope-in-attention"])
 @pytest.mark.parametrize("k,middle", [(0, None), (3, None), (2, PENALIZED), (3, CONSTRAINED)])
-def test_triton_path_equals_reference_greedy_with_logprobs(k, middle, rope_in_attention, monkeypatch):
-    """`rope_in_attention`: decode steps and the MTP chain rotate q and k and write the step's K/V
-    inside the attention kernel (PDSERVE_ROPE_IN_ATTENTION)."""
-    monkeypatch.setattr("engine.attention.ROPE_IN_ATTENTION", rope_in_attention)
+def test_triton_path_equals_reference_greedy_with_logprobs(k, middle):
+    """Decode steps and the MTP chain rotate q and k and write the step's K/V inside the attention
+    kernel; prefill takes the rotary kernel, then the paged kernel."""
     params: SamplingParams | list[SamplingParams] = SamplingParams(max_tokens=12, ignore_eos=True, logprobs=3)
     if middle is not None:  # the middle request penalized or constrained, its neighbours not
         params = [params, middle, params]
@@ -58,57 +56,60 @@ def test_folded_norms_leave_one_norm_kernel_a_forward(monkeypatch):
     """With the norms folded, each residual GEMM leaves its rows' sums of squares for the next q/k/v
     or gate/up GEMM, which normalizes x itself, and so does the embedding gather
     (`embed_with_sumsq`) for the first layer's: a forward runs the final norm's kernel only (2 L + 1
-    without the fold; 2 with the plain gather, PDSERVE_EMBED_KERNEL=0)."""
-    import engine.model as model_mod
+    without `fuse_projections`), and the tokens are the unfused model's."""
     from kernels import norm as norm_mod
 
     calls: list[int] = []
     real = norm_mod.add_rms_norm_triton
     monkeypatch.setattr(norm_mod, "add_rms_norm_triton", lambda *a, **kw: calls.append(1) or real(*a, **kw))
     counts, layers, tokens = {}, 0, {}
-    for fold, embed in (("0", True), ("1", False), ("1", True)):
-        monkeypatch.setenv("PDSERVE_FOLD_NORM", fold)
-        monkeypatch.setattr(model_mod, "EMBED_KERNEL", embed)
+    for fused in (False, True):
         loaded = load_model("tiny", dtype="float32")
         layers = loaded.model.config.num_hidden_layers
-        fuse_projections(loaded.model)
+        if fused:
+            fuse_projections(loaded.model)
         with triton_on_cpu():
             eng = LLMEngine(loaded, EngineConfig(num_speculative_tokens=0, block_size=8, attention_backend="triton"))
             calls.clear()
             out = eng.generate([[5, 6, 7]], SamplingParams(max_tokens=5, ignore_eos=True))
-        counts[fold, embed], tokens[fold, embed] = len(calls), out[0].output_ids
+        counts[fused], tokens[fused] = len(calls), out[0].output_ids
     forwards = 5  # the prefill and 4 decode steps
-    assert counts == {("0", True): forwards * (2 * layers + 1), ("1", False): forwards * 2, ("1", True): forwards}
-    assert tokens["1", True] == tokens["1", False] == tokens["0", True]
+    assert counts == {False: forwards * (2 * layers + 1), True: forwards}
+    assert tokens[True] == tokens[False]
 
 
 def test_the_mtp_input_takes_one_launch_and_its_block_norm_none(monkeypatch):
     """An MTP forward gathers the embedding and runs enorm and hnorm in one kernel (`mtp_input`),
-    and eh_proj leaves its rows' sums of squares, so the block's input norm runs inside its q/k/v
-    GEMM: three norm kernels fewer per MTP forward than with PDSERVE_MTP_INPUT_KERNEL=0, and
-    the same tokens."""
+    and eh_proj leaves its rows' sums of squares, so the block's folded input norm runs inside its
+    q/k/v GEMM: no norm kernel runs inside an MTP forward, and the tokens are the reference's."""
     import engine.model as model_mod
     from kernels import norm as norm_mod
 
     norms: list[int] = []
     inputs: list[int] = []
-    real_norm, real_input = norm_mod.add_rms_norm_triton, model_mod.mtp_input
+    inside: list[int] = []  # norm kernels launched by each MTP forward
+    real_norm, real_input, real_mtp = norm_mod.add_rms_norm_triton, model_mod.mtp_input, CausalLM.mtp_forward
+
+    def mtp_forward(self, *a, **kw):
+        before = len(norms)
+        out = real_mtp(self, *a, **kw)
+        inside.append(len(norms) - before)
+        return out
+
     monkeypatch.setattr(norm_mod, "add_rms_norm_triton", lambda *a, **kw: norms.append(1) or real_norm(*a, **kw))
     monkeypatch.setattr(model_mod, "mtp_input", lambda *a, **kw: inputs.append(1) or real_input(*a, **kw))
-    runs = {}
-    for on in (False, True):
-        monkeypatch.setattr(model_mod, "MTP_INPUT_KERNEL", on)
-        loaded = load_model("tiny", dtype="float32")
-        fuse_projections(loaded.model)
-        with triton_on_cpu():
-            eng = LLMEngine(loaded, EngineConfig(num_speculative_tokens=2, block_size=8, attention_backend="triton"))
-            norms.clear(), inputs.clear()
-            out = eng.generate([[5, 6, 7]], SamplingParams(max_tokens=6, ignore_eos=True))
-        runs[on] = (len(norms), len(inputs), out[0].output_ids)
-    (norms_off, inputs_off, toks_off), (norms_on, inputs_on, toks_on) = runs[False], runs[True]
-    assert inputs_off == 0 and inputs_on > 0 and toks_on == toks_off
-    assert norms_off - norms_on == 3 * inputs_on
-
+    monkeypatch.setattr(CausalLM, "mtp_forward", mtp_forward)
+    params = SamplingParams(max_tokens=6, ignore_eos=True)
+    want = LLMEngine(load_model("tiny", dtype="float32"), EngineConfig(num_speculative_tokens=2, block_size=8))
+    want_ids = want.generate([[5, 6, 7]], params)[0].output_ids
+    loaded = load_model("tiny", dtype="float32")
+    fuse_projections(loaded.model)
+    with triton_on_cpu():
+        eng = LLMEngine(loaded, EngineConfig(num_speculative_tokens=2, block_size=8, attention_backend="triton"))
+        inside.clear(), inputs.clear()
+        out = eng.generate([[5, 6, 7]], params)
+    assert inputs and len(inputs) == len(inside) and not any(inside)
+    assert out[0].output_ids == want_ids
 
 
 class EagerGraphs(DecodeGraphs):
@@ -153,7 +154,6 @@ def padded_run(k: int, prompts: list[list[int]], params: SamplingParams | list[S
     have no tokens and no keys; PrefillGraphs deferring, never capturing), decode pads a batch to its
     bucket with the spare slot (EagerGraphs). Checks the reference's tokens and logprobs and that
     every block comes back; returns the decode graphs' (rows, key) list and the prefill keys."""
-    monkeypatch.setattr("engine.attention.ROPE_IN_ATTENTION", True)
     want = LLMEngine(load_model("tiny", dtype="float32"), EngineConfig(num_speculative_tokens=k, block_size=8)).generate(
         prompts, params)
     loaded = load_model("tiny", dtype="float32")

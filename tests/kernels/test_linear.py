@@ -17,7 +17,7 @@ from kernels.norm import row_sumsq_of
 def split_k_kernel(monkeypatch):
     """These tests are the split-K kernel's: the GEMV that launches of a few rows over small
     weights take instead (kernels/gemv.py) is tested in test_gemv.py."""
-    monkeypatch.setattr(gemv, "GEMV", False)
+    monkeypatch.setattr(gemv, "GEMV_MAX_M", 0)
 
 
 def randn(*shape, device="cpu", seed=0, scale=1.0) -> torch.Tensor:
@@ -180,10 +180,9 @@ def test_the_l2_prefetch_takes_whole_rows_of_small_weights_and_the_first_lines_o
 
 
 @pytest.mark.parametrize(("k", "n", "res"), [(2048, 3072, False), (2048, 2048, True)])
-def test_mid_sized_weights_take_their_own_tiles_and_match_the_composition(device, monkeypatch, k, n, res):
-    """With MID_TILES, Llama-1B's 8-48 MB weights take 32-column tiles and deeper pipelines
-    (q/k/v whole rows, o split in four); the results are the composition's."""
-    monkeypatch.setattr(L, "MID_TILES", True)  # the default; PDSERVE_MID_TILES=0 turns it off
+def test_mid_sized_weights_take_their_own_tiles_and_match_the_composition(device, k, n, res):
+    """Llama-1B's 8-48 MB weights take 32-column tiles and deeper pipelines (q/k/v whole rows,
+    o split in four); the results are the composition's."""
     assert L.tile_config(n, k) == ((32, 128, 1, 4, 6) if n > k else (32, 128, 4, 4, 4))
     x = randn(2, k, device=device)
     w = randn(n, k, device=device, seed=1, scale=0.05)
@@ -208,25 +207,13 @@ def test_a_gemm_asked_for_sums_of_squares_leaves_them_without_a_residual(device,
 
 @pytest.mark.parametrize("glu", [False, True])
 def test_the_first_k_block_read_before_the_wait_changes_no_bit(device, monkeypatch, glu):
-    """PRELOAD (small weights): the program's first K block is read before the PDL wait and its
-    product taken ahead of the loop, in the loop's order; the sums are the same to the bit."""
+    """The preload (small weights, few rows): the program's first K block is read before the PDL
+    wait and its product taken ahead of the loop, in the loop's order; the sums are the same to
+    the bit as without it (the path of larger launches)."""
     x, w = randn(3, 600, device=device), randn(64 if glu else 40, 600, device=device, seed=1, scale=0.1)
     run = (lambda: L.linear_glu_triton(x, w)) if glu else (lambda: L.linear_triton(x, w, residual=randn(3, 40, device=device)))
-    monkeypatch.setattr(L, "PRELOAD", False)
+    monkeypatch.setattr(L, "PRELOAD_MAX_M", 0)
     off = run()
-    monkeypatch.setattr(L, "PRELOAD", True)
+    monkeypatch.setattr(L, "PRELOAD_MAX_M", 32)
     assert torch.equal(run(), off)
 
-
-def test_tile_overrides_replace_one_shapes_tiles_and_bad_entries_are_clear_errors(device, monkeypatch):
-    """PDSERVE_TILES (a sweep inside the engine's step) gives its shapes their tiles; the others
-    keep `tile_config`'s, and the result is still the composition's."""
-    monkeypatch.setattr(L, "TILE_OVERRIDES", L._tile_overrides(" 96x4160=16/64/2/4/3 ; 2048x2048=32/128/1/4/6"))
-    assert L.tile_config(96, 4160) == (16, 64, 2, 4, 3) and L.tile_config(2048, 2048) == (32, 128, 1, 4, 6)
-    assert L.tile_config(96, 4096) == (16, 256, 4, 4, 3)  # not overridden
-    x = randn(2, 4160, device=device)
-    w = randn(96, 4160, device=device, seed=1, scale=0.05)
-    torch.testing.assert_close(L.linear_triton(x, w), L.linear_ref(x, w), atol=5e-5, rtol=1e-5)
-    for bad in ("96x4160=16/64/2/4", "96x4160=16/64/0/4/3", "96=16/64/2/4/3"):
-        with pytest.raises(ValueError):
-            L._tile_overrides(bad)

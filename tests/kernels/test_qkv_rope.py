@@ -44,14 +44,11 @@ def test_kernel_equals_gemm_then_rotary(device, t, heads, k, bias, config, tma):
     torch.testing.assert_close(cache, want_cache, atol=3e-5, rtol=3e-5)
 
 
-def test_default_tiles_and_use_follow_the_step(monkeypatch):
+def test_default_tiles_and_use_follow_the_step():
     assert default_config(128, 48, 64, 2048).bh < default_config(8192, 48, 64, 2048).bh
-    monkeypatch.delenv("PDSERVE_PREFILL_QKV_ROPE", raising=False)
     w = torch.empty(3072, 2048)
     assert usable(torch.empty(128, 2048), w, 64) and not usable(torch.empty(8192, 2048), w, 64)
     assert not usable(torch.empty(128, 2048), w, 48)
-    monkeypatch.setenv("PDSERVE_PREFILL_QKV_ROPE", "0")
-    assert not usable(torch.empty(128, 2048), w, 64)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="16-bit against cuBLAS + the rotary kernel on a GPU")

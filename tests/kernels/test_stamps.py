@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+import settings
 from kernels.stamps import StepStamps, stamped_busy, stamps_on
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="reads the GPU's clock: needs CUDA")
@@ -36,9 +37,9 @@ def test_read_returns_the_last_steps_oldest_first_once_the_ring_wraps():
 
 
 def test_stamps_are_off_by_default_and_on_the_cpu(monkeypatch):
-    monkeypatch.delenv("PDSERVE_STEP_STAMPS", raising=False)
+    monkeypatch.setattr(settings, "STEP_STAMPS", settings.REGISTRY["PDSERVE_STEP_STAMPS"].read({}))
     assert not stamps_on(torch.device("cuda"))
-    monkeypatch.setenv("PDSERVE_STEP_STAMPS", "1")
+    monkeypatch.setattr(settings, "STEP_STAMPS", True)
     assert not stamps_on(torch.device("cpu"))
 
 
