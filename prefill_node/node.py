@@ -92,7 +92,7 @@ class PrefillJob:
         return len(self.prompt) - self.num_prefilled
 
 
-# ---- commands to the loop thread: queued by any thread, applied in order by the loop (`_apply`) ----
+# ---- commands to the loop thread: queued by any thread, applied in order (`_drain_inbox`) ----
 @dataclass(frozen=True)
 class Submit:
     """Queue a prefill job (its caller waits on `job.future`)."""
@@ -235,19 +235,15 @@ class PrefillNode(StepLoop):
                 cmd = self._inbox.get_nowait()
             except queue.Empty:
                 return
-            self._apply(cmd)
-
-    def _apply(self, cmd: Command) -> None:
-        """One command from the inbox. Loop thread only."""
-        match cmd:
-            case Submit():
-                self._queue_job(cmd.job)
-            case Attach():
-                self._attach_now(cmd.request_id, cmd.descriptor, cmd.decode_address, cmd.future)
-            case Abort():
-                self._abort_now(cmd.request_id, cmd.reason)
-            case _:
-                assert_never(cmd)
+            match cmd:
+                case Submit():
+                    self._queue_job(cmd.job)
+                case Attach():
+                    self._attach_now(cmd.request_id, cmd.descriptor, cmd.decode_address, cmd.future)
+                case Abort():
+                    self._abort_now(cmd.request_id, cmd.reason)
+                case _:
+                    assert_never(cmd)
 
     def _queue_job(self, job: PrefillJob) -> None:
         self._mark(job.request_id, "queued")
