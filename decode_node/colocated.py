@@ -23,9 +23,9 @@ from __future__ import annotations
 import concurrent.futures
 import logging
 import time
-from collections.abc import Sequence
 from typing import Any
 
+from decode_node.commands import Submit
 from decode_node.node import DecodeNode, Reservation
 from engine.chunked_prefill import ChunkedPrefill, Launched
 from engine.engine import EngineConfig
@@ -60,7 +60,7 @@ class ColocatedNode(DecodeNode):
         if self.runner.grammar is not None:
             self.runner.grammar.precompile(params.structured)
         fut: concurrent.futures.Future = concurrent.futures.Future()
-        self._inbox.put(("submit", (request_id, list(prompt), params, seed, stop_ids, fut)))
+        self._inbox.put(Submit(request_id, list(prompt), params, seed, stop_ids, fut))
         self.wake()
         return fut
 
@@ -118,12 +118,6 @@ class ColocatedNode(DecodeNode):
         for req in reqs:
             items.append(OutputItem(req.request_id, [], error=f"prefill failed: {e}"))
             self._end(req, "error")
-
-    def _command(self, kind: str, args: Sequence[Any], items: list[OutputItem]) -> None:
-        if kind == "submit":
-            args[-1].set_result(self._submit(*args[:-1]))
-        else:
-            super()._command(kind, args, items)
 
     def _submit(self, rid: str, prompt: list[int], params: SamplingParams, seed: int,
                 stop_ids: tuple[int, ...]) -> Reservation:

@@ -39,15 +39,15 @@ from __future__ import annotations
 
 import concurrent.futures
 import queue
-import threading
 import time
 from collections import Counter
-from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, assert_never
 
 import torch
 
+from decode_node.commands import Abort, Command, First, OwnerBack, OwnerGone, Reserve, Submit
+from decode_node.streams import OutputStreams, Stream, owner_of
 from engine.decode_batch import DecodeBatch
 from engine.engine import EngineConfig, build_runner, prefix_cache_for
 from engine.fork import (
@@ -68,38 +68,12 @@ from engine.warmup import warm_up
 from kvtransfer import KVLayout, KVReceiver, TransferState, create_receiver
 from protos.messages import FirstToken, OutputItem, TokenLogprobs, token_logprobs
 
-
-def owner_of(request_id: str) -> str:
-    """The owner named by a request id (`owner/...`); '' when it names none."""
-    head, sep, _ = request_id.partition("/")
-    return head if sep else ""
-
-
 ERROR_PREFIX = "error: "  # a finish reason that is an error (engine/decode_batch.py)
 
 
 def _resumes_grammar(params: SamplingParams) -> bool:
     """A moved structured-output request: its grammar state replays the output at its prompt's end."""
     return params.structured is not None and params.resumed_tokens > 0
-
-
-def publish_to_owners(items: list[OutputItem], streams: list[tuple[queue.SimpleQueue, str]]) -> None:
-    """One step's items to the output streams: a stream whose subscriber names an owner gets that
-    owner's items and those of no owner (several router processes each get their own requests'
-    tokens, not every router's); a stream without an owner gets them all. A stream with nothing
-    of its own this step gets nothing. A lone stream gets every item (nobody else could read them)."""
-    if len(streams) == 1:
-        streams[0][0].put(items)
-        return
-    mine: dict[str, list[OutputItem]] = {}
-    for item in items:
-        mine.setdefault(owner_of(item.request_id), []).append(item)
-    shared = mine.get("", [])
-    for q, owner in streams:
-        if not owner:
-            q.put(items)
-        elif owner in mine or shared:
-            q.put(mine.get(owner, []) + shared if shared else mine[owner])
 
 
 @dataclass
@@ -157,13 +131,10 @@ class DecodeNode(StepLoop):
         self.quarantine: list[tuple[float, list[int]]] = []  # (free after, blocks)
         self.pending: dict[str, Pending] = {}
         self.requests: dict[str, Request] = {}  # admitted and not yet ended
-        self._inbox: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
+        self._inbox: queue.SimpleQueue[Command] = queue.SimpleQueue()
         # request id -> {event: monotonic time} (first_received, kv_done, inserted); None: not kept
         self.timings: dict[str, dict[str, float]] | None = None
-        self._subscribers: list[tuple[queue.SimpleQueue[list[OutputItem] | None], str]] = []  # (stream, owner)
-        self._sub_lock = threading.Lock()
-        self._owner_streams: Counter[str] = Counter()  # owner -> open output streams (under _sub_lock)
-        self._gone_owners: set[str] = set()  # owners whose last stream ended (loop thread)
+        self.streams = OutputStreams(self._inbox)  # the output streams and their owners ("Owners")
         self.orphans_dropped = 0  # requests aborted because their owner's stream ended
 
     # ---- any thread ------------------------------------------------------------------
@@ -175,39 +146,25 @@ class DecodeNode(StepLoop):
         if self.runner.grammar is not None:
             self.runner.grammar.precompile(params.structured)
         fut: concurrent.futures.Future = concurrent.futures.Future()
-        self._inbox.put(("reserve", (request_id, prompt_len, params, seed, stop_ids, prompt, fut)))
+        self._inbox.put(Reserve(request_id, prompt_len, params, seed, stop_ids, prompt, fut))
         self.wake()
         return fut
 
     def first_token(self, msg: FirstToken) -> None:
-        self._inbox.put(("first", msg))
+        self._inbox.put(First(msg))
         self.wake()
 
     def abort(self, request_id: str, reason: str = "aborted") -> None:
-        self._inbox.put(("abort", (request_id, reason)))
+        self._inbox.put(Abort(request_id, reason))
         self.wake()
 
-    def subscribe(self, owner: str = "") -> queue.SimpleQueue[list[OutputItem] | None]:
+    def subscribe(self, owner: str = "") -> Stream:
         """A new output stream; `owner` (optional) names the requests it owns (ids `owner/...`)."""
-        q: queue.SimpleQueue[list[OutputItem] | None] = queue.SimpleQueue()
-        with self._sub_lock:
-            self._subscribers.append((q, owner))
-            if owner:
-                self._owner_streams[owner] += 1
-                self._inbox.put(("owner_back", (owner,)))  # before any Reserve the owner sends next
-        return q
+        return self.streams.subscribe(owner)
 
     def unsubscribe(self, q: queue.SimpleQueue, owner: str = "") -> None:
         """End a stream; the owner's last one ending drops the owner's requests (loop thread)."""
-        with self._sub_lock:
-            if (q, owner) not in self._subscribers:
-                return
-            self._subscribers.remove((q, owner))
-            if owner:
-                self._owner_streams[owner] -= 1
-                if self._owner_streams[owner] <= 0:
-                    del self._owner_streams[owner]
-                    self._inbox.put(("owner_gone", (owner,)))
+        self.streams.unsubscribe(q, owner)
         self.wake()
 
     def status(self) -> dict[str, Any]:
@@ -226,9 +183,7 @@ class DecodeNode(StepLoop):
         self.stop_loop()
         if self._receiver is not None:
             self._receiver.close()
-        with self._sub_lock:
-            for q, _ in self._subscribers:
-                q.put(None)
+        self.streams.close()
 
     # ---- the loop thread -------------------------------------------------------------
     def idle_wait_s(self) -> float:
@@ -250,24 +205,34 @@ class DecodeNode(StepLoop):
     def _drain_inbox(self, items: list[OutputItem]) -> None:
         while True:
             try:
-                kind, arg = self._inbox.get_nowait()
+                cmd = self._inbox.get_nowait()
             except queue.Empty:
                 return
-            if kind == "reserve":
-                arg[-1].set_result(self._reserve(*arg[:-1]))
-            elif kind == "first":
-                self._on_first(arg, items)
-            else:
-                self._command(kind, arg, items)
+            self._apply(cmd, items)
 
-    def _command(self, kind: str, args: Sequence[Any], items: list[OutputItem]) -> None:
-        """A command whose arguments are plain values: abort, or news of an owner's streams."""
-        if kind == "abort":
-            self._abort(args[0], args[1], items)
-        elif kind == "owner_back":
-            self._gone_owners.discard(args[0])
-        elif kind == "owner_gone":
-            self._drop_owner(args[0], items)
+    def _apply(self, cmd: Command, items: list[OutputItem]) -> None:
+        """One command from the inbox (decode_node/commands.py). Loop thread only."""
+        match cmd:
+            case Reserve():
+                cmd.future.set_result(self._reserve(cmd.request_id, cmd.prompt_len, cmd.params, cmd.seed,
+                                                    cmd.stop_ids, cmd.prompt))
+            case Submit():
+                cmd.future.set_result(self._submit(cmd.request_id, cmd.prompt, cmd.params, cmd.seed, cmd.stop_ids))
+            case First():
+                self._on_first(cmd.msg, items)
+            case Abort():
+                self._abort(cmd.request_id, cmd.reason, items)
+            case OwnerBack():
+                self.streams.owner_back(cmd.owner)
+            case OwnerGone():
+                self._drop_owner(cmd.owner, items)
+            case _:
+                assert_never(cmd)
+
+    def _submit(self, rid: str, prompt: list[int], params: SamplingParams, seed: int,
+                stop_ids: tuple[int, ...]) -> Reservation:
+        """A whole request: only a node that prefills takes one (ColocatedNode)."""
+        return Reservation(False, "a decode node takes reservations, not whole requests")
 
     def _reserve(self, rid: str, prompt_len: int, params: SamplingParams, seed: int,
                  stop_ids: tuple[int, ...], prompt: list[int] | None) -> Reservation:
@@ -318,7 +283,7 @@ class DecodeNode(StepLoop):
         """Why a reservation cannot even be tried ('' when it can)."""
         if rid in self.requests:
             return f"request {rid!r} is already on this decode node"
-        if owner_of(rid) in self._gone_owners:
+        if self.streams.refuses(rid):
             return f"the router that sent {rid!r} has no output stream open here"
         if not 0 < prompt_len < self.max_model_len:
             return f"prompt of {prompt_len} tokens does not fit the context {self.max_model_len}"
@@ -328,7 +293,7 @@ class DecodeNode(StepLoop):
 
     def _drop_owner(self, owner: str, items: list[OutputItem]) -> None:
         """The owner's last output stream ended: abort its requests, refuse its new ones."""
-        self._gone_owners.add(owner)
+        self.streams.owner_gone(owner)
         for rid in [r for r in self.requests if owner_of(r) == owner]:
             self.orphans_dropped += 1
             self._abort(rid, f"its router ({owner}) is gone", items)
@@ -461,6 +426,5 @@ class DecodeNode(StepLoop):
     def _publish(self, items: list[OutputItem]) -> None:
         if not items:
             return
-        with self._sub_lock:
-            publish_to_owners(items, self._subscribers)
+        self.streams.publish(items)
 

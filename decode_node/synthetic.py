@@ -10,7 +10,8 @@ with logprob columns when asked (-0.5, rank 1, top ids counting up). A request e
 terminal item at its max_tokens (EOS and stop ids are never produced), or "abort".
 
 Never computes anything: it is not a model and makes no claim about one. It runs behind the real
-servicer (decode_node/server.py, ColocatedServicer) and its owners rule is the decode node's (a
+servicer (decode_node/server.py, ColocatedServicer) and shares the decode node's commands
+(decode_node/commands.py) and output streams with their owners rule (decode_node/streams.py: a
 router's requests are dropped when its last output stream ends).
 """
 
@@ -18,13 +19,13 @@ from __future__ import annotations
 
 import concurrent.futures
 import queue
-import threading
 import time
-from collections import Counter
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, assert_never
 
-from decode_node.node import Reservation, owner_of, publish_to_owners
+from decode_node.commands import Abort, Command, First, OwnerBack, OwnerGone, Reserve, Submit
+from decode_node.node import Reservation
+from decode_node.streams import OutputStreams, Stream, owner_of
 from engine.sampling_params import SamplingParams
 from engine.step_loop import StepLoop
 from protos.messages import OutputItem, TokenLogprobs
@@ -50,11 +51,8 @@ class SyntheticNode(StepLoop):
         self.vocab, self.k, self.max_num_seqs, self.step_s = vocab, k, max_num_seqs, step_s
         self.tokens_per_step = tokens_per_step or k + 1
         self.requests: dict[str, _Running] = {}
-        self._inbox: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
-        self._subscribers: list[tuple[queue.SimpleQueue[list[OutputItem] | None], str]] = []
-        self._sub_lock = threading.Lock()
-        self._owner_streams: Counter[str] = Counter()
-        self._gone_owners: set[str] = set()
+        self._inbox: queue.SimpleQueue[Command] = queue.SimpleQueue()
+        self.streams = OutputStreams(self._inbox)
         self._next_step = 0.0
         self.steps = 0  # steps that published a batch
         self.tokens = 0  # tokens published
@@ -63,33 +61,19 @@ class SyntheticNode(StepLoop):
     def submit(self, request_id: str, prompt: list[int], params: SamplingParams, seed: int,
                stop_ids: tuple[int, ...]) -> concurrent.futures.Future:
         fut: concurrent.futures.Future = concurrent.futures.Future()
-        self._inbox.put(("submit", (request_id, list(prompt), params, fut)))
+        self._inbox.put(Submit(request_id, list(prompt), params, seed, stop_ids, fut))
         self.wake()
         return fut
 
     def abort(self, request_id: str, reason: str = "aborted") -> None:
-        self._inbox.put(("abort", request_id))
+        self._inbox.put(Abort(request_id, reason))
         self.wake()
 
-    def subscribe(self, owner: str = "") -> queue.SimpleQueue[list[OutputItem] | None]:
-        q: queue.SimpleQueue[list[OutputItem] | None] = queue.SimpleQueue()
-        with self._sub_lock:
-            self._subscribers.append((q, owner))
-            if owner:
-                self._owner_streams[owner] += 1
-                self._inbox.put(("owner_back", owner))
-        return q
+    def subscribe(self, owner: str = "") -> Stream:
+        return self.streams.subscribe(owner)
 
     def unsubscribe(self, q: queue.SimpleQueue, owner: str = "") -> None:
-        with self._sub_lock:
-            if (q, owner) not in self._subscribers:
-                return
-            self._subscribers.remove((q, owner))
-            if owner:
-                self._owner_streams[owner] -= 1
-                if self._owner_streams[owner] <= 0:
-                    del self._owner_streams[owner]
-                    self._inbox.put(("owner_gone", owner))
+        self.streams.unsubscribe(q, owner)
         self.wake()
 
     def status(self) -> dict[str, Any]:
@@ -99,9 +83,7 @@ class SyntheticNode(StepLoop):
 
     def stop(self) -> None:
         self.stop_loop()
-        with self._sub_lock:
-            for q, _ in self._subscribers:
-                q.put(None)
+        self.streams.close()
 
     # ---- the loop thread -----------------------------------------------------------------
     def idle_wait_s(self) -> float:
@@ -120,24 +102,34 @@ class SyntheticNode(StepLoop):
     def _drain_inbox(self, items: list[OutputItem]) -> None:
         while True:
             try:
-                kind, arg = self._inbox.get_nowait()
+                cmd = self._inbox.get_nowait()
             except queue.Empty:
                 return
-            if kind == "submit":
-                rid, prompt, params, fut = arg
-                fut.set_result(self._admit(rid, prompt, params))
-            elif kind == "abort" and arg in self.requests:
-                r = self.requests.pop(arg)
-                items.append(OutputItem(arg, [], finish_reason="abort", steps=r.steps, accepted=r.accepted))
-            elif kind == "owner_back":
-                self._gone_owners.discard(arg)
-            elif kind == "owner_gone":
-                self._gone_owners.add(arg)
-                for rid in [r for r in self.requests if owner_of(r) == arg]:
-                    self._inbox.put(("abort", rid))
+            self._apply(cmd, items)
+
+    def _apply(self, cmd: Command, items: list[OutputItem]) -> None:
+        match cmd:
+            case Submit():
+                cmd.future.set_result(self._admit(cmd.request_id, cmd.prompt, cmd.params))
+            case Reserve():  # only whole requests here: no KV ever arrives
+                cmd.future.set_result(Reservation(False, "a synthetic node takes whole requests only"))
+            case Abort() if cmd.request_id in self.requests:
+                r = self.requests.pop(cmd.request_id)
+                items.append(OutputItem(cmd.request_id, [], finish_reason="abort", steps=r.steps,
+                                        accepted=r.accepted))
+            case Abort() | First():
+                pass  # an unknown (or ended) request; no first tokens come here
+            case OwnerBack():
+                self.streams.owner_back(cmd.owner)
+            case OwnerGone():
+                self.streams.owner_gone(cmd.owner)
+                for rid in [r for r in self.requests if owner_of(r) == cmd.owner]:
+                    self._inbox.put(Abort(rid, f"its router ({cmd.owner}) is gone"))
+            case _:
+                assert_never(cmd)
 
     def _admit(self, rid: str, prompt: list[int], params: SamplingParams) -> Reservation:
-        if rid in self.requests or owner_of(rid) in self._gone_owners or not prompt:
+        if rid in self.requests or self.streams.refuses(rid) or not prompt:
             return Reservation(False, f"request {rid!r} refused")
         if len(self.requests) >= self.max_num_seqs:
             return Reservation(False, f"synthetic node full ({self.max_num_seqs} requests)")
@@ -164,5 +156,4 @@ class SyntheticNode(StepLoop):
 
     def _publish(self, items: list[OutputItem]) -> None:
         self.steps += 1
-        with self._sub_lock:
-            publish_to_owners(items, self._subscribers)
+        self.streams.publish(items)

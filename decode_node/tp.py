@@ -16,9 +16,11 @@ state, and quarantine ends by rank 0's clock.
 from __future__ import annotations
 
 import collections
+import concurrent.futures
 import time
-from typing import Any
+from typing import Any, assert_never
 
+from decode_node.commands import Abort, Command, First, OwnerBack, OwnerGone, Reserve, Submit
 from decode_node.node import DecodeNode, Reservation
 from engine.engine import EngineConfig
 from engine.loader import LoadedModel
@@ -41,40 +43,67 @@ class TPDecodeNode(Lockstep, DecodeNode):
         self._futures: collections.deque = collections.deque()  # rank 0: reservations' futures, in order
         self.emitted = 0  # output batches this rank published (rank 0 only ever does)
 
-    def _encode(self, kind: str, arg: Any) -> list[Any]:
+    def _encode(self, cmd: Command) -> list[Any]:
+        """A command as plain values for the other ranks (rank 0 keeps a reservation's future)."""
+        match cmd:
+            case Reserve():
+                self._futures.append(cmd.future)
+                sampling = sampling_to_proto(cmd.params, cmd.seed, cmd.stop_ids).SerializeToString()
+                return ["reserve", cmd.request_id, cmd.prompt_len, sampling, cmd.prompt]
+            case First():
+                return ["first", cmd.msg.pack()]
+            case Abort():
+                return ["abort", cmd.request_id, cmd.reason]
+            case OwnerBack():
+                return ["owner_back", cmd.owner]
+            case OwnerGone():
+                return ["owner_gone", cmd.owner]
+            case Submit():  # DecodeNode has no submit(): nothing queues one here
+                raise TypeError("a tensor-parallel decode node takes no whole requests")
+            case _:
+                assert_never(cmd)
+
+    def _decode(self, values: list[Any]) -> Command:
+        """`_encode`'s values as the command again, on every rank (rank 0's reservation with its future)."""
+        kind = values[0]
         if kind == "reserve":
-            rid, prompt_len, params, seed, stop_ids, prompt, fut = arg
-            self._futures.append(fut)
-            return [kind, rid, prompt_len, sampling_to_proto(params, seed, stop_ids).SerializeToString(), prompt]
+            params, seed, stops = sampling_from_proto(node_pb2.Sampling.FromString(values[3]), self.vocab)
+            future = self._futures.popleft() if self.channel.leader else concurrent.futures.Future()
+            return Reserve(values[1], values[2], params, seed, stops, values[4], future)
         if kind == "first":
-            return [kind, arg.pack()]
-        return [kind, *arg]
+            return First(FirstToken.unpack(values[1], self.vocab, max_drafts=self.k))
+        if kind == "abort":
+            return Abort(values[1], values[2])
+        if kind == "owner_back":
+            return OwnerBack(values[1])
+        if kind == "owner_gone":
+            return OwnerGone(values[1])
+        raise ValueError(f"unknown tensor-parallel command {kind!r}")
 
     def _drain_inbox(self, items: list[OutputItem]) -> None:
-        reserved: list[tuple[str, Reservation]] = []
-        for cmd in self.commands:
-            if cmd[0] == "reserve":
-                params, seed, stops = sampling_from_proto(node_pb2.Sampling.FromString(cmd[3]), self.vocab)
-                reserved.append((cmd[1], self._reserve(cmd[1], cmd[2], params, seed, stops, cmd[4])))
-            elif cmd[0] == "first":
-                self._on_first(FirstToken.unpack(cmd[1], self.vocab, max_drafts=self.k), items)
+        reserved: list[tuple[Reserve, Reservation]] = []
+        for values in self.commands:
+            cmd = self._decode(values)
+            if isinstance(cmd, Reserve):  # answered once every rank's descriptor is gathered
+                reserved.append((cmd, self._reserve(cmd.request_id, cmd.prompt_len, cmd.params, cmd.seed,
+                                                    cmd.stop_ids, cmd.prompt)))
             else:
-                self._command(cmd[0], cmd[1:], items)
+                self._apply(cmd, items)
         if reserved:
             self._answer(reserved)
 
-    def _answer(self, reserved: list[tuple[str, Reservation]]) -> None:
+    def _answer(self, reserved: list[tuple[Reserve, Reservation]]) -> None:
         """Gather every rank's descriptors; a reservation stands only where every rank admitted it."""
         every = self.channel.gather([r.descriptor if r.admitted else None for _, r in reserved])
-        for i, (rid, res) in enumerate(reserved):
+        for i, (cmd, res) in enumerate(reserved):
             descs = [mine[i] for mine in every]
             if res.admitted and None in descs:
-                self._end(self.requests[rid], "abort")
+                self._end(self.requests[cmd.request_id], "abort")
                 res = Reservation(False, "a tensor-parallel rank of the decode node refused it")
             elif res.admitted:
                 res.descriptor = with_ranks(descs)
             if self.channel.leader:
-                self._futures.popleft().set_result(res)
+                cmd.future.set_result(res)
 
     def _admit_ready(self, items: list[OutputItem]) -> None:
         if not self.pending:

@@ -91,8 +91,8 @@ def with_ranks(descriptors: list[dict[str, Any]]) -> dict[str, Any]:
 class Lockstep:
     """A StepLoop mixin: rank 0 broadcasts each round's packet, every rank steps on it.
 
-    The node class provides `_inbox` (a queue of (kind, arg)), `step`, `_stop`, `_wake`,
-    `idle_wait_s`, and `_encode(kind, arg)` (a command as msgpack-able values; rank 0 only).
+    The node class provides `_inbox` (a queue of the node's typed commands), `step`, `_stop`,
+    `_wake`, `idle_wait_s`, and `_encode(command)` (a command as msgpack-able values; rank 0 only).
     During `step`, `self.commands` are the round's commands and `self.now` rank 0's clock."""
 
     channel: TPChannel
@@ -111,7 +111,7 @@ class Lockstep:
         stop = self._stop.is_set()  # read first: a command queued before stop() still goes out
         cmds = []
         while not self._inbox.empty():
-            cmds.append(self._encode(*self._inbox.get_nowait()))
+            cmds.append(self._encode(self._inbox.get_nowait()))
         return {"v": PACKET_VERSION, "stop": stop, "now": time.monotonic(), "cmds": cmds}
 
     def _run(self) -> None:

@@ -40,7 +40,7 @@ import queue
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, assert_never
 
 import torch
 
@@ -92,6 +92,35 @@ class PrefillJob:
         return len(self.prompt) - self.num_prefilled
 
 
+# ---- commands to the loop thread: queued by any thread, applied in order (`_drain_inbox`) ----
+@dataclass(frozen=True)
+class Submit:
+    """Queue a prefill job (its caller waits on `job.future`)."""
+
+    job: PrefillJob
+
+
+@dataclass(frozen=True)
+class Abort:
+    """End request `request_id` wherever it is (queued, sending its KV, waiting for its descriptor)."""
+
+    request_id: str
+    reason: str
+
+
+@dataclass(frozen=True)
+class Attach:
+    """The KV descriptor of a job submitted without one; `future` ends once the transfer started."""
+
+    request_id: str
+    descriptor: dict[str, Any]
+    decode_address: str
+    future: concurrent.futures.Future
+
+
+Command = Submit | Abort | Attach
+
+
 class PrefillNode(StepLoop):
     loop_name = "prefill-loop"
     takes_attach = True  # a job may come without its descriptor (`attach`)
@@ -123,7 +152,7 @@ class PrefillNode(StepLoop):
         # request id -> {event: monotonic time} (queued, started, computed, first_sent, kv_acked);
         # None (serving): nothing kept. `pdserve bench pd` turns it on for the TTFT breakdown.
         self.timings: dict[str, dict[str, float]] | None = None
-        self._inbox: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
+        self._inbox: queue.SimpleQueue[Command] = queue.SimpleQueue()
         self.waiting: list[PrefillJob] = []
         self.leased: dict[str, list[int]] = {}  # request id -> source blocks under lease
         self.kv_timeout_s = kv_timeout_s
@@ -137,19 +166,19 @@ class PrefillNode(StepLoop):
             raise ValueError(f"prompt of {len(job.prompt)} tokens does not fit the context {self.max_model_len}")
         if self.runner.grammar is not None:  # compiled off the loop; the prefill step finds it cached
             self.runner.grammar.precompile(job.params.structured)
-        self._inbox.put(("submit", job))
+        self._inbox.put(Submit(job))
         self.wake()
         return job.future
 
     def abort(self, request_id: str, reason: str = "aborted") -> None:
-        self._inbox.put(("abort", (request_id, reason)))
+        self._inbox.put(Abort(request_id, reason))
         self.wake()
 
     def attach(self, request_id: str, descriptor: dict[str, Any], decode_address: str) -> concurrent.futures.Future:
         """The KV descriptor of a job submitted without one; the future ends (None) once the transfer
         started, or with ValueError (a bad descriptor: the job fails) or KeyError (no such job)."""
         future: concurrent.futures.Future = concurrent.futures.Future()
-        self._inbox.put(("attach", (request_id, descriptor, decode_address, future)))
+        self._inbox.put(Attach(request_id, descriptor, decode_address, future))
         self.wake()
         return future
 
@@ -203,22 +232,28 @@ class PrefillNode(StepLoop):
     def _drain_inbox(self) -> None:
         while True:
             try:
-                kind, item = self._inbox.get_nowait()
+                cmd = self._inbox.get_nowait()
             except queue.Empty:
                 return
-            if kind == "submit":
-                self._mark(item.request_id, "queued")
-                if not item.attached:
-                    item.attach_by = time.monotonic() + self.kv_timeout_s
-                self.waiting.append(item)
-                self.queued_tokens += len(item.prompt)
-                early = self._early.pop(item.request_id, None)
-                if early is not None:
-                    self._attach_now(item.request_id, *early[:3])
-            elif kind == "attach":
-                self._attach_now(*item)
-            else:
-                self._abort_now(*item)
+            match cmd:
+                case Submit():
+                    self._queue_job(cmd.job)
+                case Attach():
+                    self._attach_now(cmd.request_id, cmd.descriptor, cmd.decode_address, cmd.future)
+                case Abort():
+                    self._abort_now(cmd.request_id, cmd.reason)
+                case _:
+                    assert_never(cmd)
+
+    def _queue_job(self, job: PrefillJob) -> None:
+        self._mark(job.request_id, "queued")
+        if not job.attached:
+            job.attach_by = time.monotonic() + self.kv_timeout_s
+        self.waiting.append(job)
+        self.queued_tokens += len(job.prompt)
+        early = self._early.pop(job.request_id, None)
+        if early is not None:
+            self._attach_now(job.request_id, *early[:3])
 
     def _abort_now(self, request_id: str, reason: str) -> None:
         for j in self.waiting:

@@ -14,13 +14,21 @@ from __future__ import annotations
 import collections
 import queue
 import time
-from typing import Any
+from typing import Any, assert_never
 
 from engine.engine import EngineConfig
 from engine.loader import LoadedModel
 from engine.tensor_parallel import TPGroup
 from engine.tp_channel import Lockstep, TPChannel, rank_descriptor
-from prefill_node.node import FirstTokenSink, PrefillJob, PrefillNode
+from prefill_node.node import (
+    Abort,
+    Attach,
+    Command,
+    FirstTokenSink,
+    PrefillJob,
+    PrefillNode,
+    Submit,
+)
 from protos import node_pb2
 from protos.convert import sampling_from_proto, sampling_to_proto
 from protos.messages import FirstToken
@@ -47,12 +55,20 @@ class TPPrefillNode(Lockstep, PrefillNode):
     def _not_sent(self, address: str, msg: FirstToken) -> None:
         """Ranks 1..N-1 compute the first token too, and keep it to themselves."""
 
-    def _encode(self, kind: str, arg: Any) -> list[Any]:
-        if kind == "submit":
-            self._jobs.append(arg)
-            sampling = sampling_to_proto(arg.params, arg.seed, arg.stop_ids).SerializeToString()
-            return [kind, arg.request_id, arg.prompt, sampling, arg.descriptor, arg.decode_address]
-        return [kind, *arg]
+    def _encode(self, cmd: Command) -> list[Any]:
+        """A command as plain values for the other ranks (rank 0 keeps a submitted job)."""
+        match cmd:
+            case Submit():
+                job = cmd.job
+                self._jobs.append(job)
+                sampling = sampling_to_proto(job.params, job.seed, job.stop_ids).SerializeToString()
+                return ["submit", job.request_id, job.prompt, sampling, job.descriptor, job.decode_address]
+            case Abort():
+                return ["abort", cmd.request_id, cmd.reason]
+            case Attach():  # the server refuses Attach here (takes_attach): nothing queues one
+                raise TypeError("a tensor-parallel prefill node takes no Attach")
+            case _:
+                assert_never(cmd)
 
     def _drain_inbox(self) -> None:
         for cmd in self.commands:

@@ -1,19 +1,39 @@
-"""AdmissionQueue: requests that no decode node would admit, waiting (FIFO, bounded) for capacity.
+"""Admission: a reservation on a decode node (or a whole request on a colocated one), or a bounded
+FIFO wait for one.
 
-Receives `wait()` from a request's driver after every healthy decode node refused it; hands
-the request back (the awaited call returns) when `wake_one()` says capacity may have freed
-(a request on some decode node ended, a node came back, a Status poll ran). A woken request
-that is still refused re-enters at the head, so order is kept. Holds futures only; never
-talks to a node. A full queue is the caller's RESOURCE_EXHAUSTED.
+Receives, from a request's driver, an attempt to place (`Admission.reserve`): the nodes of the
+kind are asked in policy order (Reserve, or Submit on a colocated node); the first that admits
+answers with the KV descriptor P must fill (`Reserved`). When every healthy node refuses, the
+request waits in the `AdmissionQueue` until capacity may have freed (a request on some node
+ended, a node came back, a Status poll ran: `wake_one`), then asks again from the queue's head,
+so order is kept. A full queue is RESOURCE_EXHAUSTED; no healthy node (after `node_wait_s`) is
+UNAVAILABLE. The node asked is held (holds.py) before each call, so a cancel mid-call still
+aborts it.
 """
 
 from __future__ import annotations
 
 import asyncio
 from collections import deque
+from dataclasses import dataclass
+
+import grpc
+
+from protos import node_pb2
+from router.config import RouterConfig
+from router.directory import Kind
+from router.holds import Holds
+from router.policy import Policy
+from router.pool import Node, NodePool
+from router.request import RequestError, RequestState
+
+NODE_WAIT_POLL_S = 0.05  # how often a request waiting for a healthy node looks again
 
 
 class AdmissionQueue:
+    """Requests that no decode node would admit, waiting (FIFO, bounded) for capacity. Holds
+    futures only; never talks to a node."""
+
     def __init__(self, size: int) -> None:
         self.size = size
         self._waiters: deque[asyncio.Future[None]] = deque()
@@ -46,3 +66,86 @@ class AdmissionQueue:
             if not fut.done():
                 fut.set_result(None)
                 return
+
+
+@dataclass(frozen=True)
+class Reserved:
+    """A node that admitted an attempt, and the KV descriptor it expects (empty from a colocated node)."""
+
+    node: Node
+    descriptor: bytes
+
+
+class Admission:
+    def __init__(self, router_id: str, config: RouterConfig, pool: NodePool, policy: Policy, holds: Holds) -> None:
+        self.router_id, self.config, self.pool, self.policy, self.holds = router_id, config, pool, policy, holds
+        self.queue = AdmissionQueue(config.queue_size)
+
+    async def reserve(self, st: RequestState, attempt: int, prompt: list[int], sampling: node_pb2.Sampling,
+                      kind: Kind = "decode", asked: int | None = None) -> Reserved:
+        """Reserve on the first decode node (policy order) that admits, or submit to the first
+        colocated one (`kind`); queue when none does. `asked`: every node refused at this queue
+        epoch already; unless capacity news came since, the request queues without asking again."""
+        # FIFO: do not pass those already waiting
+        wait, front = len(self.queue) > 0 or (asked is not None and self.queue.epoch == asked), False
+        req = self.reserve_request(st, attempt, prompt, sampling)
+        while True:
+            if not wait:
+                seen = self.queue.epoch
+                found = await self.try_reserve(st, req, kind)
+                if found is not None:
+                    if len(self.queue):
+                        self.queue.wake_one()  # capacity may remain for the next one
+                    return found
+                if self.queue.epoch != seen:  # capacity news came while the nodes were asked,
+                    continue  # and no waiter was there to take it: ask again, do not wait for more
+            wait = False
+            if not await self.queue.wait(front):
+                raise RequestError("RESOURCE_EXHAUSTED", f"no {kind} node can admit the request now and the "
+                                   f"router's queue ({self.queue.size}) is full")
+            front = True
+
+    def reserve_request(self, st: RequestState, attempt: int, prompt: list[int],
+                        sampling: node_pb2.Sampling) -> node_pb2.ReserveRequest:
+        """The Reserve (or Submit) of an attempt; its id is the one P and D know the attempt by."""
+        return node_pb2.ReserveRequest(request_id=f"{self.router_id}/{st.request_id}/{attempt}",
+                                       prompt_len=len(prompt), sampling=sampling, prompt_token_ids=prompt)
+
+    async def await_node(self, kind: Kind, exclude: dict[str, str] | None = None) -> bool:
+        """Whether a healthy `kind` node (not in `exclude`) is there, waiting up to
+        `node_wait_s` for one to come (back); never longer, so a dead service still answers."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.config.node_wait_s
+        while not any(n.address not in (exclude or {}) for n in self.pool.healthy(kind)):
+            if loop.time() >= deadline:
+                return False
+            await asyncio.sleep(NODE_WAIT_POLL_S)
+        return True
+
+    async def try_reserve(self, st: RequestState, req: node_pb2.ReserveRequest, kind: Kind) -> Reserved | None:
+        """Ask each healthy node of `kind` once, in policy order; None when none admitted."""
+        if not await self.await_node(kind):
+            raise RequestError("UNAVAILABLE", f"no healthy {kind} node")
+        nodes = self.pool.healthy(kind)
+        node_rid = req.request_id
+        for load in self.policy.order_decode([n.load() for n in nodes]):
+            node = self.pool.find(kind, load.address)
+            if node is None or not node.healthy:
+                continue
+            self.holds.hold_decode(st, node, node_rid)  # before the call: a cancel mid-call still aborts
+            call = node.stub.Submit if kind == "colocated" else node.stub.Reserve
+            try:
+                reply = await call(req, timeout=self.config.rpc_timeout_s)
+            except grpc.aio.AioRpcError as e:
+                if e.code() == grpc.StatusCode.INVALID_ARGUMENT:  # the request itself: no node takes it
+                    self.holds.drop_decode(st)
+                    raise RequestError("INVALID_ARGUMENT", f"{kind} node {node.address}: {e.details()}") from None
+                if self.pool.rpc_failed(node, e, "Submit" if kind == "colocated" else "Reserve"):
+                    self.holds.drop_decode(st)
+                else:  # it may have admitted: abort to be sure
+                    self.holds.spawn_abort_decode(st, "Reserve failed")
+                continue
+            if reply.admitted:
+                return Reserved(node, reply.descriptor_msgpack)
+            self.holds.drop_decode(st)
+        return None

@@ -4,7 +4,7 @@ own event loop).
 
 Receives HTTP requests; turns each body into a `GenerateRequest` (openai_protocol.py) and
 hands it to the same lifecycle as the gRPC door (`Router.submit` / `Router.responses`, seen
-here through the `Lifecycle` protocol: router.py builds this door, never the other way), so
+here through the `Lifecycle` protocol, lifecycle.py: router.py builds this door, never the other way), so
 validation, queueing, abort and the one-terminal rule are shared, not re-implemented. Answers
 OpenAI's JSON (non-streaming) or server-sent events (`stream: true`), and errors as OpenAI's
 `{"error": {...}}` with a status from the lifecycle's code (400, 404, 429, 503, ...).
@@ -25,7 +25,7 @@ import socket
 from collections.abc import AsyncGenerator, Awaitable
 from contextlib import aclosing
 from functools import partial
-from typing import Any, Protocol, TypeVar
+from typing import Any, TypeVar
 
 import anyio.lowlevel
 import uvicorn
@@ -33,15 +33,14 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ValidationError
 
-from deploy.config import RouterConfig
 from protos import pdserve_pb2 as pb
 from router.auth import authorized
 from router.detokenize import TokenPieces
-from router.metrics import RouterMetrics
+from router.lifecycle import Lifecycle
 from router.openai_protocol import ChatCompletionRequest, CompletionRequest, Format
-from router.request import RequestError, RequestState, is_terminal
+from router.request import RequestError, is_terminal
 from router.tokenize_api import TokenizeDoor, add_tokenize_routes
-from router.validate import InvalidRequest, Limits
+from router.validate import InvalidRequest
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -50,25 +49,6 @@ STATUS = {"INVALID_ARGUMENT": 400, "NOT_FOUND": 404, "RESOURCE_EXHAUSTED": 429, 
 ERROR_TYPE = {400: "invalid_request_error", 404: "invalid_request_error", 429: "rate_limit_error",
               503: "service_unavailable_error"}
 TOKENIZE_IN_THREAD_BYTES = 8192
-
-
-class Lifecycle(Protocol):
-    """What this door uses of the request lifecycle (router.py's `Router`, which passes itself
-    to `build_app`)."""
-
-    config: RouterConfig
-    model: Any  # engine.loader.ModelInfo: name, tokenizer
-    limits: Limits
-    metrics: RouterMetrics
-    max_model_len: int
-
-    async def submit(self, request: pb.GenerateRequest) -> RequestState: ...
-    def responses(self, st: RequestState) -> AsyncGenerator[pb.GenerateResponse, None]: ...
-    def refused(self, code: str) -> None: ...
-    async def metrics_text(self) -> tuple[bytes, str]: ...
-    def health(self, nodes: bool = False) -> pb.HealthResponse: ...
-    def health_detail_allowed(self, authorization: str | None) -> bool: ...
-    def list_models(self) -> pb.ListModelsResponse: ...
 
 
 def error_body(code: str, message: str) -> dict:

@@ -17,6 +17,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from router.config import RouterConfig
+
 
 @dataclass(frozen=True)
 class NodeLoad:
@@ -172,3 +174,11 @@ def make_policy(name: str, **options: Any) -> Policy:
     except KeyError:
         raise ValueError(f"unknown routing policy {name!r}; known: {', '.join(POLICIES)}") from None
     return cls(**options) if cls is PrefixAware else cls()
+
+
+def policy_for(config: RouterConfig, block_size: int) -> Policy:
+    """The policy `router.policy` names, the prefix policy with its settings from `config`."""
+    if config.policy != "prefix":
+        return make_policy(config.policy)
+    return make_policy("prefix", block_size=block_size, balance_abs_tokens=config.prefix_balance_abs_tokens,
+                       balance_rel=config.prefix_balance_rel, view_blocks=config.prefix_view_blocks)

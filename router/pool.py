@@ -30,7 +30,7 @@ from typing import Any
 
 import grpc
 
-from protos import node_pb2, node_pb2_grpc
+from protos import node_pb2, node_pb2_grpc, pdserve_pb2
 from protos.messages import MessageError, OutputItem, read_outputs
 from protos.serving import with_secret
 from protos.tls import NodeTls, node_aio_channel
@@ -63,6 +63,17 @@ class Node:
         s = self.status
         return NodeLoad(self.address, s.free_blocks if s else 0, s.running if s else 0,
                         s.queued_tokens if s else 0, self.inflight, self.inflight_tokens)
+
+    def health(self) -> pdserve_pb2.NodeHealth:
+        """This node as the client API's NodeHealth: its last Status, health and last error."""
+        s = self.status
+        out = pdserve_pb2.NodeHealth(address=self.address, kind=self.kind, healthy=self.healthy,
+                                     last_error=self.last_error[:1024])
+        if s is not None:
+            out.node_id, out.free_kv_blocks, out.total_kv_blocks = s.node_id, s.free_blocks, s.total_blocks
+            out.running_requests, out.queued_prompt_tokens = s.running, s.queued_tokens
+            out.shared_kv_blocks = s.shared_blocks
+        return out
 
 
 class NodePool:

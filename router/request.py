@@ -5,10 +5,10 @@ hands the gRPC handler `GenerateResponse`s through `out`, ending with exactly on
 message. The terminal guarantee lives here: `finish`/`fail` close the request once; later
 calls are no-ops, and nothing is emitted after the terminal message.
 
-Who owns what: the lifecycle (router.py) drives the request and is the only writer of the
-placement fields (`decode`, `prefill`, `node_rid`, `decode_live`, `lost`); the NodePool's
+Who owns what: the request's driver (router.py) is the only writer of the placement fields
+(`decode`, `prefill`, `node_rid`, `decode_live`, `lost`), through holds.py; the NodePool's
 output reader only appends to `events`; anyone may `interrupt` (client abort, router stop) or
-`lose` the decode node (it failed: the lifecycle moves the request elsewhere, `migrate`).
+`lose` the decode node (it failed: the driver moves the request elsewhere, migration.py).
 
 Batching: a request's messages wait in its `Outbox` until its door takes them; tokens that arrive
 while a token message still waits there join that message, so a client that falls behind (the

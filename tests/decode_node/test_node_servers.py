@@ -134,7 +134,7 @@ def test_an_owners_last_output_stream_ending_drops_its_requests_and_only_them(cl
         s.initial_metadata()  # registered
     assert reserve("r1/a/1").admitted and reserve("r2/a/1").admitted
     streams[0].cancel()
-    wait_until(lambda: decode._owner_streams["r1"] == 1)
+    wait_until(lambda: decode.streams.owner_streams["r1"] == 1)
     assert "r1/a/1" in decode.requests  # one stream of its owner is still open
     streams[1].cancel()
     wait_until(lambda: "r1/a/1" not in decode.requests)

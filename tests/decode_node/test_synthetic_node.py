@@ -92,6 +92,35 @@ def test_synthetic_node_refuses_past_max_num_seqs_and_unknown_owners():
         node.stop()
 
 
+def test_synthetic_node_keeps_the_decode_nodes_owners_rule():
+    """As a decode node (test_node_servers.py): an owner's last output stream ending ends its
+    requests (one abort terminal each) and refuses its new ones until it subscribes again; another
+    owner's requests go on. The synthetic node once kept its own copy of this rule, with commands
+    of another shape than the decode node's; it now runs the decode node's (decode_node/streams.py)."""
+    node = SyntheticNode(TINY.config.vocab_size, step_s=3600.0)  # one step, the first token, then none
+    node.start()
+    try:
+        params = SamplingParams(max_tokens=4)
+        first, second = node.subscribe("r1"), node.subscribe("r1")
+        node.subscribe("r2")
+        watcher = node.subscribe()  # no owner: every item
+        assert node.submit("r1/a/1", [1, 2], params, 0, ()).result(5).admitted
+        assert node.submit("r2/a/1", [1, 2], params, 0, ()).result(5).admitted
+        node.unsubscribe(first, "r1")
+        assert node.submit("r1/b/1", [1, 2], params, 0, ()).result(5).admitted  # one stream is still open
+        node.unsubscribe(second, "r1")
+        refused = node.submit("r1/c/1", [1, 2], params, 0, ()).result(5)
+        assert not refused.admitted
+        ends: list[str] = []
+        while len(ends) < 2:
+            ends += [i.request_id for i in watcher.get(timeout=5) if i.finish_reason is not None]
+        assert sorted(ends) == ["r1/a/1", "r1/b/1"] and set(node.requests) == {"r2/a/1"}
+        node.subscribe("r1")
+        assert node.submit("r1/d/1", [1, 2], params, 0, ()).result(5).admitted
+    finally:
+        node.stop()
+
+
 def test_a_stream_behind_the_loop_sends_the_queued_steps_in_one_message_in_order():
     import queue
 

@@ -10,7 +10,7 @@ import queue
 
 import openai
 
-from decode_node.node import publish_to_owners
+from decode_node.streams import publish_to_owners
 from deploy.config import RouterConfig
 from protos.messages import OutputItem
 from router import Router

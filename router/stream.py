@@ -1,0 +1,91 @@
+"""Stream: a placed request's tokens, from its nodes to its client's messages.
+
+Receives P's first token (PD) and the decode node's output items (holds.py routes them to the
+request's `events`), and turns them into client messages through RequestState (detokenizing,
+stop strings, logprobs: router/request.py) until every choice has ended. A choice the router
+ends while the node still runs it (a stop string in an n > 1 request) is aborted alone on the
+node. Raises AttemptLost when the decode node is lost or gave up the attempt (every item it sent
+before is read first: those tokens count and are not computed again). Never places anything.
+"""
+
+from __future__ import annotations
+
+from protos.messages import FirstToken, OutputItem, TokenLogprobs
+from router.holds import Holds
+from router.metrics import RouterMetrics
+from router.migration import AttemptLost, unless_lost
+from router.request import RequestError, RequestState
+
+
+class Stream:
+    def __init__(self, metrics: RouterMetrics, holds: Holds) -> None:
+        self.metrics, self.holds = metrics, holds
+
+    async def run(self, st: RequestState, first: FirstToken | None) -> None:
+        """Stream the first token (from P; None on a colocated node, where it is an output item
+        too), then the node's output items until every choice has ended (router/request.py)."""
+        if first is not None:
+            ch = st.choices[0]
+            ch.node_done = first.finished is not None  # D sends no terminal for it
+            st.decode_live = not all(c.node_done for c in st.choices)
+            st.set_prompt_logprobs(first.prompt_logprobs)
+            complete = self._add_tokens(st, [first.token], first.logprobs)
+            if first.finished or complete:
+                st.finish_choice(0, "stop" if ch.text.stopped else first.finished or ch.stop_reason)
+                self._stop_choice(st, 0)
+        while not st.done:
+            self._on_item(st, await self._next_item(st))
+
+    def _on_item(self, st: RequestState, item: OutputItem) -> None:
+        """One output item of choice `item.index`; AttemptLost when the node gave up the attempt."""
+        if item.index >= len(st.choices):
+            raise RequestError("INTERNAL", f"{st.decode.kind if st.decode else 'a'} node sent choice "
+                                           f"{item.index} of a request of {len(st.choices)}")
+        ch = st.choices[item.index]
+        st.steps, st.accepted = st.steps + item.steps, st.accepted + item.accepted
+        if item.error is not None and not item.malformed:  # the node ended every choice of this attempt
+            for c in st.choices:  # (an item refused here: the node may still hold it, Abort goes)
+                c.node_done = True
+        ch.node_done = ch.node_done or item.finish_reason is not None
+        st.decode_live = not all(c.node_done for c in st.choices)
+        if ch.finish_reason is not None and item.error is None:
+            return  # the router ended this choice already: late tokens
+        st.set_prompt_logprobs(item.prompt_logprobs)  # a colocated node's first item
+        complete = self._add_tokens(st, item.tokens, item.logprobs, item.index)
+        if ch.text.stopped and ch.finish_reason is None:
+            st.finish_choice(ch.index, "stop")
+        if item.error is not None and not st.done:  # D gave up on this attempt (its KV never came, ...)
+            assert st.decode is not None  # or sent an item refused here: move it
+            raise AttemptLost(f"{st.decode.kind} node {st.decode.address}: {item.error}")
+        if ch.finish_reason is not None:
+            pass  # ended here already (a stop string, or earlier)
+        elif item.finish_reason is not None:
+            st.finish_choice(ch.index, item.finish_reason)
+        elif complete:
+            st.finish_choice(ch.index, ch.stop_reason)
+        self._stop_choice(st, ch.index)
+
+    def _stop_choice(self, st: RequestState, index: int) -> None:
+        """A choice of an n > 1 request the router ended while the node still runs it: abort that
+        choice alone (`{node id}#{index}`), so its siblings go on. With n = 1 the request's own end
+        does it (`Holds.release`)."""
+        ch = st.choices[index]
+        if len(st.choices) == 1 or ch.finish_reason is None or ch.node_done or st.done or st.decode is None:
+            return
+        ch.node_done = True
+        st.decode_live = not all(c.node_done for c in st.choices)
+        self.holds.spawn_abort(st.decode, f"{st.node_rid}#{index}", "the choice ended at the router")
+
+    async def _next_item(self, st: RequestState) -> OutputItem:
+        """The next output item from the decode node; AttemptLost once it failed and every item it
+        sent before is read (those tokens count: they are not computed again)."""
+        if not st.events.empty():
+            return st.events.get_nowait()
+        return await unless_lost(st, st.events.get())
+
+    def _add_tokens(self, st: RequestState, tokens: list[int], logprobs: TokenLogprobs | None,
+                    index: int = 0) -> bool:
+        before = st.num_tokens
+        complete = st.add_tokens(tokens, logprobs, index)
+        self.metrics.tokens(st, st.num_tokens - before)
+        return complete
