@@ -1,4 +1,6 @@
-"""Every `pdserve bench KIND`, one module per kind, and the one list the CLI reads (`BENCHES`).
+"""Every `pdserve bench KIND`, one module per kind, and the list that registers them (`BENCHES`):
+pyproject.toml names it in the `pdserve.bench` entry-point group, where the CLI finds it
+(deploy/plugins.py), so deploy/ imports no benchmark.
 
 Each kind's module has `add_arguments(parser)` and `run(args)`; it is imported only when run,
 so one benchmark's dependencies (ucxx for kv) never stop the others. The GPU scripts that
