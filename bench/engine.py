@@ -25,6 +25,7 @@ from pathlib import Path
 
 import torch
 
+from bench.extras import require
 from bench.host_split import host_split, steady_batch
 from bench.step_trace import layer_increments
 from engine.config import ArchConfig
@@ -348,7 +349,7 @@ def copy_floor(loaded: LoadedModel) -> dict:
 def time_hf(loaded: LoadedModel, args: argparse.Namespace) -> dict:
     """Hugging Face `generate` (greedy, eager) on the same weights: ms per decode step from
     the difference between max_tokens and 1 new token."""
-    import transformers
+    transformers = require("transformers")
 
     c = loaded.model.config
     hf_cfg = transformers.LlamaConfig(**c.to_hf_dict())

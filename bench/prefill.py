@@ -26,6 +26,7 @@ import time
 import torch
 
 from bench.engine import SHAPES, busy_share, load, sync_device
+from bench.extras import require
 from engine.engine import EngineConfig, LLMEngine
 from engine.loader import LoadedModel
 from engine.model import folds_norms
@@ -227,7 +228,7 @@ def floor_ms(loaded: LoadedModel, batch: int, n: int, tflops: float) -> float:
 
 def time_hf(loaded: LoadedModel, batch: int, n: int, args: argparse.Namespace) -> float:
     """Median ms of HF LlamaForCausalLM forward (sdpa, logits_to_keep=1) on the same weights."""
-    import transformers
+    transformers = require("transformers")
 
     c = loaded.model.config
     hf_cfg = transformers.LlamaConfig(**c.to_hf_dict())
