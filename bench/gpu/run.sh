@@ -3,7 +3,8 @@
 # for multi-gpu), run from the repository root as   bash bench/gpu/run.sh STAGE [ARGS...]
 #
 #   check       the kernel tests and the engine's GPU tests on CUDA, then the kernels against
-#               their references at real shapes; ARGS: test paths instead of all of them
+#               their references at real shapes; ARGS: kernels, engine (both by default, which
+#               can pass a call's 10 minutes) or test paths
 #   engine      decode ms/step on tiny and on SmolLM2- and Llama-3.2-1B-shaped random weights,
 #               k = 0 and 3, sized as a server, beside the weight-read floor; ARGS go to every
 #               `bench engine` (--profile, --hf, ...)
@@ -49,12 +50,20 @@ device() {  # PIECE...: a device stage's start: the machine, the bundle's pieces
   python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, 'GPUs', torch.cuda.device_count())"
 }
 
+ENGINE_GPU_TESTS=(tests/engine/test_gpu.py tests/engine/test_gpu_prefill.py tests/engine/test_gpu_surface.py
+                  tests/engine/test_cuda_graphs.py tests/engine/test_first_token.py)
 stage_check() {
+  local groups=("$@") paths=() group
+  [[ ${#groups[@]} == 0 ]] && groups=(kernels engine)
+  for group in "${groups[@]}"; do
+    case $group in
+      kernels) paths+=(tests/kernels) ;;
+      engine) paths+=("${ENGINE_GPU_TESTS[@]}") ;;
+      *) [[ -e ${group%%::*} ]] || { echo "check takes kernels, engine or test paths, not $group" >&2; exit 2; }; paths+=("$group") ;;
+    esac
+  done
   device base
-  local paths=("$@")
-  [[ ${#paths[@]} == 0 ]] && paths=(tests/kernels tests/engine/test_gpu.py tests/engine/test_gpu_prefill.py
-    tests/engine/test_gpu_surface.py tests/engine/test_cuda_graphs.py tests/engine/test_first_token.py)
-  PDSERVE_TEST_DEVICE=cuda timeout 480 python3 -m pytest -q -p no:cacheprovider -rf "${paths[@]}" > "$OUT/tests.log" 2>&1
+  PDSERVE_TEST_DEVICE=cuda timeout 500 python3 -m pytest -q -p no:cacheprovider -rf "${paths[@]}" > "$OUT/tests.log" 2>&1
   local tests=$?
   python3 bench/gpu/gpu_kernels.py > "$OUT/kernels.txt" 2>&1
   local kernels=$?
