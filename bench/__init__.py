@@ -1,9 +1,11 @@
-"""Every `pdserve bench KIND`, one module per kind, and the one list the CLI reads (`BENCHES`).
+"""Every `pdserve bench KIND`, one module per kind, and the list that registers them (`BENCHES`):
+pyproject.toml names it in the `pdserve.bench` entry-point group, where the CLI finds it
+(deploy/plugins.py), so deploy/ imports no benchmark.
 
 Each kind's module has `add_arguments(parser)` and `run(args)`; it is imported only when run,
-so one benchmark's dependencies (ucxx for kv) never stop the others. The GPU scripts that
-drive these on a device machine are in bench/gpu/ (bench/cpu/: the many-core CPU one), and the
-reports and plots that BENCHMARKS.md cites in bench/results/.
+so one benchmark's dependencies (ucxx for kv; the `bench` extra's, bench/extras.py) never stop
+the others. bench/gpu/run.sh drives these on a device machine (bench/cpu/: the many-core CPU
+one), and bench/results/ holds the reports and plots that BENCHMARKS.md cites.
 """
 
 # (name, module, one line for `pdserve bench --help`)

@@ -25,6 +25,7 @@ from pathlib import Path
 
 import torch
 
+from bench.extras import require
 from bench.host_split import host_split, steady_batch
 from bench.step_trace import layer_increments
 from engine.config import ArchConfig
@@ -137,12 +138,23 @@ def load(args: argparse.Namespace, device: str) -> LoadedModel:
     return load_model(args.model, device=device, dtype=args.dtype)
 
 
+def check_context(loaded: LoadedModel, max_len: int, what: str) -> None:
+    """A clear error when `max_len` tokens of context pass the model's positions (its rotary
+    table ends there: the step would index past it)."""
+    limit = loaded.model.config.max_position_embeddings
+    if max_len > limit:
+        raise ValueError(f"{what} needs a context of {max_len} tokens; {loaded.name} has {limit} positions")
+
+
 def _engine(loaded: LoadedModel, k: int, args: argparse.Namespace,
             tp: TPGroup | None = None) -> tuple[LLMEngine, list[list[int]]]:
     vocab = loaded.model.config.vocab_size
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(0, vocab, (args.prompt_len,), generator=g).tolist() for _ in range(args.batch)]
-    max_len = getattr(args, "max_model_len", None) or args.prompt_len + args.max_tokens + 8
+    asked = getattr(args, "max_model_len", None)
+    max_len = asked or args.prompt_len + args.max_tokens + 8
+    check_context(loaded, max_len, f"--max-model-len {asked}" if asked
+                  else f"--prompt-len {args.prompt_len} + --max-tokens {args.max_tokens}")
     per_seq = -(-kv_room_needed(max_len, k) // BLOCK_SIZE)
     engine = LLMEngine(loaded, EngineConfig(num_speculative_tokens=k, draft_vocab_size=args.draft_vocab if k else 0,
                                             device=args.device,
@@ -337,7 +349,7 @@ def copy_floor(loaded: LoadedModel) -> dict:
 def time_hf(loaded: LoadedModel, args: argparse.Namespace) -> dict:
     """Hugging Face `generate` (greedy, eager) on the same weights: ms per decode step from
     the difference between max_tokens and 1 new token."""
-    import transformers
+    transformers = require("transformers")
 
     c = loaded.model.config
     hf_cfg = transformers.LlamaConfig(**c.to_hf_dict())

@@ -28,6 +28,7 @@ from collections.abc import Callable
 import torch
 
 from bench.engine import SHAPES, load
+from bench.extras import require
 from bench.pd_schedule import WARMUP_ITEMS, Trace, greedy_params, node_config, workload
 from engine.engine import LLMEngine, resolve_request
 from engine.loader import LoadedModel
@@ -265,8 +266,7 @@ def _window(tr: Trace, after: float | None, before: float | None) -> Trace:
 
 
 def plot(path: str, pd: list[float], colo: list[float]) -> None:
-    import matplotlib
-
+    matplotlib = require("matplotlib")
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 

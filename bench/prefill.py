@@ -20,17 +20,20 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import sys
 import time
 
 import torch
 
 from bench.engine import SHAPES, busy_share, load, sync_device
+from bench.extras import require
 from engine.engine import EngineConfig, LLMEngine
 from engine.loader import LoadedModel
 from engine.model_runner import kv_room_needed
 from engine.sampling_params import SamplingParams
 
 BLOCK_SIZE = 16
+CONTEXT_SLACK = 8  # a case's context: its prompt and room for the first token and the drafts
 DEFAULT_CASES = "1x128,1x512,1x2048,16x512,4x4096"
 
 
@@ -61,7 +64,7 @@ def parse_cases(text: str) -> list[tuple[int, int]]:
 
 
 def _engine(loaded: LoadedModel, k: int, batch: int, n: int, args: argparse.Namespace) -> LLMEngine:
-    max_len = n + 8
+    max_len = n + CONTEXT_SLACK
     per_seq = -(-kv_room_needed(max_len, k) // BLOCK_SIZE)
     return LLMEngine(loaded, EngineConfig(
         num_speculative_tokens=k, draft_vocab_size=args.draft_vocab if k else 0, device=args.device, max_num_seqs=batch, block_size=BLOCK_SIZE,
@@ -212,7 +215,7 @@ def floor_ms(loaded: LoadedModel, batch: int, n: int, tflops: float) -> float:
 
 def time_hf(loaded: LoadedModel, batch: int, n: int, args: argparse.Namespace) -> float:
     """Median ms of HF LlamaForCausalLM forward (sdpa, logits_to_keep=1) on the same weights."""
-    import transformers
+    transformers = require("transformers")
 
     c = loaded.model.config
     hf_cfg = transformers.LlamaConfig(**c.to_hf_dict())
@@ -234,9 +237,23 @@ def time_hf(loaded: LoadedModel, batch: int, n: int, args: argparse.Namespace) -
     return 1000 * statistics.median(times)
 
 
+def fitting_cases(loaded: LoadedModel, cases: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """The cases whose prompts fit the model's positions; each one left out is named on stderr,
+    and none fitting is an error (the default cases go up to 4096 tokens, past tiny's context)."""
+    limit = loaded.model.config.max_position_embeddings
+    fit = [(b, n) for b, n in cases if n + CONTEXT_SLACK <= limit]
+    for b, n in sorted(set(cases) - set(fit)):
+        print(f"note: case {b}x{n} skipped: {loaded.name} has {limit} positions", file=sys.stderr)
+    if not fit:
+        raise ValueError(f"no case of --cases {','.join(f'{b}x{n}' for b, n in cases)} fits {loaded.name}'s "
+                         f"{limit} positions (a prompt of N tokens needs N + {CONTEXT_SLACK})")
+    return fit
+
+
 def run(args: argparse.Namespace) -> int:
     cases = parse_cases(args.cases)
     loaded = load(args, args.device)
+    cases = fitting_cases(loaded, cases)
     cuda = args.device.startswith("cuda")
     tflops = matmul_tflops(args.device) if cuda else None
     rows = []

@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import Any
 
 import settings
+from bench.extras import require
 from bench.serve_clients import measured_load
 from bench.serve_load import Item, Result
 from bench.serve_metrics import breakdown, scrape, settle
@@ -227,8 +228,7 @@ def summarize(results: list[Result], rate: float, wall: float, args: argparse.Na
 
 
 def plot(report: dict, out: Path) -> None:
-    import matplotlib
-
+    matplotlib = require("matplotlib")
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 

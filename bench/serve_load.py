@@ -19,6 +19,7 @@ from functools import partial
 from typing import Any
 
 import settings
+from bench.extras import require
 
 
 @dataclass
@@ -102,7 +103,7 @@ def _grpc_sender(address: str, api_key: str | None, tls_ca: str | None) -> Any:
 def _http_sender(base_url: str, api_key: str | None, tls_ca: str | None) -> Any:
     import ssl
 
-    import openai
+    openai = require("openai")
 
     http = None  # https with the system's roots, or with this CA:
     if tls_ca and tls_ca != "system":
@@ -129,7 +130,7 @@ def _raw_http_sender(base_url: str, api_key: str | None, tls_ca: str | None) -> 
     import json
     import ssl
 
-    import httpx2 as httpx
+    httpx = require("httpx2")  # the openai client's own HTTP library
 
     verify: Any = ssl.create_default_context(cafile=tls_ca) if tls_ca and tls_ca != "system" else True
     headers = {"Authorization": f"Bearer {api_key or 'none'}"}

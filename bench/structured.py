@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 import settings
+from bench.extras import require
 
 SCHEMAS = Path(__file__).resolve().with_name("structured_schemas.json")
 
@@ -79,7 +80,7 @@ def _scored(items: list[dict], run: dict) -> dict[str, Any]:
 
 def score(items: list[dict], texts: list[str], tokens: list[int]) -> dict[str, Any]:
     """Parsed and validated shares (%) of `texts` against their items' schemas, mean tokens."""
-    import jsonschema  # a dev dependency: only this bench needs it at run time
+    jsonschema = require("jsonschema")
 
     parsed = valid = 0
     failed = []
@@ -102,7 +103,7 @@ def score(items: list[dict], texts: list[str], tokens: list[int]) -> dict[str, A
 # ---- a running server --------------------------------------------------------------------------
 def run_http(args: argparse.Namespace, items: list[dict]) -> dict[str, dict]:
     """Every item non-streaming, then streaming: per run the texts, output tokens and seconds."""
-    import openai
+    openai = require("openai")
 
     client = openai.OpenAI(base_url=args.base_url.rstrip("/") + "/v1", api_key=args.api_key or settings.API_KEY or "none",
                            max_retries=0, timeout=600)

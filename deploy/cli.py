@@ -17,7 +17,7 @@ from typing import Any
 
 STARTED = time.perf_counter()  # the CLI's start (before it, only the interpreter's own start-up)
 
-from bench import BENCHES  # noqa: E402
+from deploy.plugins import bench_kinds, bench_module  # noqa: E402
 
 
 def _add_generate(sub: Any) -> None:
@@ -55,12 +55,8 @@ def _add_generate(sub: Any) -> None:
 def _add_bench(sub: Any) -> None:
     p = sub.add_parser("bench", help="benchmarks (pdserve bench KIND --help)")
     kinds = p.add_subparsers(dest="bench", required=True)
-    for name, _, text in BENCHES:
+    for name, _, text in bench_kinds():
         kinds.add_parser(name, help=text)  # listed for --help; `main` dispatches these itself
-
-
-def _run_bench(name: str, argv: list[str]) -> int:
-    return _run_module(next(m for n, m, _ in BENCHES if n == name), f"pdserve bench {name}", argv)
 
 
 def _run_module(module_name: str, prog: str, argv: list[str]) -> int:
@@ -241,8 +237,8 @@ def print_results(tokenizer: Any, results: list[Any], as_json: bool, elapsed: fl
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     try:
-        if len(argv) >= 2 and argv[0] == "bench" and argv[1] in {n for n, _, _ in BENCHES}:
-            return _run_bench(argv[1], argv[2:])
+        if len(argv) >= 2 and argv[0] == "bench" and (module := bench_module(argv[1])) is not None:
+            return _run_module(module, f"pdserve bench {argv[1]}", argv[2:])
         if argv and argv[0] == "train-mtp":
             return _run_module("mtp.train", "pdserve train-mtp", argv[1:])
         if argv and argv[0] == "draft-vocab":

@@ -1,5 +1,5 @@
 # What a script needs, checked before it does anything: sourced by the scripts users run
-# (deploy/ray/try_local.sh, bench/gpu/*.sh, bench/cpu/*.sh, mtp/runs/*.sh).
+# (deploy/ray/try_local.sh, bench/gpu/run.sh, bench/cpu/*.sh, mtp/runs/*.sh).
 #
 #   need CMD HOW          CMD (a command on PATH, or a path) is there; HOW: how to install it
 #   need_root WHY         the script runs as root
@@ -30,11 +30,11 @@ need_files() {
   _require_missing=1
 }
 
-# The device scripts (bench/gpu/*.sh): python3 with pip, an NVIDIA GPU's driver, the carried wheels.
+# The device script (bench/gpu/run.sh): python3 with pip, an NVIDIA GPU's driver (the wheels it
+# lacks come in the carried bundle: bench/gpu/bundle.sh).
 need_gpu_machine() {
   need python3 "apt-get install python3 python3-pip"
   need nvidia-smi "the NVIDIA driver's utilities, nvidia-utils-VERSION, on a machine with an NVIDIA GPU"
-  need_files ".whl/*.whl" "run it from the repository root with the wheels carried (.whl/: bash bench/gpu/device_wheels.sh)"
 }
 
 require_done() {

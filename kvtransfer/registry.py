@@ -23,7 +23,17 @@ def _cls(backend: str, which: int) -> Any:
     if backend not in BACKENDS:
         raise ValueError(f"unknown kvtransfer backend {backend!r}; have {sorted(BACKENDS)}")
     module, *names = BACKENDS[backend]
-    return getattr(importlib.import_module(module), names[which])
+    try:
+        return getattr(importlib.import_module(module), names[which])
+    except ModuleNotFoundError as e:
+        if backend != "ucx" or e.name is None or not e.name.startswith("ucxx"):
+            raise
+        raise ModuleNotFoundError(UCX_MISSING) from e
+
+
+# ucxx's wheels are built per CUDA major version, so the runtime install names none (pyproject.toml)
+UCX_MISSING = ("the ucx KV backend needs ucxx: pip install 'pdserve[ucx-cu12]' or 'pdserve[ucx-cu13]', "
+               "the one matching the CUDA major version `nvidia-smi` prints (or use kv_transfer.backend=tcp)")
 
 
 def create_sender(backend: str, faults: dict[str, Any] | None = None, **options: Any) -> KVSender:

@@ -94,3 +94,12 @@ def test_layer_increments_add_up_and_place_each_kernel_in_its_layer():
     assert sum(inc for _, _, _, inc, _ in got["groups"]) == got["step_us"]
     idle = layer_increments(step(0.0) + step(40.0) + step(80.0) + step(120.0))
     assert idle["steps"] == 2 and idle["boundary_idle_us"] == 13.0  # 40 - 27
+
+
+def test_a_context_past_the_models_positions_is_a_clear_error(capsys):
+    from deploy.cli import main
+
+    assert main(["bench", "engine", "--model", "tiny", "--prompt-len", "1000", "--max-tokens", "64"]) == 2
+    assert "--max-tokens 64 needs a context of 1072 tokens; tiny has 1024 positions" in capsys.readouterr().err
+    assert main(["bench", "engine", "--model", "tiny", "--max-model-len", "4096"]) == 2
+    assert "--max-model-len 4096 needs a context of 4096 tokens; tiny has 1024 positions" in capsys.readouterr().err

@@ -26,3 +26,18 @@ def test_bad_cases_are_a_clear_error(cases):
 
     with pytest.raises(ValueError, match="BxN pairs"):
         parse_cases(cases)
+
+
+def test_cases_past_the_models_positions_are_skipped_with_a_note(capsys):
+    # tiny has 1024 positions: the default cases' 2048- and 4096-token prompts do not fit
+    assert main(["bench", "prefill", "--model", "tiny", "--cases", "1x9,1x2048,4x4096", "--spec-tokens", "0",
+                 "--iters", "1"]) == 0
+    captured = capsys.readouterr()
+    rows = [json.loads(line) for line in captured.out.splitlines() if line.startswith("{")]
+    assert [(r["batch"], r["prompt"]) for r in rows] == [(1, 9)]
+    assert "case 1x2048 skipped" in captured.err and "case 4x4096 skipped" in captured.err
+
+
+def test_no_case_fitting_the_model_is_a_clear_error(capsys):
+    assert main(["bench", "prefill", "--model", "tiny", "--cases", "1x2048", "--iters", "1"]) == 2
+    assert "no case of --cases 1x2048 fits tiny's 1024 positions" in capsys.readouterr().err

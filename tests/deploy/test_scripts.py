@@ -43,7 +43,7 @@ def test_try_local_without_rsync_says_so_and_starts_nothing(tmp_path):
 
 
 def test_gpu_script_without_nvidia_smi_says_so_and_installs_nothing(tmp_path):
-    out = run([BASH, "bench/gpu/gpu_engine.sh"], tmp_path, "nvidia-smi", OUT=str(tmp_path / "out"))
+    out = run([BASH, "bench/gpu/run.sh", "engine"], tmp_path, "nvidia-smi", OUT=str(tmp_path / "out"))
     assert out.returncode == 1, out
     assert any(line.startswith("nvidia-smi not found: install it (the NVIDIA driver's utilities")
                for line in out.stderr.splitlines()), out.stderr

