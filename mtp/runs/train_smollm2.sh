@@ -15,7 +15,7 @@
 # ran round 1 from the session-2 head, round 2 from round 1's head, then stage 1 of round 3;
 # round 4 grows round 3's head: a 2x wider MLP and target layers 1, 14 and 26 as extra inputs,
 # the layers EAGLE-3 fuses for a 30-layer model, starting from exactly round 3's outputs).
-# Figures of the runs that made the shipped head: BENCHMARKS.md, "MTP acceptance".
+# Figures of the runs that made the shipped head: docs/history/benchmarks-history.md, "MTP acceptance".
 set -euo pipefail
 . "$(dirname "$0")/../../deploy/require.sh"
 need python3 "apt-get install python3 python3-pip"
