@@ -15,14 +15,14 @@ import time
 
 import torch
 
-from bench.engine import SHAPES, random_model
+from bench.engine import ARCHES, random_model
 from engine.engine import EngineConfig, build_runner
 from engine.warmup import warm_up
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--arch", choices=sorted(SHAPES), default="smollm2")
+    p.add_argument("--arch", choices=sorted(ARCHES), default="smollm2")
     p.add_argument("--spec-tokens", type=int, default=3)
     p.add_argument("--max-model-len", type=int, default=4096)
     args = p.parse_args()

@@ -9,7 +9,8 @@ import json
 
 import pytest
 
-from bench.engine import PROFILE_STEPS, add_arguments, fill_random_, launch_counts, run
+from bench.engine import PROFILE_STEPS, add_arguments, launch_counts, run
+from engine.dummy import fill_random_
 from engine.loader import build_model
 from engine.tiny import random_tensors, tiny_config
 
@@ -94,3 +95,11 @@ def test_layer_increments_add_up_and_place_each_kernel_in_its_layer():
     assert sum(inc for _, _, _, inc, _ in got["groups"]) == got["step_us"]
     idle = layer_increments(step(0.0) + step(40.0) + step(80.0) + step(120.0))
     assert idle["steps"] == 2 and idle["boundary_idle_us"] == 13.0  # 40 - 27
+
+
+def test_a_dummy_model_is_timed_and_drafts_over_a_timing_ranking(capfd):
+    assert run(_args("--model", "tiny", "--load-format", "dummy", "--batch", "2", "--spec-tokens", "2",
+                     "--draft-vocab", "16", "--max-tokens", "4", "--prompt-len", "8")) == 0
+    rows = [json.loads(line) for line in capfd.readouterr().out.splitlines() if line.startswith("{")]
+    assert [(r["model"], r["spec_tokens"], r["draft_vocab"], r["decode_tokens"]) for r in rows] == [
+        ("tiny", 0, None, 6), ("tiny", 2, 16, 6)]
