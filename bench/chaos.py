@@ -122,7 +122,7 @@ def run(args: argparse.Namespace) -> int:
             setattr(args, key, value)
     args.set = SERVICE_DEFAULTS + kv_fault_overrides(args) + (args.set or [])  # the user's --set wins
     cfg = service_config(args, local=True)
-    jobs = make_jobs(args, load_model_info(cfg.model.resolved_name()).config.vocab_size)
+    jobs = make_jobs(args, load_model_info(cfg.model.resolved_name(), cfg.model.load_format).config.vocab_size)
     reference = cached_reference(args.reference_cache, cfg.model, jobs)
     service, address = start_service(cfg)
     try:
@@ -159,7 +159,7 @@ def cached_reference(path: str | None, model: Any, jobs: list[Job]) -> list[list
     """`reference_tokens`, read from `path` when it holds this model's output for these very
     requests (a digest of model, device, dtype, mode, prompts and lengths), else computed (and
     written there)."""
-    key = [model.resolved_name(), model.resolved_device(), model.dtype, model.deterministic]
+    key = [model.resolved_name(), model.load_format, model.resolved_device(), model.dtype, model.deterministic]
     digest = hashlib.sha256(json.dumps([key, [[j.prompt, j.max_tokens] for j in jobs]]).encode()).hexdigest()
     if path and Path(path).exists():
         cached = json.loads(Path(path).read_text())
@@ -181,8 +181,8 @@ def reference_tokens(model: Any, jobs: list[Job]) -> list[list[int]]:
     from engine.sampling_params import SamplingParams
 
     device = model.resolved_device()
-    engine = LLMEngine(load_model(model.resolved_name(), device=device, dtype=model.dtype),
-                       EngineConfig(device=device, deterministic=model.deterministic))
+    loaded = load_model(model.resolved_name(), device=device, dtype=model.dtype, load_format=model.load_format)
+    engine = LLMEngine(loaded, EngineConfig(device=device, deterministic=model.deterministic))
     params = [SamplingParams(max_tokens=j.max_tokens, ignore_eos=True) for j in jobs]
     tokens = [r.output_ids for r in engine.generate([j.prompt for j in jobs], params)]
     del engine

@@ -1,9 +1,9 @@
 """`pdserve bench engine`: single-process engine throughput and decode step time.
 
 Runs the LLMEngine on a batch of random prompts with k = 0 and the given k, on `tiny`, the
-embedded model, or random weights of a named real shape (`--arch smollm2`, `--arch llama-1b`),
-so GPU machines that lack the weights file can still time real shapes. Prints one JSON
-object per k. On CUDA it also prints, from the same process, the floor a decode step is
+embedded model, or random weights of a named real shape (`--model llama-3.1-8b --load-format
+dummy`, or `--arch llama-1b`: engine/dummy.py), so GPU machines that lack the weights file can
+still time real shapes. Prints one JSON object per k. On CUDA it also prints, from the same process, the floor a decode step is
 compared with (parameter bytes / measured copy bandwidth) and, with `--hf`, Hugging Face
 `generate` on the same weights. `--profile` adds kernels per decode step (copies, memsets and
 torch's own kernels apart: `launch_counts`) and the share of the decode loop the GPU is busy
@@ -21,6 +21,7 @@ import argparse
 import json
 import tempfile
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -28,48 +29,26 @@ import torch
 from bench.extras import require
 from bench.host_split import host_split, steady_batch
 from bench.step_trace import layer_increments
-from engine.config import ArchConfig
 from engine.draft_vocab import RANK_SUFFIX, ranking_path_beside, write_ranking
+from engine.dummy import DUMMY_SHAPES
 from engine.engine import EngineConfig, LLMEngine
-from engine.loader import (
-    LoadedModel,
-    _materialize,
-    build_model,
-    load_model,
-    mtp_path_default,
-    random_weights,
-    resolve_dtype,
-)
-from engine.model import load_weights
+from engine.loader import LoadedModel, ModelInfo, load_model, load_model_info, mtp_path_default
 from engine.model_runner import kv_room_needed
 from engine.sampling_params import SamplingParams
 from engine.structured import StructuredSpec
 from engine.tensor_parallel import TPGroup
-from engine.tiny import scale_random_
 from kernels.stamps import StepStamps, stamped_busy
 
-SHAPES = {
-    "smollm2": dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
-                    num_attention_heads=9, num_key_value_heads=3, head_dim=64, rope_theta=100000.0,
-                    max_position_embeddings=8192, tie_word_embeddings=True),
-    "llama-1b": dict(vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
-                     num_attention_heads=32, num_key_value_heads=8, head_dim=64, rope_theta=500000.0,
-                     rope_scaling={"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0,
-                                   "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
-                     max_position_embeddings=8192, tie_word_embeddings=True),
-    "llama-8b": dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
-                     num_attention_heads=32, num_key_value_heads=8, head_dim=128, rope_theta=500000.0,
-                     rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-                                   "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
-                     max_position_embeddings=8192, tie_word_embeddings=False),
-}
+# `--arch NAME`: `--model NAME --load-format dummy`, under the names this bench used before the
+# engine had dummy shapes too (the commands in BENCHMARKS.md use them)
+ARCHES = {**{name: name for name in DUMMY_SHAPES},
+          "smollm2": "smollm2-135m", "llama-1b": "llama-3.2-1b", "llama-8b": "llama-3.1-8b"}
 PROFILE_STEPS = 20
 BLOCK_SIZE = 16
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default="tiny", help="tiny, smollm2, a path; or use --arch")
-    p.add_argument("--arch", choices=sorted(SHAPES), default=None, help="random weights of this shape")
+    add_model_arguments(p)
     p.add_argument("--spec-tokens", type=int, default=3)
     p.add_argument("--draft-vocab", type=int, default=0, metavar="N",
                    help="MTP drafts score the N most frequent tokens (FR-Spec); 0 = all")
@@ -95,47 +74,41 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "the grammar masks' cost per step, e.g. '[a-z ]{2000}'")
 
 
-def random_model(arch: str, device: str, dtype: str) -> LoadedModel:
-    """Seeded random weights of shape `arch`; on CUDA drawn on the device (an 8B shape would be
-    32 GB of fp32 on the host), the same on every GPU (every TP rank shards the same model)."""
-    config = shape_config(arch)
-    if device.startswith("cuda"):
-        model = build_model(config, device=device)
-        fill_random_(model, 0)
-    else:
-        model = build_model(config)
-        load_weights(model, *random_weights(model, 0))
-    torch_dtype = resolve_dtype(dtype, device)
-    ranking = ranking_path_beside(mtp_path_default(arch)) or _timing_ranking(config.vocab_size)
-    return LoadedModel(f"random-{arch}", _materialize(model, device, torch_dtype), None, (), False, ranking)
-
-
-def _timing_ranking(vocab: int) -> str:
-    """A shape without a shipped ranking (Llama-1B's) gets ids in order: random weights' drafts
-    are never accepted, so which N ids a draft vocabulary holds does not change a step's time."""
-    path = Path(tempfile.gettempdir()) / f"pdserve-timing-ranking-{vocab}{RANK_SUFFIX}"
-    if not path.is_file():
-        write_ranking(path, torch.arange(vocab, 0, -1), {"source": "ids in order, for timing only"})
-    return str(path)
-
-
-def shape_config(arch: str) -> ArchConfig:
-    return ArchConfig(**SHAPES[arch], eos_token_ids=())  # type: ignore[arg-type]
-
-
-@torch.no_grad()
-def fill_random_(model: torch.nn.Module, seed: int) -> None:
-    """Every parameter drawn in place on its device, scaled as engine/tiny.py `random_tensors`."""
-    g = torch.Generator(next(model.parameters()).device).manual_seed(seed)
-    for name, p in model.named_parameters():
-        scale_random_(name, p.normal_(generator=g))
+def add_model_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default="tiny", help="tiny, smollm2, a path, a dummy shape; or use --arch")
+    p.add_argument("--load-format", choices=("auto", "dummy"), default="auto",
+                   help="'dummy': random weights of --model's shape (engine/dummy.py names llama-3.1-8b, ...)")
+    p.add_argument("--arch", choices=sorted(ARCHES), default=None,
+                   help="random weights of this shape (--model ARCH --load-format dummy)")
 
 
 def load(args: argparse.Namespace, device: str) -> LoadedModel:
     """The model `--arch` (random weights of that shape) or `--model` names, on `device`."""
     if args.arch:
         return random_model(args.arch, device, args.dtype)
-    return load_model(args.model, device=device, dtype=args.dtype)
+    loaded = load_model(args.model, device=device, dtype=args.dtype, load_format=args.load_format)
+    return with_timing_ranking(loaded, args.model) if args.load_format == "dummy" else loaded
+
+
+def random_model(arch: str, device: str, dtype: str) -> LoadedModel:
+    """Seeded random weights of shape `arch` (an `ARCHES` name), drawn on `device` (an 8B shape
+    would be 32 GB of fp32 on the host), the same on every GPU (every TP rank shards the same model)."""
+    return with_timing_ranking(load_model(ARCHES[arch], device=device, dtype=dtype, load_format="dummy"), arch)
+
+
+def with_timing_ranking(loaded: LoadedModel, name: str) -> LoadedModel:
+    """A random model drafts over the shipped ranking of the model `name` names, else over ids in
+    order: random weights' drafts are never accepted, so which N ids a draft vocabulary holds does
+    not change a step's time."""
+    ranking = loaded.vocab_rank_path or ranking_path_beside(mtp_path_default(name))
+    return replace(loaded, vocab_rank_path=ranking or _timing_ranking(loaded.model.config.vocab_size))
+
+
+def _timing_ranking(vocab: int) -> str:
+    path = Path(tempfile.gettempdir()) / f"pdserve-timing-ranking-{vocab}{RANK_SUFFIX}"
+    if not path.is_file():
+        write_ranking(path, torch.arange(vocab, 0, -1), {"source": "ids in order, for timing only"})
+    return str(path)
 
 
 def check_context(loaded: LoadedModel, max_len: int, what: str) -> None:
@@ -387,9 +360,16 @@ def run(args: argparse.Namespace) -> int:
     from engine.tensor_parallel import check_tp_size
     from engine.tp_launch import spawn_ranks
 
-    if args.arch:  # a named model's ranks each raise the same clear error
-        check_tp_size(shape_config(args.arch), args.tp)
+    if args.arch or args.load_format == "dummy":  # a named model's ranks each raise the same clear error
+        check_tp_size(model_info(args).config, args.tp)
     return max(spawn_ranks(args.tp, bench_rank, (args,), device=args.device))
+
+
+def model_info(args: argparse.Namespace) -> ModelInfo:
+    """What a router needs of the model `--arch` or `--model` names (no weights)."""
+    if args.arch:
+        return load_model_info(ARCHES[args.arch], "dummy")
+    return load_model_info(args.model, args.load_format)
 
 
 def bench_rank(tp: TPGroup | None, args: argparse.Namespace) -> int:

@@ -27,7 +27,7 @@ from collections.abc import Callable
 
 import torch
 
-from bench.engine import SHAPES, load
+from bench.engine import add_model_arguments, load
 from bench.extras import require
 from bench.pd_schedule import WARMUP_ITEMS, Trace, greedy_params, node_config, workload
 from engine.engine import LLMEngine, resolve_request
@@ -35,8 +35,7 @@ from engine.loader import LoadedModel
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default="tiny", help="tiny, smollm2, a path; or use --arch")
-    p.add_argument("--arch", choices=sorted(SHAPES), default=None, help="random weights of this shape")
+    add_model_arguments(p)
     p.add_argument("--spec-tokens", type=int, default=0)
     p.add_argument("--prefill-device", default="cpu")
     p.add_argument("--decode-device", default="cpu")

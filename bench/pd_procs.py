@@ -118,13 +118,9 @@ class NodeProcs:
 
 def model_info(args: argparse.Namespace) -> Any:
     """What the router needs of the model (no weights)."""
-    from engine.loader import ModelInfo, load_model_info
+    from bench.engine import model_info as info
 
-    if args.arch:
-        from bench.engine import shape_config
-
-        return ModelInfo(f"random-{args.arch}", shape_config(args.arch), None, ())
-    return load_model_info(args.model)
+    return info(args)
 
 
 async def drive(args: argparse.Namespace, directory: Any, times: list[float], prompts: list[list[int]],

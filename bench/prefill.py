@@ -25,7 +25,7 @@ import time
 
 import torch
 
-from bench.engine import SHAPES, busy_share, load, sync_device
+from bench.engine import add_model_arguments, busy_share, load, sync_device
 from bench.extras import require
 from engine.engine import EngineConfig, LLMEngine
 from engine.loader import LoadedModel
@@ -38,8 +38,7 @@ DEFAULT_CASES = "1x128,1x512,1x2048,16x512,4x4096"
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default="tiny", help="tiny, smollm2, a path; or use --arch")
-    p.add_argument("--arch", choices=sorted(SHAPES), default=None, help="random weights of this shape")
+    add_model_arguments(p)
     p.add_argument("--cases", default=DEFAULT_CASES, metavar="BxN,...", help="batch x prompt tokens per case")
     p.add_argument("--spec-tokens", type=int, default=3, help="also time prefill with this many MTP drafts")
     p.add_argument("--draft-vocab", type=int, default=0, metavar="N",

@@ -73,7 +73,7 @@ def run_arm(args: argparse.Namespace, arm: str) -> tuple[dict[str, Any], list[li
 
     sets = ARMS[arm] + (["decode.prefix_cache=true"] if arm == "prefix" and args.decode_prefix_cache else [])
     cfg = service_config(argparse.Namespace(**{**vars(args), "set": (args.set or []) + sets}), local=True)
-    vocab = load_model_info(cfg.model.resolved_name()).config.vocab_size
+    vocab = load_model_info(cfg.model.resolved_name(), cfg.model.load_format).config.vocab_size
     service, address = start_service(cfg)
     try:
         asyncio.run(warm_up(address, cfg.prefill.num_nodes, vocab))

@@ -114,7 +114,7 @@ class NodeActor:
         torch.set_num_threads(threads)
         tls = node_tls(cfg)  # before the model: a bad file fails the actor at once
         loaded = load_model(cfg.model.resolved_name(), device=cfg.model.resolved_device(), dtype=cfg.model.dtype,
-                            mtp_path=cfg.model.mtp_path)
+                            mtp_path=cfg.model.mtp_path, load_format=cfg.model.load_format)
         clock.mark("model_load")
         self.role, self.node_id, self.host = role, node_id, host
         kv = _kv_options(cfg, role, host) if role != "colocated" else {}

@@ -21,10 +21,13 @@ from deploy.plugins import bench_kinds, bench_module  # noqa: E402
 
 
 def _add_generate(sub: Any) -> None:
+    from deploy.cli_service import add_load_format
+
     p = sub.add_parser("generate", help="generate text locally with the single-process engine")
     p.add_argument("prompts", nargs="+", metavar="PROMPT")
     p.add_argument("--model", default=None,
                    help="a HF safetensors dir, a .gguf file, 'smollm2' or 'tiny' (default: smollm2 if installed, else tiny)")
+    add_load_format(p)
     p.add_argument("--spec-tokens", type=int, default=0, help="MTP draft tokens per step (k); 0 = off")
     p.add_argument("--draft-vocab", type=int, default=0, metavar="N",
                    help="MTP drafts score the model's N most frequent tokens (FR-Spec); 0 = all")
@@ -153,7 +156,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         return generate_rank(None, args)
     from engine.tp_launch import check_tp_model, spawn_ranks
 
-    check_tp_model(args.model, args.tp, "--tp")
+    check_tp_model(args.model, args.tp, "--tp", args.load_format or "auto")
 
     return max(spawn_ranks(args.tp, generate_rank, (args,), device=args.device))
 
@@ -178,7 +181,8 @@ def generate_rank(tp: Any, args: argparse.Namespace) -> int:
                           deterministic=args.deterministic, enable_prefix_caching=args.enable_prefix_caching,
                           max_num_seqs=batch_for(len(args.prompts), EngineConfig.max_num_seqs))
     t0 = time.perf_counter()
-    loaded = load_model(args.model or default_model(), device=device, dtype=args.dtype)
+    loaded = load_model(args.model or default_model(), device=device, dtype=args.dtype,
+                        load_format=args.load_format or "auto")
     t1 = time.perf_counter()
     engine = LLMEngine(loaded, config, tp=tp)
     t2 = time.perf_counter()

@@ -26,7 +26,9 @@ def service_config(args: argparse.Namespace, local: bool = False) -> Any:
     from deploy.config import ServiceConfig, parse_overrides
 
     overrides = parse_overrides(getattr(args, "set", None) or [])
-    for flag, key in (("model", "model.name"), ("prefill", "prefill.num_nodes"), ("decode", "decode.num_nodes"),
+    for flag, key in (("model", "model.name"), ("load_format", "model.load_format"),
+                      ("max_model_len", "model.max_model_len"),
+                      ("prefill", "prefill.num_nodes"), ("decode", "decode.num_nodes"),
                       ("spec_tokens", "spec.num_speculative_tokens"), ("draft_vocab", "spec.draft_vocab_size"),
                       ("port", "router.port"), ("http_port", "router.http_port"),
                       ("address", "cluster.address"), ("device", "model.device"),
@@ -57,6 +59,9 @@ def service_config(args: argparse.Namespace, local: bool = False) -> Any:
 def add_service_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", default=None, help="YAML service config (unknown keys are errors)")
     p.add_argument("--model", default=None)
+    add_load_format(p)
+    p.add_argument("--max-model-len", type=int, default=None, metavar="N",
+                   help="the longest prompt + output served (default: the model's positions, at most 4096)")
     p.add_argument("--prefill", type=int, default=None, help="prefill nodes")
     p.add_argument("--decode", type=int, default=None, help="decode nodes")
     p.add_argument("--colocated", type=int, default=None, metavar="N",
@@ -94,6 +99,12 @@ def add_service_arguments(p: argparse.ArgumentParser) -> None:
                    help="prefill nodes reuse the KV of prompt prefixes they computed (prefill.prefix_cache); "
                    "pair with --set router.policy=prefix")
     p.add_argument("--set", action="append", metavar="KEY=VALUE", help="any config key, e.g. decode.max_num_seqs=64")
+
+
+def add_load_format(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--load-format", choices=("auto", "dummy"), default=None,
+                   help="'dummy': random weights of --model's shape, a named one (llama-3.2-1b, llama-3.1-8b, "
+                   "qwen2.5-7b, smollm2-135m) or a model's, for timing real sizes without weights (as vLLM's)")
 
 
 def start_service(cfg: Any) -> tuple[Any, str]:
@@ -135,7 +146,7 @@ def check_tp_fits(cfg: Any) -> None:
     if cfg.decode.tp > 1 and cfg.cluster.address is None:
         from engine.tp_launch import check_tp_model
 
-        check_tp_model(cfg.model.resolved_name(), cfg.decode.tp, "decode.tp")
+        check_tp_model(cfg.model.resolved_name(), cfg.decode.tp, "decode.tp", cfg.model.load_format)
 
 
 def shutdown(service: Any) -> None:

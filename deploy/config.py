@@ -7,8 +7,8 @@ every component (router included) can read its own section cheaply.
 
 YAML layout (every section and key optional):
 
-    model: {name: tiny, dtype: auto, device: auto, max_model_len: 2048, mtp_path: null, enforce_eager: false,
-            deterministic: false, warmup: true}
+    model: {name: tiny, load_format: auto, dtype: auto, device: auto, max_model_len: 2048, mtp_path: null,
+            enforce_eager: false, deterministic: false, warmup: true}
     spec: {num_speculative_tokens: 2, draft_vocab_size: 0}
     cache: {block_size: 16, num_blocks: null, kv_cache_bytes: 536870912}
     kv_transfer: {backend: ucx, timeout_s: 30, faults: {drop: 0, delay: 0, duplicate: 0, truncate: 0}}
@@ -57,6 +57,8 @@ class _Section(BaseModel):
 
 class ModelConfig(_Section):
     name: str | None = None  # 'tiny', 'smollm2', a HF dir or a .gguf file; None: the embedded default
+    # vLLM's: 'dummy' gives random weights of `name`'s shape, a named one (llama-3.1-8b, ...) or a model's
+    load_format: Literal["auto", "dummy"] = "auto"
     dtype: str = "auto"
     device: str = "auto"  # 'auto': cuda when available, else cpu
     max_model_len: int | None = Field(default=None, gt=0)  # None: min(model's positions, 4096)

@@ -40,7 +40,7 @@ class RouterActor:
         async with self._starting:
             if self.router is not None:
                 return self._address(self.router.grpc_port)
-            info = load_model_info(self.cfg.model.resolved_name())
+            info = load_model_info(self.cfg.model.resolved_name(), self.cfg.model.load_format)
             max_len = self.cfg.model.max_model_len or min(info.config.max_position_embeddings, 4096)
             router = Router(info, self.directory, self.cfg.router, max_model_len=max_len,
                             num_speculative_tokens=self.cfg.spec.num_speculative_tokens,

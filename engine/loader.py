@@ -1,4 +1,6 @@
-"""Build a ready model from a `--model` value: 'tiny', 'smollm2', a HF directory or a .gguf file.
+"""Build a ready model from a `--model` value: 'tiny', 'smollm2', a HF directory or a .gguf file;
+with `load_format="dummy"` (vLLM's `--load-format dummy`), one of engine/dummy.py's named shapes
+or any of those, with random weights.
 
 Hands on a `LoadedModel` (module on its device and dtype, tokenizer, EOS ids). Models that ship
 no MTP weights get the head shipped in engine/mtp_heads/{name}.safetensors when there is one
@@ -24,6 +26,14 @@ from safetensors.torch import load_file
 
 from engine.config import ArchConfig
 from engine.draft_vocab import ranking_path_beside
+from engine.dummy import (
+    DUMMY_SEED,
+    DUMMY_SHAPES,
+    DummyTokenizer,
+    dummy_config,
+    dummy_names,
+    fill_random_,
+)
 from engine.model import CausalLM, RotaryEmbedding, load_weights, split_mtp_tensors
 from engine.tiny import TINY_SEED, ByteTokenizer, random_tensors, tiny_config
 
@@ -32,6 +42,7 @@ DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfl
 MTP_INIT_SEED = 4321
 FEATURE_LAYERS_KEY = "pdserve.mtp_feature_layers"  # safetensors metadata of a head that reads them
 POSITION_SLACK = 64  # rotary cache room past max positions for the MTP chain
+LOAD_FORMATS = ("auto", "dummy")  # vLLM's names: weights from the checkpoint, or random ones
 
 
 @dataclass
@@ -115,10 +126,13 @@ def _materialize(model: CausalLM, device: str, dtype: torch.dtype) -> CausalLM:
     return model.eval().requires_grad_(False)
 
 
-def load_model(name: str, device: str = "cpu", dtype: str | None = None, mtp_path: str | None = None) -> LoadedModel:
+def load_model(name: str, device: str = "cpu", dtype: str | None = None, mtp_path: str | None = None,
+               load_format: str = "auto") -> LoadedModel:
     from engine.weights import load_checkpoint, resolve_model
 
     torch_dtype = resolve_dtype(dtype, device)
+    if check_load_format(load_format) == "dummy":
+        return load_dummy(name, device, torch_dtype, mtp_path)
     path = resolve_model(name)
     if path == "tiny":
         config = tiny_config()
@@ -148,6 +162,28 @@ def load_model(name: str, device: str = "cpu", dtype: str | None = None, mtp_pat
     eos = ckpt.tokenizer.eos_token_ids if ckpt.tokenizer is not None else config.eos_token_ids
     return LoadedModel(served_name(name), model, ckpt.tokenizer, tuple(eos), trained,
                        vocab_rank_path(served_name(name), mtp_path))
+
+
+def check_load_format(load_format: str) -> str:
+    if load_format not in LOAD_FORMATS:
+        raise ValueError(f"unknown load format {load_format!r}; known: {', '.join(LOAD_FORMATS)}")
+    return load_format
+
+
+def load_dummy(name: str, device: str, dtype: torch.dtype, mtp_path: str | None = None,
+               seed: int = DUMMY_SEED) -> LoadedModel:
+    """`name`'s shape (load_model_info's, as dummy) with seeded random weights drawn on `device` in
+    `dtype`, the MTP head's too (untrained: for cost-only runs with k > 0)."""
+    if mtp_path is not None:
+        raise ValueError("a dummy model's MTP head is random: give no MTP file with load format 'dummy'")
+    return dummy_model(load_model_info(name, "dummy"), device, dtype, seed)
+
+
+def dummy_model(info: ModelInfo, device: str, dtype: torch.dtype, seed: int = DUMMY_SEED) -> LoadedModel:
+    """A model of `info`'s config built on `device` in `dtype` and filled in place with random weights."""
+    model = empty_model(info.config, device, dtype)
+    fill_random_(model, seed)
+    return LoadedModel(info.name, model, info.tokenizer, info.eos_token_ids, False, vocab_rank_path(info.name, None))
 
 
 def random_weights(model: CausalLM, seed: int) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
@@ -228,11 +264,13 @@ class ModelInfo:
     eos_token_ids: tuple[int, ...]
 
 
-def load_model_info(name: str) -> ModelInfo:
+def load_model_info(name: str, load_format: str = "auto") -> ModelInfo:
     from engine import gguf_loader
     from engine.tokenizer import Tokenizer
     from engine.weights import resolve_model
 
+    if check_load_format(load_format) == "dummy":
+        return dummy_info(name)
     path = resolve_model(name)
     if path == "tiny":
         cfg = tiny_config()
@@ -248,6 +286,20 @@ def load_model_info(name: str) -> ModelInfo:
     return ModelInfo(served_name(name), cfg, hf_tok, eos)
 
 
+def dummy_info(name: str) -> ModelInfo:
+    """A dummy model's config and tokenizer: a named shape's (engine/dummy.py) with the stand-in
+    tokenizer, else the real model's (no weights read). No EOS id: requests run to max_tokens."""
+    if name in DUMMY_SHAPES:
+        config = dummy_config(name)
+        return ModelInfo(name, config, DummyTokenizer(config.vocab_size), ())
+    try:
+        info = load_model_info(name)
+    except ValueError as e:
+        raise ValueError(f"{e}; with load format 'dummy', or a named shape: {dummy_names()}") from None
+    tokenizer = info.tokenizer if info.tokenizer is not None else DummyTokenizer(info.config.vocab_size)
+    return ModelInfo(info.name, replace(info.config, eos_token_ids=()), tokenizer, ())
+
+
 def served_name(name: str) -> str:
     """The name clients use for a model: the alias itself, or the file/dir name of a path."""
-    return name if name in ("smollm2", "tiny") else Path(name).name.removesuffix(".gguf")
+    return name if name in ("smollm2", "tiny", *DUMMY_SHAPES) else Path(name).name.removesuffix(".gguf")

@@ -44,11 +44,11 @@ def rank_device(device: str, rank: int) -> str:
     return f"cuda:{rank}" if device.startswith("cuda") else device
 
 
-def check_tp_model(model: str | None, tp: int, setting: str) -> None:
+def check_tp_model(model: str | None, tp: int, setting: str, load_format: str = "auto") -> None:
     """Before any rank starts: a TP size (given as `setting`) that the model's heads or vocabulary
     do not split over is a clear error (engine/tensor_parallel.py `plan`), from its config alone."""
     name = model or default_model()
-    config = load_model_info(name).config
+    config = load_model_info(name, load_format).config
     try:
         check_tp_size(config, tp)
     except ValueError as e:

@@ -26,6 +26,7 @@ from safetensors.torch import save_file
 
 from engine import gguf_loader
 from engine.config import ArchConfig
+from engine.dummy import DUMMY_SHAPES
 from engine.tokenizer import Tokenizer
 
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -59,6 +60,9 @@ def resolve_model(name: str) -> str:
         return str(path)
     if path.is_file() and path.suffix == ".gguf":
         return str(path)
+    if name in DUMMY_SHAPES:
+        raise ValueError(f"{name!r} is a named shape without weights: load it with load format 'dummy' "
+                         "(--load-format dummy)")
     raise ValueError(
         f"unknown model {name!r}: expected a path to a HF safetensors directory or .gguf file, "
         "'smollm2', or 'tiny'"

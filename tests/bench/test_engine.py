@@ -9,7 +9,8 @@ import json
 
 import pytest
 
-from bench.engine import PROFILE_STEPS, add_arguments, fill_random_, launch_counts, run
+from bench.engine import PROFILE_STEPS, add_arguments, launch_counts, run
+from engine.dummy import fill_random_
 from engine.loader import build_model
 from engine.tiny import random_tensors, tiny_config
 
@@ -103,3 +104,11 @@ def test_a_context_past_the_models_positions_is_a_clear_error(capsys):
     assert "--max-tokens 64 needs a context of 1072 tokens; tiny has 1024 positions" in capsys.readouterr().err
     assert main(["bench", "engine", "--model", "tiny", "--max-model-len", "4096"]) == 2
     assert "--max-model-len 4096 needs a context of 4096 tokens; tiny has 1024 positions" in capsys.readouterr().err
+
+
+def test_a_dummy_model_is_timed_and_drafts_over_a_timing_ranking(capfd):
+    assert run(_args("--model", "tiny", "--load-format", "dummy", "--batch", "2", "--spec-tokens", "2",
+                     "--draft-vocab", "16", "--max-tokens", "4", "--prompt-len", "8")) == 0
+    rows = [json.loads(line) for line in capfd.readouterr().out.splitlines() if line.startswith("{")]
+    assert [(r["model"], r["spec_tokens"], r["draft_vocab"], r["decode_tokens"]) for r in rows] == [
+        ("tiny", 0, None, 6), ("tiny", 2, 16, 6)]

@@ -45,6 +45,13 @@ def test_generate_with_prefix_caching_gives_the_same_greedy_output(capsys):
     assert [r["token_ids"] for r in cached] == [r["token_ids"] for r in plain]
 
 
+def test_generate_a_dummy_model_runs_to_max_tokens(capsys):
+    real = run_json(capsys, "--max-tokens", "20", "hi", "there")
+    dummy = run_json(capsys, "--load-format", "dummy", "--max-tokens", "20", "hi", "there")
+    assert [(len(r["token_ids"]), r["finish_reason"]) for r in dummy] == [(20, "length")] * 2
+    assert [r["token_ids"] for r in dummy] != [r["token_ids"] for r in real]  # tiny's shape, other weights
+
+
 @pytest.mark.parametrize(
     "args, message",
     [
@@ -54,6 +61,8 @@ def test_generate_with_prefix_caching_gives_the_same_greedy_output(capsys):
         (["--model", "tiny", "--temperature", "-0.1", "x"], "temperature must be >= 0"),
         (["--model", "tiny", "--max-model-len", "16", "x" * 40], "the context is 16"),
         (["--model", "tiny", "--spec-tokens", "2", "--draft-vocab", "16", "x"], "needs a vocabulary ranking"),
+        (["--model", "llama-3.1-8b", "x"], "'llama-3.1-8b' is a named shape without weights"),
+        (["--model", "llama-9b", "--load-format", "dummy", "x"], "or a named shape: llama-3.1-8b, llama-3.2-1b"),
     ],
 )
 def test_bad_input_exits_nonzero_with_clear_message(args, message):

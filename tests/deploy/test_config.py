@@ -111,6 +111,21 @@ def test_parse_overrides_reads_yaml_scalars():
         parse_overrides(["decode.num_nodes"])
 
 
+def test_load_format_and_max_model_len_flags_reach_the_model_config():
+    import argparse
+
+    from deploy.cli_service import add_service_arguments, service_config
+
+    parser = argparse.ArgumentParser()
+    add_service_arguments(parser)
+    cfg = service_config(parser.parse_args(["--model", "llama-3.1-8b", "--load-format", "dummy",
+                                            "--max-model-len", "8192"]))
+    assert (cfg.model.name, cfg.model.load_format, cfg.model.max_model_len) == ("llama-3.1-8b", "dummy", 8192)
+    assert service_config(parser.parse_args([])).model.load_format == "auto"
+    with pytest.raises(ConfigError, match="load_format"):
+        ServiceConfig.load(None, {"model.load_format": "random"})
+
+
 def test_enforce_eager_and_deterministic_flags_reach_the_engine_config():
     import argparse
 

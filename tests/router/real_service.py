@@ -1,5 +1,5 @@
-"""A router serving HTTP on 127.0.0.1 in front of real nodes in this process (the tiny model): a
-prefill and a decode node (KV over tcp), or one colocated node. The router runs on its own loop
+"""A router serving HTTP on 127.0.0.1 in front of real nodes in this process (the tiny model, or
+a given (LoadedModel, ModelInfo) pair): a prefill and a decode node (KV over tcp), or one colocated node. The router runs on its own loop
 thread, so tests drive it with blocking clients (the `openai` client, httpx2)."""
 
 from __future__ import annotations
@@ -23,8 +23,9 @@ from router import NodeDirectory, Router
 
 
 class RealService:
-    def __init__(self, mode: str = "pd", k: int = 2, max_model_len: int = 128, **router: Any) -> None:
-        loaded = load_model("tiny")
+    def __init__(self, mode: str = "pd", k: int = 2, max_model_len: int = 128, model: tuple[Any, Any] | None = None,
+                 **router: Any) -> None:
+        loaded, info = model or (load_model("tiny"), load_model_info("tiny"))
         self.mode, self.config = mode, EngineConfig(num_speculative_tokens=k, max_model_len=max_model_len)
         self.nodes: list[Any] = []
         self.servers: list[Any] = []
@@ -38,7 +39,7 @@ class RealService:
             directory = NodeDirectory(colocated=[f"127.0.0.1:{self.servers[0][1]}"])
         config = RouterConfig(host="127.0.0.1", port=0, http_port=0, status_interval_s=0.05, default_timeout_s=60,
                               **router)
-        self.router = Router(load_model_info("tiny"), directory, config, max_model_len=max_model_len)
+        self.router = Router(info, directory, config, max_model_len=max_model_len)
         self.loop = asyncio.new_event_loop()
         threading.Thread(target=self.loop.run_forever, daemon=True).start()
         self.call(self.router.start())
