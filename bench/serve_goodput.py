@@ -140,14 +140,18 @@ def comparison(layouts: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def table(report: dict[str, Any]) -> str:
-    """The layouts' runs as a text table, then each layout's goodput."""
-    head = ("layout", "rate", "TTFT p50", "TTFT p99", "TPOT p50", "TPOT p99", "ITL p99", "tok/s", "attain")
+    """The layouts' runs as a text table (milliseconds; KV: the KV transfers' p50 and p99), then
+    each layout's goodput."""
+    head = ("layout", "rate", "TTFT p50", "TTFT p99", "TPOT p50", "TPOT p99", "ITL p99", "KV p50", "KV p99",
+            "tok/s", "attain")
     rows = [head]
     for lay in report["layouts"]:
         for r in lay["runs"]:
+            server = r.get("server") or {}
+            kv = (f"{server[k]:.2f}" if k in server else "-" for k in ("kv_transfer_p50_ms", "kv_transfer_p99_ms"))
             rows.append((lay["name"], f"{r['request_rate']:g}", *(f"{r[k][p]:.1f}" for k, p in (
                 ("ttft", "p50_ms"), ("ttft", "p99_ms"), ("tpot", "p50_ms"), ("tpot", "p99_ms"), ("itl", "p99_ms"))),
-                f"{r['output_throughput']:.0f}", f"{r['slo_attainment']:.2f}"))
+                *kv, f"{r['output_throughput']:.0f}", f"{r['slo_attainment']:.2f}"))
     widths = [max(len(row[i]) for row in rows) for i in range(len(head))]
     lines = ["  ".join(c.rjust(w) for c, w in zip(row, widths, strict=True)) for row in rows]
     lines.append(f"SLOs: TTFT <= {report['slo_ttft_ms']:g} ms, TPOT <= {report['slo_tpot_ms']:g} ms; "

@@ -84,7 +84,7 @@ def test_parse_layout():
 def _run(rate: float, share: float) -> dict:
     lat = {"p50_ms": 1.0, "p90_ms": 2.0, "p99_ms": 3.0, "mean_ms": 1.5}
     return {"request_rate": rate, "slo_attainment": share, "ttft": lat, "tpot": lat, "itl": lat,
-            "output_throughput": 100.0}
+            "output_throughput": 100.0, "server": {"kv_transfer_p50_ms": 0.25, "kv_transfer_p99_ms": 0.75}}
 
 
 def test_comparison_table_and_plot(tmp_path):
@@ -99,7 +99,9 @@ def test_comparison_table_and_plot(tmp_path):
     assert 2.0 < pd_rate < 4.0 and 1.0 < colo_rate < 2.0
     assert report["goodput_ratio_pd_over_colocated"] == pytest.approx(pd_rate / colo_rate, abs=1e-3)
     assert comparison(layouts[:1]) == {"goodput_ratio_pd_over_colocated": None}
+    layouts[1]["runs"] = [{**r, "server": {}} for r in layouts[1]["runs"]]  # colocated: no KV transfers
     text = table(report)
+    assert text.count("0.75") == 3 and text.count(" - ") == 6  # p50 and p99 of 3 colocated rows
     assert text.count("1P1D") == 4 and "PD / colocated goodput" in text and "TPOT <= 20 ms" in text
     plot_attainment(report, tmp_path / "attainment.png")
     assert (tmp_path / "attainment.png").stat().st_size > 0
