@@ -4,7 +4,10 @@
 what the service measured itself over it: the router's TTFT (`time_to_first_token_seconds`, from
 the request's arrival at the router to its first token going out), the prefill nodes' step time per
 completed request (`prefill_seconds`: the steps' host-measured time, the device's work included)
-and the KV transfer seconds per request (PD). Against the client's TTFT, these split the time into
+and the KV transfer time (PD): its mean per completed request, and over the run's transfers
+(`kv_transfer_seconds`, a histogram: from a request's last layer queued on the prefill node to
+the decode node's acknowledgement) their mean, and p50 and p99 estimated from the buckets as
+Prometheus' `histogram_quantile` does (linear within a bucket). Against the client's TTFT, these split the time into
 the HTTP/client side, the router and queues, and the prefill itself; the router's reservation
 (Reserve on a decode node, Submit on a colocated one) and Prefill calls, as it timed them, split
 the router's part. A server without these
@@ -13,16 +16,19 @@ metrics (another vendor's) gives an empty breakdown.
 
 from __future__ import annotations
 
+import math
 import re
 import time
 import urllib.request
 
 _LINE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[^}]*\})?\s+([-+0-9.eEinfNa]+)$")
 WANTED = ("pdserve:time_to_first_token_seconds_sum", "pdserve:time_to_first_token_seconds_count",
-          "pdserve:prefill_seconds", "pdserve:prefill_tokens", "pdserve:kv_transfer_seconds",
+          "pdserve:prefill_seconds", "pdserve:prefill_tokens", "pdserve:kv_transfer_seconds_sum",
+          "pdserve:kv_transfer_seconds_count", "pdserve:kv_transfer_seconds_bucket",
           "pdserve:kv_blocks_used", "pdserve:request_reserve_time_seconds_sum",
           "pdserve:request_reserve_time_seconds_count", "pdserve:request_prefill_time_seconds_sum",
           "pdserve:request_prefill_time_seconds_count")
+_LE = re.compile(r'le="([^"]*)"')
 SETTLE_S = 10.0  # how long after a run the nodes' used KV blocks may take to come back (status polls)
 
 
@@ -42,13 +48,34 @@ def scrape(base_url: str | None, api_key: str | None = None) -> dict[str, float]
 
 
 def parse(text: str) -> dict[str, float]:
+    """WANTED families summed over label sets; a histogram's buckets apart, as `NAME_bucket|LE`."""
     out: dict[str, float] = {}
     for line in text.splitlines():
         m = _LINE.match(line.strip())
         name = m.group(1).removesuffix("_total") if m else ""  # counters are exposed as NAME_total
         if m and name in WANTED:
-            out[name] = out.get(name, 0.0) + float(m.group(3))
+            le = _LE.search(m.group(2) or "") if name.endswith("_bucket") else None
+            key = f"{name}|{le.group(1)}" if le else name
+            out[key] = out.get(key, 0.0) + float(m.group(3))
     return out
+
+
+def histogram_quantile(q: float, buckets: dict[float, float]) -> float:
+    """The q-quantile of a histogram given as {upper bound: cumulative count}, linear within the
+    bucket it falls in (Prometheus' rule; in the +Inf bucket: the highest finite bound); nan when empty."""
+    bounds = sorted(buckets)
+    total = buckets[bounds[-1]] if bounds else 0.0
+    if total <= 0:
+        return math.nan
+    rank, lower, below = q * total, 0.0, 0.0
+    for le in bounds:
+        count = buckets[le]
+        if count >= rank:
+            if math.isinf(le):
+                return lower
+            return lower + (le - lower) * ((rank - below) / (count - below) if count > below else 1.0)
+        lower, below = le, count
+    return lower
 
 
 def breakdown(before: dict[str, float], after: dict[str, float], completed: int) -> dict[str, float]:
@@ -68,21 +95,43 @@ def breakdown(before: dict[str, float], after: dict[str, float], completed: int)
         if calls > 0:
             out[f"router_{phase}_call_mean_ms"] = round(1000 * delta(f"pdserve:request_{phase}_time_seconds_sum") / calls, 2)
     out["prefill_ms_per_request"] = round(1000 * delta("pdserve:prefill_seconds") / completed, 2)
-    out["kv_transfer_ms_per_request"] = round(1000 * delta("pdserve:kv_transfer_seconds") / completed, 2)
+    out["kv_transfer_ms_per_request"] = round(1000 * delta("pdserve:kv_transfer_seconds_sum") / completed, 2)
+    out.update(_kv_transfers(before, after))
     return out
 
 
-def settle(base_url: str | None, before: dict[str, float], api_key: str | None = None) -> dict[str, float]:
-    """The nodes' KV blocks in use before a run and once it is over: scrapes until they are back to
-    the run's start (the router's view of a node is its last status poll) or SETTLE_S passes. A
-    difference left is blocks the run's requests still hold: a leak (issue 27's check)."""
-    if not before or "pdserve:kv_blocks_used" not in before:
+def _kv_transfers(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
+    """The run's KV transfers from the `kv_transfer_seconds` histogram: count, mean, p50, p99 (ms)."""
+    n = after.get("pdserve:kv_transfer_seconds_count", 0.0) - before.get("pdserve:kv_transfer_seconds_count", 0.0)
+    if n <= 0:
         return {}
-    deadline, after = time.monotonic() + SETTLE_S, before
-    while True:
-        after = scrape(base_url, api_key) or after
-        if after.get("pdserve:kv_blocks_used", 0.0) <= before["pdserve:kv_blocks_used"] or time.monotonic() > deadline:
+    prefix = "pdserve:kv_transfer_seconds_bucket|"
+    buckets = {float(k[len(prefix):]): v - before.get(k, 0.0) for k, v in after.items() if k.startswith(prefix)}
+    total = after["pdserve:kv_transfer_seconds_sum"] - before.get("pdserve:kv_transfer_seconds_sum", 0.0)
+    return {"kv_transfers": n, "kv_transfer_mean_ms": round(1000 * total / n, 3),
+            **{f"kv_transfer_p{round(100 * q)}_ms": round(1000 * histogram_quantile(q, buckets), 3)
+               for q in (0.5, 0.99)}}
+
+
+NODE_VIEW = ("pdserve:prefill_tokens", "pdserve:kv_transfer_seconds_count", "pdserve:kv_blocks_used")
+
+
+def settle(base_url: str | None, before: dict[str, float], api_key: str | None = None,
+           status_interval_s: float = 1.0) -> tuple[dict[str, float], dict[str, float]]:
+    """Once a run is over: the nodes' KV blocks in use before it and now, and the scrape to take the
+    run's figures from. The router's view of a node is its last Status poll (every
+    `status_interval_s`), so scrapes repeat, each past the next poll, until two in a row agree on
+    the nodes' figures with the blocks back to the run's start, or SETTLE_S passes. Blocks still
+    used then are held by the run's requests: a leak (issue 27's check)."""
+    if not before or "pdserve:kv_blocks_used" not in before:
+        return {}, scrape(base_url, api_key) if before else {}
+    deadline, last = time.monotonic() + SETTLE_S, scrape(base_url, api_key) or before
+    while time.monotonic() < deadline:
+        time.sleep(1.5 * status_interval_s)
+        now = scrape(base_url, api_key) or last
+        agree = all(now.get(k) == last.get(k) for k in NODE_VIEW)
+        last = now
+        if agree and now.get("pdserve:kv_blocks_used", 0.0) <= before["pdserve:kv_blocks_used"]:
             break
-        time.sleep(0.25)
     return {"kv_blocks_used_before": before["pdserve:kv_blocks_used"],
-            "kv_blocks_used_after": after.get("pdserve:kv_blocks_used", 0.0)}
+            "kv_blocks_used_after": last.get("pdserve:kv_blocks_used", 0.0)}, last

@@ -75,6 +75,27 @@ def init_ray(cfg: ServiceConfig, temp_dir: str | None = None, num_cpus: int | No
             ray.shutdown()
 
 
+def gpus_needed(cfg: ServiceConfig) -> float:
+    """GPUs the service's nodes take when it runs on GPUs: per node, `num_gpus` (default 1) per TP rank.
+    `--prefill P --decode D` at TP t is (P + D) x t GPUs, `--colocated N` is N."""
+    return sum(n * getattr(cfg.section(role), "tp", 1) * cfg.section(role).num_gpus
+               for role, n in cfg.node_counts.items())
+
+
+def check_gpus_fit(cfg: ServiceConfig) -> None:
+    """On a local cluster, a layout wanting more GPUs than the host has is an error before any actor
+    starts, not node actors pending until the start times out."""
+    import ray
+
+    if cfg.cluster.address is not None or not cfg.model.resolved_device().startswith("cuda"):
+        return
+    have, want = ray.cluster_resources().get("GPU", 0.0), gpus_needed(cfg)
+    if want > have:
+        counts = ", ".join(f"{n} {role}" for role, n in cfg.node_counts.items())
+        raise ValueError(f"the service's nodes ({counts}) take {want:g} GPUs (num_gpus per node and TP rank), "
+                         f"and this host has {have:g}")
+
+
 class Service:
     def __init__(self, cfg: ServiceConfig) -> None:
         self.cfg = with_cluster_secret(cfg)  # router and nodes share it; made here when not given
@@ -100,6 +121,7 @@ class Service:
         from deploy.actors import NodeActor
         from deploy.router_actor import RouterActor
 
+        check_gpus_fit(self.cfg)
         t0 = time.perf_counter()
         cfg_json = self.cfg.model_dump_json()
         for role, count in self.cfg.node_counts.items():

@@ -34,6 +34,7 @@ runner and the block manager; other threads only enqueue (`submit`, `abort`).
 
 from __future__ import annotations
 
+import bisect
 import concurrent.futures
 import logging
 import queue
@@ -56,7 +57,7 @@ from engine.step_loop import StepLoop
 from engine.tensor_parallel import TPGroup
 from engine.warmup import capture_deferred, warm_up
 from kvtransfer import KVLayout, TransferState, TransferStatus, create_sender
-from protos.messages import FirstToken, TokenLogprobs, token_logprobs
+from protos.messages import KV_TRANSFER_BUCKETS, FirstToken, TokenLogprobs, token_logprobs
 
 FirstTokenSink = Callable[[str, FirstToken], None]  # (decode address, message)
 
@@ -149,6 +150,7 @@ class PrefillNode(StepLoop):
         self._sent_at: dict[str, float] = {}  # request id -> when its last layer was queued
         self.counters = {"prefill_tokens": 0, "prefill_seconds": 0.0, "kv_bytes": 0, "kv_seconds": 0.0,
                          "kv_skipped_bytes": 0}  # not sent: the decode node held those blocks
+        self.kv_buckets = [0] * (len(KV_TRANSFER_BUCKETS) + 1)  # transfers per time bucket (/metrics' histogram)
         # request id -> {event: monotonic time} (queued, started, computed, first_sent, kv_acked);
         # None (serving): nothing kept. `pdserve bench pd` turns it on for the TTFT breakdown.
         self.timings: dict[str, dict[str, float]] | None = None
@@ -187,7 +189,8 @@ class PrefillNode(StepLoop):
         its last layer queued to the decode node's acknowledgement (what compute did not hide)."""
         return {"free_blocks": self.blocks.num_free, "total_blocks": self.blocks.capacity,
                 "running": len(self.waiting), "queued_tokens": self.queued_tokens, **self.counters,
-                **self.prefix.status(), "takes_attach": self.takes_attach}
+                **self.prefix.status(), "takes_attach": self.takes_attach,
+                "kv_seconds_buckets": list(self.kv_buckets)}
 
     def stop(self) -> None:
         self.stop_loop()
@@ -486,7 +489,9 @@ class PrefillNode(StepLoop):
         if done:
             self._mark(rid, "kv_acked", at)
         if done and sent is not None:
-            self.counters["kv_seconds"] += max(0.0, at - sent)
+            took = max(0.0, at - sent)
+            self.counters["kv_seconds"] += took
+            self.kv_buckets[bisect.bisect_left(KV_TRANSFER_BUCKETS, took)] += 1
         blocks = self.leased.pop(rid, None)
         if blocks is not None:
             self.blocks.free(blocks)

@@ -20,6 +20,11 @@ MAX_LOGPROBS = 20
 MAX_CHOICES = 16  # n (engine.sampling_params.MAX_N)
 MAX_PROMPT_TOKENS = 1 << 20  # prompt logprobs in one message; the router checks the prompt's own length
 
+# Upper bounds (seconds) of NodeStatus.kv_seconds_buckets: a prefill node counts each KV transfer
+# in the first bucket whose bound holds its time, the last bucket (one more) being +Inf.
+KV_TRANSFER_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5,
+                       1.0, 2.5, 5.0, 10.0)
+
 FLAG_LOGPROBS = 1  # the item carries logprob columns
 FLAG_FINISHED = 2  # terminal: finished with `finish_reason`
 FLAG_ERROR = 4  # terminal: failed with `error`

@@ -16,14 +16,17 @@ gap g observes g/n n times), end-to-end latency once per finished request.
 from __future__ import annotations
 
 import bisect
+import itertools
 import time
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from prometheus_client.parser import text_string_to_metric_families
+
+from protos.messages import KV_TRANSFER_BUCKETS
 
 if TYPE_CHECKING:
     from router.pool import Node
@@ -194,8 +197,8 @@ class NodeCollector:
             CounterMetricFamily("pdserve:prefill_tokens", "Prompt tokens prefilled (P); rate() = prefill tokens/s", labels=keys),
             CounterMetricFamily("pdserve:prefill_seconds", "Seconds spent in prefill steps (P)", labels=keys),
             CounterMetricFamily("pdserve:kv_transfer_bytes", "KV bytes pushed (P) or received (D)", labels=keys),
-            CounterMetricFamily("pdserve:kv_transfer_seconds", "Seconds from a transfer's start to its completion",
-                                labels=keys),
+            HistogramMetricFamily("pdserve:kv_transfer_seconds", "A request's KV transfer (P): from its last "
+                                  "layer queued to the decode node's acknowledgement", labels=keys),
             CounterMetricFamily("pdserve:kv_transfer_skipped_bytes", "KV bytes not pushed (P) or received (D): "
                                 "the decode node's prefix cache held them", labels=keys),
             CounterMetricFamily("pdserve:spec_decode_num_draft_tokens", "MTP drafts verified, per draft position (D)",
@@ -238,7 +241,11 @@ class NodeCollector:
         tokens.add_metric(key, s.prefill_tokens)
         seconds.add_metric(key, s.prefill_seconds)
         kv_bytes.add_metric(key, s.kv_bytes)
-        kv_seconds.add_metric(key, s.kv_seconds)
+        buckets = list(s.kv_seconds_buckets)
+        if len(buckets) == len(KV_TRANSFER_BUCKETS) + 1 and min(buckets) >= 0:  # P only; a malformed list is left out
+            bounds = [*(f"{b:g}" for b in KV_TRANSFER_BUCKETS), "+Inf"]
+            cumulative = [float(c) for c in itertools.accumulate(buckets)]
+            kv_seconds.add_metric(key, list(zip(bounds, cumulative, strict=True)), s.kv_seconds)
         kv_skipped.add_metric(key, s.kv_skipped_bytes)
         for pos, (d, a) in enumerate(zip(s.draft_tokens, s.accepted_per_pos, strict=False)):
             drafts.add_metric([*key, str(pos)], d)

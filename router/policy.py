@@ -72,14 +72,21 @@ class RoundRobin(Policy):
 
 
 class LeastLoad(Policy):
-    """Decode: most free KV blocks, then fewest running (Status's + this router's in flight).
+    """Decode: most free KV blocks per request in the batch, this one included (free / (1 + running),
+    running = Status's + this router's in flight), then fewest running. Both count: a node with twice
+    the batch needs twice the free KV to rank level, and since free blocks come only with each Status
+    poll, the in-flight count, which moves with every placement, spreads a burst between two polls.
     Prefill: fewest queued prompt tokens (Status's + this router's outstanding), then fewest
     in flight. Ties break by address, so choices are deterministic."""
 
     name = "least_load"
 
     def order_decode(self, nodes: Sequence[NodeLoad]) -> list[NodeLoad]:
-        return sorted(nodes, key=lambda n: (-n.free_blocks, n.running + n.inflight, n.address))
+        def key(n: NodeLoad) -> tuple[float, int, str]:
+            running = n.running + n.inflight
+            return -n.free_blocks / (1 + running), running, n.address
+
+        return sorted(nodes, key=key)
 
     def order_prefill(self, nodes: Sequence[NodeLoad], prompt: Sequence[int] = ()) -> list[NodeLoad]:
         return sorted(nodes, key=lambda n: (prefill_load(n), n.running + n.inflight, n.address))

@@ -13,7 +13,8 @@ def bench_args(tmp_path, **over) -> argparse.Namespace:
     p = argparse.ArgumentParser()
     serve.add_arguments(p)
     args = p.parse_args(["--num-prompts", "12", "--output-len", "6", "--range-ratio", "0.5",
-                         "--plot-dir", str(tmp_path)])
+                         "--slo-ttft-ms", "60000", "--slo-itl-ms", "60000", "--plot-dir", str(tmp_path)])
+    args.status_interval_s = 0.02  # the fake nodes' figures change only when the test says so
     for k, v in over.items():
         setattr(args, k, v)
     return args
@@ -35,6 +36,8 @@ async def test_bench_serve_grpc_and_http_sweep(tmp_path):
                 for key in ("ttft", "itl", "e2e"):
                     assert run[key]["p50_ms"] <= run[key]["p90_ms"] <= run[key]["p99_ms"]
                 assert len(run["samples"]["itl_ms"]) == sum(i.output_len for i in items) - 12
+                assert run["slo_attainment"] == 1.0  # SLOs (--slo-itl-ms: the TPOT SLO) no run misses
+                assert run["tpot"]["p50_ms"] <= run["tpot"]["p99_ms"]
                 if "base_url" in target:  # the router's own TTFT lies inside the client's, request by request
                     server = run["server"]
                     assert 0 < server["router_ttft_mean_ms"] <= run["ttft"]["mean_ms"]
@@ -43,6 +46,8 @@ async def test_bench_serve_grpc_and_http_sweep(tmp_path):
                     assert run["server"]["kv_blocks_used_after"] == run["server"]["kv_blocks_used_before"]
                 else:
                     assert run["server"] == {}
+            assert report["slo_tpot_ms"] == 60000 and report["goodput"]["goodput_method"] == "all_pass"
+            assert report["goodput"]["goodput_rate"] == 50.0  # the highest finite rate: all pass
             serve.plot(report, tmp_path)
         assert (tmp_path / "latency_cdf.png").stat().st_size > 0 and (tmp_path / "rate_sweep.png").is_file()
         await c.settled()

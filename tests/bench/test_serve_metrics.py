@@ -1,8 +1,19 @@
-"""bench/serve_metrics.py: the server's counters read from Prometheus text, summed over labels."""
+"""bench/serve_metrics.py: the server's counters read from Prometheus text, summed over labels, and
+the KV transfer histogram's quantiles."""
 
 from __future__ import annotations
 
-from bench.serve_metrics import breakdown, parse
+import math
+from types import SimpleNamespace
+
+import pytest
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.parser import text_string_to_metric_families
+
+from bench.serve_metrics import breakdown, histogram_quantile, parse
+from protos import node_pb2
+from protos.messages import KV_TRANSFER_BUCKETS
+from router.metrics import NodeCollector
 
 TEXT = """# HELP pdserve:time_to_first_token_seconds Time to first token
 pdserve:time_to_first_token_seconds_bucket{le="0.01",model_name="m"} 3.0
@@ -32,3 +43,42 @@ def test_breakdown_is_per_request_over_the_run():
     after["pdserve:request_reserve_time_seconds_count"] = 5
     assert breakdown(before, after, completed=4)["router_reserve_call_mean_ms"] == 1.2
     assert breakdown({}, after, 4) == {} and breakdown(before, after, 0) == {}
+
+
+def test_histogram_quantile_is_linear_within_a_bucket():
+    buckets = {0.001: 2.0, 0.01: 6.0, 0.1: 10.0, math.inf: 10.0}
+    assert histogram_quantile(0.5, buckets) == pytest.approx(0.001 + 0.009 * (5 - 2) / 4)
+    assert histogram_quantile(0.1, buckets) == pytest.approx(0.0005)  # the first bucket starts at 0
+    assert histogram_quantile(1.0, {0.5: 3.0, math.inf: 4.0}) == 0.5  # in +Inf: the highest finite bound
+    assert math.isnan(histogram_quantile(0.5, {math.inf: 0.0})) and math.isnan(histogram_quantile(0.5, {}))
+
+
+def test_kv_transfer_histogram_from_the_routers_exposition_to_the_report():
+    """A prefill node's per-bucket transfer counts (NodeStatus) exposed by the router's collector as
+    `pdserve:kv_transfer_seconds` and read back by `bench serve`: count, mean and quantiles."""
+    registry = CollectorRegistry()
+
+    def prefill(name: str, buckets: list[int], seconds: float) -> SimpleNamespace:
+        status = node_pb2.NodeStatus(kind="prefill", kv_seconds=seconds, kv_seconds_buckets=buckets)
+        return SimpleNamespace(address=name, kind="prefill", healthy=True, status=status)
+
+    def counts(**at: int) -> list[int]:  # transfers per bucket, by the bucket's bound
+        return [at.get(f"b{i}", 0) for i in range(len(KV_TRANSFER_BUCKETS) + 1)]
+
+    ms = KV_TRANSFER_BUCKETS.index(0.001)
+    nodes = [prefill("p0", counts(), 0.0), prefill("p1", counts(), 0.0),
+             SimpleNamespace(address="d0", kind="decode", healthy=True, status=node_pb2.NodeStatus(kind="decode")),
+             prefill("bad", [1, 2], 9.0)]  # a malformed list: left out
+    registry.register(NodeCollector(lambda: nodes))
+    before = parse(generate_latest(registry).decode())
+    nodes[0] = prefill("p0", counts(**{f"b{ms}": 6, f"b{ms + 1}": 2}), 0.0062)  # 6 within 1 ms, 2 within 2.5 ms
+    nodes[1] = prefill("p1", counts(**{f"b{len(KV_TRANSFER_BUCKETS)}": 2}), 30.0)  # 2 past the last bound
+    text = generate_latest(registry).decode()
+    assert 'pdserve:kv_transfer_seconds_bucket{kind="prefill",le="+Inf",node="p1"} 2.0' in text
+    family = next(f for f in text_string_to_metric_families(text) if f.name == "pdserve:kv_transfer_seconds")
+    assert family.type == "histogram" and {s.labels["node"] for s in family.samples} == {"p0", "p1"}
+    got = breakdown(before, parse(text), completed=10)
+    assert got["kv_transfers"] == 10 and got["kv_transfer_mean_ms"] == pytest.approx(1000 * 30.0062 / 10)
+    assert got["kv_transfer_ms_per_request"] == pytest.approx(3000.62)
+    assert KV_TRANSFER_BUCKETS[ms - 1] * 1000 < got["kv_transfer_p50_ms"] <= 1.0  # the 5th of 10: within 1 ms
+    assert got["kv_transfer_p99_ms"] == 1000 * KV_TRANSFER_BUCKETS[-1]  # in +Inf: the highest finite bound

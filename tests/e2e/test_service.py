@@ -313,7 +313,9 @@ def test_metrics_scrape_counts_add_up(service):
     assert len(nodes) == sum(1 for key in svc.actors)
     assert total(after, "pdserve:kv_blocks_used") == 0
     assert delta("pdserve:prefill_tokens_total") == prompt_tokens
-    assert delta("pdserve:prefill_seconds_total") > 0 and delta("pdserve:kv_transfer_seconds_total", kind="prefill") > 0
+    assert delta("pdserve:prefill_seconds_total") > 0 and delta("pdserve:kv_transfer_seconds_sum", kind="prefill") > 0
+    assert delta("pdserve:kv_transfer_seconds_count", kind="prefill") == 5  # one transfer per request
+    assert delta("pdserve:kv_transfer_seconds_bucket", kind="prefill", le="+Inf") == 5
     assert kv[0] == kv[1] > 0  # what P pushed, D received
     drafts = [delta("pdserve:spec_decode_num_draft_tokens_total", position=str(i)) for i in range(k)]
     accepted = [delta("pdserve:spec_decode_num_accepted_tokens_per_pos_total", position=str(i)) for i in range(k)]

@@ -4,6 +4,7 @@ through the router; the NodeDirectory; Health and ListModels."""
 from __future__ import annotations
 
 import threading
+from dataclasses import replace
 
 import pytest
 
@@ -17,6 +18,20 @@ def test_least_load_orders_by_free_blocks_then_running():
     nodes = [NodeLoad("a:1", free_blocks=10), NodeLoad("b:1", free_blocks=50, running=3),
              NodeLoad("c:1", free_blocks=50, running=1, inflight=1), NodeLoad("d:1", free_blocks=50)]
     assert [n.address for n in LeastLoad().order_decode(nodes)] == ["d:1", "c:1", "b:1", "a:1"]
+
+
+def test_least_load_weighs_free_kv_against_the_batch():
+    """A little more free KV does not outrank a far larger batch; and between two Status polls
+    (free blocks as last reported) a burst spreads over every decode node, the roomier taking more."""
+    busy, idle = NodeLoad("a:1", free_blocks=110, running=10), NodeLoad("b:1", free_blocks=100, running=1)
+    assert [n.address for n in LeastLoad().order_decode([busy, idle])] == ["b:1", "a:1"]
+    loads = {a: NodeLoad(a, free_blocks=f) for a, f in (("a:1", 1000), ("b:1", 900), ("c:1", 500))}
+    policy, picks = LeastLoad(), []
+    for _ in range(24):
+        first = policy.order_decode(list(loads.values()))[0]
+        picks.append(first.address)
+        loads[first.address] = replace(first, inflight=first.inflight + 1)  # the router's count moves at once
+    assert picks.count("a:1") >= picks.count("b:1") >= picks.count("c:1") > 0
 
 
 def test_least_load_prefill_counts_queued_and_outstanding_tokens():
