@@ -19,8 +19,8 @@
 #               ARGS: MODES (pd,colocated: the default), KV (tcp: the default, or ucx), then
 #               flags for bench serve (--num-prompts 1024 --request-rate inf ...)
 #   multi-gpu   two GPUs: tp, the TP tests and TP = 1 against 2; kv, KV transfer cuda:0 -> cuda:1
-#               (`python3 -m bench.kv`, backends $KV_BACKENDS: ucx tcp); service, P on GPU 0 and
-#               D on GPU 1 (KV $KV: ucx) against two colocated nodes, one a GPU. ARGS: some of
+#               (`python3 -m bench.kv`, backends $KV_BACKENDS: ipc ucx tcp); service, P on GPU 0 and
+#               D on GPU 1 (KV $KV: ipc) against two colocated nodes, one a GPU. ARGS: some of
 #               tp kv service (default all)
 #   bundle      here, not on a device: the wheels and the GGUF the stages need, as .bundle/
 #
@@ -186,19 +186,22 @@ multi_tp() {
       --max-tokens 64 2>> "$OUT/tp.err" | grep '^{' >> "$OUT/tp.jsonl"
   done
 }
-multi_kv() {
-  local b
+multi_kv() {  # a SmolLM2 request (31 layers x K/V, 1,536 tokens: 36.6 MB) and a Llama-3.1-8B one
+  # (32 layers x K/V, 4,096 tokens: 512 MiB), each process seeing only its GPU, as Ray's actors do
+  local b shape
   : > "$OUT/kv.jsonl"
-  for b in ${KV_BACKENDS:-ucx tcp}; do
-    python3 -m bench.kv --backend "$b" --device cuda --layers 4 --blocks 64 --block-bytes 4096 --iters 1 --json \
-      2>> "$OUT/kv.err" >> "$OUT/kv.jsonl"  # bytes checked on a small transfer first
-    python3 -m bench.kv --backend "$b" --device cuda --layers 32 --blocks 256 --block-bytes 65536 --iters 10 --json \
-      2>> "$OUT/kv.err" >> "$OUT/kv.jsonl"
+  for b in ${KV_BACKENDS:-ipc ucx tcp}; do
+    for shape in "--layers 31 --planes 2 --blocks 96 --block-bytes 6144 --iters 30" \
+                 "--layers 32 --planes 2 --blocks 256 --block-bytes 32768 --iters 10"; do
+      # shellcheck disable=SC2086
+      python3 -m bench.kv --backend "$b" --device cuda $shape --isolate --verify-every 10 --json \
+        2>> "$OUT/kv.err" >> "$OUT/kv.jsonl"
+    done
   done
 }
 multi_service() {
-  serve multi_gpu_pd pd "${KV:-ucx}" 2
-  serve multi_gpu_colocated colocated "${KV:-ucx}" 2
+  serve multi_gpu_pd pd "${KV:-ipc}" 2
+  serve multi_gpu_colocated colocated "${KV:-ipc}" 2
 }
 stage_multi_gpu() {
   local parts=("$@") part

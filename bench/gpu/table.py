@@ -74,10 +74,12 @@ def acceptance(path: str) -> list[list[str]]:
 
 
 def kv(path: str) -> list[list[str]]:
-    rows = [["backend", "device", "MiB", "layers x blocks x bytes", "GB/s", "floor GB/s", "x floor", "d2d GB/s", "intact"]]
+    rows = [["backend", "device", "MiB", "layers x planes x blocks x bytes", "ms", "GB/s", "floor GB/s", "x floor",
+             "d2d GB/s", "intact"]]
     for r in _lines(path):
-        rows.append([r["backend"], r["device"], f"{r['bytes'] / 2**20:.0f}",
-                     f"{r['layers']} x {r['blocks']} x {r['block_bytes']}", _fmt(r["gbps"], 2), _fmt(r["raw_gbps"], 2),
+        shape = f"{r['layers']} x {r.get('planes', 1)} x {r['blocks']} x {r['block_bytes']}"
+        rows.append([r["backend"], r["device"], f"{r['bytes'] / 2**20:.0f}", shape, _fmt(r["seconds"] * 1e3, 3),
+                     _fmt(r["gbps"], 2), _fmt(r["raw_gbps"], 2),
                      _fmt(r["ratio"], 2), _fmt(r.get("d2d_gbps"), 2), str(r["intact"])])
     return rows
 
