@@ -59,7 +59,6 @@ class _Copier:
     def __init__(self, device: torch.device) -> None:
         self.device = device
         self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
-        self._tables: dict[tuple[int, tuple[int, ...]], list[tuple[int, torch.Tensor]]] = {}
 
     def copy(self, pool: peer_pool.PeerPool, local: KVLayout, layers: list[int], blocks: Any,
              ready: Sequence[Any]) -> Any:
@@ -94,10 +93,10 @@ class _Copier:
 
     def _table(self, pool: peer_pool.PeerPool, local: KVLayout, layers: list[int]) -> list[tuple[int, torch.Tensor]]:
         """Per block size, the source then destination plane addresses of ``layers``."""
-        key = (id(pool), tuple(layers))
-        if key not in self._tables:
-            if len(self._tables) >= self.MAX_TABLES:
-                self._tables.clear()
+        key = tuple(layers)
+        if key not in pool.tables:
+            if len(pool.tables) >= self.MAX_TABLES:
+                pool.tables.clear()
             by_size: dict[int, tuple[list[int], list[int]]] = {}
             for layer in layers:
                 for s, d, n in zip(local.plane_bytes(layer), pool.planes[layer], pool.block_bytes[layer],
@@ -105,9 +104,10 @@ class _Copier:
                     srcs, dsts = by_size.setdefault(n, ([], []))
                     srcs.append(s.data_ptr())
                     dsts.append(d.data_ptr())
-            self._tables[key] = [(n, torch.tensor(srcs + dsts, dtype=torch.int64, device=self.device))
-                                 for n, (srcs, dsts) in by_size.items()]
-        return self._tables[key]
+            pool.tables[key] = [(n, torch.tensor(srcs + dsts, dtype=torch.int64, device=self.device))
+                                for n, (srcs, dsts) in by_size.items()]
+        tables: list[tuple[int, torch.Tensor]] = pool.tables[key]
+        return tables
 
 
 class IpcSender(TcpSender):

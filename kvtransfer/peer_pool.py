@@ -23,7 +23,7 @@ from __future__ import annotations
 import functools
 import os
 import socket
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -93,6 +93,8 @@ class PeerPool:
 
     planes: list[list[torch.Tensor]]
     block_bytes: list[list[int]]
+    # The copier's address tables per set of layers: they live and die with the mapping.
+    tables: dict[tuple[int, ...], Any] = field(default_factory=dict)
 
     @classmethod
     def open(cls, pool: dict[str, Any], local: KVLayout) -> PeerPool:
