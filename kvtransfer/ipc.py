@@ -140,11 +140,7 @@ class IpcSender(TcpSender):
 
     async def _send_layers(self, out: _Out, group: list[tuple[Any, ...]]) -> None:
         """The group's layers in one batched copy into the receiver's blocks."""
-        layers, src = [op[1] for op in group], group[0][2]
-        for layer in layers:
-            if layer in out.sent:
-                raise TransferError(f"layer {layer} sent twice")
-            out.sent.add(layer)
+        layers, src = self._take_group(out, group)
         assert isinstance(out.link, _PoolConn) and self.layout is not None and self._copier is not None
         pool = await asyncio.wait_for(asyncio.shield(out.link.pool), POOL_WAIT_S)
         dst = out.desc["blocks"]

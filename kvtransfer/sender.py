@@ -272,13 +272,19 @@ class StreamingSender(KVSender):
         else:
             await sent
 
-    async def _send_layers(self, out: _Out, group: list[tuple[Any, ...]]) -> None:
-        """One announce for the group's layers, then every run's data, posted at once."""
-        layers, src = [op[1] for op in group], group[0][2]
+    @staticmethod
+    def _take_group(out: _Out, group: list[tuple[Any, ...]]) -> tuple[list[int], list[int]]:
+        """The group's layers (each sent once: marked now) and their shared source blocks."""
+        layers = [op[1] for op in group]
         for layer in layers:
             if layer in out.sent:
                 raise TransferError(f"layer {layer} sent twice")
             out.sent.add(layer)
+        return layers, group[0][2]
+
+    async def _send_layers(self, out: _Out, group: list[tuple[Any, ...]]) -> None:
+        """One announce for the group's layers, then every run's data, posted at once."""
+        layers, src = self._take_group(out, group)
         for ready in [op[3] for op in group if op[3] is not None]:
             await asyncio.get_running_loop().run_in_executor(None, ready.synchronize)
         if out.runs_of is None or out.runs_of[0] != src:
