@@ -27,6 +27,12 @@ node's free blocks back to its total, waited for) / migrations (summed over rout
 router restarts / each process kind's resident memory (router, prefill, decode: the largest
 before and after, the peak; a killed process's successor is a new process, counted as replaced,
 so its figures start again). Exit status 1 unless lost, duplicated, wrong and leaked are all 0.
+
+While it runs it says on stderr what it is doing (the reference tokens, the service's start) and,
+every `--progress-s`, how many requests ended and how, how many are in flight and which faults
+were injected, so a slow run can be told from a stuck one. Past `--timeout-s` for the whole run
+it prints what is still in flight (each request's tokens so far) and where the load sits (the
+router's counts, every node's running requests and KV), and exits 2.
 """
 
 from __future__ import annotations
@@ -38,6 +44,7 @@ import json
 import math
 import random
 import re
+import sys
 import time
 from collections import Counter
 from dataclasses import dataclass, field
@@ -110,6 +117,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="keep the single-process reference output here and reuse it when the model and the "
                    "requests are the same (10,000 requests take minutes to half an hour on a small CPU)")
     p.add_argument("--json", default=None, metavar="FILE", help="write the report here too")
+    p.add_argument("--progress-s", type=float, default=5.0,
+                   help="seconds between progress lines on stderr (0: none)")
+    p.add_argument("--timeout-s", type=float, default=1800.0,
+                   help="the whole run's deadline: past it, print what is still in flight and where, exit 2")
     add_service_arguments(p)
 
 
@@ -123,10 +134,15 @@ def run(args: argparse.Namespace) -> int:
     args.set = SERVICE_DEFAULTS + kv_fault_overrides(args) + (args.set or [])  # the user's --set wins
     cfg = service_config(args, local=True)
     jobs = make_jobs(args, load_model_info(cfg.model.resolved_name(), cfg.model.load_format).config.vocab_size)
+    say(f"reference tokens of {len(jobs)} requests from the engine alone ({cfg.model.resolved_name()})")
     reference = cached_reference(args.reference_cache, cfg.model, jobs)
+    say("starting the service")
     service, address = start_service(cfg)
     try:
         report = chaos(service, address, jobs, reference, args, 2 * cfg.decode.num_nodes * cfg.decode.max_num_seqs)
+    except Stuck as stuck:
+        print(json.dumps(stuck.report, indent=2))
+        return 2
     finally:
         shutdown(service)
     report["service"] = {"model": cfg.model.resolved_name(), "prefill_nodes": cfg.prefill.num_nodes,
@@ -200,7 +216,9 @@ def chaos(service: Any, address: str, jobs: list[Job], reference: list[list[int]
 
     before, restarts_before = processes(service), service.router_restarts  # a service may run several
     start = time.perf_counter()
-    outcomes, injected = asyncio.run(drive(service, address, jobs, args, args.concurrency or default_concurrency))
+    concurrency = args.concurrency or default_concurrency
+    say(f"{len(jobs)} requests, {concurrency} at a time")
+    outcomes, injected = asyncio.run(drive(service, address, jobs, args, concurrency))
     wall = time.perf_counter() - start
     wait_router_back(service, restarts_before + injected.faults["killed_router"], timeout_s=180)
     leaked = blocks_leaked(service, timeout_s=120)
@@ -262,19 +280,30 @@ async def drive(service: Any, address: str, jobs: list[Job], args: argparse.Name
                 concurrency: int) -> tuple[list[Outcome], Injected]:
     from router.client import RouterClient
 
-    gate, inflight, injected = asyncio.Semaphore(concurrency), set[str](), Injected()
+    gate, inflight, injected = asyncio.Semaphore(concurrency), dict[str, Outcome](), Injected()
+    ended: list[Outcome] = []
     async with RouterClient(address, options=RECONNECT_OPTIONS) as client:
         done = asyncio.Event()
         injector = asyncio.create_task(inject(service, client, inflight, args, done, injected))
+        reporter = asyncio.create_task(report_progress(len(jobs), inflight, ended, injected, args, done))
+        requests = asyncio.gather(*(one(client, gate, inflight, ended, j, args.deadline_s) for j in jobs))
         try:
-            outcomes = await asyncio.gather(*(one(client, gate, inflight, j, args.deadline_s) for j in jobs))
+            await asyncio.wait([requests], timeout=args.timeout_s or None)
+            if not requests.done():  # the report first: cancelling empties `inflight`
+                stuck = await asyncio.to_thread(stuck_report, service, jobs, inflight, ended, args)
+                requests.cancel()
+                await asyncio.gather(requests, return_exceptions=True)
+                raise Stuck(stuck)
+            outcomes = requests.result()
         finally:
             done.set()
             await injector
+            await reporter
     return list(outcomes), injected
 
 
-async def one(client: Any, gate: asyncio.Semaphore, inflight: set[str], job: Job, deadline_s: float) -> Outcome:
+async def one(client: Any, gate: asyncio.Semaphore, inflight: dict[str, Outcome], ended: list[Outcome], job: Job,
+              deadline_s: float) -> Outcome:
     """One stream, read to its end (or until the client walks away as planned). A stream that
     breaks before its terminal message (the router died) ends with that error as its terminal."""
     import grpc
@@ -285,7 +314,7 @@ async def one(client: Any, gate: asyncio.Semaphore, inflight: set[str], job: Job
     request = build_request(job.prompt, max_tokens=job.max_tokens, ignore_eos=True, request_id=job.request_id,
                             timeout_s=deadline_s)
     async with gate:
-        inflight.add(job.request_id)
+        inflight[job.request_id] = out
         call = client.stream(request, timeout=deadline_s + 30, wait_for_ready=True)
         try:
             await read_stream(call, job, out)
@@ -298,7 +327,8 @@ async def one(client: Any, gate: asyncio.Semaphore, inflight: set[str], job: Job
                 out.terminals.append((e.code().name, e.details() or f"the stream ended with {e.code().name}"))
         finally:
             call.cancel()
-            inflight.discard(job.request_id)
+            inflight.pop(job.request_id, None)
+            ended.append(out)
     return out
 
 
@@ -314,7 +344,7 @@ async def read_stream(call: Any, job: Job, out: Outcome) -> None:
             return
 
 
-async def inject(service: Any, client: Any, inflight: set[str], args: argparse.Namespace,
+async def inject(service: Any, client: Any, inflight: dict[str, Outcome], args: argparse.Namespace,
                  done: asyncio.Event, injected: Injected) -> None:
     """Kill node actors in turn, kill the router (`router_restart_every` s after it last came
     back) and send Abort storms until `done`."""
@@ -367,12 +397,70 @@ async def kill_router(service: Any, injected: Injected) -> None:
     injected.faults["killed_router"] += 1
 
 
-async def abort_storm(client: Any, rng: random.Random, inflight: set[str], fraction: float,
+async def abort_storm(client: Any, rng: random.Random, inflight: dict[str, Outcome], fraction: float,
                       faults: Counter[str]) -> None:
     chosen = rng.sample(sorted(inflight), max(1, int(len(inflight) * fraction)))
     found = await asyncio.gather(*(client.abort(rid) for rid in chosen), return_exceptions=True)
     faults["abort_rpcs"] += len(chosen)
     faults["aborted_found"] += sum(f is True for f in found)
+
+
+class Stuck(Exception):
+    """The run passed `--timeout-s`; `report` says what was still in flight and where."""
+
+    def __init__(self, report: dict[str, Any]) -> None:
+        super().__init__("chaos run timed out")
+        self.report = report
+
+
+def say(text: str) -> None:
+    print(f"chaos [{time.strftime('%H:%M:%S')}]: {text}", file=sys.stderr, flush=True)
+
+
+async def report_progress(total: int, inflight: dict[str, Outcome], ended: list[Outcome], injected: Injected,
+                          args: argparse.Namespace, done: asyncio.Event) -> None:
+    """A line every `--progress-s` until `done`: requests ended (how), in flight, faults injected."""
+    start = time.monotonic()
+    while args.progress_s > 0 and not done.is_set():
+        try:
+            await asyncio.wait_for(done.wait(), args.progress_s)
+        except TimeoutError:
+            say(progress_line(total, inflight, ended, injected.faults, time.monotonic() - start))
+
+
+def progress_line(total: int, inflight: dict[str, Outcome], ended: list[Outcome], faults: Counter[str],
+                  elapsed: float) -> str:
+    kinds = Counter("cancelled" if o.cancelled else "lost" if not o.terminals else
+                    "finished" if o.terminals[0][0] == "finished" else "error" for o in ended)
+    kills = {k.removeprefix("killed_"): n for k, n in faults.items() if k.startswith("killed_")}
+    return (f"{len(ended)}/{total} ended ({', '.join(f'{n} {k}' for k, n in sorted(kinds.items())) or 'none'}), "
+            f"{len(inflight)} in flight, {sum(len(o.tokens) for o in inflight.values())} of their tokens in; "
+            f"kills {kills or 0}, aborts {faults['abort_rpcs']}; {elapsed:.0f} s")
+
+
+def stuck_report(service: Any, jobs: list[Job], inflight: dict[str, Outcome], ended: list[Outcome],
+                 args: argparse.Namespace) -> dict[str, Any]:
+    """What a run past its deadline leaves: each request in flight (tokens in, of how many), and
+    where the service's load sits (the router's counts and every node's queue and KV)."""
+    wanted = {j.request_id: j.max_tokens for j in jobs}
+    report: dict[str, Any] = {
+        "timed_out": True, "timeout_s": args.timeout_s, "ended": len(ended), "sent": len(jobs),
+        "in_flight": [{"request_id": rid, "tokens": len(o.tokens), "max_tokens": wanted.get(rid)}
+                      for rid, o in sorted(inflight.items())],
+        "waiting_for_a_slot": len(jobs) - len(ended) - len(inflight)}
+    try:
+        import ray
+
+        report["router"] = {k: v for k, v in ray.get(service.router.status.remote(), timeout=30).items()
+                            if k in ("queued_requests", "running_requests", "migrations", "terminals")}
+        report["nodes"] = {f"{role}-{i}": {k: v for k, v in info.items()
+                                           if k in ("running", "queued_tokens", "free_blocks", "total_blocks")}
+                           for (role, i), info in service.node_info().items()}
+    except Exception as e:  # the service itself may be what is stuck: say so, keep the rest
+        report["service_unreachable"] = repr(e)[:300]
+    say(f"timed out after {args.timeout_s:.0f} s: {len(inflight)} in flight, "
+        f"{report['waiting_for_a_slot']} not started")
+    return report
 
 
 def tally(jobs: list[Job], reference: list[list[int]], outcomes: list[Outcome]) -> dict[str, Any]:

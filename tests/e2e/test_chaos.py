@@ -13,9 +13,9 @@ from dataclasses import replace
 
 import pytest
 
-from bench.chaos import chaos, make_jobs
+from bench.chaos import Stuck, chaos, make_jobs
 from engine.sampling_params import SamplingParams
-from tests.e2e.conftest import run_async, start_service
+from tests.e2e.conftest import run_async, start_service, wait_blocks_returned
 from tests.e2e.test_router_restart import generate_after_restart
 
 pytestmark = pytest.mark.usefixtures("ray_cluster")
@@ -26,7 +26,10 @@ AFTER = [9, 8, 7, 6, 5]  # a prompt sent after the run, to the restarted router
 # could end every stream in flight each time, so that no request would finish at all.
 ARGS = dict(requests=240, min_prompt=4, max_prompt=64, min_output=8, max_output=64, cancel_fraction=0.1, seed=1,
             concurrency=None, kill_every=2.5, max_kills=4, abort_every=1.0, abort_fraction=0.05,
-            router_restart_every=3.0, max_router_kills=1, deadline_s=300.0)
+            router_restart_every=3.0, max_router_kills=1, deadline_s=300.0, progress_s=1.0, timeout_s=0)
+# Long answers, no faults, a deadline for the whole run that they cannot meet.
+STUCK = {**ARGS, "requests": 6, "min_output": 500, "max_output": 500, "kill_every": 0, "abort_every": 0,
+         "router_restart_every": 0, "cancel_fraction": 0, "timeout_s": 0.3, "seed": 99}
 
 
 def faulted(report: dict) -> bool:
@@ -35,7 +38,7 @@ def faulted(report: dict) -> bool:
     return all(faults.get(kind, 0) >= 1 for kind in ("killed_decode", "abort_rpcs", "killed_router"))
 
 
-def test_kills_router_restarts_aborts_cancels_and_overload_together_lose_nothing(tiny_reference):
+def test_kills_router_restarts_aborts_cancels_and_overload_together_lose_nothing(tiny_reference, capsys):
     """The faults come on a clock (every 2.5 s, 1 s, 3 s): a machine that serves the 240 requests
     before they all came runs another round, twice as long, until one round saw them all. The
     first 128 requests may all end with the router's kill; the next ones finish."""
@@ -53,6 +56,8 @@ def test_kills_router_restarts_aborts_cancels_and_overload_together_lose_nothing
             rounds.append(check_round(chaos(service, address, jobs, [r.output_ids for r in ref], args,
                                             default_concurrency=128), args.requests))
             sent += args.requests
+        assert " ended (" in capsys.readouterr().err  # progress lines came while the rounds ran
+        stuck_run_reports_what_is_in_flight(service, address, sent)
         # the run may end before a restarted router's first request: ask one once it is back
         tokens, last = run_async(generate_after_restart(address, AFTER, 12))
     finally:
@@ -60,6 +65,21 @@ def test_kills_router_restarts_aborts_cancels_and_overload_together_lose_nothing
     report = rounds[-1]
     assert tokens == after.output_ids and last.finished.reason == "length"  # the restarted router serves
     assert report["memory"]["router"]["replaced"] == 1 and report["memory"]["decode"]["replaced"] >= 1, report
+
+
+def stuck_run_reports_what_is_in_flight(service, address, sent: int) -> None:
+    """Past `--timeout-s` the run stops and says which requests were in flight, with their tokens
+    so far, and where the load sat; the requests it walked away from give their blocks back."""
+    args = argparse.Namespace(**STUCK)
+    jobs = [replace(j, index=sent + j.index) for j in make_jobs(args, vocab=320)]
+    with pytest.raises(Stuck) as stuck:
+        chaos(service, address, jobs, [[] for _ in jobs], args, default_concurrency=8)
+    report = stuck.value.report
+    assert report["timed_out"] and report["sent"] == 6 and report["ended"] < 6, report
+    assert {r["request_id"] for r in report["in_flight"]} <= {j.request_id for j in jobs} and report["in_flight"]
+    assert all(r["tokens"] < r["max_tokens"] == 500 for r in report["in_flight"]), report
+    assert {"decode-0", "decode-1", "prefill-0", "prefill-1"} <= set(report["nodes"]), report
+    wait_blocks_returned(service, timeout=60)
 
 
 def check_round(report: dict, requests: int) -> dict:
