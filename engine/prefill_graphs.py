@@ -170,7 +170,7 @@ class PrefillGraphs:
 
     def _capture(self, key: PrefillKey, inp: PrefillInputs, with_events: bool = False) -> None:
         """Capture `key`'s graph over `inp`. `with_events` records an external event per layer
-        (bench/gpu/prefill_launch.py measures what they cost; nothing serving waits on them)."""
+        (nothing serving waits on them)."""
         r = self.runner
         side = torch.cuda.Stream(r.device)
         side.wait_stream(torch.cuda.current_stream(r.device))

@@ -12,7 +12,7 @@ Why: a small model's batch-1 step (SmolLM2's: ~150 dependent launches of 0.7-3.5
 is bound by each launch's latency, not by bandwidth. Holding the whole tile in registers before
 the wait lets the weight read overlap the kernel before, which the split-K kernel's L2 prefetch
 does only in part; a persistent kernel with a grid barrier between stages lost to both, the
-barrier alone costing about a launch (bench/gpu/persist_probe.py, BENCHMARKS.md).
+barrier alone costing about a launch (docs/history/benchmarks-history.md).
 
 Not in the batch-invariant mode (the kernel is chosen by M); not for an argmax or a split-K
 launch.
