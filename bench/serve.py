@@ -53,6 +53,7 @@ from bench.serve_goodput import (
     attains,
     comparison,
     goodput,
+    goodput_grid,
     parse_layout,
     plot_attainment,
     table,
@@ -109,6 +110,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--slo-ttft-ms", type=float, default=1000.0, help="time to first token SLO")
     p.add_argument("--slo-tpot-ms", "--slo-itl-ms", dest="slo_tpot_ms", type=float, default=100.0,
                    help="time per output token SLO: a request's mean inter-token latency (--slo-itl-ms: the same)")
+    p.add_argument("--slo-tpot-grid-ms", default=None, metavar="MS,MS",
+                   help="also attainment and goodput at each of these TPOT SLOs (same TTFT SLO), from the same "
+                   "sweep: a grid of SLOs for one run's cost")
     p.add_argument("--goodput-attainment", type=float, default=0.9, metavar="F",
                    help="goodput: the highest rate at which this share of requests meets both SLOs")
     p.add_argument("--seed", type=int, default=0)
@@ -216,6 +220,7 @@ def run_layouts(args: argparse.Namespace, items: list[Item], rates: list[float])
         out.append({"name": lay.name, "disaggregated": lay.disaggregated, "nodes": cfg.node_counts,
                     "tp": cfg.decode.tp if lay.disaggregated else 1, "overrides": list(lay.overrides),
                     "gpus": gpus_needed(cfg), "startup": largs.startup, **report["goodput"],
+                    "goodput_by_tpot_ms": report["goodput_by_tpot_ms"],
                     "max_rate_p99_slo_met": report["max_rate_p99_slo_met"], "runs": report["runs"]})
     if len({lay["gpus"] for lay in out}) > 1:
         print("warning: the layouts take different GPU counts: "
@@ -314,6 +319,7 @@ async def sweep(args: argparse.Namespace, items: list[Item], rates: list[float])
     return {"target": args.base_url or args.router, "protocol": "http" if args.base_url else "grpc",
             **workload(args, items), "slo_ttft_ms": args.slo_ttft_ms, "slo_tpot_ms": args.slo_tpot_ms,
             "goodput_attainment": args.goodput_attainment, "goodput": good.as_dict(),
+            "goodput_by_tpot_ms": goodput_grid(runs, args.goodput_attainment),
             "max_rate_p99_slo_met": max(held) if held else None, "runs": runs}
 
 
@@ -329,6 +335,12 @@ def percentiles(xs: list[float]) -> dict[str, float]:
     return {"p50_ms": q(0.5), "p90_ms": q(0.9), "p99_ms": q(0.99), "mean_ms": round(1000 * sum(s) / len(s), 2)}
 
 
+def tpot_grid(args: argparse.Namespace) -> list[float]:
+    """The extra TPOT SLOs (ms) of `--slo-tpot-grid-ms`."""
+    text = getattr(args, "slo_tpot_grid_ms", None)
+    return [float(t) for t in text.split(",") if t.strip()] if text else []
+
+
 def summarize(results: list[Result], rate: float, wall: float, args: argparse.Namespace) -> dict:
     ok = [r for r in results if r.ok]
     itl = [x for r in ok for x in r.itl]
@@ -342,6 +354,7 @@ def summarize(results: list[Result], rate: float, wall: float, args: argparse.Na
         "request_throughput": round(len(ok) / wall, 3),
         "output_throughput": round(sum(r.tokens for r in ok) / wall, 2),
         "goodput": round(good / wall, 3), "slo_attainment": round(attainment(results, slo_ttft, slo_tpot), 4),
+        "attainment_by_tpot_ms": {f"{t:g}": round(attainment(results, slo_ttft, t / 1000), 4) for t in tpot_grid(args)},
         "ttft": ttft, "tpot": tpots, "itl": itl_p, "e2e": e2e,
         "p99_slo_met": bool(ok) and len(ok) == len(results) and ttft["p99_ms"] <= args.slo_ttft_ms
         and itl_p["p99_ms"] <= args.slo_tpot_ms,

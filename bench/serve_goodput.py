@@ -73,6 +73,13 @@ def goodput(points: Sequence[tuple[float, float]], target: float = 0.9) -> Goodp
     return Goodput(rate, "interpolated", r0, non_monotone)
 
 
+def goodput_grid(runs: Sequence[dict[str, Any]], target: float = 0.9) -> dict[str, dict[str, Any]]:
+    """Per extra TPOT SLO (a run's `attainment_by_tpot_ms` keys), the sweep's goodput there."""
+    slos = sorted({t for r in runs for t in r.get("attainment_by_tpot_ms", {})}, key=float)
+    return {t: goodput([(r["request_rate"], r["attainment_by_tpot_ms"][t]) for r in runs], target).as_dict()
+            for t in slos}
+
+
 def ratio(a: float, b: float) -> float | None:
     """a / b for the report; None where it means nothing (b = 0)."""
     return round(a / b, 3) if b > 0 else None
@@ -136,7 +143,22 @@ def comparison(layouts: list[dict[str, Any]]) -> dict[str, Any]:
         rates = [lay["goodput_rate"] for lay in layouts if lay["disaggregated"] is kind]
         best[kind] = max(rates) if rates else None
     pd, colo = best[True], best[False]
-    return {"goodput_ratio_pd_over_colocated": ratio(pd, colo) if pd is not None and colo is not None else None}
+    out: dict[str, Any] = {
+        "goodput_ratio_pd_over_colocated": ratio(pd, colo) if pd is not None and colo is not None else None}
+    grid = sorted({t for lay in layouts for t in lay.get("goodput_by_tpot_ms", {})}, key=float)
+    if grid:  # the same comparison at each extra TPOT SLO
+        out["goodput_ratio_by_tpot_ms"] = {t: _grid_ratio(layouts, t) for t in grid}
+    return out
+
+
+def _grid_ratio(layouts: list[dict[str, Any]], slo: str) -> float | None:
+    best = {}
+    for kind in (True, False):
+        rates = [lay["goodput_by_tpot_ms"][slo]["goodput_rate"] for lay in layouts
+                 if lay["disaggregated"] is kind and slo in lay.get("goodput_by_tpot_ms", {})]
+        best[kind] = max(rates) if rates else None
+    pd, colo = best[True], best[False]
+    return ratio(pd, colo) if pd is not None and colo is not None else None
 
 
 def table(report: dict[str, Any]) -> str:
@@ -161,6 +183,11 @@ def table(report: dict[str, Any]) -> str:
                      f"({lay['goodput_method']}" + (", non-monotone" if lay["non_monotone"] else "") + ")")
     if report.get("goodput_ratio_pd_over_colocated") is not None:
         lines.append(f"PD / colocated goodput: {report['goodput_ratio_pd_over_colocated']:g}")
+    for slo, pd_over in report.get("goodput_ratio_by_tpot_ms", {}).items():
+        each = ", ".join(f"{lay['name']} {lay['goodput_by_tpot_ms'][slo]['goodput_rate']:g}"
+                         for lay in report["layouts"] if slo in lay.get("goodput_by_tpot_ms", {}))
+        lines.append(f"TPOT <= {slo} ms: goodput {each} req/s; PD / colocated "
+                     + (f"{pd_over:g}" if pd_over is not None else "-"))
     return "\n".join(lines)
 
 

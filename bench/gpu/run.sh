@@ -19,9 +19,10 @@
 #               ARGS: MODES (pd,colocated: the default), KV (tcp: the default, or ucx), then
 #               flags for bench serve (--num-prompts 1024 --request-rate inf ...)
 #   multi-gpu   two GPUs: tp, the TP tests and TP = 1 against 2; kv, KV transfer cuda:0 -> cuda:1
-#               (`python3 -m bench.kv`, backends $KV_BACKENDS: ipc ucx tcp); service, P on GPU 0 and
-#               D on GPU 1 (KV $KV: ipc) against two colocated nodes, one a GPU. ARGS: some of
-#               tp kv service (default all)
+#               (`python3 -m bench.kv`, backends $KV_BACKENDS: ipc ucx tcp); service, the goodput of
+#               P on GPU 0 and D on GPU 1 (KV $KV: ipc) against two colocated nodes on the same
+#               requests. ARGS: some of tp kv service (default all), then `--` and bench serve
+#               flags for service (default: real SmolLM2, k = 3, 1536 in / 128 out)
 #   bundle      here, not on a device: the wheels and the GGUF the stages need, as .bundle/
 #
 # The GPU machines lack some of what the stages import; each stage takes the pieces of the bundle
@@ -199,12 +200,23 @@ multi_kv() {  # a SmolLM2 request (31 layers x K/V, 1,536 tokens: 36.6 MB) and a
     done
   done
 }
-multi_service() {
-  serve multi_gpu_pd pd "${KV:-ipc}" 2
-  serve multi_gpu_colocated colocated "${KV:-ipc}" 2
+multi_service() {  # 1P1D (KV over $KV: ipc) against two colocated nodes on the same requests, DistServe's
+  # goodput; bench serve flags after `--` replace the SmolLM2 workload (e.g. the 8B dummy grid:
+  # --model llama-3.1-8b --load-format dummy --max-model-len 8192 --input-len 4096 --output-len 256
+  # --slo-ttft-ms 400 --slo-tpot-ms 20 --slo-tpot-grid-ms 8,12)
+  local flags=(--model smollm2 --spec-tokens 3 --dataset random --input-len 1536 --output-len 128
+               --num-prompts 160 --request-rate 8,32,64,inf --slo-ttft-ms 50 --slo-tpot-ms 20)
+  [[ ${#SERVE_FLAGS[@]} -gt 0 ]] && flags=(--dataset random --num-prompts 160 --request-rate 1,2,4,8,inf "${SERVE_FLAGS[@]}")
+  python3 -m deploy.cli bench serve --launch --protocol http --device cuda --client-processes 4 \
+    --layout "prefill=1,decode=1,kv_transfer.backend=${KV:-ipc}" --layout colocated=2 "${flags[@]}" \
+    --json "$OUT/multi_gpu_goodput.json" --plot-dir "$OUT" > "$OUT/multi_gpu_goodput.log" 2>&1 \
+    || tail -n 30 "$OUT/multi_gpu_goodput.log"
 }
 stage_multi_gpu() {
-  local parts=("$@") part
+  local parts=() part
+  while [[ $# -gt 0 && $1 != -- ]]; do parts+=("$1"); shift; done
+  [[ ${1:-} == -- ]] && shift
+  SERVE_FLAGS=("$@")
   [[ ${#parts[@]} == 0 ]] && parts=(tp kv service)
   for part in "${parts[@]}"; do [[ $part =~ ^(tp|kv|service)$ ]] || { echo "multi-gpu runs tp, kv or service, not $part" >&2; exit 2; }; done
   device base gguf service
@@ -215,7 +227,7 @@ stage_multi_gpu() {
     case $part in
       tp) echo "TP tests: $(tail -n 1 "$OUT/tp_tests.log")"; table engine "$OUT/tp.jsonl" ;;
       kv) table kv "$OUT/kv.jsonl" ;;
-      service) table serve "$OUT"/multi_gpu_*.json ;;
+      service) grep -A 40 "^ *layout  *rate" "$OUT/multi_gpu_goodput.log" ;;
     esac
   done
 }

@@ -14,6 +14,7 @@ from bench.serve_goodput import (
     attains,
     comparison,
     goodput,
+    goodput_grid,
     parse_layout,
     plot_attainment,
     table,
@@ -105,3 +106,21 @@ def test_comparison_table_and_plot(tmp_path):
     assert text.count("1P1D") == 4 and "PD / colocated goodput" in text and "TPOT <= 20 ms" in text
     plot_attainment(report, tmp_path / "attainment.png")
     assert (tmp_path / "attainment.png").stat().st_size > 0
+
+
+def test_one_sweep_gives_the_goodput_at_each_tpot_slo_of_a_grid():
+    """Per run, attainment at each grid SLO; per layout, the goodput there; per SLO, PD over colocated
+    (here PD holds a tight TPOT that colocated misses, and both hold the loose one)."""
+    def runs(tight: tuple[float, ...], loose: tuple[float, ...]) -> list[dict]:
+        return [{"request_rate": r, "attainment_by_tpot_ms": {"8": a, "20": b}}
+                for r, a, b in zip((1.0, 2.0, 4.0), tight, loose, strict=True)]
+
+    pd, colo = runs((1.0, 0.95, 0.5), (1.0, 1.0, 0.95)), runs((0.5, 0.2, 0.0), (1.0, 1.0, 0.92))
+    grid_pd, grid_colo = goodput_grid(pd), goodput_grid(colo)
+    assert list(grid_pd) == ["8", "20"] and grid_pd["20"]["goodput_method"] == "all_pass"
+    assert 2.0 < grid_pd["8"]["goodput_rate"] < 4.0 and grid_colo["8"]["goodput_method"] == "none_pass"
+    layouts = [{"name": "1P1D", "disaggregated": True, "goodput_rate": 1.0, "goodput_by_tpot_ms": grid_pd},
+               {"name": "colocated2", "disaggregated": False, "goodput_rate": 1.0, "goodput_by_tpot_ms": grid_colo}]
+    ratios = comparison(layouts)["goodput_ratio_by_tpot_ms"]
+    assert ratios == {"8": None, "20": 1.0}  # colocated's 0 at 8 ms: no ratio; both 4 req/s at 20 ms
+    assert goodput_grid([{"request_rate": 1.0}]) == {}  # no grid asked: nothing added
