@@ -23,10 +23,9 @@ import torch
 from engine.decode_batch import DecodeBatch
 from engine.fork import fork_no_sync
 from engine.model_runner import ModelRunner, PrefillOutput, logprob_columns
-from engine.prefill_step import PrefillChunk
 from engine.prefix_cache import PrefixCache
 from engine.prompt_logprobs import add_prompt_logprobs
-from engine.request import Request, RequestOutput
+from engine.request import PrefillChunk, Request, RequestOutput
 from engine.sampler import LogprobsTensors
 from engine.step_output import astuple_lp
 

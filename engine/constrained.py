@@ -28,18 +28,14 @@ node's first token from the prefill node, a moved request's resumed output) repl
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 
-from engine.batch_state import to_device_no_sync
+from engine.batch_state import BatchState, to_device_no_sync
 from engine.grammar import GrammarCompiler, MaskFiller, Matcher
-from engine.request import Request
+from engine.request import PrefillChunk, Request
 from engine.sampling_params import SamplingParams
-
-if TYPE_CHECKING:
-    from engine.model_runner import ModelRunner
-    from engine.prefill_step import PrefillChunk
 
 
 def grammar_tokens(params: SamplingParams, prompt: list[int], output: list[int]) -> list[int]:
@@ -66,10 +62,22 @@ def prefill_masks(compiler: GrammarCompiler | None, chunks: list[PrefillChunk]) 
     return host
 
 
+class MaskedRunner(Protocol):
+    """What the constrained rows read of the ModelRunner: its MTP depth, its grammar compiler and
+    the BatchState their masks go to (read at each use: the runner sets `grammar` after it is built)."""
+
+    @property
+    def k(self) -> int: ...
+    @property
+    def grammar(self) -> GrammarCompiler | None: ...
+    @property
+    def state(self) -> BatchState: ...
+
+
 class ConstrainedRows:
     """The matchers of a decode batch's constrained requests, by slot, and their next masks."""
 
-    def __init__(self, runner: ModelRunner) -> None:
+    def __init__(self, runner: MaskedRunner) -> None:
         self.runner, self.k = runner, runner.k
         self.matchers: dict[int, Matcher] = {}
         self.drafts: dict[int, list[int]] = {}  # slot -> the drafts its next launch verifies

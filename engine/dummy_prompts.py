@@ -8,7 +8,8 @@ changes no request's state. `chunks_for_key` finds chunks whose step has a given
 
 from __future__ import annotations
 
-from engine.prefill_step import PrefillChunk, PrefillKey
+from engine.prefill_step import PrefillKey
+from engine.request import PrefillChunk
 from engine.sampling_params import SamplingParams
 
 

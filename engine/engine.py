@@ -36,9 +36,8 @@ from engine.kv_cache import BlockManager, KVCache
 from engine.loader import LoadedModel
 from engine.model import fuse_projections
 from engine.model_runner import MAX_GRAPH_TOKENS, ModelRunner, kv_room_needed
-from engine.prefill_step import PrefillChunk
 from engine.prefix_cache import PrefixCache
-from engine.request import Request, RequestOutput
+from engine.request import PrefillChunk, Request, RequestOutput
 from engine.sampling_params import SamplingParams
 from engine.structured import NEEDS_EOS
 from engine.tensor_parallel import (

@@ -33,10 +33,10 @@ from engine.kv_cache import KVCache
 from engine.model import CausalLM
 from engine.penalties import PenaltyInit, prefill_penalties
 from engine.prefill_graphs import LayerReady, PrefillGraphs
-from engine.prefill_step import PrefillChunk, PrefillInputs, PrefillResult, key_for, prefill_forward
+from engine.prefill_step import PrefillInputs, PrefillResult, key_for, prefill_forward
 from engine.prompt_logprobs import PromptLogprobPlan
 from engine.prompt_logprobs import plan as plan_prompt_logprobs
-from engine.request import LogprobColumns
+from engine.request import LogprobColumns, PrefillChunk
 from engine.sampler import LogprobsTensors, SamplingTensors, compute_logprobs
 from engine.spec_decode import verify
 from engine.step_output import HostCopy, HostOutputs, StepLayout, astuple_lp

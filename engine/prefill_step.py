@@ -31,30 +31,11 @@ from engine.model import CausalLM
 from engine.penalties import Penalties, apply_penalties
 from engine.prompt_logprobs import PromptLogprobPlan
 from engine.prompt_logprobs import compute as compute_prompt_logprobs
+from engine.request import PrefillChunk
 from engine.sampler import STREAM_SAMPLE, LogprobsTensors, SamplingTensors, compute_logprobs, sample
 from engine.sampling_params import SamplingParams
 from kernels.prefill_meta import prefill_meta
 from kernels.token_mask import mask_logits
-
-
-@dataclass
-class PrefillChunk:
-    """One request's slice [start, end) of its prompt for this step."""
-
-    prompt: list[int]
-    start: int
-    end: int
-    block_ids: list[int]
-    params: SamplingParams
-    seed: int
-
-    @property
-    def logprobs(self) -> int | None:
-        return self.params.logprobs
-
-    @property
-    def is_last(self) -> bool:
-        return self.end == len(self.prompt)
 
 
 class PrefillRunner(Protocol):

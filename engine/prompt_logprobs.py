@@ -15,17 +15,13 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any, Protocol
 
 import torch
 
-from engine.request import TokenLogprob
+from engine.request import PrefillChunk, TokenLogprob
 from engine.sampler import LogprobsTensors, compute_logprobs
 from engine.sampling_params import SamplingParams
-
-if TYPE_CHECKING:
-    from engine.model_runner import PrefillOutput
-    from engine.prefill_step import PrefillChunk
 
 SLICE = 256  # positions whose logits are made at once
 
@@ -93,7 +89,16 @@ class _Asks(Protocol):
     prompt_logprobs: list[TokenLogprob] | None
 
 
-def add_prompt_logprobs(out: PrefillOutput, owners: Sequence[_Asks]) -> None:
+class _StepLogprobs(Protocol):
+    """What a prefill step's output carries of its prompt logprobs (ModelRunner's PrefillOutput)."""
+
+    @property
+    def prompt_logprobs(self) -> LogprobsTensors | None: ...
+    @property
+    def prompt_lp_plan(self) -> PromptLogprobPlan | None: ...
+
+
+def add_prompt_logprobs(out: _StepLogprobs, owners: Sequence[_Asks]) -> None:
     """Append a step's prompt logprobs to the requests (or prefill jobs) of its chunks, in order."""
     if out.prompt_logprobs is None or out.prompt_lp_plan is None:
         return

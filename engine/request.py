@@ -91,3 +91,23 @@ class RequestOutput:
     finish_reason: str | None
     index: int = 0  # the choice (n > 1)
     prompt_logprobs: list[TokenLogprob] | None = None  # with a request's first token, when asked
+
+
+@dataclass
+class PrefillChunk:
+    """One request's slice [start, end) of its prompt for this step."""
+
+    prompt: list[int]
+    start: int
+    end: int
+    block_ids: list[int]
+    params: SamplingParams
+    seed: int
+
+    @property
+    def logprobs(self) -> int | None:
+        return self.params.logprobs
+
+    @property
+    def is_last(self) -> bool:
+        return self.end == len(self.prompt)

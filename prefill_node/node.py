@@ -49,9 +49,8 @@ from engine.chunked_prefill import EarlyFirst, HostFirst
 from engine.engine import EngineConfig, build_runner, prefix_cache_for
 from engine.loader import LoadedModel
 from engine.model_runner import PrefillOutput, kv_room_needed, unpack_logprobs
-from engine.prefill_step import PrefillChunk
 from engine.prompt_logprobs import add_prompt_logprobs
-from engine.request import TokenLogprob
+from engine.request import PrefillChunk, TokenLogprob
 from engine.sampling_params import SamplingParams
 from engine.step_loop import StepLoop
 from engine.tensor_parallel import TPGroup

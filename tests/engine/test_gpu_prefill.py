@@ -12,7 +12,7 @@ import torch
 
 from engine.engine import EngineConfig, LLMEngine
 from engine.loader import load_model
-from engine.prefill_step import PrefillChunk
+from engine.request import PrefillChunk
 from engine.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")

@@ -14,7 +14,8 @@ import torch
 from engine.dummy_prompts import chunks_for_key, dummy_chunks
 from engine.engine import EngineConfig, LLMEngine
 from engine.prefill_graphs import PrefillGraphs, pow2_buckets
-from engine.prefill_step import PrefillChunk, key_for
+from engine.prefill_step import key_for
+from engine.request import PrefillChunk
 from engine.sampling_params import SamplingParams
 from engine.warmup import GREEDY, SAMPLED, VARIANTS, capture_deferred, rows_for, warm_up
 from tests.engine.conftest import DEVICE
