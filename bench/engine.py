@@ -29,10 +29,18 @@ import torch
 from bench.extras import require
 from bench.host_split import host_split, steady_batch
 from bench.step_trace import layer_increments
-from engine.draft_vocab import RANK_SUFFIX, ranking_path_beside, write_ranking
+from engine.draft_vocab import write_ranking
 from engine.dummy import DUMMY_SHAPES
 from engine.engine import EngineConfig, LLMEngine
-from engine.loader import LoadedModel, ModelInfo, load_model, load_model_info, mtp_path_default
+from engine.loader import (
+    RANK_SUFFIX,
+    LoadedModel,
+    ModelInfo,
+    load_model,
+    load_model_info,
+    mtp_path_default,
+    ranking_path_beside,
+)
 from engine.model_runner import kv_room_needed
 from engine.sampling_params import SamplingParams
 from engine.structured import StructuredSpec

@@ -41,8 +41,6 @@ from torch import Tensor
 
 from engine.sampler import STREAM_DRAFT, SamplingTensors, processed_probs, race
 
-RANK_SUFFIX = ".vocab_rank.safetensors"  # beside a head: {stem}.safetensors -> {stem}.vocab_rank.safetensors
-
 
 @dataclass(frozen=True)
 class DraftVocab:
@@ -98,15 +96,6 @@ def draft_tokens(
 def rank_by_count(counts: Tensor) -> Tensor:
     """Every id by decreasing count, ties by increasing id ([V] int64)."""
     return torch.sort(counts.to(torch.int64), descending=True, stable=True).indices
-
-
-def ranking_path_beside(head_path: str | None) -> str | None:
-    """The ranking file beside an MTP head file, if there is one."""
-    if head_path is None:
-        return None
-    p = Path(head_path)
-    rank = p.with_name(p.name.removesuffix(".safetensors") + RANK_SUFFIX)
-    return str(rank) if rank.is_file() else None
 
 
 def write_ranking(path: str | Path, counts: Tensor, meta: dict[str, object]) -> Tensor:

@@ -25,7 +25,6 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 
 from engine.config import ArchConfig
-from engine.draft_vocab import ranking_path_beside
 from engine.dummy import (
     DUMMY_SEED,
     DUMMY_SHAPES,
@@ -242,10 +241,22 @@ def head_config(config: ArchConfig, mtp: dict[str, torch.Tensor], feature_layers
                    mtp_feature_layers=tuple(feature_layers))
 
 
+RANK_SUFFIX = ".vocab_rank.safetensors"  # beside a head: {stem}.safetensors -> {stem}.vocab_rank.safetensors
+
+
 def vocab_rank_path(name: str, head_path: str | None) -> str | None:
     """The vocabulary ranking beside the MTP head file, else beside the head shipped for `name`
     (a ranking belongs to the target and its tokenizer, not to one head)."""
     return ranking_path_beside(head_path) or ranking_path_beside(mtp_path_default(name))
+
+
+def ranking_path_beside(head_path: str | None) -> str | None:
+    """The ranking file beside an MTP head file, if there is one."""
+    if head_path is None:
+        return None
+    p = Path(head_path)
+    rank = p.with_name(p.name.removesuffix(".safetensors") + RANK_SUFFIX)
+    return str(rank) if rank.is_file() else None
 
 
 def mtp_path_default(name: str) -> str | None:
