@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from engine.sampling_params import SamplingParams
+from engine.sampling.sampling_params import SamplingParams
 
 
 @dataclass
@@ -55,7 +55,7 @@ class Request:
     finish_reason: str | None = None
     steps: int = 0
     accepted_tokens: int = 0
-    # n > 1 (engine/fork.py): choice `index` of the request `group` (its first choice's id; "" for
+    # n > 1 (engine/sched/fork.py): choice `index` of the request `group` (its first choice's id; "" for
     # that first choice itself, which holds the others in `children` and forks them after its prefill)
     index: int = 0
     group: str = ""

@@ -11,7 +11,7 @@ reached, the transfer is aborted: the decode node fails the attempt and the rout
 request on (after the first token it has streamed).
 
 With the prefix cache on (`EngineConfig.enable_prefix_caching`), a job starts after its
-longest cached prefix (engine/prefix_cache.py) and its full prompt blocks are cached as they
+longest cached prefix (engine/cache/prefix_cache.py) and its full prompt blocks are cached as they
 are computed. Independently, a decode node with its own prefix cache says in the descriptor
 (`skip`) how many leading prompt blocks it holds (pinned there for the request); only the blocks
 after them are sent, for every layer, the MTP layer included. `skip` comes from the network: it
@@ -45,16 +45,16 @@ from typing import Any, assert_never
 
 import torch
 
-from engine.chunked_prefill import EarlyFirst, HostFirst
 from engine.engine import EngineConfig, build_runner, prefix_cache_for
-from engine.loader import LoadedModel
-from engine.model_runner import PrefillOutput, kv_room_needed, unpack_logprobs
-from engine.prompt_logprobs import add_prompt_logprobs
+from engine.model.loader import LoadedModel
 from engine.request import PrefillChunk, TokenLogprob
-from engine.sampling_params import SamplingParams
-from engine.step_loop import StepLoop
-from engine.tensor_parallel import TPGroup
-from engine.warmup import capture_deferred, warm_up
+from engine.runner.model_runner import PrefillOutput, kv_room_needed, unpack_logprobs
+from engine.runner.prompt_logprobs import add_prompt_logprobs
+from engine.runner.warmup import capture_deferred, warm_up
+from engine.sampling.sampling_params import SamplingParams
+from engine.sched.chunked_prefill import EarlyFirst, HostFirst
+from engine.sched.step_loop import StepLoop
+from engine.tp.tensor_parallel import TPGroup
 from kvtransfer import KVLayout, TransferState, TransferStatus, create_sender
 from protos.messages import KV_TRANSFER_BUCKETS, FirstToken, TokenLogprobs, token_logprobs
 
@@ -132,7 +132,7 @@ class PrefillNode(StepLoop):
         self.loaded, self.config, self.sink = loaded, config, first_token_sink
         self.k = config.num_speculative_tokens
         self.runner, self.blocks, self.max_model_len = build_runner(loaded, config, decodes=False, tp=tp)
-        self.warmup_s = 0.0  # start-up seconds spent capturing graphs before serving (engine/warmup.py)
+        self.warmup_s = 0.0  # start-up seconds spent capturing graphs before serving (engine/runner/warmup.py)
         if config.warmup and (tp is None or tp.size == 1):  # TP ranks capture in lockstep: not warmed yet
             self.warmup_s = warm_up(self.runner, decode=False, prefill=True,
                                     max_model_len=self.max_model_len).seconds
