@@ -20,11 +20,11 @@ from engine.engine import EngineConfig
 from engine.model.loader import LoadedModel
 from engine.tp.channel import Lockstep, TPChannel, rank_descriptor
 from engine.tp.tensor_parallel import TPGroup
+from prefill_node.first_token import FirstTokenSink
 from prefill_node.node import (
     Abort,
     Attach,
     Command,
-    FirstTokenSink,
     PrefillJob,
     PrefillNode,
     Submit,
