@@ -126,7 +126,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from deploy.cli_service import service_config, shutdown, start_service
-    from engine.loader import load_model_info
+    from engine.model.loader import load_model_info
 
     for key, value in DEFAULTS.items():
         if getattr(args, key, None) is None:
@@ -193,8 +193,8 @@ def reference_tokens(model: Any, jobs: list[Job]) -> list[list[int]]:
     --deterministic, whose batch-invariant kernels make its greedy tokens independent of how
     requests are batched, so the service must equal this whatever it batched."""
     from engine.engine import EngineConfig, LLMEngine
-    from engine.loader import load_model
-    from engine.sampling_params import SamplingParams
+    from engine.model.loader import load_model
+    from engine.sampling.sampling_params import SamplingParams
 
     device = model.resolved_device()
     loaded = load_model(model.resolved_name(), device=device, dtype=model.dtype, load_format=model.load_format)

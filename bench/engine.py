@@ -2,7 +2,7 @@
 
 Runs the LLMEngine on a batch of random prompts with k = 0 and the given k, on `tiny`, the
 embedded model, or random weights of a named real shape (`--model llama-3.1-8b --load-format
-dummy`, or `--arch llama-1b`: engine/dummy.py), so GPU machines that lack the weights file can
+dummy`, or `--arch llama-1b`: engine/model/dummy.py), so GPU machines that lack the weights file can
 still time real shapes. Prints one JSON object per k. On CUDA it also prints, from the same process, the floor a decode step is
 compared with (parameter bytes / measured copy bandwidth) and, with `--hf`, Hugging Face
 `generate` on the same weights. `--profile` adds kernels per decode step (copies, memsets and
@@ -29,14 +29,22 @@ import torch
 from bench.extras import require
 from bench.host_split import host_split, steady_batch
 from bench.step_trace import layer_increments
-from engine.draft_vocab import RANK_SUFFIX, ranking_path_beside, write_ranking
-from engine.dummy import DUMMY_SHAPES
 from engine.engine import EngineConfig, LLMEngine
-from engine.loader import LoadedModel, ModelInfo, load_model, load_model_info, mtp_path_default
-from engine.model_runner import kv_room_needed
-from engine.sampling_params import SamplingParams
-from engine.structured import StructuredSpec
-from engine.tensor_parallel import TPGroup
+from engine.grammar.structured import StructuredSpec
+from engine.model.dummy import DUMMY_SHAPES
+from engine.model.loader import (
+    RANK_SUFFIX,
+    LoadedModel,
+    ModelInfo,
+    load_model,
+    load_model_info,
+    mtp_path_default,
+    ranking_path_beside,
+)
+from engine.runner.model_runner import kv_room_needed
+from engine.sampling.sampling_params import SamplingParams
+from engine.spec_decode.draft_vocab import write_ranking
+from engine.tp.tensor_parallel import TPGroup
 from kernels.stamps import StepStamps, stamped_busy
 
 # `--arch NAME`: `--model NAME --load-format dummy`, under the names this bench used before the
@@ -77,7 +85,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def add_model_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="tiny", help="tiny, smollm2, a path, a dummy shape; or use --arch")
     p.add_argument("--load-format", choices=("auto", "dummy"), default="auto",
-                   help="'dummy': random weights of --model's shape (engine/dummy.py names llama-3.1-8b, ...)")
+                   help="'dummy': random weights of --model's shape (engine/model/dummy.py names llama-3.1-8b, ...)")
     p.add_argument("--arch", choices=sorted(ARCHES), default=None,
                    help="random weights of this shape (--model ARCH --load-format dummy)")
 
@@ -357,8 +365,8 @@ def run(args: argparse.Namespace) -> int:
         return bench_rank(None, args)
     if args.hf:
         raise ValueError("--hf times one GPU: use it with --tp 1")
-    from engine.tensor_parallel import check_tp_size
-    from engine.tp_launch import spawn_ranks
+    from engine.tp.launch import spawn_ranks
+    from engine.tp.tensor_parallel import check_tp_size
 
     if args.arch or args.load_format == "dummy":  # a named model's ranks each raise the same clear error
         check_tp_size(model_info(args).config, args.tp)
@@ -374,7 +382,7 @@ def model_info(args: argparse.Namespace) -> ModelInfo:
 
 def bench_rank(tp: TPGroup | None, args: argparse.Namespace) -> int:
     """The bench alone (tp None) or on one rank of a local TP group; rank 0 prints."""
-    from engine.tp_launch import rank_device
+    from engine.tp.launch import rank_device
 
     args = argparse.Namespace(**{**vars(args), "device": rank_device(args.device, tp.rank if tp else 0)})
     show = tp is None or tp.rank == 0

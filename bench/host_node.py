@@ -1,6 +1,6 @@
 """The real colocated node behind `pdserve bench host --node-model M`, and where its CPU goes.
 
-Receives the model (`tiny` on a CPU: engine/tiny.py), k and the batch size; runs a real
+Receives the model (`tiny` on a CPU: engine/model/tiny.py), k and the batch size; runs a real
 ColocatedNode (decode_node/colocated.py: its step loop, chunked prefill, MTP decode, output items,
 publishing to the owners' streams) behind the real servicer (decode_node/server.py), in its own
 process, with torch on one thread so the model's compute runs on the loop thread alone. Hands back,
@@ -111,7 +111,7 @@ def node_main(options: dict, conn: Any) -> None:
     from decode_node.server import serve_colocated
     from deploy.actors import freeze_node_heap
     from engine.engine import EngineConfig
-    from engine.loader import load_model
+    from engine.model.loader import load_model
 
     torch.set_num_threads(1)  # the model's compute on the loop thread only: the split is exact
     config = EngineConfig(num_speculative_tokens=options["k"], max_num_seqs=options["max_num_seqs"],

@@ -1,6 +1,6 @@
 """Where the host's time goes in a decode step, without a profiler (`bench engine --profile`).
 
-The decode loop launches step N + 1, then reads step N (engine/decode_batch.py). If the host's
+The decode loop launches step N + 1, then reads step N (engine/sched/decode_batch.py). If the host's
 own work per step (planning, the launch, reading and emitting) takes longer than the GPU's
 step, the GPU idles at the step boundary; if not, the host spends the rest blocked at the read
 point. `host_split` times one run of steps with wall clocks around the launch and the read
@@ -23,8 +23,8 @@ from contextlib import contextmanager
 from typing import Any
 
 from engine.engine import LLMEngine
-from engine.sampling_params import SamplingParams
-from engine.step_output import HostCopy
+from engine.runner.step_output import HostCopy
+from engine.sampling.sampling_params import SamplingParams
 
 
 def _timed(fn: Callable[..., Any], spent: dict[str, float], key: str) -> Callable[..., Any]:

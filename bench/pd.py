@@ -31,7 +31,7 @@ from bench.engine import add_model_arguments, load
 from bench.extras import require
 from bench.pd_schedule import WARMUP_ITEMS, Trace, greedy_params, node_config, workload
 from engine.engine import LLMEngine, resolve_request
-from engine.loader import LoadedModel
+from engine.model.loader import LoadedModel
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

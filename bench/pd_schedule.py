@@ -9,7 +9,7 @@ import random
 from dataclasses import dataclass, field
 
 from engine.engine import EngineConfig
-from engine.sampling_params import SamplingParams
+from engine.sampling.sampling_params import SamplingParams
 
 WARMUP_ITEMS = 3  # background outputs each before the timed phase starts
 

@@ -28,9 +28,9 @@ import torch
 from bench.engine import add_model_arguments, busy_share, load, sync_device
 from bench.extras import require
 from engine.engine import EngineConfig, LLMEngine
-from engine.loader import LoadedModel
-from engine.model_runner import kv_room_needed
-from engine.sampling_params import SamplingParams
+from engine.model.loader import LoadedModel
+from engine.runner.model_runner import kv_room_needed
+from engine.sampling.sampling_params import SamplingParams
 
 BLOCK_SIZE = 16
 CONTEXT_SLACK = 8  # a case's context: its prompt and room for the first token and the drafts

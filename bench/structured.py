@@ -9,7 +9,7 @@ schema validates (jsonschema, Draft 2020-12), the mean output tokens, and, in-pr
 the k-draft outputs equal the plain ones token for token and the MTP acceptance (accepted drafts
 / proposed) with and without the constraint. Prints a table; writes the JSON report to `--out`.
 
-Until the engine masks (engine/grammar.py) a constraint does not change the tokens: parsed and
+Until the engine masks (engine/grammar/compiler.py) a constraint does not change the tokens: parsed and
 validated shares are then the model's own, and the constrained and free runs match.
 """
 

@@ -15,9 +15,9 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from engine.loader import LoadedModel, load_model
-from engine.sampling_params import SamplingParams
-from engine.structured import StructuredSpec
+from engine.grammar.structured import StructuredSpec
+from engine.model.loader import LoadedModel, load_model
+from engine.sampling.sampling_params import SamplingParams
 from mtp.acceptance import RunStats, by_position, run_engine
 from mtp.prompts import chat_ids
 

@@ -4,7 +4,7 @@ Receives, from the router, whole requests (`submit`: the prompt's token ids and 
 sampling) and aborts. Admission is the decode node's: a slot and KV blocks for the request's
 whole life (its prompt's longest cached prefix shared when `enable_prefix_caching`), or a
 refusal, on which the router queues. The prompt then waits in the single-process engine's
-ChunkedPrefill (engine/chunked_prefill.py). Each loop round runs one prefill step, at most
+ChunkedPrefill (engine/sched/chunked_prefill.py). Each loop round runs one prefill step, at most
 `max_num_batched_tokens` prompt tokens (a longer prompt is cut into chunks that later rounds
 continue), and then one overlapped decode step of the running batch (DecodeBatch: MTP, the
 decode step's CUDA graphs), so a running request waits at most one chunk between two of its
@@ -27,14 +27,14 @@ from typing import Any
 
 from decode_node.commands import Submit
 from decode_node.node import DecodeNode, Reservation
-from engine.chunked_prefill import ChunkedPrefill, Launched
 from engine.engine import EngineConfig
-from engine.loader import LoadedModel
-from engine.model_runner import kv_room_needed
+from engine.model.loader import LoadedModel
 from engine.request import Request
-from engine.sampling_params import SamplingParams
-from engine.tensor_parallel import TPGroup
-from engine.warmup import capture_deferred
+from engine.runner.model_runner import kv_room_needed
+from engine.runner.warmup import capture_deferred
+from engine.sampling.sampling_params import SamplingParams
+from engine.sched.chunked_prefill import ChunkedPrefill, Launched
+from engine.tp.tensor_parallel import TPGroup
 from protos.messages import OutputItem
 
 log = logging.getLogger(__name__)
@@ -56,7 +56,7 @@ class ColocatedNode(DecodeNode):
     def submit(self, request_id: str, prompt: list[int], params: SamplingParams, seed: int,
                stop_ids: tuple[int, ...]) -> concurrent.futures.Future:
         """Ask the loop to admit a whole request; the future gives a Reservation (no descriptor).
-        A structured-output spec is compiled here, off the loop (engine/grammar.py)."""
+        A structured-output spec is compiled here, off the loop (engine/grammar/compiler.py)."""
         if self.runner.grammar is not None:
             self.runner.grammar.precompile(params.structured)
         fut: concurrent.futures.Future = concurrent.futures.Future()

@@ -12,7 +12,7 @@ from __future__ import annotations
 import concurrent.futures
 from dataclasses import dataclass
 
-from engine.sampling_params import SamplingParams
+from engine.sampling.sampling_params import SamplingParams
 from protos.messages import FirstToken
 
 

@@ -14,7 +14,7 @@ only enqueue commands and wait on futures. A reservation whose KV or first token
 arrive within `admission_timeout_s` ends with an error and frees its blocks.
 
 Prefix cache (`EngineConfig.enable_prefix_caching`, config `decode.prefix_cache`): given the
-prompt's token ids at `reserve`, the node hashes them as a prefill node does (engine/prefix_cache.py:
+prompt's token ids at `reserve`, the node hashes them as a prefill node does (engine/cache/prefix_cache.py:
 model identity, and with MTP the token after each block, so a cached block is valid for the MTP
 layer too), takes its longest cached prefix first (one reference each: pinned, never evicted while
 the request holds it), and names that count in the descriptor (`skip`); only the blocks after it
@@ -48,9 +48,14 @@ import torch
 
 from decode_node.commands import Abort, Command, First, OwnerBack, OwnerGone, Reserve, Submit
 from decode_node.streams import OutputStreams, Stream, owner_of
-from engine.decode_batch import DecodeBatch
 from engine.engine import EngineConfig, build_runner, prefix_cache_for
-from engine.fork import (
+from engine.model.loader import LoadedModel
+from engine.request import Request, RequestOutput
+from engine.runner.model_runner import kv_room_needed
+from engine.runner.warmup import warm_up
+from engine.sampling.sampling_params import MAX_N, SamplingParams
+from engine.sched.decode_batch import DecodeBatch
+from engine.sched.fork import (
     allocate_children,
     choice_id,
     fork_no_sync,
@@ -58,17 +63,12 @@ from engine.fork import (
     make_children,
     shared_blocks,
 )
-from engine.loader import LoadedModel
-from engine.model_runner import kv_room_needed
-from engine.request import Request, RequestOutput
-from engine.sampling_params import MAX_N, SamplingParams
-from engine.step_loop import StepLoop
-from engine.tensor_parallel import TPGroup
-from engine.warmup import warm_up
+from engine.sched.step_loop import StepLoop
+from engine.tp.tensor_parallel import TPGroup
 from kvtransfer import KVLayout, KVReceiver, TransferState, create_receiver
 from protos.messages import FirstToken, OutputItem, TokenLogprobs, token_logprobs
 
-ERROR_PREFIX = "error: "  # a finish reason that is an error (engine/decode_batch.py)
+ERROR_PREFIX = "error: "  # a finish reason that is an error (engine/sched/decode_batch.py)
 
 
 def _resumes_grammar(params: SamplingParams) -> bool:
@@ -106,7 +106,7 @@ class DecodeNode(StepLoop):
         self.loaded, self.config = loaded, config
         self.k = config.num_speculative_tokens
         self.runner, self.blocks, self.max_model_len = build_runner(loaded, config, tp=tp)
-        self.warmup_s = 0.0  # start-up seconds spent capturing graphs before serving (engine/warmup.py)
+        self.warmup_s = 0.0  # start-up seconds spent capturing graphs before serving (engine/runner/warmup.py)
         if config.warmup and (tp is None or tp.size == 1):  # TP ranks capture in lockstep: not warmed yet
             self.warmup_s = warm_up(self.runner, decode=True, prefill=self.prefills,
                                     max_model_len=self.max_model_len).seconds
@@ -261,7 +261,7 @@ class DecodeNode(StepLoop):
         return Reservation(True, "", descriptor)
 
     def _admit_group(self, req: Request, prompt: list[int], need: int) -> int | None:
-        """A slot and `need` blocks for every choice of `req` (n > 1: engine/fork.py), its cached
+        """A slot and `need` blocks for every choice of `req` (n > 1: engine/sched/fork.py), its cached
         prefix first; the prompt tokens that prefix holds, or None (nothing taken) when they do
         not fit. Every choice is then in `requests`."""
         n, bs = req.params.n, self.blocks.block_size

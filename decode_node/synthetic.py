@@ -26,8 +26,8 @@ from typing import Any, assert_never
 from decode_node.commands import Abort, Command, First, OwnerBack, OwnerGone, Reserve, Submit
 from decode_node.node import Reservation
 from decode_node.streams import OutputStreams, Stream, owner_of
-from engine.sampling_params import SamplingParams
-from engine.step_loop import StepLoop
+from engine.sampling.sampling_params import SamplingParams
+from engine.sched.step_loop import StepLoop
 from protos.messages import OutputItem, TokenLogprobs
 
 

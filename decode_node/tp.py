@@ -1,4 +1,4 @@
-"""TPDecodeNode: one rank of a decode node of TP size N (engine/tp_channel.py).
+"""TPDecodeNode: one rank of a decode node of TP size N (engine/tp/channel.py).
 
 Rank 0 is the node the router and prefill nodes talk to; its reservations, first-token
 messages and aborts reach ranks 1..N-1 through the channel, in order, and every rank applies
@@ -23,10 +23,10 @@ from typing import Any, assert_never
 from decode_node.commands import Abort, Command, First, OwnerBack, OwnerGone, Reserve, Submit
 from decode_node.node import DecodeNode, Reservation
 from engine.engine import EngineConfig
-from engine.loader import LoadedModel
+from engine.model.loader import LoadedModel
 from engine.request import Request
-from engine.tensor_parallel import TPGroup
-from engine.tp_channel import Lockstep, TPChannel, with_ranks
+from engine.tp.channel import Lockstep, TPChannel, with_ranks
+from engine.tp.tensor_parallel import TPGroup
 from kvtransfer import TransferState
 from protos import node_pb2
 from protos.convert import sampling_from_proto, sampling_to_proto

@@ -107,7 +107,7 @@ class NodeActor:
         clock = _Phases()
         import torch
 
-        from engine.loader import load_model
+        from engine.model.loader import load_model
 
         clock.mark("imports")
         threads = max(1, int(cfg.section(role).num_cpus))
@@ -228,7 +228,7 @@ class TPRankActor(NodeActor):
 
         import torch.distributed as dist
 
-        from engine.tensor_parallel import TPGroup
+        from engine.tp.tensor_parallel import TPGroup
 
         cuda = self.cfg.model.resolved_device().startswith("cuda")
         dist.init_process_group("nccl" if cuda else "gloo", init_method=f"tcp://{address}", rank=self.rank,

@@ -154,7 +154,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         raise ValueError(f"--tp must be a power of two (1, 2, 4, ...), got {args.tp}")
     if args.tp == 1:
         return generate_rank(None, args)
-    from engine.tp_launch import check_tp_model, spawn_ranks
+    from engine.tp.launch import check_tp_model, spawn_ranks
 
     check_tp_model(args.model, args.tp, "--tp", args.load_format or "auto")
 
@@ -167,9 +167,9 @@ def generate_rank(tp: Any, args: argparse.Namespace) -> int:
     t_imports = time.perf_counter()
     start_cuda_init(args.device, tp.rank if tp is not None else 0)
     from engine.engine import EngineConfig, LLMEngine
-    from engine.loader import default_model, load_model
-    from engine.sampling_params import SamplingParams
-    from engine.tp_launch import rank_device
+    from engine.model.loader import default_model, load_model
+    from engine.sampling.sampling_params import SamplingParams
+    from engine.tp.launch import rank_device
 
     params = SamplingParams(
         temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed,
@@ -209,7 +209,7 @@ def start_cuda_init(device: str, rank: int) -> None:
 
     def init() -> None:
         try:
-            torch.empty(1, device=f"cuda:{rank}")  # the rank's device, as engine.tp_launch.rank_device
+            torch.empty(1, device=f"cuda:{rank}")  # the rank's device, as engine.tp.launch.rank_device
         except Exception:
             pass
 

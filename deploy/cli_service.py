@@ -144,7 +144,7 @@ def check_tp_fits(cfg: Any) -> None:
     is an error before any actor starts, not rank groups failing and restarting until the start
     times out. (prefill.tp equals decode.tp: the config checks it.)"""
     if cfg.decode.tp > 1 and cfg.cluster.address is None:
-        from engine.tp_launch import check_tp_model
+        from engine.tp.launch import check_tp_model
 
         check_tp_model(cfg.model.resolved_name(), cfg.decode.tp, "decode.tp", cfg.model.load_format)
 

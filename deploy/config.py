@@ -65,7 +65,7 @@ class ModelConfig(_Section):
     mtp_path: str | None = None
     enforce_eager: bool = False  # no CUDA graphs for the decode step (as vLLM's --enforce-eager)
     deterministic: bool = False  # batch-invariant kernels on prefill and decode nodes alike
-    warmup: bool = True  # capture the CUDA graphs requests meet before a node is ready (engine/warmup.py)
+    warmup: bool = True  # capture the CUDA graphs requests meet before a node is ready (engine/runner/warmup.py)
 
     @field_validator("dtype")
     @classmethod
@@ -75,7 +75,7 @@ class ModelConfig(_Section):
         return v
 
     def resolved_name(self) -> str:
-        from engine.loader import default_model
+        from engine.model.loader import default_model
 
         return self.name or default_model()
 
@@ -144,7 +144,7 @@ class PrefillConfig(_NodeSection):
     num_gpus: float = Field(default=1.0, ge=0)
     resources: dict[str, float] = Field(default_factory=dict)  # Ray resources each node needs ({pdserve_prefill: 1})
     # Keep computed KV blocks of prompts and start a prompt after its longest cached prefix
-    # (engine/prefix_cache.py); pair with `router.policy: prefix`. `--enable-prefix-caching`.
+    # (engine/cache/prefix_cache.py); pair with `router.policy: prefix`. `--enable-prefix-caching`.
     prefix_cache: bool = False
 
 
@@ -173,7 +173,7 @@ class ColocatedConfig(_Section):
     num_cpus: float = Field(default=1.0, ge=0)
     num_gpus: float = Field(default=1.0, ge=0)
     resources: dict[str, float] = Field(default_factory=dict)  # Ray resources each node needs
-    prefix_cache: bool = False  # keep computed prompt blocks (engine/prefix_cache.py); --enable-prefix-caching
+    prefix_cache: bool = False  # keep computed prompt blocks (engine/cache/prefix_cache.py); --enable-prefix-caching
 
 
 class ClusterConfig(_Section):

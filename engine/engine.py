@@ -1,7 +1,7 @@
 """LLMEngine: the single-process engine (continuous batching, chunked prefill, MTP on/off).
 
 Receives token-id prompts with SamplingParams; hands back per-step output deltas. Each `step`
-runs one prefill batch (a token budget of prompt chunks, FIFO: engine/chunked_prefill.py, which
+runs one prefill batch (a token budget of prompt chunks, FIFO: engine/sched/chunked_prefill.py, which
 the colocated node runs too) and one overlapped decode step:
 the decode step N+1 is launched before step N's results are read. The scheduler part holds
 integers and lists only; tensors live in the ModelRunner. The prefill and decode nodes reuse
@@ -9,12 +9,12 @@ the same pieces (`ModelRunner.prefill`, `insert_no_sync`, `launch_decode`/`colle
 
 KV blocks are reserved for a request's whole life at admission (prompt + max_tokens + MTP
 room; with `enable_prefix_caching` its longest cached prefix is shared and prefill starts after
-it: engine/prefix_cache.py; n > 1 choices share the prompt's blocks: engine/fork.py), so a running request never needs preemption; blocks are freed only after the decode
+it: engine/cache/prefix_cache.py; n > 1 choices share the prompt's blocks: engine/sched/fork.py), so a running request never needs preemption; blocks are freed only after the decode
 step in flight has been collected, so no launched step can write into a reused block.
 
 Structured output (`SamplingParams.structured`, issue 28): the runner's grammar compiler
-(engine/grammar.py) checks a spec at `add_request`; prefill and decode mask the logits with it
-(engine/constrained.py).
+(engine/grammar/compiler.py) checks a spec at `add_request`; prefill and decode mask the logits with it
+(engine/runner/constrained.py).
 """
 
 from __future__ import annotations
@@ -26,22 +26,21 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.attention import get_backend
-from engine.chunked_prefill import ChunkedPrefill
-from engine.decode_batch import DecodeBatch
-from engine.draft_vocab import DraftVocab, read_ranking
-from engine.fork import allocate_children, group_fits, make_children, shared_blocks
-from engine.grammar import GrammarCompiler
-from engine.kv_cache import BlockManager, KVCache
-from engine.loader import LoadedModel
-from engine.model import fuse_projections
-from engine.model_runner import MAX_GRAPH_TOKENS, ModelRunner, kv_room_needed
-from engine.prefill_step import PrefillChunk
-from engine.prefix_cache import PrefixCache
-from engine.request import Request, RequestOutput
-from engine.sampling_params import SamplingParams
-from engine.structured import NEEDS_EOS
-from engine.tensor_parallel import (
+from engine.cache.kv_cache import BlockManager, KVCache
+from engine.cache.prefix_cache import PrefixCache
+from engine.grammar.compiler import GrammarCompiler
+from engine.grammar.structured import NEEDS_EOS
+from engine.model.attention import get_backend
+from engine.model.llama import fuse_projections
+from engine.model.loader import LoadedModel
+from engine.request import PrefillChunk, Request, RequestOutput
+from engine.runner.model_runner import MAX_GRAPH_TOKENS, ModelRunner, kv_room_needed
+from engine.sampling.sampling_params import SamplingParams
+from engine.sched.chunked_prefill import ChunkedPrefill
+from engine.sched.decode_batch import DecodeBatch
+from engine.sched.fork import allocate_children, group_fits, make_children, shared_blocks
+from engine.spec_decode.draft_vocab import DraftVocab, read_ranking
+from engine.tp.tensor_parallel import (
     TPCausalLM,
     TPGroup,
     apply_tensor_parallel,
@@ -67,7 +66,7 @@ class EngineConfig:
     block_shuffle_seed: int | None = None  # scatter block ids (tests)
     seed: int = 0  # draws per-request seeds when a request gives none
     enable_prefix_caching: bool = False  # reuse computed KV blocks of earlier prompts (as vLLM's flag)
-    warmup: bool = False  # nodes: capture the graphs requests meet before serving (engine/warmup.py)
+    warmup: bool = False  # nodes: capture the graphs requests meet before serving (engine/runner/warmup.py)
 
     def __post_init__(self) -> None:
         if self.num_speculative_tokens < 0:
@@ -83,7 +82,7 @@ def build_runner(loaded: LoadedModel, config: EngineConfig, decodes: bool = True
     """The runner, its block manager and the context length, sized from `config`.
 
     With `tp` (a group of size > 1) the model is sharded for this rank first (in place:
-    engine/tensor_parallel.py); every rank gets the same number of KV blocks. On CUDA the
+    engine/tp/tensor_parallel.py); every rank gets the same number of KV blocks. On CUDA the
     model's projections are fused and, unless `enforce_eager` or the runner never `decodes`
     (a prefill node), the decode step's CUDA graphs are captured here; prefill steps get CUDA
     graphs too (captured on first use), unless `enforce_eager`."""
@@ -131,7 +130,7 @@ def _num_blocks(loaded: LoadedModel, config: EngineConfig, max_model_len: int, t
 
 def prefix_cache_for(loaded: LoadedModel, config: EngineConfig, blocks: BlockManager) -> PrefixCache:
     """The scheduler's prefix cache (off unless `enable_prefix_caching`); keys carry the model's
-    identity, and with MTP (k > 0) the token after each block (engine/prefix_cache.py)."""
+    identity, and with MTP (k > 0) the token after each block (engine/cache/prefix_cache.py)."""
     dtype = next(loaded.model.parameters()).dtype
     k = config.num_speculative_tokens
     return PrefixCache(blocks, f"{loaded.name}|{dtype}|mtp={k > 0}", 1 if k else 0, config.enable_prefix_caching)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from engine.sampling_params import SamplingParams
+from engine.sampling.sampling_params import SamplingParams
 
 
 @dataclass
@@ -55,7 +55,7 @@ class Request:
     finish_reason: str | None = None
     steps: int = 0
     accepted_tokens: int = 0
-    # n > 1 (engine/fork.py): choice `index` of the request `group` (its first choice's id; "" for
+    # n > 1 (engine/sched/fork.py): choice `index` of the request `group` (its first choice's id; "" for
     # that first choice itself, which holds the others in `children` and forks them after its prefill)
     index: int = 0
     group: str = ""
@@ -91,3 +91,23 @@ class RequestOutput:
     finish_reason: str | None
     index: int = 0  # the choice (n > 1)
     prompt_logprobs: list[TokenLogprob] | None = None  # with a request's first token, when asked
+
+
+@dataclass
+class PrefillChunk:
+    """One request's slice [start, end) of its prompt for this step."""
+
+    prompt: list[int]
+    start: int
+    end: int
+    block_ids: list[int]
+    params: SamplingParams
+    seed: int
+
+    @property
+    def logprobs(self) -> int | None:
+        return self.params.logprobs
+
+    @property
+    def is_last(self) -> bool:
+        return self.end == len(self.prompt)

@@ -16,7 +16,7 @@ Returns (tokens [R, k+1], n [R], finished [R], new seq_lens [R], last_at [R]); `
 column verification produced (the MTP redraft reads them all), the host reads the first n;
 last_at = r * (k+1) + max(n-1, 0), the flat index of the row's last kept token (the MTP redraft
 continues from its hidden). tokens, n and finished (int64, 0/1) are written where the host reads
-them: the first R*(k+2) elements of `out` (int64, 1-D), in that order (engine/step_output.py).
+them: the first R*(k+2) elements of `out` (int64, 1-D), in that order (engine/runner/step_output.py).
 Shapes: state tensors are per slot ([S], drafts [S, k], stop_ids [S, M], M a power of two),
 int64 except `done` (bool). One program per row: the torch version is ~35 launches.
 A row may repeat in `rows` only if it is done (the spare padding row): its writes agree.

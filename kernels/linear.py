@@ -22,7 +22,7 @@ written for an argmax. A weighted norm stays its own kernel (`kernels.norm.rms_n
 to the A operand as it is loaded, it keeps Triton from pipelining the weight loads (several
 times slower), as silu * up does on the down projection's A, and so does summing A's squares in
 the K loop (BENCHMARKS.md). A weightless norm (its
-weight folded into w: `engine.model.fold_norms`) runs in the epilogue instead, as a row scale on
+weight folded into w: `engine.model.llama.fold_norms`) runs in the epilogue instead, as a row scale on
 the sums, from x's row sums of squares that the GEMM which wrote x (a residual add: this kernel,
 or its split-K sum) stored per column tile (`kernels.norm.store_partial_sumsq`, carried on the
 output tensor: `row_sumsq_of`); the main loop is untouched. Where x has none (cuBLAS wrote it, or

@@ -4,11 +4,11 @@
     add_rms_norm(d, r, w, eps)     = (rms_norm(s, w, eps), s)  with  s = round_x(r + d)
 
 w None: no weight (a unit one), for a norm whose weight is folded into the next GEMM's
-(`engine.model.fuse_projections`).
+(`engine.model.llama.fuse_projections`).
 
 x^2, the mean and rsqrt are fp32; `round_x` rounds to x's dtype, and the product with w is
 rounded to the promoted dtype of w and x. These are the rounding steps of the torch code
-(`engine.model.RMSNorm` and the decoder layer's `x = x + delta`), which `*_ref` reproduces
+(`engine.model.llama.RMSNorm` and the decoder layer's `x = x + delta`), which `*_ref` reproduces
 bit for bit; the kernel differs only in the order of the fp32 sum over H.
 
 Shapes: x, d, r [..., H] with the last dim contiguous (other strides are free for 2-D inputs;
@@ -183,7 +183,7 @@ def add_rms_norm(
 def mtp_input(ids: torch.Tensor, table: torch.Tensor, h: torch.Tensor,
               e_norm: tuple[torch.Tensor | None, float], h_norm: tuple[torch.Tensor | None, float]) -> torch.Tensor:
     """[rows, 2H]: rms_norm(table[ids], *e_norm) | rms_norm(h, *h_norm), the MTP's eh_proj input
-    (`engine.model.CausalLM.mtp_forward`), in one launch where the embedding gather and the two
+    (`engine.model.llama.CausalLM.mtp_forward`), in one launch where the embedding gather and the two
     norms took three; bit for bit what those give. `table` [V, H] and `h` [rows, H] of one dtype,
     the norms' weights (None: none) of one dtype."""
     rows, size = h.shape

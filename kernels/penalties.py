@@ -1,5 +1,5 @@
 """Penalties and logit bias of a decode step, read straight from the per-slot state (the
-formulas: engine/penalties.py), and the counts the step's emitted tokens add to that state.
+formulas: engine/sampling/penalties.py), and the counts the step's emitted tokens add to that state.
 
     penalize_rows(logits [R, K1, V], rows [R], drafts [R, K1-1], presence, frequency, repetition [S],
                   bias [S, V] fp32, counts [S, V] int32, prompt [S, V] bool) -> [R, K1, V] fp32:

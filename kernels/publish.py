@@ -1,6 +1,6 @@
 """A decode step's packed outputs written into pinned host memory by a kernel.
 
-The step's one output copy (engine/step_output.py) is a device-to-host memcpy queued after the
+The step's one output copy (engine/runner/step_output.py) is a device-to-host memcpy queued after the
 step's graph: the GPU goes from its compute engine to a copy engine and back at every step
 boundary. `publish` does the same copy with the SMs instead: a kernel that stores the packed
 words straight into the pinned (host-mapped) buffer, so the boundary is kernel to kernel. The

@@ -6,7 +6,7 @@ Non-interleaved RoPE ("rotate_half"), per token t at position p = positions[t], 
     out1 = x1 * cos[p, :D/2] - x2 * sin[p, :D/2]
     out2 = x2 * cos[p, D/2:] + x1 * sin[p, D/2:]
 
-rounded to x's dtype, exactly the ops of `engine.model.RotaryEmbedding.forward` (no FMA: the
+rounded to x's dtype, exactly the ops of `engine.model.llama.RotaryEmbedding.forward` (no FMA: the
 kernel is compiled with fp fusion off, so it matches the reference bit for bit). Rotated q is
 returned; rotated k (rounded to k's dtype, then to the cache's) and v go to their cache slots.
 
@@ -111,7 +111,7 @@ def rope_and_cache_triton(
 
 
 def _rotate_ref(x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """`engine.model.RotaryEmbedding.forward` with its tables passed in."""
+    """`engine.model.llama.RotaryEmbedding.forward` with its tables passed in."""
     c = cos[positions].unsqueeze(1)
     s = sin[positions].unsqueeze(1)
     xf = x.float()

@@ -1,6 +1,6 @@
 """Step stamps: the GPU's own clock at the start and the end of every decode step (`settings.STEP_STAMPS`).
 
-What it measures. Each decode graph (engine/cuda_graphs.py) opens with one launch of
+What it measures. Each decode graph (engine/runner/cuda_graphs.py) opens with one launch of
 `_stamp_kernel` and closes with another. Each reads the GPU's `%globaltimer` (nanoseconds,
 the same clock on every SM) and stores it into a ring of N steps on the device:
 

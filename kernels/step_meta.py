@@ -34,13 +34,13 @@ import triton.language as tl
 from kernels._dispatch import use_triton
 from kernels.pdl import pdl_args, wait_for_previous
 
-TRASH_BLOCK = 0  # engine.attention.TRASH_BLOCK; kernels do not import the engine
+TRASH_BLOCK = 0  # engine.model.attention.TRASH_BLOCK; kernels do not import the engine
 
 Meta = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
 
 
 class StepState(NamedTuple):
-    """The per-slot state tensors a decode step reads (engine.batch_state.BatchState's)."""
+    """The per-slot state tensors a decode step reads (engine.runner.batch_state.BatchState's)."""
 
     seq_lens: torch.Tensor  # [S] int64
     done: torch.Tensor  # [S] bool

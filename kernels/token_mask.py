@@ -1,7 +1,7 @@
 """Grammar masks on the logits: a token whose bit is 0 in its row's packed bitmask gets -inf.
 
     mask_logits(logits [..., V], bitmask [..., W] int32, W = ceil(V / 32)) -> [..., V]
-        bit j of word w allows token 32 * w + j (xgrammar's layout: engine/grammar.py)
+        bit j of word w allows token 32 * w + j (xgrammar's layout: engine/grammar/compiler.py)
     mask_rows(logits [R, K1, V], rows [R], bitmask [S, K1, W]) -> [R, K1, V]
         verify position i of row r masked with state row rows[r]'s bitmask i
         (`mask_logits(logits, bitmask[rows])`, without the [R, K1, W] gather)

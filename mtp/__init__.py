@@ -5,5 +5,5 @@ sampler dense_sampler.py, forward.py, loop.py, files.py); ranking the draft voca
 (`pdserve draft-vocab`: vocab_rank.py); measuring acceptance (acceptance.py, which `pdserve
 bench acceptance` runs). The prompt lists are in prompt_lists/; the script and the loss curves
 of the runs that made the shipped heads are in runs/; the heads themselves ship in
-engine/mtp_heads/, where the loader finds them. Nothing here is used when serving.
+engine/model/mtp_heads/, where the loader finds them. Nothing here is used when serving.
 """

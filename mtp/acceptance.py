@@ -12,7 +12,7 @@ and the wall-clock tokens/s of both runs (prefill included, after a warm-up), th
 tokens/s (each request's tokens after its first over the time from its first token to its
 last: prefill and time to first token left out, as an inter-token latency), and whether both
 runs gave the same tokens (they must when greedy). `--draft-vocab N` drafts over the model's N
-most frequent tokens (FR-Spec, engine/draft_vocab.py); the plain run is the same either way, and
+most frequent tokens (FR-Spec, engine/spec_decode/draft_vocab.py); the plain run is the same either way, and
 `draft_vocab_coverage` is the share of its tokens inside those N.
 """
 
@@ -25,10 +25,10 @@ from pathlib import Path
 
 import torch
 
-from engine.draft_vocab import read_ranking
 from engine.engine import EngineConfig, LLMEngine
-from engine.loader import LoadedModel
-from engine.sampling_params import SamplingParams
+from engine.model.loader import LoadedModel
+from engine.sampling.sampling_params import SamplingParams
+from engine.spec_decode.draft_vocab import read_ranking
 from mtp.prompts import chat_ids, read_prompts
 
 

@@ -14,8 +14,8 @@ from typing import Any
 import torch
 from safetensors.torch import load_file, save_file
 
-from engine.loader import LoadedModel
-from engine.sampling_params import SamplingParams
+from engine.model.loader import LoadedModel
+from engine.sampling.sampling_params import SamplingParams
 from mtp.dense_sampler import DenseSampler
 from mtp.files import progress
 from mtp.prompts import HELDOUT_PROMPTS, chat_ids, read_prompts

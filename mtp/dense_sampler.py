@@ -19,8 +19,8 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from engine.attention import AttentionBackend
-from engine.model import CausalLM
+from engine.model.attention import AttentionBackend
+from engine.model.llama import CausalLM
 
 SPAN = 64  # decode attends to key columns [0, span); span is a multiple of this
 # Not cuDNN: it builds an execution plan per new shape on the host (8 ms forward, ~80 ms

@@ -12,8 +12,8 @@ from typing import Any
 import torch
 from safetensors.torch import save_file
 
-from engine.loader import FEATURE_LAYERS_KEY
-from engine.model import CausalLM, mtp_state_dict
+from engine.model.llama import CausalLM, mtp_state_dict
+from engine.model.loader import FEATURE_LAYERS_KEY
 
 
 def save_head(model: CausalLM, path: Path, dtype: torch.dtype, meta: dict[str, str]) -> dict[str, torch.Tensor]:

@@ -9,8 +9,8 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import sdpa_kernel
 
-from engine.attention import AttentionBackend
-from engine.model import CausalLM
+from engine.model.attention import AttentionBackend
+from engine.model.llama import CausalLM
 from mtp.dense_sampler import SDPA_BACKENDS
 
 

@@ -14,8 +14,8 @@ from typing import Any
 
 import torch
 
-from engine.loader import LoadedModel, check_feature_layers
-from engine.model import CausalLM, MTPModule
+from engine.model.llama import CausalLM, MTPModule
+from engine.model.loader import LoadedModel, check_feature_layers
 from mtp.dense_sampler import DenseSampler
 from mtp.files import progress
 from mtp.forward import chain_losses

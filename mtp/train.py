@@ -36,7 +36,7 @@ from pathlib import Path
 
 import torch
 
-from engine.loader import LoadedModel, load_model
+from engine.model.loader import LoadedModel, load_model
 from mtp.data import DataConfig, generate_data, generate_dense, load_data, save_data, self_prompts
 from mtp.files import save_head, save_loss_curve
 from mtp.loop import (

@@ -10,7 +10,7 @@ out). Hands on one small safetensors file: `ids` int32 [V], every token id by de
 ties by increasing id (a BPE tokenizer's lower ids are its earlier, more frequent merges);
 `counts` int32 [V] in that order; and a summary in the metadata. Loaded beside a model's MTP
 head ({stem}.vocab_rank.safetensors), its first N ids are the draft vocabulary of
-`--draft-vocab N` (engine/draft_vocab.py).
+`--draft-vocab N` (engine/spec_decode/draft_vocab.py).
 """
 
 from __future__ import annotations
@@ -23,10 +23,10 @@ from pathlib import Path
 
 import torch
 
-from engine.draft_vocab import rank_by_count, write_ranking
 from engine.engine import EngineConfig, LLMEngine
-from engine.loader import LoadedModel, load_model
-from engine.sampling_params import SamplingParams
+from engine.model.loader import LoadedModel, load_model
+from engine.sampling.sampling_params import SamplingParams
+from engine.spec_decode.draft_vocab import rank_by_count, write_ranking
 from mtp.prompts import HELDOUT_PROMPTS, chat_ids, read_prompts, training_prompts
 
 COVERAGE_SIZES = (2048, 4096, 8192, 16384, 32768)

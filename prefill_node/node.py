@@ -6,12 +6,12 @@ target; as each target layer finishes for a prompt that completes in this step, 
 are handed to the KV sender (never blocking). Then the first token is sampled (with
 logprobs), the MTP module drafts k tokens and its layer is pushed too, and the first-token
 message goes back to the caller and, from a small pool of sender threads (off the loop and the
-caller's path), to the decode node (through `first_token_sink`). If the decode node cannot be
-reached, the transfer is aborted: the decode node fails the attempt and the router moves the
-request on (after the first token it has streamed).
+caller's path; prefill_node/first_token.py), to the decode node (through `first_token_sink`).
+If the decode node cannot be reached, the transfer is aborted: the decode node fails the attempt
+and the router moves the request on (after the first token it has streamed).
 
 With the prefix cache on (`EngineConfig.enable_prefix_caching`), a job starts after its
-longest cached prefix (engine/prefix_cache.py) and its full prompt blocks are cached as they
+longest cached prefix (engine/cache/prefix_cache.py) and its full prompt blocks are cached as they
 are computed. Independently, a decode node with its own prefix cache says in the descriptor
 (`skip`) how many leading prompt blocks it holds (pinned there for the request); only the blocks
 after them are sent, for every layer, the MTP layer included. `skip` comes from the network: it
@@ -39,27 +39,24 @@ import concurrent.futures
 import logging
 import queue
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, assert_never
 
 import torch
 
-from engine.chunked_prefill import EarlyFirst, HostFirst
 from engine.engine import EngineConfig, build_runner, prefix_cache_for
-from engine.loader import LoadedModel
-from engine.model_runner import PrefillOutput, kv_room_needed, unpack_logprobs
-from engine.prefill_step import PrefillChunk
-from engine.prompt_logprobs import add_prompt_logprobs
-from engine.request import TokenLogprob
-from engine.sampling_params import SamplingParams
-from engine.step_loop import StepLoop
-from engine.tensor_parallel import TPGroup
-from engine.warmup import capture_deferred, warm_up
+from engine.model.loader import LoadedModel
+from engine.request import PrefillChunk, TokenLogprob
+from engine.runner.model_runner import PrefillOutput, kv_room_needed, unpack_logprobs
+from engine.runner.prompt_logprobs import add_prompt_logprobs
+from engine.runner.warmup import capture_deferred, warm_up
+from engine.sampling.sampling_params import SamplingParams
+from engine.sched.chunked_prefill import EarlyFirst, HostFirst
+from engine.sched.step_loop import StepLoop
+from engine.tp.tensor_parallel import TPGroup
 from kvtransfer import KVLayout, TransferState, TransferStatus, create_sender
+from prefill_node.first_token import FirstTokenSends, FirstTokenSink
 from protos.messages import KV_TRANSFER_BUCKETS, FirstToken, TokenLogprobs, token_logprobs
-
-FirstTokenSink = Callable[[str, FirstToken], None]  # (decode address, message)
 
 log = logging.getLogger(__name__)
 
@@ -91,6 +88,19 @@ class PrefillJob:
     @property
     def remaining(self) -> int:
         return len(self.prompt) - self.num_prefilled
+
+    def first_token(self, token: int, drafts: list[int], probs: torch.Tensor | None, lp: list | None) -> FirstToken:
+        """The first-token message: for the router (no drafts), or with the drafts for the decode node."""
+        logprobs = None
+        if lp is not None:
+            value, rank, top = lp[0]
+            logprobs = TokenLogprobs([value], [rank], [[i for i, _ in top]], [[v for _, v in top]])
+        finished = "stop" if token in self.stop_ids else ("length" if self.params.max_tokens <= 1 else None)
+        sampled = not self.params.greedy and probs is not None
+        plp = None if self.prompt_logprobs is None else token_logprobs(self.prompt_logprobs)
+        return FirstToken(self.request_id, token, self.params.logprobs, logprobs, drafts,
+                          probs.contiguous().numpy().tobytes() if sampled else b"", finished,  # type: ignore[union-attr]
+                          self.params.prompt_logprobs, plp)
 
 
 # ---- commands to the loop thread: queued by any thread, applied in order (`_drain_inbox`) ----
@@ -133,18 +143,18 @@ class PrefillNode(StepLoop):
         self.loaded, self.config, self.sink = loaded, config, first_token_sink
         self.k = config.num_speculative_tokens
         self.runner, self.blocks, self.max_model_len = build_runner(loaded, config, decodes=False, tp=tp)
-        self.warmup_s = 0.0  # start-up seconds spent capturing graphs before serving (engine/warmup.py)
+        self.warmup_s = 0.0  # start-up seconds spent capturing graphs before serving (engine/runner/warmup.py)
         if config.warmup and (tp is None or tp.size == 1):  # TP ranks capture in lockstep: not warmed yet
             self.warmup_s = warm_up(self.runner, decode=False, prefill=True,
                                     max_model_len=self.max_model_len).seconds
         self.prefix = prefix_cache_for(loaded, config, self.blocks)
         self.num_layers = loaded.model.config.num_hidden_layers
         self._released: queue.SimpleQueue[tuple[str, bool, float]] = queue.SimpleQueue()
-        self._first_sends = concurrent.futures.ThreadPoolExecutor(4, thread_name_prefix="first-token")
         self.sender = create_sender(kv_backend, timeout_s=kv_timeout_s, on_release=self._on_release,
                                     **(kv_options or {}))
         layout = KVLayout(self.runner.kv.layers, block_dim=1)
         self.sender.register(layout)
+        self._first_sends = FirstTokenSends(self.sender)  # each message goes with the node's `sink`
         layers_sent = self.num_layers + (1 if self.k else 0)
         self._kv_block_bytes = sum(sum(layout.block_bytes(i)) for i in range(layers_sent))  # one block, every layer
         self._sent_at: dict[str, float] = {}  # request id -> when its last layer was queued
@@ -194,7 +204,7 @@ class PrefillNode(StepLoop):
 
     def stop(self) -> None:
         self.stop_loop()
-        self._first_sends.shutdown(wait=False, cancel_futures=True)
+        self._first_sends.close()
         self.sender.close()
 
     def _on_release(self, request_id: str, status: TransferStatus) -> None:
@@ -367,14 +377,14 @@ class PrefillNode(StepLoop):
         lp_nums = {i: jobs[i].params.logprobs or 0 for i in out.logprob_rows}
         lps = unpack_logprobs(lp, lp_nums, out.logprob_rows, 1) if lp is not None else {}
         for i, j in enumerate(jobs):  # the router streams the first token while the drafts run
-            j.future.set_result(self._first_token(j, firsts[i], [], None, lps.get(i)))
+            j.future.set_result(j.first_token(firsts[i], [], None, lps.get(i)))
             self._mark(j.request_id, "first_sent")
         drafts = out.drafts.tolist() if out.drafts is not None else [[] for _ in jobs]  # the drafts' read point
         probs = out.draft_probs.float().cpu() if out.draft_probs is not None else None
         for i, j in enumerate(jobs):
-            msg = self._first_token(j, firsts[i], drafts[i], probs[i] if probs is not None else None, lps.get(i))
+            msg = j.first_token(firsts[i], drafts[i], probs[i] if probs is not None else None, lps.get(i))
             if j.attached:
-                self._first_sends.submit(self._send_first, j, msg)  # off this loop and the router's path
+                self._first_sends.send(self.sink, j.decode_address, msg)  # off this loop and the router's path
             else:
                 j.held_first = msg
 
@@ -411,7 +421,7 @@ class PrefillNode(StepLoop):
             del self.detached[rid]
             self._finish_transfer(job)
             assert job.held_first is not None
-            self._first_sends.submit(self._send_first, job, job.held_first)
+            self._first_sends.send(self.sink, job.decode_address, job.held_first)
         future.set_result(None)
 
     def _expire_unattached(self) -> None:
@@ -432,32 +442,6 @@ class PrefillNode(StepLoop):
     def _drop_detached(self, job: PrefillJob) -> None:
         """A finished job whose transfer never started: its blocks go back now."""
         self._release(job.request_id, False, time.monotonic())
-
-    def _send_first(self, job: PrefillJob, msg: FirstToken) -> None:
-        """The first-token message to the decode node (a sender thread). Undelivered, the transfer
-        is aborted: the decode node then fails the request's attempt, and the router, which has
-        streamed the first token, moves the request on (its migration resumes after that token)."""
-        try:
-            self.sink(job.decode_address, msg)
-        except Exception as e:
-            log.warning("first-token message for %s not delivered to %s: %s", job.request_id, job.decode_address, e)
-            try:
-                self.sender.abort(job.request_id, f"first-token message not delivered: {e}")
-            except Exception:  # already ended (the decode node gave up first, or the router aborted)
-                pass
-
-    def _first_token(self, job: PrefillJob, token: int, drafts: list[int], probs: torch.Tensor | None,
-                     lp: list | None) -> FirstToken:
-        logprobs = None
-        if lp is not None:
-            value, rank, top = lp[0]
-            logprobs = TokenLogprobs([value], [rank], [[i for i, _ in top]], [[v for _, v in top]])
-        finished = "stop" if token in job.stop_ids else ("length" if job.params.max_tokens <= 1 else None)
-        sampled = not job.params.greedy and probs is not None
-        plp = None if job.prompt_logprobs is None else token_logprobs(job.prompt_logprobs)
-        return FirstToken(job.request_id, token, job.params.logprobs, logprobs, drafts,
-                          probs.contiguous().numpy().tobytes() if sampled else b"", finished,  # type: ignore[union-attr]
-                          job.params.prompt_logprobs, plp)
 
     def _fail(self, job: PrefillJob, reason: str) -> None:
         if job in self.waiting:

@@ -1,4 +1,4 @@
-"""TPPrefillNode: one rank of a prefill node of TP size N (engine/tp_channel.py).
+"""TPPrefillNode: one rank of a prefill node of TP size N (engine/tp/channel.py).
 
 Rank 0 is the node the router talks to; its prefill jobs and aborts reach ranks 1..N-1
 through the channel, in order, and every rank runs the same prefill steps. Rank r pushes
@@ -17,14 +17,14 @@ import time
 from typing import Any, assert_never
 
 from engine.engine import EngineConfig
-from engine.loader import LoadedModel
-from engine.tensor_parallel import TPGroup
-from engine.tp_channel import Lockstep, TPChannel, rank_descriptor
+from engine.model.loader import LoadedModel
+from engine.tp.channel import Lockstep, TPChannel, rank_descriptor
+from engine.tp.tensor_parallel import TPGroup
+from prefill_node.first_token import FirstTokenSink
 from prefill_node.node import (
     Abort,
     Attach,
     Command,
-    FirstTokenSink,
     PrefillJob,
     PrefillNode,
     Submit,

@@ -1,13 +1,13 @@
 """Conversions between node-control protos and engine types, validating every field.
 
-A `Sampling`'s `structured` is a StructuredSpec's wire string (engine/structured.py): parsed and
+A `Sampling`'s `structured` is a StructuredSpec's wire string (engine/grammar/structured.py): parsed and
 checked here (ValueError, the node's INVALID_ARGUMENT), compiled later by the engine.
 """
 
 from __future__ import annotations
 
-from engine.sampling_params import MAX_LOGPROBS, SamplingParams
-from engine.structured import StructuredSpec
+from engine.grammar.structured import StructuredSpec
+from engine.sampling.sampling_params import MAX_LOGPROBS, SamplingParams
 from protos import node_pb2
 
 MAX_REQUEST_ID = 256

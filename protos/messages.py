@@ -17,7 +17,7 @@ import msgpack
 VERSION = 1
 MAX_MESSAGE_BYTES = 64 << 20
 MAX_LOGPROBS = 20
-MAX_CHOICES = 16  # n (engine.sampling_params.MAX_N)
+MAX_CHOICES = 16  # n (engine.sampling.sampling_params.MAX_N)
 MAX_PROMPT_TOKENS = 1 << 20  # prompt logprobs in one message; the router checks the prompt's own length
 
 # Upper bounds (seconds) of NodeStatus.kv_seconds_buckets: a prefill node counts each KV transfer

@@ -16,7 +16,7 @@ from typing import Any
 
 import grpc
 
-from engine.structured import StructuredSpec
+from engine.grammar.structured import StructuredSpec
 from protos import pdserve_pb2 as pb
 from protos import pdserve_pb2_grpc
 from router.auth import client_metadata
@@ -41,7 +41,7 @@ def build_request(prompt: str | Sequence[int], *, chat: bool = False, temperatur
                   repetition_penalty: float = 0.0, logit_bias: dict[int, float] | None = None, n: int = 1,
                   prompt_logprobs: int | None = None, structured: StructuredSpec | None = None) -> pb.GenerateRequest:
     """A GenerateRequest from a text prompt (or a list of token ids) and sampling options;
-    `structured`: what the output must match (engine/structured.py)."""
+    `structured`: what the output must match (engine/grammar/structured.py)."""
     sampling = pb.SamplingOptions(temperature=temperature, top_p=top_p, top_k=top_k, max_tokens=max_tokens,
                                   stop=list(stop), stop_token_ids=list(stop_token_ids), ignore_eos=ignore_eos,
                                   presence_penalty=presence_penalty, frequency_penalty=frequency_penalty,

@@ -14,8 +14,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from engine.sampling_params import MAX_LOGPROBS, MAX_N
-from engine.structured import StructuredSpec
+from engine.grammar.structured import StructuredSpec
+from engine.sampling.sampling_params import MAX_LOGPROBS, MAX_N
 from router.structured_api import StructuredError, spec_of
 from router.validate import InvalidRequest
 

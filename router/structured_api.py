@@ -1,6 +1,6 @@
 """Structured outputs at the router's doors (issue 28): the OpenAI and vLLM request fields that
 ask for output matching a JSON schema, any JSON object, a regex, one of some choices or an EBNF
-grammar, read into one `StructuredSpec` (engine/structured.py), and the check that it compiles.
+grammar, read into one `StructuredSpec` (engine/grammar/structured.py), and the check that it compiles.
 
 Reads, from an OpenAI body (pydantic has checked the types):
   * `response_format`: {"type": "text"} (no constraint), {"type": "json_object"}, or
@@ -14,7 +14,7 @@ ValueError: the doors answer INVALID_ARGUMENT / 400 with its message).
 `check_wire` is the door's rule for both doors (router/validate.py runs it off the event loop):
 the spec parses and compiles with xgrammar without a tokenizer, so a bad schema, regex or grammar
 is refused with the compiler's message before any node sees it. The token mask is the engine's
-(engine/grammar.py); this module never builds one.
+(engine/grammar/compiler.py); this module never builds one.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from engine.structured import StructuredSpec
+from engine.grammar.structured import StructuredSpec
 
 
 class StructuredError(ValueError):

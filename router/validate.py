@@ -20,7 +20,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
-from engine.structured import NEEDS_EOS
+from engine.grammar.structured import NEEDS_EOS
 from protos import node_pb2, pdserve_pb2
 from router.structured_api import StructuredError, check_wire
 from router.validate_surface import SurfaceError, check_surface, node_fields

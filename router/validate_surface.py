@@ -4,7 +4,7 @@ and their node `Sampling` form (the spec is compiled by router/validate.py).
 
 Receives the client protobuf (untrusted; the HTTP door has turned OpenAI's JSON into it) and
 raises `InvalidRequest` naming the field at fault; hands router/validate.py the node-side fields.
-The nodes check the same ranges again (engine/sampling_params.py `check_surface`): what the router
+The nodes check the same ranges again (engine/sampling/sampling_params.py `check_surface`): what the router
 accepts they accept, nothing more.
 """
 
@@ -13,12 +13,12 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from engine.sampling_params import MAX_BIAS, MAX_LOGIT_BIAS, MAX_N
-from engine.structured import MAX_SPEC_CHARS
+from engine.grammar.structured import MAX_SPEC_CHARS
+from engine.sampling.sampling_params import MAX_BIAS, MAX_LOGIT_BIAS, MAX_N
 from protos import pdserve_pb2
 
 MAX_PROMPT_LOGPROBS = 20
-MAX_STRUCTURED_CHARS = 2 * MAX_SPEC_CHARS + 64  # a wire spec: its value JSON-escaped (engine/structured.py)
+MAX_STRUCTURED_CHARS = 2 * MAX_SPEC_CHARS + 64  # a wire spec: its value JSON-escaped (engine/grammar/structured.py)
 
 
 class SurfaceError(ValueError):

@@ -11,7 +11,7 @@ import it. A process reads the variables once, when it first imports this packag
 value is an error then, naming the variable; processes it spawns read their own (inherited)
 environment. A test changes a value with `monkeypatch.setattr`, on this package where the
 reader looks it up at call time (`settings.STEP_STAMPS`), or on the reader's own copy
-(`engine.model_runner.MAX_SPLITS`).
+(`engine.runner.model_runner.MAX_SPLITS`).
 
 docs/settings.md is generated from `REGISTRY`: `python -m settings > docs/settings.md`
 (tests/settings/test_settings.py fails when the two disagree).

@@ -3,7 +3,7 @@ k=3) and inside batches of 16 and 64 (k=0 and k=3), with and without `--determin
 token against the k=0 batch-1 run; plus the mode's cost in decode time per token.
 
     python bench/gpu/gpu_deterministic.py --model /tmp/smollm2.gguf \
-        --mtp engine/mtp_heads/smollm2.safetensors --num-prompts 16 --max-tokens 96
+        --mtp engine/model/mtp_heads/smollm2.safetensors --num-prompts 16 --max-tokens 96
 
 The batch-64 run fills the batch with 48 other prompts (random token ids) decoding beside the
 16 under test. Prints one JSON line per (mode, run) and a table last.
@@ -18,8 +18,8 @@ import time
 import torch
 
 from engine.engine import EngineConfig, LLMEngine
-from engine.loader import load_model
-from engine.sampling_params import SamplingParams
+from engine.model.loader import load_model
+from engine.sampling.sampling_params import SamplingParams
 from mtp.prompts import HELDOUT_PROMPTS, chat_ids, read_prompts
 
 RUNS = [("k0-b1", 0, 1), ("k3-b1", 3, 1), ("k0-b16", 0, 16), ("k3-b16", 3, 16), ("k0-b64", 0, 64), ("k3-b64", 3, 64)]

@@ -141,7 +141,7 @@ stage_real_model() {
     python3 -m deploy.cli bench acceptance --model smollm2 --device cuda --spec-tokens 3 --draft-vocab $dv --json \
       2>> "$OUT/acceptance.err" | tee -a "$OUT/acceptance.jsonl" | cut -c1-150 || tail -n 5 "$OUT/acceptance.err"
   done
-  python3 bench/gpu/gpu_deterministic.py --model "$gguf" --mtp engine/mtp_heads/smollm2.safetensors \
+  python3 bench/gpu/gpu_deterministic.py --model "$gguf" --mtp engine/model/mtp_heads/smollm2.safetensors \
     --num-prompts 16 --max-tokens 96 2>> "$OUT/deterministic.err" | tee "$OUT/deterministic.txt" | grep -v '^{'
   generate_s cold TRITON_CACHE_DIR="$(mktemp -d)" > "$OUT/generate.txt"
   generate_s warm >> "$OUT/generate.txt"

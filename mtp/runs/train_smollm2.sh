@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# How engine/mtp_heads/smollm2.safetensors is made, on one H100/H200 through the device tool.
+# How engine/model/mtp_heads/smollm2.safetensors is made, on one H100/H200 through the device tool.
 # Run from the repository root. The GGUF (98 MB) is over the tool's 64 MiB carry limit: a
 # first call carries .gguf_split/a and leaves its half in /tmp/g/part_00
 # (`bash mtp/runs/train_smollm2.sh part`; with TIMINGS=1 it also times the sampler and a
@@ -46,7 +46,7 @@ COMMON=(--model "$GGUF" --device cuda --sampler dense --max-num-seqs 1024 --max-
         --batch-tokens 16384 --max-len 768 --levels 3 --level-decay "${DECAY:-0.8}" --steps 20000 --gen-seconds 240 --train-seconds 270)
 if [ "${1:-1}" = 1 ]; then
   RUN=/tmp/run1
-  ARGS=(--init engine/mtp_heads/smollm2.safetensors --extra-data .gguf_split/b/stage1.data.safetensors
+  ARGS=(--init engine/model/mtp_heads/smollm2.safetensors --extra-data .gguf_split/b/stage1.data.safetensors
         --lr "${LRS[0]}" --seed "${SEEDS[0]}" ${GROW[@]+"${GROW[@]}"})
 else
   RUN=/tmp/run2

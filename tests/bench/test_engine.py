@@ -10,9 +10,9 @@ import json
 import pytest
 
 from bench.engine import PROFILE_STEPS, add_arguments, launch_counts, run
-from engine.dummy import fill_random_
-from engine.loader import build_model
-from engine.tiny import random_tensors, tiny_config
+from engine.model.dummy import fill_random_
+from engine.model.loader import build_model
+from engine.model.tiny import random_tensors, tiny_config
 
 
 def _args(*argv: str) -> argparse.Namespace:
@@ -56,7 +56,7 @@ def test_launch_counts_tell_kernels_copies_and_torch_ops_apart():
 
 
 def test_the_host_split_adds_up_and_leaves_the_engine_as_it_was(capfd):
-    from engine.step_output import HostCopy
+    from engine.runner.step_output import HostCopy
 
     wait = HostCopy.wait
     assert run(_args("--model", "tiny", "--batch", "2", "--spec-tokens", "1", "--max-tokens", "60",

@@ -12,7 +12,7 @@ import pytest
 
 from bench.structured import SCHEMAS, load_items
 from deploy.cli import main
-from engine.structured import StructuredSpec
+from engine.grammar.structured import StructuredSpec
 from router.structured_api import check_compiles
 from tests.router.real_service import RealService
 

@@ -11,8 +11,8 @@ import pytest
 
 from decode_node.colocated import ColocatedNode
 from engine.engine import EngineConfig, LLMEngine, resolve_request
-from engine.loader import load_model
-from engine.sampling_params import SamplingParams
+from engine.model.loader import load_model
+from engine.sampling.sampling_params import SamplingParams
 from protos.messages import OutputItem
 
 BUDGET = 16  # max_num_batched_tokens: prompt tokens per prefill step

@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from engine.engine import EngineConfig, LLMEngine, resolve_request
-from engine.loader import load_model
-from engine.sampling_params import SamplingParams
+from engine.model.loader import load_model
+from engine.sampling.sampling_params import SamplingParams
 from prefill_node.node import PrefillJob
 from tests.decode_node.test_pd_nodes import Pair, reference, run_concurrently, wait_until
 

@@ -18,8 +18,8 @@ import pytest
 from decode_node.node import DecodeNode
 from decode_node.server import serve_decode
 from engine.engine import EngineConfig, LLMEngine
-from engine.loader import load_model
-from engine.sampling_params import SamplingParams
+from engine.model.loader import load_model
+from engine.sampling.sampling_params import SamplingParams
 from prefill_node.node import PrefillNode
 from prefill_node.server import DecodeClients, serve_prefill
 from protos import node_pb2, node_pb2_grpc

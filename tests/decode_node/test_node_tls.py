@@ -17,8 +17,8 @@ from decode_node.server import serve_decode
 from deploy.certs import write_dev_certs
 from deploy.config import RouterConfig
 from engine.engine import EngineConfig, LLMEngine
-from engine.loader import load_model, load_model_info
-from engine.sampling_params import SamplingParams
+from engine.model.loader import load_model, load_model_info
+from engine.sampling.sampling_params import SamplingParams
 from prefill_node.node import PrefillNode
 from prefill_node.server import DecodeClients, serve_prefill
 from protos import node_pb2, node_pb2_grpc

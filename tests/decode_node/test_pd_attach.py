@@ -10,8 +10,8 @@ import random
 import pytest
 
 from engine.engine import resolve_request
-from engine.loader import load_model
-from engine.sampling_params import SamplingParams
+from engine.model.loader import load_model
+from engine.sampling.sampling_params import SamplingParams
 from prefill_node.node import PrefillJob
 from tests.decode_node.test_pd_nodes import Pair, reference, wait_until
 

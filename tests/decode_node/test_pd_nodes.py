@@ -11,8 +11,8 @@ import pytest
 
 from decode_node.node import DecodeNode
 from engine.engine import EngineConfig, LLMEngine, resolve_request
-from engine.loader import load_model
-from engine.sampling_params import SamplingParams
+from engine.model.loader import load_model
+from engine.sampling.sampling_params import SamplingParams
 from prefill_node.node import PrefillJob, PrefillNode
 from protos.messages import FirstToken, OutputItem
 from tests.batch_dependent import use_batch_dependent_gemm

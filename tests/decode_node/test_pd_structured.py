@@ -9,9 +9,9 @@ from __future__ import annotations
 import pytest
 
 from engine.engine import EngineConfig, LLMEngine
-from engine.loader import load_model
-from engine.sampling_params import SamplingParams
-from engine.structured import StructuredSpec
+from engine.grammar.structured import StructuredSpec
+from engine.model.loader import load_model
+from engine.sampling.sampling_params import SamplingParams
 from tests.decode_node.test_pd_nodes import Pair, reference, wait_until
 
 SCHEMA = {"type": "object", "properties": {"ok": {"type": "boolean"}, "n": {"type": "integer", "minimum": 0,

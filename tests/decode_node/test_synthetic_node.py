@@ -9,7 +9,7 @@ import asyncio
 from decode_node.server import _more_steps, serve_colocated
 from decode_node.synthetic import SyntheticNode
 from deploy.config import RouterConfig
-from engine.sampling_params import SamplingParams
+from engine.sampling.sampling_params import SamplingParams
 from protos.messages import OutputItem
 from router import NodeDirectory, Router
 from router.client import RouterClient, build_request

@@ -21,9 +21,9 @@ import pytest
 import torch.multiprocessing as mp
 
 from engine.engine import EngineConfig, LLMEngine
-from engine.loader import load_model
-from engine.sampling_params import SamplingParams
-from engine.tp_launch import free_port, init_group
+from engine.model.loader import load_model
+from engine.sampling.sampling_params import SamplingParams
+from engine.tp.launch import free_port, init_group
 from protos import node_pb2, node_pb2_grpc
 from protos.convert import sampling_to_proto
 from protos.messages import FirstToken, unpack_outputs

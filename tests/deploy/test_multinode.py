@@ -17,8 +17,8 @@ from deploy.config import ServiceConfig
 from deploy.service import Service
 from deploy.status import collect, render
 from engine.engine import EngineConfig, LLMEngine
-from engine.loader import load_model
-from engine.sampling_params import SamplingParams
+from engine.model.loader import load_model
+from engine.sampling.sampling_params import SamplingParams
 from router.client import RouterClient, build_request
 from tests.deploy.ray_nodes import RayNodes
 from tests.e2e.conftest import BASE, run_async, stream_until_end, wait_blocks_returned

@@ -11,7 +11,7 @@ import pytest
 from deploy.config import ServiceConfig
 from deploy.service import Service, init_ray
 from engine.engine import EngineConfig, LLMEngine
-from engine.loader import load_model
+from engine.model.loader import load_model
 from tests.ray_temp import ray_temp_dir
 
 BASE = {

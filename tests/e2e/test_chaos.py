@@ -14,7 +14,7 @@ from dataclasses import replace
 import pytest
 
 from bench.chaos import Stuck, chaos, make_jobs
-from engine.sampling_params import SamplingParams
+from engine.sampling.sampling_params import SamplingParams
 from tests.e2e.conftest import run_async, start_service, wait_blocks_returned
 from tests.e2e.test_router_restart import generate_after_restart
 

@@ -14,7 +14,7 @@ import pytest
 
 from deploy.config import ServiceConfig
 from deploy.service import Service
-from engine.sampling_params import SamplingParams
+from engine.sampling.sampling_params import SamplingParams
 from router.client import RouterClient, build_request
 from tests.e2e.conftest import BASE, run_async, stream_until_end, wait_blocks_returned
 

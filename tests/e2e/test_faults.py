@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from engine.sampling_params import SamplingParams
+from engine.sampling.sampling_params import SamplingParams
 from router.client import RouterClient, build_request
 from tests.e2e.conftest import run_async, start_service, stream_until_end, wait_blocks_returned
 

@@ -8,7 +8,7 @@ import random
 
 import pytest
 
-from engine.sampling_params import SamplingParams
+from engine.sampling.sampling_params import SamplingParams
 from tests.e2e.conftest import run_async, start_service, wait_blocks_returned
 from tests.e2e.test_service import generate_all
 

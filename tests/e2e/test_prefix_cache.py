@@ -12,7 +12,7 @@ import time
 import pytest
 import torch
 
-from engine.sampling_params import SamplingParams
+from engine.sampling.sampling_params import SamplingParams
 from router.client import RouterClient, build_request
 from tests.e2e.conftest import run_async, start_service, wait_blocks_returned
 from tests.e2e.test_service import scrape, total
@@ -32,8 +32,8 @@ def service():
 
 def block_bytes(k: int) -> int:
     """One KV block of every layer (the MTP layer too when k > 0) of the tiny model, fp32."""
-    from engine.kv_cache import KVCache
-    from engine.loader import load_model_info
+    from engine.cache.kv_cache import KVCache
+    from engine.model.loader import load_model_info
 
     arch = load_model_info("tiny").config
     return KVCache.bytes_per_block(arch.num_hidden_layers + (k > 0), 16, arch.num_key_value_heads, arch.head_dim,

@@ -13,7 +13,7 @@ import grpc
 import pytest
 
 from bench.chaos import RECONNECT_OPTIONS
-from engine.sampling_params import SamplingParams
+from engine.sampling.sampling_params import SamplingParams
 from router.client import RouterClient, build_request
 from tests.e2e.conftest import run_async, start_service, wait_blocks_returned
 

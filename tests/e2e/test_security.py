@@ -13,7 +13,7 @@ import grpc
 import pytest
 
 from deploy.certs import write_dev_certs
-from engine.sampling_params import SamplingParams
+from engine.sampling.sampling_params import SamplingParams
 from protos import node_pb2, node_pb2_grpc
 from protos.tls import NodeTls, node_channel
 from router.client import RouterClient, RouterError, build_request

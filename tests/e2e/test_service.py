@@ -11,8 +11,8 @@ import grpc
 import openai
 import pytest
 
-from engine.sampling_params import SamplingParams
-from engine.structured import StructuredSpec
+from engine.grammar.structured import StructuredSpec
+from engine.sampling.sampling_params import SamplingParams
 from router.client import RouterClient, build_request
 from tests.e2e.conftest import run_async, start_service, wait_blocks_returned
 

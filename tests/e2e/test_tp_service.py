@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from engine.sampling_params import SamplingParams
+from engine.sampling.sampling_params import SamplingParams
 from router.client import RouterClient, build_request
 from tests.e2e.conftest import router_health_settled, run_async, start_service, stream_until_end
 from tests.e2e.test_service import generate_all, mixed_prompts

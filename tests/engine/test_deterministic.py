@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from engine.engine import EngineConfig, LLMEngine
-from engine.loader import load_model
-from engine.sampling_params import SamplingParams
+from engine.model.loader import load_model
+from engine.sampling.sampling_params import SamplingParams
 from kernels._dispatch import batch_invariant
 from kernels.linear import linear, linear_invariant_ref, linear_triton
 from tests.batch_dependent import batch_dependent_linear, use_batch_dependent_gemm

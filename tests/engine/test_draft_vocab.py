@@ -12,13 +12,19 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from engine import model_runner
-from engine.draft_vocab import DraftVocab, draft_tokens, rank_by_count, read_ranking, write_ranking
 from engine.engine import EngineConfig
-from engine.model import CausalLM
-from engine.sampler import STREAM_DRAFT, processed_probs, sample
-from engine.sampling_params import SamplingParams
-from engine.spec_decode import verify_rejection
+from engine.model.llama import CausalLM
+from engine.runner import model_runner
+from engine.sampling.sampler import STREAM_DRAFT, processed_probs, sample
+from engine.sampling.sampling_params import SamplingParams
+from engine.spec_decode.draft_vocab import (
+    DraftVocab,
+    draft_tokens,
+    rank_by_count,
+    read_ranking,
+    write_ranking,
+)
+from engine.spec_decode.verify import verify_rejection
 from tests.engine.conftest import DEVICE
 from tests.engine.test_engine import engine_for, prompts_of
 from tests.engine.test_sampler import P_MIN, chi2_pvalue, tensors

@@ -7,11 +7,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.dummy import DUMMY_SHAPES, DummyTokenizer, dummy_config
 from engine.engine import EngineConfig, LLMEngine
-from engine.loader import ModelInfo, dummy_model, load_model, load_model_info
-from engine.model import CausalLM
-from engine.sampling_params import SamplingParams
+from engine.model.dummy import DUMMY_SHAPES, DummyTokenizer, dummy_config
+from engine.model.llama import CausalLM
+from engine.model.loader import ModelInfo, dummy_model, load_model, load_model_info
+from engine.sampling.sampling_params import SamplingParams
 
 # The parameter counts the model cards give (target only, tied embeddings counted once)
 PARAMETERS = {"llama-3.2-1b": 1_235_814_400, "llama-3.1-8b": 8_030_261_248, "qwen2.5-7b": 7_615_616_512,

@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine import model_runner
 from engine.engine import EngineConfig, LLMEngine
-from engine.model_runner import ModelRunner
-from engine.sampling_params import SamplingParams
+from engine.runner import model_runner
+from engine.runner.model_runner import ModelRunner
+from engine.sampling.sampling_params import SamplingParams
 from tests.engine.conftest import DEVICE
 
 GREEDY = SamplingParams(max_tokens=24, ignore_eos=True)
@@ -82,7 +82,7 @@ def reference_logprobs(loaded, prompt, output):
     seq = prompt + output
     runner = eng.runner
     blocks = eng.blocks.allocate(eng.blocks.blocks_for(len(seq)))
-    from engine.attention import AttentionMetadata
+    from engine.model.attention import AttentionMetadata
 
     def t(x):
         return torch.tensor(x, device=DEVICE)

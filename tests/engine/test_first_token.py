@@ -1,6 +1,6 @@
 """The first tokens leave before the MTP drafts: `ModelRunner.prefill`'s `on_first` runs once the
 first tokens (and logprobs) are queued and before the MTP layer and draft chain are, and the
-engine queues their copy to the host there (engine/chunked_prefill.py `HostFirst`), so its read
+engine queues their copy to the host there (engine/sched/chunked_prefill.py `HostFirst`), so its read
 point waits for the target forward only."""
 
 from __future__ import annotations
@@ -8,11 +8,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine import prefill_step
-from engine.chunked_prefill import HostFirst
 from engine.engine import EngineConfig, LLMEngine
-from engine.prefill_graphs import PrefillGraphs
-from engine.sampling_params import SamplingParams
+from engine.runner import prefill_step
+from engine.runner.prefill_graphs import PrefillGraphs
+from engine.sampling.sampling_params import SamplingParams
+from engine.sched.chunked_prefill import HostFirst
 from tests.engine.conftest import DEVICE
 
 PROMPTS = [[5, 17, 5, 99, 5, 17, 200, 31], [7, 8, 9]]

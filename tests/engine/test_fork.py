@@ -1,4 +1,4 @@
-"""n > 1 (engine/fork.py): choices share the prompt's KV blocks, each samples with its own seed
+"""n > 1 (engine/sched/fork.py): choices share the prompt's KV blocks, each samples with its own seed
 as a lone request with that seed would, greedy choices all equal the greedy answer, and every
 block comes back."""
 
@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 
 from engine.engine import EngineConfig, LLMEngine
-from engine.fork import choice_seed, shared_blocks
-from engine.sampling_params import SamplingParams
+from engine.sampling.sampling_params import SamplingParams
+from engine.sched.fork import choice_seed, shared_blocks
 from tests.engine.conftest import DEVICE
 
 PROMPT = list(range(40, 90))  # 50 tokens: 3 full blocks before the last token's

@@ -1,4 +1,4 @@
-"""engine.gguf_dequant against gguf.quants.dequantize, bit for bit: every tensor of the shipped
+"""engine.model.gguf_dequant against gguf.quants.dequantize, bit for bit: every tensor of the shipped
 SmolLM2 file, random blocks of every type with a torch path (scales of every size, fp16
 subnormals, infinities and NaNs included), and a type that falls back to gguf's numpy."""
 
@@ -11,8 +11,8 @@ from gguf import GGML_QUANT_SIZES
 from gguf import GGMLQuantizationType as Q
 from gguf.quants import dequantize, quant_shape_to_byte_shape
 
-from engine.gguf_dequant import can_dequantize_in_torch, dequantize_to_torch
-from engine.gguf_file import GGUFFile
+from engine.model.gguf_dequant import can_dequantize_in_torch, dequantize_to_torch
+from engine.model.gguf_file import GGUFFile
 
 TORCH_KINDS = (Q.F32, Q.F16, Q.BF16, Q.Q8_0, Q.Q4_0, Q.Q4_1)
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])

@@ -1,4 +1,4 @@
-"""engine.gguf_file against gguf's own reader: the shipped SmolLM2 file and a synthetic file
+"""engine.model.gguf_file against gguf's own reader: the shipped SmolLM2 file and a synthetic file
 with every value type, arrays (nested, of strings, empty), a custom alignment and several
 tensor types give equal fields (values and Python types) and equal tensor bytes and shapes.
 Bad and truncated files raise ValueError, never anything else."""
@@ -17,7 +17,7 @@ from gguf import GGMLQuantizationType as Q
 from gguf import GGUFValueType as VT
 from gguf.quants import quantize
 
-from engine.gguf_file import GGUFFile
+from engine.model.gguf_file import GGUFFile
 
 RNG = np.random.default_rng(0)
 

@@ -1,4 +1,4 @@
-"""The fast GGUF load path (engine.gguf_file + torch dequantization on the model's device +
+"""The fast GGUF load path (engine.model.gguf_file + torch dequantization on the model's device +
 `empty_model`) gives the model the old path gave (gguf's reader, gguf's numpy dequantization
 to fp32 host tensors, an fp32 model cast by `_materialize`): every parameter and buffer bit
 for bit, the same tied weights, and so the same greedy tokens and logprobs, fp32 and bf16.
@@ -15,10 +15,11 @@ import pytest
 import torch
 from gguf.quants import dequantize
 
-from engine import gguf_loader
-from engine.config import ArchConfig
 from engine.engine import EngineConfig, LLMEngine
-from engine.loader import (
+from engine.model import gguf_loader
+from engine.model.config import ArchConfig
+from engine.model.llama import load_weights, split_mtp_tensors
+from engine.model.loader import (
     _materialize,
     build_model,
     empty_model,
@@ -28,10 +29,9 @@ from engine.loader import (
     read_head,
     served_name,
 )
-from engine.model import load_weights, split_mtp_tensors
-from engine.sampling_params import SamplingParams
-from engine.tiny import tiny_config
-from engine.weights import resolve_model
+from engine.model.tiny import tiny_config
+from engine.model.weights import resolve_model
+from engine.sampling.sampling_params import SamplingParams
 
 from .conftest import DEVICE
 

@@ -11,12 +11,12 @@ import dataclasses
 import pytest
 import torch
 
-from engine import model_runner
-from engine.draft_vocab import write_ranking
 from engine.engine import EngineConfig, LLMEngine
-from engine.loader import load_model
-from engine.sampling_params import SamplingParams
-from engine.structured import StructuredSpec
+from engine.grammar.structured import StructuredSpec
+from engine.model.loader import load_model
+from engine.runner import model_runner
+from engine.sampling.sampling_params import SamplingParams
+from engine.spec_decode.draft_vocab import write_ranking
 from kernels._dispatch import reference_kernels
 from mtp.loop import grow_head
 

@@ -1,4 +1,4 @@
-"""GPU-only (skipped without CUDA): prefill as CUDA graphs (engine/prefill_graphs.py).
+"""GPU-only (skipped without CUDA): prefill as CUDA graphs (engine/runner/prefill_graphs.py).
 
 In fp32 the graphs give eager's greedy tokens and logprobs; a prefill step launches without a
 sync once its graph is captured (I3 covers prefill); chunked prefill and cached prefixes give
@@ -11,9 +11,9 @@ import pytest
 import torch
 
 from engine.engine import EngineConfig, LLMEngine
-from engine.loader import load_model
-from engine.prefill_step import PrefillChunk
-from engine.sampling_params import SamplingParams
+from engine.model.loader import load_model
+from engine.request import PrefillChunk
+from engine.sampling.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
@@ -93,7 +93,7 @@ def test_fused_prefill_kernels_run_and_agree_with_the_unfused_path(monkeypatch):
     """bf16 fresh prefill takes the q/k/v GEMM with rotary + K/V write (kernels/qkv_rope.py) and the
     gate/up GEMM with SwiGLU (kernels/gemm_glu.py); the batch-invariant mode, which takes neither,
     gives the same first tokens and logprobs to bf16 summation order."""
-    import engine.attention as attention
+    import engine.model.attention as attention
     from kernels import gemm_glu
 
     calls = {"qkv_rope": 0, "glu": 0}
@@ -120,9 +120,9 @@ def test_fused_prefill_kernels_run_and_agree_with_the_unfused_path(monkeypatch):
 
 @pytest.mark.parametrize("k", [0, 3])
 def test_warmed_up_node_captures_nothing_for_single_prompts(k):
-    """After engine/warmup.py, one prompt at a time (greedy, with logprobs) replays graphs the
+    """After engine/runner/warmup.py, one prompt at a time (greedy, with logprobs) replays graphs the
     warm-up captured, and gives eager's tokens."""
-    from engine.warmup import warm_up
+    from engine.runner.warmup import warm_up
 
     eng = engine(k)
     report = warm_up(eng.runner, decode=True, prefill=True, max_model_len=eng.max_model_len)
@@ -137,10 +137,10 @@ def test_warmed_up_node_captures_nothing_for_single_prompts(k):
 
 
 def test_after_warm_up_a_new_key_runs_eagerly_then_is_captured_when_idle():
-    """engine/warmup.py defers: a key the warm-up left out (top-k filter) runs eagerly, waits in
+    """engine/runner/warmup.py defers: a key the warm-up left out (top-k filter) runs eagerly, waits in
     `pending`, and `capture_deferred` captures it over dummy prompts; the graph then gives the
     eager step's tokens (fp32, seeded)."""
-    from engine.warmup import capture_deferred, warm_up
+    from engine.runner.warmup import capture_deferred, warm_up
 
     eng = engine(3)
     warm_up(eng.runner, decode=True, prefill=True, max_model_len=eng.max_model_len)
@@ -158,8 +158,8 @@ def test_after_warm_up_a_new_key_runs_eagerly_then_is_captured_when_idle():
 def test_a_deferred_key_that_keeps_coming_is_captured_on_its_path():
     """A busy node never idles: a deferred key runs eagerly EAGER_RUNS_BEFORE_CAPTURE times, then
     the next step captures it as on first use."""
-    from engine.prefill_graphs import EAGER_RUNS_BEFORE_CAPTURE
-    from engine.warmup import warm_up
+    from engine.runner.prefill_graphs import EAGER_RUNS_BEFORE_CAPTURE
+    from engine.runner.warmup import warm_up
 
     eng = engine(0)
     warm_up(eng.runner, decode=True, prefill=True, max_model_len=eng.max_model_len)
@@ -178,7 +178,7 @@ def test_deterministic_warm_up_and_idle_captures_take_the_batch_invariant_kernel
     sets the kernel mode: with `--deterministic` every prefill they capture must still run the
     batch-invariant kernels (the mode is baked into the graph; without it a deterministic
     service's tokens left the reference, 2026-11-26)."""
-    from engine.warmup import capture_deferred, warm_up
+    from engine.runner.warmup import capture_deferred, warm_up
 
     modes = prefill_modes
     eng = engine(3, dtype="bfloat16", deterministic=True)
@@ -211,7 +211,7 @@ def test_deterministic_resume_from_a_reprefill_gives_the_same_bits(k):
 @pytest.mark.parametrize("k", [0, 3])
 def test_mtp_drafts_replay_a_graph_of_their_own_after_the_first_tokens(k):
     """With MTP a prefill key has two graphs, the first tokens' and then the drafts' (the engine
-    queues the first tokens' copy to the host between them: engine/chunked_prefill.py)."""
+    queues the first tokens' copy to the host between them: engine/sched/chunked_prefill.py)."""
     eng = engine(k)
     eng.generate(PROMPTS[:2], SamplingParams(max_tokens=4, ignore_eos=True))
     tails = [tail for _, tail, _, _ in eng.runner.prefill_graphs.graphs.values()]
@@ -224,9 +224,9 @@ def test_constrained_first_tokens_replay_a_graph_and_equal_eager():
     deferred constrained key is captured over dummy prompts and replays the same."""
     import re
 
-    from engine.structured import StructuredSpec
-    from engine.tiny import EOS_ID
-    from engine.warmup import capture_deferred, warm_up
+    from engine.grammar.structured import StructuredSpec
+    from engine.model.tiny import EOS_ID
+    from engine.runner.warmup import capture_deferred, warm_up
 
     regex = "[a-c]{3}x[0-9]{2}"
     spec = StructuredSpec("regex", regex)

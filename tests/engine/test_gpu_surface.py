@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from engine.engine import EngineConfig, LLMEngine
-from engine.loader import load_model
-from engine.sampling_params import SamplingParams
+from engine.model.loader import load_model
+from engine.sampling.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 

@@ -14,10 +14,10 @@ import torch
 import torch.distributed as dist
 
 from engine.engine import EngineConfig, LLMEngine
-from engine.loader import load_model
-from engine.tensor_parallel import TPGroup
-from engine.tp_allreduce import MAX_BYTES, SymmAllReduce
-from engine.tp_launch import rank_device, spawn_ranks
+from engine.model.loader import load_model
+from engine.tp.allreduce import MAX_BYTES, SymmAllReduce
+from engine.tp.launch import rank_device, spawn_ranks
+from engine.tp.tensor_parallel import TPGroup
 from tests.engine.test_gpu import _run
 from tests.engine.test_tensor_parallel import TINY_CASES, assert_same, rank_cases, run_cases
 

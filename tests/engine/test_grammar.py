@@ -17,12 +17,12 @@ import pytest
 import torch
 
 from engine.engine import EngineConfig, LLMEngine
-from engine.grammar import GrammarCompiler, mask_words, tokenizer_info
-from engine.model_runner import ModelRunner
-from engine.sampler import SamplingTensors, sample
-from engine.sampling_params import SamplingParams
-from engine.structured import StructuredSpec
-from engine.tiny import EOS_ID, ByteTokenizer, tiny_config
+from engine.grammar.compiler import GrammarCompiler, mask_words, tokenizer_info
+from engine.grammar.structured import StructuredSpec
+from engine.model.tiny import EOS_ID, ByteTokenizer, tiny_config
+from engine.runner.model_runner import ModelRunner
+from engine.sampling.sampler import SamplingTensors, sample
+from engine.sampling.sampling_params import SamplingParams
 from kernels.token_mask import mask_logits
 from tests.engine.conftest import DEVICE
 from tests.engine.test_engine import OracleDrafts
@@ -59,8 +59,8 @@ def test_tiny_tokenizer_info_is_bytes_and_eos():
 
 
 def test_smollm2_tokenizer_info_reads_byte_level_tokens(smollm2_gguf):
-    from engine.gguf_loader import arch_config_from_gguf, open_gguf
-    from engine.tokenizer import Tokenizer
+    from engine.model.gguf_loader import arch_config_from_gguf, open_gguf
+    from engine.model.tokenizer import Tokenizer
 
     reader = open_gguf(smollm2_gguf)
     tok, vocab = Tokenizer.from_gguf_metadata(reader), arch_config_from_gguf(reader).vocab_size
@@ -309,9 +309,9 @@ def test_ignore_eos_with_structured_is_a_clear_error(tiny):
 def test_a_rejected_emitted_token_ends_the_request_with_an_error(tiny, monkeypatch, where):
     """A token the grammar refuses (a masking bug) ends its request with an error; the loop goes on."""
     if where == "insert":  # the replay of the first token fails
-        monkeypatch.setattr("engine.grammar.Matcher.accept", lambda self, t: False)
+        monkeypatch.setattr("engine.grammar.compiler.Matcher.accept", lambda self, t: False)
     else:  # a decode step's tokens fail
-        monkeypatch.setattr("engine.constrained.ConstrainedRows.advance", lambda self, *a: False)
+        monkeypatch.setattr("engine.runner.constrained.ConstrainedRows.advance", lambda self, *a: False)
     eng = engine(tiny, 2)
     rid = eng.add_request(PROMPT, SamplingParams(max_tokens=20, structured=SPECS["regex"]))
     plain = eng.add_request(PROMPT[:4], SamplingParams(max_tokens=6, ignore_eos=True))
@@ -414,7 +414,7 @@ def test_abort_mid_generation_frees_the_matcher_and_blocks(tiny):
 def test_in_halves_a_request_ended_at_the_read_frees_its_blocks_after_the_next_read(tiny, monkeypatch):
     """In halves the forward of step N + 1 is queued before step N is read, and it still writes
     the rows the host ends at that read: their blocks are refcounted until N + 1 is read."""
-    from engine.constrained import ConstrainedRows
+    from engine.runner.constrained import ConstrainedRows
 
     real, seen = ConstrainedRows.advance, {"n": 0}
 

@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import pytest
 
-from engine.decode_batch import plan_launch
 from engine.engine import EngineConfig, LLMEngine
-from engine.sampling_params import SamplingParams
+from engine.sampling.sampling_params import SamplingParams
+from engine.sched.decode_batch import plan_launch
 from tests.engine.conftest import DEVICE
 
 

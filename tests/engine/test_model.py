@@ -9,11 +9,11 @@ import pytest
 import torch
 import transformers
 
-from engine.attention import TRASH_BLOCK, AttentionMetadata, TorchAttention
-from engine.config import ArchConfig
-from engine.kv_cache import KVCache
-from engine.loader import build_model
-from engine.model import load_weights
+from engine.cache.kv_cache import KVCache
+from engine.model.attention import TRASH_BLOCK, AttentionMetadata, TorchAttention
+from engine.model.config import ArchConfig
+from engine.model.llama import load_weights
+from engine.model.loader import build_model
 
 BLOCK = 4
 CONFIGS = {
@@ -137,7 +137,7 @@ def test_fused_and_folded_projections_match_transformers():
     """fuse_projections folds each layer's two norm weights into the q/k/v and gate/up weights
     (the GEMMs then normalize x themselves): the logits stay HF's; fusing again (as tensor
     parallelism re-fuses) does not fold twice."""
-    from engine.model import fuse_projections
+    from engine.model.llama import fuse_projections
 
     hf, ours = make_pair("qwen2")  # q/k/v biases: the bias is added after the norm's scale
     fuse_projections(ours)

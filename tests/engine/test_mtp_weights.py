@@ -7,9 +7,9 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from engine.loader import build_model, read_mtp_file
-from engine.model import load_weights, mtp_state_dict, split_mtp_tensors
-from engine.tiny import random_tensors, tiny_config
+from engine.model.llama import load_weights, mtp_state_dict, split_mtp_tensors
+from engine.model.loader import build_model, read_mtp_file
+from engine.model.tiny import random_tensors, tiny_config
 
 
 def fresh_model():

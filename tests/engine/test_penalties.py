@@ -1,4 +1,4 @@
-"""Penalties and logit bias (engine/penalties.py) against plain references of each formula: on
+"""Penalties and logit bias (engine/sampling/penalties.py) against plain references of each formula: on
 fixed logits, at every MTP verify position, in the per-slot state, and through the engine (greedy
 with and without MTP, seeded sampling) against a token-by-token reference decode."""
 
@@ -9,18 +9,18 @@ from collections import Counter
 import pytest
 import torch
 
-from engine.attention import AttentionMetadata
 from engine.engine import EngineConfig, LLMEngine
-from engine.model_runner import ModelRunner
-from engine.penalties import (
+from engine.model.attention import AttentionMetadata
+from engine.runner.model_runner import ModelRunner
+from engine.sampling.penalties import (
     PenaltyInit,
     PenaltyState,
     apply_penalties,
     prefill_penalties,
     verify_penalties,
 )
-from engine.sampler import SamplingTensors, sample
-from engine.sampling_params import SamplingParams
+from engine.sampling.sampler import SamplingTensors, sample
+from engine.sampling.sampling_params import SamplingParams
 from tests.engine.conftest import DEVICE
 from tests.engine.test_engine import OracleDrafts
 

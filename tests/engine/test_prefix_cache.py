@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import pytest
 
+from engine.cache.kv_cache import BlockManager, OutOfBlocks
+from engine.cache.prefix_cache import block_hashes
 from engine.engine import EngineConfig, LLMEngine
-from engine.kv_cache import BlockManager, OutOfBlocks
-from engine.prefix_cache import block_hashes
-from engine.sampling_params import SamplingParams
+from engine.sampling.sampling_params import SamplingParams
 from tests.engine.conftest import DEVICE
 from tests.engine.test_engine import prompts_of, run_schedule
 

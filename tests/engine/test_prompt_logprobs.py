@@ -1,4 +1,4 @@
-"""Prompt logprobs (engine/prompt_logprobs.py): every prompt token after the first gets the
+"""Prompt logprobs (engine/runner/prompt_logprobs.py): every prompt token after the first gets the
 logprob, rank and top-N of one fresh forward over the prompt, whatever the chunking, with MTP or
 not, with a prefix-cache hit or not."""
 
@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from engine.engine import EngineConfig, LLMEngine
-from engine.sampling_params import SamplingParams
+from engine.sampling.sampling_params import SamplingParams
 from tests.engine.conftest import DEVICE
 from tests.engine.test_penalties import full_logits
 

@@ -1,4 +1,4 @@
-"""Tests for engine/sampler.py: counter-based noise, processed distributions, sampling, logprobs."""
+"""Tests for engine/sampling/sampler.py: counter-based noise, processed distributions, sampling, logprobs."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import pytest
 import torch
 from scipy import stats
 
-from engine.sampler import (
+from engine.sampling.sampler import (
     STREAM_ACCEPT,
     STREAM_DRAFT,
     STREAM_SAMPLE,
@@ -18,7 +18,7 @@ from engine.sampler import (
     sample,
     uniform_noise,
 )
-from engine.sampling_params import SamplingParams
+from engine.sampling.sampling_params import SamplingParams
 
 P_MIN = 1e-3  # p-value floor for statistical tests (deterministic: the noise is seeded)
 
@@ -100,7 +100,7 @@ def test_uniforms_lie_strictly_inside_unit_interval_and_are_deterministic():
 
 
 def test_uniform_extremes_are_representable():
-    from engine.sampler import _to_uniform
+    from engine.sampling.sampler import _to_uniform
 
     u = _to_uniform(torch.tensor([0, 2**32 - 1], dtype=torch.int64))
     assert 0 < u[0].item() < 1e-6 and 1 - 1e-6 < u[1].item() < 1

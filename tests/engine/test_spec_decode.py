@@ -1,4 +1,4 @@
-"""Tests for engine/spec_decode.py: greedy verification and distribution-preserving rejection
+"""Tests for engine/spec_decode/verify.py: greedy verification and distribution-preserving rejection
 sampling of MTP drafts."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from engine.sampler import (
+from engine.sampling.sampler import (
     STREAM_ACCEPT,
     STREAM_DRAFT,
     STREAM_SAMPLE,
@@ -17,7 +17,7 @@ from engine.sampler import (
     sample,
     uniform_noise,
 )
-from engine.spec_decode import verify, verify_greedy, verify_rejection
+from engine.spec_decode.verify import verify, verify_greedy, verify_rejection
 from tests.engine.test_sampler import P_MIN, chi2_pvalue, reference_probs, tensors
 
 # ---------------------------------------------------------------- verify_greedy

@@ -1,4 +1,4 @@
-"""A decode step's packed outputs (engine/step_output.py): every segment is a view of the one
+"""A decode step's packed outputs (engine/runner/step_output.py): every segment is a view of the one
 buffer, logprobs go in and come out exactly (fp32 as raw bits), and off CUDA the host reads the
 step's own buffer without a copy."""
 
@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import torch
 
-from engine.sampler import LogprobsTensors
-from engine.step_output import HostOutputs, StepLayout, astuple_lp
+from engine.runner.step_output import HostOutputs, StepLayout, astuple_lp
+from engine.sampling.sampler import LogprobsTensors
 
 
 def test_segments_are_views_of_one_buffer_and_logprobs_round_trip():

@@ -10,13 +10,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.config import ArchConfig
 from engine.engine import EngineConfig, LLMEngine, build_runner
-from engine.loader import load_model
-from engine.model import fuse_projections
-from engine.sampling_params import SamplingParams
-from engine.tensor_parallel import TPGroup, full_config, head_split, max_kv_heads, plan
-from engine.tp_launch import rank_device, spawn_ranks
+from engine.model.config import ArchConfig
+from engine.model.llama import fuse_projections
+from engine.model.loader import load_model
+from engine.sampling.sampling_params import SamplingParams
+from engine.tp.launch import rank_device, spawn_ranks
+from engine.tp.tensor_parallel import TPGroup, full_config, head_split, max_kv_heads, plan
 from tests.engine.conftest import smollm2_installed
 
 GREEDY_LP = SamplingParams(max_tokens=12, ignore_eos=True, logprobs=3)
@@ -115,9 +115,9 @@ def test_tiny_tp4_replicates_kv_heads_and_equals_tp1():
 
 
 def test_tiny_tp2_equals_tp1_under_a_grammar():
-    """Constrained steps (in halves around the masks, engine/decode_batch.py) on every rank: the
+    """Constrained steps (in halves around the masks, engine/sched/decode_batch.py) on every rank: the
     same masks, so the same tokens as TP=1."""
-    from engine.structured import StructuredSpec
+    from engine.grammar.structured import StructuredSpec
 
     spec = StructuredSpec("regex", "[a-z]{4,9}@[a-z]{3}")
     cases = [(k, SamplingParams(max_tokens=16, structured=spec, logprobs=2)) for k in (0, 3)]

@@ -11,9 +11,9 @@ from typing import Any
 import jinja2
 import pytest
 
-from engine import gguf_loader
-from engine.tokenizer import Tokenizer
-from engine.weights import resolve_model
+from engine.model import gguf_loader
+from engine.model.tokenizer import Tokenizer
+from engine.model.weights import resolve_model
 
 pytestmark = pytest.mark.smollm2
 

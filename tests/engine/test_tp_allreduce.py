@@ -1,4 +1,4 @@
-"""Which all-reduce a TP group takes (engine/tp_allreduce.py `choose`); the kernels themselves
+"""Which all-reduce a TP group takes (engine/tp/allreduce.py `choose`); the kernels themselves
 are checked against NCCL on two GPUs (tests/engine/test_gpu_tp.py)."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import settings
-from engine.tp_allreduce import choose, make
+from engine.tp.allreduce import choose, make
 
 
 def test_gpus_take_the_one_shot_all_reduce_for_the_sizes_it_is_built_for():

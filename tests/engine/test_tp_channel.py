@@ -4,9 +4,9 @@ descriptor splits back into each rank's own."""
 
 from __future__ import annotations
 
-from engine.tensor_parallel import TPGroup
-from engine.tp_channel import TPChannel, rank_descriptor, with_ranks
-from engine.tp_launch import spawn_ranks
+from engine.tp.channel import TPChannel, rank_descriptor, with_ranks
+from engine.tp.launch import spawn_ranks
+from engine.tp.tensor_parallel import TPGroup
 
 
 def _exchange(tp: TPGroup) -> tuple:

@@ -1,4 +1,4 @@
-"""The start-up warm-up (engine/warmup.py) and deferred captures: dummy prompts touch no
+"""The start-up warm-up (engine/runner/warmup.py) and deferred captures: dummy prompts touch no
 request's state, and a dummy step can be made for any key a real step has.
 
 On the CPU there are no graphs to capture, so this runs the warm-up's dummy steps through the
@@ -11,12 +11,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.dummy_prompts import chunks_for_key, dummy_chunks
 from engine.engine import EngineConfig, LLMEngine
-from engine.prefill_graphs import PrefillGraphs, pow2_buckets
-from engine.prefill_step import PrefillChunk, key_for
-from engine.sampling_params import SamplingParams
-from engine.warmup import GREEDY, SAMPLED, VARIANTS, capture_deferred, rows_for, warm_up
+from engine.request import PrefillChunk
+from engine.runner.dummy_prompts import chunks_for_key, dummy_chunks
+from engine.runner.prefill_graphs import PrefillGraphs, pow2_buckets
+from engine.runner.prefill_step import key_for
+from engine.runner.warmup import GREEDY, SAMPLED, VARIANTS, capture_deferred, rows_for, warm_up
+from engine.sampling.sampling_params import SamplingParams
 from tests.engine.conftest import DEVICE
 
 

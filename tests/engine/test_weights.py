@@ -14,10 +14,10 @@ import torch
 from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import pre_tokenizers
 
-from engine import gguf_loader
-from engine.config import ArchConfig
-from engine.tokenizer import CONTROL_TOKEN, PreTokenizerSpec, byte_level_bpe
-from engine.weights import (
+from engine.model import gguf_loader
+from engine.model.config import ArchConfig
+from engine.model.tokenizer import CONTROL_TOKEN, PreTokenizerSpec, byte_level_bpe
+from engine.model.weights import (
     INDEX_FILE,
     SINGLE_FILE,
     Checkpoint,

@@ -10,13 +10,13 @@ import dataclasses
 import pytest
 import torch
 
-from engine.cuda_graphs import MAX_TOP_LOGPROBS, DecodeGraphs
 from engine.engine import EngineConfig, LLMEngine
-from engine.loader import load_model
-from engine.model import CausalLM, fuse_projections
-from engine.prefill_graphs import PrefillGraphs
-from engine.sampling_params import SamplingParams
-from engine.structured import StructuredSpec
+from engine.grammar.structured import StructuredSpec
+from engine.model.llama import CausalLM, fuse_projections
+from engine.model.loader import load_model
+from engine.runner.cuda_graphs import MAX_TOP_LOGPROBS, DecodeGraphs
+from engine.runner.prefill_graphs import PrefillGraphs
+from engine.sampling.sampling_params import SamplingParams
 from kernels._dispatch import triton_on_cpu
 
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(),
@@ -82,7 +82,7 @@ def test_the_mtp_input_takes_one_launch_and_its_block_norm_none(monkeypatch):
     """An MTP forward gathers the embedding and runs enorm and hnorm in one kernel (`mtp_input`),
     and eh_proj leaves its rows' sums of squares, so the block's folded input norm runs inside its
     q/k/v GEMM: no norm kernel runs inside an MTP forward, and the tokens are the reference's."""
-    import engine.model as model_mod
+    import engine.model.llama as model_mod
     from kernels import norm as norm_mod
 
     norms: list[int] = []
@@ -113,7 +113,7 @@ def test_the_mtp_input_takes_one_launch_and_its_block_norm_none(monkeypatch):
 
 
 class EagerGraphs(DecodeGraphs):
-    """engine/cuda_graphs.py's DecodeGraphs with each replay run eagerly (no CUDA on the CPU): the
+    """engine/runner/cuda_graphs.py's DecodeGraphs with each replay run eagerly (no CUDA on the CPU): the
     same buckets, block-table widths and spare-slot padding rows, so the graph path's steps run
     under the interpreter (and its address checks, tests/kernels/bounds.py). `keys`: (rows, key)
     of every step."""
@@ -165,7 +165,7 @@ def padded_run(k: int, prompts: list[list[int]], params: SamplingParams | list[S
         fast.runner.graphs = graphs = EagerGraphs(fast.runner, 8)
         fast.runner.prefill_graphs = pg = PrefillGraphs(fast.runner, 256, 8)
         pg.defer = True
-        monkeypatch.setattr("engine.prefill_graphs.EAGER_RUNS_BEFORE_CAPTURE", 10**9)
+        monkeypatch.setattr("engine.runner.prefill_graphs.EAGER_RUNS_BEFORE_CAPTURE", 10**9)
         got = fast.generate(prompts, params)
     assert [r.output_ids for r in got] == [r.output_ids for r in want]
     for a, b in zip(got, want, strict=True):

@@ -116,7 +116,7 @@ def test_add_rms_norm_without_delta_returns_the_residual_itself(device, launch):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_reference_rms_norm_equals_model_rmsnorm_bit_for_bit(dtype):
-    from engine.model import RMSNorm
+    from engine.model.llama import RMSNorm
 
     module = RMSNorm(576, EPS).to(dtype)
     with torch.no_grad():

@@ -85,9 +85,9 @@ def test_repeated_trash_slots_hold_one_of_their_writers(device):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_reference_equals_rotary_embedding_and_write_kv_bit_for_bit(dtype):
-    from engine.attention import write_kv
-    from engine.config import ArchConfig
-    from engine.model import RotaryEmbedding
+    from engine.model.attention import write_kv
+    from engine.model.config import ArchConfig
+    from engine.model.llama import RotaryEmbedding
 
     config = ArchConfig(
         vocab_size=32, hidden_size=48, intermediate_size=64, num_hidden_layers=1, num_attention_heads=6,

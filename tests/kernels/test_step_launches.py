@@ -15,9 +15,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from triton.runtime.interpreter import InterpretedFunction
 
 from engine.engine import EngineConfig, LLMEngine
-from engine.loader import load_model
-from engine.model import fuse_projections
-from engine.sampling_params import SamplingParams
+from engine.model.llama import fuse_projections
+from engine.model.loader import load_model
+from engine.sampling.sampling_params import SamplingParams
 from kernels._dispatch import triton_on_cpu
 
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="counts the interpreter's launches (CPU)")

@@ -11,13 +11,13 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from engine.attention import AttentionMetadata, TorchAttention
+from engine.cache.kv_cache import KVCache
 from engine.engine import EngineConfig, LLMEngine
-from engine.kv_cache import KVCache
-from engine.loader import load_model, mtp_path_default
-from engine.model import mtp_state_dict
-from engine.sampling_params import SamplingParams
-from engine.tiny import random_tensors
+from engine.model.attention import AttentionMetadata, TorchAttention
+from engine.model.llama import mtp_state_dict
+from engine.model.loader import load_model, mtp_path_default
+from engine.model.tiny import random_tensors
+from engine.sampling.sampling_params import SamplingParams
 from mtp import train as train_mtp
 from mtp.data import (
     DataConfig,

@@ -9,8 +9,8 @@ import json
 from safetensors import safe_open
 
 from deploy.cli import main
-from engine.draft_vocab import read_ranking
 from engine.engine import EngineConfig, LLMEngine
+from engine.spec_decode.draft_vocab import read_ranking
 from mtp.prompts import HELDOUT_PROMPTS, TRAIN_PROMPTS, read_prompts
 from mtp.vocab_rank import ranking_prompts
 from tests.engine.conftest import DEVICE

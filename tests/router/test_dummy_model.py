@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.dummy import DummyTokenizer, dummy_config
-from engine.loader import ModelInfo, dummy_model
+from engine.model.dummy import DummyTokenizer, dummy_config
+from engine.model.loader import ModelInfo, dummy_model
 from tests.router.real_service import RealService
 
 SMALL = dict(num_hidden_layers=2, hidden_size=64, intermediate_size=128, num_attention_heads=4,

@@ -18,8 +18,8 @@ import random
 from hypothesis import given
 from hypothesis import strategies as st
 
-from engine.sampling_params import MAX_LOGPROBS
-from engine.structured import KINDS, StructuredSpec
+from engine.grammar.structured import KINDS, StructuredSpec
+from engine.sampling.sampling_params import MAX_LOGPROBS
 from protos import node_pb2, pdserve_pb2
 from protos.convert import check_request_id, sampling_from_proto
 from router.validate import InvalidRequest, Limits, Prepared, prepare

@@ -11,8 +11,8 @@ import openai
 import pytest
 
 from engine.engine import EngineConfig, LLMEngine
-from engine.loader import load_model
-from engine.sampling_params import SamplingParams
+from engine.model.loader import load_model
+from engine.sampling.sampling_params import SamplingParams
 from tests.router.real_service import RealService
 
 PROMPT = [256, 5, 17, 5, 99, 5, 17, 100, 31]  # BOS first, as a text prompt would have
@@ -115,7 +115,7 @@ def test_n_choices_share_the_prompts_blocks_as_health_shows(service):
     stream = service.client.completions.create(model="tiny", prompt=prompt, max_tokens=150, n=4, temperature=1,
                                                stream=True, extra_body={"ignore_eos": True})
     next(iter(stream))
-    need = -(-(50 + 150 + 2 * 2 + 1) // 16)  # one choice's blocks (engine/model_runner.kv_room_needed)
+    need = -(-(50 + 150 + 2 * 2 + 1) // 16)  # one choice's blocks (engine/runner/model_runner.kv_room_needed)
     want = (4 * need - 3 * 3, 3)  # 4 choices, 3 of them borrowing choice 0's 3 prompt blocks
     seen: set[tuple[int, int]] = set()
     deadline = time.monotonic() + 20

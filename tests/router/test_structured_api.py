@@ -11,7 +11,7 @@ import random
 
 import pytest
 
-from engine.structured import StructuredSpec
+from engine.grammar.structured import StructuredSpec
 from protos import node_pb2, pdserve_pb2
 from protos.convert import sampling_from_proto, sampling_to_proto
 from router.client import build_request

@@ -4,7 +4,7 @@ intact in the SamplingParams the prefill and decode (or colocated) nodes build; 
 `openai` client's `chat.completions.parse` is served; bad specs are refused by the router and by
 the nodes themselves.
 
-Until the engine masks (engine/grammar.py, the structured-engine branch) the tiny model's text
+Until the engine masks (engine/grammar/compiler.py, the structured-engine branch) the tiny model's text
 is not held to the spec: what is checked here is the request surface and the wire."""
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from pydantic import BaseModel, Field
 
 import decode_node.server as decode_server
 import prefill_node.server as prefill_server
-from engine.structured import StructuredSpec
+from engine.grammar.structured import StructuredSpec
 from protos import node_pb2, node_pb2_grpc
 from router.client import RouterError, generate_many
 from tests.router.real_service import RealService

@@ -1,0 +1,1 @@
+"""The paged KV cache: its device tensors, the block manager, and prefix caching."""

@@ -1,0 +1,1 @@
+"""Structured output: what a request's output must match, compiled into token masks (xgrammar)."""

@@ -1,0 +1,47 @@
+"""First-token messages from a prefill node to decode nodes, sent off the prefill loop.
+
+A finished prompt's message (its first token and logprobs, the MTP drafts and their
+probabilities) goes to the decode node that holds the request from a small pool of sender
+threads, so neither the loop nor the router's call waits on the network. Undelivered, the
+request's KV transfer is aborted: the decode node then fails the request's attempt, and the
+router, which has streamed the first token, moves the request on (its migration resumes after
+that token).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import logging
+from collections.abc import Callable
+
+from kvtransfer import KVSender
+from protos.messages import FirstToken
+
+FirstTokenSink = Callable[[str, FirstToken], None]  # (decode address, message)
+
+log = logging.getLogger(__name__)
+
+
+class FirstTokenSends:
+    """The sender threads of a prefill node's first-token messages (module docstring)."""
+
+    def __init__(self, sender: KVSender, threads: int = 4) -> None:
+        self.sender = sender  # the node's KV sender: an undelivered message aborts its transfer
+        self._pool = concurrent.futures.ThreadPoolExecutor(threads, thread_name_prefix="first-token")
+
+    def send(self, sink: FirstTokenSink, address: str, msg: FirstToken) -> None:
+        """Queue `msg` for the decode node at `address`; never waits."""
+        self._pool.submit(self._send, sink, address, msg)
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+    def _send(self, sink: FirstTokenSink, address: str, msg: FirstToken) -> None:
+        try:
+            sink(address, msg)
+        except Exception as e:
+            log.warning("first-token message for %s not delivered to %s: %s", msg.request_id, address, e)
+            try:
+                self.sender.abort(msg.request_id, f"first-token message not delivered: {e}")
+            except Exception:  # already ended (the decode node gave up first, or the router aborted)
+                pass
