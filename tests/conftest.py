@@ -21,6 +21,10 @@ torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+if os.environ.get("TRITON_INTERPRET") == "1":
+    from tests.interpreter import install as install_faster_interpreter
+
+    install_faster_interpreter()
 
 # Ray reads this once, at import: with it, a driver joining a test cluster at 127.0.0.1 stays on
 # loopback instead of swapping in the host's outward address (tests/deploy/test_multinode.py).
