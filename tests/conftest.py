@@ -33,19 +33,32 @@ os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 # The tests that run a Ray driver in the test process: the e2e session cluster (tests/e2e) and
 # the multi-raylet cluster (tests/deploy/test_multinode.py) take turns in one process.
 RAY_DRIVER_TESTS = ("tests/e2e/", "tests/deploy/test_multinode.py")
+# Work units that take minutes on 2 cores whatever their test count (xdist orders by count).
+LONG_UNITS = ("ray", "tests/kernels/test_engine_path.py", "tests/engine/test_tensor_parallel.py",
+              "tests/bench/test_host.py", "tests/decode_node/test_pd_nodes.py", "tests/decode_node/test_tp_nodes.py")
 
 
 @pytest.hookimpl(optionalhook=True)
 def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
     """Under pytest-xdist (`make test` runs `-n 2`): every Ray driver test in one work unit, kept
     in order and scheduled first (the largest unit; it mostly waits on actors), and one unit
-    per test module otherwise (module fixtures load once), handed out as workers free up."""
+    per test module otherwise (module fixtures load once), handed out as workers free up, the
+    `LONG_UNITS` first."""
     if config.getvalue("dist") not in ("load", "loadscope"):
         return None
     from xdist.scheduler import LoadScopeScheduling
 
     class RayTestsTogether(LoadScopeScheduling):
+        ordered = False
+
         def _split_scope(self, nodeid: str) -> str:
             return "ray" if nodeid.startswith(RAY_DRIVER_TESTS) else super()._split_scope(nodeid)
+
+        def _assign_work_unit(self, node: Any) -> None:
+            if not self.ordered:  # the long units first, so none starts last and runs alone
+                for scope in reversed([s for s in LONG_UNITS if s in self.workqueue]):
+                    self.workqueue.move_to_end(scope, last=False)
+                self.ordered = True
+            super()._assign_work_unit(node)
 
     return RayTestsTogether(config, log)
