@@ -15,15 +15,19 @@ import pytest
 from bench import serve
 from deploy.config import ServiceConfig
 from deploy.service import check_gpus_fit
+from engine.sampling.sampling_params import SamplingParams
 from router.client import RouterClient, build_request
 from tests.e2e.conftest import BASE, run_async, start_service, wait_blocks_returned
 
 pytestmark = pytest.mark.usefixtures("ray_cluster")
 
 
-@pytest.mark.parametrize(("prefill", "decode"), [(1, 3), (2, 2)], ids=["1P3D", "2P2D"])
-def test_load_reaches_every_decode_node(prefill, decode):
-    svc, address = start_service(prefill, decode, k=0)
+@pytest.mark.parametrize(("prefill", "decode", "k", "kv"), [(1, 3, 0, "ucx"), (2, 2, 3, "ipc")],
+                         ids=["1P3D-ucx", "2P2D-k3-ipc"])
+def test_load_reaches_every_decode_node(prefill, decode, k, kv, tiny_reference):
+    """Every node of the layout takes work, and the tokens equal the engine alone's (2P2D: with MTP
+    drafts, KV written by the prefill nodes straight into the decode nodes' mapped caches)."""
+    svc, address = start_service(prefill, decode, k=k, **{"kv_transfer.backend": kv})
     try:
         rng = random.Random(0)
         prompts = [[rng.randrange(256) for _ in range(rng.choice([5, 17, 40]))] for _ in range(12)]
@@ -34,7 +38,8 @@ def test_load_reaches_every_decode_node(prefill, decode):
                                               for p in prompts))
 
         results = run_async(main())
-        assert [len(r["token_ids"]) for r in results] == [6] * 12
+        ref = tiny_reference(prompts, SamplingParams(max_tokens=6, ignore_eos=True))
+        assert [r["token_ids"] for r in results] == [r.output_ids for r in ref]
         assert {r["finish_reason"] for r in results} == {"length"}
         wait_blocks_returned(svc)
         info = svc.node_info()
