@@ -21,7 +21,7 @@ import grpc
 
 from protos import node_pb2
 from router.config import RouterConfig
-from router.directory import Kind
+from router.directory import KINDS, Kind
 from router.holds import Holds
 from router.policy import Policy
 from router.pool import Node, NodePool
@@ -117,6 +117,18 @@ class Admission:
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.config.node_wait_s
         while not any(n.address not in (exclude or {}) for n in self.pool.healthy(kind)):
+            if loop.time() >= deadline:
+                return False
+            await asyncio.sleep(NODE_WAIT_POLL_S)
+        return True
+
+    async def await_listed(self) -> bool:
+        """Whether the directory lists any node, waiting up to `node_wait_s` for one: a service
+        still starting serves before its nodes are up, and whether it is a PD or a colocated one
+        is known only once they are listed."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.config.node_wait_s
+        while not any(self.pool.directory.addresses(kind) for kind in KINDS):
             if loop.time() >= deadline:
                 return False
             await asyncio.sleep(NODE_WAIT_POLL_S)

@@ -200,6 +200,8 @@ class Router:
                 while True:
                     try:
                         first = None
+                        if not await self.admission.await_listed():
+                            raise RequestError("UNAVAILABLE", "the service lists no node (is it starting?)")
                         if self.placement.colocated:
                             await self.placement.place_colocated(st)
                         else:
