@@ -186,6 +186,11 @@ class DecodeNode(StepLoop):
         self.streams.close()
 
     # ---- the loop thread -------------------------------------------------------------
+    def _loop_failed(self, error: BaseException) -> None:
+        """A step raised (a device error): every output stream ends, so routers move this node's
+        requests elsewhere, and its Status says unhealthy, so they send no more."""
+        self.streams.close()
+
     def idle_wait_s(self) -> float:
         return 0.002 if self.pending else 0.02  # poll KV transfers of pending requests often
 

@@ -79,8 +79,9 @@ class DecodeServicer(node_pb2_grpc.DecodeControlServicer):
             self.node.unsubscribe(q, owner)
 
     def Status(self, request, context):
+        self.node.hold_status()  # the status_delay_s test hook
         s = self.node.status()
-        return node_pb2.NodeStatus(node_id=self.node_id, kind=self.kind, healthy=True,
+        return node_pb2.NodeStatus(node_id=self.node_id, kind=self.kind, healthy=self.node.loop_error is None,
                                    num_speculative_tokens=self.node.k, **s)
 
 

@@ -202,6 +202,13 @@ class PrefillNode(StepLoop):
                 **self.prefix.status(), "takes_attach": self.takes_attach,
                 "kv_seconds_buckets": list(self.kv_buckets)}
 
+    def _loop_failed(self, error: BaseException) -> None:
+        """A step raised (a device error): the jobs it held fail (their callers try another prefill
+        node), and its Status says unhealthy, so no more come. Loop thread."""
+        for job in [*self.waiting, *self.detached.values()]:
+            if not job.future.done():
+                job.future.set_exception(error)
+
     def stop(self) -> None:
         self.stop_loop()
         self._first_sends.close()

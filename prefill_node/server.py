@@ -87,8 +87,9 @@ class PrefillServicer(node_pb2_grpc.PrefillControlServicer):
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         except ConnectionError as e:  # the decode node, not this one: the router moves the request
             context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e))
-        except Exception as e:
-            context.abort(grpc.StatusCode.ABORTED, str(e))
+        except Exception as e:  # the node's loop failed (a device error): the router tries another node
+            code = grpc.StatusCode.UNAVAILABLE if self.node.loop_error is not None else grpc.StatusCode.ABORTED
+            context.abort(code, str(e))
         return node_pb2.Payload(msgpack=msg.pack())
 
     def Attach(self, request, context):
@@ -116,8 +117,9 @@ class PrefillServicer(node_pb2_grpc.PrefillControlServicer):
         return node_pb2.Ack(ok=True)
 
     def Status(self, request, context):
+        self.node.hold_status()  # the status_delay_s test hook
         s = self.node.status()
-        return node_pb2.NodeStatus(node_id=self.node_id, kind="prefill", healthy=True,
+        return node_pb2.NodeStatus(node_id=self.node_id, kind="prefill", healthy=self.node.loop_error is None,
                                    num_speculative_tokens=self.node.k, **s)
 
 

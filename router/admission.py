@@ -157,6 +157,7 @@ class Admission:
                 else:  # it may have admitted: abort to be sure
                     self.holds.spawn_abort_decode(st, "Reserve failed")
                 continue
+            self.pool.heard_from(node)
             if reply.admitted:
                 return Reserved(node, reply.descriptor_msgpack)
             self.holds.drop_decode(st)
