@@ -24,9 +24,11 @@ from router import NodeDirectory, Router
 
 class RealService:
     def __init__(self, mode: str = "pd", k: int = 2, max_model_len: int = 128, model: tuple[Any, Any] | None = None,
-                 **router: Any) -> None:
+                 engine: dict[str, Any] | None = None, **router: Any) -> None:
+        """`engine`: more EngineConfig fields of every node (num_blocks, ...); `router`: RouterConfig's."""
         loaded, info = model or (load_model("tiny"), load_model_info("tiny"))
-        self.mode, self.config = mode, EngineConfig(num_speculative_tokens=k, max_model_len=max_model_len)
+        self.mode = mode
+        self.config = EngineConfig(num_speculative_tokens=k, max_model_len=max_model_len, **(engine or {}))
         self.nodes: list[Any] = []
         self.servers: list[Any] = []
         if mode == "pd":
