@@ -119,3 +119,51 @@ def test_prefill_actor_killed_requests_retried(tiny_reference):
         wait_blocks_returned(service, timeout=60)
     finally:
         service.stop()
+
+
+def test_a_cuda_error_in_a_decode_step_restarts_the_node_and_its_requests_finish_exactly(tiny_reference):
+    """The `fail_next_step` test hook makes decode node 0's next step raise what a CUDA fault raises
+    (torch.AcceleratorError): its process ends, Ray starts it again, and its requests move (to the
+    other decode node, or the restarted one) and finish with the single-process engine's greedy
+    tokens. The router's view (its node failures), /metrics and `pdserve status` say what happened."""
+    import urllib.request
+
+    import ray
+
+    from deploy.status import collect, render
+
+    service, address = start_service(1, 2, 2)
+    prompts = [[i + 1, 2, 3] for i in range(6)]
+    requests = [build_request(p, max_tokens=120, ignore_eos=True) for p in prompts]
+    old = service.addresses[("decode", 0)]
+    try:
+        async def main():
+            async with RouterClient(address) as client:
+                started, counter = asyncio.Event(), [0]
+                tasks = [asyncio.create_task(stream_until_end(client, r, started, counter, len(requests)))
+                         for r in requests]
+                await asyncio.wait_for(started.wait(), 120)
+                ray.get(service.actors[("decode", 0)].fail_next_step.remote(), timeout=30)
+                results = await asyncio.wait_for(asyncio.gather(*tasks), 240)
+                await wait_for_nodes(client, 1, 2)
+                return results
+
+        results = run_async(main())
+        deadline = time.monotonic() + 120
+        while service.addresses.get(("decode", 0)) in (None, old):  # restarted: a new port
+            assert time.monotonic() < deadline, "the decode node did not come back"
+            time.sleep(0.2)
+        status = ray.get(service.router.status.remote())
+        metrics = urllib.request.urlopen(f"http://{service.http_address}/metrics", timeout=10).read().decode()
+        table = render(collect())
+        wait_blocks_returned(service, timeout=60)
+    finally:
+        service.stop()
+    assert all(t == [("finished", "length")] for t, _ in results), [t for t, _ in results]
+    ref = tiny_reference(prompts, SamplingParams(max_tokens=120, ignore_eos=True))
+    assert [toks for _, toks in results] == [r.output_ids for r in ref]
+    assert status["migrations"] >= 1, status
+    assert any(d["kind"] == "decode" and d["address"] == old for d in status["node_failures"]), status
+    assert 'pdserve:node_failures_total{kind="decode"}' in metrics
+    decode0 = next(line for line in table.splitlines() if line.startswith("pdserve-decode-0"))
+    assert "(restarted)" in decode0 and "recent node failures" in table and old in table, table
