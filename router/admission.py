@@ -28,6 +28,9 @@ from router.pool import Node, NodePool
 from router.request import RequestError, RequestState
 
 NODE_WAIT_POLL_S = 0.05  # how often a request waiting for a healthy node looks again
+# A Reserve or Submit refused for good: a bad request, or one that needs more KV than the node has
+# in all (queueing it would hold up every request behind it until its deadline).
+NEVER_ADMITTED = (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.RESOURCE_EXHAUSTED)
 
 
 class AdmissionQueue:
@@ -149,9 +152,9 @@ class Admission:
             try:
                 reply = await call(req, timeout=self.config.rpc_timeout_s)
             except grpc.aio.AioRpcError as e:
-                if e.code() == grpc.StatusCode.INVALID_ARGUMENT:  # the request itself: no node takes it
+                if e.code() in NEVER_ADMITTED:  # the request itself: no node takes it, now or later
                     self.holds.drop_decode(st)
-                    raise RequestError("INVALID_ARGUMENT", f"{kind} node {node.address}: {e.details()}") from None
+                    raise RequestError(e.code().name, f"{kind} node {node.address}: {e.details()}") from None
                 if self.pool.rpc_failed(node, e, "Submit" if kind == "colocated" else "Reserve"):
                     self.holds.drop_decode(st)
                 else:  # it may have admitted: abort to be sure

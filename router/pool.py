@@ -266,6 +266,8 @@ class NodePool:
         self.heard_from(node)
         node.status, node.late_status = status, 0
         if not status.healthy:  # the node says so itself: not chosen, its requests go on
+            if node.healthy:
+                self._down(node, "the node reports itself unhealthy")
             node.healthy, node.last_error = False, "the node reports itself unhealthy"
         elif node.kind == "prefill" or node.subscription is not None:
             node.healthy, node.last_error = True, ""

@@ -55,6 +55,30 @@ def test_a_flood_beyond_the_nodes_kv_queues_then_refuses_and_frees_every_block(s
     assert svc.blocks_back()
 
 
+@pytest.mark.parametrize(("decode_blocks", "overlap"), [(6, True), (6, False), (20, False)])
+def test_a_request_larger_than_a_nodes_whole_kv_is_refused_at_once_and_holds_up_no_one(decode_blocks, overlap):
+    """A request that needs more KV blocks than a node has in all (the long prompt: 8 on D, 7 on P,
+    of 6) would wait at the head of the queue for ever, and every request behind it too: it is
+    refused RESOURCE_EXHAUSTED at once, by the decode node or (with 20 blocks on D) by the prefill
+    node, and the small requests around it are served."""
+    svc = RealService(k=2, engine={"num_blocks": 6}, decode_engine={"num_blocks": decode_blocks},
+                      overlap_reserve=overlap, queue_size=4)
+    try:
+        async def main() -> list[str]:
+            async with RouterClient(f"127.0.0.1:{svc.router.grpc_port}") as client:
+                async def one(prompt: str, max_tokens: int) -> str:
+                    req = build_request(prompt, max_tokens=max_tokens, ignore_eos=True, timeout_s=30)
+                    return _ends([m async for m in client.stream(req)])
+
+                return list(await asyncio.gather(one(LONG_PROMPT, 16), *(one(f"ab{i}", 8) for i in range(4))))
+
+        ends = asyncio.run(main())
+        assert ends == ["error:RESOURCE_EXHAUSTED"] + ["finished:length"] * 4, ends
+        assert svc.blocks_back()
+    finally:
+        svc.close()
+
+
 async def _load_until(port: int, done: asyncio.Event, concurrency: int) -> Counter[str]:
     """Keep `concurrency` requests in flight until `done` is set."""
     ends: Counter[str] = Counter()
