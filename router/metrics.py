@@ -197,9 +197,9 @@ class NodeCollector:
     def _health_families(self, keys: list[str]) -> list[Any]:
         """Status calls that failed, a late answer (DEADLINE_EXCEEDED: busy) apart from an unreachable
         node (UNAVAILABLE: a refused connection), and nodes taken out of service."""
-        downs = CounterMetricFamily("pdserve:node_failures", "Nodes the router took out of service (a refused "
-                                    "connection, a broken output stream, Status late too often), by kind",
-                                    labels=["kind"])
+        downs = CounterMetricFamily("pdserve:node_failures", "Nodes the router took out of service (unreachable, "
+                                    "a broken output stream, Status late too often, unhealthy by its own word, "
+                                    "removed), by kind", labels=["kind"])
         for kind, n in sorted(self.node_downs().items()):
             downs.add_metric([kind], n)
         return [CounterMetricFamily("pdserve:node_status_failures", "Status calls to the node that failed, by gRPC "
