@@ -25,6 +25,8 @@ import logging
 import time
 from typing import Any
 
+import torch
+
 from decode_node.commands import Submit
 from decode_node.node import DecodeNode, Reservation
 from engine.engine import EngineConfig
@@ -95,6 +97,8 @@ class ColocatedNode(DecodeNode):
         start = time.perf_counter()
         try:
             launched = self.prefill.launch(chunks, reqs, inserted_late=True)
+        except torch.AcceleratorError:  # the device is unusable: the loop ends (engine/sched/step_loop.py)
+            raise
         except Exception as e:  # a failed step fails its requests; the node keeps serving
             self._prefill_failed(reqs, e, items)
             return None
@@ -107,6 +111,8 @@ class ColocatedNode(DecodeNode):
         items: list[OutputItem] = []
         try:
             outputs = self.prefill.finish(launched)
+        except torch.AcceleratorError:
+            raise
         except Exception as e:
             self._prefill_failed(launched.reqs, e, items)
             return items
@@ -126,6 +132,8 @@ class ColocatedNode(DecodeNode):
             return Reservation(False, refusal)
         max_tokens = min(params.max_tokens, self.max_model_len - len(prompt))
         need = self.blocks.blocks_for(kv_room_needed(len(prompt) + max_tokens, self.k))
+        if need > self.blocks.capacity:
+            return self.never_fits(need)
         req = Request(rid, prompt, params, seed, stop_ids, max_tokens)
         hit = self._admit_group(req, prompt, need)
         if hit is None:

@@ -92,6 +92,7 @@ class Reservation:
     admitted: bool
     reason: str = ""
     descriptor: dict[str, Any] = field(default_factory=dict)
+    fits: bool = True  # False: refused for good, the request needs more KV blocks than the node has in all
 
 
 class DecodeNode(StepLoop):
@@ -186,6 +187,11 @@ class DecodeNode(StepLoop):
         self.streams.close()
 
     # ---- the loop thread -------------------------------------------------------------
+    def _loop_failed(self, error: BaseException) -> None:
+        """A step raised (a device error): every output stream ends, so routers move this node's
+        requests elsewhere, and its Status says unhealthy, so they send no more."""
+        self.streams.close()
+
     def idle_wait_s(self) -> float:
         return 0.002 if self.pending else 0.02  # poll KV transfers of pending requests often
 
@@ -244,6 +250,8 @@ class DecodeNode(StepLoop):
             return Reservation(False, refusal)
         max_tokens = min(params.max_tokens, self.max_model_len - prompt_len)
         need = self.blocks.blocks_for(kv_room_needed(prompt_len + max_tokens, self.k))
+        if need > self.blocks.capacity:
+            return self.never_fits(need)
         keep = prompt if params.penalized or params.n > 1 or _resumes_grammar(params) else None  # they read it
         req = Request(rid, list(keep or []), params, seed, stop_ids, max_tokens, num_prompt_tokens=prompt_len)
         hit = self._admit_group(req, prompt or [], need)
@@ -259,6 +267,12 @@ class DecodeNode(StepLoop):
             return Reservation(False, f"kv receiver refused: {e}")
         self.pending[rid] = Pending(req, time.monotonic() + self.admission_timeout_s, skip=skip)
         return Reservation(True, "", descriptor)
+
+    def never_fits(self, need: int) -> Reservation:
+        """A refusal for good: waiting for blocks to free would wait forever (and hold up the queue
+        behind it in the router)."""
+        return Reservation(False, f"the request needs {need} KV blocks and the node has {self.blocks.capacity} "
+                                  f"in all", fits=False)
 
     def _admit_group(self, req: Request, prompt: list[int], need: int) -> int | None:
         """A slot and `need` blocks for every choice of `req` (n > 1: engine/sched/fork.py), its cached

@@ -19,7 +19,7 @@ from decode_node.synthetic import SyntheticNode
 from protos import node_pb2, node_pb2_grpc
 from protos.convert import check_request_id, sampling_from_proto
 from protos.messages import FirstToken, MessageError, pack_outputs
-from protos.serving import KEEPALIVE_S, start_server
+from protos.serving import KEEPALIVE_S, refuse_if_failed, start_server
 from protos.tls import NodeTls
 
 MAX_SUBSCRIBER = 128
@@ -35,6 +35,7 @@ class DecodeServicer(node_pb2_grpc.DecodeControlServicer):
         self.vocab = node.vocab
 
     def Reserve(self, request, context):
+        refuse_if_failed(self.node, context)
         try:
             rid = check_request_id(request.request_id)
             params, seed, stops = sampling_from_proto(request.sampling, self.vocab)
@@ -42,6 +43,8 @@ class DecodeServicer(node_pb2_grpc.DecodeControlServicer):
         except ValueError as e:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         res = self.node.reserve(rid, request.prompt_len, params, seed, stops, prompt).result(timeout=30)
+        if not res.fits:
+            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, res.reason)
         data = msgpack.packb(res.descriptor, use_bin_type=True) if res.admitted else b""
         return node_pb2.ReserveReply(admitted=res.admitted, reason=res.reason, descriptor_msgpack=data)
 
@@ -79,8 +82,9 @@ class DecodeServicer(node_pb2_grpc.DecodeControlServicer):
             self.node.unsubscribe(q, owner)
 
     def Status(self, request, context):
+        self.node.hold_status()  # the status_delay_s test hook
         s = self.node.status()
-        return node_pb2.NodeStatus(node_id=self.node_id, kind=self.kind, healthy=True,
+        return node_pb2.NodeStatus(node_id=self.node_id, kind=self.kind, healthy=self.node.loop_error is None,
                                    num_speculative_tokens=self.node.k, **s)
 
 
@@ -116,6 +120,7 @@ class ColocatedServicer(DecodeServicer):
     node: ColocatedNode
 
     def Submit(self, request, context):
+        refuse_if_failed(self.node, context)
         try:
             rid = check_request_id(request.request_id)
             params, seed, stops = sampling_from_proto(request.sampling, self.vocab)
@@ -125,6 +130,8 @@ class ColocatedServicer(DecodeServicer):
         except ValueError as e:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         res = self.node.submit(rid, prompt, params, seed, stops).result(timeout=30)
+        if not res.fits:
+            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, res.reason)
         return node_pb2.ReserveReply(admitted=res.admitted, reason=res.reason)
 
 

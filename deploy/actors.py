@@ -16,6 +16,8 @@ from typing import TYPE_CHECKING, Any
 from deploy.config import ServiceConfig
 from deploy.procmem import process_age_s, process_memory
 
+EXIT_STEP_FAILED = 70  # a node process's exit status after its step loop failed (EX_SOFTWARE)
+
 if TYPE_CHECKING:
     from protos.tls import NodeTls
 
@@ -142,6 +144,7 @@ class NodeActor:
         clock.mark("node_build")  # the runner: KV cache, CUDA graph capture, warm-up (split out below)
         clock.split("node_build", "warmup", getattr(self.node, "warmup_s", 0.0))
         freeze_node_heap()
+        self.node.on_loop_error = end_process
         self.node.start()
         if tp is None or tp.rank == 0:
             self.server, self.port = serve(self.node, node_id, host, secret=cfg.cluster.secret, tls=tls)
@@ -151,6 +154,13 @@ class NodeActor:
     def address(self) -> str:
         return f"{self.host}:{self.port}"
 
+    def fail_next_step(self, message: str = "CUDA error: an illegal memory access was encountered (test)") -> None:
+        """Test hook (fault drills): the node's next step raises the error a CUDA fault raises
+        (torch.AcceleratorError), on any device; the process then ends and Ray starts a new one."""
+        import torch
+
+        self.node.fail_next_step(torch.AcceleratorError(message))
+
     def info(self) -> dict[str, Any]:
         import ray
 
@@ -158,12 +168,25 @@ class NodeActor:
                 "startup": getattr(self, "startup", {}),
                 "host": socket.gethostname(), "emitted": getattr(self.node, "emitted", None),
                 "orphans_dropped": getattr(self.node, "orphans_dropped", None),
+                "restarted": ray.get_runtime_context().was_current_actor_reconstructed,
                 "ray_node_id": ray.get_runtime_context().get_node_id(), **self.node.status()}
 
     def stop(self) -> None:
         if self.server is not None:
             self.server.stop(grace=1)
         self.node.stop()
+
+
+def end_process(error: BaseException) -> None:
+    """A node's step loop failed (a device error): the process ends at once, whatever its other
+    threads hold, and Ray starts the actor again (`max_restarts=-1`) with a fresh device context;
+    its connections close with it, so routers move its requests (deploy/service.py re-lists it)."""
+    import logging
+    import os
+
+    logging.getLogger(__name__).critical("node process ends after a failed step: %r", error)
+    logging.shutdown()
+    os._exit(EXIT_STEP_FAILED)
 
 
 def freeze_node_heap() -> None:

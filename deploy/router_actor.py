@@ -124,4 +124,5 @@ class RouterActor:
                 "colocated_nodes": h.colocated_nodes,
                 "running_requests": h.running_requests, "queued_requests": self.router.num_queued,
                 "migrations": self.router.migrations, "terminals": dict(self.router.counts), **process_memory(),
-                "nodes": nodes, "ray_node_id": ray.get_runtime_context().get_node_id()}
+                "nodes": nodes, "node_failures": list(self.router.pool.recent_downs),
+                "ray_node_id": ray.get_runtime_context().get_node_id()}

@@ -10,9 +10,12 @@ nothing in the service.
 from __future__ import annotations
 
 import json
+import time
 from typing import Any
 
 from deploy.service import ACTOR_PREFIX, ROLES
+
+RECENT_SHOWN = 8  # node failures listed under the table
 
 
 def collect(timeout_s: float = 5.0) -> dict[str, Any]:
@@ -76,7 +79,13 @@ def render(state: dict[str, Any]) -> str:
                      f"{n.get('ray_node_ip', '?'):<17}{n.get('running', '-'):>5}{n.get('queued_tokens', '-'):>8}"
                      f"{n.get('free_blocks', '-'):>9}{n.get('total_blocks', '-'):>7}{tok:>9}{req:>9}  "
                      f"{json.dumps(n.get('ray_node_resources', {}))}"
+                     + ("  (restarted)" if n.get("restarted") else "")
                      + (f"  ({n['error']})" if n.get("error") else ""))
+    downs = r.get("node_failures") or []
+    if downs:
+        lines.append(f"recent node failures (the router's view, newest last; {len(downs)}):")
+        lines += [f"  {time.strftime('%H:%M:%S', time.localtime(d['at']))}  {d['kind']:<10}{d['address']:<22}"
+                  f"{d['reason']}" for d in downs[-RECENT_SHOWN:]]
     return "\n".join(lines)
 
 

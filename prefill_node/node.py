@@ -61,6 +61,10 @@ from protos.messages import KV_TRANSFER_BUCKETS, FirstToken, TokenLogprobs, toke
 log = logging.getLogger(__name__)
 
 
+class NeverFits(ValueError):
+    """A prompt that needs more KV blocks than the node has in all."""
+
+
 @dataclass
 class PrefillJob:
     request_id: str
@@ -176,6 +180,9 @@ class PrefillNode(StepLoop):
     def submit(self, job: PrefillJob) -> concurrent.futures.Future:
         if len(job.prompt) >= self.max_model_len or not job.prompt:
             raise ValueError(f"prompt of {len(job.prompt)} tokens does not fit the context {self.max_model_len}")
+        need = self.blocks.blocks_for(kv_room_needed(len(job.prompt), self.k))
+        if need > self.blocks.capacity:  # it would wait at the queue's head for ever, and all behind it
+            raise NeverFits(f"the prompt needs {need} KV blocks and the prefill node has {self.blocks.capacity} in all")
         if self.runner.grammar is not None:  # compiled off the loop; the prefill step finds it cached
             self.runner.grammar.precompile(job.params.structured)
         self._inbox.put(Submit(job))
@@ -201,6 +208,13 @@ class PrefillNode(StepLoop):
                 "running": len(self.waiting), "queued_tokens": self.queued_tokens, **self.counters,
                 **self.prefix.status(), "takes_attach": self.takes_attach,
                 "kv_seconds_buckets": list(self.kv_buckets)}
+
+    def _loop_failed(self, error: BaseException) -> None:
+        """A step raised (a device error): the jobs it held fail (their callers try another prefill
+        node), and its Status says unhealthy, so no more come. Loop thread."""
+        for job in [*self.waiting, *self.detached.values()]:
+            if not job.future.done():
+                job.future.set_exception(error)
 
     def stop(self) -> None:
         self.stop_loop()

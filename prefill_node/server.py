@@ -10,11 +10,11 @@ from typing import Any
 import grpc
 import msgpack
 
-from prefill_node.node import PrefillJob, PrefillNode
+from prefill_node.node import NeverFits, PrefillJob, PrefillNode
 from protos import node_pb2, node_pb2_grpc
 from protos.convert import check_request_id, sampling_from_proto
 from protos.messages import FirstToken
-from protos.serving import GRPC_OPTIONS, KEEPALIVE_S, start_server, with_secret
+from protos.serving import GRPC_OPTIONS, KEEPALIVE_S, refuse_if_failed, start_server, with_secret
 from protos.tls import NodeTls, node_channel
 
 
@@ -57,6 +57,7 @@ class PrefillServicer(node_pb2_grpc.PrefillControlServicer):
         self.node, self.node_id = node, node_id
 
     def Prefill(self, request, context):
+        refuse_if_failed(self.node, context)
         vocab = self.node.loaded.model.config.vocab_size
         try:
             rid = check_request_id(request.request_id)
@@ -70,6 +71,8 @@ class PrefillServicer(node_pb2_grpc.PrefillControlServicer):
             descriptor = None if later else _descriptor(request.descriptor_msgpack, request.decode_address)
             job = PrefillJob(rid, prompt, params, seed, stops, descriptor, request.decode_address)
             future = self.node.submit(job)
+        except NeverFits as e:
+            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
         except (ValueError, msgpack.UnpackException) as e:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         def on_done() -> None:  # the caller went away (or the RPC ended): drop unfinished work
@@ -87,8 +90,9 @@ class PrefillServicer(node_pb2_grpc.PrefillControlServicer):
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         except ConnectionError as e:  # the decode node, not this one: the router moves the request
             context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e))
-        except Exception as e:
-            context.abort(grpc.StatusCode.ABORTED, str(e))
+        except Exception as e:  # the node's loop failed (a device error): the router tries another node
+            code = grpc.StatusCode.UNAVAILABLE if self.node.loop_error is not None else grpc.StatusCode.ABORTED
+            context.abort(code, str(e))
         return node_pb2.Payload(msgpack=msg.pack())
 
     def Attach(self, request, context):
@@ -116,8 +120,9 @@ class PrefillServicer(node_pb2_grpc.PrefillControlServicer):
         return node_pb2.Ack(ok=True)
 
     def Status(self, request, context):
+        self.node.hold_status()  # the status_delay_s test hook
         s = self.node.status()
-        return node_pb2.NodeStatus(node_id=self.node_id, kind="prefill", healthy=True,
+        return node_pb2.NodeStatus(node_id=self.node_id, kind="prefill", healthy=self.node.loop_error is None,
                                    num_speculative_tokens=self.node.k, **s)
 
 

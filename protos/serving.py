@@ -32,6 +32,13 @@ GRPC_OPTIONS = [("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
 KEEPALIVE_S = 20.0
 
 
+def refuse_if_failed(node: Any, context: grpc.ServicerContext) -> None:
+    """A node whose step loop failed (engine/sched/step_loop.py `loop_error`) takes no more work:
+    UNAVAILABLE, so the router takes it out and tries another node (its process is ending)."""
+    if node.loop_error is not None:
+        context.abort(grpc.StatusCode.UNAVAILABLE, f"the node's step loop failed: {node.loop_error!r}")
+
+
 def keepalive_options(seconds: float) -> list[tuple[str, int]]:
     """Server options: ping every `seconds` (with or without calls and data), close on no answer."""
     ms = max(int(seconds * 1000), 1)

@@ -21,13 +21,16 @@ import grpc
 
 from protos import node_pb2
 from router.config import RouterConfig
-from router.directory import Kind
+from router.directory import KINDS, Kind
 from router.holds import Holds
 from router.policy import Policy
 from router.pool import Node, NodePool
 from router.request import RequestError, RequestState
 
 NODE_WAIT_POLL_S = 0.05  # how often a request waiting for a healthy node looks again
+# A Reserve or Submit refused for good: a bad request, or one that needs more KV than the node has
+# in all (queueing it would hold up every request behind it until its deadline).
+NEVER_ADMITTED = (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.RESOURCE_EXHAUSTED)
 
 
 class AdmissionQueue:
@@ -122,6 +125,18 @@ class Admission:
             await asyncio.sleep(NODE_WAIT_POLL_S)
         return True
 
+    async def await_listed(self) -> bool:
+        """Whether the directory lists any node, waiting up to `node_wait_s` for one: a service
+        still starting serves before its nodes are up, and whether it is a PD or a colocated one
+        is known only once they are listed."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.config.node_wait_s
+        while not any(self.pool.directory.addresses(kind) for kind in KINDS):
+            if loop.time() >= deadline:
+                return False
+            await asyncio.sleep(NODE_WAIT_POLL_S)
+        return True
+
     async def try_reserve(self, st: RequestState, req: node_pb2.ReserveRequest, kind: Kind) -> Reserved | None:
         """Ask each healthy node of `kind` once, in policy order; None when none admitted."""
         if not await self.await_node(kind):
@@ -137,14 +152,15 @@ class Admission:
             try:
                 reply = await call(req, timeout=self.config.rpc_timeout_s)
             except grpc.aio.AioRpcError as e:
-                if e.code() == grpc.StatusCode.INVALID_ARGUMENT:  # the request itself: no node takes it
+                if e.code() in NEVER_ADMITTED:  # the request itself: no node takes it, now or later
                     self.holds.drop_decode(st)
-                    raise RequestError("INVALID_ARGUMENT", f"{kind} node {node.address}: {e.details()}") from None
+                    raise RequestError(e.code().name, f"{kind} node {node.address}: {e.details()}") from None
                 if self.pool.rpc_failed(node, e, "Submit" if kind == "colocated" else "Reserve"):
                     self.holds.drop_decode(st)
                 else:  # it may have admitted: abort to be sure
                     self.holds.spawn_abort_decode(st, "Reserve failed")
                 continue
+            self.pool.heard_from(node)
             if reply.admitted:
                 return Reserved(node, reply.descriptor_msgpack)
             self.holds.drop_decode(st)

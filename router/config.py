@@ -54,9 +54,11 @@ class RouterConfig(BaseModel):
     # `max_migrations` times per request, then UNAVAILABLE. False: such requests end UNAVAILABLE.
     migrate: bool = True
     max_migrations: int = Field(default=3, ge=0)
-    # With no healthy prefill or decode node, a new request waits this long for one (a node being
-    # replaced) before UNAVAILABLE; 0: answer at once. Bounded by the request's own deadline too.
-    node_wait_s: float = Field(default=0.0, ge=0)
+    # With no healthy prefill or decode node, a new request waits this long for one before
+    # UNAVAILABLE: long enough to ride out a node's restart (a model load) and a service's start,
+    # whose router serves before its nodes are up. 0: answer at once. Bounded by the request's own
+    # deadline too.
+    node_wait_s: float = Field(default=60.0, ge=0)
     # Clients must send `authorization: Bearer KEY` (gRPC metadata, HTTP header) for generation
     # and models; health checks and /metrics stay open. None: no auth. `--api-key` or PDSERVE_API_KEY.
     api_key: str | None = Field(default=None, min_length=1, repr=False)

@@ -18,7 +18,7 @@ from __future__ import annotations
 import bisect
 import itertools
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
@@ -38,7 +38,7 @@ LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0
 
 class RouterMetrics:
     def __init__(self, model_name: str, queue_depth: Callable[[], int], running: Callable[[], int],
-                 nodes: Callable[[], list[Node]]) -> None:
+                 nodes: Callable[[], list[Node]], node_downs: Callable[[], Mapping[str, int]] = dict) -> None:
         self.registry = CollectorRegistry()
         r, labels = self.registry, ["model_name"]
 
@@ -68,7 +68,7 @@ class RouterMetrics:
         Gauge("pdserve:num_requests_router", "Requests in flight in the router", registry=r).set_function(
             lambda: float(running()))
         self.model_name = model_name
-        r.register(NodeCollector(nodes))
+        r.register(NodeCollector(nodes, node_downs))
 
     def exposition(self) -> tuple[bytes, str]:
         return generate_latest(self.registry), CONTENT_TYPE_LATEST
@@ -155,10 +155,11 @@ def observe_n(histogram: Any, value: float, n: int) -> None:
 
 
 class NodeCollector:
-    """Per-node figures from each node's last Status, read at scrape time."""
+    """Per-node figures from each node's last Status and the router's view of its health, read at
+    scrape time; `node_downs`: nodes taken out of service so far, by kind (they outlive the node)."""
 
-    def __init__(self, nodes: Callable[[], list[Node]]) -> None:
-        self.nodes = nodes
+    def __init__(self, nodes: Callable[[], list[Node]], node_downs: Callable[[], Mapping[str, int]] = dict) -> None:
+        self.nodes, self.node_downs = nodes, node_downs
 
     def describe(self) -> list:
         return []  # collected on scrape only (the node set changes)
@@ -176,9 +177,11 @@ class NodeCollector:
                                    "(n > 1 choices, prefix hits)", labels=keys)
         prefix = self._prefix_families(keys)
         families = [running, healthy, used, free, total, queued, shared, *self._counters(keys)]
+        health = self._health_families(keys)
         for node in self.nodes():
             s, key = node.status, [node.address, node.kind]
             healthy.add_metric(key, 1.0 if node.healthy else 0.0)
+            self._add_health(health, key, node)
             if s is None:
                 continue
             running.add_metric(key, s.running)
@@ -189,7 +192,24 @@ class NodeCollector:
             shared.add_metric(key, s.shared_blocks)
             self._add_counters(families[7:], key, s)
             self._add_prefix(prefix, key, s)
-        yield from families + prefix
+        yield from families + prefix + health
+
+    def _health_families(self, keys: list[str]) -> list[Any]:
+        """Status calls that failed, a late answer (DEADLINE_EXCEEDED: busy) apart from an unreachable
+        node (UNAVAILABLE: a refused connection), and nodes taken out of service."""
+        downs = CounterMetricFamily("pdserve:node_failures", "Nodes the router took out of service (unreachable, "
+                                    "a broken output stream, Status late too often, unhealthy by its own word, "
+                                    "removed), by kind", labels=["kind"])
+        for kind, n in sorted(self.node_downs().items()):
+            downs.add_metric([kind], n)
+        return [CounterMetricFamily("pdserve:node_status_failures", "Status calls to the node that failed, by gRPC "
+                                    "code (DEADLINE_EXCEEDED: answered late; UNAVAILABLE: unreachable)",
+                                    labels=[*keys, "code"]), downs]
+
+    @staticmethod
+    def _add_health(families: list[Any], key: list[str], node: Node) -> None:
+        for code, n in sorted(node.status_failures.items()):
+            families[0].add_metric([*key, code], n)
 
     @staticmethod
     def _counters(keys: list[str]) -> list[Any]:

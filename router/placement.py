@@ -212,6 +212,7 @@ class Placement:
             if not self.pool.rpc_failed(prefill, e, "Prefill"):
                 raise RequestError(e.code().name, f"prefill node {prefill.address}: {e.details()}") from None
             return None
+        self.pool.heard_from(prefill)
         self.holds.drop_prefill(st)
         return payload
 

@@ -7,8 +7,11 @@ have freed" (`on_capacity`).
 
 Health rules:
 - A prefill node is selectable after a successful `Status`; a failed RPC marks it unhealthy
-  until a later `Status` succeeds. A `Status` past its deadline (the node is busy, not gone)
-  leaves a healthy node selectable until `status_failure_threshold` of them come in a row.
+  until a later `Status` succeeds. Busy is not down: a `Status` past its deadline leaves a healthy
+  node selectable while the node answered anything else meanwhile (an output batch, a Prefill or
+  Reserve reply: `heard_from`), and otherwise until `status_failure_threshold` of them come in a
+  row. Late answers (DEADLINE_EXCEEDED) and unreachable ones (UNAVAILABLE: a refused connection)
+  are counted apart per node (`status_failures`, /metrics).
 - A decode node is selectable only while this router's `Outputs` subscription to it is open
   (subscribed once per node; the node sends initial metadata, or a first batch, once the
   subscriber is registered, so no output can be missed). When the stream breaks, or an RPC
@@ -24,6 +27,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
+from collections import Counter, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -40,6 +45,7 @@ from router.policy import NodeLoad
 log = logging.getLogger(__name__)
 
 MAX_MESSAGE_BYTES = 64 << 20
+RECENT_DOWNS = 32  # node failures kept for `pdserve status` (NodePool.recent_downs)
 CHANNEL_OPTIONS = [("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
                    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES)]
 
@@ -55,7 +61,10 @@ class Node:
     inflight: int = 0  # this router's requests reserved on (D) / prefilling on (P) the node
     inflight_tokens: int = 0  # P: prompt tokens those prefills compute (less a cached prefix: Policy.routed)
     last_error: str = ""
-    late_status: int = 0  # Status calls in a row past their deadline
+    late_status: int = 0  # Status calls in a row past their deadline, with no other answer meanwhile
+    heard_at: float = float("-inf")  # the event loop's time of the node's latest answer of any kind
+    status_failures: Counter[str] = field(default_factory=Counter)  # failed Status calls by gRPC code name
+    downs: int = 0  # times this router took the node out of service
     removed: bool = False
     subscription: asyncio.Task[None] | None = field(default=None, repr=False)
 
@@ -100,6 +109,9 @@ class NodePool:
         self._dirty = False  # the directory changed since the last reconcile
         self._refresher: asyncio.Task[None] | None = None
         self._retired: list[tuple[Node, int]] = []  # removed nodes whose channels are still open
+        self.downs: Counter[str] = Counter()  # nodes taken out of service, by kind (/metrics)
+        # the latest of them, newest last: {"at": unix time, "kind", "address", "reason"} (`pdserve status`)
+        self.recent_downs: deque[dict[str, Any]] = deque(maxlen=RECENT_DOWNS)
 
     # ---- lifecycle ----------------------------------------------------------------------
     async def start(self) -> None:
@@ -139,6 +151,11 @@ class NodePool:
     def find(self, kind: Kind, address: str) -> Node | None:
         return self.nodes.get((kind, address))
 
+    @staticmethod
+    def heard_from(node: Node) -> None:
+        """`node` answered a call or sent an output batch: it is alive, however late its Status."""
+        node.heard_at = asyncio.get_running_loop().time()
+
     def spawn(self, coro: Any) -> asyncio.Task[Any]:
         """Run `coro` in the background, tracked so stop() can end it."""
         task = asyncio.ensure_future(coro)
@@ -157,6 +174,8 @@ class NodePool:
         succeeds; a decode node's requests all end (UNAVAILABLE)."""
         was_up = node.healthy or node.subscription is not None
         node.healthy, node.last_error = False, reason
+        if was_up:
+            self._down(node, reason)
         if node.kind != "prefill":  # decode or colocated: its requests' outputs came from it
             sub, node.subscription = node.subscription, None
             if sub is not None and sub is not asyncio.current_task():
@@ -166,6 +185,13 @@ class NodePool:
             self.on_decode_failure(node, reason)
         elif was_up:
             log.warning("prefill node %s failed: %s", node.address, reason)
+
+    def _down(self, node: Node, reason: str) -> None:
+        """Count `node` taken out of service (it was selectable or streaming until now)."""
+        node.downs += 1
+        self.downs[node.kind] += 1
+        self.recent_downs.append({"at": round(time.time(), 3), "kind": node.kind, "address": node.address,
+                                  "reason": reason[:300]})
 
     def rpc_failed(self, node: Node, err: grpc.aio.AioRpcError, what: str) -> bool:
         """Handle an RPC error from `node`; True when it means the node is unavailable."""
@@ -224,28 +250,41 @@ class NodePool:
                 log.exception("node status poll failed")
 
     async def _probe(self, node: Node) -> None:
+        sent = asyncio.get_running_loop().time()
         try:
             status = await node.stub.Status(node_pb2.StatusRequest(), timeout=self.rpc_timeout_s)
         except grpc.aio.AioRpcError as e:
-            if not self.rpc_failed(node, e, "Status") and not self._late_but_kept(node, e):
-                node.healthy, node.last_error = False, f"Status: {e.code().name} {e.details()}"
+            node.status_failures[e.code().name] += 1
+            if not self.rpc_failed(node, e, "Status") and not self._late_but_kept(node, e, sent):
+                reason = f"Status: {e.code().name} {e.details()}"
+                if node.healthy:
+                    self._down(node, reason)
+                node.healthy, node.last_error = False, reason
             return
         if node.removed:
             return
+        self.heard_from(node)
         node.status, node.late_status = status, 0
         if not status.healthy:  # the node says so itself: not chosen, its requests go on
+            if node.healthy:
+                self._down(node, "the node reports itself unhealthy")
             node.healthy, node.last_error = False, "the node reports itself unhealthy"
         elif node.kind == "prefill" or node.subscription is not None:
             node.healthy, node.last_error = True, ""
         else:
             await self._subscribe(node)
 
-    def _late_but_kept(self, node: Node, err: grpc.aio.AioRpcError) -> bool:
-        """Whether a Status past its deadline leaves `node` selectable: it was healthy, and fewer
-        than `status_failure_threshold` such answers came in a row. The count resets on any answer."""
+    def _late_but_kept(self, node: Node, err: grpc.aio.AioRpcError, sent: float) -> bool:
+        """Whether a Status past its deadline (sent at loop time `sent`) leaves `node` selectable:
+        it was healthy, and it answered something else meanwhile (busy, not down), or fewer than
+        `status_failure_threshold` late answers came in a row with nothing else heard."""
         if err.code() != grpc.StatusCode.DEADLINE_EXCEEDED:
             node.late_status = 0
             return False
+        if node.healthy and node.heard_at >= sent:
+            node.late_status = 0
+            node.last_error = "Status past its deadline while the node answers other calls: busy"
+            return True
         node.late_status += 1
         if not node.healthy or node.late_status >= self.status_failure_threshold:
             return False
@@ -278,6 +317,7 @@ class NodePool:
                 except MessageError as e:
                     reason = f"sent a malformed output batch ({e})"
                     break
+                self.heard_from(node)
                 self.on_items(node, items)
         except asyncio.CancelledError:
             call.cancel()

@@ -88,7 +88,7 @@ class Router:
             cluster_secret=cluster_secret, node_tls=node_tls)
         self.requests: dict[str, RequestState] = {}  # by client request id, in flight
         self.metrics = RouterMetrics(model.name, lambda: self.num_queued, lambda: len(self.requests),
-                                     lambda: list(self.pool.nodes.values()))
+                                     lambda: list(self.pool.nodes.values()), lambda: self.pool.downs)
         self.holds = Holds(self.pool, self.config.rpc_timeout_s)
         self.admission = Admission(self.router_id, self.config, self.pool, self.policy, self.holds)
         self.placement = Placement(self.config, model.config.vocab_size, self.pool, self.policy, self.metrics,
@@ -200,6 +200,8 @@ class Router:
                 while True:
                     try:
                         first = None
+                        if not await self.admission.await_listed():
+                            raise RequestError("UNAVAILABLE", "the service lists no node (is it starting?)")
                         if self.placement.colocated:
                             await self.placement.place_colocated(st)
                         else:

@@ -60,14 +60,15 @@ def test_kv_transfer_histogram_from_the_routers_exposition_to_the_report():
 
     def prefill(name: str, buckets: list[int], seconds: float) -> SimpleNamespace:
         status = node_pb2.NodeStatus(kind="prefill", kv_seconds=seconds, kv_seconds_buckets=buckets)
-        return SimpleNamespace(address=name, kind="prefill", healthy=True, status=status)
+        return SimpleNamespace(address=name, kind="prefill", healthy=True, status=status, status_failures={})
 
     def counts(**at: int) -> list[int]:  # transfers per bucket, by the bucket's bound
         return [at.get(f"b{i}", 0) for i in range(len(KV_TRANSFER_BUCKETS) + 1)]
 
     ms = KV_TRANSFER_BUCKETS.index(0.001)
     nodes = [prefill("p0", counts(), 0.0), prefill("p1", counts(), 0.0),
-             SimpleNamespace(address="d0", kind="decode", healthy=True, status=node_pb2.NodeStatus(kind="decode")),
+             SimpleNamespace(address="d0", kind="decode", healthy=True, status=node_pb2.NodeStatus(kind="decode"),
+                             status_failures={}),
              prefill("bad", [1, 2], 9.0)]  # a malformed list: left out
     registry.register(NodeCollector(lambda: nodes))
     before = parse(generate_latest(registry).decode())

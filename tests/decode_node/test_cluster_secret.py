@@ -71,7 +71,7 @@ def test_nodes_refuse_control_calls_without_the_secret(nodes, name, secret):
 
 
 async def _generate_through_router(paddr: str, daddr: str, secret: str) -> dict:
-    cfg = RouterConfig(port=0, http_port=None, status_interval_s=0.2, rpc_timeout_s=5)
+    cfg = RouterConfig(port=0, http_port=None, status_interval_s=0.2, rpc_timeout_s=5, node_wait_s=0)  # refused: at once
     router = Router(load_model_info("tiny"), NodeDirectory([paddr], [daddr]), cfg, max_model_len=256,
                     num_speculative_tokens=2, cluster_secret=secret)
     port = await router.start()

@@ -100,7 +100,7 @@ def test_the_cluster_secret_is_still_checked_over_tls(nodes, certs):
 
 
 async def _generate_through_router(paddr: str, daddr: str, tls: NodeTls | None, prompt: list[int]) -> dict:
-    cfg = RouterConfig(port=0, http_port=None, status_interval_s=0.2, rpc_timeout_s=5)
+    cfg = RouterConfig(port=0, http_port=None, status_interval_s=0.2, rpc_timeout_s=5, node_wait_s=0)  # refused: at once
     router = Router(load_model_info("tiny"), NodeDirectory([paddr], [daddr]), cfg, max_model_len=256,
                     num_speculative_tokens=2, cluster_secret=SECRET, node_tls=tls)
     port = await router.start()

@@ -30,7 +30,7 @@ PROMPTS = [[(5 * i + j) % 256 for j in range(3 + 7 * i)] for i in range(6)]
 
 def service_config(address: str) -> ServiceConfig:
     return ServiceConfig.load(None, BASE | {
-        "cluster.address": address, "spec.num_speculative_tokens": 2,
+        "cluster.address": address, "spec.num_speculative_tokens": 2, "router.node_wait_s": 0,
         "prefill.resources": {"pdserve_prefill": 1}, "decode.resources": {"pdserve_decode": 1},
         "cluster.router_resources": {"pdserve_router": 1}})
 

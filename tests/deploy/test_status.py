@@ -23,3 +23,16 @@ def test_status_table_lists_colocated_nodes_after_the_others():
     lines = render({"router": router, "nodes": [colocated]}).splitlines()
     assert "colocated=1" in lines[0]
     assert lines[2].startswith("pdserve-colocated-0 colocated up")
+
+
+def test_status_table_marks_a_restarted_node_and_lists_the_routers_node_failures():
+    decode = {"name": "pdserve-decode-0", "role": "decode", "state": "up", "restarted": True}
+    prefill = {"name": "pdserve-prefill-0", "role": "prefill", "state": "up", "restarted": False}
+    failure = {"at": 1_700_000_000.0, "kind": "decode", "address": "127.0.0.1:4000",
+               "reason": "the Outputs stream broke: UNAVAILABLE"}
+    router = {"state": "up", "serving": True, "node_failures": [failure]}
+    lines = render({"router": router, "nodes": [decode, prefill]}).splitlines()
+    assert lines[2].startswith("pdserve-prefill-0") and "(restarted)" not in lines[2]
+    assert lines[3].startswith("pdserve-decode-0") and lines[3].endswith("(restarted)")
+    assert lines[4].startswith("recent node failures") and "127.0.0.1:4000" in lines[5]
+    assert "the Outputs stream broke" in lines[5]

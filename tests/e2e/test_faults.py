@@ -1,17 +1,28 @@
 """Faults on a live local Ray cluster: a decode actor killed mid-stream (its requests move to the
 other decode node, or, with migration off, end UNAVAILABLE), a prefill actor killed with
-requests in flight. Nothing hangs; every stream ends exactly once; KV blocks come back."""
+requests in flight, a CUDA error in a decode step (the node's process ends and restarts), a
+request sent while the service is still starting. Nothing hangs; every stream ends exactly once;
+KV blocks come back."""
 
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 
 import pytest
 
+from deploy.config import ServiceConfig
+from deploy.service import Service
 from engine.sampling.sampling_params import SamplingParams
 from router.client import RouterClient, build_request
-from tests.e2e.conftest import run_async, start_service, stream_until_end, wait_blocks_returned
+from tests.e2e.conftest import (
+    BASE,
+    run_async,
+    start_service,
+    stream_until_end,
+    wait_blocks_returned,
+)
 
 pytestmark = pytest.mark.usefixtures("ray_cluster")
 
@@ -119,3 +130,87 @@ def test_prefill_actor_killed_requests_retried(tiny_reference):
         wait_blocks_returned(service, timeout=60)
     finally:
         service.stop()
+
+
+def start_service_serving_early(prefill: int, decode: int, k: int, prompt: list[int]):
+    """Start a service (in a thread) and send one request (8 tokens of `prompt`) as soon as its
+    router serves, while its nodes are most likely still starting; the started service, and the
+    request's (terminals, tokens)."""
+    cfg = ServiceConfig.load(None, BASE | {"prefill.num_nodes": prefill, "decode.num_nodes": decode,
+                                           "spec.num_speculative_tokens": k})
+    service = Service(cfg)
+    starter = threading.Thread(target=service.start, kwargs={"timeout_s": 180}, daemon=True)
+    starter.start()
+    deadline = time.monotonic() + 180
+    while not service.router_address:  # set once the router serves; the nodes come after
+        assert starter.is_alive() and time.monotonic() < deadline, "the router did not start"
+        time.sleep(0.01)
+    nodes_up = "nodes_serving" in service.startup
+
+    async def one():
+        async with RouterClient(service.router_address) as client:
+            return await stream_until_end(client, build_request(prompt, max_tokens=8, ignore_eos=True),
+                                          asyncio.Event(), [0], 1)
+
+    try:
+        seen = run_async(one())
+        starter.join(180)
+        assert not starter.is_alive(), "the service did not start"
+    except BaseException:
+        service.stop()
+        raise
+    print(f"\nrequest sent as the router started serving; its nodes were up: {nodes_up}")
+    return service, seen
+
+
+def test_a_cuda_error_in_a_decode_step_restarts_the_node_and_its_requests_finish_exactly(tiny_reference):
+    """The `fail_next_step` test hook makes decode node 0's next step raise what a CUDA fault raises
+    (torch.AcceleratorError): its process ends, Ray starts it again, and its requests move (to the
+    other decode node, or the restarted one) and finish with the single-process engine's greedy
+    tokens. The router's view (its node failures), /metrics and `pdserve status` say what happened.
+    First, on the same service: a request sent as soon as the router serves, while its nodes are
+    still starting, waits for them (router.node_wait_s) and finishes."""
+    import urllib.request
+
+    import ray
+
+    from deploy.status import collect, render
+
+    prompts = [[i + 1, 2, 3] for i in range(6)]
+    service, (early, early_tokens) = start_service_serving_early(1, 2, 2, prompts[0])
+    address = service.router_address
+    requests = [build_request(p, max_tokens=120, ignore_eos=True) for p in prompts]
+    old = service.addresses[("decode", 0)]
+    try:
+        async def main():
+            async with RouterClient(address) as client:
+                started, counter = asyncio.Event(), [0]
+                tasks = [asyncio.create_task(stream_until_end(client, r, started, counter, len(requests)))
+                         for r in requests]
+                await asyncio.wait_for(started.wait(), 120)
+                ray.get(service.actors[("decode", 0)].fail_next_step.remote(), timeout=30)
+                results = await asyncio.wait_for(asyncio.gather(*tasks), 240)
+                await wait_for_nodes(client, 1, 2)
+                return results
+
+        results = run_async(main())
+        deadline = time.monotonic() + 120
+        while service.addresses.get(("decode", 0)) in (None, old):  # restarted: a new port
+            assert time.monotonic() < deadline, "the decode node did not come back"
+            time.sleep(0.2)
+        status = ray.get(service.router.status.remote())
+        metrics = urllib.request.urlopen(f"http://{service.http_address}/metrics", timeout=10).read().decode()
+        table = render(collect())
+        wait_blocks_returned(service, timeout=60)
+    finally:
+        service.stop()
+    assert early == [("finished", "length")], early  # waited for the nodes, did not fail
+    assert early_tokens == tiny_reference(prompts[:1], SamplingParams(max_tokens=8, ignore_eos=True))[0].output_ids
+    assert all(t == [("finished", "length")] for t, _ in results), [t for t, _ in results]
+    ref = tiny_reference(prompts, SamplingParams(max_tokens=120, ignore_eos=True))
+    assert [toks for _, toks in results] == [r.output_ids for r in ref]
+    assert status["migrations"] >= 1, status
+    assert any(d["kind"] == "decode" and d["address"] == old for d in status["node_failures"]), status
+    assert 'pdserve:node_failures_total{kind="decode"}' in metrics
+    decode0 = next(line for line in table.splitlines() if line.startswith("pdserve-decode-0"))
+    assert "(restarted)" in decode0 and "recent node failures" in table and old in table, table

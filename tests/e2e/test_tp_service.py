@@ -18,7 +18,8 @@ from tests.e2e.test_service import generate_all, mixed_prompts
 
 pytestmark = pytest.mark.usefixtures("ray_cluster")
 
-TP = {"prefill.tp": 2, "decode.tp": 2, "kv_transfer.backend": "tcp"}
+TP = {"prefill.tp": 2, "decode.tp": 2, "kv_transfer.backend": "tcp",
+      "router.node_wait_s": 0}  # a killed rank's streams end UNAVAILABLE rather than wait for its restart
 
 
 def greedy_matches(address, tiny_reference, seed: int) -> None:

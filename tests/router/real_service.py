@@ -5,6 +5,7 @@ thread, so tests drive it with blocking clients (the `openai` client, httpx2).""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import threading
 import time
 from typing import Any
@@ -24,9 +25,14 @@ from router import NodeDirectory, Router
 
 class RealService:
     def __init__(self, mode: str = "pd", k: int = 2, max_model_len: int = 128, model: tuple[Any, Any] | None = None,
+                 engine: dict[str, Any] | None = None, decode_engine: dict[str, Any] | None = None,
                  **router: Any) -> None:
+        """`engine`: more EngineConfig fields of every node (num_blocks, ...), `decode_engine` the
+        decode node's own; `router`: RouterConfig's."""
         loaded, info = model or (load_model("tiny"), load_model_info("tiny"))
-        self.mode, self.config = mode, EngineConfig(num_speculative_tokens=k, max_model_len=max_model_len)
+        self.mode = mode
+        self.config = EngineConfig(num_speculative_tokens=k, max_model_len=max_model_len, **(engine or {}))
+        self.decode_config = dataclasses.replace(self.config, **(decode_engine or {}))
         self.nodes: list[Any] = []
         self.servers: list[Any] = []
         if mode == "pd":
@@ -47,7 +53,7 @@ class RealService:
         self.client = openai.OpenAI(base_url=f"{self.base}/v1", api_key="none", max_retries=0)
 
     def _pd(self, loaded: Any) -> NodeDirectory:
-        decode = DecodeNode(loaded, self.config, kv_backend="tcp", kv_timeout_s=5, kv_quarantine_s=0.2)
+        decode = DecodeNode(loaded, self.decode_config, kv_backend="tcp", kv_timeout_s=5, kv_quarantine_s=0.2)
         self.clients = DecodeClients()
         prefill = PrefillNode(loaded, self.config, self.clients.send_first_token, kv_backend="tcp", kv_timeout_s=5)
         self.nodes += [prefill, decode]

@@ -140,7 +140,7 @@ async def test_attempt_the_decode_node_gives_up_on_is_placed_again():
 
 
 async def test_request_with_no_decode_node_left_to_move_to_ends_with_one_error_naming_both():
-    async with cluster(n_decode=1, decode={"pause_after": 2}) as c:
+    async with cluster(n_decode=1, decode={"pause_after": 2}, node_wait_s=0) as c:  # no wait for a replacement
         d0 = c.decode[0]
         stream = c.client.stream(build_request("ab", max_tokens=40))
         await stream.read()
@@ -169,7 +169,7 @@ async def test_request_that_cannot_move_again_ends_with_one_clear_error():
 
 
 async def test_decode_node_recovers_after_its_status_succeeds_again():
-    async with cluster(n_decode=1) as c:
+    async with cluster(n_decode=1, node_wait_s=0) as c:
         d0 = c.decode[0]
         await d0.die()
         await c.until(lambda: not c.router.pool.healthy("decode"))
@@ -253,7 +253,7 @@ async def test_retry_after_prefill_crash_never_mixes_in_the_old_attempts_output(
 
 
 async def test_every_prefill_node_failing_is_unavailable():
-    async with cluster(n_prefill=2, prefill_retries=5) as c:
+    async with cluster(n_prefill=2, prefill_retries=5, node_wait_s=0) as c:
         for p in c.prefill:
             p.fail = True
         msgs = await collect(c, prompt="ab")
@@ -371,7 +371,7 @@ async def test_a_busy_prefill_node_stays_selectable_until_its_status_is_late_thr
     """A Status past its deadline means busy, not gone: the node stays selectable (requests go on
     reaching it) until `status_failure_threshold` such answers come in a row; one answer in time
     resets the count. With a threshold of 1 the first late answer takes it out, as before."""
-    async with cluster(n_prefill=1, rpc_timeout_s=0.3) as c:
+    async with cluster(n_prefill=1, rpc_timeout_s=0.3, node_wait_s=0) as c:
         p, pool = c.prefill[0], c.router.pool
         [node] = pool.healthy("prefill")
         p.status_delay_s = 1.0

@@ -79,7 +79,7 @@ async def test_bad_requests_get_openai_errors(kwargs, error, words):
 
 
 async def test_full_queue_is_429_and_no_decode_node_is_503():
-    async with cluster(http_port=0, queue_size=0) as c:
+    async with cluster(http_port=0, queue_size=0, node_wait_s=0) as c:
         c.decode[0].refuse = True
         with pytest.raises(openai.RateLimitError):
             await client(c).completions.create(model="tiny", prompt="ab", max_tokens=4)
