@@ -159,7 +159,9 @@ def prompt_messages(messages: list[dict[str, Any]], tool_plan: ToolPlan | None, 
                     settings: ToolSettings) -> tuple[list[dict[str, Any]], list[dict[str, Any]] | None]:
     """(messages, tools) for the chat template. A template with a tools section gets both as
     they are; any other gets the tools as a default system block, the assistant's earlier calls
-    as text in the model's syntax and tool results as user turns (`Family.render_*`)."""
+    as text in the model's syntax (`Family.render_call`) and tool results as plain `tool` turns
+    (a small model follows an exchange it can see, call then result, better than results
+    dressed as user turns)."""
     has_template = bool(getattr(tokenizer, "has_chat_template", False))
     if tool_plan is not None and tool_plan.family.name != "json" and not has_template:
         raise InvalidRequest('tools: tool_choice "auto" needs a model with a chat template; this one has none')
@@ -174,7 +176,7 @@ def prompt_messages(messages: list[dict[str, Any]], tool_plan: ToolPlan | None, 
 
 def _as_text(m: dict[str, Any], family: Family) -> dict[str, Any]:
     if m["role"] == "tool":
-        return {"role": "user", "content": family.render_result(m.get("content") or "")}
+        return {"role": "tool", "content": m.get("content") or ""}  # the template's own way with roles
     if m.get("tool_calls"):
         calls = [family.render_call(c["function"]["name"], c["function"]["arguments"]) for c in m["tool_calls"]]
         text = "\n".join([m["content"], *calls] if m.get("content") else calls)

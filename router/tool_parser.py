@@ -64,7 +64,6 @@ class Family:
     text: bool  # text outside calls is content (False: the JSON family's brackets and commas)
     instructions: str
     render_call: Callable[[str, Any], str]
-    render_result: Callable[[str], str]
 
     def structural_tag(self, tools: list[Any], parallel: bool) -> StructuredSpec:
         """The StructuredSpec letting text through until the trigger, then one of `tools`'
@@ -93,27 +92,23 @@ def _hermes_call(name: str, args: Any) -> str:
     return f"<tool_call>\n{_json_call('arguments')(name, args)}\n</tool_call>"
 
 
-def _tool_response(text: str) -> str:
-    return f"<tool_response>\n{text}\n</tool_response>"
-
-
 FAMILIES: dict[str, Family] = {
     "hermes": Family(
         "hermes", "<tool_call>", True, "arguments", "}\n</tool_call>", True,
         "For each function call, return a json object with function name and arguments within "
         "<tool_call></tool_call> XML tags:\n<tool_call>\n"
         '{"name": <function-name>, "arguments": <args-json-object>}\n</tool_call>',
-        _hermes_call, _tool_response),
+        _hermes_call),
     "llama3_json": Family(
         "llama3_json", '{"name": ', False, "parameters", "}", True,
         "When you call a function, respond with only a JSON object of the form "
         '{"name": function name, "parameters": dictionary of argument name and its value}. Do not use variables.',
-        _json_call("parameters"), _tool_response),
+        _json_call("parameters")),
     "json": Family(
         "json", "{", False, "arguments", "}", False,
         'Call functions by replying with only JSON: {"name": <function-name>, "arguments": <args-json-object>}, '
         "or a JSON array of such objects for several calls.",
-        _json_call("arguments"), _tool_response),
+        _json_call("arguments")),
 }
 PARSERS = ("hermes", "llama3_json")  # the names `--tool-call-parser` takes
 
