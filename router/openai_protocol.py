@@ -312,4 +312,5 @@ class Format:
 def usage(msg: pb.GenerateResponse) -> dict:
     u = msg.finished.usage
     return {"prompt_tokens": u.prompt_tokens, "completion_tokens": u.completion_tokens,
-            "total_tokens": u.prompt_tokens + u.completion_tokens}
+            "total_tokens": u.prompt_tokens + u.completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": u.cached_tokens}}

@@ -24,9 +24,10 @@ from router import NodeDirectory, Router
 
 class RealService:
     def __init__(self, mode: str = "pd", k: int = 2, max_model_len: int = 128, model: tuple[Any, Any] | None = None,
-                 **router: Any) -> None:
+                 prefix_cache: bool = False, **router: Any) -> None:
         loaded, info = model or (load_model("tiny"), load_model_info("tiny"))
-        self.mode, self.config = mode, EngineConfig(num_speculative_tokens=k, max_model_len=max_model_len)
+        self.mode, self.config = mode, EngineConfig(num_speculative_tokens=k, max_model_len=max_model_len,
+                                                    enable_prefix_caching=prefix_cache)
         self.nodes: list[Any] = []
         self.servers: list[Any] = []
         if mode == "pd":
