@@ -20,6 +20,7 @@ does not compile, or "auto" with a model that has no chat template.
 
 from __future__ import annotations
 
+import functools
 import json
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -84,8 +85,7 @@ class ToolPlan:
 
     tools: list[dict[str, Any]]  # OpenAI's tool objects, for the chat template
     spec: StructuredSpec | None
-    family: Family  # how the output is read (FAMILIES["json"] for required and named calls)
-    render: Family  # the syntax the default system block asks for
+    family: Family  # the calls' syntax, asked for and read back (FAMILIES["json"]: required and named)
 
 
 def plan(tools: list[Tool] | None, choice: ToolChoice | None, parallel: bool | None,
@@ -106,13 +106,14 @@ def plan(tools: list[Tool] | None, choice: ToolChoice | None, parallel: bool | N
     _check_parameters(tools)
     dumped = [t.model_dump(exclude_none=True) for t in tools]
     parallel = True if parallel is None else parallel
-    if choice == "auto":
-        family = _auto_family(settings)
-        return ToolPlan(dumped, family.structural_tag(tools, parallel), family, family)
-    chosen = tools if choice == "required" else [_named(tools, choice)]
-    schema = _json_calls_schema(chosen, parallel and choice == "required")
-    json_family = FAMILIES["json"]
-    return ToolPlan(dumped, StructuredSpec.json_schema(schema), json_family, json_family)
+    family = _auto_family(settings) if choice == "auto" else FAMILIES["json"]
+    chosen = tools if choice in ("auto", "required") else [_named(tools, choice)]
+    try:
+        spec = (family.structural_tag(tools, parallel) if choice == "auto" else
+                StructuredSpec.json_schema(_json_calls_schema(chosen, parallel and choice == "required")))
+    except ValueError as e:  # too large a grammar for a spec
+        raise InvalidRequest(f"tools: {e}") from None
+    return ToolPlan(dumped, spec, family)
 
 
 def _auto_family(settings: ToolSettings) -> Family:
@@ -133,9 +134,20 @@ def _named(tools: list[Tool], choice: Any) -> Tool:
 def _check_parameters(tools: list[Tool]) -> None:
     for i, t in enumerate(tools):
         try:
-            check_compiles(StructuredSpec.json_schema(t.function.schema_))
-        except (StructuredError, ValueError) as e:
-            raise InvalidRequest(f"tools[{i}].function.parameters: {e}") from None
+            error = _compile_error(StructuredSpec.json_schema(t.function.schema_))
+        except ValueError as e:
+            error = str(e)
+        if error is not None:
+            raise InvalidRequest(f"tools[{i}].function.parameters: {error}")
+
+
+@functools.lru_cache(maxsize=256)  # clients send the same tools with every turn
+def _compile_error(spec: StructuredSpec) -> str | None:
+    try:
+        check_compiles(spec)
+    except StructuredError as e:
+        return str(e)
+    return None
 
 
 def call_schema(tool: Tool) -> dict[str, Any]:
@@ -167,7 +179,7 @@ def prompt_messages(messages: list[dict[str, Any]], tool_plan: ToolPlan | None, 
         raise InvalidRequest('tools: tool_choice "auto" needs a model with a chat template; this one has none')
     if has_template and template_takes_tools(tokenizer):
         return messages, tool_plan.tools if tool_plan is not None else None
-    family = tool_plan.render if tool_plan is not None else FAMILIES[settings.parser or "hermes"]
+    family = tool_plan.family if tool_plan is not None else FAMILIES[settings.parser or "hermes"]
     out = [_as_text(m, family) for m in messages]
     if tool_plan is not None and has_template:
         out = _with_system(out, default_block(tool_plan))
@@ -196,7 +208,7 @@ def default_block(tool_plan: ToolPlan) -> str:
     listing = "\n".join(json.dumps(t, ensure_ascii=False) for t in tool_plan.tools)
     return ("# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"
             f"You are provided with function signatures within <tools></tools> XML tags:\n<tools>\n{listing}\n"
-            f"</tools>\n\n{tool_plan.render.instructions}")
+            f"</tools>\n\n{tool_plan.family.instructions}")
 
 
 def call_arguments(arguments: Any) -> Any:

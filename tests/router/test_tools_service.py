@@ -164,6 +164,8 @@ def test_tool_choice_none_answers_text(service):
     ({"tools": [tool("a b")], "tool_choice": "required"}, "tools.0.function.name"),
     ({"tools": [tool("a"), tool("a")], "tool_choice": "required"}, "names must be unique"),
     ({"tool_choice": "required"}, "tool_choice needs tools"),
+    ({"tools": [tool(f"big{i}", {"type": "object", "properties": {"a": {"enum": [f"{'v' * 50}{j}" for j in range(70)]}}})
+                for i in range(20)], "tool_choice": "required"}, "tools: a structured output json_schema must be"),
     ({"tools": TOOLS[:1], "tool_choice": "required", "response_format": {"type": "json_object"}},
      "got tools and a structured output field"),
 ])
