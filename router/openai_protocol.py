@@ -10,7 +10,9 @@ Accepted as vLLM does: unknown fields are ignored; `suffix` and `best_of` other 
 are refused with a 400 that names them; `n`, penalties, `logit_bias` and vLLM's
 `prompt_logprobs` go through router/openai_surface.py; vLLM's extras `top_k`, `ignore_eos`,
 `stop_token_ids` and `repetition_penalty` are honoured. Structured outputs (`response_format`,
-vLLM's `structured_outputs` and `guided_*`) are read by router/structured_api.py.
+vLLM's `structured_outputs` and `guided_*`) are read by router/structured_api.py; `tools`,
+`tool_choice` and `parallel_tool_calls` by router/tool_api.py, and the calls come back through
+router/tool_output.py.
 """
 
 from __future__ import annotations
