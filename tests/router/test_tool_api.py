@@ -133,3 +133,15 @@ def test_auto_with_a_model_without_a_template_is_refused():
     with pytest.raises(InvalidRequest, match="needs a model with a chat template"):
         prompt_messages([m.for_template() for m in req.messages], plan(req.tools, None, None, settings),
                         ByteTokenizer(), settings)
+
+
+def test_llama3_json_auto_grammar_takes_its_parameters_key():
+    req = ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": "x"}], "tools": TOOLS})
+    tool_plan = plan(req.tools, "auto", True, ToolSettings("llama3_json", True))
+    assert tool_plan is not None and tool_plan.spec is not None
+    call = '{"name": "get_w", "parameters": {"city": "Rome"}}'
+    assert compiled_accepts(tool_plan.spec, "ok " + call + " " + call)  # parallel: more may follow
+    assert not compiled_accepts(tool_plan.spec, call.replace("parameters", "arguments"))
+    content, calls = parse_all(tool_plan.family, "ok " + call)
+    assert content == "ok " and [(c["function"]["name"], c["function"]["arguments"]) for c in calls] == [
+        ("get_w", '{"city": "Rome"}')]
