@@ -139,7 +139,7 @@ class ColocatedNode(DecodeNode):
         if hit is None:
             return Reservation(False, f"colocated node full ({self.blocks.num_free} free blocks, need {need} "
                                       f"for each of {params.n} choices)")
-        req.num_prefilled = hit  # prefill starts after the cached prefix
+        req.num_prefilled = req.num_cached_tokens = hit  # prefill starts after the cached prefix
         self.prefill.add(req)
         return Reservation(True)
 

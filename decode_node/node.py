@@ -433,7 +433,7 @@ class DecodeNode(StepLoop):
             item.num_prompt_logprobs = req.params.prompt_logprobs
             item.prompt_logprobs = token_logprobs(out.prompt_logprobs)
         if out.finish_reason and req is not None:
-            item.steps, item.accepted = req.steps, req.accepted_tokens
+            item.steps, item.accepted, item.cached_tokens = req.steps, req.accepted_tokens, req.num_cached_tokens
             self.requests.pop(own_id, None)
         return item
 

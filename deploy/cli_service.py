@@ -42,7 +42,8 @@ def service_config(args: argparse.Namespace, local: bool = False) -> Any:
                       ("max_num_batched_tokens", "colocated.max_num_batched_tokens"),
                       ("max_num_seqs", "decode.max_num_seqs"), ("max_num_seqs", "colocated.max_num_seqs"),
                       ("prefill_tp", "prefill.tp"), ("decode_tp", "decode.tp"),
-                      ("router_processes", "router.processes")):
+                      ("router_processes", "router.processes"), ("tool_call_parser", "router.tool_call_parser"),
+                      ("enable_auto_tool_choice", "router.enable_auto_tool_choice")):
         value = getattr(args, flag, None)
         if value is not None:
             overrides[key] = value
@@ -98,6 +99,10 @@ def add_service_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--enable-prefix-caching", action="store_true", default=None,
                    help="prefill nodes reuse the KV of prompt prefixes they computed (prefill.prefix_cache); "
                    "pair with --set router.policy=prefix")
+    p.add_argument("--tool-call-parser", choices=("hermes", "llama3_json"), default=None,
+                   help="the syntax the model writes tool calls in, read back for tool_choice 'auto' (as vLLM's)")
+    p.add_argument("--enable-auto-tool-choice", action="store_true", default=None,
+                   help="let the model decide whether to call a tool (tool_choice 'auto'; needs --tool-call-parser)")
     p.add_argument("--set", action="append", metavar="KEY=VALUE", help="any config key, e.g. decode.max_num_seqs=64")
 
 

@@ -49,6 +49,7 @@ class Request:
     block_ids: list[int] = field(default_factory=list)
     block_hashes: list[bytes] = field(default_factory=list)  # prefix-cache keys of its full prompt blocks
     num_prefilled: int = 0
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache (the usage's cached_tokens)
     slot: int | None = None
     output_ids: list[int] = field(default_factory=list)
     logprobs: list[TokenLogprob] = field(default_factory=list)

@@ -78,6 +78,7 @@ class PrefillJob:
     block_ids: list[int] = field(default_factory=list)
     block_hashes: list[bytes] = field(default_factory=list)  # prefix-cache keys of its full prompt blocks
     num_prefilled: int = 0  # a cache hit starts it after the cached prefix
+    cached_tokens: int = 0  # that hit: prompt tokens served from the prefix cache
     skip: int = 0  # leading prompt blocks the decode node holds already: not sent
     aborted: str | None = None
     prompt_logprobs: list[TokenLogprob] | None = None  # asked: filled chunk by chunk
@@ -104,7 +105,7 @@ class PrefillJob:
         plp = None if self.prompt_logprobs is None else token_logprobs(self.prompt_logprobs)
         return FirstToken(self.request_id, token, self.params.logprobs, logprobs, drafts,
                           probs.contiguous().numpy().tobytes() if sampled else b"", finished,  # type: ignore[union-attr]
-                          self.params.prompt_logprobs, plp)
+                          self.params.prompt_logprobs, plp, self.cached_tokens)
 
 
 # ---- commands to the loop thread: queued by any thread, applied in order (`_drain_inbox`) ----
@@ -330,6 +331,7 @@ class PrefillNode(StepLoop):
         got = self.prefix.allocate(job.prompt, job.block_hashes, need)
         assert got is not None  # checked above; nothing ran in between
         job.block_ids, job.num_prefilled = got
+        job.cached_tokens = job.num_prefilled
         self.queued_tokens -= job.num_prefilled
         self.leased[job.request_id] = job.block_ids
         return True

@@ -138,6 +138,7 @@ class FirstToken:
     finished: str | None = None  # the first token already ended the request
     num_prompt_logprobs: int | None = None  # prompt_logprobs asked: top-N
     prompt_logprobs: TokenLogprobs | None = None  # one per prompt token after the first; ids are the router's to check
+    cached_tokens: int = 0  # prompt tokens P served from its prefix cache
 
     def pack(self) -> bytes:
         has = self.num_logprobs is not None
@@ -148,6 +149,7 @@ class FirstToken:
             "lp": self.logprobs.flat() if has and self.logprobs else None,
             "drafts": self.drafts, "dprobs": self.draft_probs, "fin": self.finished,
             **pack_prompt_logprobs(self.num_prompt_logprobs, self.prompt_logprobs),
+            **({"cached": self.cached_tokens} if self.cached_tokens else {}),
         })
 
     @classmethod
@@ -172,7 +174,16 @@ class FirstToken:
         if fin is not None and fin not in ("stop", "length"):
             raise MessageError("first_token: bad finish reason")
         num_plp, plp = read_prompt_logprobs(o, vocab)
-        return cls(rid, tok, n if flag & FLAG_LOGPROBS else None, lps, drafts, dprobs, fin, num_plp, plp)
+        return cls(rid, tok, n if flag & FLAG_LOGPROBS else None, lps, drafts, dprobs, fin, num_plp, plp,
+                   read_cached(o, "first_token"))
+
+
+def read_cached(o: dict, what: str) -> int:
+    """A message's count of prompt tokens served from the prefix cache (0 when left out)."""
+    cached = o.get("cached", 0)
+    if type(cached) is not int or not 0 <= cached < MAX_PROMPT_TOKENS:
+        raise MessageError(f"{what}: bad cached token count")
+    return cached
 
 
 def pack_prompt_logprobs(num_top: int | None, lps: TokenLogprobs | None) -> dict[str, Any]:
@@ -208,6 +219,7 @@ class OutputItem:
     index: int = 0  # the choice of an n > 1 request these tokens belong to
     num_prompt_logprobs: int | None = None  # colocated: the first item carries the prompt's logprobs
     prompt_logprobs: TokenLogprobs | None = None
+    cached_tokens: int = 0  # a colocated node's terminal item: prompt tokens served from its prefix cache
     malformed: bool = False  # made by the receiver for an item it refused (never on the wire)
 
     def to_obj(self) -> dict:
@@ -220,7 +232,7 @@ class OutputItem:
         if has and self.logprobs:
             o["lp"] = self.logprobs.flat()
         if (self.finish_reason is not None or self.error is not None or self.steps or self.accepted or self.index
-                or self.num_prompt_logprobs is not None):
+                or self.num_prompt_logprobs is not None or self.cached_tokens):
             self._rare_fields(o)  # a terminal (stats), a choice of n > 1, a colocated first token
         return o
 
@@ -228,7 +240,8 @@ class OutputItem:
         for key, value in (("fin", self.finish_reason), ("err", self.error)):
             if value is not None:
                 o[key] = value
-        for key, number in (("steps", self.steps), ("acc", self.accepted), ("idx", self.index)):
+        for key, number in (("steps", self.steps), ("acc", self.accepted), ("idx", self.index),
+                            ("cached", self.cached_tokens)):
             if number:
                 o[key] = number
         if self.num_prompt_logprobs is not None:
@@ -260,7 +273,8 @@ class OutputItem:
         if type(idx) is not int or not 0 <= idx < MAX_CHOICES:
             raise MessageError(f"output: choice index must be in 0..{MAX_CHOICES - 1}")
         num_plp, plp = read_prompt_logprobs(o, vocab)
-        return cls(rid, toks, n if flag & FLAG_LOGPROBS else None, lps, fin, err, steps, acc, idx, num_plp, plp)
+        return cls(rid, toks, n if flag & FLAG_LOGPROBS else None, lps, fin, err, steps, acc, idx, num_plp, plp,
+                   read_cached(o, "output"))
 
 
 def pack_outputs(items: list[OutputItem]) -> bytes:

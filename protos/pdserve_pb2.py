@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x14protos/pdserve.proto\x12\npdserve.v1\"\xe6\x03\n\x0fSamplingOptions\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_p\x18\x02 \x01(\x02\x12\r\n\x05top_k\x18\x03 \x01(\x05\x12\x11\n\x04seed\x18\x04 \x01(\x04H\x00\x88\x01\x01\x12\x12\n\nmax_tokens\x18\x05 \x01(\x05\x12\x15\n\x08logprobs\x18\x06 \x01(\x05H\x01\x88\x01\x01\x12\x0c\n\x04stop\x18\x07 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x08 \x03(\x05\x12\x12\n\nignore_eos\x18\t \x01(\x08\x12\x18\n\x10presence_penalty\x18\n \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\x0b \x01(\x02\x12\x1a\n\x12repetition_penalty\x18\x0c \x01(\x02\x12>\n\nlogit_bias\x18\r \x03(\x0b\x32*.pdserve.v1.SamplingOptions.LogitBiasEntry\x12\t\n\x01n\x18\x0e \x01(\x05\x12\x1c\n\x0fprompt_logprobs\x18\x0f \x01(\x05H\x02\x88\x01\x01\x12\x12\n\nstructured\x18\x10 \x01(\t\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\x07\n\x05_seedB\x0b\n\t_logprobsB\x12\n\x10_prompt_logprobs\"\xae\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x0e\n\x06prompt\x18\x03 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x04 \x03(\x05\x12\x0c\n\x04\x63hat\x18\x05 \x01(\x08\x12-\n\x08sampling\x18\x06 \x01(\x0b\x32\x1b.pdserve.v1.SamplingOptions\x12\x11\n\ttimeout_s\x18\x07 \x01(\x02\"f\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\x0c\n\x04rank\x18\x03 \x01(\x05\x12\x0f\n\x07top_ids\x18\x04 \x03(\x05\x12\x14\n\x0ctop_logprobs\x18\x05 \x03(\x02\"n\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\x05\x12\x14\n\x0c\x64\x65\x63ode_steps\x18\x03 \x01(\x05\x12\x1d\n\x15\x61\x63\x63\x65pted_draft_tokens\x18\x04 \x01(\x05\"<\n\x08\x46inished\x12\x0e\n\x06reason\x18\x01 \x01(\t\x12 \n\x05usage\x18\x02 \x01(\x0b\x32\x11.pdserve.v1.Usage\"&\n\x05\x45rror\x12\x0c\n\x04\x63ode\x18\x01 \x01(\t\x12\x0f\n\x07message\x18\x02 \x01(\t\"\xb0\x02\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x0c\n\x04text\x18\x03 \x01(\t\x12*\n\x08logprobs\x18\x04 \x03(\x0b\x32\x18.pdserve.v1.TokenLogprob\x12&\n\x08\x66inished\x18\x05 \x01(\x0b\x32\x14.pdserve.v1.Finished\x12 \n\x05\x65rror\x18\x06 \x01(\x0b\x32\x11.pdserve.v1.Error\x12\x18\n\x10prompt_token_ids\x18\x07 \x03(\x05\x12\r\n\x05index\x18\x08 \x01(\x05\x12\x15\n\rfinish_reason\x18\t \x01(\t\x12\x31\n\x0fprompt_logprobs\x18\n \x03(\x0b\x32\x18.pdserve.v1.TokenLogprob\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x1e\n\rAbortResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"\x0f\n\rHealthRequest\"\xc1\x01\n\x0eHealthResponse\x12\x0f\n\x07serving\x18\x01 \x01(\x08\x12\x15\n\rprefill_nodes\x18\x02 \x01(\x05\x12\x14\n\x0c\x64\x65\x63ode_nodes\x18\x03 \x01(\x05\x12\x18\n\x10running_requests\x18\x04 \x01(\x05\x12\x17\n\x0fqueued_requests\x18\x05 \x01(\x05\x12%\n\x05nodes\x18\x06 \x03(\x0b\x32\x16.pdserve.v1.NodeHealth\x12\x17\n\x0f\x63olocated_nodes\x18\x07 \x01(\x05\"\xe4\x01\n\nNodeHealth\x12\x0f\n\x07\x61\x64\x64ress\x18\x01 \x01(\t\x12\x0c\n\x04kind\x18\x02 \x01(\t\x12\x0f\n\x07node_id\x18\x03 \x01(\t\x12\x0f\n\x07healthy\x18\x04 \x01(\x08\x12\x16\n\x0e\x66ree_kv_blocks\x18\x05 \x01(\x05\x12\x17\n\x0ftotal_kv_blocks\x18\x06 \x01(\x05\x12\x18\n\x10running_requests\x18\x07 \x01(\x05\x12\x1c\n\x14queued_prompt_tokens\x18\x08 \x01(\x05\x12\x12\n\nlast_error\x18\t \x01(\t\x12\x18\n\x10shared_kv_blocks\x18\n \x01(\x05\"\x13\n\x11ListModelsRequest\"P\n\tModelInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x15\n\rmax_model_len\x18\x02 \x01(\x05\x12\x1e\n\x16num_speculative_tokens\x18\x03 \x01(\x05\";\n\x12ListModelsResponse\x12%\n\x06models\x18\x01 \x03(\x0b\x32\x15.pdserve.v1.ModelInfo2\xa1\x02\n\nGeneration\x12G\n\x08Generate\x12\x1b.pdserve.v1.GenerateRequest\x1a\x1c.pdserve.v1.GenerateResponse0\x01\x12<\n\x05\x41\x62ort\x12\x18.pdserve.v1.AbortRequest\x1a\x19.pdserve.v1.AbortResponse\x12?\n\x06Health\x12\x19.pdserve.v1.HealthRequest\x1a\x1a.pdserve.v1.HealthResponse\x12K\n\nListModels\x12\x1d.pdserve.v1.ListModelsRequest\x1a\x1e.pdserve.v1.ListModelsResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x14protos/pdserve.proto\x12\npdserve.v1\"\xe6\x03\n\x0fSamplingOptions\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_p\x18\x02 \x01(\x02\x12\r\n\x05top_k\x18\x03 \x01(\x05\x12\x11\n\x04seed\x18\x04 \x01(\x04H\x00\x88\x01\x01\x12\x12\n\nmax_tokens\x18\x05 \x01(\x05\x12\x15\n\x08logprobs\x18\x06 \x01(\x05H\x01\x88\x01\x01\x12\x0c\n\x04stop\x18\x07 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x08 \x03(\x05\x12\x12\n\nignore_eos\x18\t \x01(\x08\x12\x18\n\x10presence_penalty\x18\n \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\x0b \x01(\x02\x12\x1a\n\x12repetition_penalty\x18\x0c \x01(\x02\x12>\n\nlogit_bias\x18\r \x03(\x0b\x32*.pdserve.v1.SamplingOptions.LogitBiasEntry\x12\t\n\x01n\x18\x0e \x01(\x05\x12\x1c\n\x0fprompt_logprobs\x18\x0f \x01(\x05H\x02\x88\x01\x01\x12\x12\n\nstructured\x18\x10 \x01(\t\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\x07\n\x05_seedB\x0b\n\t_logprobsB\x12\n\x10_prompt_logprobs\"\xae\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x0e\n\x06prompt\x18\x03 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x04 \x03(\x05\x12\x0c\n\x04\x63hat\x18\x05 \x01(\x08\x12-\n\x08sampling\x18\x06 \x01(\x0b\x32\x1b.pdserve.v1.SamplingOptions\x12\x11\n\ttimeout_s\x18\x07 \x01(\x02\"f\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\x0c\n\x04rank\x18\x03 \x01(\x05\x12\x0f\n\x07top_ids\x18\x04 \x03(\x05\x12\x14\n\x0ctop_logprobs\x18\x05 \x03(\x02\"\x85\x01\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\x05\x12\x14\n\x0c\x64\x65\x63ode_steps\x18\x03 \x01(\x05\x12\x1d\n\x15\x61\x63\x63\x65pted_draft_tokens\x18\x04 \x01(\x05\x12\x15\n\rcached_tokens\x18\x05 \x01(\x05\"<\n\x08\x46inished\x12\x0e\n\x06reason\x18\x01 \x01(\t\x12 \n\x05usage\x18\x02 \x01(\x0b\x32\x11.pdserve.v1.Usage\"&\n\x05\x45rror\x12\x0c\n\x04\x63ode\x18\x01 \x01(\t\x12\x0f\n\x07message\x18\x02 \x01(\t\"\xb0\x02\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x0c\n\x04text\x18\x03 \x01(\t\x12*\n\x08logprobs\x18\x04 \x03(\x0b\x32\x18.pdserve.v1.TokenLogprob\x12&\n\x08\x66inished\x18\x05 \x01(\x0b\x32\x14.pdserve.v1.Finished\x12 \n\x05\x65rror\x18\x06 \x01(\x0b\x32\x11.pdserve.v1.Error\x12\x18\n\x10prompt_token_ids\x18\x07 \x03(\x05\x12\r\n\x05index\x18\x08 \x01(\x05\x12\x15\n\rfinish_reason\x18\t \x01(\t\x12\x31\n\x0fprompt_logprobs\x18\n \x03(\x0b\x32\x18.pdserve.v1.TokenLogprob\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x1e\n\rAbortResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"\x0f\n\rHealthRequest\"\xc1\x01\n\x0eHealthResponse\x12\x0f\n\x07serving\x18\x01 \x01(\x08\x12\x15\n\rprefill_nodes\x18\x02 \x01(\x05\x12\x14\n\x0c\x64\x65\x63ode_nodes\x18\x03 \x01(\x05\x12\x18\n\x10running_requests\x18\x04 \x01(\x05\x12\x17\n\x0fqueued_requests\x18\x05 \x01(\x05\x12%\n\x05nodes\x18\x06 \x03(\x0b\x32\x16.pdserve.v1.NodeHealth\x12\x17\n\x0f\x63olocated_nodes\x18\x07 \x01(\x05\"\xe4\x01\n\nNodeHealth\x12\x0f\n\x07\x61\x64\x64ress\x18\x01 \x01(\t\x12\x0c\n\x04kind\x18\x02 \x01(\t\x12\x0f\n\x07node_id\x18\x03 \x01(\t\x12\x0f\n\x07healthy\x18\x04 \x01(\x08\x12\x16\n\x0e\x66ree_kv_blocks\x18\x05 \x01(\x05\x12\x17\n\x0ftotal_kv_blocks\x18\x06 \x01(\x05\x12\x18\n\x10running_requests\x18\x07 \x01(\x05\x12\x1c\n\x14queued_prompt_tokens\x18\x08 \x01(\x05\x12\x12\n\nlast_error\x18\t \x01(\t\x12\x18\n\x10shared_kv_blocks\x18\n \x01(\x05\"\x13\n\x11ListModelsRequest\"P\n\tModelInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x15\n\rmax_model_len\x18\x02 \x01(\x05\x12\x1e\n\x16num_speculative_tokens\x18\x03 \x01(\x05\";\n\x12ListModelsResponse\x12%\n\x06models\x18\x01 \x03(\x0b\x32\x15.pdserve.v1.ModelInfo2\xa1\x02\n\nGeneration\x12G\n\x08Generate\x12\x1b.pdserve.v1.GenerateRequest\x1a\x1c.pdserve.v1.GenerateResponse0\x01\x12<\n\x05\x41\x62ort\x12\x18.pdserve.v1.AbortRequest\x1a\x19.pdserve.v1.AbortResponse\x12?\n\x06Health\x12\x19.pdserve.v1.HealthRequest\x1a\x1a.pdserve.v1.HealthResponse\x12K\n\nListModels\x12\x1d.pdserve.v1.ListModelsRequest\x1a\x1e.pdserve.v1.ListModelsResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -41,30 +41,30 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_GENERATEREQUEST']._serialized_end=700
   _globals['_TOKENLOGPROB']._serialized_start=702
   _globals['_TOKENLOGPROB']._serialized_end=804
-  _globals['_USAGE']._serialized_start=806
-  _globals['_USAGE']._serialized_end=916
-  _globals['_FINISHED']._serialized_start=918
-  _globals['_FINISHED']._serialized_end=978
-  _globals['_ERROR']._serialized_start=980
-  _globals['_ERROR']._serialized_end=1018
-  _globals['_GENERATERESPONSE']._serialized_start=1021
-  _globals['_GENERATERESPONSE']._serialized_end=1325
-  _globals['_ABORTREQUEST']._serialized_start=1327
-  _globals['_ABORTREQUEST']._serialized_end=1361
-  _globals['_ABORTRESPONSE']._serialized_start=1363
-  _globals['_ABORTRESPONSE']._serialized_end=1393
-  _globals['_HEALTHREQUEST']._serialized_start=1395
-  _globals['_HEALTHREQUEST']._serialized_end=1410
-  _globals['_HEALTHRESPONSE']._serialized_start=1413
-  _globals['_HEALTHRESPONSE']._serialized_end=1606
-  _globals['_NODEHEALTH']._serialized_start=1609
-  _globals['_NODEHEALTH']._serialized_end=1837
-  _globals['_LISTMODELSREQUEST']._serialized_start=1839
-  _globals['_LISTMODELSREQUEST']._serialized_end=1858
-  _globals['_MODELINFO']._serialized_start=1860
-  _globals['_MODELINFO']._serialized_end=1940
-  _globals['_LISTMODELSRESPONSE']._serialized_start=1942
-  _globals['_LISTMODELSRESPONSE']._serialized_end=2001
-  _globals['_GENERATION']._serialized_start=2004
-  _globals['_GENERATION']._serialized_end=2293
+  _globals['_USAGE']._serialized_start=807
+  _globals['_USAGE']._serialized_end=940
+  _globals['_FINISHED']._serialized_start=942
+  _globals['_FINISHED']._serialized_end=1002
+  _globals['_ERROR']._serialized_start=1004
+  _globals['_ERROR']._serialized_end=1042
+  _globals['_GENERATERESPONSE']._serialized_start=1045
+  _globals['_GENERATERESPONSE']._serialized_end=1349
+  _globals['_ABORTREQUEST']._serialized_start=1351
+  _globals['_ABORTREQUEST']._serialized_end=1385
+  _globals['_ABORTRESPONSE']._serialized_start=1387
+  _globals['_ABORTRESPONSE']._serialized_end=1417
+  _globals['_HEALTHREQUEST']._serialized_start=1419
+  _globals['_HEALTHREQUEST']._serialized_end=1434
+  _globals['_HEALTHRESPONSE']._serialized_start=1437
+  _globals['_HEALTHRESPONSE']._serialized_end=1630
+  _globals['_NODEHEALTH']._serialized_start=1633
+  _globals['_NODEHEALTH']._serialized_end=1861
+  _globals['_LISTMODELSREQUEST']._serialized_start=1863
+  _globals['_LISTMODELSREQUEST']._serialized_end=1882
+  _globals['_MODELINFO']._serialized_start=1884
+  _globals['_MODELINFO']._serialized_end=1964
+  _globals['_LISTMODELSRESPONSE']._serialized_start=1966
+  _globals['_LISTMODELSRESPONSE']._serialized_end=2025
+  _globals['_GENERATION']._serialized_start=2028
+  _globals['_GENERATION']._serialized_end=2317
 # @@protoc_insertion_point(module_scope)

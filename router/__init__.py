@@ -9,6 +9,9 @@ migration.py (moving a request off a lost decode node), stream.py (output items 
 messages), pool.py (node connections, health, the one Outputs subscription per decode node),
 request.py (per-request state and the one-terminal guarantee), detokenize.py (text deltas, stop
 strings), directory.py (NodeDirectory: membership), config.py (RouterConfig), client.py (a client).
+The OpenAI door's request and response shapes: openai_protocol.py, with openai_surface.py,
+structured_api.py, and tool calling in tool_api.py (tools -> prompt and grammar), tool_parser.py
+(calls read back from a model's text) and tool_output.py (OpenAI's tool_calls).
 No Ray in here: deploy wraps Router in an actor.
 
 `Router` is imported on first use, so reading `router.config` (deploy/config.py does, for

@@ -66,6 +66,18 @@ class RouterConfig(BaseModel):
     # neither; `--tls-cert`/`--tls-key`, vLLM's `--ssl-certfile`/`--ssl-keyfile`). None: plain text.
     tls_cert: str | None = Field(default=None, min_length=1)
     tls_key: str | None = Field(default=None, min_length=1)
+    # Tool calling (router/tool_api.py), named as vLLM's flags: `--tool-call-parser` picks the syntax
+    # the model writes its calls in (hermes: <tool_call>{json}</tool_call>; llama3_json), and
+    # `--enable-auto-tool-choice` lets it decide whether to call (tool_choice "auto"). "required"
+    # and named calls need neither: the grammar writes them as JSON.
+    tool_call_parser: Literal["hermes", "llama3_json"] | None = None
+    enable_auto_tool_choice: bool = False
+
+    @model_validator(mode="after")
+    def _auto_tools_with_parser(self) -> RouterConfig:
+        if self.enable_auto_tool_choice and self.tool_call_parser is None:
+            raise ValueError("enable_auto_tool_choice needs tool_call_parser (hermes or llama3_json)")
+        return self
 
     @model_validator(mode="after")
     def _cert_with_key(self) -> RouterConfig:

@@ -40,6 +40,7 @@ from router.lifecycle import Lifecycle
 from router.openai_protocol import ChatCompletionRequest, CompletionRequest, Format
 from router.request import RequestError, is_terminal
 from router.tokenize_api import TokenizeDoor, add_tokenize_routes
+from router.tool_api import ToolSettings
 from router.validate import InvalidRequest
 
 log = logging.getLogger(__name__)
@@ -159,7 +160,10 @@ async def _prepare(router: Lifecycle, raw: Request, model: type[BaseModel], piec
         fmt = Format(chat, router.model.name, pieces, _logprobs_asked(req, chat), n=req.n or 1,
                      echo=bool(getattr(req, "echo", False)), prompt_logprobs=req.prompt_logprobs,
                      prompt_text=None if chat else req.prompt_text())
-        return await _to_generate(router, req, fmt, len(body)), fmt, req
+        gen = await _to_generate(router, req, fmt, len(body))
+        if chat:
+            fmt.tools = req.tool_output()
+        return gen, fmt, req
     except InvalidRequest as e:
         message = str(e)
     router.refused(code)
@@ -191,10 +195,12 @@ def _logprobs_asked(req: Any, chat: bool) -> int | None:
 async def _to_generate(router: Lifecycle, req: Any, fmt: Format, size: int) -> pb.GenerateRequest:
     args: tuple[Any, ...] = (fmt.request_id, router.model.tokenizer, router.max_model_len)
     if fmt.chat:
-        args = (*args, router.limits.max_prompt_bytes)
+        args = (*args, router.limits.max_prompt_bytes, ToolSettings(router.config.tool_call_parser,
+                                                                   router.config.enable_auto_tool_choice))
     convert = partial(req.to_generate, *args)
     try:
-        if size > TOKENIZE_IN_THREAD_BYTES:  # chat templates render here: off the loop when long
+        # chat templates render here, and tools' schemas compile: off the loop when long or with tools
+        if size > TOKENIZE_IN_THREAD_BYTES or getattr(req, "tools", None):
             return await asyncio.to_thread(convert)  # type: ignore[no-any-return]
         return convert()  # type: ignore[no-any-return]
     except (ValueError, TypeError) as e:  # InvalidRequest is a ValueError; protobuf range errors too

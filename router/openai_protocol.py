@@ -10,7 +10,9 @@ Accepted as vLLM does: unknown fields are ignored; `suffix` and `best_of` other 
 are refused with a 400 that names them; `n`, penalties, `logit_bias` and vLLM's
 `prompt_logprobs` go through router/openai_surface.py; vLLM's extras `top_k`, `ignore_eos`,
 `stop_token_ids` and `repetition_penalty` are honoured. Structured outputs (`response_format`,
-vLLM's `structured_outputs` and `guided_*`) are read by router/structured_api.py.
+vLLM's `structured_outputs` and `guided_*`) are read by router/structured_api.py; `tools`,
+`tool_choice` and `parallel_tool_calls` by router/tool_api.py, and the calls come back through
+router/tool_output.py.
 """
 
 from __future__ import annotations
@@ -20,13 +22,23 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, PrivateAttr
 
 from protos import pdserve_pb2 as pb
 from router.client import build_request
 from router.openai_prompt import Entry, PromptInfo
 from router.openai_surface import surface_kwargs
 from router.structured_api import ResponseFormat, StructuredOutputs
+from router.tool_api import (
+    Tool,
+    ToolCallIn,
+    ToolChoice,
+    ToolPlan,
+    ToolSettings,
+    plan,
+    prompt_messages,
+)
+from router.tool_output import ToolOutput
 from router.validate import InvalidRequest, encode_messages
 
 INT32_MAX = 2**31 - 1
@@ -113,11 +125,21 @@ class ChatMessage(BaseModel):
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[ContentPart] | None = None
+    tool_calls: list[ToolCallIn] | None = None  # an assistant turn's calls
+    tool_call_id: str | None = None  # a tool turn: the call it answers
 
     def text(self) -> str:
         if isinstance(self.content, list):
             return "".join(p.text for p in self.content)
         return self.content or ""
+
+    def for_template(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"role": self.role, "content": self.text()}
+        if self.tool_calls:
+            out["tool_calls"] = [c.for_template() for c in self.tool_calls]
+        if self.tool_call_id is not None:
+            out["tool_call_id"] = self.tool_call_id
+        return out
 
 
 class ChatCompletionRequest(_Sampling):
@@ -125,21 +147,37 @@ class ChatCompletionRequest(_Sampling):
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
+    tools: list[Tool] | None = None  # router/tool_api.py
+    tool_choice: ToolChoice | None = None
+    parallel_tool_calls: bool | None = None
+    _tool_plan: ToolPlan | None = PrivateAttr(None)
 
-    def to_generate(self, request_id: str, tokenizer: Any, max_model_len: int,
-                    max_prompt_bytes: int) -> pb.GenerateRequest:
+    def to_generate(self, request_id: str, tokenizer: Any, max_model_len: int, max_prompt_bytes: int,
+                    tool_settings: ToolSettings | None = None) -> pb.GenerateRequest:
         if not self.messages:
             raise InvalidRequest("messages is empty")
-        messages = [{"role": m.role, "content": m.text()} for m in self.messages]
-        size = sum(len(m["content"].encode("utf-8", errors="surrogatepass")) for m in messages)
+        size = sum(len(m.text().encode("utf-8", errors="surrogatepass")) for m in self.messages)
         if size > max_prompt_bytes:
             raise InvalidRequest(f"prompt is {size} bytes; the limit is {max_prompt_bytes}")
         if self.top_logprobs is not None and not self.logprobs:
             raise InvalidRequest("top_logprobs needs logprobs=true")
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
         max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
-        return build_request(encode_messages(tokenizer, messages), logprobs=logprobs, request_id=request_id,
-                             **self.sampling_kwargs(max_tokens, max_model_len))
+        kwargs = self.sampling_kwargs(max_tokens, max_model_len)
+        settings = tool_settings or ToolSettings()
+        self._tool_plan = plan(self.tools, self.tool_choice, self.parallel_tool_calls, settings)
+        if self._tool_plan is not None and self._tool_plan.spec is not None:
+            if kwargs["structured"] is not None:
+                raise InvalidRequest("give one structured output constraint, got tools and a structured output field")
+            kwargs["structured"] = self._tool_plan.spec
+        messages, tools = prompt_messages([m.for_template() for m in self.messages], self._tool_plan, tokenizer,
+                                          settings)
+        return build_request(encode_messages(tokenizer, messages, tools), logprobs=logprobs, request_id=request_id,
+                             **kwargs)
+
+    def tool_output(self) -> ToolOutput | None:
+        """How the choices' text is read for tool calls (after `to_generate`); None: plain text."""
+        return ToolOutput(self._tool_plan.family) if self._tool_plan is not None else None
 
 
 def _int32(v: int) -> int:
@@ -167,6 +205,7 @@ class Format:
     prompt_logprobs: int | None = None  # vLLM's field, top-N
     text_offset: dict[int, int] = field(default_factory=dict)  # completions' logprobs.text_offset per choice
     prompt: PromptInfo | None = None  # from the first message
+    tools: ToolOutput | None = None  # chat with tools: the choices' calls (router/tool_output.py)
 
     @property
     def request_id(self) -> str:
@@ -193,8 +232,13 @@ class Format:
         if self.chat:
             lps = {"content": [self._chat_entry(lp) for lp in msg.logprobs]} if self.logprobs is not None else None
             delta = {"role": "assistant", "content": msg.text} if first else {"content": msg.text}
-            choice = {"index": msg.index, "delta": delta if msg.text or first else {}, "logprobs": lps,
-                      "finish_reason": reason}
+            if self.tools is not None:
+                last = reason is not None or msg.HasField("finished")
+                delta = ({"role": "assistant"} if first else {}) | self.tools.delta(msg.index, msg.text, last)
+                reason = self.tools.finish_reason(msg.index, reason)
+            elif not msg.text and not first:
+                delta = {}
+            choice = {"index": msg.index, "delta": delta, "logprobs": lps, "finish_reason": reason}
             return self._object("chat.completion.chunk", [choice])
         text, entries = self._echoed(msg.text, entries) if first else (msg.text, entries)
         lps = self._logprobs(entries, msg.index) if self.logprobs is not None else None
@@ -228,8 +272,10 @@ class Format:
         if self.chat:
             lps = ({"content": [self._chat_entry(lp) for m in mine for lp in m.logprobs]}
                    if self.logprobs is not None else None)
-            return {"index": index, "message": {"role": "assistant", "content": text}, "logprobs": lps,
-                    "finish_reason": reason}
+            message: dict[str, Any] = {"role": "assistant", "content": text}
+            if self.tools is not None:
+                message, reason = self.tools.message(text, reason)
+            return {"index": index, "message": message, "logprobs": lps, "finish_reason": reason}
         entries: list[Entry] = [(lp.token_id, lp.logprob, list(zip(lp.top_ids, lp.top_logprobs, strict=True)))
                                 for m in mine for lp in m.logprobs]
         text, entries = self._echoed(text, entries)
@@ -268,4 +314,5 @@ class Format:
 def usage(msg: pb.GenerateResponse) -> dict:
     u = msg.finished.usage
     return {"prompt_tokens": u.prompt_tokens, "completion_tokens": u.completion_tokens,
-            "total_tokens": u.prompt_tokens + u.completion_tokens}
+            "total_tokens": u.prompt_tokens + u.completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": u.cached_tokens}}

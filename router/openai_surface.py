@@ -1,7 +1,7 @@
 """The OpenAI request fields beyond plain sampling, as router/openai_protocol.py reads them:
 `n`, `best_of`, `presence_penalty`, `frequency_penalty`, vLLM's `repetition_penalty`, `logit_bias`
 (JSON keys are token ids as strings), vLLM's `prompt_logprobs`, and structured outputs (read by
-router/structured_api.py); and the fields this server does not do (`UNSUPPORTED`), refused by
+router/structured_api.py); tools are router/tool_api.py's; and the fields this server does not do (`UNSUPPORTED`), refused by
 name rather than ignored.
 
 Receives the parsed body (pydantic has checked the types); hands `build_request` keyword
@@ -31,7 +31,7 @@ UNSUPPORTED: dict[str, tuple[Any, ...]] = {
     "bad_words": ([],), "allowed_token_ids": (), "include_stop_str_in_output": (False,),
     "skip_special_tokens": (True,), "spaces_between_special_tokens": (True,), "truncate_prompt_tokens": (),
     "prompt_embeds": (), "logits_processors": (), "return_tokens_as_token_ids": (False,),
-    "tools": ([],), "functions": ([],), "tool_choice": ("none",), "function_call": ("none",),
+    "functions": ([],), "function_call": ("none",),
     "audio": (), "prediction": (), "continue_final_message": (False,), "add_generation_prompt": (True,),
     "chat_template": (), "documents": (), "modalities": (["text"],),
     "guided_decoding_backend": (), "guided_whitespace_pattern": (),

@@ -135,6 +135,7 @@ class RequestState:
     choices: list[Choice] = field(default_factory=list)
     steps: int = 0
     accepted: int = 0
+    cached_tokens: int = 0  # prompt tokens the node served from its prefix cache (usage)
     terminal: str | None = None  # "finished:<reason>", "error:<code>", "cancelled"
     arrival: float = field(default_factory=time.monotonic)  # for latency metrics
     last_token_at: float | None = None  # when the last token went out (metrics.py writes it)
@@ -259,6 +260,7 @@ class RequestState:
             u = msg.finished.usage
             u.prompt_tokens, u.completion_tokens = len(self.prep.prompt_ids), self.num_tokens
             u.decode_steps, u.accepted_draft_tokens = self.steps, self.accepted
+            u.cached_tokens = min(self.cached_tokens, u.prompt_tokens)
             self.terminal = f"finished:{reason}"
         self._emit(msg, last=self.terminal is not None)
 

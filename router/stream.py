@@ -29,6 +29,7 @@ class Stream:
             ch.node_done = first.finished is not None  # D sends no terminal for it
             st.decode_live = not all(c.node_done for c in st.choices)
             st.set_prompt_logprobs(first.prompt_logprobs)
+            st.cached_tokens = first.cached_tokens
             complete = self._add_tokens(st, [first.token], first.logprobs)
             if first.finished or complete:
                 st.finish_choice(0, "stop" if ch.text.stopped else first.finished or ch.stop_reason)
@@ -43,6 +44,7 @@ class Stream:
                                            f"{item.index} of a request of {len(st.choices)}")
         ch = st.choices[item.index]
         st.steps, st.accepted = st.steps + item.steps, st.accepted + item.accepted
+        st.cached_tokens = item.cached_tokens or st.cached_tokens
         if item.error is not None and not item.malformed:  # the node ended every choice of this attempt
             for c in st.choices:  # (an item refused here: the node may still hold it, Abort goes)
                 c.node_done = True

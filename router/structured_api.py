@@ -138,8 +138,11 @@ def check_compiles(spec: StructuredSpec) -> None:
     the engine compiles it); StructuredError with the compiler's message when it does not."""
     import xgrammar  # heavy (it imports torch): only when a structured request comes
 
+    from engine.grammar.compiler import structural_tag_grammar
+
     build = {"json_schema": lambda v: xgrammar.Grammar.from_json_schema(v, any_whitespace=False),
-             "regex": xgrammar.Grammar.from_regex, "grammar": xgrammar.Grammar.from_ebnf}.get(spec.kind)
+             "regex": xgrammar.Grammar.from_regex, "grammar": xgrammar.Grammar.from_ebnf,
+             "structural_tag": structural_tag_grammar}.get(spec.kind)
     if build is None:  # json_object, choice: StructuredSpec checked them
         return
     try:
@@ -148,7 +151,7 @@ def check_compiles(spec: StructuredSpec) -> None:
         raise StructuredError(f"the {_NAMES[spec.kind]} does not compile: {_compiler_message(e)}") from None
 
 
-_NAMES = {"json_schema": "JSON schema", "regex": "regex", "grammar": "grammar"}
+_NAMES = {"json_schema": "JSON schema", "regex": "regex", "grammar": "grammar", "structural_tag": "structural tag"}
 _LOCATION = re.compile(r"^\[[\d:]+\] \S+:\d+: ")  # xgrammar's "[09:24:47] /project/cpp/x.cc:83: "
 
 

@@ -174,9 +174,10 @@ def encode_prompt(tokenizer: Any, text: str, chat: bool) -> list[int]:
         raise InvalidRequest(f"cannot tokenize the prompt: {e}") from None
 
 
-def encode_messages(tokenizer: Any, messages: list[dict[str, str]]) -> list[int]:
-    """A conversation through the model's chat template (no added special tokens). A model with
-    no template takes one user message, encoded plain with BOS (as `pdserve generate` does)."""
+def encode_messages(tokenizer: Any, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None) -> list[int]:
+    """A conversation through the model's chat template (no added special tokens), with `tools`
+    when the template renders them (router/tool_api.py). A model with no template takes one user
+    message, encoded plain with BOS (as `pdserve generate` does)."""
     if tokenizer is None:
         raise InvalidRequest("this model has no tokenizer; send prompt_token_ids")
     if not getattr(tokenizer, "has_chat_template", False):
@@ -184,7 +185,8 @@ def encode_messages(tokenizer: Any, messages: list[dict[str, str]]) -> list[int]
             return encode_prompt(tokenizer, messages[0]["content"], chat=False)
         raise InvalidRequest("this model has no chat template: send a single user message")
     try:
-        rendered = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+        extra = {"tools": tools} if tools else {}
+        rendered = tokenizer.apply_chat_template(messages, add_generation_prompt=True, **extra)
         return list(tokenizer.encode(rendered, add_special_tokens=False))
     except Exception as e:  # template errors (raise_exception), unencodable text
         raise InvalidRequest(f"cannot tokenize the prompt: {e}") from None

@@ -9,7 +9,8 @@ applies to the logits on the device).
 JSON schemas and json_object compile with `any_whitespace=False` (one space after ':' and
 ',', none elsewhere): with free whitespace a small model may emit spaces or newlines forever
 and never close the object. A choice is an EBNF alternation of its options as literal strings
-(vLLM's guided_choice: the output is exactly one of them, as plain text).
+(vLLM's guided_choice: the output is exactly one of them, as plain text). A structural tag's
+JSON schemas compile the same way: each becomes that grammar before xgrammar reads the tag.
 
 A matcher's grammar state is a pure function of (spec, tokens it accepted), so that is all that
 travels between nodes (prefill -> decode, a migration): the receiver compiles the spec and
@@ -87,6 +88,22 @@ def json_grammar(schema: str, strict_mode: bool = True) -> xgr.Grammar:
     text = str(g)
     fixed = text.replace(_BOUNDED_STRING_CHAR, _JSON_STRING_CHAR)
     return g if fixed == text else xgr.Grammar.from_ebnf(fixed)
+
+
+def structural_tag_grammar(value: str) -> xgr.Grammar:
+    """The grammar of a structural tag (JSON text), each JSON schema in it compiled as
+    `json_grammar` does (no free whitespace, no raw control characters in strings)."""
+    return xgr.Grammar.from_structural_tag(json.dumps(_schemas_as_grammars(json.loads(value))))
+
+
+def _schemas_as_grammars(node: Any) -> Any:
+    if isinstance(node, list):
+        return [_schemas_as_grammars(x) for x in node]
+    if not isinstance(node, dict):
+        return node
+    if node.get("type") == "json_schema" and "json_schema" in node and node.get("style", "json") == "json":
+        return {"type": "grammar", "grammar": str(json_grammar(json.dumps(node["json_schema"])))}
+    return {k: _schemas_as_grammars(v) for k, v in node.items()}
 
 
 def choice_grammar(options: list[str]) -> str:
@@ -224,6 +241,8 @@ class GrammarCompiler:
                 return xc.compile_grammar(json_grammar(_JSON_OBJECT, strict_mode=False))
             if spec.kind == "regex":
                 return xc.compile_regex(spec.value)
+            if spec.kind == "structural_tag":
+                return xc.compile_grammar(structural_tag_grammar(spec.value))
             text = choice_grammar(spec.choices) if spec.kind == "choice" else spec.value
             return xc.compile_grammar(text)
         except Exception as e:  # xgrammar raises RuntimeError, ValueError or its own errors

@@ -1,5 +1,6 @@
 """What a request's output must match: a JSON schema, any JSON object, a regex, one of some
-choices, or an EBNF grammar (issue 28). Only the description lives here; compiling it into a
+choices, an EBNF grammar (issue 28), or an xgrammar structural tag (free text until a trigger,
+then a tagged JSON schema: the tool calls of issue 53). Only the description lives here; compiling it into a
 token mask (xgrammar) is engine/grammar/compiler.py's.
 
 `StructuredSpec` travels with a request from the router to the prefill and decode nodes as one
@@ -12,7 +13,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 
-KINDS = ("json_object", "json_schema", "regex", "choice", "grammar")
+KINDS = ("json_object", "json_schema", "regex", "choice", "grammar", "structural_tag")
 MAX_SPEC_CHARS = 65536  # a schema, regex or grammar longer than this is refused
 MAX_CHOICES = 1024
 NEEDS_EOS = "ignore_eos cannot be used with structured output: a finished grammar allows only EOS"
@@ -21,7 +22,8 @@ NEEDS_EOS = "ignore_eos cannot be used with structured output: a finished gramma
 @dataclass(frozen=True)
 class StructuredSpec:
     """`kind` is one of KINDS; `value` is the schema as JSON text (json_schema), the regex,
-    the choices as a JSON list of strings (choice), the EBNF grammar, or "" (json_object)."""
+    the choices as a JSON list of strings (choice), the EBNF grammar, xgrammar's structural tag
+    as JSON text (structural_tag), or "" (json_object)."""
 
     kind: str
     value: str = ""
@@ -39,6 +41,8 @@ class StructuredSpec:
             _check_schema(self.value)
         if self.kind == "choice":
             _check_choices(self.value)
+        if self.kind == "structural_tag":
+            _check_structural_tag(self.value)
 
     @classmethod
     def choice(cls, options: list[str]) -> StructuredSpec:
@@ -80,6 +84,15 @@ def _check_schema(value: str) -> None:
         raise ValueError(f"json_schema is not valid JSON: {e}") from None
     if not isinstance(schema, (dict, bool)):
         raise ValueError(f"a JSON schema is an object or a boolean, got {type(schema).__name__}")
+
+
+def _check_structural_tag(value: str) -> None:
+    try:
+        tag = json.loads(value)
+    except ValueError as e:
+        raise ValueError(f"structural_tag is not valid JSON: {e}") from None
+    if not isinstance(tag, dict) or not isinstance(tag.get("format"), dict):
+        raise ValueError('a structural tag is an object {"type": "structural_tag", "format": {...}}')
 
 
 def _check_choices(value: str) -> None:

@@ -163,9 +163,14 @@ class Tokenizer:
         return bool(self.chat_template)
 
     def apply_chat_template(
-        self, messages: list[dict[str, str]], add_generation_prompt: bool = True
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool = True,
+        tools: list[dict[str, Any]] | None = None,
     ) -> str:
-        """Render `messages` ([{"role": ..., "content": ...}]) into the prompt text."""
+        """Render `messages` ([{"role": ..., "content": ...}], with `tool_calls` / `tool_call_id`
+        where a conversation has them) and `tools` (OpenAI's tool objects, for templates with a
+        tools section) into the prompt text."""
         if not self.chat_template:
             raise ValueError("this tokenizer has no chat template; send a plain prompt instead")
         if self._compiled is None:
@@ -173,6 +178,7 @@ class Tokenizer:
         return self._compiled.render(
             messages=messages,
             add_generation_prompt=add_generation_prompt,
+            tools=tools,
             **self._template_tokens(),
         )
 

@@ -437,3 +437,21 @@ def test_in_halves_a_request_ended_at_the_read_frees_its_blocks_after_the_next_r
     while eng.has_unfinished():
         eng.step()
     assert eng.num_free_blocks == eng.blocks.capacity
+
+
+def test_a_structural_tag_call_is_exact_under_mtp_and_matches_its_schema(tiny):
+    """A structural tag (tool calls, issue 53): a hermes-style call whose arguments follow SCHEMA.
+    `at_least_one` makes the random model write it; k = 3 gives the k = 0 tokens."""
+    begin = '<tool_call>\n{"name": "get", "arguments": '
+    tag = {"type": "structural_tag", "format": {
+        "type": "triggered_tags", "triggers": ["<tool_call>"], "at_least_one": True, "stop_after_first": True,
+        "tags": [{"type": "tag", "begin": begin, "content": {"type": "json_schema", "json_schema": SCHEMA},
+                  "end": "}\n</tool_call>"}]}}
+    params = SamplingParams(max_tokens=200, structured=StructuredSpec("structural_tag", json.dumps(tag)))
+    want = engine(tiny, 0).generate([PROMPT], params)[0]
+    text = text_of(want)
+    assert text.startswith(begin) and text.endswith("}\n</tool_call>"), text
+    jsonschema.validate(json.loads(text[len(begin):-len("}\n</tool_call>")], strict=False), SCHEMA)
+    eng = engine(tiny, 3)
+    assert eng.generate([PROMPT], params)[0].output_ids == want.output_ids
+    assert eng.num_free_blocks == eng.blocks.capacity

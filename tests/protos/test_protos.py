@@ -53,6 +53,8 @@ def test_first_token_round_trip():
     assert back == msg
     plain = FirstToken("r2", 9, None, None, [], b"", finished="stop")
     assert FirstToken.unpack(plain.pack(), VOCAB, 4) == plain
+    hit = FirstToken("r3", 9, None, None, [], b"", cached_tokens=32)  # a prefix-cache hit on P
+    assert FirstToken.unpack(hit.pack(), VOCAB, 4) == hit
 
 
 def test_output_batch_round_trip_reads_exactly_the_asked_columns():
@@ -67,7 +69,8 @@ def test_output_item_leaves_out_its_default_fields():
     assert set(OutputItem("a", [1], 0, lps(1, 0)).to_obj()) == {"rid", "toks", "meta", "lp"}
     items = [OutputItem("a", [1, 2], steps=1, accepted=1), OutputItem("b", [3], index=2),
              OutputItem("c", [], finish_reason="abort"), OutputItem("d", [4], 1, lps(1, 1), num_prompt_logprobs=0,
-                                                                  prompt_logprobs=lps(2, 0))]
+                                                                  prompt_logprobs=lps(2, 0)),
+             OutputItem("e", [5], finish_reason="stop", cached_tokens=16)]
     assert unpack_outputs(pack_outputs(items), VOCAB) == items
 
 
@@ -81,6 +84,8 @@ def test_output_item_leaves_out_its_default_fields():
         (lambda o: o.update(drafts=[1, 2, 3, 4, 5]), "at most k"),
         (lambda o: o.update(rid=5), "wrong type"),
         (lambda o: o.update(dprobs=b"xx"), "wrong size"),
+        (lambda o: o.update(cached=-1), "cached token count"),
+        (lambda o: o.update(cached="16"), "cached token count"),
     ],
 )
 def test_bad_first_token_is_rejected(mutate, message):

@@ -26,12 +26,13 @@ from router import NodeDirectory, Router
 class RealService:
     def __init__(self, mode: str = "pd", k: int = 2, max_model_len: int = 128, model: tuple[Any, Any] | None = None,
                  engine: dict[str, Any] | None = None, decode_engine: dict[str, Any] | None = None,
-                 **router: Any) -> None:
+                 prefix_cache: bool = False, **router: Any) -> None:
         """`engine`: more EngineConfig fields of every node (num_blocks, ...), `decode_engine` the
         decode node's own; `router`: RouterConfig's."""
         loaded, info = model or (load_model("tiny"), load_model_info("tiny"))
         self.mode = mode
-        self.config = EngineConfig(num_speculative_tokens=k, max_model_len=max_model_len, **(engine or {}))
+        self.config = EngineConfig(num_speculative_tokens=k, max_model_len=max_model_len,
+                                   enable_prefix_caching=prefix_cache, **(engine or {}))
         self.decode_config = dataclasses.replace(self.config, **(decode_engine or {}))
         self.nodes: list[Any] = []
         self.servers: list[Any] = []

@@ -164,7 +164,7 @@ def test_prompt_logprobs_and_echo_come_from_the_prefill(service, engine):
 
 
 @pytest.mark.parametrize("extra", [{"min_p": 0.1}, {"min_tokens": 3}, {"use_beam_search": True},
-                                   {"tools": [{"type": "function", "function": {"name": "f"}}]},
+                                   {"functions": [{"name": "f"}]},
                                    {"include_stop_str_in_output": True}])
 def test_unsupported_fields_are_named_and_neutral_values_pass(service, extra):
     with pytest.raises(openai.BadRequestError) as e:
