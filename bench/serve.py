@@ -94,7 +94,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "('system': the system's roots; with --launch --tls-cert: default the certificate itself)")
     p.add_argument("--dataset", default="builtin", help="'builtin' (chat prompts), 'random' (token ids) or a JSONL "
                    "file of {\"prompt\": ..., \"output_len\": N}")
-    p.add_argument("--num-prompts", type=int, default=50, help="requests per rate")
+    p.add_argument("--num-prompts", type=int, default=50, help="requests per rate (at least)")
+    p.add_argument("--duration-s", type=float, default=0.0, metavar="S",
+                   help="each finite rate sends for at least S seconds (rate x S requests when that is more than "
+                   "--num-prompts), so a high rate reaches a steady state rather than a burst; the same "
+                   "seeded requests, the first N of them at each rate")
     p.add_argument("--input-len", type=int, default=128, help="random dataset: prompt tokens")
     p.add_argument("--output-len", type=int, default=64, help="output tokens (JSONL entries may set their own)")
     p.add_argument("--range-ratio", type=float, default=0.0, help="lengths uniform in len*(1 -+ ratio)")
@@ -124,7 +128,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     rates = parse_rates(args.request_rate)
     check_args(args)
-    items = load_dataset(args)
+    items = load_dataset(argparse.Namespace(**{**vars(args), "num_prompts": max(
+        prompts_at(args, r) for r in rates)}))
     if args.layout:
         report = run_layouts(args, items, rates)
     else:
@@ -152,6 +157,8 @@ def check_args(args: argparse.Namespace) -> None:
         raise ValueError("--num-prompts and --output-len must be > 0, --range-ratio in [0, 1)")
     if not 1 <= args.client_processes <= args.num_prompts:
         raise ValueError("--client-processes must be in 1..--num-prompts")
+    if not 0 <= getattr(args, "duration_s", 0.0) <= 3600:
+        raise ValueError("--duration-s must be in [0, 3600]")
     if not 0 < args.goodput_attainment <= 1:
         raise ValueError("--goodput-attainment must be in (0, 1]")
     if args.layout and not args.launch:
@@ -248,7 +255,8 @@ def workload(args: argparse.Namespace, items: list[Item]) -> dict:
             "output_len": args.output_len, "range_ratio": args.range_ratio, "length_dist": args.length_dist,
             "input_len_mean": round(sum(ins) / len(ins), 1) if ins else None, "input_len_max": max(ins, default=None),
             "output_len_mean": round(sum(outs) / len(outs), 1), "output_len_max": max(outs),
-            "max_concurrency": args.max_concurrency, "client_processes": args.client_processes}
+            "max_concurrency": args.max_concurrency, "client_processes": args.client_processes,
+            "rate_duration_s": getattr(args, "duration_s", 0.0)}
 
 
 def service_pids(service: Any) -> dict[str, int]:
@@ -260,6 +268,13 @@ def service_pids(service: Any) -> dict[str, int]:
     for (role, i), info in service.node_info().items():
         pids[f"{role}{i}"] = int(info["pid"])
     return pids
+
+
+def prompts_at(args: argparse.Namespace, rate: float) -> int:
+    """Requests sent at `rate`: --num-prompts, or more to fill --duration-s at a finite rate."""
+    if math.isinf(rate):
+        return args.num_prompts
+    return max(args.num_prompts, math.ceil(rate * getattr(args, "duration_s", 0.0)))
 
 
 def parse_rates(text: str) -> list[float]:
@@ -298,13 +313,15 @@ async def sweep(args: argparse.Namespace, items: list[Item], rates: list[float])
     from tqdm import tqdm
 
     runs = []
-    with tqdm(total=len(rates) * len(items), desc="bench serve", unit="req", disable=None) as bar:
+    total = sum(min(len(items), prompts_at(args, r)) for r in rates)
+    with tqdm(total=total, desc="bench serve", unit="req", disable=None) as bar:
         for rate in rates:
             bar.set_postfix(rate=rate)
+            batch = items[:prompts_at(args, rate)]
             key = getattr(args, "api_key", None) or settings.API_KEY
             url = getattr(args, "metrics_url", None) or args.base_url
             before = await asyncio.to_thread(scrape, url, key)
-            results, wall, cpu = await measured_load(args, items, rate, bar)
+            results, wall, cpu = await measured_load(args, batch, rate, bar)
             run = {**summarize(results, rate, wall, args), "cpu": cpu}
             interval = getattr(args, "status_interval_s", 1.0)
             settled, after = await asyncio.to_thread(settle, url, before, key, interval)

@@ -20,8 +20,9 @@
 #               flags for bench serve (--num-prompts 1024 --request-rate inf ...)
 #   multi-gpu   two GPUs: tp, the TP tests and TP = 1 against 2; kv, KV transfer cuda:0 -> cuda:1
 #               (`python3 -m bench.kv`, backends $KV_BACKENDS: ipc tcp, add ucx to carry UCX too); service, the goodput of
-#               P on GPU 0 and D on GPU 1 (KV $KV: ipc) against two colocated nodes on the same
-#               requests. ARGS: some of tp kv service (default all), then `--` and bench serve
+#               the layouts $LAYOUTS (default: P on GPU 0 and D on GPU 1, KV $KV: ipc, against two colocated
+#               nodes; on four GPUs e.g. LAYOUTS="prefill=1,decode=3,kv_transfer.backend=ipc colocated=4")
+#               on the same requests. ARGS: some of tp kv service (default all), then `--` and bench serve
 #               flags for service (default: real SmolLM2, k = 3, 1536 in / 128 out)
 #   bundle      here, not on a device: the wheels and the GGUF the stages need, as .bundle/
 #
@@ -205,11 +206,14 @@ multi_service() {  # 1P1D (KV over $KV: ipc) against two colocated nodes on the 
   # --model llama-3.1-8b --load-format dummy --max-model-len 8192 --input-len 4096 --output-len 256
   # --slo-ttft-ms 400 --slo-tpot-ms 20 --slo-tpot-grid-ms 8,12)
   local flags=(--model smollm2 --spec-tokens 3 --dataset random --input-len 1536 --output-len 128
-               --num-prompts 160 --request-rate 8,32,64,inf --slo-ttft-ms 50 --slo-tpot-ms 20
-               --max-num-seqs 128 --set cache.kv_cache_bytes=$((16 << 30)))
+               --num-prompts 160 --duration-s 10 --request-rate 8,32,64,inf --slo-ttft-ms 50 --slo-tpot-ms 20
+               --max-num-seqs 128 --set cache.kv_cache_bytes=$((16 << 30))) layout layouts=()
   [[ ${#SERVE_FLAGS[@]} -gt 0 ]] && flags=(--dataset random --num-prompts 160 --request-rate 1,2,4,8,inf "${SERVE_FLAGS[@]}")
+  for layout in ${LAYOUTS:-prefill=1,decode=1,kv_transfer.backend=${KV:-ipc} colocated=2}; do
+    layouts+=(--layout "$layout")
+  done
   python3 -m deploy.cli bench serve --launch --protocol http --device cuda --client-processes 4 \
-    --layout "prefill=1,decode=1,kv_transfer.backend=${KV:-ipc}" --layout colocated=2 "${flags[@]}" \
+    "${layouts[@]}" "${flags[@]}" \
     --json "$OUT/multi_gpu_goodput.json" --plot-dir "$OUT" > "$OUT/multi_gpu_goodput.log" 2>&1 \
     || tail -n 30 "$OUT/multi_gpu_goodput.log"
 }

@@ -51,3 +51,19 @@ async def test_bench_serve_grpc_and_http_sweep(tmp_path):
             serve.plot(report, tmp_path)
         assert (tmp_path / "latency_cdf.png").stat().st_size > 0 and (tmp_path / "rate_sweep.png").is_file()
         await c.settled()
+
+
+def test_duration_fills_each_finite_rate_with_the_first_requests_of_one_dataset():
+    args = argparse.Namespace(num_prompts=12, duration_s=0.5)
+    assert [serve.prompts_at(args, r) for r in (4.0, 100.0, float("inf"))] == [12, 50, 12]
+    assert serve.prompts_at(argparse.Namespace(num_prompts=12), 100.0) == 12  # no window: --num-prompts
+
+
+async def test_bench_serve_sends_rate_times_duration_at_a_high_rate(tmp_path):
+    async with cluster() as c:
+        args = bench_args(tmp_path, router=f"127.0.0.1:{c.router.grpc_port}", duration_s=0.1)
+        items = serve.load_dataset(argparse.Namespace(**{**vars(args), "num_prompts": 30}))
+        report = await serve.sweep(args, items, [300.0, float("inf")])
+        assert [run["completed"] for run in report["runs"]] == [30, 12]
+        assert all(run["failed"] == 0 for run in report["runs"])
+        await c.settled()
