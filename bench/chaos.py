@@ -4,7 +4,9 @@ Receives the `pdserve up` flags (model, node counts, k, `--set`) and a workload:
 greedy requests of mixed lengths (random prompt ids, `--min-prompt`..`--max-prompt` tokens;
 `--min-output`..`--max-output` tokens, EOS ignored), sent `--concurrency` at a time (default
 twice what the decode nodes can hold: overload). While they run, together and repeatedly:
-node actor kills (decode and prefill in turn, every `--kill-every` s; Ray restarts them), Abort
+node actor kills (decode and prefill in turn, every `--kill-every` s; Ray restarts them; every
+`--step-error-every`-th of them instead a CUDA error in the node's next step, which ends its
+process the way a real device fault does), Abort
 storms (every `--abort-every` s, Abort for a `--abort-fraction` of the requests in flight),
 client cancels (a `--cancel-fraction` of requests walk away at a random token), and KV transfer
 faults (`--kv-faults P`: each KV message from a prefill node dropped, delayed, duplicated and,
@@ -104,6 +106,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--router-restart-every", type=float, default=60.0,
                    help="seconds from the router's last restart to its next kill (Ray restarts it; 0: none)")
     p.add_argument("--max-kills", type=int, default=None, help="node actor kills at most (default: no limit)")
+    p.add_argument("--step-error-every", type=int, default=0, metavar="N",
+                   help="every Nth node fault is a CUDA error in the node's next step instead of a kill (0: none)")
     p.add_argument("--max-router-kills", type=int, default=None, help="router kills at most (default: no limit)")
     p.add_argument("--abort-every", type=float, default=1.0, help="seconds between Abort storms (0: none)")
     p.add_argument("--abort-fraction", type=float, default=0.05, help="share of in-flight requests each storm aborts")
@@ -365,9 +369,7 @@ async def inject(service: Any, client: Any, inflight: dict[str, Outcome], args: 
         if max_router_kills is not None and faults["killed_router"] >= max_router_kills:
             next_restart = math.inf
         if args.kill_every > 0 and now >= next_kill:
-            role, index = victims[turn % len(victims)]
-            await asyncio.to_thread(service.kill, role, index)
-            faults[f"killed_{role}"] += 1
+            await node_fault(service, victims[turn % len(victims)], turn, args, faults)
             turn, next_kill = turn + 1, now + args.kill_every
         if next_restart is None and service.router_restarts - restarts_before >= faults["killed_router"]:  # back
             next_restart = now + restart_every
@@ -381,6 +383,19 @@ async def inject(service: Any, client: Any, inflight: dict[str, Outcome], args: 
             await asyncio.wait_for(done.wait(), 0.1)
         except TimeoutError:
             pass
+
+
+async def node_fault(service: Any, victim: tuple[str, int], turn: int, args: argparse.Namespace,
+                     faults: Counter[str]) -> None:
+    """The `turn`-th node fault: a process kill, or every `--step-error-every`-th a step error."""
+    role, index = victim
+    every = getattr(args, "step_error_every", 0)
+    if every > 0 and (turn + 1) % every == 0:
+        await asyncio.to_thread(service.fail_step, role, index)
+        faults[f"step_error_{role}"] += 1
+    else:
+        await asyncio.to_thread(service.kill, role, index)
+        faults[f"killed_{role}"] += 1
 
 
 async def kill_router(service: Any, injected: Injected) -> None:
@@ -432,7 +447,7 @@ def progress_line(total: int, inflight: dict[str, Outcome], ended: list[Outcome]
                   elapsed: float) -> str:
     kinds = Counter("cancelled" if o.cancelled else "lost" if not o.terminals else
                     "finished" if o.terminals[0][0] == "finished" else "error" for o in ended)
-    kills = {k.removeprefix("killed_"): n for k, n in faults.items() if k.startswith("killed_")}
+    kills = {k.removeprefix("killed_"): n for k, n in faults.items() if k.startswith(("killed_", "step_error_"))}
     return (f"{len(ended)}/{total} ended ({', '.join(f'{n} {k}' for k, n in sorted(kinds.items())) or 'none'}), "
             f"{len(inflight)} in flight, {sum(len(o.tokens) for o in inflight.values())} of their tokens in; "
             f"kills {kills or 0}, aborts {faults['abort_rpcs']}; {elapsed:.0f} s")

@@ -236,6 +236,18 @@ class Service:
         else:
             ray.kill(handle, no_restart=False)
 
+    def fail_step(self, role: str, index: int) -> None:
+        """Make a node's next step raise the error a CUDA fault raises (its process then ends and Ray
+        restarts it); for fault drills. A TP node: its group is killed instead (one rank's error
+        would leave the others waiting in a collective)."""
+        import ray
+
+        handle = self.actors[(role, index)]
+        if isinstance(handle, TPNodeGroup):
+            handle.kill(0)
+        else:
+            ray.get(handle.fail_next_step.remote(), timeout=30)
+
     def kill_router(self) -> None:
         """Kill the router actor's process (Ray restarts it; the watcher makes it serve again)."""
         import ray
