@@ -157,11 +157,8 @@ class PrefillNode(StepLoop):
         self._released: queue.SimpleQueue[tuple[str, bool, float]] = queue.SimpleQueue()
         self.sender = create_sender(kv_backend, timeout_s=kv_timeout_s, on_release=self._on_release,
                                     **(kv_options or {}))
-        layout = KVLayout(self.runner.kv.layers, block_dim=1)
-        self.sender.register(layout)
+        self._kv_block_bytes = register_cache(self.sender, self.runner, self.num_layers + (1 if self.k else 0))
         self._first_sends = FirstTokenSends(self.sender)  # each message goes with the node's `sink`
-        layers_sent = self.num_layers + (1 if self.k else 0)
-        self._kv_block_bytes = sum(sum(layout.block_bytes(i)) for i in range(layers_sent))  # one block, every layer
         self._sent_at: dict[str, float] = {}  # request id -> when its last layer was queued
         self.counters = {"prefill_tokens": 0, "prefill_seconds": 0.0, "kv_bytes": 0, "kv_seconds": 0.0,
                          "kv_skipped_bytes": 0}  # not sent: the decode node held those blocks
@@ -179,11 +176,7 @@ class PrefillNode(StepLoop):
 
     # ---- any thread ------------------------------------------------------------------
     def submit(self, job: PrefillJob) -> concurrent.futures.Future:
-        if len(job.prompt) >= self.max_model_len or not job.prompt:
-            raise ValueError(f"prompt of {len(job.prompt)} tokens does not fit the context {self.max_model_len}")
-        need = self.blocks.blocks_for(kv_room_needed(len(job.prompt), self.k))
-        if need > self.blocks.capacity:  # it would wait at the queue's head for ever, and all behind it
-            raise NeverFits(f"the prompt needs {need} KV blocks and the prefill node has {self.blocks.capacity} in all")
+        check_fits(len(job.prompt), self.max_model_len, self.blocks, self.k)
         if self.runner.grammar is not None:  # compiled off the loop; the prefill step finds it cached
             self.runner.grammar.precompile(job.params.structured)
         self._inbox.put(Submit(job))
@@ -495,6 +488,23 @@ class PrefillNode(StepLoop):
         blocks = self.leased.pop(rid, None)
         if blocks is not None:
             self.blocks.free(blocks)
+
+
+def check_fits(prompt_len: int, max_model_len: int, blocks: Any, k: int) -> None:
+    """ValueError unless a prompt fits the context; NeverFits unless its KV fits the node's blocks
+    (such a job would wait at the queue's head for ever, and every job behind it)."""
+    if prompt_len >= max_model_len or not prompt_len:
+        raise ValueError(f"prompt of {prompt_len} tokens does not fit the context {max_model_len}")
+    need = blocks.blocks_for(kv_room_needed(prompt_len, k))
+    if need > blocks.capacity:
+        raise NeverFits(f"the prompt needs {need} KV blocks and the prefill node has {blocks.capacity} in all")
+
+
+def register_cache(sender: Any, runner: Any, layers_sent: int) -> int:
+    """Register the runner's KV cache with `sender`; the bytes of one block over the layers sent."""
+    layout = KVLayout(runner.kv.layers, block_dim=1)
+    sender.register(layout)
+    return sum(sum(layout.block_bytes(i)) for i in range(layers_sent))
 
 
 def _event_after_queued_work(device: torch.device) -> Any:
