@@ -70,6 +70,14 @@ def pow2_buckets(low: int, high: int) -> list[int]:
     return sizes + [high]
 
 
+def step_buckets(chunks: list[PrefillChunk], token_buckets: list[int], row_buckets: list[int]) -> tuple[int, int, int]:
+    """A step's (tokens, rows, longest chunk) buckets; the step must fit the largest ones."""
+    n = sum(c.end - c.start for c in chunks)
+    longest = max(c.end - c.start for c in chunks)
+    return (next(b for b in token_buckets if b >= n), next(b for b in row_buckets if b >= len(chunks)),
+            next(b for b in token_buckets if b >= longest))
+
+
 class PrefillGraphs:
     def __init__(self, runner: PrefillRunner, max_tokens: int, max_rows: int) -> None:
         self.runner = runner
@@ -89,11 +97,8 @@ class PrefillGraphs:
 
     def key(self, chunks: list[PrefillChunk]) -> PrefillKey:
         """The graph key of a step of `chunks` (its buckets, sampling flags, logprobs, freshness)."""
-        n = sum(c.end - c.start for c in chunks)
-        t = next(b for b in self.token_buckets if b >= n)
-        r = next(b for b in self.row_buckets if b >= len(chunks))
-        longest = max(c.end - c.start for c in chunks)
-        key = key_for(chunks, t, r, max_q=next(b for b in self.token_buckets if b >= longest))
+        t, r, max_q = step_buckets(chunks, self.token_buckets, self.row_buckets)
+        key = key_for(chunks, t, r, max_q)
         if key.top_logprobs is not None:
             key = dataclasses.replace(key, top_logprobs=MAX_TOP_LOGPROBS)
         return key

@@ -136,6 +136,23 @@ def test_warmed_up_node_captures_nothing_for_single_prompts(k):
     assert got == [eager.generate([p], params)[0].output_ids for p in PROMPTS]
 
 
+def test_warmed_up_node_captures_nothing_for_varied_lengths_and_batches():
+    """After the warm-up, greedy requests of varied lengths (some chunked past the token budget) in
+    batches of varied sizes meet only covered shapes (engine/runner/shapes.py) and no new graph."""
+    from engine.runner.warmup import warm_up
+
+    eng = engine(3, max_num_seqs=8, max_num_batched_tokens=64, max_model_len=256)
+    warm_up(eng.runner, decode=True, prefill=True, max_model_len=eng.max_model_len)
+    pg, dg, shapes = eng.runner.prefill_graphs, eng.runner.graphs, eng.runner.shapes
+    captured = (len(pg.graphs), len(dg.graphs))
+    prompts = [[7 + i] * n for i, n in enumerate([5, 17, 40, 100, 3, 9, 150, 2])]
+    params = [SamplingParams(max_tokens=2 + 3 * i, ignore_eos=True) for i in range(len(prompts))]
+    eng.generate(prompts, params)
+    eng.generate(prompts[2:5], params[2:5])
+    assert (len(pg.graphs), len(dg.graphs)) == captured and not pg.pending
+    assert shapes.cold == 0 and len(shapes.met) >= 6
+
+
 def test_after_warm_up_a_new_key_runs_eagerly_then_is_captured_when_idle():
     """engine/runner/warmup.py defers: a key the warm-up left out (top-k filter) runs eagerly, waits in
     `pending`, and `capture_deferred` captures it over dummy prompts; the graph then gives the

@@ -15,7 +15,8 @@ from engine.engine import EngineConfig, LLMEngine
 from engine.request import PrefillChunk
 from engine.runner.dummy_prompts import chunks_for_key, dummy_chunks
 from engine.runner.prefill_graphs import PrefillGraphs, pow2_buckets
-from engine.runner.prefill_step import key_for
+from engine.runner.prefill_step import PrefillKey, key_for
+from engine.runner.shapes import ShapeLog, decode_shapes, prefill_shapes
 from engine.runner.warmup import GREEDY, SAMPLED, VARIANTS, capture_deferred, rows_for, warm_up
 from engine.sampling.sampling_params import SamplingParams
 from tests.engine.conftest import DEVICE
@@ -102,3 +103,66 @@ def test_a_deferred_eager_step_runs_in_the_runners_kernel_mode(tiny, prefill_mod
         out = graphs.run(dummy_chunks(64, 2, GREEDY, None))
         assert out.first_token.shape == (2,) and graphs.pending
     assert prefill_modes == [True, False]
+
+
+# ---- the shapes a node's steps can meet, and the warm-up covering them ----------------------------
+def test_prefill_shapes_are_what_steps_under_the_limits_fill():
+    """Every step of whole or chunked prompts (shorter than the context) within the largest buckets has
+    an enumerated shape, every enumerated shape has a step, and nothing else is listed."""
+    import random
+
+    tokens, rows, context = pow2_buckets(16, 64), pow2_buckets(1, 4), 40
+    log = ShapeLog(tokens, rows, {1: [4]}, context, resumes=True)
+    listed = set(log.prefill_shapes())
+    assert len(listed) == len(log.prefill_shapes())
+    fresh_only = set(prefill_shapes(tokens, rows, context, resumes=False))
+    assert fresh_only == {s for s in listed if s[3]} and fresh_only != listed
+    assert (16, 4, 16, True) in listed and (64, 1, 64, True) in listed  # four short prompts; one of 33-39 tokens
+    assert (64, 1, 32, True) not in listed and (64, 2, 16, True) not in listed  # 33+ tokens need longer chunks
+    rng, met = random.Random(0), set()
+    for _ in range(2000):
+        chunks = []
+        for _ in range(rng.randint(1, 4)):
+            start = rng.choice([0, 0, rng.randint(1, 3), rng.randint(1, context - 2)])
+            end = rng.randint(start + 1, context - 1)
+            chunks.append(PrefillChunk([5] * end, start, end, [], GREEDY, 0))
+        shape = log.prefill_shape(chunks)
+        if sum(c.end - c.start for c in chunks) > 64:
+            assert shape is None  # past the largest bucket: eager at its size
+            continue
+        assert shape in listed, chunks
+        met.add(shape)
+    assert len(met) > len(listed) // 2
+    for shape in listed:  # and a step under the limits fills each listed one
+        chunks = chunks_for_key(PrefillKey(*shape[:3], True, False, None, shape[3]), tokens, rows, context - 1)
+        assert all(c.end < context for c in chunks) and len(chunks) <= 4 and sum(c.end - c.start for c in chunks) <= 64
+        assert log.prefill_shape(chunks) == shape
+
+
+def test_decode_shapes_are_every_bucket_at_its_widths():
+    assert decode_shapes({1: [16, 64], 2: [16, 64], 4: [64]}) == [(1, 16), (1, 64), (2, 16), (2, 64), (4, 64)]
+    log = ShapeLog([16], [1], {1: [16, 64], 2: [16, 64], 4: [64]}, 1024, resumes=False)
+    assert log.decode_shape(3, 10) == (4, 64) and log.decode_shape(2, 10) == (2, 16) and log.decode_shape(1, 17) == (1, 64)
+
+
+def test_after_warm_up_no_step_meets_a_shape_it_did_not_cover(tiny):
+    """Requests of varied lengths (some chunked past the token budget) and batch sizes, through the
+    engine after its warm-up: every step's shape was covered (on a GPU: no capture or compile on a
+    request's path). Before the warm-up the same steps count as cold: the counter can fail."""
+    eng = LLMEngine(tiny, EngineConfig(num_speculative_tokens=2, device=DEVICE, max_num_seqs=8,
+                                       max_num_batched_tokens=64, max_model_len=256))
+    shapes = eng.runner.shapes
+    assert shapes is not None and shapes.resumes  # 255-token prompts pass the 64-token budget
+    prompts = [[7 + i] * n for i, n in enumerate([5, 17, 40, 100, 3, 9, 150, 2])]
+    params = [SamplingParams(max_tokens=2 + 3 * i, ignore_eos=True, temperature=0.0 if i % 2 else 0.8)
+              for i in range(len(prompts))]
+    eng.generate(prompts[:2], params[:2])
+    assert shapes.cold > 0 and shapes.cold == sum(shapes.met.values())
+    warm_up(eng.runner, decode=True, prefill=True, max_model_len=eng.max_model_len)
+    shapes.cold, shapes.met = 0, type(shapes.met)()
+    eng.generate(prompts, params)
+    eng.generate(prompts[3:4], params[3:4])
+    prefill = [s for s in shapes.met if len(s) == 4]
+    assert shapes.cold == 0, [s for s in shapes.met if s not in shapes.warm]
+    assert len(prefill) >= 3 and any(not s[3] for s in prefill)  # chunked prompts resumed
+    assert len({s[0] for s in shapes.met if len(s) == 2}) >= 3  # decode batches shrank through the buckets
