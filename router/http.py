@@ -256,6 +256,7 @@ async def _events(fmt: Format, first: pb.GenerateResponse, msgs: AsyncGenerator[
                 yield _sse(fmt.chunk(msg, first=start))
                 started.add(msg.index)
             if is_terminal(msg):
+                await anext(msgs, None)  # ends `msgs` now: it learns the terminal message was written
                 if include_usage:
                     yield _sse(fmt.usage_chunk(msg))
                 break

@@ -145,10 +145,10 @@ class Placement:
             timeout=self.config.rpc_timeout_s))
         try:
             payload = await self._await_prefill(st, prefill, call)
+            first = self._first_of(st, prefill, payload, arrived[0] if arrived else None)
         except BaseException:
             attach.cancel()
             raise
-        first = self._first_of(st, prefill, payload, arrived[0] if arrived else None)
         if first is not None:
             await self._attached(prefill, rid, attach)
             st.timeline.lap("reserve")  # what the call did not hide of the reservation, the descriptor's hand-off

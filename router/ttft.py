@@ -69,10 +69,11 @@ class Timeline:
 
 
 def split_window(window: float, queue_s: float, compute_s: float) -> tuple[float, float, float]:
-    """A call of `window` seconds in which the node queued `queue_s` then computed `compute_s`: the
-    queue, the compute and the rest (the call's way there and back), which add up to `window`. The
-    node's figures are cut to the window (two hosts' clocks tick at slightly different rates, and a
-    figure from the network may be anything)."""
-    queue = min(max(queue_s, 0.0), window)
-    compute = min(max(compute_s, 0.0), window - queue)
+    """A wait of `window` seconds for a first token that its node queued `queue_s` then computed
+    `compute_s`: the queue, the compute and the rest (the way there and back), which add up to
+    `window`. The node's figures are cut to the window, its queue first: two hosts' clocks tick at
+    slightly different rates, a figure from the network may be anything, and a colocated node's
+    queue starts inside its Submit call (charged to reserve) while the reply travels back."""
+    compute = min(max(compute_s, 0.0), window)
+    queue = min(max(queue_s, 0.0), window - compute)
     return queue, compute, max(0.0, window - queue - compute)  # >= 0 past float rounding too

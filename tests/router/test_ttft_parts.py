@@ -1,10 +1,9 @@
 """TTFT by its parts (router/ttft.py): a prefill call's window split around what the node reported,
 and, through the whole service (real HTTP and gRPC on 127.0.0.1, real tiny-model nodes in this
-process, PD and colocated), each request's parts in /metrics adding up to its TTFT."""
+process, PD (the reservation alongside the prefill, or before it) and colocated), each request's parts in /metrics adding up to its TTFT."""
 
 from __future__ import annotations
 
-import asyncio
 import time
 
 import httpx2
@@ -32,8 +31,8 @@ def test_a_window_splits_into_parts_that_add_up(window, queue_s, compute_s):
 
 def test_the_nodes_figures_are_cut_to_the_window():
     assert split_window(10.0, 2.0, 5.0) == (2.0, 5.0, 3.0)
-    assert split_window(4.0, 3.0, 5.0) == (3.0, 1.0, 0.0)  # past the router's own measure of the call
-    assert split_window(4.0, 9.0, 5.0) == (4.0, 0.0, 0.0)
+    assert split_window(4.0, 3.0, 2.0) == (2.0, 2.0, 0.0)  # past the router's own measure: the queue is cut
+    assert split_window(4.0, 9.0, 5.0) == (0.0, 4.0, 0.0)
 
 
 def test_laps_charge_everything_since_the_previous_one():
@@ -58,9 +57,10 @@ NAMES = {part: f"pdserve:{name}" for part, (name, _) in TTFT_PART_METRICS.items(
 TTFT = "pdserve:time_to_first_token_seconds"
 
 
-@pytest.fixture(scope="module", params=["pd", "colocated"])
+@pytest.fixture(scope="module", params=["pd", "pd-reserve-first", "colocated"])
 def service(request):
-    s = RealService(request.param, max_model_len=256)
+    mode, _, order = request.param.partition("-")
+    s = RealService(mode, max_model_len=256, overlap_reserve=not order)  # reserve first: no overlap
     yield s
     s.close()
 
@@ -96,10 +96,10 @@ def one_request_parts(service, send) -> tuple[dict[str, float], float, float]:
 
 
 def grpc_generate(service) -> None:
-    async def run():
+    async def run():  # on the router's loop: gRPC's asyncio wants one loop per process
         async with RouterClient(f"127.0.0.1:{service.router.grpc_port}") as client:
             await client.generate(build_request([256, 5, 17, 5], max_tokens=4, temperature=0.0))
-    asyncio.run(run())
+    service.call(run())
 
 
 SENDS = {
@@ -107,7 +107,8 @@ SENDS = {
                                                               stream=True, temperature=0)),
     "http-chat": lambda s: s.client.chat.completions.create(model="tiny", max_tokens=3, temperature=0,
                                                             messages=[{"role": "user", "content": "hello there"}]),
-    "http-one-token": lambda s: s.client.completions.create(model="tiny", prompt="a b c", max_tokens=1, stream=True),
+    "http-one-token": lambda s: list(s.client.completions.create(model="tiny", prompt="a b c", max_tokens=1,
+                                                                 stream=True)),
     "grpc": grpc_generate,
 }
 
