@@ -91,7 +91,7 @@ class ColocatedNode(DecodeNode):
         self._publish(items)
         if busy or prefilled or items:
             return True
-        return capture_deferred(self.runner, self.max_model_len)  # idle: a graph a step ran eagerly
+        return capture_deferred(self.runner, self.max_model_len)  # idle: one graph (engine/runner/warmup.py)
 
     def _prefill_launch(self, items: list[OutputItem]) -> tuple[Launched, float] | None:
         chunks, reqs = self.prefill.schedule()

@@ -52,7 +52,7 @@ from engine.engine import EngineConfig, build_runner, prefix_cache_for
 from engine.model.loader import LoadedModel
 from engine.request import Request, RequestOutput
 from engine.runner.model_runner import kv_room_needed
-from engine.runner.warmup import warm_up
+from engine.runner.warmup import capture_deferred, warm_up
 from engine.sampling.sampling_params import MAX_N, SamplingParams
 from engine.sched.decode_batch import DecodeBatch
 from engine.sched.fork import (
@@ -200,7 +200,7 @@ class DecodeNode(StepLoop):
         self._count_accepted(outputs)
         items += [self._item(o) for o in outputs]
         self._publish(items)
-        return busy or bool(items)
+        return busy or bool(items) or capture_deferred(self.runner, self.max_model_len)  # idle: one graph
 
     def _drain_inbox(self, items: list[OutputItem]) -> None:
         while True:

@@ -69,7 +69,7 @@ class EngineConfig:
     block_shuffle_seed: int | None = None  # scatter block ids (tests)
     seed: int = 0  # draws per-request seeds when a request gives none
     enable_prefix_caching: bool = False  # reuse computed KV blocks of earlier prompts (as vLLM's flag)
-    warmup: bool = False  # nodes: capture the graphs requests meet before serving (engine/runner/warmup.py)
+    warmup: bool = False  # nodes: capture the graphs requests meet first before serving, the rest when idle (engine/runner/warmup.py)
 
     def __post_init__(self) -> None:
         if self.num_speculative_tokens < 0:

@@ -125,6 +125,7 @@ class DecodeGraphs:
         self._rows: list[int] = [runner.state.spare] * max_batch  # what `step_rows` holds
         self.widths = {b: decode_widths(runner, b) for b in self.buckets}  # each bucket's kv_blocks, narrow first
         self.stamps = StepStamps(runner.device) if stamps_on(runner.device) else None  # settings.STEP_STAMPS
+        self.deferred: list[GraphKey] = []  # keys a node captures when idle (engine/runner/warmup.py)
 
     def bucket(self, n: int) -> int:
         return next(b for b in self.buckets if b >= n)
