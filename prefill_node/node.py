@@ -49,7 +49,7 @@ from engine.model.loader import LoadedModel
 from engine.request import PrefillChunk, TokenLogprob
 from engine.runner.model_runner import PrefillOutput, kv_room_needed, unpack_logprobs
 from engine.runner.prompt_logprobs import add_prompt_logprobs
-from engine.runner.warmup import capture_deferred, warm_up
+from engine.runner.warmup import capture_deferred, shape_status, warm_up
 from engine.sampling.sampling_params import SamplingParams
 from engine.sched.chunked_prefill import EarlyFirst, HostFirst
 from engine.sched.step_loop import StepLoop
@@ -202,7 +202,7 @@ class PrefillNode(StepLoop):
         return {"free_blocks": self.blocks.num_free, "total_blocks": self.blocks.capacity,
                 "running": len(self.waiting), "queued_tokens": self.queued_tokens, **self.counters,
                 **self.prefix.status(), "takes_attach": self.takes_attach,
-                "kv_seconds_buckets": list(self.kv_buckets)}
+                "kv_seconds_buckets": list(self.kv_buckets), **shape_status(self.runner)}
 
     def stop(self) -> None:
         self.stop_loop()
@@ -221,7 +221,7 @@ class PrefillNode(StepLoop):
         self._expire_unattached()
         jobs = self._admit_and_plan()
         if not jobs:
-            return capture_deferred(self.runner, self.max_model_len)  # idle: a graph a step ran eagerly
+            return capture_deferred(self.runner, self.max_model_len)  # idle: one graph (engine/runner/warmup.py)
         chunks = [PrefillChunk(j.prompt, j.num_prefilled, j.num_prefilled + n, j.block_ids, j.params, j.seed)
                   for j, n in jobs]
         finishing = [j for (j, _), c in zip(jobs, chunks, strict=True) if c.is_last]

@@ -199,7 +199,7 @@ class NodeCollector:
         queued = GaugeMetricFamily("pdserve:node_queued_prompt_tokens", "Prompt tokens waiting (P)", labels=keys)
         shared = GaugeMetricFamily("pdserve:kv_blocks_shared", "KV cache blocks in use by more than one request "
                                    "(n > 1 choices, prefix hits)", labels=keys)
-        prefix = self._prefix_families(keys)
+        prefix, graphs = self._prefix_families(keys), self._graph_families(keys)
         families = [running, healthy, used, free, total, queued, shared, *self._counters(keys)]
         for node in self.nodes():
             s, key = node.status, [node.address, node.kind]
@@ -214,7 +214,19 @@ class NodeCollector:
             shared.add_metric(key, s.shared_blocks)
             self._add_counters(families[7:], key, s)
             self._add_prefix(prefix, key, s)
-        yield from families + prefix
+            graphs[0].add_metric(key, s.cold_shape_steps)
+            graphs[1].add_metric(key, s.graph_shapes_pending)
+        yield from families + prefix + graphs
+
+    @staticmethod
+    def _graph_families(keys: list[str]) -> list[Any]:
+        """The warm-up's reach (engine/runner/warmup.py): 0 and 0 once the node captured every shape."""
+        return [
+            CounterMetricFamily("pdserve:cold_shape_steps", "Steps that met a shape with no CUDA graph yet "
+                                "(run eagerly) (P, D)", labels=keys),
+            GaugeMetricFamily("pdserve:graph_shapes_pending", "Step shapes the node still captures when idle "
+                              "(P, D)", labels=keys),
+        ]
 
     @staticmethod
     def _counters(keys: list[str]) -> list[Any]:

@@ -8,6 +8,8 @@ warm-up means to cover. tests/engine/test_gpu_prefill.py checks the captured gra
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 
@@ -257,3 +259,22 @@ def test_a_request_never_captures_a_shape_with_no_graph(tiny, monkeypatch):
     with pytest.raises(Captured):
         eng.generate(prompt, params)  # its key came back often enough: captured on its path
 
+
+def test_an_idle_node_captures_its_backlog_and_its_status_says_so(tiny):
+    """A colocated node (warm-up on) reports the shapes left, and its loop's idle rounds capture them
+    (on the CPU: mark them) until none is left; its status fits the node's Status message."""
+    from decode_node.colocated import ColocatedNode
+    from protos import node_pb2
+
+    node = ColocatedNode(tiny, EngineConfig(num_speculative_tokens=2, device=DEVICE, warmup=True, **LIMITS))
+    status = node.status()
+    assert status["graph_shapes_pending"] > 0 and status["cold_shape_steps"] == 0
+    assert node_pb2.NodeStatus(**status).graph_shapes_pending == status["graph_shapes_pending"]
+    node.start()
+    try:
+        deadline = time.monotonic() + 60
+        while node.status()["graph_shapes_pending"] and time.monotonic() < deadline:
+            time.sleep(0.01)
+    finally:
+        node.stop()
+    assert node.status()["graph_shapes_pending"] == 0
