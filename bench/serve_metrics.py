@@ -2,16 +2,17 @@
 
 `bench serve` reads `/metrics` before and after each rate's run and hands on, per run, the means of
 what the service measured itself over it: the router's TTFT (`time_to_first_token_seconds`, from
-the request's arrival at the router to its first token going out), the prefill nodes' step time per
+the request's receipt at the router's door to its first token written to the client) and the mean
+of each of its parts (`ttft_<part>_mean_ms`: HTTP parse, tokenization, the router's queue, the
+reservation, the prefill node's queue and compute, the first token's return and its write; they
+add up to the TTFT's mean, router/ttft.py), the prefill nodes' step time per
 completed request (`prefill_seconds`: the steps' host-measured time, the device's work included)
 and the KV transfer time (PD): its mean per completed request, and over the run's transfers
 (`kv_transfer_seconds`, a histogram: from a request's last layer queued on the prefill node to
 the decode node's acknowledgement) their mean, and p50 and p99 estimated from the buckets as
-Prometheus' `histogram_quantile` does (linear within a bucket). Against the client's TTFT, these split the time into
-the HTTP/client side, the router and queues, and the prefill itself; the router's reservation
-(Reserve on a decode node, Submit on a colocated one) and Prefill calls, as it timed them, split
-the router's part. A server without these
-metrics (another vendor's) gives an empty breakdown.
+Prometheus' `histogram_quantile` does (linear within a bucket). Against the client's TTFT, these split
+the time into the client's side (what the router's TTFT leaves out) and the router's parts. A server
+without these metrics (another vendor's) gives an empty breakdown.
 """
 
 from __future__ import annotations
@@ -21,13 +22,16 @@ import re
 import time
 import urllib.request
 
+TTFT_PARTS = {  # the router's TTFT parts (router/metrics.py's TTFT_PART_METRICS), in request order
+    "parse": "request_parse_time_seconds", "tokenize": "request_tokenize_time_seconds",
+    "queue": "request_queue_time_seconds", "reserve": "request_reserve_time_seconds",
+    "prefill_queue": "request_prefill_queue_time_seconds", "prefill": "request_prefill_time_seconds",
+    "return": "request_first_token_return_time_seconds", "write": "request_first_token_write_time_seconds"}
 _LINE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[^}]*\})?\s+([-+0-9.eEinfNa]+)$")
 WANTED = ("pdserve:time_to_first_token_seconds_sum", "pdserve:time_to_first_token_seconds_count",
           "pdserve:prefill_seconds", "pdserve:prefill_tokens", "pdserve:kv_transfer_seconds_sum",
           "pdserve:kv_transfer_seconds_count", "pdserve:kv_transfer_seconds_bucket",
-          "pdserve:kv_blocks_used", "pdserve:request_reserve_time_seconds_sum",
-          "pdserve:request_reserve_time_seconds_count", "pdserve:request_prefill_time_seconds_sum",
-          "pdserve:request_prefill_time_seconds_count")
+          "pdserve:kv_blocks_used", *(f"pdserve:{name}_sum" for name in TTFT_PARTS.values()))
 _LE = re.compile(r'le="([^"]*)"')
 SETTLE_S = 10.0  # how long after a run the nodes' used KV blocks may take to come back (status polls)
 
@@ -88,12 +92,11 @@ def breakdown(before: dict[str, float], after: dict[str, float], completed: int)
 
     out = {}
     n = delta("pdserve:time_to_first_token_seconds_count")
-    if n > 0:
+    if n > 0:  # each part is observed with the TTFT, once per request
         out["router_ttft_mean_ms"] = round(1000 * delta("pdserve:time_to_first_token_seconds_sum") / n, 2)
-    for phase in ("reserve", "prefill"):  # the router's view of the placement calls, per attempt
-        calls = delta(f"pdserve:request_{phase}_time_seconds_count")
-        if calls > 0:
-            out[f"router_{phase}_call_mean_ms"] = round(1000 * delta(f"pdserve:request_{phase}_time_seconds_sum") / calls, 2)
+        parts = {part: 1000 * delta(f"pdserve:{name}_sum") / n for part, name in TTFT_PARTS.items()}
+        if any(parts.values()):  # a router that measures them
+            out.update({f"ttft_{part}_mean_ms": round(ms, 3) for part, ms in parts.items()})
     out["prefill_ms_per_request"] = round(1000 * delta("pdserve:prefill_seconds") / completed, 2)
     out["kv_transfer_ms_per_request"] = round(1000 * delta("pdserve:kv_transfer_seconds_sum") / completed, 2)
     out.update(_kv_transfers(before, after))

@@ -53,6 +53,9 @@ class ColocatedNode(DecodeNode):
         self.prefill = ChunkedPrefill(self.runner, self.prefix, self.batch, config.max_num_batched_tokens)
         self.counters = {"prefill_tokens": 0, "prefill_seconds": 0.0}
         self.prefill_steps = 0  # loop rounds that ran a prefill chunk (tests: interleaving)
+        # request id -> [admitted, first chunk launched] (monotonic): the first item's queue and compute
+        # time, which the router lays on the request's TTFT (router/ttft.py); loop thread only
+        self._ttft: dict[str, list[float]] = {}
 
     # ---- any thread ------------------------------------------------------------------
     def submit(self, request_id: str, prompt: list[int], params: SamplingParams, seed: int,
@@ -90,10 +93,15 @@ class ColocatedNode(DecodeNode):
         self._publish(items)
         if busy or prefilled or items:
             return True
-        return capture_deferred(self.runner, self.max_model_len)  # idle: a graph a step ran eagerly
+        return capture_deferred(self.runner, self.max_model_len)  # idle: one graph (engine/runner/warmup.py)
 
     def _prefill_launch(self, items: list[OutputItem]) -> tuple[Launched, float] | None:
         chunks, reqs = self.prefill.schedule()
+        now = time.monotonic()
+        for req in reqs:
+            marks = self._ttft.get(req.request_id)
+            if marks is not None and len(marks) == 1:
+                marks.append(now)
         start = time.perf_counter()
         try:
             launched = self.prefill.launch(chunks, reqs, inserted_late=True)
@@ -117,7 +125,12 @@ class ColocatedNode(DecodeNode):
             self._prefill_failed(launched.reqs, e, items)
             return items
         self.counters["prefill_seconds"] += spent + time.perf_counter() - start
-        return [self._item(o) for o in outputs]
+        computed, items = time.monotonic(), [self._item(o) for o in outputs]
+        for item in items:
+            marks = self._ttft.pop(item.request_id, None) if item.tokens and not item.index else None
+            if marks is not None and len(marks) == 2:
+                item.queue_s, item.compute_s = marks[1] - marks[0], computed - marks[1]
+        return items
 
     def _prefill_failed(self, reqs: list[Request], e: Exception, items: list[OutputItem]) -> None:
         log.exception("colocated prefill step failed")
@@ -141,8 +154,10 @@ class ColocatedNode(DecodeNode):
                                       f"for each of {params.n} choices)")
         req.num_prefilled = req.num_cached_tokens = hit  # prefill starts after the cached prefix
         self.prefill.add(req)
+        self._ttft[rid] = [time.monotonic()]
         return Reservation(True)
 
     def _end(self, req: Request, reason: str) -> None:
         self.prefill.drop(req)  # ended before (or while) its prompt was computed
+        self._ttft.pop(req.request_id, None)
         super()._end(req, reason)

@@ -52,7 +52,7 @@ from engine.engine import EngineConfig, build_runner, prefix_cache_for
 from engine.model.loader import LoadedModel
 from engine.request import Request, RequestOutput
 from engine.runner.model_runner import kv_room_needed
-from engine.runner.warmup import warm_up
+from engine.runner.warmup import capture_deferred, shape_status, warm_up
 from engine.sampling.sampling_params import MAX_N, SamplingParams
 from engine.sched.decode_batch import DecodeBatch
 from engine.sched.fork import (
@@ -172,7 +172,7 @@ class DecodeNode(StepLoop):
         return {"free_blocks": self.blocks.num_free, "total_blocks": self.blocks.capacity,
                 "running": len(self.requests), "queued_tokens": 0, "kv_bytes": self.kv_bytes,
                 "kv_skipped_bytes": self.kv_skipped_bytes, "draft_tokens": list(self.draft_tokens),
-                "accepted_per_pos": list(self.accepted_per_pos), **self.prefix.status()}
+                "accepted_per_pos": list(self.accepted_per_pos), **self.prefix.status(), **shape_status(self.runner)}
 
     @property
     def receiver(self) -> KVReceiver:
@@ -206,7 +206,7 @@ class DecodeNode(StepLoop):
         self._count_accepted(outputs)
         items += [self._item(o) for o in outputs]
         self._publish(items)
-        return busy or bool(items)
+        return busy or bool(items) or capture_deferred(self.runner, self.max_model_len)  # idle: one graph
 
     def _drain_inbox(self, items: list[OutputItem]) -> None:
         while True:

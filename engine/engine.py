@@ -34,7 +34,10 @@ from engine.model.attention import get_backend
 from engine.model.llama import fuse_projections
 from engine.model.loader import LoadedModel
 from engine.request import PrefillChunk, Request, RequestOutput
-from engine.runner.model_runner import MAX_GRAPH_TOKENS, ModelRunner, kv_room_needed
+from engine.runner.cuda_graphs import bucket_sizes, decode_widths
+from engine.runner.model_runner import MAX_GRAPH_ROWS, MAX_GRAPH_TOKENS, ModelRunner, kv_room_needed
+from engine.runner.prefill_graphs import MIN_TOKENS, pow2_buckets
+from engine.runner.shapes import ShapeLog
 from engine.sampling.sampling_params import SamplingParams
 from engine.sched.chunked_prefill import ChunkedPrefill
 from engine.sched.decode_batch import DecodeBatch
@@ -66,7 +69,7 @@ class EngineConfig:
     block_shuffle_seed: int | None = None  # scatter block ids (tests)
     seed: int = 0  # draws per-request seeds when a request gives none
     enable_prefix_caching: bool = False  # reuse computed KV blocks of earlier prompts (as vLLM's flag)
-    warmup: bool = False  # nodes: capture the graphs requests meet before serving (engine/runner/warmup.py)
+    warmup: bool = False  # nodes: capture the graphs requests meet first before serving, the rest when idle (engine/runner/warmup.py)
 
     def __post_init__(self) -> None:
         if self.num_speculative_tokens < 0:
@@ -108,9 +111,24 @@ def build_runner(loaded: LoadedModel, config: EngineConfig, decodes: bool = True
         prefill_graph_tokens=min(config.max_num_batched_tokens, MAX_GRAPH_TOKENS) if graphs and single else 0,
     )
     runner.grammar = GrammarCompiler(loaded.tokenizer, runner.state.vocab, loaded.eos_token_ids)  # compiles on first use
+    runner.shapes = shape_log(runner, config, max_model_len)
     if runner.graphs is not None:
         runner.graphs.capture_greedy()
     return runner, blocks, max_model_len
+
+
+def shape_log(runner: ModelRunner, config: EngineConfig, max_model_len: int) -> ShapeLog:
+    """The runner's step shapes under `config`'s limits (engine/runner/shapes.py): its graphs' buckets
+    (those it would have on a GPU when it has none). A prompt resumes after a prefix when it can be
+    longer than a step's token budget, or when a prefix cache is on."""
+    graphs = runner.prefill_graphs
+    tokens = graphs.token_buckets if graphs is not None else pow2_buckets(
+        MIN_TOKENS, max(MIN_TOKENS, min(config.max_num_batched_tokens, MAX_GRAPH_TOKENS)))
+    rows = graphs.row_buckets if graphs is not None else pow2_buckets(1, min(config.max_num_seqs, MAX_GRAPH_ROWS))
+    widths = runner.graphs.widths if runner.graphs is not None else {
+        b: decode_widths(runner, b) for b in bucket_sizes(config.max_num_seqs)}
+    resumes = max_model_len - 1 > config.max_num_batched_tokens or config.enable_prefix_caching
+    return ShapeLog(tokens, rows, widths, max_model_len, resumes)
 
 
 def _num_blocks(loaded: LoadedModel, config: EngineConfig, max_model_len: int, tp_size: int) -> int:

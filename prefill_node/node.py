@@ -49,7 +49,7 @@ from engine.model.loader import LoadedModel
 from engine.request import PrefillChunk, TokenLogprob
 from engine.runner.model_runner import PrefillOutput, kv_room_needed, unpack_logprobs
 from engine.runner.prompt_logprobs import add_prompt_logprobs
-from engine.runner.warmup import capture_deferred, warm_up
+from engine.runner.warmup import capture_deferred, shape_status, warm_up
 from engine.sampling.sampling_params import SamplingParams
 from engine.sched.chunked_prefill import EarlyFirst, HostFirst
 from engine.sched.step_loop import StepLoop
@@ -85,6 +85,8 @@ class PrefillJob:
     held_layers: list[tuple[int, Any]] = field(default_factory=list)  # (layer, ready) computed before the descriptor
     held_first: FirstToken | None = None  # done before the descriptor: D's first-token message waits
     attach_by: float = 0.0  # monotonic deadline for a job without its descriptor
+    received: float = field(default_factory=time.monotonic)  # its Prefill call came in (the server sets it)
+    started: float | None = None  # its first chunk's step began: the end of its queue time
 
     @property
     def attached(self) -> bool:
@@ -201,7 +203,7 @@ class PrefillNode(StepLoop):
         return {"free_blocks": self.blocks.num_free, "total_blocks": self.blocks.capacity,
                 "running": len(self.waiting), "queued_tokens": self.queued_tokens, **self.counters,
                 **self.prefix.status(), "takes_attach": self.takes_attach,
-                "kv_seconds_buckets": list(self.kv_buckets)}
+                "kv_seconds_buckets": list(self.kv_buckets), **shape_status(self.runner)}
 
     def _loop_failed(self, error: BaseException) -> None:
         """A step raised (a device error): the jobs it held fail (their callers try another prefill
@@ -227,10 +229,13 @@ class PrefillNode(StepLoop):
         self._expire_unattached()
         jobs = self._admit_and_plan()
         if not jobs:
-            return capture_deferred(self.runner, self.max_model_len)  # idle: a graph a step ran eagerly
+            return capture_deferred(self.runner, self.max_model_len)  # idle: one graph (engine/runner/warmup.py)
         chunks = [PrefillChunk(j.prompt, j.num_prefilled, j.num_prefilled + n, j.block_ids, j.params, j.seed)
                   for j, n in jobs]
         finishing = [j for (j, _), c in zip(jobs, chunks, strict=True) if c.is_last]
+        now = time.monotonic()
+        for j, _ in jobs:
+            j.started = now if j.started is None else j.started
         start = time.perf_counter()
         early = EarlyFirst()  # the first tokens' copy to the host, queued ahead of the MTP drafts
         try:
@@ -381,12 +386,16 @@ class PrefillNode(StepLoop):
         if early is None:
             early = HostFirst.start(out)
         firsts, lp = early.read()  # the first tokens' read point: the target forward, not the drafts
+        computed = time.monotonic()
         for j in jobs:
             self._mark(j.request_id, "computed")
         lp_nums = {i: jobs[i].params.logprobs or 0 for i in out.logprob_rows}
         lps = unpack_logprobs(lp, lp_nums, out.logprob_rows, 1) if lp is not None else {}
         for i, j in enumerate(jobs):  # the router streams the first token while the drafts run
-            j.future.set_result(j.first_token(firsts[i], [], None, lps.get(i)))
+            first = j.first_token(firsts[i], [], None, lps.get(i))
+            started = computed if j.started is None else j.started
+            first.queue_s, first.compute_s = max(0.0, started - j.received), computed - started  # TTFT parts
+            j.future.set_result(first)
             self._mark(j.request_id, "first_sent")
         drafts = out.drafts.tolist() if out.drafts is not None else [[] for _ in jobs]  # the drafts' read point
         probs = out.draft_probs.float().cpu() if out.draft_probs is not None else None

@@ -4,6 +4,7 @@ first-token message. Also the client that delivers first-token messages to decod
 from __future__ import annotations
 
 import threading
+import time
 from concurrent import futures
 from typing import Any
 
@@ -57,6 +58,7 @@ class PrefillServicer(node_pb2_grpc.PrefillControlServicer):
         self.node, self.node_id = node, node_id
 
     def Prefill(self, request, context):
+        received = time.monotonic()  # the job's queue time starts (a TTFT part the first token carries back)
         refuse_if_failed(self.node, context)
         vocab = self.node.loaded.model.config.vocab_size
         try:
@@ -69,7 +71,7 @@ class PrefillServicer(node_pb2_grpc.PrefillControlServicer):
             if later and not self.node.takes_attach:
                 raise ValueError("this prefill node (tensor parallel) needs the KV descriptor with the request")
             descriptor = None if later else _descriptor(request.descriptor_msgpack, request.decode_address)
-            job = PrefillJob(rid, prompt, params, seed, stops, descriptor, request.decode_address)
+            job = PrefillJob(rid, prompt, params, seed, stops, descriptor, request.decode_address, received=received)
             future = self.node.submit(job)
         except NeverFits as e:
             context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))

@@ -25,6 +25,8 @@ MAX_PROMPT_TOKENS = 1 << 20  # prompt logprobs in one message; the router checks
 KV_TRANSFER_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5,
                        1.0, 2.5, 5.0, 10.0)
 
+MAX_DURATION_S = 86400.0  # a node's reported queue or compute time (a TTFT part) beyond this is malformed
+
 FLAG_LOGPROBS = 1  # the item carries logprob columns
 FLAG_FINISHED = 2  # terminal: finished with `finish_reason`
 FLAG_ERROR = 4  # terminal: failed with `error`
@@ -118,6 +120,27 @@ def _loads(data: bytes, kind: str) -> dict:
     return obj
 
 
+def pack_durations(queue_s: float | None, compute_s: float | None) -> dict[str, float]:
+    """A first token's queue and compute time on its node (TTFT parts: durations on the node's own
+    clock, never readings of it); none when not measured."""
+    if queue_s is None or compute_s is None:
+        return {}
+    return {"tq": float(queue_s), "tc": float(compute_s)}
+
+
+def read_durations(o: dict, what: str) -> tuple[float | None, float | None]:
+    """The `pack_durations` fields: both or neither, each a finite number of seconds in 0..MAX_DURATION_S."""
+    if "tq" not in o and "tc" not in o:
+        return None, None
+    out = []
+    for key in ("tq", "tc"):
+        v = o.get(key)
+        if not isinstance(v, float | int) or isinstance(v, bool) or not 0.0 <= v <= MAX_DURATION_S:  # NaN fails too
+            raise MessageError(f"{what}: {key!r} must be seconds in 0..{MAX_DURATION_S:g}")
+        out.append(float(v))
+    return out[0], out[1]
+
+
 def _field(obj: dict, key: str, kind: type | tuple, what: str) -> Any:
     v = obj.get(key)
     if not isinstance(v, kind) or isinstance(v, bool) and kind is not bool:
@@ -139,6 +162,8 @@ class FirstToken:
     num_prompt_logprobs: int | None = None  # prompt_logprobs asked: top-N
     prompt_logprobs: TokenLogprobs | None = None  # one per prompt token after the first; ids are the router's to check
     cached_tokens: int = 0  # prompt tokens P served from its prefix cache
+    queue_s: float | None = None  # the prefill node's queue and compute time for it (router/ttft.py), when measured
+    compute_s: float | None = None
 
     def pack(self) -> bytes:
         has = self.num_logprobs is not None
@@ -150,6 +175,7 @@ class FirstToken:
             "drafts": self.drafts, "dprobs": self.draft_probs, "fin": self.finished,
             **pack_prompt_logprobs(self.num_prompt_logprobs, self.prompt_logprobs),
             **({"cached": self.cached_tokens} if self.cached_tokens else {}),
+            **pack_durations(self.queue_s, self.compute_s),
         })
 
     @classmethod
@@ -174,8 +200,9 @@ class FirstToken:
         if fin is not None and fin not in ("stop", "length"):
             raise MessageError("first_token: bad finish reason")
         num_plp, plp = read_prompt_logprobs(o, vocab)
+        queue_s, compute_s = read_durations(o, "first_token")
         return cls(rid, tok, n if flag & FLAG_LOGPROBS else None, lps, drafts, dprobs, fin, num_plp, plp,
-                   read_cached(o, "first_token"))
+                   read_cached(o, "first_token"), queue_s, compute_s)
 
 
 def read_cached(o: dict, what: str) -> int:
@@ -221,6 +248,8 @@ class OutputItem:
     prompt_logprobs: TokenLogprobs | None = None
     cached_tokens: int = 0  # a colocated node's terminal item: prompt tokens served from its prefix cache
     malformed: bool = False  # made by the receiver for an item it refused (never on the wire)
+    queue_s: float | None = None  # colocated: the first item carries its queue and compute time (router/ttft.py)
+    compute_s: float | None = None
 
     def to_obj(self) -> dict:
         """The item's map. Fields at their default (None, 0, no prompt logprobs) are left out: readers
@@ -232,7 +261,7 @@ class OutputItem:
         if has and self.logprobs:
             o["lp"] = self.logprobs.flat()
         if (self.finish_reason is not None or self.error is not None or self.steps or self.accepted or self.index
-                or self.num_prompt_logprobs is not None or self.cached_tokens):
+                or self.num_prompt_logprobs is not None or self.cached_tokens or self.queue_s is not None):
             self._rare_fields(o)  # a terminal (stats), a choice of n > 1, a colocated first token
         return o
 
@@ -246,6 +275,7 @@ class OutputItem:
                 o[key] = number
         if self.num_prompt_logprobs is not None:
             o.update(pack_prompt_logprobs(self.num_prompt_logprobs, self.prompt_logprobs))
+        o.update(pack_durations(self.queue_s, self.compute_s))
 
     @classmethod
     def from_obj(cls, o: Any, vocab: int) -> OutputItem:
@@ -273,8 +303,9 @@ class OutputItem:
         if type(idx) is not int or not 0 <= idx < MAX_CHOICES:
             raise MessageError(f"output: choice index must be in 0..{MAX_CHOICES - 1}")
         num_plp, plp = read_prompt_logprobs(o, vocab)
+        queue_s, compute_s = read_durations(o, "output")
         return cls(rid, toks, n if flag & FLAG_LOGPROBS else None, lps, fin, err, steps, acc, idx, num_plp, plp,
-                   read_cached(o, "output"))
+                   read_cached(o, "output"), queue_s=queue_s, compute_s=compute_s)
 
 
 def pack_outputs(items: list[OutputItem]) -> bytes:

@@ -88,7 +88,10 @@ class Admission:
                       kind: Kind = "decode", asked: int | None = None) -> Reserved:
         """Reserve on the first decode node (policy order) that admits, or submit to the first
         colocated one (`kind`); queue when none does. `asked`: every node refused at this queue
-        epoch already; unless capacity news came since, the request queues without asking again."""
+        epoch already; unless capacity news came since, the request queues without asking again.
+        Laps the request's TTFT timeline: the nodes' calls are `reserve`, the waits `queue`."""
+        timeline = st.timeline
+        timeline.lap("queue")  # the driver's start, or what came before this attempt
         # FIFO: do not pass those already waiting
         wait, front = len(self.queue) > 0 or (asked is not None and self.queue.epoch == asked), False
         req = self.reserve_request(st, attempt, prompt, sampling)
@@ -96,6 +99,7 @@ class Admission:
             if not wait:
                 seen = self.queue.epoch
                 found = await self.try_reserve(st, req, kind)
+                timeline.lap("reserve")
                 if found is not None:
                     if len(self.queue):
                         self.queue.wake_one()  # capacity may remain for the next one
@@ -106,6 +110,7 @@ class Admission:
             if not await self.queue.wait(front):
                 raise RequestError("RESOURCE_EXHAUSTED", f"no {kind} node can admit the request now and the "
                                    f"router's queue ({self.queue.size}) is full")
+            timeline.lap("queue")
             front = True
 
     def reserve_request(self, st: RequestState, attempt: int, prompt: list[int],

@@ -23,6 +23,7 @@ from router.lifecycle import Lifecycle
 from router.pool import MAX_MESSAGE_BYTES
 from router.request import RequestError
 from router.tls import server_credentials
+from router.ttft import Timeline
 
 
 def serve(router: Lifecycle, host: str, port: int) -> tuple[grpc.aio.Server, int]:
@@ -47,8 +48,9 @@ class _Servicer(pdserve_pb2_grpc.GenerationServicer):
         self.router = router
 
     async def Generate(self, request: Any, context: Any) -> AsyncIterator[pdserve_pb2.GenerateResponse]:  # noqa: N802
+        timeline = Timeline()  # the request's TTFT begins (router/ttft.py); grpc decoded it already
         try:
-            st = await self.router.submit(request)
+            st = await self.router.submit(request, timeline)
         except RequestError as e:
             await context.abort(getattr(grpc.StatusCode, e.code), e.message)
         async with aclosing(self.router.responses(st)) as msgs:  # grpc wants an async generator function

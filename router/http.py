@@ -41,6 +41,7 @@ from router.openai_protocol import ChatCompletionRequest, CompletionRequest, For
 from router.request import RequestError, is_terminal
 from router.tokenize_api import TokenizeDoor, add_tokenize_routes
 from router.tool_api import ToolSettings
+from router.ttft import Timeline
 from router.validate import InvalidRequest
 
 log = logging.getLogger(__name__)
@@ -124,12 +125,13 @@ def _denied(router: Lifecycle, raw: Request) -> Response | None:
 
 async def _generate(router: Lifecycle, raw: Request, model: type[BaseModel], pieces: TokenPieces | None,
                     chat: bool) -> Response:
+    timeline = Timeline()  # the request's TTFT begins (router/ttft.py)
     if (denied := _denied(router, raw)) is not None:
         return denied
 
     try:
-        gen, fmt, req = await _prepare(router, raw, model, pieces, chat)
-        st = await router.submit(gen)
+        gen, fmt, req = await _prepare(router, raw, model, pieces, chat, timeline)
+        st = await router.submit(gen, timeline)
     except RequestError as e:
         return error_response(e.code, e.message)
     msgs = router.responses(st)
@@ -148,11 +150,12 @@ async def _generate(router: Lifecycle, raw: Request, model: type[BaseModel], pie
 
 
 async def _prepare(router: Lifecycle, raw: Request, model: type[BaseModel], pieces: TokenPieces | None,
-                   chat: bool) -> tuple[pb.GenerateRequest, Format, Any]:
+                   chat: bool, timeline: Timeline) -> tuple[pb.GenerateRequest, Format, Any]:
     """The body as a GenerateRequest; raises RequestError (INVALID_ARGUMENT, NOT_FOUND), counted."""
     code, message = "INVALID_ARGUMENT", ""
     try:
         body, req = await _parse(raw, model)
+        timeline.lap("parse")
         if req.model not in (None, "", router.model.name):
             code = "NOT_FOUND"
             raise InvalidRequest(f"the model {req.model!r} does not exist; this server serves "
@@ -160,9 +163,10 @@ async def _prepare(router: Lifecycle, raw: Request, model: type[BaseModel], piec
         fmt = Format(chat, router.model.name, pieces, _logprobs_asked(req, chat), n=req.n or 1,
                      echo=bool(getattr(req, "echo", False)), prompt_logprobs=req.prompt_logprobs,
                      prompt_text=None if chat else req.prompt_text())
-        gen = await _to_generate(router, req, fmt, len(body))
+        gen = await _to_generate(router, req, fmt, len(body))  # a chat's template and tokens
         if chat:
             fmt.tools = req.tool_output()
+        timeline.lap("tokenize")
         return gen, fmt, req
     except InvalidRequest as e:
         message = str(e)
@@ -257,6 +261,7 @@ async def _events(fmt: Format, first: pb.GenerateResponse, msgs: AsyncGenerator[
                 yield _sse(fmt.chunk(msg, first=start))
                 started.add(msg.index)
             if is_terminal(msg):
+                await anext(msgs, None)  # ends `msgs` now: it learns the terminal message was written
                 if include_usage:
                     yield _sse(fmt.usage_chunk(msg))
                 break

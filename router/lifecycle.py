@@ -14,6 +14,7 @@ from protos import pdserve_pb2 as pb
 from router.config import RouterConfig
 from router.metrics import RouterMetrics
 from router.request import RequestState
+from router.ttft import Timeline
 from router.validate import Limits
 
 
@@ -27,7 +28,7 @@ class Lifecycle(Protocol):
     metrics: RouterMetrics
     max_model_len: int
 
-    async def submit(self, request: pb.GenerateRequest) -> RequestState: ...
+    async def submit(self, request: pb.GenerateRequest, timeline: Timeline | None = None) -> RequestState: ...
     def responses(self, st: RequestState) -> AsyncGenerator[pb.GenerateResponse, None]: ...
     def refused(self, code: str) -> None: ...
     async def metrics_text(self) -> tuple[bytes, str]: ...

@@ -9,7 +9,8 @@ Names follow vLLM's (`vllm:` -> `pdserve:`). Nothing here blocks or talks to a n
 Counting rules (a test checks them): every request the router saw ends in exactly one of
 `request_success_total{finished_reason}` and `request_failure_total{code}` (refusals before
 start included; a client that went away is code CANCELLED). TTFT is observed once per request
-that got a token, inter-token latency once per later token (a message of n tokens after a
+whose first token was written to its client, with each of its parts (router/ttft.py), so the parts'
+sums add up to the TTFT's sum; inter-token latency once per later token (a message of n tokens after a
 gap g observes g/n n times), end-to-end latency once per finished request.
 """
 
@@ -32,8 +33,23 @@ if TYPE_CHECKING:
     from router.pool import Node
     from router.request import RequestState
 
+TTFT_PART_METRICS = {  # part (router/ttft.py) -> histogram name (vLLM's where it has one), help
+    "parse": ("request_parse_time_seconds", "TTFT part: the request body read and parsed (HTTP; gRPC: ~0)"),
+    "tokenize": ("request_tokenize_time_seconds", "TTFT part: chat template, validation and tokenization"),
+    "queue": ("request_queue_time_seconds", "TTFT part: waiting in the router's queue for a decode node"),
+    "reserve": ("request_reserve_time_seconds", "TTFT part: Reserve calls on decode nodes (Submit on a colocated one)"),
+    "prefill_queue": ("request_prefill_queue_time_seconds", "TTFT part: queued on the prefill (or colocated) "
+                      "node, as the node measured it"),
+    "prefill": ("request_prefill_time_seconds", "TTFT part: the prompt's prefill up to its first token on the "
+                "host, as the prefill (or colocated) node measured it"),
+    "return": ("request_first_token_return_time_seconds", "TTFT part: the rest of the prefill call (the first "
+               "token's way back to the router; the call's way there)"),
+    "write": ("request_first_token_write_time_seconds", "TTFT part: from the first token's arrival at the router "
+              "to its write to the client (detokenizing, the SSE or gRPC frame)"),
+}
 LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
                    7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0)
+PART_BUCKETS = (0.0001, 0.00025, 0.0005, *LATENCY_BUCKETS)  # a TTFT part is often well under a millisecond
 
 
 class RouterMetrics:
@@ -42,17 +58,16 @@ class RouterMetrics:
         self.registry = CollectorRegistry()
         r, labels = self.registry, ["model_name"]
 
-        def histogram(name: str, doc: str) -> Any:
-            return Histogram(f"pdserve:{name}", doc, labels, buckets=LATENCY_BUCKETS, registry=r).labels(model_name)
+        def histogram(name: str, doc: str, buckets: tuple[float, ...] = LATENCY_BUCKETS) -> Any:
+            return Histogram(f"pdserve:{name}", doc, labels, buckets=buckets, registry=r).labels(model_name)
 
-        self.ttft = histogram("time_to_first_token_seconds", "Time to first token (router arrival to first token out)")
+        self.ttft = histogram("time_to_first_token_seconds", "Time to first token (the front door's receipt to the "
+                              "first token written to the client)")
         self.itl = histogram("inter_token_latency_seconds", "Time between output tokens")
         self.e2e = histogram("e2e_request_latency_seconds", "End-to-end latency of finished requests")
-        # where a request's TTFT goes before its first token (each placement attempt observes once):
-        self.reserve_time = histogram("request_reserve_time_seconds", "The router's KV reservation on a decode "
-                                      "node (Reserve), or its submission to a colocated node (Submit), per attempt")
-        self.prefill_time = histogram("request_prefill_time_seconds", "A prefill node's Prefill call as the "
-                                      "router sees it, from the call to the first token's reply, per attempt")
+        # where a request's TTFT goes (router/ttft.py): observed with it, so each request's parts add up to it
+        self.ttft_parts = {part: histogram(name, doc, PART_BUCKETS)
+                           for part, (name, doc) in TTFT_PART_METRICS.items()}
         self.success = Counter("pdserve:request_success", "Finished requests by finish reason",
                                [*labels, "finished_reason"], registry=r)
         self.failure = Counter("pdserve:request_failure", "Requests ended by an error (gRPC code name)",
@@ -84,11 +99,21 @@ class RouterMetrics:
         now = time.monotonic()
         self.generation_tokens.inc(n)
         if st.last_token_at is None:
-            self.ttft.observe(now - st.arrival)
-            n -= 1
+            n -= 1  # its TTFT is observed once it is written (`first_token_written`)
         else:
             observe_n(self.itl, (now - st.last_token_at) / n, n)
         st.last_token_at = now
+
+    def first_token_written(self, st: RequestState) -> None:
+        """`st`'s first token was written to its client now: its TTFT and the TTFT's parts."""
+        timeline = st.timeline
+        if timeline.written:
+            return
+        timeline.lap("write")
+        timeline.written = True
+        self.ttft.observe(timeline.total)
+        for part, seconds in timeline.parts.items():
+            self.ttft_parts[part].observe(seconds)
 
     def ended(self, st: RequestState) -> None:
         terminal = st.terminal or "error:INTERNAL"
@@ -175,7 +200,7 @@ class NodeCollector:
         queued = GaugeMetricFamily("pdserve:node_queued_prompt_tokens", "Prompt tokens waiting (P)", labels=keys)
         shared = GaugeMetricFamily("pdserve:kv_blocks_shared", "KV cache blocks in use by more than one request "
                                    "(n > 1 choices, prefix hits)", labels=keys)
-        prefix = self._prefix_families(keys)
+        prefix, graphs = self._prefix_families(keys), self._graph_families(keys)
         families = [running, healthy, used, free, total, queued, shared, *self._counters(keys)]
         health = self._health_families(keys)
         for node in self.nodes():
@@ -192,7 +217,9 @@ class NodeCollector:
             shared.add_metric(key, s.shared_blocks)
             self._add_counters(families[7:], key, s)
             self._add_prefix(prefix, key, s)
-        yield from families + prefix + health
+            graphs[0].add_metric(key, s.cold_shape_steps)
+            graphs[1].add_metric(key, s.graph_shapes_pending)
+        yield from families + prefix + health + graphs
 
     def _health_families(self, keys: list[str]) -> list[Any]:
         """Status calls that failed, a late answer (DEADLINE_EXCEEDED: busy) apart from an unreachable
@@ -210,6 +237,16 @@ class NodeCollector:
     def _add_health(families: list[Any], key: list[str], node: Node) -> None:
         for code, n in sorted(node.status_failures.items()):
             families[0].add_metric([*key, code], n)
+
+    @staticmethod
+    def _graph_families(keys: list[str]) -> list[Any]:
+        """The warm-up's reach (engine/runner/warmup.py): 0 and 0 once the node captured every shape."""
+        return [
+            CounterMetricFamily("pdserve:cold_shape_steps", "Steps that met a shape with no CUDA graph yet "
+                                "(run eagerly) (P, D)", labels=keys),
+            GaugeMetricFamily("pdserve:graph_shapes_pending", "Step shapes the node still captures when idle "
+                              "(P, D)", labels=keys),
+        ]
 
     @staticmethod
     def _counters(keys: list[str]) -> list[Any]:

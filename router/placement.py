@@ -31,7 +31,6 @@ from protos.messages import FirstToken, MessageError
 from router.admission import Admission, Reserved
 from router.config import RouterConfig
 from router.holds import Holds
-from router.metrics import RouterMetrics
 from router.migration import AttemptLost, unless_lost
 from router.policy import Policy
 from router.pool import Node, NodePool
@@ -42,11 +41,11 @@ MAX_DRAFTS = 64  # bound on drafts in a first-token message (the router ignores 
 
 @dataclass(frozen=True)
 class Prefilled:
-    """A Prefill call's end on `node`: its first-token payload, or None when the node was
-    unavailable (the caller tries another)."""
+    """A Prefill call's end on `node`: its first token, or None when the node was unavailable
+    (the caller tries another)."""
 
     node: Node
-    payload: node_pb2.Payload | None
+    first: FirstToken | None
 
 
 @dataclass(frozen=True)
@@ -60,9 +59,9 @@ class ReserveFirst:
 
 class Placement:
     def __init__(self, config: RouterConfig, vocab_size: int, pool: NodePool, policy: Policy,
-                 metrics: RouterMetrics, admission: Admission, holds: Holds) -> None:
+                 admission: Admission, holds: Holds) -> None:
         self.config, self.vocab_size, self.pool, self.policy = config, vocab_size, pool, policy
-        self.metrics, self.admission, self.holds = metrics, admission, holds
+        self.admission, self.holds = admission, holds
 
     @property
     def colocated(self) -> bool:
@@ -73,9 +72,7 @@ class Placement:
         """Submit the whole request to a colocated node (policy order; all refuse -> the queue, as a
         decode reservation); every token comes on its output stream."""
         st.attempt += 1
-        start = time.monotonic()
         await self.admission.reserve(st, st.attempt, st.resume_prompt(), st.resume_sampling(), "colocated")
-        self.metrics.reserve_time.observe(time.monotonic() - start)
 
     async def place(self, st: RequestState) -> FirstToken:
         """Reserve on D and prefill on P (retrying another P when one is unavailable); P's first token."""
@@ -87,8 +84,9 @@ class Placement:
                 done = await self._place_overlapped(st, prompt, sampling, tried)
             if isinstance(done, ReserveFirst):  # others wait in the queue, no node admitted, or a TP P
                 done = await self._place_in_turn(st, prompt, sampling, tried, asked=done.asked)
-            if done.payload is not None:
-                return self._read_first(st, done.node, done.payload)
+            if done.first is not None:
+                return done.first
+            st.timeline.lap("prefill_queue")  # a failed call: the request waited for a prefill it did not get
             tried[done.node.address] = done.node.last_error or "unavailable"
             await self.holds.abort_decode(st, "the prefill node failed; retrying elsewhere")
         raise RequestError("UNAVAILABLE", _no_prefill_message(tried))
@@ -104,17 +102,14 @@ class Placement:
                              tried: dict[str, str], asked: int | None = None) -> Prefilled:
         """Reserve on a decode node (queueing if none admits), then prefill with its descriptor.
         `asked`: every decode node refused at this queue epoch already (`Admission.reserve`)."""
-        start = time.monotonic()
         decode, prefill, work = await self._reserve_pair(st, prompt, sampling, tried, asked)
-        reserved = time.monotonic()
-        self.metrics.reserve_time.observe(reserved - start)
+        st.timeline.lap("reserve")
         req = node_pb2.PrefillRequest(
             request_id=st.node_rid, prompt_token_ids=prompt, sampling=sampling,
             descriptor_msgpack=decode.descriptor, decode_address=decode.node.address)
         self.holds.hold_prefill(st, prefill, work)  # still held if the driver is cancelled: release aborts P
         payload = await self._await_prefill(st, prefill, prefill.stub.Prefill(req))
-        self.metrics.prefill_time.observe(time.monotonic() - reserved)
-        return Prefilled(prefill, payload)
+        return Prefilled(prefill, self._first_of(st, prefill, payload))
 
     async def _place_overlapped(self, st: RequestState, prompt: list[int], sampling: node_pb2.Sampling,
                                 tried: dict[str, str]) -> Prefilled | ReserveFirst:
@@ -127,11 +122,14 @@ class Placement:
         if prefill.status is None or not prefill.status.takes_attach:  # a TP prefill node: reserve first
             return ReserveFirst(None)
         st.attempt += 1
-        reserve, start = self.admission.reserve_request(st, st.attempt, prompt, sampling), time.monotonic()
+        reserve = self.admission.reserve_request(st, st.attempt, prompt, sampling)
         rid = reserve.request_id
         self.holds.hold_prefill(st, prefill, work)
+        st.timeline.lap("queue")
         call = asyncio.ensure_future(prefill.stub.Prefill(node_pb2.PrefillRequest(
             request_id=rid, prompt_token_ids=prompt, sampling=sampling)))
+        arrived: list[float] = []  # when the first token came: the reservation may still have run then
+        call.add_done_callback(lambda _: arrived.append(time.monotonic()))
         seen = self.admission.queue.epoch
         try:
             found = await self.admission.try_reserve(st, reserve, "decode")
@@ -140,22 +138,23 @@ class Placement:
             raise
         if found is None:
             self._give_up_prefill(st, prefill, rid, call, "no decode node admitted the request at once")
+            st.timeline.lap("reserve")
             return ReserveFirst(seen)
-        self.metrics.reserve_time.observe(time.monotonic() - start)
         attach = asyncio.ensure_future(prefill.stub.Attach(node_pb2.AttachRequest(
             request_id=rid, descriptor_msgpack=found.descriptor, decode_address=found.node.address),
             timeout=self.config.rpc_timeout_s))
         try:
             payload = await self._await_prefill(st, prefill, call)
+            first = self._first_of(st, prefill, payload, arrived[0] if arrived else None)
         except BaseException:
             attach.cancel()
             raise
-        self.metrics.prefill_time.observe(time.monotonic() - start)
-        if payload is not None:
+        if first is not None:
             await self._attached(prefill, rid, attach)
+            st.timeline.lap("reserve")  # what the call did not hide of the reservation, the descriptor's hand-off
         else:
             attach.cancel()
-        return Prefilled(prefill, payload)
+        return Prefilled(prefill, first)
 
     async def _attached(self, prefill: Node, rid: str, attach: asyncio.Future) -> None:
         """The Attach call's end; AttemptLost when P did not take the descriptor (its KV and first
@@ -224,6 +223,17 @@ class Placement:
             if node is not None:
                 return node, self.policy.routed(node.address, prompt)
         raise RequestError("UNAVAILABLE", _no_prefill_message(exclude))
+
+    def _first_of(self, st: RequestState, prefill: Node, payload: node_pb2.Payload | None,
+                  arrived: float | None = None) -> FirstToken | None:
+        """The first token of a Prefill call opened at the request's last TTFT lap, come at `arrived`
+        (default: now), with its queue and compute (as the node measured them) laid on the TTFT's
+        timeline; None when the node was unavailable."""
+        if payload is None:
+            return None
+        first = self._read_first(st, prefill, payload)
+        st.timeline.prefill_window(first.queue_s, first.compute_s, arrived)
+        return first
 
     def _read_first(self, st: RequestState, prefill: Node, payload: node_pb2.Payload) -> FirstToken:
         try:

@@ -38,6 +38,7 @@ from protos import node_pb2
 from protos import pdserve_pb2 as pb
 from protos.messages import OutputItem, TokenLogprobs
 from router.detokenize import TextStream
+from router.ttft import Timeline
 from router.validate import Prepared
 
 if TYPE_CHECKING:
@@ -138,6 +139,7 @@ class RequestState:
     cached_tokens: int = 0  # prompt tokens the node served from its prefix cache (usage)
     terminal: str | None = None  # "finished:<reason>", "error:<code>", "cancelled"
     arrival: float = field(default_factory=time.monotonic)  # for latency metrics
+    timeline: Timeline = field(default_factory=Timeline)  # the TTFT's parts (router/ttft.py), from the door's receipt
     last_token_at: float | None = None  # when the last token went out (metrics.py writes it)
     prompt_logprobs: list[pb.TokenLogprob] = field(default_factory=list)  # go out with the first message
     _first_sent: bool = False

@@ -53,6 +53,7 @@ from router.policy import Policy, policy_for
 from router.pool import Node, NodePool
 from router.request import Interrupt, RequestError, RequestState, is_terminal
 from router.stream import Stream
+from router.ttft import Timeline
 from router.validate import InvalidRequest, Limits, prepare
 
 log = logging.getLogger(__name__)
@@ -91,7 +92,7 @@ class Router:
                                      lambda: list(self.pool.nodes.values()), lambda: self.pool.downs)
         self.holds = Holds(self.pool, self.config.rpc_timeout_s)
         self.admission = Admission(self.router_id, self.config, self.pool, self.policy, self.holds)
-        self.placement = Placement(self.config, model.config.vocab_size, self.pool, self.policy, self.metrics,
+        self.placement = Placement(self.config, model.config.vocab_size, self.pool, self.policy,
                                    self.admission, self.holds)
         self.migration = Migration(self.config, self.metrics, self.holds)
         self.stream = Stream(self.metrics, self.holds)
@@ -153,10 +154,13 @@ class Router:
         return self.migration.count
 
     # ---- the one lifecycle behind every front door ------------------------------------------
-    async def submit(self, request: pdserve_pb2.GenerateRequest) -> RequestState:
+    async def submit(self, request: pdserve_pb2.GenerateRequest, timeline: Timeline | None = None) -> RequestState:
         """Validate, tokenize and start `request`; raises RequestError (INVALID_ARGUMENT, or
         UNAVAILABLE when not serving) if it is refused before it starts. Read its messages with
-        `responses`, which must be closed (aclosing) so a gone client frees the request."""
+        `responses`, which must be closed (aclosing) so a gone client frees the request.
+        `timeline`: the door's, begun at its receipt of the request (router/ttft.py)."""
+        timeline = timeline or Timeline()
+        timeline.lap("parse")
         if not self._serving:
             raise RequestError("UNAVAILABLE", "the router is not serving")
         try:
@@ -167,7 +171,8 @@ class Router:
         except InvalidRequest as e:
             self.refused("INVALID_ARGUMENT")
             raise RequestError("INVALID_ARGUMENT", str(e)) from None
-        st = RequestState(prep, self.model.tokenizer)
+        st = RequestState(prep, self.model.tokenizer, timeline=timeline)
+        timeline.lap("tokenize")
         self.requests[prep.request_id] = st
         self.metrics.started(st)
         st.task = asyncio.create_task(self._drive(st))
@@ -180,11 +185,22 @@ class Router:
         self.metrics.refused(code)
 
     async def responses(self, st: RequestState) -> AsyncGenerator[pdserve_pb2.GenerateResponse, None]:
-        """`st`'s messages until the terminal one; closing it early cancels the request."""
+        """`st`'s messages until the terminal one; closing it early cancels the request. A door asks
+        for the next message once it has written the last one: that is when the first token's
+        TTFT ends (closed after a terminal first message: written too; closed otherwise: the client
+        went away, and no TTFT is observed)."""
         try:
             while True:
                 msg = await st.out.get()
-                yield msg
+                first = bool(msg.token_ids) and not st.timeline.written
+                try:
+                    yield msg
+                except GeneratorExit:
+                    if first and is_terminal(msg):
+                        self.metrics.first_token_written(st)
+                    raise
+                if first:
+                    self.metrics.first_token_written(st)
                 if is_terminal(msg):
                     return
         finally:

@@ -53,6 +53,8 @@ class Stream:
         if ch.finish_reason is not None and item.error is None:
             return  # the router ended this choice already: late tokens
         st.set_prompt_logprobs(item.prompt_logprobs)  # a colocated node's first item
+        if item.tokens and not st.num_tokens:  # since its Submit: the node's queue and compute, then the way back
+            st.timeline.prefill_window(item.queue_s, item.compute_s)
         complete = self._add_tokens(st, item.tokens, item.logprobs, item.index)
         if ch.text.stopped and ch.finish_reason is None:
             st.finish_choice(ch.index, "stop")

@@ -88,6 +88,22 @@ def capturing(graph: torch.cuda.CUDAGraph, pool: Any) -> Iterator[None]:
             gc.enable()
 
 
+def decode_widths(runner: DecodeRunner, b: int) -> list[int]:
+    """Bucket b's block-table widths: `max_blocks` and those of `short_blocks` that split the keys
+    otherwise than the next wider width kept (a batch whose rows fill the GPU alone attends in one
+    split at any width: `max_blocks` only), narrowest first."""
+    kept = [runner.max_blocks]
+    for w in sorted((w for w in runner.short_blocks if w < runner.max_blocks), reverse=True):
+        if runner.attention_splits(b, w) != runner.attention_splits(b, kept[-1]):
+            kept.append(w)
+    return kept[::-1]
+
+
+def width_for(widths: list[int], num_kv_blocks: int) -> int:
+    """The narrowest of a bucket's `widths` that holds `num_kv_blocks` table columns."""
+    return next((w for w in widths if w >= num_kv_blocks), widths[-1])
+
+
 def bucket_sizes(max_batch: int) -> list[int]:
     """1, 2, 4, ... below `max_batch`, then `max_batch` itself."""
     sizes, b = [], 1
@@ -107,28 +123,17 @@ class DecodeGraphs:
         self.halves: dict[GraphKey, tuple[torch.cuda.CUDAGraph, torch.cuda.CUDAGraph, Any, StepOutputs]] = {}
         self.pool: Any = None  # all graphs share one memory pool (they never run at once)
         self._rows: list[int] = [runner.state.spare] * max_batch  # what `step_rows` holds
-        self.widths = {b: self._widths(b) for b in self.buckets}  # each bucket's kv_blocks, narrow first
+        self.widths = {b: decode_widths(runner, b) for b in self.buckets}  # each bucket's kv_blocks, narrow first
         self.stamps = StepStamps(runner.device) if stamps_on(runner.device) else None  # settings.STEP_STAMPS
+        self.deferred: list[GraphKey] = []  # keys a node captures when idle (engine/runner/warmup.py)
 
     def bucket(self, n: int) -> int:
         return next(b for b in self.buckets if b >= n)
 
-    def _widths(self, b: int) -> list[int]:
-        """`max_blocks` and those of `short_blocks` that split the keys otherwise than the next
-        wider width kept (a batch whose rows fill the GPU alone attends in one split at any
-        width: `max_blocks` only), narrowest first."""
-        r = self.runner
-        kept = [r.max_blocks]
-        for w in sorted((w for w in r.short_blocks if w < r.max_blocks), reverse=True):
-            if r.attention_splits(b, w) != r.attention_splits(b, kept[-1]):
-                kept.append(w)
-        return kept[::-1]
-
     def key(self, n: int, flags: StepFlags, logprobs: bool, num_kv_blocks: int) -> GraphKey:
         """The graph for n rows whose attention reads at most `num_kv_blocks` table columns."""
         b = self.bucket(n)
-        width = next((w for w in self.widths[b] if w >= num_kv_blocks), self.widths[b][-1])
-        return (b, *flags, logprobs, width)
+        return (b, *flags, logprobs, width_for(self.widths[b], num_kv_blocks))
 
     def replay(self, slots: list[int], flags: StepFlags, logprobs: bool, num_kv_blocks: int) -> StepOutputs:
         """Run the step for `slots` (<= max_batch); outputs have the bucket's row count."""

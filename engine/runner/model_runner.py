@@ -35,6 +35,7 @@ from engine.runner.prefill_graphs import LayerReady, PrefillGraphs
 from engine.runner.prefill_step import PrefillInputs, PrefillResult, key_for, prefill_forward
 from engine.runner.prompt_logprobs import PromptLogprobPlan
 from engine.runner.prompt_logprobs import plan as plan_prompt_logprobs
+from engine.runner.shapes import ShapeLog
 from engine.runner.step_output import HostCopy, HostOutputs, StepLayout, astuple_lp
 from engine.sampling.penalties import PenaltyInit, prefill_penalties
 from engine.sampling.sampler import LogprobsTensors, SamplingTensors, compute_logprobs
@@ -189,6 +190,7 @@ class ModelRunner:
         self.state = BatchState(max_num_seqs, k, self.max_blocks, cfg.vocab_size, device)
         self.outputs = HostOutputs(device, StepLayout(max_num_seqs, k + 1, max_num_seqs, MAX_TOP_LOGPROBS, True).words)
         self.grammar: GrammarCompiler | None = None  # structured output (engine/grammar/compiler.py); None: refused
+        self.shapes: ShapeLog | None = None  # the step shapes met, against the warm-up's (engine/runner/shapes.py)
         self.graphs = DecodeGraphs(self, max_num_seqs) if cuda_graphs else None
         self.prefill_graphs = (PrefillGraphs(self, prefill_graph_tokens, min(max_num_seqs, MAX_GRAPH_ROWS))
                                if prefill_graph_tokens > 0 else None)
@@ -265,6 +267,8 @@ class ModelRunner:
         masks = prefill_masks(self.grammar, chunks)
         plain = penalties is None and prompt_lp is None
         first = (lambda res: on_first(self._last_rows(chunks, res))) if on_first is not None else None
+        if plain and self.shapes is not None:
+            self.shapes.note(self.shapes.prefill_shape(chunks))
         if plain and self.prefill_graphs is not None and self.prefill_graphs.fits(n, len(chunks)):
             words = self.grammar.words if self.grammar is not None else mask_words(self.state.vocab)
             return self._last_rows(chunks, self.prefill_graphs.run(chunks, on_layer, first, masks, words))
@@ -314,12 +318,17 @@ class ModelRunner:
         this batch size (`DecodeGraphs`), else runs the step eagerly. Then queues the one copy
         of the step's packed outputs to the host (engine/runner/step_output.py). Never syncs.
         """
+        self._note_decode(slots, num_kv_blocks)
         if self._graphed(slots):
             out = self.graphs.replay(slots, flags, bool(logprobs), num_kv_blocks)  # type: ignore[union-attr]
             return self._handle(slots, out, logprobs, True)
         rows = to_device_no_sync(slots, torch.long, self.device)
         out = self.decode_step(rows, flags, *self._logprob_rows(logprobs), num_kv_blocks)
         return self._handle(slots, out, logprobs, False)
+
+    def _note_decode(self, slots: list[int], num_kv_blocks: int) -> None:
+        if self.shapes is not None and len(slots) <= self.state.capacity:
+            self.shapes.note(self.shapes.decode_shape(len(slots), num_kv_blocks))
 
     def _graphed(self, slots: list[int]) -> bool:
         """Whether a decode launch for `slots` replays a graph (its batch fits a bucket)."""
@@ -343,6 +352,7 @@ class ModelRunner:
         """Queue the first half of a constrained step (`decode_forward`): the host writes the
         step's grammar masks while it runs, then queues the rest (`launch_finish`). Never syncs."""
         assert flags[3], "only a constrained step runs in halves"
+        self._note_decode(slots, num_kv_blocks)
         if self._graphed(slots):
             self.graphs.replay_forward(slots, flags, bool(logprobs), num_kv_blocks)  # type: ignore[union-attr]
             return ForwardHandle(slots, flags, logprobs, num_kv_blocks, None)

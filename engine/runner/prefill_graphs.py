@@ -9,7 +9,10 @@ logprobs and the MTP drafts. The host cost no longer grows with the layers. Grap
 sampling flags, logprobs, fresh or not, grammar masks or not: a constrained key reads its
 first tokens' masks from the bucket's `PrefillInputs.token_mask`) and captured on first use
 (lazily: a capture is ~100 launches' worth of host time once per key, and the keys a server
-meets are few). Steps beyond the largest bucket run eagerly, where compute hides the launches.
+meets are few), or, on a node past its warm-up (`defer`), off the request's path: a new key runs
+eagerly and waits in `pending` for the node's idle captures (engine/runner/warmup.py); a step
+never captures a key whose shape (`PrefillKey.shape`) has no graph yet. Steps beyond the largest
+bucket run eagerly, where compute hides the launches.
 
 Layer-wise KV push: after a replay, `on_layer(i, None)` hands every layer to the caller as
 queued; the prefill node's sender then waits for an event it records after the replay, so a
@@ -55,7 +58,9 @@ from kernels._dispatch import batch_invariant
 log = logging.getLogger(__name__)
 
 MAX_TOP_LOGPROBS = 20  # graphs with logprobs compute this many; rows keep what they asked
-EAGER_RUNS_BEFORE_CAPTURE = 4  # a deferred key's eager steps (~20-30 ms of launches each) before it is captured anyway
+# a deferred key's eager steps (~20-30 ms of launches each) before its step captures it; only a key whose
+# shape has a graph (another variant's) is ever captured so: its kernels are compiled
+EAGER_RUNS_BEFORE_CAPTURE = 4
 MIN_TOKENS = 16
 
 LayerReady = Callable[[int, Any], None]  # (layer, CUDA event after it, or None: already queued)
@@ -70,6 +75,14 @@ def pow2_buckets(low: int, high: int) -> list[int]:
     return sizes + [high]
 
 
+def step_buckets(chunks: list[PrefillChunk], token_buckets: list[int], row_buckets: list[int]) -> tuple[int, int, int]:
+    """A step's (tokens, rows, longest chunk) buckets; the step must fit the largest ones."""
+    n = sum(c.end - c.start for c in chunks)
+    longest = max(c.end - c.start for c in chunks)
+    return (next(b for b in token_buckets if b >= n), next(b for b in row_buckets if b >= len(chunks)),
+            next(b for b in token_buckets if b >= longest))
+
+
 class PrefillGraphs:
     def __init__(self, runner: PrefillRunner, max_tokens: int, max_rows: int) -> None:
         self.runner = runner
@@ -80,6 +93,7 @@ class PrefillGraphs:
         self.graphs: dict[PrefillKey, tuple[torch.cuda.CUDAGraph, torch.cuda.CUDAGraph | None, PrefillResult,
                                             list[Any]]] = {}
         self.pool: Any = None
+        self.shapes: set[tuple[int, int, int, bool]] = set()  # the shapes of `graphs`' keys
         self.defer = False  # a new key runs eagerly and waits in `pending` for `capture_deferred` (nodes)
         self.pending: list[PrefillKey] = []
         self._eager_runs: dict[PrefillKey, int] = {}  # deferred keys' eager steps so far
@@ -89,11 +103,8 @@ class PrefillGraphs:
 
     def key(self, chunks: list[PrefillChunk]) -> PrefillKey:
         """The graph key of a step of `chunks` (its buckets, sampling flags, logprobs, freshness)."""
-        n = sum(c.end - c.start for c in chunks)
-        t = next(b for b in self.token_buckets if b >= n)
-        r = next(b for b in self.row_buckets if b >= len(chunks))
-        longest = max(c.end - c.start for c in chunks)
-        key = key_for(chunks, t, r, max_q=next(b for b in self.token_buckets if b >= longest))
+        t, r, max_q = step_buckets(chunks, self.token_buckets, self.row_buckets)
+        key = key_for(chunks, t, r, max_q)
         if key.top_logprobs is not None:
             key = dataclasses.replace(key, top_logprobs=MAX_TOP_LOGPROBS)
         return key
@@ -116,9 +127,10 @@ class PrefillGraphs:
         # tokens through the GPU service). A listener gets every layer once the replay is
         # queued, and its sender waits for an event recorded after the replay.
         if key not in self.graphs:
-            if self.defer and self._eager_runs.get(key, 0) < EAGER_RUNS_BEFORE_CAPTURE:
+            if self.defer and (key.shape not in self.shapes or self._eager_runs.get(key, 0) < EAGER_RUNS_BEFORE_CAPTURE):
                 # off the request's path: eager now (no capture's ~100 ms), captured when the node idles,
-                # or here once the key came back often enough to pay for its capture (a busy node never idles)
+                # or here once a variant of a captured shape came back often enough to pay for its
+                # capture (a busy node never idles); a shape with no graph is never captured here
                 self._eager_runs[key] = self._eager_runs.get(key, 0) + 1
                 if key not in self.pending:
                     self.pending.append(key)
@@ -140,26 +152,29 @@ class PrefillGraphs:
         return out
 
     def capture_deferred(self, max_model_len: int) -> bool:
-        """Capture one key a deferred step ran eagerly, over dummy prompts that write only the trash
-        block (engine/runner/dummy_prompts.py); False when none is pending. Only between steps: the
-        capture overwrites the inputs' buffers."""
+        """Capture one key a deferred step ran eagerly (`capture_key`); False when none is pending."""
         while self.pending:
             key = self.pending.pop(0)
-            if key in self.graphs:
-                continue
-            free = dataclasses.replace(key, constrained=False)  # dummy prompts have no grammar: the mask rows do
-            chunks = chunks_for_key(free, self.token_buckets, self.row_buckets, max_model_len)
-            if chunks is None or self.key(chunks) != free:
-                log.info("prefill graph key %s: no dummy step makes it; it stays eager", key)
-                continue
-            inp = self._inputs(key)
-            inp.fill_no_sync(chunks)
-            if key.constrained:  # the mask rows a live step filled have the width; all allowed now
-                assert inp.token_mask is not None
-                inp.fill_mask_no_sync(None, inp.token_mask.shape[1])
-            self._capture(key, inp)
-            return True
+            if key not in self.graphs and self.capture_key(key, max_model_len):
+                return True
         return False
+
+    def capture_key(self, key: PrefillKey, max_model_len: int) -> bool:
+        """Capture `key`'s graph over dummy prompts (each at most `max_model_len` tokens) that write
+        only the trash block (engine/runner/dummy_prompts.py); False when none makes it (it stays
+        eager). Only between steps: the capture overwrites the inputs' buffers."""
+        free = dataclasses.replace(key, constrained=False)  # dummy prompts have no grammar: the mask rows do
+        chunks = chunks_for_key(free, self.token_buckets, self.row_buckets, max_model_len)
+        if chunks is None or self.key(chunks) != free:
+            log.info("prefill graph key %s: no dummy step makes it; it stays eager", key)
+            return False
+        inp = self._inputs(key)
+        inp.fill_no_sync(chunks)
+        if key.constrained:  # the mask rows a live step filled have the width; all allowed now
+            assert inp.token_mask is not None
+            inp.fill_mask_no_sync(None, inp.token_mask.shape[1])
+        self._capture(key, inp)
+        return True
 
     def _inputs(self, key: PrefillKey) -> PrefillInputs:
         inp = self.inputs.get((key.tokens, key.rows))
@@ -187,6 +202,7 @@ class PrefillGraphs:
             with capturing(tail, self.pool), self._kernel_mode():
                 prefill_tail(r, inp, key, head, out)
         self.graphs[key] = (graph, tail, out, events)
+        self.shapes.add(key.shape)
 
     def _kernel_mode(self) -> AbstractContextManager[None]:
         """The runner's kernel mode (batch-invariant with `--deterministic`). The runner's own

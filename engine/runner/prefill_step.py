@@ -74,6 +74,11 @@ class PrefillKey:
     fresh: bool  # no row has cached keys before its chunk (attention may skip the cache)
     constrained: bool = False  # first tokens sampled under grammar masks (`PrefillInputs.token_mask`)
 
+    @property
+    def shape(self) -> tuple[int, int, int, bool]:
+        """What the kernels are compiled for, whatever the sampling (engine/runner/shapes.py)."""
+        return self.tokens, self.rows, self.max_q, self.fresh
+
 
 @dataclass
 class PrefillResult:

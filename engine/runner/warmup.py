@@ -1,37 +1,51 @@
-"""Capture at start-up: the CUDA graphs a serving node meets, before it reports ready.
+"""Capture at start-up, then when idle: the CUDA graphs a serving node meets, never on a request's path.
 
 Graphs are otherwise captured on first use (engine/runner/cuda_graphs.py, engine/runner/prefill_graphs.py). On
 a server that first use is a request: its step waits for the capture, and on a cold Triton cache
 for the kernels' compilation too (seconds per new prefill bucket: the first requests' TTFT p99
-in BENCHMARKS.md), and the node's loop answers nothing meanwhile. A node therefore
-captures the keys ordinary requests meet before it serves (`model.warmup`, on by default for
-`pdserve up`; `pdserve generate` and the benches capture on first use):
+in BENCHMARKS.md), and the node's loop answers nothing meanwhile. Every step shape the limits
+allow (engine/runner/shapes.py) is several times the graphs requests meet first, too many to capture
+before `ready` without slowing start-up, so a node (`model.warmup`, on by default for `pdserve up`;
+`pdserve generate` and the benches capture on first use) splits them:
 
-- decode: every batch bucket at its block-table widths (engine/runner/cuda_graphs.py), greedy and
-  sampled (no top-k/top-p filter), with and without logprobs (the greedy ones without logprobs
-  are captured by `build_runner` already);
-- prefill: every token bucket at the fewest rows whose rows fit `max_model_len`, greedy and
-  sampled, with and without logprobs, fresh prompts; two equal prompts in every token bucket
-  (greedy with logprobs, sampled without); then every row bucket once at the largest token bucket
-  (greedy with logprobs), which compiles the kernels' row-count specializations.
+- before it serves, the keys ordinary requests meet first, in two phases whose durations it logs:
+  - decode: every batch bucket at each of its block-table widths (every decode shape), greedy and
+    sampled (no top-k/top-p filter), with and without logprobs (the greedy ones without logprobs
+    are captured by `build_runner` already);
+  - prefill: every token bucket at the fewest rows whose rows fit `max_model_len`, greedy and
+    sampled, with and without logprobs, fresh prompts; two equal prompts in every token bucket
+    (greedy with logprobs, sampled without); then every row bucket once at the largest token
+    bucket (greedy with logprobs), which compiles the kernels' row-count specializations;
+- after, when its loop is idle (`capture_deferred`, one graph a call, so a request arriving
+  meanwhile waits at most one capture): first the keys requests' steps ran eagerly
+  (`PrefillGraphs.pending`), then every other prefill shape, greedy, likeliest first
+  (`ShapeLog.backlog`), then the decode graphs with a top-k/top-p filter (`DecodeGraphs.deferred`).
 
-Rarer keys (top-k/top-p filters, cached prefixes, other token x row pairs) are not captured on a
-request's path after the warm-up: their first steps run eagerly (tens of ms of launches, not a
-capture's ~100 ms) and the node captures them between steps when idle (`capture_deferred`), over
-dummy prompts (engine/runner/dummy_prompts.py). Steps with penalties, prompt logprobs or grammars always
-run eagerly (engine/runner/model_runner.py). The warm-up's steps are
-dummy prompts whose every block is the trash block (engine/cache/kv_cache.py), so they change no
-request's state and no KV block.
+A prefill step whose shape has no graph yet runs eagerly (tens of ms of launches) and never
+captures on its path; its shape moves to the head of the backlog and `ModelRunner.shapes` counts
+it (`cold`). A new sampling variant of a shape that has a graph runs eagerly too, and is captured on
+its path only once it came back `EAGER_RUNS_BEFORE_CAPTURE` times (a saturated node never idles;
+the shape's kernels are compiled by then, so that capture is launches, not compilation). Decode keys
+with penalties or grammars are captured on first use; prefill steps with penalties, prompt
+logprobs or grammars always run eagerly (engine/runner/model_runner.py). Every capture runs over
+dummy prompts whose every block is the trash block (engine/runner/dummy_prompts.py,
+engine/cache/kv_cache.py), so it changes no request's state and no KV block. On the CPU there is
+nothing to capture: the shapes are only marked covered, in the same order.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
 
+from engine.request import PrefillChunk
 from engine.runner.dummy_prompts import dummy_chunks
 from engine.runner.prefill_graphs import PrefillGraphs
+from engine.runner.prefill_step import PrefillKey
+from engine.runner.shapes import DecodeShape, PrefillShape, ShapeLog
 from engine.sampling.sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)
@@ -45,22 +59,45 @@ class WarmupReport:
     decode_graphs: int = 0
     prefill_graphs: int = 0
     seconds: float = 0.0
+    phases: dict[str, float] = field(default_factory=dict)  # phase -> seconds
+    pending: int = 0  # shapes left for the idle captures
 
 
 def warm_up(runner, *, decode: bool, prefill: bool, max_model_len: int) -> WarmupReport:
-    """Capture the node's graphs (module docstring): `decode` for a node that decodes, `prefill`
-    for one that prefills. Nothing to do without CUDA graphs."""
+    """Capture the node's first graphs (module docstring): `decode` for a node that decodes,
+    `prefill` for one that prefills; mark their shapes warm and list the others (`runner.shapes`)
+    for `capture_deferred`."""
     t0, report = time.perf_counter(), WarmupReport()
-    if decode and runner.graphs is not None:
-        report.decode_graphs = _warm_decode(runner.graphs)
-    if prefill and runner.prefill_graphs is not None:
-        report.prefill_graphs = _warm_prefill(runner.prefill_graphs, max_model_len)
-        runner.prefill_graphs.defer = True  # from now on a new key runs eagerly; `capture_deferred` when idle
+    shapes: ShapeLog | None = runner.shapes
+    if decode:
+        with _phase(report, "decode"):
+            report.decode_graphs = _warm_decode(runner.graphs) if runner.graphs is not None else 0
+            if shapes is not None:
+                shapes.warm.update(shapes.decode_shapes())
+            if runner.graphs is not None:
+                runner.graphs.deferred = filter_keys(runner.graphs)
+    if prefill:
+        with _phase(report, "prefill"):
+            report.prefill_graphs = _warm_prefill(runner, shapes, max_model_len)
+        if runner.prefill_graphs is not None:
+            runner.prefill_graphs.defer = True  # from now on a new key runs eagerly; `capture_deferred` when idle
+    if shapes is not None:
+        shapes.plan(decode, prefill)
+        report.pending = shapes.status()["graph_shapes_pending"]
     report.seconds = time.perf_counter() - t0
     if report.decode_graphs or report.prefill_graphs:
-        log.info("warm-up: %d decode and %d prefill graphs captured in %.1f s",
-                 report.decode_graphs, report.prefill_graphs, report.seconds)
+        phases = ", ".join(f"{name} {s:.1f} s" for name, s in report.phases.items())
+        log.info("warm-up: %d decode and %d prefill graphs captured in %.1f s (%s); %d shapes left to "
+                 "capture when idle", report.decode_graphs, report.prefill_graphs, report.seconds, phases,
+                 report.pending)
     return report
+
+
+@contextmanager
+def _phase(report: WarmupReport, name: str) -> Iterator[None]:
+    start = time.perf_counter()
+    yield
+    report.phases[name] = time.perf_counter() - start
 
 
 def _warm_decode(graphs) -> int:
@@ -75,24 +112,43 @@ def _warm_decode(graphs) -> int:
     return len(graphs.graphs) - before
 
 
-def _warm_prefill(graphs: PrefillGraphs, max_model_len: int) -> int:
-    before = len(graphs.graphs)
-    for tokens in graphs.token_buckets:
-        rows = rows_for(tokens, graphs.row_buckets, max_model_len)
-        if rows is None:
-            continue
-        for params, lp in VARIANTS:
-            graphs.run(dummy_chunks(tokens, rows, params, lp))
-    if len(graphs.row_buckets) > 1:  # two prompts in one step (a prefill node at a few requests/s)
-        for tokens in graphs.token_buckets[1:]:
+def filter_keys(graphs) -> list:
+    """The decode keys of a sampled batch with a top-k/top-p filter, for the idle captures."""
+    return [(b, False, True, False, False, logprobs, width)
+            for b in graphs.buckets for width in graphs.widths[b] for logprobs in (False, True)]
+
+
+def _warm_prefill(runner, shapes: ShapeLog | None, max_model_len: int) -> int:
+    """Run (on a GPU: capture) the warm-up's prefill steps; mark their shapes warm."""
+    graphs: PrefillGraphs | None = runner.prefill_graphs
+    buckets = graphs if graphs is not None else shapes
+    if buckets is None:
+        return 0
+    before = len(graphs.graphs) if graphs is not None else 0
+    for chunks in warm_steps(buckets.token_buckets, buckets.row_buckets, max_model_len):
+        if graphs is not None:
+            graphs.run(chunks)
+        if shapes is not None:
+            shapes.warm.add(shapes.prefill_shape(chunks))  # type: ignore[arg-type]  # within the buckets
+    return len(graphs.graphs) - before if graphs is not None else 0
+
+
+def warm_steps(token_buckets: list[int], row_buckets: list[int], max_model_len: int) -> list[list[PrefillChunk]]:
+    """The warm-up's prefill steps (module docstring), as dummy prompts."""
+    steps = []
+    for tokens in token_buckets:
+        rows = rows_for(tokens, row_buckets, max_model_len)
+        if rows is not None:
+            steps += [dummy_chunks(tokens, rows, params, lp) for params, lp in VARIANTS]
+    if len(row_buckets) > 1:  # two prompts in one step (a prefill node at a few requests/s)
+        for tokens in token_buckets[1:]:
             if tokens // 2 <= max_model_len:
-                for params, lp in ((GREEDY, 0), (SAMPLED, None)):
-                    graphs.run(dummy_chunks(tokens, 2, params, lp))
-    tokens = graphs.token_buckets[-1]
-    for rows in graphs.row_buckets:
+                steps += [dummy_chunks(tokens, 2, params, lp) for params, lp in ((GREEDY, 0), (SAMPLED, None))]
+    tokens = token_buckets[-1]
+    for rows in row_buckets:
         if tokens >= rows and (tokens // rows) <= max_model_len:
-            graphs.run(dummy_chunks(tokens, rows, GREEDY, 0))
-    return len(graphs.graphs) - before
+            steps.append(dummy_chunks(tokens, rows, GREEDY, 0))
+    return steps
 
 
 def rows_for(tokens: int, row_buckets: list[int], max_model_len: int) -> int | None:
@@ -101,7 +157,45 @@ def rows_for(tokens: int, row_buckets: list[int], max_model_len: int) -> int | N
 
 
 def capture_deferred(runner, max_model_len: int) -> bool:
-    """Between steps of an idle node: capture one prefill graph a request's step ran eagerly
-    (its key was not warmed up); False when there is none (engine/runner/prefill_graphs.py)."""
-    graphs = runner.prefill_graphs
-    return graphs is not None and graphs.capture_deferred(max_model_len)
+    """Between steps of an idle node: capture one graph (module docstring: a key a request's step
+    ran eagerly, else the next backlog shape, else a decode filter key); False when none is left."""
+    graphs: PrefillGraphs | None = runner.prefill_graphs
+    shapes: ShapeLog | None = runner.shapes
+    if graphs is not None and graphs.capture_deferred(max_model_len):
+        if shapes is not None:
+            shapes.warm.update(graphs.shapes)
+        return True
+    shape = shapes.next_cold() if shapes is not None else None
+    if shape is not None:
+        if _capture_shape(runner, shape, max_model_len):
+            shapes.warm.add(shape)  # type: ignore[union-attr]
+        return True
+    decode = runner.graphs
+    while decode is not None and decode.deferred:
+        key = decode.deferred.pop(0)
+        if key not in decode.graphs:
+            decode.capture(key)
+            return True
+    return False
+
+
+def shape_status(runner) -> dict[str, int]:
+    """A node's status entries: steps that met a shape with no graph, and shapes left to capture."""
+    shapes: ShapeLog | None = runner.shapes
+    return shapes.status() if shapes is not None else {"cold_shape_steps": 0, "graph_shapes_pending": 0}
+
+
+def _capture_shape(runner, shape: PrefillShape | DecodeShape, max_model_len: int) -> bool:
+    """The greedy graph of a shape: a prefill shape over dummy prompts shorter than the context that
+    make it, a decode shape over the spare slot. Without graphs there is nothing to capture (True);
+    False when no dummy step makes the shape (its steps stay eager, and cold)."""
+    if len(shape) == 2:
+        b, width = shape  # type: ignore[misc]
+        key = (b, True, False, False, False, False, width)
+        if runner.graphs is not None and key not in runner.graphs.graphs:
+            runner.graphs.capture(key)
+        return True
+    tokens, rows, max_q, fresh = shape  # type: ignore[misc]
+    graphs: PrefillGraphs | None = runner.prefill_graphs
+    greedy = PrefillKey(tokens, rows, max_q, True, False, None, fresh)
+    return graphs is None or greedy in graphs.graphs or graphs.capture_key(greedy, max_model_len - 1)

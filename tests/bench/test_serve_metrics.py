@@ -39,9 +39,11 @@ def test_breakdown_is_per_request_over_the_run():
     after["pdserve:prefill_seconds"] += 0.008
     got = breakdown(before, after, completed=4)
     assert got == {"router_ttft_mean_ms": 20.0, "prefill_ms_per_request": 2.0, "kv_transfer_ms_per_request": 0.0}
-    after["pdserve:request_reserve_time_seconds_sum"] = 0.006  # 5 reservations (one request moved once)
-    after["pdserve:request_reserve_time_seconds_count"] = 5
-    assert breakdown(before, after, completed=4)["router_reserve_call_mean_ms"] == 1.2
+    after["pdserve:request_reserve_time_seconds_sum"] = 0.006  # the TTFT's parts: a mean per first token
+    after["pdserve:request_prefill_time_seconds_sum"] = 0.05
+    got = breakdown(before, after, completed=4)
+    assert got["ttft_reserve_mean_ms"] == 1.5 and got["ttft_prefill_mean_ms"] == 12.5 and got["ttft_write_mean_ms"] == 0
+    assert list(got).index("ttft_parse_mean_ms") < list(got).index("ttft_write_mean_ms")  # request order
     assert breakdown({}, after, 4) == {} and breakdown(before, after, 0) == {}
 
 

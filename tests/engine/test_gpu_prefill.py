@@ -136,6 +136,33 @@ def test_warmed_up_node_captures_nothing_for_single_prompts(k):
     assert got == [eager.generate([p], params)[0].output_ids for p in PROMPTS]
 
 
+def test_warmed_up_node_captures_no_new_shape_on_a_requests_path_and_none_is_cold_after_idling():
+    """Right after the warm-up, greedy requests of varied lengths (some chunked past the token budget)
+    in batches of varied sizes meet shapes with no graph: those steps run eagerly, and no graph is
+    captured on their path. After an idle pause (the node's `capture_deferred` rounds) every listed
+    shape has its graph, and the same requests meet no cold shape, capture nothing and give the
+    eager steps' tokens (fp32)."""
+    from engine.runner.warmup import capture_deferred, warm_up
+
+    eng = engine(3, max_num_seqs=8, max_num_batched_tokens=64, max_model_len=256)
+    warm_up(eng.runner, decode=True, prefill=True, max_model_len=eng.max_model_len)
+    pg, dg, shapes = eng.runner.prefill_graphs, eng.runner.graphs, eng.runner.shapes
+    before = len(pg.graphs)
+    prompts = [[7 + i] * n for i, n in enumerate([5, 17, 40, 100, 3, 9, 150, 2])]
+    params = [SamplingParams(max_tokens=2 + 3 * i, ignore_eos=True) for i in range(len(prompts))]
+    first = eng.generate(prompts, params)
+    assert shapes.cold > 0 and pg.pending and len(pg.graphs) == before
+    while capture_deferred(eng.runner, eng.max_model_len):  # the node idles
+        pass
+    assert shapes.status()["graph_shapes_pending"] == 0 and not pg.pending and not dg.deferred
+    captured, shapes.cold = (len(pg.graphs), len(dg.graphs)), 0
+    again = eng.generate(prompts, params)
+    eng.generate(prompts[2:5], params[2:5])
+    assert (len(pg.graphs), len(dg.graphs)) == captured and not pg.pending
+    assert shapes.cold == 0 and len(shapes.met) >= 6
+    assert [r.output_ids for r in again] == [r.output_ids for r in first]
+
+
 def test_after_warm_up_a_new_key_runs_eagerly_then_is_captured_when_idle():
     """engine/runner/warmup.py defers: a key the warm-up left out (top-k filter) runs eagerly, waits in
     `pending`, and `capture_deferred` captures it over dummy prompts; the graph then gives the
@@ -150,14 +177,13 @@ def test_after_warm_up_a_new_key_runs_eagerly_then_is_captured_when_idle():
     eager = eng.generate([PROMPTS[1]], params)[0].output_ids
     assert len(pg.graphs) == captured and len(pg.pending) == 1
     assert capture_deferred(eng.runner, eng.max_model_len) and len(pg.graphs) == captured + 1 and not pg.pending
-    assert not capture_deferred(eng.runner, eng.max_model_len)
     assert eng.generate([PROMPTS[1]], params)[0].output_ids == eager
     assert len(pg.graphs) == captured + 1
 
 
 def test_a_deferred_key_that_keeps_coming_is_captured_on_its_path():
-    """A busy node never idles: a deferred key runs eagerly EAGER_RUNS_BEFORE_CAPTURE times, then
-    the next step captures it as on first use."""
+    """A busy node never idles: a deferred key of a shape that has a graph (another sampling variant's)
+    runs eagerly EAGER_RUNS_BEFORE_CAPTURE times, then the next step captures it as on first use."""
     from engine.runner.prefill_graphs import EAGER_RUNS_BEFORE_CAPTURE
     from engine.runner.warmup import warm_up
 
@@ -245,7 +271,7 @@ def test_constrained_first_tokens_replay_a_graph_and_equal_eager():
     pg = node.runner.prefill_graphs
     first = node.generate([PROMPTS[1]], params[0])[0].output_ids
     assert any(key.constrained for key in pg.pending)
-    while capture_deferred(node.runner, node.max_model_len):
-        pass
-    assert any(key.constrained for key in pg.graphs) and not pg.pending
+    while pg.pending:  # the keys requests met come first in the idle captures
+        assert capture_deferred(node.runner, node.max_model_len)
+    assert any(key.constrained for key in pg.graphs)
     assert node.generate([PROMPTS[1]], params[0])[0].output_ids == first

@@ -8,15 +8,27 @@ warm-up means to cover. tests/engine/test_gpu_prefill.py checks the captured gra
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 
 from engine.engine import EngineConfig, LLMEngine
 from engine.request import PrefillChunk
 from engine.runner.dummy_prompts import chunks_for_key, dummy_chunks
-from engine.runner.prefill_graphs import PrefillGraphs, pow2_buckets
-from engine.runner.prefill_step import key_for
-from engine.runner.warmup import GREEDY, SAMPLED, VARIANTS, capture_deferred, rows_for, warm_up
+from engine.runner.prefill_graphs import EAGER_RUNS_BEFORE_CAPTURE, PrefillGraphs, pow2_buckets
+from engine.runner.prefill_step import PrefillKey, key_for
+from engine.runner.shapes import ShapeLog, backlog_order, decode_shapes, prefill_shapes
+from engine.runner.warmup import (
+    GREEDY,
+    SAMPLED,
+    VARIANTS,
+    capture_deferred,
+    rows_for,
+    shape_status,
+    warm_steps,
+    warm_up,
+)
 from engine.sampling.sampling_params import SamplingParams
 from tests.engine.conftest import DEVICE
 
@@ -102,3 +114,167 @@ def test_a_deferred_eager_step_runs_in_the_runners_kernel_mode(tiny, prefill_mod
         out = graphs.run(dummy_chunks(64, 2, GREEDY, None))
         assert out.first_token.shape == (2,) and graphs.pending
     assert prefill_modes == [True, False]
+
+
+# ---- the shapes a node's steps can meet, and the warm-up covering them ----------------------------
+def test_prefill_shapes_are_what_steps_under_the_limits_fill():
+    """Every step of whole or chunked prompts (shorter than the context) within the largest buckets has
+    an enumerated shape, every enumerated shape has a step, and nothing else is listed."""
+    import random
+
+    tokens, rows, context = pow2_buckets(16, 64), pow2_buckets(1, 4), 40
+    log = ShapeLog(tokens, rows, {1: [4]}, context, resumes=True)
+    listed = set(log.prefill_shapes())
+    assert len(listed) == len(log.prefill_shapes())
+    fresh_only = set(prefill_shapes(tokens, rows, context, resumes=False))
+    assert fresh_only == {s for s in listed if s[3]} and fresh_only != listed
+    assert (16, 4, 16, True) in listed and (64, 1, 64, True) in listed  # four short prompts; one of 33-39 tokens
+    assert (64, 1, 32, True) not in listed and (64, 2, 16, True) not in listed  # 33+ tokens need longer chunks
+    rng, met = random.Random(0), set()
+    for _ in range(2000):
+        chunks = []
+        for _ in range(rng.randint(1, 4)):
+            start = rng.choice([0, 0, rng.randint(1, 3), rng.randint(1, context - 2)])
+            end = rng.randint(start + 1, context - 1)
+            chunks.append(PrefillChunk([5] * end, start, end, [], GREEDY, 0))
+        shape = log.prefill_shape(chunks)
+        if sum(c.end - c.start for c in chunks) > 64:
+            assert shape is None  # past the largest bucket: eager at its size
+            continue
+        assert shape in listed, chunks
+        met.add(shape)
+    assert len(met) > len(listed) // 2
+    for shape in listed:  # and a step under the limits fills each listed one
+        chunks = chunks_for_key(PrefillKey(*shape[:3], True, False, None, shape[3]), tokens, rows, context - 1)
+        assert all(c.end < context for c in chunks) and len(chunks) <= 4 and sum(c.end - c.start for c in chunks) <= 64
+        assert log.prefill_shape(chunks) == shape
+
+
+def test_decode_shapes_are_every_bucket_at_its_widths():
+    assert decode_shapes({1: [16, 64], 2: [16, 64], 4: [64]}) == [(1, 16), (1, 64), (2, 16), (2, 64), (4, 64)]
+    log = ShapeLog([16], [1], {1: [16, 64], 2: [16, 64], 4: [64]}, 1024, resumes=False)
+    assert log.decode_shape(3, 10) == (4, 64) and log.decode_shape(2, 10) == (2, 16) and log.decode_shape(1, 17) == (1, 64)
+
+
+LIMITS = dict(max_num_seqs=8, max_num_batched_tokens=64, max_model_len=256)  # 255-token prompts pass the budget
+LENGTHS = [5, 17, 40, 100, 3, 9, 150, 2]
+
+
+def varied(eng: LLMEngine) -> None:
+    """Requests of varied lengths (some chunked past the token budget), batch sizes and sampling."""
+    prompts = [[7 + i] * n for i, n in enumerate(LENGTHS)]
+    params = [SamplingParams(max_tokens=2 + 3 * i, ignore_eos=True, temperature=0.0 if i % 2 else 0.8)
+              for i in range(len(prompts))]
+    eng.generate(prompts, params)
+    eng.generate(prompts[3:4], params[3:4])
+
+
+def test_before_ready_the_warm_up_covers_its_steps_and_lists_the_other_shapes(tiny):
+    """The warm-up marks warm exactly the shapes of its own steps and every decode shape; every other
+    listed shape waits in the backlog (likeliest first), and the node's status counts them."""
+    eng = LLMEngine(tiny, EngineConfig(num_speculative_tokens=2, device=DEVICE, **LIMITS))
+    shapes = eng.runner.shapes
+    assert shapes is not None and shapes.resumes and not shapes.warm and not shapes.backlog
+    report = warm_up(eng.runner, decode=True, prefill=True, max_model_len=eng.max_model_len)
+    steps = {shapes.prefill_shape(c) for c in warm_steps(shapes.token_buckets, shapes.row_buckets, eng.max_model_len)}
+    assert shapes.warm == steps | set(shapes.decode_shapes())
+    listed = set(shapes.prefill_shapes())
+    assert steps < listed and set(shapes.backlog) == listed - steps  # fewer graphs before ready
+    assert shapes.backlog == sorted(shapes.backlog, key=backlog_order)
+    assert shapes.backlog[0][3] and not shapes.backlog[-1][3]  # fresh prompts first, resumed ones last
+    assert shape_status(eng.runner) == {"cold_shape_steps": 0, "graph_shapes_pending": len(listed - steps)}
+    assert report.pending == len(listed - steps) and set(report.phases) == {"decode", "prefill"}
+
+
+def test_after_ready_cold_shapes_are_counted_moved_ahead_and_captured_when_idle(tiny):
+    """Varied requests right after the warm-up meet shapes with no graph: each such step is counted
+    (`cold`) and its shape goes to the head of the backlog. The idle captures take one shape a call,
+    those first; once they are done the same requests meet no cold shape."""
+    eng = LLMEngine(tiny, EngineConfig(num_speculative_tokens=2, device=DEVICE, **LIMITS))
+    shapes = eng.runner.shapes
+    warm_up(eng.runner, decode=True, prefill=True, max_model_len=eng.max_model_len)
+    pending = len(shapes.backlog)
+    varied(eng)
+    cold = [s for s in shapes.met if s not in shapes.warm]
+    assert cold and shapes.cold == sum(shapes.met[s] for s in cold)
+    assert any(not s[3] for s in cold), "chunked prompts resumed"
+    assert set(shapes.backlog[: len(cold)]) == set(cold) and len(shapes.backlog) == pending
+    assert shape_status(eng.runner) == {"cold_shape_steps": shapes.cold, "graph_shapes_pending": pending}
+    order: list = []
+    while True:  # the node idles
+        before = set(shapes.warm)
+        if not capture_deferred(eng.runner, eng.max_model_len):
+            break
+        order.append(shapes.warm - before)
+    assert all(len(new) == 1 for new in order) and len(order) == pending, "one shape a call"
+    assert set().union(*order[: len(cold)]) == set(cold), "the shapes requests met first"
+    assert shape_status(eng.runner)["graph_shapes_pending"] == 0
+    shapes.cold, shapes.met = 0, type(shapes.met)()
+    varied(eng)
+    assert shapes.cold == 0, [s for s in shapes.met if s not in shapes.warm]
+    assert len({s[0] for s in shapes.met if len(s) == 2}) >= 3  # decode batches shrank through the buckets
+
+
+def test_a_request_never_captures_a_shape_with_no_graph(tiny, monkeypatch):
+    """A node's prefill graphs past the warm-up (`defer`) run a step of a new shape eagerly however
+    often it comes, and never capture on its path: only the idle captures do, one key a call, the
+    keys requests met first. A sampling variant of a captured shape is captured on its path once it
+    came back EAGER_RUNS_BEFORE_CAPTURE times (a busy node never idles): the test can fail. (The
+    steps fill their buckets exactly: the CPU's attention takes no padding rows.)"""
+    eng = LLMEngine(tiny, EngineConfig(num_speculative_tokens=2, device=DEVICE, **LIMITS))
+    warm_up(eng.runner, decode=True, prefill=True, max_model_len=eng.max_model_len)
+    pg = eng.runner.prefill_graphs = PrefillGraphs(eng.runner, 64, 8)  # its buckets: the CPU captures nothing
+    pg.defer = True
+    captured: list[PrefillKey] = []
+
+    def on_path(key, inp):
+        captured.append(key)
+        raise AssertionError(f"{key} captured on a request's path")
+
+    monkeypatch.setattr(pg, "_capture", on_path)
+    prompt, params = [[9] * 64], SamplingParams(max_tokens=2, ignore_eos=True)
+    for _ in range(EAGER_RUNS_BEFORE_CAPTURE + 2):
+        eng.generate(prompt, params)
+    eng.generate([[5] * 128, [6] * 16], [params, SamplingParams(max_tokens=3, temperature=0.8)])  # resumed
+    eng.generate([[7] * 32] * 2 + [[8] * 16] * 4, params)  # two rows, then four
+    assert not captured and {k.rows for k in pg.pending} == {1, 2, 4} and any(not k.fresh for k in pg.pending)
+    met = list(pg.pending)
+    monkeypatch.setattr(pg, "_capture", lambda key, inp: captured.append(key))  # the node idles
+    for i in range(len(met)):
+        assert capture_deferred(eng.runner, eng.max_model_len) and len(captured) == i + 1
+    assert captured == met and not pg.pending
+    shapes = eng.runner.shapes
+    head = next(s for s in shapes.backlog if s not in shapes.warm)
+    assert capture_deferred(eng.runner, eng.max_model_len) and len(captured) == len(met) + 1  # then the backlog
+    assert captured[-1].shape == head and captured[-1].all_greedy and head in shapes.warm
+
+    class Captured(Exception):
+        pass
+
+    def captures(key, inp):
+        raise Captured(key)
+
+    monkeypatch.setattr(pg, "_capture", captures)
+    pg.shapes.add(met[0].shape)  # the 40-token prompt's shape now has a graph (another variant's)
+    with pytest.raises(Captured):
+        eng.generate(prompt, params)  # its key came back often enough: captured on its path
+
+
+def test_an_idle_node_captures_its_backlog_and_its_status_says_so(tiny):
+    """A colocated node (warm-up on) reports the shapes left, and its loop's idle rounds capture them
+    (on the CPU: mark them) until none is left; its status fits the node's Status message."""
+    from decode_node.colocated import ColocatedNode
+    from protos import node_pb2
+
+    node = ColocatedNode(tiny, EngineConfig(num_speculative_tokens=2, device=DEVICE, warmup=True, **LIMITS))
+    status = node.status()
+    assert status["graph_shapes_pending"] > 0 and status["cold_shape_steps"] == 0
+    assert node_pb2.NodeStatus(**status).graph_shapes_pending == status["graph_shapes_pending"]
+    node.start()
+    try:
+        deadline = time.monotonic() + 60
+        while node.status()["graph_shapes_pending"] and time.monotonic() < deadline:
+            time.sleep(0.01)
+    finally:
+        node.stop()
+    assert node.status()["graph_shapes_pending"] == 0

@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 
 from protos import messages
 from protos.messages import (
+    MAX_DURATION_S,
     MAX_LOGPROBS,
     FirstToken,
     MessageError,
@@ -23,9 +24,10 @@ from tests.fuzz import VALUES, fuzz_settings, mutated, packb
 
 VOCAB, K = 320, 3
 LPS = TokenLogprobs([-0.5], [1], [[4, 5]], [[-0.5, -1.0]])
-FIRST = FirstToken("router/r/1", 7, 2, LPS, [1, 2, 3], b"\0" * (4 * VOCAB * 3), None)
+FIRST = FirstToken("router/r/1", 7, 2, LPS, [1, 2, 3], b"\0" * (4 * VOCAB * 3), None, queue_s=0.002,
+                   compute_s=0.0125)
 OUTPUT = OutputItem("router/r/1", [1, 2], 1, TokenLogprobs([-0.1, -0.2], [1, 2], [[1], [2]], [[-0.1], [-0.2]]),
-                    "length", steps=2, accepted=1)
+                    "length", steps=2, accepted=1, queue_s=0.0, compute_s=3)
 
 
 def first_obj() -> dict:
@@ -40,9 +42,16 @@ def check_first(msg: FirstToken) -> None:
     assert len(msg.drafts) <= K and all(0 <= d < VOCAB for d in msg.drafts)
     assert len(msg.draft_probs) in (0, 4 * VOCAB * len(msg.drafts))
     assert msg.finished in (None, "stop", "length")
+    check_durations(msg.queue_s, msg.compute_s)
     if msg.num_logprobs is not None:
         assert 0 <= msg.num_logprobs <= MAX_LOGPROBS and msg.logprobs is not None
         check_logprobs(msg.logprobs, 1, msg.num_logprobs)
+
+
+def check_durations(queue_s: float | None, compute_s: float | None) -> None:
+    """A node's TTFT parts: both or neither, finite seconds within bounds (router/ttft.py trusts that)."""
+    assert (queue_s is None) == (compute_s is None)
+    assert queue_s is None or all(type(s) is float and 0 <= s <= MAX_DURATION_S for s in (queue_s, compute_s))
 
 
 def check_logprobs(lp: TokenLogprobs, n: int, width: int) -> None:
@@ -56,6 +65,7 @@ def check_output(item: OutputItem) -> None:
     assert item.finish_reason in (None, "stop", "length", "abort")
     assert item.error is None or isinstance(item.error, str)
     assert item.steps >= 0 and item.accepted >= 0
+    check_durations(item.queue_s, item.compute_s)
     if item.num_logprobs is not None:
         assert item.logprobs is not None
         check_logprobs(item.logprobs, len(item.tokens), item.num_logprobs)

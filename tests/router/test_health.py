@@ -44,6 +44,7 @@ async def test_health_and_metrics_show_free_kv_blocks_per_node():
         _, metrics = await asyncio.to_thread(_get, f"{base}/metrics")
         assert f'pdserve:kv_blocks_free{{kind="decode",node="{d.address}"}} {float(free)}' in metrics
         assert f'pdserve:kv_blocks_total{{kind="decode",node="{d.address}"}} {float(total)}' in metrics
+        assert f'pdserve:graph_shapes_pending{{kind="decode",node="{d.address}"}} 0.0' in metrics  # no warm-up
         stream.cancel()
         await c.settled()
         await c.router.refresh()
