@@ -96,6 +96,12 @@ class PrefillJob:
     def remaining(self) -> int:
         return len(self.prompt) - self.num_prefilled
 
+    def timed(self, first: FirstToken, computed: float) -> FirstToken:
+        """`first` with the job's queue and compute time (TTFT parts: router/ttft.py)."""
+        started = computed if self.started is None else self.started
+        first.queue_s, first.compute_s = max(0.0, started - self.received), computed - started
+        return first
+
     def first_token(self, token: int, drafts: list[int], probs: torch.Tensor | None, lp: list | None) -> FirstToken:
         """The first-token message: for the router (no drafts), or with the drafts for the decode node."""
         logprobs = None
@@ -233,9 +239,7 @@ class PrefillNode(StepLoop):
         chunks = [PrefillChunk(j.prompt, j.num_prefilled, j.num_prefilled + n, j.block_ids, j.params, j.seed)
                   for j, n in jobs]
         finishing = [j for (j, _), c in zip(jobs, chunks, strict=True) if c.is_last]
-        now = time.monotonic()
-        for j, _ in jobs:
-            j.started = now if j.started is None else j.started
+        mark_started([j for j, _ in jobs], time.monotonic())
         start = time.perf_counter()
         early = EarlyFirst()  # the first tokens' copy to the host, queued ahead of the MTP drafts
         try:
@@ -287,7 +291,7 @@ class PrefillNode(StepLoop):
                 self._fail(j, reason)  # out of the queue, its tokens off the queued count
                 return
         if request_id in self.detached:
-            self._drop_detached(self.detached.pop(request_id))
+            self._release(self.detached.pop(request_id).request_id, False, time.monotonic())  # never sent
         elif request_id in self.leased:
             self.sender.abort(request_id, reason)
         early = self._early.pop(request_id, None)
@@ -392,10 +396,7 @@ class PrefillNode(StepLoop):
         lp_nums = {i: jobs[i].params.logprobs or 0 for i in out.logprob_rows}
         lps = unpack_logprobs(lp, lp_nums, out.logprob_rows, 1) if lp is not None else {}
         for i, j in enumerate(jobs):  # the router streams the first token while the drafts run
-            first = j.first_token(firsts[i], [], None, lps.get(i))
-            started = computed if j.started is None else j.started
-            first.queue_s, first.compute_s = max(0.0, started - j.received), computed - started  # TTFT parts
-            j.future.set_result(first)
+            j.future.set_result(j.timed(j.first_token(firsts[i], [], None, lps.get(i)), computed))
             self._mark(j.request_id, "first_sent")
         drafts = out.drafts.tolist() if out.drafts is not None else [[] for _ in jobs]  # the drafts' read point
         probs = out.draft_probs.float().cpu() if out.draft_probs is not None else None
@@ -449,17 +450,13 @@ class PrefillNode(StepLoop):
         for rid, job in list(self.detached.items()):
             if job.attach_by < now:
                 log.warning("%s: no KV descriptor came within %.0f s; dropped", rid, self.kv_timeout_s)
-                self._drop_detached(self.detached.pop(rid))
+                self._release(self.detached.pop(rid).request_id, False, time.monotonic())
         for job in [j for j in self.waiting if not j.attached and j.attach_by < now]:
             self._fail(job, "no KV descriptor came in time")
         for rid, (_, _, future, by) in list(self._early.items()):
             if by < now:
                 del self._early[rid]
                 future.set_exception(KeyError(f"{rid}: no such prefill job"))
-
-    def _drop_detached(self, job: PrefillJob) -> None:
-        """A finished job whose transfer never started: its blocks go back now."""
-        self._release(job.request_id, False, time.monotonic())
 
     def _fail(self, job: PrefillJob, reason: str) -> None:
         if job in self.waiting:
@@ -497,6 +494,12 @@ class PrefillNode(StepLoop):
         blocks = self.leased.pop(rid, None)
         if blocks is not None:
             self.blocks.free(blocks)
+
+
+def mark_started(jobs: list[PrefillJob], now: float) -> None:
+    """A job's queue time ends when its first chunk's step begins."""
+    for j in jobs:
+        j.started = now if j.started is None else j.started
 
 
 def check_fits(prompt_len: int, max_model_len: int, blocks: Any, k: int) -> None:
