@@ -98,6 +98,7 @@ class DecodeBatch:
         # adaptive k: None where every step runs at the runner's k
         self.policy = KPolicy(runner.k, dict(runner.step_costs)) if len(runner.step_ks) > 1 else None
         self.k_steps = [0] * (runner.k + 1)  # decode steps launched at each k (for /metrics and benches)
+        self.read_k = runner.k  # the k of the step the last `step` read
 
     @property
     def busy(self) -> bool:
@@ -213,6 +214,7 @@ class DecodeBatch:
 
     def _collect(self, handle: DecodeHandle, reqs: list[Request], lp: dict[int, int]) -> list[RequestOutput]:
         res = self.runner.collect(handle, lp)
+        self.read_k = handle.k
         if self.policy is not None:
             emitted = [len(t) for t, r in zip(res.tokens, reqs, strict=True) if t and not r.finished]
             self.policy.observe(handle.k, len(emitted), sum(emitted), handle.stale)
