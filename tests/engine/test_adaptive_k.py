@@ -66,6 +66,27 @@ def test_plain_steps_reprobe_k_and_the_probe_remeasures():
     assert p.tokens_per_step == pytest.approx(3.5)
 
 
+def test_each_probe_that_ends_plain_doubles_the_wait_for_the_next():
+    p = KPolicy(K, {1: (1.0, 2.0)}, probe_every=4, max_probe_every=16, probe_steps=2)
+    measured(p, 1.0)
+    waits = []
+    for _ in range(5):
+        ks = []
+        while not ks or ks[-1] == 0:
+            ks.append(p.choose(1))
+        waits.append(len(ks) - 1)  # plain steps before the probe
+        assert p.choose(1) == K  # the probe's second step
+        measured(p, 1.0)  # it measured no gain
+    assert waits == [4, 8, 16, 16, 16]
+    p.tokens_per_step = 3.0  # drafts pay again: K, and the wait starts over
+    assert p.choose(1) == K
+    p.tokens_per_step = 1.0
+    ks = []
+    while not ks or ks[-1] == 0:
+        ks.append(p.choose(1))
+    assert len(ks) - 1 == 4
+
+
 def test_average_moves_by_alpha():
     p = KPolicy(K, COSTS, alpha=0.25)
     p.observe(K, 4, 8)
@@ -73,7 +94,7 @@ def test_average_moves_by_alpha():
     assert p.tokens_per_step == pytest.approx(2.0 + 0.25 * (4.0 - 2.0))
 
 
-@pytest.mark.parametrize("bad", [dict(alpha=0.0), dict(margin=-1.0), dict(probe_steps=1), dict(costs={1: (0.0, 1.0)})])
+@pytest.mark.parametrize("bad", [dict(alpha=0.0), dict(margin=-1.0), dict(probe_steps=1), dict(max_probe_every=1), dict(costs={1: (0.0, 1.0)})])
 def test_bad_policy_settings_are_errors(bad):
     with pytest.raises(ValueError):
         KPolicy(K, **bad)
