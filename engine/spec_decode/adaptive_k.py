@@ -6,7 +6,8 @@ batch bucket at warm-up (engine/runner/cuda_graphs.py): the usual step at k = K 
 [last, d1..dK], accept, redraft K) and the plain step at k = 0 (the target over [last] alone: no
 drafts read, no MTP layer, no draft chain; it costs what a K = 0 engine's step costs). `step_costs`
 times both per bucket on the device. A grammar-constrained step always runs at K (its masks cover
-K + 1 positions), and without measured costs (the CPU, or graphs off) the policy keeps K.
+K + 1 positions), and without measured costs (the CPU, graphs off, or tensor parallelism, whose
+ranks must agree on every step's k) the policy keeps K.
 
 Why switching keeps output exact (the simplest scheme that does):
   * a k = 0 step leaves the slot's drafts, their distributions and the MTP layer's KV as they are;
@@ -17,8 +18,10 @@ Why switching keeps output exact (the simplest scheme that does):
     target's distribution for any such proposal. Stale drafts are merely rejected (that step is then
     "verify none, draft K"), and the policy leaves that step's acceptance out of its measure;
   * the MTP layer's KV has no entries for positions decoded at k = 0: the drafts after a switch
-    back attend over whatever those cache slots hold, which costs acceptance (a bias toward plain
-    decoding, the safe side), never exactness.
+    back attend over whatever those cache slots hold (zeros, or keys written there before: finite
+    values, so the draft distributions stay distributions), which costs acceptance (a bias toward
+    plain decoding, the safe side), never exactness. Running the MTP layer in every plain step
+    would keep that cache whole, at a layer's cost in every step that drafts did not pay for.
 What adaptive k gives up: a sampled request's tokens depend on the drafts it was offered, so with
 a fixed seed they repeat only under the same sequence of k (a fixed k, or the same batch history).
 Fix k (`spec.k_policy: fixed`, the default) where seeded answers must repeat across modes.
@@ -32,7 +35,7 @@ nothing measures acceptance, so after `probe_every` plain steps it runs `probe_s
 (the first verifies stale drafts and is not counted) and the first counted one replaces the
 average: acceptance is re-measured rather than remembered. A probe costs K steps where drafts
 did not pay, so each probe that ends in plain decoding doubles the wait for the next (up to
-`max_probe_every`), and choosing K again resets it: where drafts never pay, probes cost well
+`max_probe_every`), and choosing K again resets it: where drafts never pay, probes soon cost
 under 1% of the time.
 """
 
