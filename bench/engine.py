@@ -29,7 +29,7 @@ import torch
 from bench.extras import require
 from bench.host_split import host_split, steady_batch
 from bench.step_trace import layer_increments
-from engine.engine import EngineConfig, LLMEngine
+from engine.engine import K_POLICIES, EngineConfig, LLMEngine
 from engine.grammar.structured import StructuredSpec
 from engine.model.dummy import DUMMY_SHAPES
 from engine.model.loader import (
@@ -60,6 +60,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--spec-tokens", type=int, default=3)
     p.add_argument("--draft-vocab", type=int, default=0, metavar="N",
                    help="MTP drafts score the N most frequent tokens (FR-Spec); 0 = all")
+    p.add_argument("--spec-k-policy", choices=K_POLICIES, default="fixed",
+                   help="adaptive: each decode step runs at --spec-tokens or 0, whichever pays, from the step costs "
+                        "timed at start-up (CUDA graphs) and the acceptance measured (engine/spec_decode/adaptive_k.py)")
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--batches", default=None, metavar="B1,B2,...",
                    help="time each of these batch sizes in turn on the one loaded model (instead of --batch)")
@@ -138,7 +141,7 @@ def _engine(loaded: LoadedModel, k: int, args: argparse.Namespace,
                   else f"--prompt-len {args.prompt_len} + --max-tokens {args.max_tokens}")
     per_seq = -(-kv_room_needed(max_len, k) // BLOCK_SIZE)
     engine = LLMEngine(loaded, EngineConfig(num_speculative_tokens=k, draft_vocab_size=args.draft_vocab if k else 0,
-                                            device=args.device,
+                                            spec_k_policy=getattr(args, "spec_k_policy", "fixed"), device=args.device,
                                             max_num_seqs=max(args.batch, 1), block_size=BLOCK_SIZE,
                                             num_blocks=1 + args.batch * per_seq,  # the whole batch at once
                                             max_num_batched_tokens=args.batch * args.prompt_len,
@@ -163,6 +166,7 @@ def time_engine(loaded: LoadedModel, k: int, args: argparse.Namespace, tp: TPGro
     if stamps is not None:
         stamps.reset()
     sync_device(args.device)
+    k_before = list(engine.batch.k_steps)
     start, steps = time.perf_counter(), 0
     while engine.has_unfinished():
         engine.step()
@@ -178,13 +182,25 @@ def time_engine(loaded: LoadedModel, k: int, args: argparse.Namespace, tp: TPGro
            "structured_regex": getattr(args, "structured_regex", None),
            "max_model_len": engine.max_model_len,
            "decode_tokens": tokens, "decode_steps": steps, "seconds": round(elapsed, 4),
-           "tokens_per_s": round(tokens / elapsed, 1), "ms_per_step": round(1000 * elapsed / max(steps, 1), 3)}
+           "tokens_per_s": round(tokens / elapsed, 1), "ms_per_step": round(1000 * elapsed / max(steps, 1), 3),
+           **k_choice(engine, k_before)}
     if stamps is not None:
         out.update(stamped_busy(stamps.read()))
     if args.profile:
         out.update(host_split(engine, prompts, params, PROFILE_STEPS))
     if args.profile and args.device.startswith("cuda"):
         out.update(profile_decode(engine, prompts, params))
+    return out
+
+
+def k_choice(engine: LLMEngine, k_before: list[int]) -> dict:
+    """The k policy, the share of the timed decode steps run at each k (keys "0".."k"), and with
+    adaptive k the step costs it weighs (ms at k = 0 and at k, per batch bucket)."""
+    ran = [n - b for n, b in zip(engine.batch.k_steps, k_before, strict=True)]
+    out: dict = {"spec_k_policy": engine.config.spec_k_policy if engine.k else None,
+                 "k_share": {str(k): round(n / max(sum(ran), 1), 3) for k, n in enumerate(ran) if n}}
+    if engine.runner.step_costs:
+        out["step_costs_ms"] = {b: [round(1000 * c, 4) for c in cs] for b, cs in engine.runner.step_costs.items()}
     return out
 
 

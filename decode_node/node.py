@@ -172,7 +172,8 @@ class DecodeNode(StepLoop):
         return {"free_blocks": self.blocks.num_free, "total_blocks": self.blocks.capacity,
                 "running": len(self.requests), "queued_tokens": 0, "kv_bytes": self.kv_bytes,
                 "kv_skipped_bytes": self.kv_skipped_bytes, "draft_tokens": list(self.draft_tokens),
-                "accepted_per_pos": list(self.accepted_per_pos), **self.prefix.status(), **shape_status(self.runner)}
+                "accepted_per_pos": list(self.accepted_per_pos), "spec_decode_steps": list(self.batch.k_steps),
+                **self.prefix.status(), **shape_status(self.runner)}
 
     @property
     def receiver(self) -> KVReceiver:
@@ -349,7 +350,10 @@ class DecodeNode(StepLoop):
                 self._error(p, f"KV or first token did not arrive within {self.admission_timeout_s}s", items)
 
     def _count_accepted(self, outputs: list[RequestOutput]) -> None:
-        """Each output is one request's step: k drafts verified, the first len - 1 accepted."""
+        """Each output is one request's step: k drafts verified, the first len - 1 accepted (none
+        verified in a plain step of adaptive k)."""
+        if self.batch.read_k == 0:
+            return
         accepted = Counter(len(out.new_token_ids) - 1 for out in outputs)
         for pos in range(self.k):
             self.draft_tokens[pos] += len(outputs)

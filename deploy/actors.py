@@ -29,6 +29,7 @@ def engine_config(cfg: ServiceConfig, role: str):
         c = cfg.colocated
         return EngineConfig(
             num_speculative_tokens=cfg.spec.num_speculative_tokens, draft_vocab_size=cfg.spec.draft_vocab_size,
+            spec_k_policy=cfg.spec.k_policy,
             block_size=cfg.cache.block_size, max_num_seqs=c.max_num_seqs,
             max_num_batched_tokens=c.max_num_batched_tokens, max_model_len=cfg.model.max_model_len,
             kv_cache_bytes=cfg.cache.kv_cache_bytes, num_blocks=cfg.cache.num_blocks,
@@ -38,6 +39,7 @@ def engine_config(cfg: ServiceConfig, role: str):
     return EngineConfig(
         num_speculative_tokens=cfg.spec.num_speculative_tokens,
         draft_vocab_size=cfg.spec.draft_vocab_size,
+        spec_k_policy=cfg.spec.k_policy,
         block_size=cfg.cache.block_size,
         max_num_seqs=cfg.decode.max_num_seqs,  # on P this sizes the KV pool for leases
         max_num_batched_tokens=cfg.prefill.max_num_batched_tokens,

@@ -30,6 +30,7 @@ def service_config(args: argparse.Namespace, local: bool = False) -> Any:
                       ("max_model_len", "model.max_model_len"),
                       ("prefill", "prefill.num_nodes"), ("decode", "decode.num_nodes"),
                       ("spec_tokens", "spec.num_speculative_tokens"), ("draft_vocab", "spec.draft_vocab_size"),
+                      ("spec_k_policy", "spec.k_policy"),
                       ("port", "router.port"), ("http_port", "router.http_port"),
                       ("address", "cluster.address"), ("device", "model.device"),
                       ("enforce_eager", "model.enforce_eager"), ("deterministic", "model.deterministic"),
@@ -80,6 +81,9 @@ def add_service_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--spec-tokens", type=int, default=None, help="MTP draft tokens per step (k)")
     p.add_argument("--draft-vocab", type=int, default=None, metavar="N",
                    help="MTP drafts score the model's N most frequent tokens (FR-Spec); 0 = all")
+    p.add_argument("--spec-k-policy", choices=("fixed", "adaptive"), default=None,
+                   help="fixed: every decode step verifies k drafts; adaptive: k or 0 per step, whichever pays "
+                        "(docs/configuration.md)")
     p.add_argument("--device", default=None, help="cpu, cuda or auto")
     p.add_argument("--api-key", default=None,
                    help="clients must send 'authorization: Bearer KEY' (default: $PDSERVE_API_KEY; none: no auth)")

@@ -51,11 +51,16 @@ from engine.tp.tensor_parallel import (
     max_kv_heads,
 )
 
+K_POLICIES = ("fixed", "adaptive")
+
 
 @dataclass(frozen=True)
 class EngineConfig:
     num_speculative_tokens: int = 0
     draft_vocab_size: int = 0  # MTP drafts score the N most frequent tokens (FR-Spec); 0 or >= V: all
+    # "fixed": every decode step verifies k drafts; "adaptive": k or 0 per step, from measured
+    # acceptance and step costs (engine/spec_decode/adaptive_k.py)
+    spec_k_policy: str = "fixed"
     block_size: int = 16
     max_num_seqs: int = 32
     max_num_batched_tokens: int = 512
@@ -74,6 +79,8 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if self.num_speculative_tokens < 0:
             raise ValueError(f"num_speculative_tokens (k) must be >= 0, got {self.num_speculative_tokens}")
+        if self.spec_k_policy not in K_POLICIES:
+            raise ValueError(f"spec_k_policy must be one of {K_POLICIES}, got {self.spec_k_policy!r}")
         if self.draft_vocab_size < 0:
             raise ValueError(f"draft_vocab_size must be >= 0 (0: the full vocabulary), got {self.draft_vocab_size}")
         if self.block_size <= 0 or self.max_num_seqs <= 0 or self.max_num_batched_tokens <= 0:
@@ -88,7 +95,9 @@ def build_runner(loaded: LoadedModel, config: EngineConfig, decodes: bool = True
     engine/tp/tensor_parallel.py); every rank gets the same number of KV blocks. On CUDA the
     model's projections are fused and, unless `enforce_eager` or the runner never `decodes`
     (a prefill node), the decode step's CUDA graphs are captured here; prefill steps get CUDA
-    graphs too (captured on first use), unless `enforce_eager`."""
+    graphs too (captured on first use), unless `enforce_eager`. With adaptive k (one process, CUDA
+    graphs) the greedy steps at k and at 0 are timed per bucket here (engine/spec_decode/adaptive_k.py);
+    elsewhere nothing is timed and every step runs at k."""
     k = config.num_speculative_tokens
     if k and loaded.model.mtp is None:
         raise ValueError("this model has no MTP module; use num_speculative_tokens=0")
@@ -109,11 +118,14 @@ def build_runner(loaded: LoadedModel, config: EngineConfig, decodes: bool = True
         config.block_size, config.max_num_seqs, max_model_len, device, next(loaded.model.parameters()).dtype,
         cuda_graphs=graphs and decodes, deterministic=config.deterministic, draft_vocab=draft_vocab,
         prefill_graph_tokens=min(config.max_num_batched_tokens, MAX_GRAPH_TOKENS) if graphs and single else 0,
+        adaptive_k=config.spec_k_policy == "adaptive",
     )
     runner.grammar = GrammarCompiler(loaded.tokenizer, runner.state.vocab, loaded.eos_token_ids)  # compiles on first use
     runner.shapes = shape_log(runner, config, max_model_len)
     if runner.graphs is not None:
         runner.graphs.capture_greedy()
+        if len(runner.step_ks) > 1 and single:  # TP ranks would time differently, then choose differently: K
+            runner.step_costs = runner.graphs.step_costs()
     return runner, blocks, max_model_len
 
 

@@ -126,7 +126,7 @@ class StatusRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class NodeStatus(_message.Message):
-    __slots__ = ("node_id", "kind", "healthy", "free_blocks", "total_blocks", "running", "queued_tokens", "num_speculative_tokens", "prefill_tokens", "prefill_seconds", "kv_bytes", "kv_seconds", "draft_tokens", "accepted_per_pos", "prefix_requests", "prefix_hit_requests", "prefix_query_tokens", "prefix_hit_tokens", "cached_blocks", "evicted_blocks", "kv_skipped_bytes", "shared_blocks", "takes_attach", "kv_seconds_buckets", "cold_shape_steps", "graph_shapes_pending")
+    __slots__ = ("node_id", "kind", "healthy", "free_blocks", "total_blocks", "running", "queued_tokens", "num_speculative_tokens", "prefill_tokens", "prefill_seconds", "kv_bytes", "kv_seconds", "draft_tokens", "accepted_per_pos", "prefix_requests", "prefix_hit_requests", "prefix_query_tokens", "prefix_hit_tokens", "cached_blocks", "evicted_blocks", "kv_skipped_bytes", "shared_blocks", "takes_attach", "kv_seconds_buckets", "cold_shape_steps", "graph_shapes_pending", "spec_decode_steps")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     KIND_FIELD_NUMBER: _ClassVar[int]
     HEALTHY_FIELD_NUMBER: _ClassVar[int]
@@ -153,6 +153,7 @@ class NodeStatus(_message.Message):
     KV_SECONDS_BUCKETS_FIELD_NUMBER: _ClassVar[int]
     COLD_SHAPE_STEPS_FIELD_NUMBER: _ClassVar[int]
     GRAPH_SHAPES_PENDING_FIELD_NUMBER: _ClassVar[int]
+    SPEC_DECODE_STEPS_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     kind: str
     healthy: bool
@@ -179,4 +180,5 @@ class NodeStatus(_message.Message):
     kv_seconds_buckets: _containers.RepeatedScalarFieldContainer[int]
     cold_shape_steps: int
     graph_shapes_pending: int
-    def __init__(self, node_id: _Optional[str] = ..., kind: _Optional[str] = ..., healthy: _Optional[bool] = ..., free_blocks: _Optional[int] = ..., total_blocks: _Optional[int] = ..., running: _Optional[int] = ..., queued_tokens: _Optional[int] = ..., num_speculative_tokens: _Optional[int] = ..., prefill_tokens: _Optional[int] = ..., prefill_seconds: _Optional[float] = ..., kv_bytes: _Optional[int] = ..., kv_seconds: _Optional[float] = ..., draft_tokens: _Optional[_Iterable[int]] = ..., accepted_per_pos: _Optional[_Iterable[int]] = ..., prefix_requests: _Optional[int] = ..., prefix_hit_requests: _Optional[int] = ..., prefix_query_tokens: _Optional[int] = ..., prefix_hit_tokens: _Optional[int] = ..., cached_blocks: _Optional[int] = ..., evicted_blocks: _Optional[int] = ..., kv_skipped_bytes: _Optional[int] = ..., shared_blocks: _Optional[int] = ..., takes_attach: _Optional[bool] = ..., kv_seconds_buckets: _Optional[_Iterable[int]] = ..., cold_shape_steps: _Optional[int] = ..., graph_shapes_pending: _Optional[int] = ...) -> None: ...
+    spec_decode_steps: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, node_id: _Optional[str] = ..., kind: _Optional[str] = ..., healthy: _Optional[bool] = ..., free_blocks: _Optional[int] = ..., total_blocks: _Optional[int] = ..., running: _Optional[int] = ..., queued_tokens: _Optional[int] = ..., num_speculative_tokens: _Optional[int] = ..., prefill_tokens: _Optional[int] = ..., prefill_seconds: _Optional[float] = ..., kv_bytes: _Optional[int] = ..., kv_seconds: _Optional[float] = ..., draft_tokens: _Optional[_Iterable[int]] = ..., accepted_per_pos: _Optional[_Iterable[int]] = ..., prefix_requests: _Optional[int] = ..., prefix_hit_requests: _Optional[int] = ..., prefix_query_tokens: _Optional[int] = ..., prefix_hit_tokens: _Optional[int] = ..., cached_blocks: _Optional[int] = ..., evicted_blocks: _Optional[int] = ..., kv_skipped_bytes: _Optional[int] = ..., shared_blocks: _Optional[int] = ..., takes_attach: _Optional[bool] = ..., kv_seconds_buckets: _Optional[_Iterable[int]] = ..., cold_shape_steps: _Optional[int] = ..., graph_shapes_pending: _Optional[int] = ..., spec_decode_steps: _Optional[_Iterable[int]] = ...) -> None: ...

@@ -262,6 +262,8 @@ class NodeCollector:
                                 labels=[*keys, "position"]),
             CounterMetricFamily("pdserve:spec_decode_num_accepted_tokens_per_pos",
                                 "MTP drafts accepted, per draft position (D)", labels=[*keys, "position"]),
+            CounterMetricFamily("pdserve:spec_decode_num_steps", "Decode steps by the drafts each verified a row, k "
+                                "(D; adaptive k runs K or 0)", labels=[*keys, "k"]),
         ]
 
     @staticmethod
@@ -294,7 +296,7 @@ class NodeCollector:
 
     @staticmethod
     def _add_counters(families: list[Any], key: list[str], s: Any) -> None:
-        tokens, seconds, kv_bytes, kv_seconds, kv_skipped, drafts, accepted = families
+        tokens, seconds, kv_bytes, kv_seconds, kv_skipped, drafts, accepted, k_steps = families
         tokens.add_metric(key, s.prefill_tokens)
         seconds.add_metric(key, s.prefill_seconds)
         kv_bytes.add_metric(key, s.kv_bytes)
@@ -307,6 +309,8 @@ class NodeCollector:
         for pos, (d, a) in enumerate(zip(s.draft_tokens, s.accepted_per_pos, strict=False)):
             drafts.add_metric([*key, str(pos)], d)
             accepted.add_metric([*key, str(pos)], a)
+        for k, n in enumerate(s.spec_decode_steps):
+            k_steps.add_metric([*key, str(k)], n)
 
 
 NODE_FAMILIES = frozenset(f.name for f in NodeCollector(lambda: []).collect())

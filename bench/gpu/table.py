@@ -8,7 +8,9 @@
 
 Each `bench engine` process prints its engine rows (one per k), then the weight-read floor, then
 (with --hf) Hugging Face generate; the floor and HF figures belong to the engine rows before them.
-"x k=0": a k > 0 row's step time over the k = 0 row of the same process and batch.
+"x k=0": a k > 0 row's step time over the k = 0 row of the same process and batch. With
+--spec-k-policy adaptive the mode says "adaptive" and k the share of steps it ran plain ("3, 0: 80%"):
+compare tok/s with the k = 0 row then, as its steps differ in length.
 """
 
 from __future__ import annotations
@@ -46,8 +48,11 @@ def engine(path: str) -> list[list[str]]:
         mode = ("graph" if e.get("graphs") else "eager") + (" det" if e.get("deterministic") else "")
         mode += f" dv{e['draft_vocab']}" if e.get("draft_vocab") else ""
         mode += f" tp{e['tp']} {e['all_reduce']}" if e.get("tp", 1) > 1 else ""
+        mode += " adaptive" if e.get("spec_k_policy") == "adaptive" else ""
+        k = str(e["spec_tokens"])
+        k += f", 0: {e['k_share'].get('0', 0):.0%}" if e.get("spec_k_policy") == "adaptive" else ""
         floor = e.get("floor")
-        rows.append([e["model"], str(e["batch"]), mode, str(e["spec_tokens"]), f"{e['ms_per_step']:.3f}", e["x_k0"],
+        rows.append([e["model"], str(e["batch"]), mode, k, f"{e['ms_per_step']:.3f}", e["x_k0"],
                      f"{e['tokens_per_s']:.0f}", _fmt(floor, 4), f"{e['ms_per_step'] / floor:.2f}" if floor else "-",
                      _fmt(e.get("gpu_busy")), _fmt(e.get("hf"))])
     return rows

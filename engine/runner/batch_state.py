@@ -82,9 +82,12 @@ class BatchState:
         self.penalties = PenaltyState(n, vocab, device)
         self.grammar_mask: torch.Tensor | None = None  # [n, k+1, ceil(V/32)] int32; all ones: no grammar
 
-    def step_state(self) -> StepState:
-        """The tensors a decode step gathers its rows from (kernels/step_meta.py `step_inputs`)."""
-        return StepState(self.seq_lens, self.done, self.last_token, self.drafts, self.block_tables,
+    def step_state(self, k: int | None = None) -> StepState:
+        """The tensors a decode step gathers its rows from (kernels/step_meta.py `step_inputs`); `k`: the
+        drafts it verifies a row, all of them (None) or none (0: a plain step sees no drafts). The
+        kernels read `drafts` as a dense [S, k]: a width between is not offered."""
+        drafts = self.drafts[:, :0] if k == 0 else self.drafts
+        return StepState(self.seq_lens, self.done, self.last_token, drafts, self.block_tables,
                          self.temperature, self.top_k, self.top_p, self.seed)
 
     def _h2d(self, values, dtype) -> torch.Tensor:

@@ -10,7 +10,9 @@ one event (engine/runner/step_output.py). The step reads the state's rows throug
 (kernels/step_meta.py `step_inputs`).
 
 Graphs are keyed by (B, all_greedy, needs_filter, penalized, constrained, logprobs, kv_blocks) and
-captured on first use. `kv_blocks` is the block-table width the step's attention reads: the
+captured on first use, one per k the runner's steps run at (`step_ks`: the runner's k, and 0 with
+adaptive k, engine/spec_decode/adaptive_k.py; a capture takes every k of its key at once, and the
+k = 0 graphs sit in `plain_graphs`). `step_costs` times the greedy ones per bucket at warm-up. `kv_blocks` is the block-table width the step's attention reads: the
 runner's `max_blocks`, or the narrowest of `short_blocks` (16, 32, 64, 128, 192;
 settings.SHORT_KV_BLOCKS) that every row's blocks fit (for the buckets whose attention the widths split
 differently; the rest have fewer). Each width splits its keys as `decode_splits` says for it, so a
@@ -58,15 +60,17 @@ class DecodeRunner(Protocol):
 
     state: BatchState
     device: torch.device
+    k: int
+    step_ks: tuple[int, ...]  # the k a decode step may run at: (k,), or (k, 0) with adaptive k
     max_blocks: int
     short_blocks: tuple[int, ...]  # the narrower graphs' block-table widths (16: one key split; 32, 64, ...)
 
     def attention_splits(self, rows: int, num_kv_blocks: int) -> int: ...
 
     def decode_step(self, rows: torch.Tensor, flags: StepFlags, lp_sel: Any, num_top: int,
-                    num_kv_blocks: int) -> StepOutputs: ...
+                    num_kv_blocks: int, k: int) -> StepOutputs: ...
 
-    def decode_forward(self, rows: torch.Tensor, flags: StepFlags, num_kv_blocks: int) -> Any: ...
+    def decode_forward(self, rows: torch.Tensor, flags: StepFlags, num_kv_blocks: int, k: int) -> Any: ...
 
     def decode_finish(self, fwd: Any, rows: torch.Tensor, flags: StepFlags, lp_sel: Any, num_top: int,
                       num_kv_blocks: int) -> StepOutputs: ...
@@ -118,7 +122,8 @@ class DecodeGraphs:
         self.runner = runner
         self.max_batch = max_batch
         self.buckets = bucket_sizes(max_batch)
-        self.graphs: dict[GraphKey, tuple[torch.cuda.CUDAGraph, StepOutputs]] = {}
+        self.graphs: dict[GraphKey, tuple[torch.cuda.CUDAGraph, StepOutputs]] = {}  # steps at the runner's k
+        self.plain_graphs: dict[GraphKey, tuple[torch.cuda.CUDAGraph, StepOutputs]] = {}  # at k = 0 (adaptive k)
         # a constrained step in two halves (forward; masks, verify, redraft), the first's outputs kept for the second
         self.halves: dict[GraphKey, tuple[torch.cuda.CUDAGraph, torch.cuda.CUDAGraph, Any, StepOutputs]] = {}
         self.pool: Any = None  # all graphs share one memory pool (they never run at once)
@@ -135,15 +140,21 @@ class DecodeGraphs:
         b = self.bucket(n)
         return (b, *flags, logprobs, width_for(self.widths[b], num_kv_blocks))
 
-    def replay(self, slots: list[int], flags: StepFlags, logprobs: bool, num_kv_blocks: int) -> StepOutputs:
-        """Run the step for `slots` (<= max_batch); outputs have the bucket's row count."""
+    def replay(self, slots: list[int], flags: StepFlags, logprobs: bool, num_kv_blocks: int,
+               k: int | None = None) -> StepOutputs:
+        """Run the step for `slots` (<= max_batch) at `k` (default the runner's); outputs have the
+        bucket's row count."""
         key = self.key(len(slots), flags, logprobs, num_kv_blocks)
-        if key not in self.graphs:
+        graphs = self._graphs_at(self.runner.k if k is None else k)
+        if key not in graphs:
             self.capture(key)
         self._place(slots, key)
-        graph, out = self.graphs[key]
+        graph, out = graphs[key]
         graph.replay()
         return out
+
+    def _graphs_at(self, k: int) -> dict[GraphKey, tuple[torch.cuda.CUDAGraph, StepOutputs]]:
+        return self.graphs if k == self.runner.k else self.plain_graphs
 
     def replay_forward(self, slots: list[int], flags: StepFlags, logprobs: bool, num_kv_blocks: int) -> None:
         """The first half of a constrained step for `slots` (`ModelRunner.launch_forward`)."""
@@ -188,6 +199,11 @@ class DecodeGraphs:
         self._set_rows([r.state.spare] * b)
 
     def capture(self, key: GraphKey) -> None:
+        """The key's graph at every k the runner's steps run at."""
+        for k in self.runner.step_ks:
+            self._capture(key, k)
+
+    def _capture(self, key: GraphKey, k: int) -> None:
         b, all_greedy, needs_filter, penalized, constrained, logprobs, width = key
         r = self.runner
         self._prepare(key)
@@ -197,7 +213,7 @@ class DecodeGraphs:
             lp_sel = slice(None) if logprobs else None
             flags = (all_greedy, needs_filter, penalized, constrained)
             self._stamp(end=False)
-            out = r.decode_step(rows, flags, lp_sel, MAX_TOP_LOGPROBS, width)
+            out = r.decode_step(rows, flags, lp_sel, MAX_TOP_LOGPROBS, width, k)
             self._stamp(end=True)
             return out
 
@@ -206,7 +222,32 @@ class DecodeGraphs:
         with capturing(graph, self.pool):
             out = step()
         self.pool = graph.pool()
-        self.graphs[key] = (graph, out)
+        self._graphs_at(k)[key] = (graph, out)
+
+    def step_costs(self, repeats: int = 20) -> dict[int, tuple[float, float]]:
+        """Per bucket, the seconds of a greedy step at k = 0 and at the runner's k (the bucket's
+        narrowest width, every row on the spare slot), timed over `repeats` replays of each graph
+        between CUDA events: what adaptive k weighs (engine/spec_decode/adaptive_k.py).
+        Synchronizes the device: warm-up only, after `capture_greedy`."""
+        costs = {}
+        for b in self.buckets:
+            key = (b, True, False, False, False, False, self.widths[b][0])
+            if key not in self.graphs or key not in self.plain_graphs:
+                self.capture(key)
+            self._place([], key)
+            costs[b] = (self._time(self.plain_graphs[key][0], repeats), self._time(self.graphs[key][0], repeats))
+        return costs
+
+    def _time(self, graph: torch.cuda.CUDAGraph, repeats: int) -> float:
+        """Seconds per replay of `graph` (after one untimed replay)."""
+        graph.replay()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(repeats):
+            graph.replay()
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end) / 1000 / repeats
 
     def capture_halves(self, key: GraphKey) -> None:
         """Two graphs for a constrained key: the forward, then the rest reading its outputs (kept
@@ -220,7 +261,7 @@ class DecodeGraphs:
 
         def forward() -> Any:
             self._stamp(end=False)
-            return r.decode_forward(rows, f, width)  # type: ignore[arg-type]
+            return r.decode_forward(rows, f, width, r.k)  # type: ignore[arg-type]
 
         def finish(fwd: Any) -> StepOutputs:
             out = r.decode_finish(fwd, rows, f, lp_sel, MAX_TOP_LOGPROBS, width)  # type: ignore[arg-type]

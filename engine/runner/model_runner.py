@@ -11,7 +11,10 @@ hands back device tensors wrapped in handles; the host reads a decode step's res
     reserves that room (`kv_room_needed`);
   * everything the host reads of a decode step goes into the step's one packed buffer
     (engine/runner/step_output.py) and comes back by one copy: a new output is a new segment of
-    `StepLayout`, never a copy of its own.
+    `StepLayout`, never a copy of its own;
+  * a decode step runs at the runner's k (verify k drafts, redraft k) or, with `adaptive_k`, at
+    k = 0 too (plain decoding: engine/spec_decode/adaptive_k.py says why that stays exact); the
+    step's k is a parameter of every decode method, never read from `self.k` inside them.
 """
 
 from __future__ import annotations
@@ -110,6 +113,12 @@ class DecodeHandle:
     layout: StepLayout
     copy: HostCopy
     logprob_at: dict[int, int]  # row -> the row its logprob entries are at in the step's logprobs
+    stale: bool = False  # a k > 0 step right after a k = 0 one: its drafts were left from before it
+
+    @property
+    def k(self) -> int:
+        """The drafts the step verified per row."""
+        return self.layout.k1 - 1
 
 
 @dataclass
@@ -134,6 +143,7 @@ class DecodeForward:
     meta: AttentionMetadata
     hidden: torch.Tensor
     logits: torch.Tensor | None  # [R, k+1, V] (a constrained step's), else None
+    k: int  # the drafts this step verifies per row
 
 
 @dataclass
@@ -173,12 +183,17 @@ class ModelRunner:
         deterministic: bool = False,
         draft_vocab: DraftVocab | None = None,
         prefill_graph_tokens: int = 0,
+        adaptive_k: bool = False,
     ) -> None:
         """`cuda_graphs`: the decode step as CUDA graphs; `prefill_graph_tokens` > 0: prefill
         steps of up to that many tokens (and up to `max_num_seqs`, at most 64, rows) as CUDA
-        graphs too (engine/runner/prefill_graphs.py)."""
+        graphs too (engine/runner/prefill_graphs.py); `adaptive_k`: decode steps run at k or at 0,
+        each captured (engine/spec_decode/adaptive_k.py)."""
         cfg = model.config
         self.model, self.backend, self.k = model, backend, k
+        self.step_ks: tuple[int, ...] = (k, 0) if adaptive_k and k else (k,)  # the k a decode step may run at
+        self.step_costs: dict[int, tuple[float, float]] = {}  # bucket -> seconds at k = 0, at k (adaptive k)
+        self._last_k = k  # the k of the last decode step launched
         self.draft_vocab = draft_vocab  # None: drafts score the full vocabulary
         self.deterministic = deterministic  # prefill and decode steps run batch-invariant kernels
         self.block_size, self.device = block_size, device
@@ -309,9 +324,10 @@ class ModelRunner:
 
     # ---- decode ---------------------------------------------------------------------
     def launch_decode(
-        self, slots: list[int], flags: StepFlags, logprobs: dict[int, int], num_kv_blocks: int
+        self, slots: list[int], flags: StepFlags, logprobs: dict[int, int], num_kv_blocks: int, k: int | None = None
     ) -> DecodeHandle:
         """Verify [last, d1..dk] for every slot, accept, redraft; advance state on the device.
+        `k`: the step's drafts, one of `step_ks` (default the runner's k).
 
         `flags` = (all_greedy, needs_filter, penalized, constrained) for these rows, host-known; `logprobs` maps row
         index -> top-n for rows that asked. Replays a captured graph when there is one for
@@ -319,11 +335,13 @@ class ModelRunner:
         of the step's packed outputs to the host (engine/runner/step_output.py). Never syncs.
         """
         self._note_decode(slots, num_kv_blocks)
+        k = self.k if k is None else k
+        assert k in self.step_ks, f"this runner's decode steps run at k in {self.step_ks}"
         if self._graphed(slots):
-            out = self.graphs.replay(slots, flags, bool(logprobs), num_kv_blocks)  # type: ignore[union-attr]
+            out = self.graphs.replay(slots, flags, bool(logprobs), num_kv_blocks, k)  # type: ignore[union-attr]
             return self._handle(slots, out, logprobs, True)
         rows = to_device_no_sync(slots, torch.long, self.device)
-        out = self.decode_step(rows, flags, *self._logprob_rows(logprobs), num_kv_blocks)
+        out = self.decode_step(rows, flags, *self._logprob_rows(logprobs), num_kv_blocks, k)
         return self._handle(slots, out, logprobs, False)
 
     def _note_decode(self, slots: list[int], num_kv_blocks: int) -> None:
@@ -345,7 +363,8 @@ class ModelRunner:
         logprobs are (a graph computes every row's; an eager step those `_logprob_rows` chose)."""
         lp_rows = sorted(logprobs)
         at = {row: row for row in lp_rows} if graphed else {row: i for i, row in enumerate(lp_rows)}
-        return DecodeHandle(slots, out.layout, self.outputs.copy_no_sync(out.packed), at)
+        k, last, self._last_k = out.layout.k1 - 1, self._last_k, out.layout.k1 - 1
+        return DecodeHandle(slots, out.layout, self.outputs.copy_no_sync(out.packed), at, stale=k > 0 and last == 0)
 
     def launch_forward(self, slots: list[int], flags: StepFlags, logprobs: dict[int, int],
                        num_kv_blocks: int) -> ForwardHandle:
@@ -357,7 +376,8 @@ class ModelRunner:
             self.graphs.replay_forward(slots, flags, bool(logprobs), num_kv_blocks)  # type: ignore[union-attr]
             return ForwardHandle(slots, flags, logprobs, num_kv_blocks, None)
         rows = to_device_no_sync(slots, torch.long, self.device)
-        return ForwardHandle(slots, flags, logprobs, num_kv_blocks, self.decode_forward(rows, flags, num_kv_blocks), rows)
+        return ForwardHandle(slots, flags, logprobs, num_kv_blocks, self.decode_forward(rows, flags, num_kv_blocks, self.k),
+                             rows)
 
     def launch_finish(self, h: ForwardHandle) -> DecodeHandle:
         """Queue the second half of the step `h` began, and the one copy of its outputs."""
@@ -371,8 +391,9 @@ class ModelRunner:
 
     @_in_mode
     def decode_step(self, rows: torch.Tensor, flags: StepFlags, lp_sel: torch.Tensor | slice | None,
-                    num_top: int, num_kv_blocks: int) -> StepOutputs:
-        """One decode step over state rows `rows` [R]: what a CUDA graph captures.
+                    num_top: int, num_kv_blocks: int, k: int | None = None) -> StepOutputs:
+        """One decode step over state rows `rows` [R] verifying k drafts each (default the runner's
+        k; one of `step_ks`): what a CUDA graph captures.
 
         Logprobs (top `num_top`) are computed for the rows `lp_sel` selects (None: none).
         Reads every input from `BatchState` (one gather kernel: kernels/step_meta.py) and
@@ -380,31 +401,32 @@ class ModelRunner:
         A constrained step may run as its two halves, `decode_forward` then `decode_finish`,
         with the host writing the grammar masks between them (engine/runner/constrained.py).
         """
-        fwd = self.decode_forward(rows, flags, num_kv_blocks)
+        fwd = self.decode_forward(rows, flags, num_kv_blocks, k)
         return self.decode_finish(fwd, rows, flags, lp_sel, num_top, num_kv_blocks)
 
     @_in_mode
-    def decode_forward(self, rows: torch.Tensor, flags: StepFlags, num_kv_blocks: int) -> DecodeForward:
+    def decode_forward(self, rows: torch.Tensor, flags: StepFlags, num_kv_blocks: int,
+                       k: int | None = None) -> DecodeForward:
         """The step's first half: its inputs, the target forward over [last, d1..dk], and the logits
         a constrained step masks (None where the LM head's GEMM takes the argmax itself)."""
-        k, r = self.k, rows.shape[0]
-        x = step_inputs(rows, self.state.step_state(), k + 1, self.block_size)
+        r, k = rows.shape[0], self.k if k is None else k
+        x = step_inputs(rows, self.state.step_state(k), k + 1, self.block_size)
         sampling = SamplingTensors(x.temperature, x.top_k, x.top_p, x.seed, flags[0], flags[1])
         meta = self._attn_meta(x.meta, x.tables, k + 1, num_kv_blocks)
         hidden = self.model(x.input_ids, meta.positions, self.kv.layers, meta, self.backend)
-        logits = self._logits(hidden, flags, r) if flags[3] else None  # constrained: masked in the second half
-        return DecodeForward(x, sampling, meta, hidden, logits)
+        logits = self._logits(hidden, flags, r, k) if flags[3] else None  # constrained: masked in the second half
+        return DecodeForward(x, sampling, meta, hidden, logits, k)
 
-    def _logits(self, hidden: torch.Tensor, flags: StepFlags, rows: int) -> torch.Tensor:
+    def _logits(self, hidden: torch.Tensor, flags: StepFlags, rows: int, k: int) -> torch.Tensor:
         """[R, k+1, V] verify logits: fp32 where a row samples or is penalized."""
-        return self.model.compute_logits(hidden, float32=not flags[0] or flags[2]).view(rows, self.k + 1, -1)
+        return self.model.compute_logits(hidden, float32=not flags[0] or flags[2]).view(rows, k + 1, -1)
 
     @_in_mode
     def decode_finish(self, fwd: DecodeForward, rows: torch.Tensor, flags: StepFlags,
                       lp_sel: torch.Tensor | slice | None, num_top: int, num_kv_blocks: int) -> StepOutputs:
         """The step's second half: masks, penalties, verification, the state's advance, logprobs,
         the MTP redraft, and the packed outputs."""
-        s, k, r = self.state, self.k, rows.shape[0]
+        s, k, r = self.state, fwd.k, rows.shape[0]
         x, sampling, meta, hidden = fwd.x, fwd.sampling, fwd.meta, fwd.hidden
         drafts = x.input_ids.view(r, k + 1)[:, 1:]
         logits, ids, n_verified = self._verify_step(hidden, rows, drafts, sampling, x.seq, flags, lp_sel is not None,
@@ -413,7 +435,7 @@ class ModelRunner:
         layout = StepLayout(r, k + 1, n_lp if logits is not None else 0, num_top, drafts=flags[3] and k > 0)
         packed = layout.empty(self.device)
         tokens, n_emit, finished, new_len, last_at = accept_and_advance(
-            ids, n_verified, rows, s.drafts, s.stop_ids, s.max_tokens, s.num_generated, s.seq_lens,
+            ids, n_verified, rows, s.step_state(k).drafts, s.stop_ids, s.max_tokens, s.num_generated, s.seq_lens,
             s.last_token, s.done, out=packed)
         if flags[2]:
             s.penalties.count_no_sync(rows, tokens, n_emit)
@@ -424,6 +446,7 @@ class ModelRunner:
             lps = compute_logprobs(logits[lp_sel].reshape(flat.shape[0], -1), flat, num_top)
             layout.write_logprobs(packed, lps)
         if k:  # the MTP reads every verify position's token: where none was kept, any id will do
+            # (a k = 0 step leaves the drafts and the MTP's KV alone: engine/spec_decode/adaptive_k.py)
             mtp_ids = ids if n_verified is None else tokens.clamp(min=0)
             new = self._redraft(rows, mtp_ids, last_at, hidden, meta, new_len, sampling, x.done, num_kv_blocks)
             out_drafts = layout.drafts_view(packed)
@@ -443,7 +466,7 @@ class ModelRunner:
         if all_greedy and not logprobs and not penalized and not constrained:
             return None, self.model.greedy_ids(hidden).view(r, k1), None
         if logits is None:
-            logits = self._logits(hidden, flags, r)
+            logits = self._logits(hidden, flags, r, k1 - 1)
         scored = mask_rows(logits, rows, self.state.ensure_grammar_mask()) if constrained else logits
         scored = self.state.penalties.penalize_rows(scored, rows, drafts) if penalized else scored
         return (logits, *self._verify(scored, rows, drafts, sampling, seq))
@@ -455,7 +478,9 @@ class ModelRunner:
             return logits.argmax(dim=-1), None
         s = self.state
         s.ensure_draft_probs()
-        dprobs = s.draft_probs[rows] if s.draft_probs is not None else logits.new_zeros(rows.shape[0], 0, logits.shape[-1])
+        k = drafts.shape[1]  # a k = 0 step's rows have no drafts, whatever the state holds
+        dprobs = (s.draft_probs[rows, :k] if s.draft_probs is not None
+                  else logits.new_zeros(rows.shape[0], 0, logits.shape[-1]))
         return verify(logits, drafts, dprobs, sampling, seq + 1)
 
     def _redraft(self, rows, mtp_ids, last_at, hidden, meta, new_len, st, masked, num_kv_blocks):

@@ -11,6 +11,10 @@ The launch is sized before the step in flight is read, from host integers only
 (`plan_launch`): the rows that really run (next_real_bsz) and next_real_bsz * (k + 1) query
 tokens, never from sequence lengths the host learns one step late.
 
+With adaptive k (engine/spec_decode/adaptive_k.py) each launch asks `policy` for its k (0 or
+the runner's k; a constrained step always runs at k) and each read step tells it how many tokens
+its rows emitted; `k_steps[k]` counts the steps launched at each k.
+
 While a grammar-constrained request runs, the masks of step N + 1 need step N's tokens and
 drafts (engine/runner/constrained.py). The step then runs in two halves: the forward of N + 1 is
 queued first, step N is read while it runs, the host writes N + 1's masks, and the rest of
@@ -39,6 +43,7 @@ from engine.runner.constrained import ConstrainedRows
 from engine.runner.cuda_graphs import StepFlags
 from engine.runner.model_runner import DecodeHandle, ModelRunner
 from engine.sampling.penalties import PenaltyInit
+from engine.spec_decode.adaptive_k import KPolicy
 
 InFlight = tuple[DecodeHandle, list[Request], dict[int, int]]
 
@@ -90,6 +95,10 @@ class DecodeBatch:
         # Request.logprobs gets every emitted token's entry (the single-process engine's answer); a
         # node, which hands the outputs' columns on and never reads them back, turns this off
         self.keep_logprobs = True
+        # adaptive k: None where every step runs at the runner's k
+        self.policy = KPolicy(runner.k, dict(runner.step_costs)) if len(runner.step_ks) > 1 else None
+        self.k_steps = [0] * (runner.k + 1)  # decode steps launched at each k (for /metrics and benches)
+        self.read_k = runner.k  # the k of the step the last `step` read
 
     @property
     def busy(self) -> bool:
@@ -169,6 +178,7 @@ class DecodeBatch:
         reqs = [self.running[s] for s in slots]
         flags, lp = self._flags(slots, reqs)
         half = self.runner.launch_forward(slots, flags, lp, max(len(r.block_ids) for r in reqs))
+        self.k_steps[self.runner.k] += 1
         ready, self._free_after_collect = self._free_after_collect, []  # ended before the forward was queued
         # `_inflight` still holds `previous` while it is read, so `finish` defers the blocks it frees
         outputs = self._collect(*previous) if previous is not None else []
@@ -198,10 +208,16 @@ class DecodeBatch:
         reqs = [self.running[s] for s in slots]
         flags, lp = self._flags(slots, reqs)
         width = max(len(r.block_ids) for r in reqs)
-        return self.runner.launch_decode(slots, flags, lp, width), reqs, lp
+        k = self.policy.choose(len(slots)) if self.policy is not None else self.runner.k
+        self.k_steps[k] += 1
+        return self.runner.launch_decode(slots, flags, lp, width, k), reqs, lp
 
     def _collect(self, handle: DecodeHandle, reqs: list[Request], lp: dict[int, int]) -> list[RequestOutput]:
         res = self.runner.collect(handle, lp)
+        self.read_k = handle.k
+        if self.policy is not None:
+            emitted = [len(t) for t, r in zip(res.tokens, reqs, strict=True) if t and not r.finished]
+            self.policy.observe(handle.k, len(emitted), sum(emitted), handle.stale)
         outputs = []
         for row, req in enumerate(reqs):
             toks = res.tokens[row]

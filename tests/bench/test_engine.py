@@ -9,10 +9,13 @@ import json
 
 import pytest
 
-from bench.engine import PROFILE_STEPS, add_arguments, launch_counts, run
+from bench.engine import PROFILE_STEPS, add_arguments, k_choice, launch_counts, run
+from engine.engine import EngineConfig, LLMEngine
 from engine.model.dummy import fill_random_
-from engine.model.loader import build_model
+from engine.model.loader import build_model, load_model
 from engine.model.tiny import random_tensors, tiny_config
+from engine.sampling.sampling_params import SamplingParams
+from engine.spec_decode.adaptive_k import KPolicy
 
 
 def _args(*argv: str) -> argparse.Namespace:
@@ -112,3 +115,16 @@ def test_a_dummy_model_is_timed_and_drafts_over_a_timing_ranking(capfd):
     rows = [json.loads(line) for line in capfd.readouterr().out.splitlines() if line.startswith("{")]
     assert [(r["model"], r["spec_tokens"], r["draft_vocab"], r["decode_tokens"]) for r in rows] == [
         ("tiny", 0, None, 6), ("tiny", 2, 16, 6)]
+
+
+def test_the_share_of_steps_at_each_k_counts_the_timed_steps_only():
+    tiny = load_model("tiny")
+    engine = LLMEngine(tiny, EngineConfig(num_speculative_tokens=3, spec_k_policy="adaptive"))
+    engine.batch.policy = KPolicy(3, {2: (1.0, 3.0)}, probe_every=4, probe_steps=2)  # drafts pay above 3 tokens
+    engine.generate([[1, 2, 3]], SamplingParams(max_tokens=4, ignore_eos=True))
+    before = list(engine.batch.k_steps)
+    engine.generate([[4, 5], [6, 7, 8]], SamplingParams(max_tokens=30, ignore_eos=True))
+    out = k_choice(engine, before)
+    ran = [n - b for n, b in zip(engine.batch.k_steps, before, strict=True)]
+    assert out["spec_k_policy"] == "adaptive" and set(out["k_share"]) == {"0", "3"}
+    assert out["k_share"]["0"] == pytest.approx(ran[0] / sum(ran), abs=1e-3) and out["k_share"]["0"] > 0.5

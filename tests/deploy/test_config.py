@@ -260,3 +260,13 @@ def test_colocated_flag_makes_a_colocated_service_with_vllm_named_knobs():
 def test_bad_colocated_configs_are_clear_errors(overrides, message):
     with pytest.raises(ConfigError, match=message):
         ServiceConfig.load(None, overrides)
+
+
+def test_k_policy_reaches_the_engine_config():
+    from deploy.actors import engine_config
+
+    cfg = ServiceConfig.load(None, {"spec.num_speculative_tokens": 3, "spec.k_policy": "adaptive"})
+    assert ServiceConfig().spec.k_policy == "fixed"
+    assert {engine_config(cfg, role).spec_k_policy for role in ("decode", "colocated")} == {"adaptive"}
+    with pytest.raises(ValueError, match="k_policy"):
+        ServiceConfig.load(None, {"spec.k_policy": "sometimes"})

@@ -40,11 +40,11 @@ def _record_launches(engine: LLMEngine) -> list[tuple[list[int], dict[int, tuple
     launches: list = []
     real, batch = engine.runner.launch_decode, engine.batch
 
-    def launch(slots, flags, logprobs, width):
+    def launch(slots, flags, logprobs, width, k=None):
         known = {s: (len(r.output_ids), r.max_tokens) for s, r in batch.running.items()}
         done = engine.runner.state.done[slots].tolist()
         launches.append((list(slots), known, done, set(known) - set(slots)))
-        return real(slots, flags, logprobs, width)
+        return real(slots, flags, logprobs, width, k)
 
     engine.runner.launch_decode = launch  # type: ignore[method-assign]
     return launches

@@ -122,9 +122,9 @@ class EagerGraphs(DecodeGraphs):
         super().__init__(runner, max_batch)
         self.keys: list = []
 
-    def replay(self, slots, flags, logprobs, num_kv_blocks):
+    def replay(self, slots, flags, logprobs, num_kv_blocks, k=None):
         rows, width = self._padded(slots, flags, logprobs, num_kv_blocks)
-        return self.runner.decode_step(rows, flags, slice(None) if logprobs else None, MAX_TOP_LOGPROBS, width)
+        return self.runner.decode_step(rows, flags, slice(None) if logprobs else None, MAX_TOP_LOGPROBS, width, k)
 
     def replay_forward(self, slots, flags, logprobs, num_kv_blocks):
         rows, width = self._padded(slots, flags, logprobs, num_kv_blocks)
@@ -148,12 +148,14 @@ class EagerGraphs(DecodeGraphs):
 LENGTHS = [(3, 12), (10, 10), (12, 6), (40, 4), (35, 2)]  # (prompt tokens, max_tokens)
 
 
-def padded_run(k: int, prompts: list[list[int]], params: SamplingParams | list[SamplingParams], monkeypatch):
+def padded_run(k: int, prompts: list[list[int]], params: SamplingParams | list[SamplingParams], monkeypatch,
+               policy=None):
     """`prompts` through the graphs' steps run eagerly at their buckets' sizes (rope in attention,
     narrow table width 5 blocks): prefill packs the prompts into a token x row bucket (padding rows
     have no tokens and no keys; PrefillGraphs deferring, never capturing), decode pads a batch to its
     bucket with the spare slot (EagerGraphs). Checks the reference's tokens and logprobs and that
-    every block comes back; returns the decode graphs' (rows, key) list and the prefill keys."""
+    every block comes back; returns the decode graphs' (rows, key) list and the prefill keys. `policy`:
+    adaptive k's (engine/spec_decode/adaptive_k.py) for the fast engine, which then steps at k and 0."""
     want = LLMEngine(load_model("tiny", dtype="float32"), EngineConfig(num_speculative_tokens=k, block_size=8)).generate(
         prompts, params)
     loaded = load_model("tiny", dtype="float32")
@@ -163,9 +165,12 @@ def padded_run(k: int, prompts: list[list[int]], params: SamplingParams | list[S
         # keys and the combine launch, as in tiny's default 129 blocks and 17 splits, at a fraction
         # of the interpreted programs); the narrow one (5 blocks) in one
         fast = LLMEngine(loaded, EngineConfig(num_speculative_tokens=k, block_size=8, attention_backend="triton",
-                                              max_num_seqs=8, max_model_len=128))
+                                              max_num_seqs=8, max_model_len=128,
+                                              spec_k_policy="adaptive" if policy is not None else "fixed"))
         fast.runner.short_blocks = (5,)
         fast.runner.graphs = graphs = EagerGraphs(fast.runner, 8)
+        if policy is not None:
+            fast.batch.policy = policy
         fast.runner.prefill_graphs = pg = PrefillGraphs(fast.runner, 256, 8)
         pg.defer = True
         monkeypatch.setattr("engine.runner.prefill_graphs.EAGER_RUNS_BEFORE_CAPTURE", 10**9)
@@ -190,6 +195,19 @@ def test_the_graph_path_with_padding_rows_equals_reference(k, middle, monkeypatc
     keys, prefill_keys, max_blocks = padded_run(k, prompts, params, monkeypatch)
     assert any(key.rows == 8 for key in prefill_keys), "the five prompts prefilled in the 8-row bucket"
     assert {key[-1] for n, key in keys if n < key[0]} == {5, max_blocks}, "padding rows ran at both widths"
+
+
+def test_the_graph_path_switching_k_equals_fixed_k(monkeypatch):
+    """Adaptive k's plain steps (no drafts read: the state's drafts as an empty view) and the K steps
+    after them, through the Triton kernels with padding rows: greedy tokens and logprobs are the
+    fixed-k reference's."""
+    from tests.engine.test_adaptive_k import SWITCHES, Scripted
+
+    prompts = [[7 + (i * 13 + j) % 50 for j in range(n)] for i, (n, _) in enumerate(LENGTHS)]
+    params = [SamplingParams(max_tokens=m, ignore_eos=True, logprobs=2) for _, m in LENGTHS]
+    policy = Scripted(SWITCHES)
+    padded_run(3, prompts, params, monkeypatch, policy)
+    assert any(k == 0 for k, _ in policy.seen) and any(stale for _, stale in policy.seen)
 
 
 def test_the_graph_path_with_padding_rows_and_a_long_chunk_equals_reference(monkeypatch):
