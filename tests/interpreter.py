@@ -78,7 +78,11 @@ def install() -> None:
     interp._patch_lang = patch_lang_once
     interp._get_np_dtype = np_dtype_kept
     if hasattr(interp, "ReduceOps") and all(hasattr(interp.ReduceOps, n) for n in ("generic_reduce", "unravel")):
+        per_element.append(interp.ReduceOps.generic_reduce)
         interp.ReduceOps.generic_reduce = _reduce_by_slices
+
+
+per_element: list[Any] = []  # the interpreter's own generic_reduce, once install() has replaced it
 
 
 def _reduce_by_slices(self: Any, input: tuple[Any, ...]) -> list[Any]:
