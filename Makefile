@@ -34,12 +34,13 @@ pytest: venv
 
 test: lint typecheck pytest
 
-# The long fuzz run (issue 18): every fuzz test with FUZZ_EXAMPLES cases, fresh random inputs.
+# The long fuzz run (issue 18): every fuzz test with FUZZ_EXAMPLES cases, fresh random inputs, and
+# the tests that sample inputs by hand with all of theirs (the 50 tool schemas).
 FUZZ_EXAMPLES ?= 10000
 fuzz: venv
 	PDSERVE_FUZZ_EXAMPLES=$(FUZZ_EXAMPLES) PDSERVE_FUZZ_RANDOM=1 $(BIN)/python -m pytest -q -p no:cacheprovider \
 		tests/protos/test_fuzz_messages.py tests/kvtransfer/test_fuzz_wire.py tests/router/test_fuzz_validate.py \
-		tests/router/test_fuzz_http.py
+		tests/router/test_fuzz_http.py tests/router/test_tools_service.py
 
 demo: venv
 	$(BIN)/pdserve demo

@@ -15,6 +15,12 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 
 
+def long_run() -> bool:
+    """True under `make fuzz` (PDSERVE_FUZZ_EXAMPLES set): tests that sample a large space of
+    inputs by hand run all of it, not the representative part `make test` runs."""
+    return "PDSERVE_FUZZ_EXAMPLES" in os.environ
+
+
 def fuzz_settings(examples: int) -> settings:
     """`examples` cases (or $PDSERVE_FUZZ_EXAMPLES), no deadline, no database."""
     n = int(os.environ.get("PDSERVE_FUZZ_EXAMPLES", examples))

@@ -9,6 +9,13 @@ test session; what it computes is unchanged.
   of language modules once.
 - `_get_np_dtype` builds its table of numpy dtypes at every call, several times per op; here a
   dtype's answer is kept.
+- A `tl.reduce` with a combine function of its own (kernels/norm.py's `_add`) falls back to
+  `ReduceOps.generic_reduce`, which calls the combine once per element, building tensors for
+  each: most of an interpreted engine step. Here it calls the combine once per position along the
+  reduced axis, on the whole slice of every other position at once. Each output element sees the
+  same operations in the same order (the first element, then combine(acc, next) along the axis,
+  the result cast back to the input's dtype), and the combine is elementwise (Triton applies it
+  per element), so every bit of the result is unchanged.
 
 `install()` leaves the interpreter as it is where it lacks one of the functions wrapped here.
 """
@@ -70,3 +77,36 @@ def install() -> None:
     interp.GridExecutor.__call__ = run_launch
     interp._patch_lang = patch_lang_once
     interp._get_np_dtype = np_dtype_kept
+    if hasattr(interp, "ReduceOps") and all(hasattr(interp.ReduceOps, n) for n in ("generic_reduce", "unravel")):
+        per_element.append(interp.ReduceOps.generic_reduce)
+        interp.ReduceOps.generic_reduce = _reduce_by_slices
+
+
+per_element: list[Any] = []  # the interpreter's own generic_reduce, once install() has replaced it
+
+
+def _reduce_by_slices(self: Any, input: tuple[Any, ...]) -> list[Any]:
+    """`ReduceOps.generic_reduce` (a combine of the kernel's own along `self.axis`, or over
+    everything when it is None), one combine call per position along the axis."""
+    import numpy as np
+    import triton.language as tl
+
+    original_axis = self.axis
+    input, axis = self.unravel(input, self.axis)
+    data = [arg.handle.data for arg in input]
+    acc = [np.take(d, 0, axis=axis) for d in data]
+    for i in range(1, data[0].shape[axis]):
+        left = [self.to_tensor(a, arg.dtype) for a, arg in zip(acc, input, strict=True)]
+        right = [self.to_tensor(np.take(d, i, axis=axis), arg.dtype) for d, arg in zip(data, input, strict=True)]
+        out = self.combine_fn.fn(*left, *right)
+        out = out if isinstance(out, tuple) else (out,)
+        acc = [np.asarray(o.handle.data if isinstance(o, tl.core.tensor) else o).astype(a.dtype).reshape(a.shape)
+               for o, a in zip(out, acc, strict=True)]
+    ret = []
+    for a, arg in zip(acc, input, strict=True):
+        if self.keep_dims:
+            a = np.expand_dims(a, axis) if original_axis is not None else a.reshape((1,) * data[0].ndim)
+        elif original_axis is None:
+            a = a.item()
+        ret.append(self.to_tensor(a, arg.dtype))
+    return ret

@@ -85,9 +85,9 @@ def test_decode_actor_killed_mid_stream_requests_move_and_finish_exactly(tiny_re
 
 def test_without_migration_decode_actor_killed_mid_stream_fails_its_requests(tiny_reference):
     service, address = start_service(1, 2, 2, **{"router.migrate": False})
-    try:
+    try:  # long enough that the kill lands mid-stream (the test above asserts it at 160 tokens)
         results = kill_mid_stream(service, address,
-                                  [build_request([i + 1, 2, 3], max_tokens=2000, ignore_eos=True) for i in range(8)])
+                                  [build_request([i + 1, 2, 3], max_tokens=400, ignore_eos=True) for i in range(8)])
         after = run_async(_one(address, build_request([9, 9, 9], max_tokens=8, ignore_eos=True)))
         wait_blocks_returned(service, timeout=60)
     finally:

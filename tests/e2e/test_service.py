@@ -31,15 +31,14 @@ async def generate_all(address, prompts, **options):
         return await asyncio.gather(*(client.generate(build_request(p, **options)) for p in prompts))
 
 
-@pytest.fixture(scope="module", params=[(1, 1), (2, 2)], ids=["1P1D", "2P2D"])
-def layout(request):
-    return request.param
-
-
-@pytest.fixture(scope="module", params=[0, 3], ids=["k0", "k3"])
-def service(request, layout):
-    svc, address = start_service(*layout, request.param)
-    yield svc, address, request.param
+# Each layout and each k, not every pair: what k changes lives in the nodes, what the layout
+# changes (placement over several nodes) in the router, and neither looks at the other; several
+# nodes at k = 0 serve greedy requests in test_layouts.py (1P3D) and test_faults.py (1P2D).
+@pytest.fixture(scope="module", params=[(1, 1, 0), (1, 1, 3), (2, 2, 3)], ids=["k0-1P1D", "k3-1P1D", "k3-2P2D"])
+def service(request):
+    prefill, decode, k = request.param
+    svc, address = start_service(prefill, decode, k)
+    yield svc, address, k
     svc.stop()
 
 

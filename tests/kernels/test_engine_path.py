@@ -23,18 +23,21 @@ pytestmark = pytest.mark.skipif(torch.cuda.is_available(),
                                 reason="CPU interpreter check; on a GPU tests/engine/test_gpu.py runs the compiled path")
 
 PROMPTS = [[5, 6, 7], list(range(10, 31)), [9] * 17]  # 21 and 17 tokens cross block boundaries
+# With 8 output tokens every request's decode crosses a block boundary of 8 too (3, 21 and 17
+# tokens grow past 8, 24 and 24); each step is many interpreted launches, so no more.
+MAX_TOKENS = 8
 
 
-PENALIZED = SamplingParams(max_tokens=12, ignore_eos=True, logprobs=3, repetition_penalty=1.4, frequency_penalty=0.7,
-                           logit_bias=((65, 3.0),))
-CONSTRAINED = SamplingParams(max_tokens=12, logprobs=3, structured=StructuredSpec("regex", "[a-f]{3}-[0-9]+"))
+PENALIZED = SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=3, repetition_penalty=1.4,
+                           frequency_penalty=0.7, logit_bias=((65, 3.0),))
+CONSTRAINED = SamplingParams(max_tokens=MAX_TOKENS, logprobs=3, structured=StructuredSpec("regex", "[a-f]{3}-[0-9]+"))
 
 
 @pytest.mark.parametrize("k,middle", [(0, None), (3, None), (2, PENALIZED), (3, CONSTRAINED)])
 def test_triton_path_equals_reference_greedy_with_logprobs(k, middle):
     """Decode steps and the MTP chain rotate q and k and write the step's K/V inside the attention
     kernel; prefill takes the rotary kernel, then the paged kernel."""
-    params: SamplingParams | list[SamplingParams] = SamplingParams(max_tokens=12, ignore_eos=True, logprobs=3)
+    params: SamplingParams | list[SamplingParams] = SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=3)
     if middle is not None:  # the middle request penalized or constrained, its neighbours not
         params = [params, middle, params]
     ref = LLMEngine(load_model("tiny", dtype="float32"), EngineConfig(num_speculative_tokens=k, block_size=8))
