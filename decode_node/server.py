@@ -17,7 +17,7 @@ from decode_node.colocated import ColocatedNode
 from decode_node.node import DecodeNode
 from decode_node.synthetic import SyntheticNode
 from protos import node_pb2, node_pb2_grpc
-from protos.convert import check_request_id, sampling_from_proto
+from protos.convert import check_request_id, sampling_from_proto, unpack_token_ids
 from protos.messages import FirstToken, MessageError, pack_outputs
 from protos.serving import KEEPALIVE_S, refuse_if_failed, start_server
 from protos.tls import NodeTls
@@ -39,7 +39,7 @@ class DecodeServicer(node_pb2_grpc.DecodeControlServicer):
         try:
             rid = check_request_id(request.request_id)
             params, seed, stops = sampling_from_proto(request.sampling, self.vocab)
-            prompt = list(request.prompt_token_ids) or None  # the node checks them against prompt_len
+            prompt = unpack_token_ids(request.prompt_token_ids_packed, self.vocab) or None  # checked against prompt_len by the node
         except ValueError as e:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         res = self.node.reserve(rid, request.prompt_len, params, seed, stops, prompt).result(timeout=30)
@@ -124,9 +124,9 @@ class ColocatedServicer(DecodeServicer):
         try:
             rid = check_request_id(request.request_id)
             params, seed, stops = sampling_from_proto(request.sampling, self.vocab)
-            prompt = list(request.prompt_token_ids)
-            if not prompt or len(prompt) != request.prompt_len or min(prompt) < 0 or max(prompt) >= self.vocab:
-                raise ValueError("prompt_token_ids must be prompt_len (> 0) ids inside the vocabulary")
+            prompt = unpack_token_ids(request.prompt_token_ids_packed, self.vocab)
+            if not prompt or len(prompt) != request.prompt_len:
+                raise ValueError("prompt_token_ids_packed must hold prompt_len (> 0) ids")
         except ValueError as e:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         res = self.node.submit(rid, prompt, params, seed, stops).result(timeout=30)

@@ -13,7 +13,7 @@ import msgpack
 
 from prefill_node.node import NeverFits, PrefillJob, PrefillNode
 from protos import node_pb2, node_pb2_grpc
-from protos.convert import check_request_id, sampling_from_proto
+from protos.convert import check_request_id, sampling_from_proto, unpack_token_ids
 from protos.messages import FirstToken
 from protos.serving import GRPC_OPTIONS, KEEPALIVE_S, refuse_if_failed, start_server, with_secret
 from protos.tls import NodeTls, node_channel
@@ -63,9 +63,9 @@ class PrefillServicer(node_pb2_grpc.PrefillControlServicer):
         vocab = self.node.loaded.model.config.vocab_size
         try:
             rid = check_request_id(request.request_id)
-            prompt = list(request.prompt_token_ids)
-            if not prompt or any(not 0 <= t < vocab for t in prompt):
-                raise ValueError("prompt_token_ids must be non-empty ids inside the vocabulary")
+            prompt = unpack_token_ids(request.prompt_token_ids_packed, vocab)
+            if not prompt:
+                raise ValueError("the prompt (prompt_token_ids_packed) is empty")
             params, seed, stops = sampling_from_proto(request.sampling, vocab)
             later = not request.descriptor_msgpack and not request.decode_address  # from Attach
             if later and not self.node.takes_attach:

@@ -2,15 +2,40 @@
 
 A `Sampling`'s `structured` is a StructuredSpec's wire string (engine/grammar/structured.py): parsed and
 checked here (ValueError, the node's INVALID_ARGUMENT), compiled later by the engine.
+
+Prompts travel between the router and the nodes as packed token ids (`pack_token_ids`: little-endian
+int32, 4 bytes each), not as repeated protobuf ints: a prompt of thousands of ids then costs one copy
+at each end instead of one Python int per id, and is range-checked in one vectorized pass.
 """
 
 from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
 
 from engine.grammar.structured import StructuredSpec
 from engine.sampling.sampling_params import MAX_LOGPROBS, SamplingParams
 from protos import node_pb2
 
 MAX_REQUEST_ID = 256
+TOKEN_ID = np.dtype("<i4")  # a packed token id on the wire
+
+
+def pack_token_ids(ids: Sequence[int]) -> bytes:
+    """`ids` as a `*_packed` field carries them (little-endian int32)."""
+    return np.asarray(ids, dtype=TOKEN_ID).tobytes()
+
+
+def unpack_token_ids(data: bytes, vocab: int, what: str = "prompt_token_ids_packed") -> list[int]:
+    """The ids of a `*_packed` field read from the network; ValueError unless it is whole int32s,
+    each inside the vocabulary (0..vocab-1). Empty data gives no ids (the caller decides if it may)."""
+    if len(data) % TOKEN_ID.itemsize:
+        raise ValueError(f"{what} must be little-endian int32 ids; {len(data)} bytes is not a multiple of 4")
+    ids = np.frombuffer(data, dtype=TOKEN_ID)
+    if ids.size and (int(ids.min()) < 0 or int(ids.max()) >= vocab):
+        raise ValueError(f"{what} has token ids outside the vocabulary (0..{vocab - 1})")
+    return ids.tolist()  # type: ignore[no-any-return]
 
 
 def check_request_id(rid: str) -> str:

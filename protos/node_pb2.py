@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x11protos/node.proto\x12\x0fpdserve.node.v1\"\x9a\x03\n\x08Sampling\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_p\x18\x02 \x01(\x02\x12\r\n\x05top_k\x18\x03 \x01(\x05\x12\x0c\n\x04seed\x18\x04 \x01(\x04\x12\x12\n\nmax_tokens\x18\x05 \x01(\x05\x12\x10\n\x08logprobs\x18\x06 \x01(\x05\x12\x16\n\x0estop_token_ids\x18\x07 \x03(\x05\x12\x18\n\x10presence_penalty\x18\x08 \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\t \x01(\x02\x12\x1a\n\x12repetition_penalty\x18\n \x01(\x02\x12<\n\nlogit_bias\x18\x0b \x03(\x0b\x32(.pdserve.node.v1.Sampling.LogitBiasEntry\x12\t\n\x01n\x18\x0c \x01(\x05\x12\x17\n\x0fprompt_logprobs\x18\r \x01(\x05\x12\x16\n\x0eresumed_tokens\x18\x0e \x01(\x05\x12\x12\n\nstructured\x18\x0f \x01(\t\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\"\x7f\n\x0eReserveRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x12\n\nprompt_len\x18\x02 \x01(\x05\x12+\n\x08sampling\x18\x03 \x01(\x0b\x32\x19.pdserve.node.v1.Sampling\x12\x18\n\x10prompt_token_ids\x18\x04 \x03(\x05\"L\n\x0cReserveReply\x12\x10\n\x08\x61\x64mitted\x18\x01 \x01(\x08\x12\x0e\n\x06reason\x18\x02 \x01(\t\x12\x1a\n\x12\x64\x65scriptor_msgpack\x18\x03 \x01(\x0c\"\x9f\x01\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12+\n\x08sampling\x18\x03 \x01(\x0b\x32\x19.pdserve.node.v1.Sampling\x12\x1a\n\x12\x64\x65scriptor_msgpack\x18\x04 \x01(\x0c\x12\x16\n\x0e\x64\x65\x63ode_address\x18\x05 \x01(\t\"W\n\rAttachRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x1a\n\x12\x64\x65scriptor_msgpack\x18\x02 \x01(\x0c\x12\x16\n\x0e\x64\x65\x63ode_address\x18\x03 \x01(\t\"\x1a\n\x07Payload\x12\x0f\n\x07msgpack\x18\x01 \x01(\x0c\"!\n\x03\x41\x63k\x12\n\n\x02ok\x18\x01 \x01(\x08\x12\x0e\n\x06reason\x18\x02 \x01(\t\"2\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x06reason\x18\x02 \x01(\t\"$\n\x0eOutputsRequest\x12\x12\n\nsubscriber\x18\x01 \x01(\t\"\x0f\n\rStatusRequest\"\x89\x05\n\nNodeStatus\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x0c\n\x04kind\x18\x02 \x01(\t\x12\x0f\n\x07healthy\x18\x03 \x01(\x08\x12\x13\n\x0b\x66ree_blocks\x18\x04 \x01(\x05\x12\x14\n\x0ctotal_blocks\x18\x05 \x01(\x05\x12\x0f\n\x07running\x18\x06 \x01(\x05\x12\x15\n\rqueued_tokens\x18\x07 \x01(\x05\x12\x1e\n\x16num_speculative_tokens\x18\x08 \x01(\x05\x12\x16\n\x0eprefill_tokens\x18\t \x01(\x03\x12\x17\n\x0fprefill_seconds\x18\n \x01(\x01\x12\x10\n\x08kv_bytes\x18\x0b \x01(\x03\x12\x12\n\nkv_seconds\x18\x0c \x01(\x01\x12\x14\n\x0c\x64raft_tokens\x18\r \x03(\x03\x12\x18\n\x10\x61\x63\x63\x65pted_per_pos\x18\x0e \x03(\x03\x12\x17\n\x0fprefix_requests\x18\x0f \x01(\x03\x12\x1b\n\x13prefix_hit_requests\x18\x10 \x01(\x03\x12\x1b\n\x13prefix_query_tokens\x18\x11 \x01(\x03\x12\x19\n\x11prefix_hit_tokens\x18\x12 \x01(\x03\x12\x15\n\rcached_blocks\x18\x13 \x01(\x05\x12\x16\n\x0e\x65victed_blocks\x18\x14 \x01(\x03\x12\x18\n\x10kv_skipped_bytes\x18\x15 \x01(\x03\x12\x15\n\rshared_blocks\x18\x16 \x01(\x05\x12\x14\n\x0ctakes_attach\x18\x17 \x01(\x08\x12\x1a\n\x12kv_seconds_buckets\x18\x18 \x03(\x03\x12\x18\n\x10\x63old_shape_steps\x18\x19 \x01(\x03\x12\x1c\n\x14graph_shapes_pending\x18\x1a \x01(\x05\x12\x19\n\x11spec_decode_steps\x18\x1b \x03(\x03\x32\xe5\x02\n\rDecodeControl\x12I\n\x07Reserve\x12\x1f.pdserve.node.v1.ReserveRequest\x1a\x1d.pdserve.node.v1.ReserveReply\x12<\n\nFirstToken\x12\x18.pdserve.node.v1.Payload\x1a\x14.pdserve.node.v1.Ack\x12<\n\x05\x41\x62ort\x12\x1d.pdserve.node.v1.AbortRequest\x1a\x14.pdserve.node.v1.Ack\x12\x46\n\x07Outputs\x12\x1f.pdserve.node.v1.OutputsRequest\x1a\x18.pdserve.node.v1.Payload0\x01\x12\x45\n\x06Status\x12\x1e.pdserve.node.v1.StatusRequest\x1a\x1b.pdserve.node.v1.NodeStatus2\x9b\x02\n\x0ePrefillControl\x12\x44\n\x07Prefill\x12\x1f.pdserve.node.v1.PrefillRequest\x1a\x18.pdserve.node.v1.Payload\x12>\n\x06\x41ttach\x12\x1e.pdserve.node.v1.AttachRequest\x1a\x14.pdserve.node.v1.Ack\x12<\n\x05\x41\x62ort\x12\x1d.pdserve.node.v1.AbortRequest\x1a\x14.pdserve.node.v1.Ack\x12\x45\n\x06Status\x12\x1e.pdserve.node.v1.StatusRequest\x1a\x1b.pdserve.node.v1.NodeStatus2\xa9\x02\n\x10\x43olocatedControl\x12H\n\x06Submit\x12\x1f.pdserve.node.v1.ReserveRequest\x1a\x1d.pdserve.node.v1.ReserveReply\x12<\n\x05\x41\x62ort\x12\x1d.pdserve.node.v1.AbortRequest\x1a\x14.pdserve.node.v1.Ack\x12\x46\n\x07Outputs\x12\x1f.pdserve.node.v1.OutputsRequest\x1a\x18.pdserve.node.v1.Payload0\x01\x12\x45\n\x06Status\x12\x1e.pdserve.node.v1.StatusRequest\x1a\x1b.pdserve.node.v1.NodeStatusb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x11protos/node.proto\x12\x0fpdserve.node.v1\"\x9a\x03\n\x08Sampling\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_p\x18\x02 \x01(\x02\x12\r\n\x05top_k\x18\x03 \x01(\x05\x12\x0c\n\x04seed\x18\x04 \x01(\x04\x12\x12\n\nmax_tokens\x18\x05 \x01(\x05\x12\x10\n\x08logprobs\x18\x06 \x01(\x05\x12\x16\n\x0estop_token_ids\x18\x07 \x03(\x05\x12\x18\n\x10presence_penalty\x18\x08 \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\t \x01(\x02\x12\x1a\n\x12repetition_penalty\x18\n \x01(\x02\x12<\n\nlogit_bias\x18\x0b \x03(\x0b\x32(.pdserve.node.v1.Sampling.LogitBiasEntry\x12\t\n\x01n\x18\x0c \x01(\x05\x12\x17\n\x0fprompt_logprobs\x18\r \x01(\x05\x12\x16\n\x0eresumed_tokens\x18\x0e \x01(\x05\x12\x12\n\nstructured\x18\x0f \x01(\t\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\"\x8c\x01\n\x0eReserveRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x12\n\nprompt_len\x18\x02 \x01(\x05\x12+\n\x08sampling\x18\x03 \x01(\x0b\x32\x19.pdserve.node.v1.Sampling\x12\x1f\n\x17prompt_token_ids_packed\x18\x05 \x01(\x0cJ\x04\x08\x04\x10\x05\"L\n\x0cReserveReply\x12\x10\n\x08\x61\x64mitted\x18\x01 \x01(\x08\x12\x0e\n\x06reason\x18\x02 \x01(\t\x12\x1a\n\x12\x64\x65scriptor_msgpack\x18\x03 \x01(\x0c\"\xac\x01\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x1f\n\x17prompt_token_ids_packed\x18\x06 \x01(\x0c\x12+\n\x08sampling\x18\x03 \x01(\x0b\x32\x19.pdserve.node.v1.Sampling\x12\x1a\n\x12\x64\x65scriptor_msgpack\x18\x04 \x01(\x0c\x12\x16\n\x0e\x64\x65\x63ode_address\x18\x05 \x01(\tJ\x04\x08\x02\x10\x03\"W\n\rAttachRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x1a\n\x12\x64\x65scriptor_msgpack\x18\x02 \x01(\x0c\x12\x16\n\x0e\x64\x65\x63ode_address\x18\x03 \x01(\t\"\x1a\n\x07Payload\x12\x0f\n\x07msgpack\x18\x01 \x01(\x0c\"!\n\x03\x41\x63k\x12\n\n\x02ok\x18\x01 \x01(\x08\x12\x0e\n\x06reason\x18\x02 \x01(\t\"2\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x06reason\x18\x02 \x01(\t\"$\n\x0eOutputsRequest\x12\x12\n\nsubscriber\x18\x01 \x01(\t\"\x0f\n\rStatusRequest\"\x89\x05\n\nNodeStatus\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x0c\n\x04kind\x18\x02 \x01(\t\x12\x0f\n\x07healthy\x18\x03 \x01(\x08\x12\x13\n\x0b\x66ree_blocks\x18\x04 \x01(\x05\x12\x14\n\x0ctotal_blocks\x18\x05 \x01(\x05\x12\x0f\n\x07running\x18\x06 \x01(\x05\x12\x15\n\rqueued_tokens\x18\x07 \x01(\x05\x12\x1e\n\x16num_speculative_tokens\x18\x08 \x01(\x05\x12\x16\n\x0eprefill_tokens\x18\t \x01(\x03\x12\x17\n\x0fprefill_seconds\x18\n \x01(\x01\x12\x10\n\x08kv_bytes\x18\x0b \x01(\x03\x12\x12\n\nkv_seconds\x18\x0c \x01(\x01\x12\x14\n\x0c\x64raft_tokens\x18\r \x03(\x03\x12\x18\n\x10\x61\x63\x63\x65pted_per_pos\x18\x0e \x03(\x03\x12\x17\n\x0fprefix_requests\x18\x0f \x01(\x03\x12\x1b\n\x13prefix_hit_requests\x18\x10 \x01(\x03\x12\x1b\n\x13prefix_query_tokens\x18\x11 \x01(\x03\x12\x19\n\x11prefix_hit_tokens\x18\x12 \x01(\x03\x12\x15\n\rcached_blocks\x18\x13 \x01(\x05\x12\x16\n\x0e\x65victed_blocks\x18\x14 \x01(\x03\x12\x18\n\x10kv_skipped_bytes\x18\x15 \x01(\x03\x12\x15\n\rshared_blocks\x18\x16 \x01(\x05\x12\x14\n\x0ctakes_attach\x18\x17 \x01(\x08\x12\x1a\n\x12kv_seconds_buckets\x18\x18 \x03(\x03\x12\x18\n\x10\x63old_shape_steps\x18\x19 \x01(\x03\x12\x1c\n\x14graph_shapes_pending\x18\x1a \x01(\x05\x12\x19\n\x11spec_decode_steps\x18\x1b \x03(\x03\x32\xe5\x02\n\rDecodeControl\x12I\n\x07Reserve\x12\x1f.pdserve.node.v1.ReserveRequest\x1a\x1d.pdserve.node.v1.ReserveReply\x12<\n\nFirstToken\x12\x18.pdserve.node.v1.Payload\x1a\x14.pdserve.node.v1.Ack\x12<\n\x05\x41\x62ort\x12\x1d.pdserve.node.v1.AbortRequest\x1a\x14.pdserve.node.v1.Ack\x12\x46\n\x07Outputs\x12\x1f.pdserve.node.v1.OutputsRequest\x1a\x18.pdserve.node.v1.Payload0\x01\x12\x45\n\x06Status\x12\x1e.pdserve.node.v1.StatusRequest\x1a\x1b.pdserve.node.v1.NodeStatus2\x9b\x02\n\x0ePrefillControl\x12\x44\n\x07Prefill\x12\x1f.pdserve.node.v1.PrefillRequest\x1a\x18.pdserve.node.v1.Payload\x12>\n\x06\x41ttach\x12\x1e.pdserve.node.v1.AttachRequest\x1a\x14.pdserve.node.v1.Ack\x12<\n\x05\x41\x62ort\x12\x1d.pdserve.node.v1.AbortRequest\x1a\x14.pdserve.node.v1.Ack\x12\x45\n\x06Status\x12\x1e.pdserve.node.v1.StatusRequest\x1a\x1b.pdserve.node.v1.NodeStatus2\xa9\x02\n\x10\x43olocatedControl\x12H\n\x06Submit\x12\x1f.pdserve.node.v1.ReserveRequest\x1a\x1d.pdserve.node.v1.ReserveReply\x12<\n\x05\x41\x62ort\x12\x1d.pdserve.node.v1.AbortRequest\x1a\x14.pdserve.node.v1.Ack\x12\x46\n\x07Outputs\x12\x1f.pdserve.node.v1.OutputsRequest\x1a\x18.pdserve.node.v1.Payload0\x01\x12\x45\n\x06Status\x12\x1e.pdserve.node.v1.StatusRequest\x1a\x1b.pdserve.node.v1.NodeStatusb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -37,30 +37,30 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_SAMPLING']._serialized_end=449
   _globals['_SAMPLING_LOGITBIASENTRY']._serialized_start=401
   _globals['_SAMPLING_LOGITBIASENTRY']._serialized_end=449
-  _globals['_RESERVEREQUEST']._serialized_start=451
-  _globals['_RESERVEREQUEST']._serialized_end=578
-  _globals['_RESERVEREPLY']._serialized_start=580
-  _globals['_RESERVEREPLY']._serialized_end=656
-  _globals['_PREFILLREQUEST']._serialized_start=659
-  _globals['_PREFILLREQUEST']._serialized_end=818
-  _globals['_ATTACHREQUEST']._serialized_start=820
-  _globals['_ATTACHREQUEST']._serialized_end=907
-  _globals['_PAYLOAD']._serialized_start=909
-  _globals['_PAYLOAD']._serialized_end=935
-  _globals['_ACK']._serialized_start=937
-  _globals['_ACK']._serialized_end=970
-  _globals['_ABORTREQUEST']._serialized_start=972
-  _globals['_ABORTREQUEST']._serialized_end=1022
-  _globals['_OUTPUTSREQUEST']._serialized_start=1024
-  _globals['_OUTPUTSREQUEST']._serialized_end=1060
-  _globals['_STATUSREQUEST']._serialized_start=1062
-  _globals['_STATUSREQUEST']._serialized_end=1077
-  _globals['_NODESTATUS']._serialized_start=1080
-  _globals['_NODESTATUS']._serialized_end=1729
-  _globals['_DECODECONTROL']._serialized_start=1732
-  _globals['_DECODECONTROL']._serialized_end=2089
-  _globals['_PREFILLCONTROL']._serialized_start=2092
-  _globals['_PREFILLCONTROL']._serialized_end=2375
-  _globals['_COLOCATEDCONTROL']._serialized_start=2378
-  _globals['_COLOCATEDCONTROL']._serialized_end=2675
+  _globals['_RESERVEREQUEST']._serialized_start=452
+  _globals['_RESERVEREQUEST']._serialized_end=592
+  _globals['_RESERVEREPLY']._serialized_start=594
+  _globals['_RESERVEREPLY']._serialized_end=670
+  _globals['_PREFILLREQUEST']._serialized_start=673
+  _globals['_PREFILLREQUEST']._serialized_end=845
+  _globals['_ATTACHREQUEST']._serialized_start=847
+  _globals['_ATTACHREQUEST']._serialized_end=934
+  _globals['_PAYLOAD']._serialized_start=936
+  _globals['_PAYLOAD']._serialized_end=962
+  _globals['_ACK']._serialized_start=964
+  _globals['_ACK']._serialized_end=997
+  _globals['_ABORTREQUEST']._serialized_start=999
+  _globals['_ABORTREQUEST']._serialized_end=1049
+  _globals['_OUTPUTSREQUEST']._serialized_start=1051
+  _globals['_OUTPUTSREQUEST']._serialized_end=1087
+  _globals['_STATUSREQUEST']._serialized_start=1089
+  _globals['_STATUSREQUEST']._serialized_end=1104
+  _globals['_NODESTATUS']._serialized_start=1107
+  _globals['_NODESTATUS']._serialized_end=1756
+  _globals['_DECODECONTROL']._serialized_start=1759
+  _globals['_DECODECONTROL']._serialized_end=2116
+  _globals['_PREFILLCONTROL']._serialized_start=2119
+  _globals['_PREFILLCONTROL']._serialized_end=2402
+  _globals['_COLOCATEDCONTROL']._serialized_start=2405
+  _globals['_COLOCATEDCONTROL']._serialized_end=2702
 # @@protoc_insertion_point(module_scope)

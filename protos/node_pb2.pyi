@@ -48,16 +48,16 @@ class Sampling(_message.Message):
     def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., seed: _Optional[int] = ..., max_tokens: _Optional[int] = ..., logprobs: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., logit_bias: _Optional[_Mapping[int, float]] = ..., n: _Optional[int] = ..., prompt_logprobs: _Optional[int] = ..., resumed_tokens: _Optional[int] = ..., structured: _Optional[str] = ...) -> None: ...
 
 class ReserveRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_len", "sampling", "prompt_token_ids")
+    __slots__ = ("request_id", "prompt_len", "sampling", "prompt_token_ids_packed")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_LEN_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
-    PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKEN_IDS_PACKED_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_len: int
     sampling: Sampling
-    prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, request_id: _Optional[str] = ..., prompt_len: _Optional[int] = ..., sampling: _Optional[_Union[Sampling, _Mapping]] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+    prompt_token_ids_packed: bytes
+    def __init__(self, request_id: _Optional[str] = ..., prompt_len: _Optional[int] = ..., sampling: _Optional[_Union[Sampling, _Mapping]] = ..., prompt_token_ids_packed: _Optional[bytes] = ...) -> None: ...
 
 class ReserveReply(_message.Message):
     __slots__ = ("admitted", "reason", "descriptor_msgpack")
@@ -70,18 +70,18 @@ class ReserveReply(_message.Message):
     def __init__(self, admitted: _Optional[bool] = ..., reason: _Optional[str] = ..., descriptor_msgpack: _Optional[bytes] = ...) -> None: ...
 
 class PrefillRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "sampling", "descriptor_msgpack", "decode_address")
+    __slots__ = ("request_id", "prompt_token_ids_packed", "sampling", "descriptor_msgpack", "decode_address")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
-    PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKEN_IDS_PACKED_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     DESCRIPTOR_MSGPACK_FIELD_NUMBER: _ClassVar[int]
     DECODE_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
-    prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    prompt_token_ids_packed: bytes
     sampling: Sampling
     descriptor_msgpack: bytes
     decode_address: str
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[Sampling, _Mapping]] = ..., descriptor_msgpack: _Optional[bytes] = ..., decode_address: _Optional[str] = ...) -> None: ...
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids_packed: _Optional[bytes] = ..., sampling: _Optional[_Union[Sampling, _Mapping]] = ..., descriptor_msgpack: _Optional[bytes] = ..., decode_address: _Optional[str] = ...) -> None: ...
 
 class AttachRequest(_message.Message):
     __slots__ = ("request_id", "descriptor_msgpack", "decode_address")

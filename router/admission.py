@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import grpc
 
 from protos import node_pb2
+from protos.convert import pack_token_ids
 from router.config import RouterConfig
 from router.directory import KINDS, Kind
 from router.holds import Holds
@@ -117,7 +118,8 @@ class Admission:
                         sampling: node_pb2.Sampling) -> node_pb2.ReserveRequest:
         """The Reserve (or Submit) of an attempt; its id is the one P and D know the attempt by."""
         return node_pb2.ReserveRequest(request_id=f"{self.router_id}/{st.request_id}/{attempt}",
-                                       prompt_len=len(prompt), sampling=sampling, prompt_token_ids=prompt)
+                                       prompt_len=len(prompt), sampling=sampling,
+                                       prompt_token_ids_packed=pack_token_ids(prompt))
 
     async def await_node(self, kind: Kind, exclude: dict[str, str] | None = None) -> bool:
         """Whether a healthy `kind` node (not in `exclude`) is there, waiting up to

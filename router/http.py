@@ -22,7 +22,7 @@ import contextlib
 import json
 import logging
 import socket
-from collections.abc import AsyncGenerator, Awaitable
+from collections.abc import AsyncGenerator, Awaitable, Callable
 from contextlib import aclosing
 from functools import partial
 from typing import Any, TypeVar
@@ -141,8 +141,8 @@ async def _generate(router: Lifecycle, raw: Request, model: type[BaseModel], pie
         return _from_error(first)
     if req.stream:
         opts = req.stream_options
-        return StreamingResponse(_events(fmt, first, msgs, bool(opts and opts.include_usage)),
-                                 media_type="text/event-stream")
+        return EventStream(_sse(fmt.chunk(first, first=True)), _events(fmt, first, msgs, bool(opts and opts.include_usage)),
+                           written=partial(router.metrics.first_token_written, st))
     rest = await _unless_disconnected(raw, _rest(first, msgs))
     if rest is None or rest[-1].HasField("error"):
         return _from_error(rest[-1] if rest else None)
@@ -247,12 +247,38 @@ async def _disconnected(raw: Request) -> None:
         pass
 
 
+class EventStream(StreamingResponse):
+    """A server-sent event stream whose first event (the first token's) goes out with the headers,
+    from the handler's own task, then `written` is called; the events after it come from `rest` as
+    StreamingResponse sends them. Careful: Starlette (ASGI < 2.4) writes a body from a task it
+    starts beside its disconnect listener, a loop turn and a task group later, and that wait would
+    sit inside every request's time to first token."""
+
+    def __init__(self, first: str, rest: AsyncGenerator[str, None], written: Callable[[], None]) -> None:
+        super().__init__(rest, media_type="text/event-stream")
+        self.first, self.written = first.encode(), written
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
+        await send({"type": "http.response.body", "body": self.first, "more_body": True})
+        self.written()
+        await super().__call__(scope, receive, send)
+
+    async def stream_response(self, send: Any) -> None:
+        async for chunk in self.body_iterator:  # the start went out with the first event
+            await send({"type": "http.response.body", "body": chunk.encode() if isinstance(chunk, str) else chunk,
+                        "more_body": True})
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+
 async def _events(fmt: Format, first: pb.GenerateResponse, msgs: AsyncGenerator[pb.GenerateResponse, None],
                   include_usage: bool) -> AsyncGenerator[str, None]:
-    """Server-sent events; Starlette cancels this when the client goes, which closes `msgs`."""
+    """Server-sent events after the first message's (`EventStream` wrote that one); Starlette cancels
+    this when the client goes, which closes `msgs`."""
     async with aclosing(msgs):
-        msg, started = first, set()  # choices that had their first chunk
-        while True:
+        msg, started = first, {first.index}  # choices that had their first chunk
+        while not is_terminal(msg):
+            msg = await anext(msgs)
             if msg.HasField("error"):
                 yield _sse(error_body(msg.error.code, msg.error.message))
                 break
@@ -260,12 +286,10 @@ async def _events(fmt: Format, first: pb.GenerateResponse, msgs: AsyncGenerator[
             if msg.token_ids or msg.text or start or msg.finish_reason or is_terminal(msg):
                 yield _sse(fmt.chunk(msg, first=start))
                 started.add(msg.index)
-            if is_terminal(msg):
-                await anext(msgs, None)  # ends `msgs` now: it learns the terminal message was written
-                if include_usage:
-                    yield _sse(fmt.usage_chunk(msg))
-                break
-            msg = await anext(msgs)
+        else:
+            await anext(msgs, None)  # ends `msgs` now: it learns the terminal message was written
+            if include_usage:
+                yield _sse(fmt.usage_chunk(msg))
     yield "data: [DONE]\n\n"
 
 

@@ -27,6 +27,7 @@ from typing import Any
 import grpc
 
 from protos import node_pb2
+from protos.convert import pack_token_ids
 from protos.messages import FirstToken, MessageError
 from router.admission import Admission, Reserved
 from router.config import RouterConfig
@@ -105,7 +106,7 @@ class Placement:
         decode, prefill, work = await self._reserve_pair(st, prompt, sampling, tried, asked)
         st.timeline.lap("reserve")
         req = node_pb2.PrefillRequest(
-            request_id=st.node_rid, prompt_token_ids=prompt, sampling=sampling,
+            request_id=st.node_rid, prompt_token_ids_packed=pack_token_ids(prompt), sampling=sampling,
             descriptor_msgpack=decode.descriptor, decode_address=decode.node.address)
         self.holds.hold_prefill(st, prefill, work)  # still held if the driver is cancelled: release aborts P
         payload = await self._await_prefill(st, prefill, prefill.stub.Prefill(req))
@@ -127,7 +128,7 @@ class Placement:
         self.holds.hold_prefill(st, prefill, work)
         st.timeline.lap("queue")
         call = asyncio.ensure_future(prefill.stub.Prefill(node_pb2.PrefillRequest(
-            request_id=rid, prompt_token_ids=prompt, sampling=sampling)))
+            request_id=rid, prompt_token_ids_packed=pack_token_ids(prompt), sampling=sampling)))
         arrived: list[float] = []  # when the first token came: the reservation may still have run then
         call.add_done_callback(lambda _: arrived.append(time.monotonic()))
         seen = self.admission.queue.epoch

@@ -17,6 +17,7 @@ from engine.model.loader import load_model, load_model_info
 from prefill_node.node import PrefillNode
 from prefill_node.server import DecodeClients, serve_prefill
 from protos import node_pb2, node_pb2_grpc
+from protos.convert import pack_token_ids
 from protos.serving import with_secret
 from router import NodeDirectory, Router
 from router.client import RouterClient, RouterError, build_request
@@ -49,7 +50,7 @@ CALLS = {
     "Abort": lambda d, p: d.Abort(node_pb2.AbortRequest(request_id="r")),
     "Status": lambda d, p: d.Status(node_pb2.StatusRequest()),
     "Outputs": lambda d, p: next(iter(d.Outputs(node_pb2.OutputsRequest(subscriber="x")))),
-    "Prefill": lambda d, p: p.Prefill(node_pb2.PrefillRequest(request_id="r", prompt_token_ids=[1, 2])),
+    "Prefill": lambda d, p: p.Prefill(node_pb2.PrefillRequest(request_id="r", prompt_token_ids_packed=pack_token_ids([1, 2]))),
     "Prefill.Status": lambda d, p: p.Status(node_pb2.StatusRequest()),
 }
 

@@ -23,7 +23,7 @@ from engine.sampling.sampling_params import SamplingParams
 from prefill_node.node import PrefillNode
 from prefill_node.server import DecodeClients, serve_prefill
 from protos import node_pb2, node_pb2_grpc
-from protos.convert import sampling_to_proto
+from protos.convert import pack_token_ids, sampling_to_proto
 from protos.messages import FirstToken, unpack_outputs
 
 
@@ -64,7 +64,7 @@ def generate(d, p, daddr, outputs, rid, prompt, params, seed=1):
     sampling = sampling_to_proto(params, seed, ())
     res = d.Reserve(node_pb2.ReserveRequest(request_id=rid, prompt_len=len(prompt), sampling=sampling))
     assert res.admitted, res.reason
-    reply = p.Prefill(node_pb2.PrefillRequest(request_id=rid, prompt_token_ids=prompt, sampling=sampling,
+    reply = p.Prefill(node_pb2.PrefillRequest(request_id=rid, prompt_token_ids_packed=pack_token_ids(prompt), sampling=sampling,
                                               descriptor_msgpack=res.descriptor_msgpack, decode_address=daddr))
     first = FirstToken.unpack(reply.msgpack, 10**6, 8)
     tokens = [first.token]
@@ -95,11 +95,17 @@ def test_round_trip_over_grpc_equals_engine(cluster):
         (lambda d, p: d.Reserve(node_pb2.ReserveRequest(
             request_id="x", prompt_len=3, sampling=node_pb2.Sampling(max_tokens=0))), grpc.StatusCode.INVALID_ARGUMENT),
         (lambda d, p: p.Prefill(node_pb2.PrefillRequest(
-            request_id="y", prompt_token_ids=[10**7], sampling=node_pb2.Sampling(max_tokens=3))),
+            request_id="y", prompt_token_ids_packed=pack_token_ids([10**7]), sampling=node_pb2.Sampling(max_tokens=3))),
          grpc.StatusCode.INVALID_ARGUMENT),
         (lambda d, p: p.Prefill(node_pb2.PrefillRequest(
-            request_id="z", prompt_token_ids=[1, 2], sampling=node_pb2.Sampling(max_tokens=3),
+            request_id="z", prompt_token_ids_packed=pack_token_ids([1, 2]), sampling=node_pb2.Sampling(max_tokens=3),
             descriptor_msgpack=b"\xc1", decode_address="127.0.0.1:1")), grpc.StatusCode.INVALID_ARGUMENT),
+        (lambda d, p: p.Prefill(node_pb2.PrefillRequest(  # a packed prompt cut mid-id
+            request_id="w", prompt_token_ids_packed=b"\x01\x00\x00", sampling=node_pb2.Sampling(max_tokens=3))),
+         grpc.StatusCode.INVALID_ARGUMENT),
+        (lambda d, p: d.Reserve(node_pb2.ReserveRequest(
+            request_id="v", prompt_len=2, prompt_token_ids_packed=pack_token_ids([1, -5]),
+            sampling=node_pb2.Sampling(max_tokens=3))), grpc.StatusCode.INVALID_ARGUMENT),
     ],
 )
 def test_bad_node_messages_are_refused_and_nodes_keep_serving(cluster, call, code):

@@ -25,7 +25,7 @@ from engine.model.loader import load_model
 from engine.sampling.sampling_params import SamplingParams
 from engine.tp.launch import free_port, init_group
 from protos import node_pb2, node_pb2_grpc
-from protos.convert import sampling_to_proto
+from protos.convert import pack_token_ids, sampling_to_proto
 from protos.messages import FirstToken, unpack_outputs
 
 VOCAB = 320  # tiny
@@ -95,9 +95,9 @@ def generate(d, p, daddr, outputs: Outputs, rid: str, prompt: list[int], params=
     """(tokens, finish reason) of one request; `abort`: the router aborts it after its first token."""
     sampling = sampling_to_proto(params, 1 if params.seed is None else params.seed, ())
     res = d.Reserve(node_pb2.ReserveRequest(request_id=rid, prompt_len=len(prompt), sampling=sampling,
-                                            prompt_token_ids=prompt))
+                                            prompt_token_ids_packed=pack_token_ids(prompt)))
     assert res.admitted, res.reason
-    reply = p.Prefill(node_pb2.PrefillRequest(request_id=rid, prompt_token_ids=prompt, sampling=sampling,
+    reply = p.Prefill(node_pb2.PrefillRequest(request_id=rid, prompt_token_ids_packed=pack_token_ids(prompt), sampling=sampling,
                                               descriptor_msgpack=res.descriptor_msgpack, decode_address=daddr))
     tokens = [FirstToken.unpack(reply.msgpack, VOCAB, k).token]
     if abort:
@@ -118,7 +118,7 @@ def refused_by_rank1(d, p, daddr, outputs: Outputs) -> None:
     desc = msgpack.unpackb(res.descriptor_msgpack, raw=False)
     desc["tp_ranks"] = [{}]
     with pytest.raises(grpc.RpcError) as err:
-        p.Prefill(node_pb2.PrefillRequest(request_id="bad", prompt_token_ids=[1, 2, 3, 4, 5], sampling=sampling,
+        p.Prefill(node_pb2.PrefillRequest(request_id="bad", prompt_token_ids_packed=pack_token_ids([1, 2, 3, 4, 5]), sampling=sampling,
                                           descriptor_msgpack=msgpack.packb(desc), decode_address=daddr))
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert "another tensor-parallel rank refused" in err.value.details()

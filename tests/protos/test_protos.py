@@ -1,5 +1,5 @@
-"""Committed gRPC stubs match the .proto files; msgpack node messages round-trip and reject
-malformed, oversized, wrong-version and out-of-range input."""
+"""Committed gRPC stubs match the .proto files; msgpack node messages and packed token ids
+round-trip and reject malformed, oversized, wrong-version and out-of-range input."""
 
 from __future__ import annotations
 
@@ -9,7 +9,8 @@ from pathlib import Path
 import msgpack
 import pytest
 
-from protos import build
+from protos import build, node_pb2
+from protos.convert import pack_token_ids, unpack_token_ids
 from protos.messages import (
     FirstToken,
     MessageError,
@@ -130,3 +131,25 @@ def test_the_choice_index_and_prompt_logprobs_are_read_by_exact_type():
             unpack_outputs(data, VOCAB)
         (refused,) = read_outputs(data, VOCAB)  # the router's reader: that request's error only
         assert refused.malformed and refused.request_id == "a" and refused.error and refused.index == 0
+
+
+def test_a_packed_prompt_round_trips_through_its_proto_field():
+    ids = [0, 1, VOCAB - 1, 42] * 300
+    wire = node_pb2.PrefillRequest(request_id="r", prompt_token_ids_packed=pack_token_ids(ids)).SerializeToString()
+    got = unpack_token_ids(node_pb2.PrefillRequest.FromString(wire).prompt_token_ids_packed, VOCAB)
+    assert got == ids and all(type(t) is int for t in got)
+    assert len(pack_token_ids(ids)) == 4 * len(ids)
+    assert pack_token_ids([1, 256]) == b"\x01\x00\x00\x00\x00\x01\x00\x00"  # little-endian on every host
+    assert unpack_token_ids(b"", VOCAB) == []
+
+
+@pytest.mark.parametrize("data, message", [
+    (b"\x01\x00\x00", "not a multiple of 4"),
+    (pack_token_ids([1, 2])[:-1], "not a multiple of 4"),
+    (pack_token_ids([1, VOCAB]), "outside the vocabulary"),
+    (pack_token_ids([-1, 2]), "outside the vocabulary"),
+    (struct.pack("<i", 2**31 - 1), "outside the vocabulary"),
+])
+def test_a_malformed_packed_prompt_is_refused_with_a_clear_error(data, message):
+    with pytest.raises(ValueError, match=message):
+        unpack_token_ids(data, VOCAB)

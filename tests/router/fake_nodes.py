@@ -46,6 +46,7 @@ import grpc
 import msgpack
 
 from protos import node_pb2, node_pb2_grpc
+from protos.convert import unpack_token_ids
 from protos.messages import FirstToken, OutputItem, TokenLogprobs, pack_outputs
 
 VOCAB = 320
@@ -324,7 +325,7 @@ class FakePrefill(_Server, node_pb2_grpc.PrefillControlServicer):
 
     async def Prefill(self, request, context):  # noqa: N802
         self.calls.append(request.request_id)
-        self.prompts.append((list(request.prompt_token_ids), request.sampling.max_tokens))
+        self.prompts.append((unpack_token_ids(request.prompt_token_ids_packed, VOCAB), request.sampling.max_tokens))
         if self.fail:
             self.changed()
             await context.abort(grpc.StatusCode.UNAVAILABLE, f"prefill node {self.name} is down (test)")
@@ -375,7 +376,7 @@ class FakePrefill(_Server, node_pb2_grpc.PrefillControlServicer):
 
     @staticmethod
     def _first(request) -> tuple:
-        tok = (request.prompt_token_ids[-1] + 1) % VOCAB
+        tok = (unpack_token_ids(request.prompt_token_ids_packed, VOCAB)[-1] + 1) % VOCAB
         s = request.sampling
         n = s.logprobs if s.logprobs >= 0 else None
         lps = fake_logprobs([tok], n, -0.5) if n is not None else None

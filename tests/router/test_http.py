@@ -13,6 +13,7 @@ import openai
 import pytest
 
 from router.client import build_request
+from router.http import EventStream
 from tests.router.conftest import TINY, cluster
 
 
@@ -143,3 +144,27 @@ async def test_streams_are_not_held_by_nagle():
         assert socks and all(s.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY) for s in socks)
         writer.close()
         await c.settled()
+
+
+async def test_an_event_streams_first_event_goes_out_with_its_headers():
+    """The first event is sent, and counted as written, by the handler's own task before the rest's
+    generator starts (StreamingResponse would start writing from a task of its own)."""
+    sent, order = [], []
+
+    async def rest():
+        order.append("rest started")
+        yield "data: 2\n\n"
+
+    async def send(msg):
+        sent.append(msg)
+
+    async def receive():
+        await asyncio.sleep(60)  # the client stays (a disconnect would end the stream)
+
+    stream = EventStream("data: 1\n\n", rest(), written=lambda: order.append(f"written after {len(sent)} sends"))
+    await stream({"type": "http", "asgi": {"spec_version": "2.3"}}, receive, send)
+    assert order == ["written after 2 sends", "rest started"]
+    assert [m["type"] for m in sent] == ["http.response.start", *["http.response.body"] * 3]
+    assert [m.get("body") for m in sent[1:]] == [b"data: 1\n\n", b"data: 2\n\n", b""]
+    assert [m.get("more_body") for m in sent[1:]] == [True, True, False]
+    assert (b"content-type", b"text/event-stream; charset=utf-8") in sent[0]["headers"]
