@@ -245,8 +245,11 @@ class Service:
         handle = self.actors[(role, index)]
         if isinstance(handle, TPNodeGroup):
             handle.kill(0)
-        else:
+            return
+        try:
             ray.get(handle.fail_next_step.remote(), timeout=30)
+        except (ray.exceptions.ActorUnavailableError, ray.exceptions.RayActorError):
+            pass  # the step raised and the process ended before this call's reply went out: as meant
 
     def kill_router(self) -> None:
         """Kill the router actor's process (Ray restarts it; the watcher makes it serve again)."""
