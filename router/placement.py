@@ -128,7 +128,7 @@ class Placement:
         self.holds.hold_prefill(st, prefill, work)
         st.timeline.lap("queue")
         call = asyncio.ensure_future(prefill.stub.Prefill(node_pb2.PrefillRequest(
-            request_id=rid, prompt_token_ids_packed=pack_token_ids(prompt), sampling=sampling)))
+            request_id=rid, prompt_token_ids_packed=reserve.prompt_token_ids_packed, sampling=sampling)))
         arrived: list[float] = []  # when the first token came: the reservation may still have run then
         call.add_done_callback(lambda _: arrived.append(time.monotonic()))
         seen = self.admission.queue.epoch

@@ -37,15 +37,16 @@ async def wait_for_nodes(client, prefill, decode, timeout=120.0):
         await asyncio.sleep(0.2)
 
 
-def kill_mid_stream(service, address, requests):
-    """Start the streams, kill decode node 0 once all have 3 tokens; every stream's result."""
+def kill_mid_stream(service, address, requests, fault=None):
+    """Start the streams, fault decode node 0 once all have 3 tokens (`fault`, default: kill its
+    process); every stream's result."""
     async def main():
         async with RouterClient(address) as client:
             started, counter = asyncio.Event(), [0]
             tasks = [asyncio.create_task(stream_until_end(client, r, started, counter, len(requests)))
                      for r in requests]
             await asyncio.wait_for(started.wait(), 120)
-            service.kill("decode", 0)
+            (fault or service.kill)("decode", 0)
             results = await asyncio.wait_for(asyncio.gather(*tasks), 240)
             await wait_for_nodes(client, 1, 2)
             return results
@@ -182,18 +183,7 @@ def test_a_cuda_error_in_a_decode_step_restarts_the_node_and_its_requests_finish
     requests = [build_request(p, max_tokens=120, ignore_eos=True) for p in prompts]
     old = service.addresses[("decode", 0)]
     try:
-        async def main():
-            async with RouterClient(address) as client:
-                started, counter = asyncio.Event(), [0]
-                tasks = [asyncio.create_task(stream_until_end(client, r, started, counter, len(requests)))
-                         for r in requests]
-                await asyncio.wait_for(started.wait(), 120)
-                ray.get(service.actors[("decode", 0)].fail_next_step.remote(), timeout=30)
-                results = await asyncio.wait_for(asyncio.gather(*tasks), 240)
-                await wait_for_nodes(client, 1, 2)
-                return results
-
-        results = run_async(main())
+        results = kill_mid_stream(service, address, requests, fault=service.fail_step)
         deadline = time.monotonic() + 120
         while service.addresses.get(("decode", 0)) in (None, old):  # restarted: a new port
             assert time.monotonic() < deadline, "the decode node did not come back"
