@@ -33,7 +33,6 @@ from engine.engine import EngineConfig
 from engine.model.loader import LoadedModel
 from engine.request import Request
 from engine.runner.model_runner import kv_room_needed
-from engine.runner.warmup import capture_deferred
 from engine.sampling.sampling_params import SamplingParams
 from engine.sched.chunked_prefill import ChunkedPrefill, Launched
 from engine.tp.tensor_parallel import TPGroup
@@ -91,9 +90,7 @@ class ColocatedNode(DecodeNode):
         if launched is not None:
             items += self._prefill_finish(*launched)
         self._publish(items)
-        if busy or prefilled or items:
-            return True
-        return capture_deferred(self.runner, self.max_model_len)  # idle: one graph (engine/runner/warmup.py)
+        return self.captures.busy() if busy or prefilled or items else self.captures.idle()
 
     def _prefill_launch(self, items: list[OutputItem]) -> tuple[Launched, float] | None:
         chunks, reqs = self.prefill.schedule()

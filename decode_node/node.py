@@ -52,7 +52,7 @@ from engine.engine import EngineConfig, build_runner, prefix_cache_for
 from engine.model.loader import LoadedModel
 from engine.request import Request, RequestOutput
 from engine.runner.model_runner import kv_room_needed
-from engine.runner.warmup import capture_deferred, shape_status, warm_up
+from engine.runner.warmup import IdleCaptures, shape_status, warm_up
 from engine.sampling.sampling_params import MAX_N, SamplingParams
 from engine.sched.decode_batch import DecodeBatch
 from engine.sched.fork import (
@@ -107,7 +107,8 @@ class DecodeNode(StepLoop):
         self.loaded, self.config = loaded, config
         self.k = config.num_speculative_tokens
         self.runner, self.blocks, self.max_model_len = build_runner(loaded, config, tp=tp)
-        self.warmup_s = 0.0  # start-up seconds spent capturing graphs before serving (engine/runner/warmup.py)
+        # graphs captured before serving (their seconds), the rest when idle (engine/runner/warmup.py)
+        self.warmup_s, self.captures = 0.0, IdleCaptures(self.runner, self.max_model_len)
         if config.warmup and (tp is None or tp.size == 1):  # TP ranks capture in lockstep: not warmed yet
             self.warmup_s = warm_up(self.runner, decode=True, prefill=self.prefills,
                                     max_model_len=self.max_model_len).seconds
@@ -202,12 +203,11 @@ class DecodeNode(StepLoop):
         self._release_quarantine()
         self._drain_inbox(items)
         self._admit_ready(items)
-        busy = self.batch.busy
-        outputs = self.batch.step()
+        busy, outputs = self.batch.busy, self.batch.step()
         self._count_accepted(outputs)
         items += [self._item(o) for o in outputs]
         self._publish(items)
-        return busy or bool(items) or capture_deferred(self.runner, self.max_model_len)  # idle: one graph
+        return self.captures.busy() if busy or items else self.captures.idle()
 
     def _drain_inbox(self, items: list[OutputItem]) -> None:
         while True:

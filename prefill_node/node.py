@@ -49,7 +49,7 @@ from engine.model.loader import LoadedModel
 from engine.request import PrefillChunk, TokenLogprob
 from engine.runner.model_runner import PrefillOutput, kv_room_needed, unpack_logprobs
 from engine.runner.prompt_logprobs import add_prompt_logprobs
-from engine.runner.warmup import capture_deferred, shape_status, warm_up
+from engine.runner.warmup import IdleCaptures, shape_status, warm_up
 from engine.sampling.sampling_params import SamplingParams
 from engine.sched.chunked_prefill import EarlyFirst, HostFirst
 from engine.sched.step_loop import StepLoop
@@ -156,7 +156,8 @@ class PrefillNode(StepLoop):
         self.loaded, self.config, self.sink = loaded, config, first_token_sink
         self.k = config.num_speculative_tokens
         self.runner, self.blocks, self.max_model_len = build_runner(loaded, config, decodes=False, tp=tp)
-        self.warmup_s = 0.0  # start-up seconds spent capturing graphs before serving (engine/runner/warmup.py)
+        # graphs captured before serving (their seconds), the rest when idle (engine/runner/warmup.py)
+        self.warmup_s, self.captures = 0.0, IdleCaptures(self.runner, self.max_model_len)
         if config.warmup and (tp is None or tp.size == 1):  # TP ranks capture in lockstep: not warmed yet
             self.warmup_s = warm_up(self.runner, decode=False, prefill=True,
                                     max_model_len=self.max_model_len).seconds
@@ -235,13 +236,13 @@ class PrefillNode(StepLoop):
         self._expire_unattached()
         jobs = self._admit_and_plan()
         if not jobs:
-            return capture_deferred(self.runner, self.max_model_len)  # idle: one graph (engine/runner/warmup.py)
+            return self.captures.idle()  # idle: one graph, after a quiet spell (engine/runner/warmup.py)
+        self.captures.busy()
         chunks = [PrefillChunk(j.prompt, j.num_prefilled, j.num_prefilled + n, j.block_ids, j.params, j.seed)
                   for j, n in jobs]
         finishing = [j for (j, _), c in zip(jobs, chunks, strict=True) if c.is_last]
         mark_started([j for j, _ in jobs], time.monotonic())
-        start = time.perf_counter()
-        early = EarlyFirst()  # the first tokens' copy to the host, queued ahead of the MTP drafts
+        start, early = time.perf_counter(), EarlyFirst()  # early: the first tokens' copy to the host, ahead of the drafts
         try:
             out = self.runner.prefill(chunks, on_layer=lambda layer, ready: self._push_layer(finishing, layer, ready),
                                       on_first=early)

@@ -16,7 +16,7 @@
 #               against plain decoding, full and FR-Spec draft vocabularies), bf16 greedy
 #               exactness across batches, `pdserve generate` end to end with a cold and a warm cache
 #   service     the real service through its HTTP API (`bench serve --launch`) on one GPU:
-#               ARGS: MODES (pd,colocated: the default), KV (tcp: the default, or ucx), then
+#               ARGS: MODES (pd,colocated: the default), KV (tcp: the default, ucx or ipc), then
 #               flags for bench serve (--num-prompts 1024 --request-rate inf ...)
 #   multi-gpu   two GPUs: tp, the TP tests and TP = 1 against 2; kv, KV transfer cuda:0 -> cuda:1
 #               (`python3 -m bench.kv`, backends $KV_BACKENDS: ipc tcp, add ucx to carry UCX too); service, the goodput of
@@ -171,10 +171,11 @@ serve() {  # NAME MODE KV GPUS [bench serve flags]: one `bench serve --launch` o
 stage_service() {
   local modes=${1:-pd,colocated} kv=${2:-tcp} mode
   shift $(($# < 2 ? $# : 2))
-  [[ $kv == tcp || $kv == ucx ]] || { echo "KV is tcp or ucx, not $kv" >&2; exit 2; }
+  [[ $kv =~ ^(tcp|ucx|ipc)$ ]] || { echo "KV is tcp, ucx or ipc, not $kv" >&2; exit 2; }
   for mode in ${modes//,/ }; do shape "$mode" "$kv" 1 > /dev/null || exit 2; done
   if [[ $kv == ucx ]]; then device base service gguf ucx; else device base service gguf; fi
   for mode in ${modes//,/ }; do serve "service_${mode}_$kv" "$mode" "$kv" 1 "$@"; done
+  table ttft "$OUT"/service_*.json
   table serve "$OUT"/service_*.json
 }
 

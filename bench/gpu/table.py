@@ -5,6 +5,7 @@
     python bench/gpu/table.py acceptance FILE.jsonl   `bench acceptance --json` lines
     python bench/gpu/table.py kv FILE.jsonl           `python -m bench.kv --json` lines
     python bench/gpu/table.py serve REPORT.json...    `bench serve --json` reports, a row per rate
+    python bench/gpu/table.py ttft REPORT.json...     the same reports' TTFT parts (router means, ms)
 
 Each `bench engine` process prints its engine rows (one per k), then the weight-read floor, then
 (with --hf) Hugging Face generate; the floor and HF figures belong to the engine rows before them.
@@ -101,7 +102,23 @@ def serve(*paths: str) -> list[list[str]]:
     return rows
 
 
-KINDS = {"engine": engine, "prefill": prefill, "acceptance": acceptance, "kv": kv, "serve": serve}
+TTFT_PARTS = ("parse", "tokenize", "queue", "reserve", "prefill_queue", "prefill", "return", "write")
+
+
+def ttft(*paths: str) -> list[list[str]]:
+    """Each run's TTFT by its parts: the router's means (router/ttft.py) beside the client's p50."""
+    rows = [["run", "rate", "client p50", "router mean", *TTFT_PARTS, "prefill on node", "KV"]]
+    for path in paths:
+        for r in json.loads(Path(path).read_text())["runs"]:
+            s = r.get("server", {})
+            rows.append([Path(path).stem, str(r["request_rate"]), _fmt(r["ttft"]["p50_ms"]),
+                         _fmt(s.get("router_ttft_mean_ms")),
+                         *(_fmt(s.get(f"ttft_{part}_mean_ms"), 3) for part in TTFT_PARTS),
+                         _fmt(s.get("prefill_ms_per_request")), _fmt(s.get("kv_transfer_ms_per_request"))])
+    return rows
+
+
+KINDS = {"engine": engine, "prefill": prefill, "acceptance": acceptance, "kv": kv, "serve": serve, "ttft": ttft}
 
 
 def main(argv: list[str]) -> int:

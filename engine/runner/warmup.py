@@ -16,8 +16,8 @@ before `ready` without slowing start-up, so a node (`model.warmup`, on by defaul
     sampled, with and without logprobs, fresh prompts; two equal prompts in every token bucket
     (greedy with logprobs, sampled without); then every row bucket once at the largest token
     bucket (greedy with logprobs), which compiles the kernels' row-count specializations;
-- after, when its loop is idle (`capture_deferred`, one graph a call, so a request arriving
-  meanwhile waits at most one capture): first the keys requests' steps ran eagerly
+- after, when its loop has been idle `QUIET_S` (`IdleCaptures`; `capture_deferred`, one graph a
+  call, so a request arriving meanwhile waits at most one capture): first the keys requests' steps ran eagerly
   (`PrefillGraphs.pending`), then every other prefill shape, greedy, likeliest first
   (`ShapeLog.backlog`), then the decode graphs with a top-k/top-p filter (`DecodeGraphs.deferred`).
 
@@ -49,6 +49,13 @@ from engine.runner.shapes import DecodeShape, PrefillShape, ShapeLog
 from engine.sampling.sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)
+
+# A node captures deferred graphs only after its loop has had no work this long: a capture blocks the
+# loop (seconds where it compiles kernels), and a node under steady load, even a light one, would
+# otherwise start one between any two requests and make the next one wait for it. Under a steady
+# rate of several requests a second the backlog waits for a lull; its shapes run eagerly meanwhile.
+QUIET_S = 1.0
+SLOW_CAPTURE_S = 0.05  # an idle capture at least this long is logged with its shape
 
 GREEDY, SAMPLED = SamplingParams(max_tokens=1), SamplingParams(temperature=1.0, max_tokens=1)
 VARIANTS = [(p, lp) for p in (GREEDY, SAMPLED) for lp in (None, 0)]  # (params, logprobs)
@@ -177,6 +184,34 @@ def capture_deferred(runner, max_model_len: int) -> bool:
             decode.capture(key)
             return True
     return False
+
+
+class IdleCaptures:
+    """The deferred captures of one node's loop (loop thread only): the loop calls `busy()` after a
+    round with work and `idle()` after one without; `idle` captures one graph (`capture_deferred`)
+    once the loop has been idle `quiet_s`, and says whether it did (the loop then comes straight
+    back for the next)."""
+
+    def __init__(self, runner, max_model_len: int, quiet_s: float = QUIET_S) -> None:
+        self.runner, self.max_model_len, self.quiet_s = runner, max_model_len, quiet_s
+        self.since = time.monotonic()  # the last round with work
+        self.count, self.seconds = 0, 0.0  # idle captures made, and their time
+
+    def busy(self) -> bool:
+        self.since = time.monotonic()
+        return True
+
+    def idle(self) -> bool:
+        if time.monotonic() - self.since < self.quiet_s:
+            return False
+        start = time.perf_counter()
+        captured = capture_deferred(self.runner, self.max_model_len)
+        if captured:
+            took = time.perf_counter() - start
+            self.count, self.seconds = self.count + 1, self.seconds + took
+            if took >= SLOW_CAPTURE_S:
+                log.info("idle capture %d took %.3f s (%.1f s in all)", self.count, took, self.seconds)
+        return captured
 
 
 def shape_status(runner) -> dict[str, int]:

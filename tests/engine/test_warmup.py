@@ -23,6 +23,7 @@ from engine.runner.warmup import (
     GREEDY,
     SAMPLED,
     VARIANTS,
+    IdleCaptures,
     capture_deferred,
     rows_for,
     shape_status,
@@ -258,6 +259,18 @@ def test_a_request_never_captures_a_shape_with_no_graph(tiny, monkeypatch):
     pg.shapes.add(met[0].shape)  # the 40-token prompt's shape now has a graph (another variant's)
     with pytest.raises(Captured):
         eng.generate(prompt, params)  # its key came back often enough: captured on its path
+
+
+def test_idle_captures_wait_for_a_quiet_spell(tiny):
+    """A node's loop captures nothing until it has had no work for `quiet_s`: a request arriving
+    between two others under a light load never waits for a capture. Then one shape a call."""
+    eng = LLMEngine(tiny, EngineConfig(num_speculative_tokens=2, device=DEVICE, **LIMITS))
+    warm_up(eng.runner, decode=True, prefill=True, max_model_len=eng.max_model_len)
+    pending = len(eng.runner.shapes.backlog)
+    waiting = IdleCaptures(eng.runner, eng.max_model_len, quiet_s=3600)
+    assert waiting.busy() and not waiting.idle() and len(eng.runner.shapes.backlog) == pending
+    quiet = IdleCaptures(eng.runner, eng.max_model_len, quiet_s=0)
+    assert quiet.idle() and len(eng.runner.shapes.backlog) == pending - 1 and quiet.count == 1
 
 
 def test_an_idle_node_captures_its_backlog_and_its_status_says_so(tiny):
