@@ -10,7 +10,7 @@ buckets, `max_model_len` the longest chunk and the widths, and whether a prompt 
 
 A node's warm-up (engine/runner/warmup.py) captures the shapes ordinary requests meet first before
 it serves; the other shapes `prefill_shapes` and `decode_shapes` list wait in `ShapeLog.backlog`,
-and the node captures them one at a time when it is idle. `ShapeLog` counts the steps that met a
+and the node captures them one at a time when it is idle (those a step met after a short lull). `ShapeLog` counts the steps that met a
 shape with no graph yet (`cold`): on a GPU such a step runs eagerly, and its shape moves to the
 head of the backlog. Holds integers only; never touches a device.
 """
@@ -99,9 +99,12 @@ class ShapeLog:
         self.backlog = sorted((s for s in listed if s not in self.warm), key=backlog_order)
         self.planned = True
 
-    def next_cold(self) -> PrefillShape | DecodeShape | None:
-        """The next backlog shape to capture (taken off it), None when none is left."""
+    def next_cold(self, met_only: bool = False) -> PrefillShape | DecodeShape | None:
+        """The next backlog shape to capture (taken off it), None when none is left; with `met_only`
+        only a shape that a step met (those lead the backlog: `note`)."""
         while self.backlog:
+            if met_only and self.backlog[0] not in self.met:
+                return None
             shape = self.backlog.pop(0)
             if shape not in self.warm:
                 return shape

@@ -16,10 +16,11 @@ before `ready` without slowing start-up, so a node (`model.warmup`, on by defaul
     sampled, with and without logprobs, fresh prompts; two equal prompts in every token bucket
     (greedy with logprobs, sampled without); then every row bucket once at the largest token
     bucket (greedy with logprobs), which compiles the kernels' row-count specializations;
-- after, when its loop has been idle `QUIET_S` (`IdleCaptures`; `capture_deferred`, one graph a
-  call, so a request arriving meanwhile waits at most one capture): first the keys requests' steps ran eagerly
-  (`PrefillGraphs.pending`), then every other prefill shape, greedy, likeliest first
-  (`ShapeLog.backlog`), then the decode graphs with a top-k/top-p filter (`DecodeGraphs.deferred`).
+- after, when its loop is idle (`IdleCaptures`; `capture_deferred`, one graph a call, so a request
+  arriving meanwhile waits at most one capture): after `QUIET_S` with no work, the keys and shapes
+  requests' steps ran eagerly (`PrefillGraphs.pending`, `ShapeLog.met`); after `BACKLOG_QUIET_S`,
+  every other prefill shape, greedy, likeliest first (`ShapeLog.backlog`), then the decode graphs
+  with a top-k/top-p filter (`DecodeGraphs.deferred`).
 
 A prefill step whose shape has no graph yet runs eagerly (tens of ms of launches) and never
 captures on its path; its shape moves to the head of the backlog and `ModelRunner.shapes` counts
@@ -50,11 +51,14 @@ from engine.sampling.sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)
 
-# A node captures deferred graphs only after its loop has had no work this long: a capture blocks the
-# loop (seconds where it compiles kernels), and a node under steady load, even a light one, would
-# otherwise start one between any two requests and make the next one wait for it. Under a steady
-# rate of several requests a second the backlog waits for a lull; its shapes run eagerly meanwhile.
+# A capture blocks the node's loop, and one that compiles kernels for a new shape blocks it for up to a
+# second, so a node captures only once its loop has had no work for a while; otherwise, under a steady
+# load even a light one, it would start one between any two requests and make the next one wait.
+# Keys that requests met (they ran eagerly: their kernels are compiled already, the capture is only
+# launches) wait for a short lull; the speculative backlog, most of which no request may ever meet,
+# for a node with nothing to do.
 QUIET_S = 1.0
+BACKLOG_QUIET_S = 10.0
 SLOW_CAPTURE_S = 0.05  # an idle capture at least this long is logged with its shape
 
 GREEDY, SAMPLED = SamplingParams(max_tokens=1), SamplingParams(temperature=1.0, max_tokens=1)
@@ -163,16 +167,19 @@ def rows_for(tokens: int, row_buckets: list[int], max_model_len: int) -> int | N
     return next((r for r in row_buckets if -(-tokens // r) <= max_model_len and r <= tokens), None)
 
 
-def capture_deferred(runner, max_model_len: int) -> bool:
+def capture_deferred(runner, max_model_len: int, met_only: bool = False) -> bool:
     """Between steps of an idle node: capture one graph (module docstring: a key a request's step
-    ran eagerly, else the next backlog shape, else a decode filter key); False when none is left."""
+    ran eagerly, else the next backlog shape, else a decode filter key; with `met_only` only those
+    that requests' steps met); False when none is left."""
     graphs: PrefillGraphs | None = runner.prefill_graphs
     shapes: ShapeLog | None = runner.shapes
     if graphs is not None and graphs.capture_deferred(max_model_len):
         if shapes is not None:
             shapes.warm.update(graphs.shapes)
         return True
-    shape = shapes.next_cold() if shapes is not None else None
+    shape = shapes.next_cold(met_only) if shapes is not None else None
+    if met_only and shape is None:
+        return False
     if shape is not None:
         if _capture_shape(runner, shape, max_model_len):
             shapes.warm.add(shape)  # type: ignore[union-attr]
@@ -189,11 +196,13 @@ def capture_deferred(runner, max_model_len: int) -> bool:
 class IdleCaptures:
     """The deferred captures of one node's loop (loop thread only): the loop calls `busy()` after a
     round with work and `idle()` after one without; `idle` captures one graph (`capture_deferred`)
-    once the loop has been idle `quiet_s`, and says whether it did (the loop then comes straight
-    back for the next)."""
+    once the loop has been idle `quiet_s` (what requests met) or `backlog_quiet_s` (the rest), and
+    says whether it did (the loop then comes straight back for the next)."""
 
-    def __init__(self, runner, max_model_len: int, quiet_s: float = QUIET_S) -> None:
-        self.runner, self.max_model_len, self.quiet_s = runner, max_model_len, quiet_s
+    def __init__(self, runner, max_model_len: int, quiet_s: float = QUIET_S,
+                 backlog_quiet_s: float = BACKLOG_QUIET_S) -> None:
+        self.runner, self.max_model_len = runner, max_model_len
+        self.quiet_s, self.backlog_quiet_s = quiet_s, backlog_quiet_s
         self.since = time.monotonic()  # the last round with work
         self.count, self.seconds = 0, 0.0  # idle captures made, and their time
 
@@ -202,10 +211,11 @@ class IdleCaptures:
         return True
 
     def idle(self) -> bool:
-        if time.monotonic() - self.since < self.quiet_s:
+        quiet = time.monotonic() - self.since
+        if quiet < self.quiet_s:
             return False
         start = time.perf_counter()
-        captured = capture_deferred(self.runner, self.max_model_len)
+        captured = capture_deferred(self.runner, self.max_model_len, met_only=quiet < self.backlog_quiet_s)
         if captured:
             took = time.perf_counter() - start
             self.count, self.seconds = self.count + 1, self.seconds + took
