@@ -4,8 +4,8 @@ Each running request occupies one slot. The decode step reads and writes these t
 itself (lengths, last token, drafts, done flags), so the host can launch step N+1 before it
 has read step N's results (ARCHITECTURE.md, "The decode step"). The host writes a slot only
 when it inserts requests (`insert_many_no_sync`: every request inserted before a step goes in
-one packed host-to-device copy through reused pinned memory and a dozen scatters, whatever
-their number) or grows a block table (`set_blocks_no_sync`). The grammar masks of constrained
+one packed host-to-device copy through reused pinned memory and one launch, whatever
+their number: kernels/slot_insert.py) or grows a block table (`set_blocks_no_sync`). The grammar masks of constrained
 requests (`grammar_mask`, made when the first one arrives) are the exception: the host writes
 them before each launch (engine/runner/constrained.py); every other slot's rows allow every token.
 """
@@ -20,6 +20,8 @@ import torch
 from engine.model.attention import TRASH_BLOCK
 from engine.runner.staging import PinnedStaging
 from engine.sampling.penalties import PenaltyInit, PenaltyState
+from kernels._dispatch import use_triton
+from kernels.slot_insert import insert_rows, insert_rows_reference
 from kernels.step_meta import StepState
 
 MAX_STOP_IDS = 8
@@ -136,18 +138,12 @@ class BatchState:
                 *floats, *stops, *drafts[: self.k], *blocks]
 
     def _scatter(self, rows: torch.Tensor) -> None:
-        """The packed rows [n, F] (device) into the state tensors, one scatter each."""
-        slots = rows[:, 0]
-        for col, name in enumerate(("seq_lens", "num_generated", "max_tokens", "top_k", "seed", "last_token"), 1):
-            getattr(self, name)[slots] = rows[:, col]
-        self.temperature[slots] = rows[:, 7].to(torch.int32).view(torch.float32)
-        self.top_p[slots] = rows[:, 8].to(torch.int32).view(torch.float32)
-        a, b = 9, 9 + MAX_STOP_IDS
-        self.stop_ids[slots] = rows[:, a:b]
-        if self.k:
-            self.drafts[slots] = rows[:, b : b + self.k]
-        self.block_tables[slots] = rows[:, b + self.k :]
-        self.done[slots] = False
+        """The packed rows [n, F] (device) into the state tensors: one launch on a GPU, where a
+        scatter per tensor would cost its dispatch on every step that inserts."""
+        if use_triton(rows):
+            insert_rows(rows, self)
+        else:
+            insert_rows_reference(rows, self)
 
     def ensure_draft_probs(self) -> None:
         if self.draft_probs is None and self.k:
