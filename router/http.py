@@ -293,8 +293,11 @@ async def _events(fmt: Format, first: pb.GenerateResponse, msgs: AsyncGenerator[
     yield "data: [DONE]\n\n"
 
 
+_JSON = json.JSONEncoder(separators=(",", ":"))  # json.dumps with options builds an encoder per call
+
+
 def _sse(obj: dict) -> str:
-    return f"data: {json.dumps(obj, separators=(',', ':'))}\n\n"
+    return f"data: {_JSON.encode(obj)}\n\n"
 
 
 class _Server(uvicorn.Server):

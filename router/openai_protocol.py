@@ -227,8 +227,6 @@ class Format:
         finish_reason); `first`: the choice's first chunk (chat: the role; echo: the prompt)."""
         self._see(msg)
         reason = msg.finish_reason or None
-        entries: list[Entry] = [(lp.token_id, lp.logprob, list(zip(lp.top_ids, lp.top_logprobs, strict=True)))
-                                for lp in msg.logprobs]
         if self.chat:
             lps = {"content": [self._chat_entry(lp) for lp in msg.logprobs]} if self.logprobs is not None else None
             delta = {"role": "assistant", "content": msg.text} if first else {"content": msg.text}
@@ -240,6 +238,7 @@ class Format:
                 delta = {}
             choice = {"index": msg.index, "delta": delta, "logprobs": lps, "finish_reason": reason}
             return self._object("chat.completion.chunk", [choice])
+        entries = _entries(msg.logprobs) if self.logprobs is not None or first else []
         text, entries = self._echoed(msg.text, entries) if first else (msg.text, entries)
         lps = self._logprobs(entries, msg.index) if self.logprobs is not None else None
         return self._object("text_completion", [{"index": msg.index, "text": text, "logprobs": lps,
@@ -276,8 +275,7 @@ class Format:
             if self.tools is not None:
                 message, reason = self.tools.message(text, reason)
             return {"index": index, "message": message, "logprobs": lps, "finish_reason": reason}
-        entries: list[Entry] = [(lp.token_id, lp.logprob, list(zip(lp.top_ids, lp.top_logprobs, strict=True)))
-                                for m in mine for lp in m.logprobs]
+        entries = [e for m in mine for e in _entries(m.logprobs)]
         text, entries = self._echoed(text, entries)
         lps = self._logprobs(entries, index) if self.logprobs is not None else None
         return {"index": index, "text": text, "logprobs": lps, "finish_reason": reason}
@@ -309,6 +307,13 @@ class Format:
 
     def _decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids) if self.tokenizer else ""
+
+
+def _entries(lps: Any) -> list[Entry]:
+    """A message's logprobs as (token id, logprob, [(top id, top logprob)]); tokens without top-N
+    alternatives (`logprobs=0`) skip the pairing."""
+    return [(lp.token_id, lp.logprob, list(zip(lp.top_ids, lp.top_logprobs, strict=True)) if lp.top_ids else [])
+            for lp in lps]
 
 
 def usage(msg: pb.GenerateResponse) -> dict:

@@ -237,9 +237,7 @@ class RequestState:
         msg.token_ids.extend(tokens)
         msg.text += text
         if logprobs is not None:
-            for i, tok in enumerate(tokens):
-                msg.logprobs.add(token_id=tok, logprob=logprobs.logprob[i], rank=logprobs.rank[i],
-                                 top_ids=logprobs.top_ids[i], top_logprobs=logprobs.top_logprobs[i])
+            _add_logprobs(msg, tokens, logprobs)
         if msg is not tail:
             self._emit(msg, open_=True)
         return ch.text.stopped or len(ch.tokens) >= self.prep.max_tokens
@@ -295,6 +293,20 @@ class RequestState:
             msg.prompt_logprobs.extend(self.prompt_logprobs)
             self._first_sent = True
         self.out.put(msg, open_=open_ and not first)
+
+
+def _add_logprobs(msg: pb.GenerateResponse, tokens: list[int], logprobs: TokenLogprobs) -> None:
+    """One TokenLogprob per token of `tokens` (the first len(tokens) of `logprobs`' rows). Without
+    top-N alternatives (`logprobs=0`, what most streams ask) the empty repeated fields are not
+    passed: protobuf's keyword path costs per field, even an empty one."""
+    add = msg.logprobs.add
+    if not any(logprobs.top_ids):
+        for tok, lp, rank in zip(tokens, logprobs.logprob, logprobs.rank, strict=False):
+            add(token_id=tok, logprob=lp, rank=rank)
+        return
+    for i, tok in enumerate(tokens):
+        add(token_id=tok, logprob=logprobs.logprob[i], rank=logprobs.rank[i], top_ids=logprobs.top_ids[i],
+            top_logprobs=logprobs.top_logprobs[i])
 
 
 def _add_until_stop(text: TextStream, tokens: list[int]) -> tuple[list[int], str]:
