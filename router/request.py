@@ -119,7 +119,8 @@ class RequestState:
     prep: Prepared
     tokenizer: Any
     out: Outbox = field(default_factory=Outbox)
-    events: asyncio.Queue[OutputItem] = field(default_factory=asyncio.Queue)
+    # the decode node's items; `lose` queues the placement's `lost` behind them (router/stream.py)
+    events: asyncio.Queue[OutputItem | asyncio.Future[str]] = field(default_factory=asyncio.Queue)
     task: asyncio.Task[None] | None = None
     interrupt_reason: Interrupt | None = None
     # placement (written by the lifecycle only)
@@ -163,7 +164,8 @@ class RequestState:
 
     @property
     def num_tokens(self) -> int:
-        return sum(len(c.tokens) for c in self.choices)
+        ch = self.choices
+        return len(ch[0].tokens) if len(ch) == 1 else sum(len(c.tokens) for c in ch)
 
     @property
     def done(self) -> bool:
@@ -179,9 +181,11 @@ class RequestState:
         return True
 
     def lose(self, reason: str) -> None:
-        """The decode node of this placement failed: wake the lifecycle to move the request."""
+        """The decode node of this placement failed: wake the lifecycle to move the request (a
+        wait through `unless_lost`, and the stream's reader once it has read every item before)."""
         if self.lost is not None and not self.lost.done():
             self.lost.set_result(reason)
+            self.events.put_nowait(self.lost)
 
     # ---- what a (re)placement sends -----------------------------------------------------
     def resume_prompt(self) -> list[int]:

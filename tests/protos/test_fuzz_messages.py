@@ -200,7 +200,7 @@ def plain_output(draw: st.DrawFn) -> dict:
 
 
 @fuzz_settings(400)
-@given(st.lists(plain_output(), min_size=1, max_size=4))
+@given(st.lists(plain_output() | plain_output() | typed_output(), min_size=1, max_size=5))
 def test_plain_step_batches_read_as_item_by_item(items: list[dict]) -> None:
     read_outputs(packb({"v": 1, "kind": "outputs", "items": items}))
 
@@ -212,3 +212,5 @@ def test_a_plain_batch_reads_as_its_items() -> None:
     bad = [OutputItem("r/1", [1]), OutputItem("r/2", [VOCAB])]  # one token outside the vocabulary
     got = messages.read_outputs(pack_outputs(bad), VOCAB)
     assert got[0] == bad[0] and got[1].malformed and "out of range" in (got[1].error or "")
+    mixed = [OutputItem("r/3", [3], finish_reason="length", steps=1), *items, OUTPUT]  # plain ones among others
+    assert messages.read_outputs(pack_outputs(mixed), VOCAB) == mixed
