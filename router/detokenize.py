@@ -53,7 +53,7 @@ class Detokenizer:
         last release when it releases text), so `_delta` can take over at any point: at `flush`
         (what it still holds at the end) and when it raises (its text no longer starts with the
         window's, which the Python scheme does not require)."""
-        if self._native is None:
+        if self._native is None or self._backend is None:
             return self._delta(final=False)
         try:
             piece = self._native.step(self._backend, new)
