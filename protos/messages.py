@@ -10,6 +10,7 @@ receivers unpack and read exactly that many top columns per token.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from itertools import chain
 from typing import Any
 
 import msgpack
@@ -76,6 +77,8 @@ class TokenLogprobs:
             raise MessageError("logprobs must be <= 0")
         if not _within(rank, 1, vocab + 1) or not _within(ids, 0, vocab):
             raise MessageError("rank or top id out of range")
+        if not num_top:
+            return cls(lp, rank, _no_top(n), _no_top(n))
         rows = lambda x: [x[j * num_top : (j + 1) * num_top] for j in range(n)]  # noqa: E731
         return cls(lp, rank, rows(ids), rows(vals))
 
@@ -321,17 +324,63 @@ def read_outputs(data: bytes, vocab: int) -> list[OutputItem]:
     """An output batch as a receiver takes it: a malformed item that names its request (a string
     `rid`) becomes that request's error item (`malformed`, `error` saying why), so the batch's other
     requests go on; MessageError when the batch itself, or an item without a readable request id,
-    is malformed (then nothing in it can be trusted)."""
-    out = []
-    for obj in _output_objs(data):
-        try:
-            out.append(OutputItem.from_obj(obj, vocab))
-        except MessageError as e:
-            rid = obj.get("rid") if isinstance(obj, dict) else None
-            if not isinstance(rid, str) or not rid:
-                raise
-            out.append(OutputItem(rid, [], error=f"malformed output item: {e}", malformed=True))
-    return out
+    is malformed (then nothing in it can be trusted). A step's plain items (most of them) are
+    checked a column at a time over the batch (`_read_plain`), the others one by one."""
+    objs = _output_objs(data)
+    plain = [type(o) is dict and _PLAIN_KEYS.issuperset(o) and type(o.get("rid")) is str
+             and type(o.get("toks")) is list and type(o.get("meta")) is int and o["meta"] in (0, FLAG_LOGPROBS)
+             and (o["meta"] == 0 or type(o.get("lp")) is list) for o in objs]
+    read = _read_plain([o for o, p in zip(objs, plain, strict=True) if p], vocab) if any(plain) else []
+    if read is None:  # some plain item is out of range: each is read alone, to fail alone
+        plain, read = [False] * len(objs), []
+    ready = iter(read)
+    return [next(ready) if p else _read_item(o, vocab) for o, p in zip(objs, plain, strict=True)]
+
+
+def _read_item(obj: Any, vocab: int) -> OutputItem:
+    try:
+        return OutputItem.from_obj(obj, vocab)
+    except MessageError as e:
+        rid = obj.get("rid") if isinstance(obj, dict) else None
+        if not isinstance(rid, str) or not rid:
+            raise
+        return OutputItem(rid, [], error=f"malformed output item: {e}", malformed=True)
+
+
+_PLAIN_KEYS = frozenset({"rid", "toks", "meta", "lp"})
+
+
+def _read_plain(objs: list[dict], vocab: int) -> list[OutputItem] | None:
+    """Plain items (a request id, tokens, and at most the sampled tokens' logprobs and ranks: meta
+    0 or FLAG_LOGPROBS with no top-N), checked a column at a time over all of them rather than a
+    field at a time per item; None when any check fails."""
+    toks = [o["toks"] for o in objs]
+    flat = list(chain.from_iterable(toks))
+    if not _VALUE_TYPES[int].issuperset(map(type, flat)) or not _within(flat, 0, vocab):
+        return None
+    cols = [o["lp"] if o["meta"] else None for o in objs]
+    lps = [c for c in cols if c is not None]
+    if lps and not _plain_logprobs(lps, [len(t) for t, c in zip(toks, cols, strict=True) if c is not None], vocab):
+        return None
+    return [OutputItem(o["rid"], t) if c is None else OutputItem(o["rid"], t, 0, TokenLogprobs(
+            c[0], c[1], _no_top(len(t)), _no_top(len(t)))) for o, t, c in zip(objs, toks, cols, strict=True)]
+
+
+def _no_top(n: int) -> list:
+    """n empty top-N rows: one list n times (rows are read, never written)."""
+    return [[]] * n
+
+
+def _plain_logprobs(cols: list, lengths: list[int], vocab: int) -> bool:
+    """Each item's columns [logprobs, ranks, [], []], one logprob <= 0 and one rank in 1..vocab per
+    token, checked over every item at once."""
+    if not all(type(c) is list and len(c) == 4 and type(c[0]) is list and type(c[1]) is list and c[2] == []
+               and c[3] == [] and len(c[0]) == n == len(c[1]) for c, n in zip(cols, lengths, strict=True)):
+        return False
+    lp = list(chain.from_iterable(c[0] for c in cols))
+    rank = list(chain.from_iterable(c[1] for c in cols))
+    return (_VALUE_TYPES[float].issuperset(map(type, lp)) and _VALUE_TYPES[int].issuperset(map(type, rank))
+            and not (lp and max(lp) > 0.0) and _within(rank, 1, vocab + 1))
 
 
 def _output_objs(data: bytes) -> list:

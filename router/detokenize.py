@@ -7,11 +7,18 @@ it is ruled out), never anything from a stop string on. `finish()` releases what
 
 The concatenated deltas equal `tokenizer.decode(all_ids)` (cut before the first stop
 string), which is what the single-process `pdserve generate` prints.
+
+A tokenizer backed by the Rust `tokenizers` library (`.backend`) decodes in native code
+(`tokenizers.decoders.DecodeStream`: the same two-offset scheme, one call per message); any
+other tokenizer, and a stream whose native decoder raised, decodes here in Python.
 """
 
 from __future__ import annotations
 
 from typing import Any
+
+import tokenizers
+from tokenizers.decoders import DecodeStream
 
 REPLACEMENT = "\ufffd"
 
@@ -25,18 +32,38 @@ class Detokenizer:
         self.ids: list[int] = []
         self.prefix = 0  # window start
         self.read = 0  # tokens before this are in the released text
+        backend = getattr(tokenizer, "backend", None)
+        self._backend = backend if isinstance(backend, tokenizers.Tokenizer) else None
+        self._native = DecodeStream(skip_special_tokens=True) if self._backend is not None else None
 
     def add(self, token: int) -> str:
         self.ids.append(token)
-        return self._delta(final=False)
+        return self._step(token)
 
     def add_many(self, tokens: list[int]) -> str:
         """`add` for several tokens at once (two decodes, not two per token): the same text in all."""
         self.ids += tokens
-        return self._delta(final=False)
+        return self._step(tokens)
 
     def flush(self) -> str:
         return self._delta(final=True)
+
+    def _step(self, new: int | list[int]) -> str:
+        """The native decoder's delta; it keeps the same window as `_delta` (its start moves to the
+        last release when it releases text), so `_delta` can take over at any point: at `flush`
+        (what it still holds at the end) and when it raises (its text no longer starts with the
+        window's, which the Python scheme does not require)."""
+        if self._native is None or self._backend is None:
+            return self._delta(final=False)
+        try:
+            piece = self._native.step(self._backend, new)
+        except Exception:  # noqa: BLE001 - any native failure: Python decodes the rest of this stream
+            self._native = None
+            return self._delta(final=False)
+        if piece is None:
+            return ""
+        self.prefix, self.read = self.read, len(self.ids)
+        return str(piece)
 
     def _delta(self, final: bool) -> str:
         if self.tokenizer is None or self.read == len(self.ids):
@@ -77,6 +104,10 @@ class TextStream:
         return self._append(self.detok.flush(), final=True)
 
     def _append(self, piece: str, final: bool) -> str:
+        if not self.stop:  # nothing to hold back or cut: every piece goes out whole
+            self.text += piece
+            self.sent = len(self.text)
+            return piece
         start = max(0, len(self.text) - max((len(s) for s in self.stop), default=0) + 1)
         self.text += piece
         cut = min((i for i in (self.text.find(s, start) for s in self.stop) if i >= 0), default=-1)

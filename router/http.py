@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 import socket
 from collections.abc import AsyncGenerator, Awaitable, Callable
@@ -37,7 +36,7 @@ from protos import pdserve_pb2 as pb
 from router.auth import authorized
 from router.detokenize import TokenPieces
 from router.lifecycle import Lifecycle
-from router.openai_protocol import ChatCompletionRequest, CompletionRequest, Format
+from router.openai_protocol import ChatCompletionRequest, CompletionRequest, Format, sse
 from router.request import RequestError, is_terminal
 from router.tokenize_api import TokenizeDoor, add_tokenize_routes
 from router.tool_api import ToolSettings
@@ -141,7 +140,7 @@ async def _generate(router: Lifecycle, raw: Request, model: type[BaseModel], pie
         return _from_error(first)
     if req.stream:
         opts = req.stream_options
-        return EventStream(_sse(fmt.chunk(first, first=True)), _events(fmt, first, msgs, bool(opts and opts.include_usage)),
+        return EventStream(fmt.frame(first, first=True), _events(fmt, first, msgs, bool(opts and opts.include_usage)),
                            written=partial(router.metrics.first_token_written, st))
     rest = await _unless_disconnected(raw, _rest(first, msgs))
     if rest is None or rest[-1].HasField("error"):
@@ -280,21 +279,17 @@ async def _events(fmt: Format, first: pb.GenerateResponse, msgs: AsyncGenerator[
         while not is_terminal(msg):
             msg = await anext(msgs)
             if msg.HasField("error"):
-                yield _sse(error_body(msg.error.code, msg.error.message))
+                yield sse(error_body(msg.error.code, msg.error.message))
                 break
             start = msg.index not in started
             if msg.token_ids or msg.text or start or msg.finish_reason or is_terminal(msg):
-                yield _sse(fmt.chunk(msg, first=start))
+                yield fmt.frame(msg, first=start)
                 started.add(msg.index)
         else:
             await anext(msgs, None)  # ends `msgs` now: it learns the terminal message was written
             if include_usage:
-                yield _sse(fmt.usage_chunk(msg))
+                yield sse(fmt.usage_chunk(msg))
     yield "data: [DONE]\n\n"
-
-
-def _sse(obj: dict) -> str:
-    return f"data: {json.dumps(obj, separators=(',', ':'))}\n\n"
 
 
 class _Server(uvicorn.Server):

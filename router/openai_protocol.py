@@ -17,6 +17,7 @@ router/tool_output.py.
 
 from __future__ import annotations
 
+import json
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -206,6 +207,7 @@ class Format:
     text_offset: dict[int, int] = field(default_factory=dict)  # completions' logprobs.text_offset per choice
     prompt: PromptInfo | None = None  # from the first message
     tools: ToolOutput | None = None  # chat with tools: the choices' calls (router/tool_output.py)
+    _frame_head: str | None = field(default=None, init=False, repr=False)
 
     @property
     def request_id(self) -> str:
@@ -227,8 +229,6 @@ class Format:
         finish_reason); `first`: the choice's first chunk (chat: the role; echo: the prompt)."""
         self._see(msg)
         reason = msg.finish_reason or None
-        entries: list[Entry] = [(lp.token_id, lp.logprob, list(zip(lp.top_ids, lp.top_logprobs, strict=True)))
-                                for lp in msg.logprobs]
         if self.chat:
             lps = {"content": [self._chat_entry(lp) for lp in msg.logprobs]} if self.logprobs is not None else None
             delta = {"role": "assistant", "content": msg.text} if first else {"content": msg.text}
@@ -240,10 +240,29 @@ class Format:
                 delta = {}
             choice = {"index": msg.index, "delta": delta, "logprobs": lps, "finish_reason": reason}
             return self._object("chat.completion.chunk", [choice])
+        entries = _entries(msg.logprobs) if self.logprobs is not None or first else []
         text, entries = self._echoed(msg.text, entries) if first else (msg.text, entries)
         lps = self._logprobs(entries, msg.index) if self.logprobs is not None else None
         return self._object("text_completion", [{"index": msg.index, "text": text, "logprobs": lps,
                                                   "finish_reason": reason}])
+
+    def frame(self, msg: pb.GenerateResponse, first: bool = False) -> str:
+        """`sse(self.chunk(msg, first))`, the same bytes. A chat chunk after its choice's first,
+        without tools or logprobs (most of a chat stream), is written as JSON text around the
+        request's constant head instead of as dicts to encode."""
+        if first or not self.chat or self.tools is not None or self.logprobs is not None:
+            return sse(self.chunk(msg, first))
+        self._see(msg)
+        reason = _ENCODE_STR(msg.finish_reason) if msg.finish_reason else "null"
+        delta = '{"content":' + _ENCODE_STR(msg.text) + "}" if msg.text else "{}"
+        return f'{self._head()}{msg.index},"delta":{delta},"logprobs":null,"finish_reason":{reason}}}]}}\n\n'
+
+    def _head(self) -> str:
+        """A chat chunk's SSE text up to its choice's index (the same in every chunk of the request)."""
+        if self._frame_head is None:
+            self._frame_head = (f'data: {{"id":{_ENCODE_STR(self.request_id)},"object":"chat.completion.chunk",'
+                                f'"created":{self.created},"model":{_ENCODE_STR(self.model)},"choices":[{{"index":')
+        return self._frame_head
 
     def usage_chunk(self, msg: pb.GenerateResponse) -> dict:
         return self._object("chat.completion.chunk" if self.chat else "text_completion", [], usage(msg))
@@ -276,8 +295,7 @@ class Format:
             if self.tools is not None:
                 message, reason = self.tools.message(text, reason)
             return {"index": index, "message": message, "logprobs": lps, "finish_reason": reason}
-        entries: list[Entry] = [(lp.token_id, lp.logprob, list(zip(lp.top_ids, lp.top_logprobs, strict=True)))
-                                for m in mine for lp in m.logprobs]
+        entries = [e for m in mine for e in _entries(m.logprobs)]
         text, entries = self._echoed(text, entries)
         lps = self._logprobs(entries, index) if self.logprobs is not None else None
         return {"index": index, "text": text, "logprobs": lps, "finish_reason": reason}
@@ -309,6 +327,22 @@ class Format:
 
     def _decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids) if self.tokenizer else ""
+
+
+_JSON = json.JSONEncoder(separators=(",", ":"))  # json.dumps with options builds an encoder per call
+_ENCODE_STR: Any = json.encoder.encode_basestring_ascii  # a str as the encoder writes it (ensure_ascii)
+
+
+def sse(obj: dict) -> str:
+    """A server-sent event carrying `obj` as compact JSON."""
+    return f"data: {_JSON.encode(obj)}\n\n"
+
+
+def _entries(lps: Any) -> list[Entry]:
+    """A message's logprobs as (token id, logprob, [(top id, top logprob)]); tokens without top-N
+    alternatives (`logprobs=0`) skip the pairing."""
+    return [(lp.token_id, lp.logprob, list(zip(lp.top_ids, lp.top_logprobs, strict=True)) if lp.top_ids else [])
+            for lp in lps]
 
 
 def usage(msg: pb.GenerateResponse) -> dict:

@@ -119,7 +119,8 @@ class RequestState:
     prep: Prepared
     tokenizer: Any
     out: Outbox = field(default_factory=Outbox)
-    events: asyncio.Queue[OutputItem] = field(default_factory=asyncio.Queue)
+    # the decode node's items; `lose` queues the placement's `lost` behind them (router/stream.py)
+    events: asyncio.Queue[OutputItem | asyncio.Future[str]] = field(default_factory=asyncio.Queue)
     task: asyncio.Task[None] | None = None
     interrupt_reason: Interrupt | None = None
     # placement (written by the lifecycle only)
@@ -163,7 +164,8 @@ class RequestState:
 
     @property
     def num_tokens(self) -> int:
-        return sum(len(c.tokens) for c in self.choices)
+        ch = self.choices
+        return len(ch[0].tokens) if len(ch) == 1 else sum(len(c.tokens) for c in ch)
 
     @property
     def done(self) -> bool:
@@ -179,9 +181,11 @@ class RequestState:
         return True
 
     def lose(self, reason: str) -> None:
-        """The decode node of this placement failed: wake the lifecycle to move the request."""
+        """The decode node of this placement failed: wake the lifecycle to move the request (a
+        wait through `unless_lost`, and the stream's reader once it has read every item before)."""
         if self.lost is not None and not self.lost.done():
             self.lost.set_result(reason)
+            self.events.put_nowait(self.lost)
 
     # ---- what a (re)placement sends -----------------------------------------------------
     def resume_prompt(self) -> list[int]:
@@ -237,9 +241,7 @@ class RequestState:
         msg.token_ids.extend(tokens)
         msg.text += text
         if logprobs is not None:
-            for i, tok in enumerate(tokens):
-                msg.logprobs.add(token_id=tok, logprob=logprobs.logprob[i], rank=logprobs.rank[i],
-                                 top_ids=logprobs.top_ids[i], top_logprobs=logprobs.top_logprobs[i])
+            _add_logprobs(msg, tokens, logprobs)
         if msg is not tail:
             self._emit(msg, open_=True)
         return ch.text.stopped or len(ch.tokens) >= self.prep.max_tokens
@@ -295,6 +297,20 @@ class RequestState:
             msg.prompt_logprobs.extend(self.prompt_logprobs)
             self._first_sent = True
         self.out.put(msg, open_=open_ and not first)
+
+
+def _add_logprobs(msg: pb.GenerateResponse, tokens: list[int], logprobs: TokenLogprobs) -> None:
+    """One TokenLogprob per token of `tokens` (the first len(tokens) of `logprobs`' rows). Without
+    top-N alternatives (`logprobs=0`, what most streams ask) the empty repeated fields are not
+    passed: protobuf's keyword path costs per field, even an empty one."""
+    add = msg.logprobs.add
+    if not any(logprobs.top_ids):
+        for tok, lp, rank in zip(tokens, logprobs.logprob, logprobs.rank, strict=False):
+            add(token_id=tok, logprob=lp, rank=rank)
+        return
+    for i, tok in enumerate(tokens):
+        add(token_id=tok, logprob=logprobs.logprob[i], rank=logprobs.rank[i], top_ids=logprobs.top_ids[i],
+            top_logprobs=logprobs.top_logprobs[i])
 
 
 def _add_until_stop(text: TextStream, tokens: list[int]) -> tuple[list[int], str]:

@@ -10,10 +10,12 @@ before is read first: those tokens count and are not computed again). Never plac
 
 from __future__ import annotations
 
+import asyncio
+
 from protos.messages import FirstToken, OutputItem, TokenLogprobs
 from router.holds import Holds
 from router.metrics import RouterMetrics
-from router.migration import AttemptLost, unless_lost
+from router.migration import AttemptLost
 from router.request import RequestError, RequestState
 
 
@@ -82,10 +84,15 @@ class Stream:
 
     async def _next_item(self, st: RequestState) -> OutputItem:
         """The next output item from the decode node; AttemptLost once it failed and every item it
-        sent before is read (those tokens count: they are not computed again)."""
-        if not st.events.empty():
-            return st.events.get_nowait()
-        return await unless_lost(st, st.events.get())
+        sent before is read (those tokens count: they are not computed again). The loss comes as
+        the placement's `lost` future in the same queue (`RequestState.lose`), so a wait is one
+        queue get, not a task raced against the loss; an older placement's is passed over."""
+        while True:
+            item = st.events.get_nowait() if not st.events.empty() else await st.events.get()
+            if not isinstance(item, asyncio.Future):
+                return item
+            if item is st.lost:
+                raise AttemptLost(item.result())
 
     def _add_tokens(self, st: RequestState, tokens: list[int], logprobs: TokenLogprobs | None,
                     index: int = 0) -> bool:

