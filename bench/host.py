@@ -24,13 +24,11 @@ import argparse
 import asyncio
 import json
 import multiprocessing as mp
-import shutil
-import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 from typing import Any
+
+from bench import py_spy
 
 START_TIMEOUT_S = 120.0
 
@@ -72,13 +70,11 @@ def run(args: argparse.Namespace) -> int:
         ports = router.start(_router_main, options, "router")
         for i in range(1, args.routers):  # the same ports (SO_REUSEPORT): clients' connections spread
             router.start(_router_main, {**options, "ports": ports}, f"router{i}")
-        spies = [_py_spy(out, pid) for out, pid in ((args.py_spy, router.pids["router"]),
-                                                    (args.node_py_spy, nodes.pids["node0"])) if out]
+        spies = [py_spy.record(pid, out, idle=False) for out, pid in ((args.py_spy, router.pids["router"]),
+                                                                      (args.node_py_spy, nodes.pids["node0"])) if out]
         report = asyncio.run(_runs(args, ports, {**nodes.pids, **router.pids}, nodes))
     finally:
-        for spy in spies:
-            spy.send_signal(signal.SIGINT)  # py-spy writes its file on SIGINT
-            spy.wait(timeout=60)
+        py_spy.stop(spies)
         router.stop()
         stats = nodes.stop()
     report["node_messages"] = sum(s.get("steps", 0) for s in stats)
@@ -89,12 +85,6 @@ def run(args: argparse.Namespace) -> int:
         Path(args.json).write_text(text + "\n")
     print(_table(report))
     return 0
-
-
-def _py_spy(out: str, pid: int) -> subprocess.Popen:
-    exe = shutil.which("py-spy") or str(Path(sys.executable).with_name("py-spy"))
-    return subprocess.Popen([exe, "record", "--pid", str(pid), "--rate", "200", "--format", "raw", "--output", out,
-                             "--nonblocking"], stdout=subprocess.DEVNULL)
 
 
 def _start_nodes(args: argparse.Namespace, nodes: _Procs) -> list[str]:

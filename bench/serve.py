@@ -21,7 +21,8 @@ At saturation one client process is the limit before the service is: `--client-p
 spreads the load over N processes (bench/serve_clients.py). Each run also reports, in `cpu`, the
 CPU seconds of the router's process (with `--launch`, or `--router-pid`), of every node process
 (`--launch`) and of the client processes over the run: each one's share of a core and its
-microseconds per output token and per chunk (an SSE event, or a gRPC stream message).
+microseconds per output token and per chunk (an SSE event, or a gRPC stream message); with
+`--py-spy-dir` each service process is sampled by py-spy over each run too (bench/py_spy.py).
 
 Definitions: ITL samples are per token (a message of n tokens after a gap g counts g/n n
 times, as the router's /metrics does); a request is "good" when its TTFT and its mean ITL
@@ -109,6 +110,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-concurrency", type=int, default=None, help="at most this many requests in flight")
     p.add_argument("--client-processes", type=int, default=1, metavar="N",
                    help="send from N processes (one client process saturates before a fast service does)")
+    p.add_argument("--py-spy-dir", default=None, metavar="DIR",
+                   help="sample every service process (--launch, or --router-pid) with py-spy over each rate's "
+                        "run: collapsed stacks, every thread, DIR/rate<R>_<process>.txt")
     p.add_argument("--router-pid", type=int, default=None, metavar="PID",
                    help="report this process's CPU time per run as the router's (--launch: found itself)")
     p.add_argument("--slo-ttft-ms", type=float, default=1000.0, help="time to first token SLO")

@@ -20,8 +20,10 @@ import multiprocessing as mp
 import os
 import time
 from dataclasses import asdict
+from pathlib import Path
 from typing import Any
 
+from bench import py_spy
 from bench.serve_load import Item, Result, counts, load
 
 START_TIMEOUT_S = 120.0
@@ -39,14 +41,23 @@ def proc_cpu_s(pid: int) -> tuple[float, float] | None:
 
 
 class CpuWatch:
-    """CPU seconds of each named process between `start()` and `stop()`."""
+    """CPU seconds of each named process between `start()` and `stop()`; with `spy` (a directory and
+    a run's label) each service process is sampled by py-spy over that time too, into
+    DIR/LABEL_NAME.txt (bench/py_spy.py; the clients are not)."""
 
-    def __init__(self, pids: dict[str, int]) -> None:
+    def __init__(self, pids: dict[str, int], spy: tuple[str, str] | None = None) -> None:
         self.pids = pids
+        self.spy = spy
+        self._spies: list = []
         self._start: dict[str, tuple[float, float] | None] = {}
         self._t0 = 0.0
 
     def start(self) -> None:
+        if self.spy is not None:
+            folder, label = Path(self.spy[0]), self.spy[1]
+            folder.mkdir(parents=True, exist_ok=True)
+            self._spies = [py_spy.record(pid, folder / f"{label}_{name}.txt") for name, pid in self.pids.items()
+                           if not name.startswith("client")]
         self._start = {name: proc_cpu_s(pid) for name, pid in self.pids.items()}
         self._t0 = time.perf_counter()
 
@@ -54,6 +65,7 @@ class CpuWatch:
         """Per process: cpu_s (user + system; sys_s of it in the kernel: socket writes...), share (of
         one core over the run), us_per_token, us_per_chunk."""
         wall = max(time.perf_counter() - self._t0, 1e-9)
+        py_spy.stop(self._spies)
         out = {}
         for name, pid in self.pids.items():
             before, after = self._start.get(name), proc_cpu_s(pid)
@@ -103,7 +115,8 @@ async def measured_load(args: argparse.Namespace, items: list[Item], rate: float
                         bar: Any) -> tuple[list[Result], float, dict]:
     """One rate's results, its wall time, and the CPU time of the service's (`args.service_pids`)
     and the clients' processes over that time."""
-    watch = CpuWatch(dict(getattr(args, "service_pids", None) or {}))
+    spy_dir = getattr(args, "py_spy_dir", None)
+    watch = CpuWatch(dict(getattr(args, "service_pids", None) or {}), (spy_dir, f"rate{rate:g}") if spy_dir else None)
     if args.client_processes > 1:
         return await load_processes(args, items, rate, bar, watch)
     watch.pids["client0"] = os.getpid()

@@ -7,10 +7,12 @@ from __future__ import annotations
 
 import hashlib
 import io
+import json
 import os
 import re
 import shutil
 import subprocess
+import sys
 import tarfile
 from pathlib import Path
 
@@ -104,3 +106,21 @@ def test_a_damaged_part_is_caught_by_the_checksum(tmp_path):
     out = _take(work, bundle_dir, {0: damaged}, "base")
     assert "rc=1" in out.stdout and "bundle: base's checksum differs" in out.stderr, out
     assert not (bundle_dir / "installed.base").exists()
+
+
+def test_the_ttft_table_lists_each_runs_parts(tmp_path):
+    """bench/gpu/table.py ttft: a row per rate, the router's parts in request order, '-' where a
+    router did not report them."""
+    server = {"router_ttft_mean_ms": 13.22, "ttft_parse_mean_ms": 0.758, "ttft_write_mean_ms": 1.152,
+              "prefill_ms_per_request": 5.48, "kv_transfer_ms_per_request": 0.0}
+    runs = [{"request_rate": 8.0, "ttft": {"p50_ms": 14.7}, "server": server},
+            {"request_rate": 1.0, "ttft": {"p50_ms": 17.24}}]
+    (tmp_path / "service_colocated_ipc.json").write_text(json.dumps({"runs": runs}))
+    out = subprocess.run([sys.executable, "bench/gpu/table.py", "ttft", str(tmp_path / "service_colocated_ipc.json")],
+                         capture_output=True, text=True, check=True, cwd=ROOT).stdout.splitlines()
+    head = [c.strip() for c in out[0].split("|")]
+    assert head[:5] == ["run", "rate", "client p50", "router mean", "parse"] and head[-2:] == ["prefill on node", "KV"]
+    first = dict(zip(head, (c.strip() for c in out[1].split("|")), strict=True))
+    assert first["rate"] == "8.0" and first["parse"] == "0.758" and first["write"] == "1.152"
+    assert first["reserve"] == "-" and first["prefill on node"] == "5.480"
+    assert all(c.strip() == "-" for c in out[2].split("|")[3:])
