@@ -33,11 +33,14 @@ async def generate_all(address, prompts, **options):
 
 # Each layout and each k, not every pair: what k changes lives in the nodes, what the layout
 # changes (placement over several nodes) in the router, and neither looks at the other; several
-# nodes at k = 0 serve greedy requests in test_layouts.py (1P3D) and test_faults.py (1P2D).
-@pytest.fixture(scope="module", params=[(1, 1, 0), (1, 1, 3), (2, 2, 3)], ids=["k0-1P1D", "k3-1P1D", "k3-2P2D"])
+# nodes at k = 0 serve greedy requests in test_layouts.py (1P3D) and test_faults.py (2P2D). The
+# 2P2D service moves its KV over ipc (the prefill nodes write straight into the decode nodes' mapped
+# caches), the others over ucx, as test_layouts.py's 1P3D and test_faults.py's services do.
+@pytest.fixture(scope="module", params=[(1, 1, 0, "ucx"), (1, 1, 3, "ucx"), (2, 2, 3, "ipc")],
+                ids=["k0-1P1D", "k3-1P1D", "k3-2P2D-ipc"])
 def service(request):
-    prefill, decode, k = request.param
-    svc, address = start_service(prefill, decode, k)
+    prefill, decode, k, kv = request.param
+    svc, address = start_service(prefill, decode, k, **{"kv_transfer.backend": kv})
     yield svc, address, k
     svc.stop()
 
@@ -50,6 +53,29 @@ def test_i1_greedy_through_service_equals_single_process(service, tiny_reference
     assert [r["token_ids"] for r in results] == [r.output_ids for r in ref]
     assert all(r["finish_reason"] == "length" for r in results)
     wait_blocks_returned(svc)
+
+
+def test_load_reaches_every_node(service, tiny_reference):
+    """Every node of the layout takes work (every prefill node prefills, every decode node receives
+    KV; counted from before the requests: the service is the module's), and the tokens equal the
+    engine alone's."""
+    svc, address, k = service
+    rng = random.Random(0)
+    prompts = [[rng.randrange(256) for _ in range(rng.choice([5, 17, 40]))] for _ in range(12)]
+    before = svc.node_info()
+    results = run_async(generate_all(address, prompts, max_tokens=6, ignore_eos=True))
+    ref = tiny_reference(prompts, SamplingParams(max_tokens=6, ignore_eos=True))
+    assert [r["token_ids"] for r in results] == [r.output_ids for r in ref]
+    assert {r["finish_reason"] for r in results} == {"length"}
+    wait_blocks_returned(svc)
+    info = svc.node_info()
+    assert sorted(info) == sorted(before)
+    received = {key: i["kv_bytes"] - before[key]["kv_bytes"] for key, i in info.items() if key[0] == "decode"}
+    assert all(b > 0 for b in received.values()), received  # every decode node took requests
+    prefilled = {key: i["prefill_tokens"] - before[key]["prefill_tokens"] for key, i in info.items()
+                 if key[0] == "prefill"}
+    assert all(t > 0 for t in prefilled.values()), prefilled
+    assert sum(prefilled.values()) == sum(len(p) for p in prompts)
 
 
 def test_i2_logprobs_and_seeded_sampling_equal_single_process(service, tiny_reference):
