@@ -130,7 +130,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from deploy.cli_service import service_config, shutdown, start_service
-    from engine.model.loader import load_model_info
+    from engine.model.info import load_model_info
 
     for key, value in DEFAULTS.items():
         if getattr(args, key, None) is None:

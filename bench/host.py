@@ -119,7 +119,7 @@ async def _runs(args: argparse.Namespace, ports: dict, pids: dict[str, int], nod
 
 
 def vocab_of(model: str) -> dict[str, int]:
-    from engine.model.loader import load_model_info
+    from engine.model.info import load_model_info
 
     return {"vocab": load_model_info(model).config.vocab_size}
 
@@ -236,7 +236,7 @@ def _router_main(options: dict, conn: Any) -> None:
 
 async def _serve_router(options: dict, conn: Any) -> None:
     from deploy.config import RouterConfig
-    from engine.model.loader import load_model_info
+    from engine.model.info import load_model_info
     from router import NodeDirectory, Router
     from router.router import freeze_heap
 

@@ -69,7 +69,7 @@ def run(args: argparse.Namespace) -> int:
 def run_arm(args: argparse.Namespace, arm: str) -> tuple[dict[str, Any], list[list[int]]]:
     """Start a fresh service for `arm`, warm it, run the chat, read the nodes' counters, stop it."""
     from deploy.cli_service import service_config, start_service
-    from engine.model.loader import load_model_info
+    from engine.model.info import load_model_info
 
     sets = ARMS[arm] + (["decode.prefix_cache=true"] if arm == "prefix" and args.decode_prefix_cache else [])
     cfg = service_config(argparse.Namespace(**{**vars(args), "set": (args.set or []) + sets}), local=True)

@@ -34,7 +34,7 @@ class RouterActor:
         (defaults: the config's; -1: the config's HTTP port, None: no HTTP). Never leaves a
         half-started router behind: a failed start stops what it started and raises."""
         from deploy.actors import node_tls
-        from engine.model.loader import load_model_info
+        from engine.model.info import load_model_info
         from router.router import Router, freeze_heap
 
         async with self._starting:

@@ -23,7 +23,7 @@ class Lifecycle(Protocol):
     to `build_app` and `grpc_door.serve`)."""
 
     config: RouterConfig
-    model: Any  # engine.model.loader.ModelInfo: name, tokenizer
+    model: Any  # engine.model.info.ModelInfo: name, tokenizer
     limits: Limits
     metrics: RouterMetrics
     max_model_len: int

@@ -67,7 +67,7 @@ class Router:
                  max_model_len: int | None = None, num_speculative_tokens: int | None = None,
                  policy: Policy | None = None, cluster_secret: str | None = None, node_tls: NodeTls | None = None,
                  block_size: int = 16) -> None:
-        """`model`: engine.model.loader.ModelInfo (name, config, tokenizer, eos_token_ids).
+        """`model`: engine.model.info.ModelInfo (name, config, tokenizer, eos_token_ids).
         `max_model_len`: the context the nodes serve (default min(model positions, 4096)).
         `num_speculative_tokens`: for ListModels (default: what decode nodes report).
         `cluster_secret`: sent on every call to a node (nodes refuse calls without it).

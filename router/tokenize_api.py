@@ -34,7 +34,7 @@ IN_THREAD_CHARS = 8192
 class Served(Protocol):
     """What these routes read of the router (router/http.py's `Lifecycle` has it)."""
 
-    model: Any  # engine.model.loader.ModelInfo: name, tokenizer, config.vocab_size
+    model: Any  # engine.model.info.ModelInfo: name, tokenizer, config.vocab_size
     limits: Limits
     max_model_len: int
 

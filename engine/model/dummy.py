@@ -13,12 +13,13 @@ weights are (engine/model/tiny.py `scale_random_`) so that logits are spread and
 
 from __future__ import annotations
 
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from engine.model.config import ArchConfig
 from engine.model.tiny import scale_random_
+
+if TYPE_CHECKING:  # torch is imported where weights are drawn: a router reads the shapes without it
+    import torch
 
 DUMMY_SEED = 0
 _BYTES = 256
@@ -66,13 +67,15 @@ def dummy_config(name: str, **overrides: Any) -> ArchConfig:
     return ArchConfig.from_hf_dict({**shape, **overrides})
 
 
-@torch.no_grad()
 def fill_random_(model: torch.nn.Module, seed: int = DUMMY_SEED) -> None:
     """Every parameter drawn in place on its device and in its dtype from one generator seeded
     with `seed`, then scaled by engine/model/tiny.py `scale_random_`. A tied weight is drawn once."""
+    import torch
+
     g = torch.Generator(next(model.parameters()).device).manual_seed(seed)
-    for name, p in model.named_parameters():
-        scale_random_(name, p.normal_(generator=g))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            scale_random_(name, p.normal_(generator=g))
 
 
 class DummyTokenizer:

@@ -27,11 +27,13 @@ from safetensors.torch import load_file
 from engine.model.config import ArchConfig
 from engine.model.dummy import (
     DUMMY_SEED,
-    DUMMY_SHAPES,
-    DummyTokenizer,
-    dummy_config,
-    dummy_names,
     fill_random_,
+)
+from engine.model.info import (
+    ModelInfo,
+    check_load_format,
+    load_model_info,
+    served_name,
 )
 from engine.model.llama import CausalLM, RotaryEmbedding, load_weights, split_mtp_tensors
 from engine.model.tiny import TINY_SEED, ByteTokenizer, random_tensors, tiny_config
@@ -41,7 +43,6 @@ DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfl
 MTP_INIT_SEED = 4321
 FEATURE_LAYERS_KEY = "pdserve.mtp_feature_layers"  # safetensors metadata of a head that reads them
 POSITION_SLACK = 64  # rotary cache room past max positions for the MTP chain
-LOAD_FORMATS = ("auto", "dummy")  # vLLM's names: weights from the checkpoint, or random ones
 
 
 @dataclass
@@ -127,7 +128,8 @@ def _materialize(model: CausalLM, device: str, dtype: torch.dtype) -> CausalLM:
 
 def load_model(name: str, device: str = "cpu", dtype: str | None = None, mtp_path: str | None = None,
                load_format: str = "auto") -> LoadedModel:
-    from engine.model.weights import load_checkpoint, resolve_model
+    from engine.model.paths import resolve_model
+    from engine.model.weights import load_checkpoint
 
     torch_dtype = resolve_dtype(dtype, device)
     if check_load_format(load_format) == "dummy":
@@ -161,12 +163,6 @@ def load_model(name: str, device: str = "cpu", dtype: str | None = None, mtp_pat
     eos = ckpt.tokenizer.eos_token_ids if ckpt.tokenizer is not None else config.eos_token_ids
     return LoadedModel(served_name(name), model, ckpt.tokenizer, tuple(eos), trained,
                        vocab_rank_path(served_name(name), mtp_path))
-
-
-def check_load_format(load_format: str) -> str:
-    if load_format not in LOAD_FORMATS:
-        raise ValueError(f"unknown load format {load_format!r}; known: {', '.join(LOAD_FORMATS)}")
-    return load_format
 
 
 def load_dummy(name: str, device: str, dtype: torch.dtype, mtp_path: str | None = None,
@@ -265,52 +261,3 @@ def mtp_path_default(name: str) -> str | None:
     return str(p) if p.exists() else None
 
 
-@dataclass
-class ModelInfo:
-    """What a router needs of a model: its config and tokenizer, no weights."""
-
-    name: str
-    config: ArchConfig
-    tokenizer: Any
-    eos_token_ids: tuple[int, ...]
-
-
-def load_model_info(name: str, load_format: str = "auto") -> ModelInfo:
-    from engine.model import gguf_loader
-    from engine.model.tokenizer import Tokenizer
-    from engine.model.weights import resolve_model
-
-    if check_load_format(load_format) == "dummy":
-        return dummy_info(name)
-    path = resolve_model(name)
-    if path == "tiny":
-        cfg = tiny_config()
-        return ModelInfo("tiny", cfg, ByteTokenizer(), cfg.eos_token_ids)
-    p = Path(path)
-    if p.suffix == ".gguf":
-        reader = gguf_loader.open_gguf(path)
-        tok = Tokenizer.from_gguf_metadata(reader)
-        return ModelInfo(served_name(name), gguf_loader.arch_config_from_gguf(reader), tok, tuple(tok.eos_token_ids))
-    cfg = ArchConfig.from_json_file(p / "config.json")
-    hf_tok = Tokenizer.from_hf_dir(p) if (p / "tokenizer.json").is_file() else None
-    eos = tuple(hf_tok.eos_token_ids) if hf_tok is not None else cfg.eos_token_ids
-    return ModelInfo(served_name(name), cfg, hf_tok, eos)
-
-
-def dummy_info(name: str) -> ModelInfo:
-    """A dummy model's config and tokenizer: a named shape's (engine/model/dummy.py) with the stand-in
-    tokenizer, else the real model's (no weights read). No EOS id: requests run to max_tokens."""
-    if name in DUMMY_SHAPES:
-        config = dummy_config(name)
-        return ModelInfo(name, config, DummyTokenizer(config.vocab_size), ())
-    try:
-        info = load_model_info(name)
-    except ValueError as e:
-        raise ValueError(f"{e}; with load format 'dummy', or a named shape: {dummy_names()}") from None
-    tokenizer = info.tokenizer if info.tokenizer is not None else DummyTokenizer(info.config.vocab_size)
-    return ModelInfo(info.name, replace(info.config, eos_token_ids=()), tokenizer, ())
-
-
-def served_name(name: str) -> str:
-    """The name clients use for a model: the alias itself, or the file/dir name of a path."""
-    return name if name in ("smollm2", "tiny", *DUMMY_SHAPES) else Path(name).name.removesuffix(".gguf")

@@ -6,9 +6,12 @@ so logits are spread (greedy has clear winners), not the near-uniform logits of 
 
 from __future__ import annotations
 
-import torch
+from typing import TYPE_CHECKING
 
 from engine.model.config import ArchConfig
+
+if TYPE_CHECKING:  # torch is imported where weights are made: a router reads tiny's config without it
+    import torch
 
 TINY_SEED = 1234
 BYTE_VOCAB = 256
@@ -36,6 +39,8 @@ def tiny_config() -> ArchConfig:
 
 def random_tensors(model: torch.nn.Module, seed: int) -> dict[str, torch.Tensor]:
     """Seeded random weights for every parameter of `model`, by name (HF + `mtp.*` names)."""
+    import torch
+
     g = torch.Generator().manual_seed(seed)
     return {name: scale_random_(name, torch.randn(p.shape, generator=g))
             for name, p in model.named_parameters(remove_duplicate=False)}

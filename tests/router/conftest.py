@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import pytest
 
 from deploy.config import RouterConfig
-from engine.model.loader import load_model_info
+from engine.model.info import load_model_info
 from router import NodeDirectory, Router
 from router.client import RouterClient
 from tests.router.fake_nodes import FakeDecode, FakePrefill

