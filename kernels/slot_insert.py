@@ -19,6 +19,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels._dispatch import use_triton
+
 SCALARS = ("seq_lens", "num_generated", "max_tokens", "top_k", "seed", "last_token")  # columns 1..6
 FLOAT_COLUMNS = 7  # temperature, then top_p: fp32 bits
 LISTS = 9  # the first column of the stop ids
@@ -50,17 +52,21 @@ def _insert_kernel(rows, seq_lens, num_generated, max_tokens, top_k, seed, last_
 
 def insert_rows(rows: torch.Tensor, state) -> None:
     """Write the packed `rows` [n, F] (on the state's device) into `state`'s per-slot tensors (the
-    fields the module docstring lists, by name); stream-ordered, never syncs."""
+    fields the module docstring lists, by name); stream-ordered, never syncs. Off the GPU (and under
+    `reference_kernels`) the torch reference does it."""
     n, f = rows.shape
     stops, width = state.stop_ids.shape[1], state.block_tables.shape[1]
     k = state.drafts.shape[1]
     if f != LISTS + stops + k + width:
         raise ValueError(f"rows of {f} columns for {stops} stop ids, {k} drafts and {width} blocks")
+    if not use_triton(rows):
+        insert_rows_reference(rows, state)
+        return
     if n == 0:
         return
     _insert_kernel[(n,)](rows, *(getattr(state, name) for name in SCALARS), state.temperature, state.top_p,
                          state.stop_ids, state.drafts, state.block_tables, state.done, f, stops, k, width,
-                         SB=triton.next_power_of_2(stops), KB=max(1, triton.next_power_of_2(max(k, 1))),
+                         SB=triton.next_power_of_2(stops), KB=triton.next_power_of_2(max(k, 1)),
                          WB=min(1024, triton.next_power_of_2(width)))
 
 

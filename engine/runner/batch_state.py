@@ -20,8 +20,7 @@ import torch
 from engine.model.attention import TRASH_BLOCK
 from engine.runner.staging import PinnedStaging
 from engine.sampling.penalties import PenaltyInit, PenaltyState
-from kernels._dispatch import use_triton
-from kernels.slot_insert import insert_rows, insert_rows_reference
+from kernels.slot_insert import insert_rows
 from kernels.step_meta import StepState
 
 MAX_STOP_IDS = 8
@@ -140,10 +139,7 @@ class BatchState:
     def _scatter(self, rows: torch.Tensor) -> None:
         """The packed rows [n, F] (device) into the state tensors: one launch on a GPU, where a
         scatter per tensor would cost its dispatch on every step that inserts."""
-        if use_triton(rows):
-            insert_rows(rows, self)
-        else:
-            insert_rows_reference(rows, self)
+        insert_rows(rows, self)
 
     def ensure_draft_probs(self) -> None:
         if self.draft_probs is None and self.k:
