@@ -83,6 +83,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--structured-regex", default=None, metavar="REGEX",
                    help="hold every request to this regex (structured output; needs the model's tokenizer): "
                         "the grammar masks' cost per step, e.g. '[a-z ]{2000}'")
+    p.add_argument("--structured-tools", type=int, default=0, metavar="N",
+                   help='hold every request to tool_choice "required" over the first N functions of '
+                        "bench/structured_schemas.json, parallel calls allowed (the tools grammar's cost per step)")
 
 
 def add_model_arguments(p: argparse.ArgumentParser) -> None:
@@ -147,7 +150,7 @@ def _engine(loaded: LoadedModel, k: int, args: argparse.Namespace,
                                             max_num_batched_tokens=args.batch * args.prompt_len,
                                             max_model_len=max_len, enforce_eager=args.enforce_eager,
                                             deterministic=args.deterministic), tp=tp)
-    if getattr(args, "structured_regex", None):  # the whole run once: its graphs (captured on first use) and grammar
+    if _structured(args) is not None:  # the whole run once: its graphs (captured on first use) and grammar
         engine.generate(prompts, _params(args))
     else:
         engine.generate(prompts[:1], SamplingParams(max_tokens=4, ignore_eos=True))  # warm-up
@@ -180,6 +183,7 @@ def time_engine(loaded: LoadedModel, k: int, args: argparse.Namespace, tp: TPGro
            "spec_tokens": k, "tp": tp.size if tp is not None else 1, "all_reduce": _all_reduce(loaded, tp),
            "draft_vocab": (args.draft_vocab or None) if k else None, "batch": args.batch,
            "structured_regex": getattr(args, "structured_regex", None),
+           "structured_tools": getattr(args, "structured_tools", 0) or None,
            "max_model_len": engine.max_model_len,
            "decode_tokens": tokens, "decode_steps": steps, "seconds": round(elapsed, 4),
            "tokens_per_s": round(tokens / elapsed, 1), "ms_per_step": round(1000 * elapsed / max(steps, 1), 3),
@@ -211,12 +215,23 @@ def _stamps(engine: LLMEngine) -> StepStamps | None:
 
 
 def _params(args: argparse.Namespace) -> SamplingParams:
-    """Greedy, `--max-tokens` each; held to `--structured-regex` when given (EOS then ends a
-    request only where the regex allows it, so pick one longer than the answers)."""
-    regex = getattr(args, "structured_regex", None)
-    if regex is None:
+    """Greedy, `--max-tokens` each; held to `--structured-regex` or `--structured-tools` when
+    given (EOS then ends a request only where the grammar allows it)."""
+    spec = _structured(args)
+    if spec is None:
         return SamplingParams(max_tokens=args.max_tokens, ignore_eos=True)
-    return SamplingParams(max_tokens=args.max_tokens, structured=StructuredSpec("regex", regex))
+    return SamplingParams(max_tokens=args.max_tokens, structured=spec)
+
+
+def _structured(args: argparse.Namespace) -> StructuredSpec | None:
+    regex, tools = getattr(args, "structured_regex", None), getattr(args, "structured_tools", 0)
+    if regex is not None and tools:
+        raise ValueError("give --structured-regex or --structured-tools, not both")
+    if tools:  # the router's tool grammar (pydantic), imported only when asked
+        from bench.structured import tools_spec
+
+        return tools_spec(tools)
+    return StructuredSpec("regex", regex) if regex is not None else None
 
 
 def _all_reduce(loaded: LoadedModel, tp: TPGroup | None) -> str | None:

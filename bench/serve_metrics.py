@@ -31,7 +31,8 @@ _LINE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[^}]*\})?\s+([-+0-9.eEinfNa]+
 WANTED = ("pdserve:time_to_first_token_seconds_sum", "pdserve:time_to_first_token_seconds_count",
           "pdserve:prefill_seconds", "pdserve:prefill_tokens", "pdserve:kv_transfer_seconds_sum",
           "pdserve:kv_transfer_seconds_count", "pdserve:kv_transfer_seconds_bucket",
-          "pdserve:kv_blocks_used", *(f"pdserve:{name}_sum" for name in TTFT_PARTS.values()))
+          "pdserve:kv_blocks_used", "pdserve:cold_shape_steps",
+          *(f"pdserve:{name}_{end}" for name in TTFT_PARTS.values() for end in ("sum", "bucket")))
 _LE = re.compile(r'le="([^"]*)"')
 SETTLE_S = 10.0  # how long after a run the nodes' used KV blocks may take to come back (status polls)
 
@@ -97,6 +98,11 @@ def breakdown(before: dict[str, float], after: dict[str, float], completed: int)
         parts = {part: 1000 * delta(f"pdserve:{name}_sum") / n for part, name in TTFT_PARTS.items()}
         if any(parts.values()):  # a router that measures them
             out.update({f"ttft_{part}_mean_ms": round(ms, 3) for part, ms in parts.items()})
+            tails = {part: _buckets(before, after, name) for part, name in TTFT_PARTS.items()}
+            out.update({f"ttft_{part}_p99_ms": round(1000 * histogram_quantile(0.99, b), 3)
+                        for part, b in tails.items() if b})
+    if "pdserve:cold_shape_steps" in after:  # steps whose shape had no graph yet (they ran eagerly)
+        out["cold_shape_steps"] = delta("pdserve:cold_shape_steps")
     out["prefill_ms_per_request"] = round(1000 * delta("pdserve:prefill_seconds") / completed, 2)
     out["kv_transfer_ms_per_request"] = round(1000 * delta("pdserve:kv_transfer_seconds_sum") / completed, 2)
     out.update(_kv_transfers(before, after))
@@ -108,12 +114,17 @@ def _kv_transfers(before: dict[str, float], after: dict[str, float]) -> dict[str
     n = after.get("pdserve:kv_transfer_seconds_count", 0.0) - before.get("pdserve:kv_transfer_seconds_count", 0.0)
     if n <= 0:
         return {}
-    prefix = "pdserve:kv_transfer_seconds_bucket|"
-    buckets = {float(k[len(prefix):]): v - before.get(k, 0.0) for k, v in after.items() if k.startswith(prefix)}
+    buckets = _buckets(before, after, "kv_transfer_seconds")
     total = after["pdserve:kv_transfer_seconds_sum"] - before.get("pdserve:kv_transfer_seconds_sum", 0.0)
     return {"kv_transfers": n, "kv_transfer_mean_ms": round(1000 * total / n, 3),
             **{f"kv_transfer_p{round(100 * q)}_ms": round(1000 * histogram_quantile(q, buckets), 3)
                for q in (0.5, 0.99)}}
+
+
+def _buckets(before: dict[str, float], after: dict[str, float], name: str) -> dict[float, float]:
+    """The histogram `pdserve:NAME`'s buckets over the run: {upper bound: cumulative count}."""
+    prefix = f"pdserve:{name}_bucket|"
+    return {float(k[len(prefix):]): v - before.get(k, 0.0) for k, v in after.items() if k.startswith(prefix)}
 
 
 NODE_VIEW = ("pdserve:prefill_tokens", "pdserve:kv_transfer_seconds_count", "pdserve:kv_blocks_used")

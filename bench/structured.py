@@ -24,6 +24,7 @@ from typing import Any
 
 import settings
 from bench.extras import require
+from engine.grammar.structured import StructuredSpec
 
 SCHEMAS = Path(__file__).resolve().with_name("structured_schemas.json")
 
@@ -145,3 +146,18 @@ def print_table(report: dict) -> None:
         same = r.get("same_tokens_as_k0", r.get("same_text_as_http", ""))
         print(f"  {name:<22}{r['parsed_pct']:>9.1f}{r['valid_pct']:>9.1f}{r['mean_output_tokens']:>10.1f}"
               f"{'' if accept is None else f'{accept:.3f}':>8}  {same}")
+
+
+def tools_spec(n: int) -> StructuredSpec:
+    """The grammar of tool_choice "required" over the first `n` schemas as functions, parallel
+    calls allowed: what the router holds such a request to (router/tool_api.py)."""
+    from router.tool_api import Tool, ToolSettings, plan
+
+    items = json.loads(SCHEMAS.read_text())[:n]
+    if not 1 <= n <= len(items):
+        raise ValueError(f"--structured-tools takes 1 to {len(items)} functions, not {n}")
+    tools = [Tool.model_validate({"type": "function", "function": {"name": it["name"], "parameters": it["schema"]}})
+             for it in items]
+    tool_plan = plan(tools, "required", True, ToolSettings())
+    assert tool_plan is not None and tool_plan.spec is not None
+    return tool_plan.spec

@@ -9,6 +9,7 @@ Ray only places, watches and restarts the processes. Each actor restarts forever
 from __future__ import annotations
 
 import gc
+import logging
 import socket
 import time
 from typing import TYPE_CHECKING, Any
@@ -17,6 +18,8 @@ from deploy.config import ServiceConfig
 from deploy.procmem import process_age_s, process_memory
 
 EXIT_STEP_FAILED = 70  # a node process's exit status after its step loop failed (EX_SOFTWARE)
+# The packages whose INFO lines a node process writes (warm-up phases, slow idle captures, a failed step)
+NODE_LOGGERS = ("engine", "prefill_node", "decode_node", "kvtransfer", "deploy")
 
 if TYPE_CHECKING:
     from protos.tls import NodeTls
@@ -109,6 +112,7 @@ class NodeActor:
         """Load the model, build and start the node; its gRPC server unless a rank > 0 of a TP group.
         `startup` records how long each phase took (seconds; `pdserve up` prints the slowest node's)."""
         clock = _Phases()
+        node_logging()
         import torch
 
         from engine.model.loader import load_model
@@ -148,6 +152,8 @@ class NodeActor:
         freeze_node_heap()
         self.node.on_loop_error = end_process
         self.node.start()
+        logging.getLogger(__name__).info("%s %s built: %s", role, node_id,
+                                         ", ".join(f"{k} {v:.1f} s" for k, v in clock.phases.items()))
         if tp is None or tp.rank == 0:
             self.server, self.port = serve(self.node, node_id, host, secret=cfg.cluster.secret, tls=tls)
         clock.mark("serve")
@@ -179,11 +185,22 @@ class NodeActor:
         self.node.stop()
 
 
+def node_logging() -> None:
+    """A node process's own log lines at INFO on its stderr, which Ray keeps in the session's logs
+    (`worker-*.err`; `pdserve up` starts Ray with its logging configuration off). Once per process."""
+    handler = logging.StreamHandler()
+    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    for name in NODE_LOGGERS:
+        logger = logging.getLogger(name)
+        if not logger.handlers:
+            logger.addHandler(handler)
+            logger.setLevel(logging.INFO)
+
+
 def end_process(error: BaseException) -> None:
     """A node's step loop failed (a device error): the process ends at once, whatever its other
     threads hold, and Ray starts the actor again (`max_restarts=-1`) with a fresh device context;
     its connections close with it, so routers move its requests (deploy/service.py re-lists it)."""
-    import logging
     import os
 
     logging.getLogger(__name__).critical("node process ends after a failed step: %r", error)

@@ -20,7 +20,9 @@ Structured output (`SamplingParams.structured`, issue 28): the runner's grammar 
 from __future__ import annotations
 
 import itertools
+import logging
 import random
+import time
 from collections import deque
 from dataclasses import dataclass
 
@@ -50,6 +52,8 @@ from engine.tp.tensor_parallel import (
     full_config,
     max_kv_heads,
 )
+
+log = logging.getLogger(__name__)
 
 K_POLICIES = ("fixed", "adaptive")
 
@@ -123,9 +127,11 @@ def build_runner(loaded: LoadedModel, config: EngineConfig, decodes: bool = True
     runner.grammar = GrammarCompiler(loaded.tokenizer, runner.state.vocab, loaded.eos_token_ids)  # compiles on first use
     runner.shapes = shape_log(runner, config, max_model_len)
     if runner.graphs is not None:
+        start = time.perf_counter()
         runner.graphs.capture_greedy()
         if len(runner.step_ks) > 1 and single:  # TP ranks would time differently, then choose differently: K
             runner.step_costs = runner.graphs.step_costs()
+        log.info("greedy decode graphs: %d in %.1f s", len(runner.graphs.graphs), time.perf_counter() - start)
     return runner, blocks, max_model_len
 
 

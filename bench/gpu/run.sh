@@ -167,6 +167,11 @@ serve() {  # NAME MODE KV GPUS [bench serve flags]: one `bench serve --launch` o
   python3 -m deploy.cli bench serve --launch --protocol http --model smollm2 --spec-tokens 3 --device cuda $flags \
     --dataset builtin --num-prompts 64 --output-len 128 --request-rate 1,8,inf --slo-ttft-ms 50 --slo-itl-ms 20 \
     "$@" --json "$OUT/$name.json" > "$OUT/$name.log" 2>&1 || tail -n 20 "$OUT/$name.log"
+  node_logs > "$OUT/$name.nodes.log"
+}
+node_logs() {  # the node processes' own log lines (deploy/actors.py node_logging) from the last local Ray session
+  grep -hE " (INFO|WARNING|ERROR|CRITICAL) (engine|prefill_node|decode_node|kvtransfer|deploy)[.:]" \
+    "$(python3 -c 'import tempfile; print(tempfile.gettempdir())')"/ray/session_latest/logs/worker-*.err 2> /dev/null | sort
 }
 stage_service() {
   local modes=${1:-pd,colocated} kv=${2:-tcp} mode
@@ -176,6 +181,7 @@ stage_service() {
   if [[ $kv == ucx ]]; then device base service gguf ucx; else device base service gguf; fi
   for mode in ${modes//,/ }; do serve "service_${mode}_$kv" "$mode" "$kv" 1 "$@"; done
   table ttft "$OUT"/service_*.json
+  table ttft-p99 "$OUT"/service_*.json
   table serve "$OUT"/service_*.json
 }
 

@@ -6,6 +6,7 @@
     python bench/gpu/table.py kv FILE.jsonl           `python -m bench.kv --json` lines
     python bench/gpu/table.py serve REPORT.json...    `bench serve --json` reports, a row per rate
     python bench/gpu/table.py ttft REPORT.json...     the same reports' TTFT parts (router means, ms)
+    python bench/gpu/table.py ttft-p99 REPORT.json... the same parts' p99 (ms), beside the client's
 
 Each `bench engine` process prints its engine rows (one per k), then the weight-read floor, then
 (with --hf) Hugging Face generate; the floor and HF figures belong to the engine rows before them.
@@ -106,19 +107,34 @@ TTFT_PARTS = ("parse", "tokenize", "queue", "reserve", "prefill_queue", "prefill
 
 
 def ttft(*paths: str) -> list[list[str]]:
-    """Each run's TTFT by its parts: the router's means (router/ttft.py) beside the client's p50."""
-    rows = [["run", "rate", "client p50", "router mean", *TTFT_PARTS, "prefill on node", "KV"]]
+    """Each run's TTFT by its parts: the router's means (router/ttft.py) beside the client's p50,
+    and the steps that met a shape with no graph yet (cold)."""
+    rows = [["run", "rate", "client p50", "router mean", *TTFT_PARTS, "prefill on node", "KV", "cold"]]
     for path in paths:
         for r in json.loads(Path(path).read_text())["runs"]:
             s = r.get("server", {})
             rows.append([Path(path).stem, str(r["request_rate"]), _fmt(r["ttft"]["p50_ms"]),
                          _fmt(s.get("router_ttft_mean_ms")),
                          *(_fmt(s.get(f"ttft_{part}_mean_ms"), 3) for part in TTFT_PARTS),
-                         _fmt(s.get("prefill_ms_per_request")), _fmt(s.get("kv_transfer_ms_per_request"))])
+                         _fmt(s.get("prefill_ms_per_request")), _fmt(s.get("kv_transfer_ms_per_request")),
+                         _fmt(s.get("cold_shape_steps"), 0)])
     return rows
 
 
-KINDS = {"engine": engine, "prefill": prefill, "acceptance": acceptance, "kv": kv, "serve": serve, "ttft": ttft}
+def ttft_p99(*paths: str) -> list[list[str]]:
+    """Each run's TTFT tail by its parts: each part's p99 (from the router's histograms) beside the
+    client's p99, to tell which part the slow first tokens waited in."""
+    rows = [["run", "rate", "client p99", *TTFT_PARTS]]
+    for path in paths:
+        for r in json.loads(Path(path).read_text())["runs"]:
+            s = r.get("server", {})
+            rows.append([Path(path).stem, str(r["request_rate"]), _fmt(r["ttft"].get("p99_ms")),
+                         *(_fmt(s.get(f"ttft_{part}_p99_ms"), 3) for part in TTFT_PARTS)])
+    return rows
+
+
+KINDS = {"engine": engine, "prefill": prefill, "acceptance": acceptance, "kv": kv, "serve": serve, "ttft": ttft,
+         "ttft-p99": ttft_p99}
 
 
 def main(argv: list[str]) -> int:

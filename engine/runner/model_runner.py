@@ -282,11 +282,14 @@ class ModelRunner:
         masks = prefill_masks(self.grammar, chunks)
         plain = penalties is None and prompt_lp is None
         first = (lambda res: on_first(self._last_rows(chunks, res))) if on_first is not None else None
-        if plain and self.shapes is not None:
-            self.shapes.note(self.shapes.prefill_shape(chunks))
         if plain and self.prefill_graphs is not None and self.prefill_graphs.fits(n, len(chunks)):
             words = self.grammar.words if self.grammar is not None else mask_words(self.state.vocab)
-            return self._last_rows(chunks, self.prefill_graphs.run(chunks, on_layer, first, masks, words))
+            res = self.prefill_graphs.run(chunks, on_layer, first, masks, words)
+            if self.shapes is not None:
+                self.shapes.note(self.shapes.prefill_shape(chunks), eager=self.prefill_graphs.last_eager)
+            return self._last_rows(chunks, res)
+        if plain and self.shapes is not None:
+            self.shapes.note(self.shapes.prefill_shape(chunks))
         inp = PrefillInputs(n, len(chunks), self.max_blocks, self.device)  # eager: penalties, prompt logprobs
         inp.fill_no_sync(chunks)
         key = key_for(chunks, n, len(chunks), max(c.end - c.start for c in chunks))

@@ -9,9 +9,11 @@ logprobs and the MTP drafts. The host cost no longer grows with the layers. Grap
 sampling flags, logprobs, fresh or not, grammar masks or not: a constrained key reads its
 first tokens' masks from the bucket's `PrefillInputs.token_mask`) and captured on first use
 (lazily: a capture is ~100 launches' worth of host time once per key, and the keys a server
-meets are few), or, on a node past its warm-up (`defer`), off the request's path: a new key runs
-eagerly and waits in `pending` for the node's idle captures (engine/runner/warmup.py); a step
-never captures a key whose shape (`PrefillKey.shape`) has no graph yet. Steps beyond the largest
+meets are few), or, on a node past its warm-up (`defer`), off the request's path: a new key's
+step replays the smallest captured graph that holds it padded (`cover`: larger buckets, the same
+sampling), else runs eagerly, and its key waits in `pending` for the node's idle captures
+(engine/runner/warmup.py); a step never captures a key whose shape (`PrefillKey.shape`) has no
+graph yet. Steps beyond the largest
 bucket run eagerly, where compute hides the launches.
 
 Layer-wise KV push: after a replay, `on_layer(i, None)` hands every layer to the caller as
@@ -97,6 +99,7 @@ class PrefillGraphs:
         self.defer = False  # a new key runs eagerly and waits in `pending` for `capture_deferred` (nodes)
         self.pending: list[PrefillKey] = []
         self._eager_runs: dict[PrefillKey, int] = {}  # deferred keys' eager steps so far
+        self.last_eager = False  # whether the last `run` ran eagerly (no graph held it)
 
     def fits(self, num_tokens: int, num_rows: int) -> bool:
         return num_tokens <= self.token_buckets[-1] and num_rows <= self.row_buckets[-1]
@@ -117,6 +120,20 @@ class PrefillGraphs:
         replay of the first tokens and that of the MTP drafts (`prefill_forward`). Never syncs,
         except a capture."""
         key = self.key(chunks)
+        self.last_eager = False
+        if key not in self.graphs and self.defer:
+            cover = self.cover(key)
+            if cover is not None or key.shape not in self.shapes or self._eager_runs.get(key, 0) < EAGER_RUNS_BEFORE_CAPTURE:
+                # off the request's path: a captured key's graph that holds the step padded, else eager now
+                # (no capture's ~100 ms); its own key is captured when the node idles (unless a graph of
+                # its shape holds it: only logprobs it does not read are spared), or here once a variant
+                # of a captured shape came back often enough to pay for its capture (a busy node never
+                # idles); a shape with no graph is never captured here
+                if key not in self.pending and (cover is None or cover.shape != key.shape):
+                    self.pending.append(key)
+                if cover is None:
+                    return self._eager(key, chunks, on_layer, on_first, masks, words)
+                key = cover
         inp = self._inputs(key)
         inp.fill_no_sync(chunks)
         if key.constrained:
@@ -127,16 +144,6 @@ class PrefillGraphs:
         # tokens through the GPU service). A listener gets every layer once the replay is
         # queued, and its sender waits for an event recorded after the replay.
         if key not in self.graphs:
-            if self.defer and (key.shape not in self.shapes or self._eager_runs.get(key, 0) < EAGER_RUNS_BEFORE_CAPTURE):
-                # off the request's path: eager now (no capture's ~100 ms), captured when the node idles,
-                # or here once a variant of a captured shape came back often enough to pay for its
-                # capture (a busy node never idles); a shape with no graph is never captured here
-                self._eager_runs[key] = self._eager_runs.get(key, 0) + 1
-                if key not in self.pending:
-                    self.pending.append(key)
-                hook = (lambda i: on_layer(i, None)) if on_layer is not None else None
-                with self._kernel_mode():
-                    return prefill_forward(self.runner, inp, key, hook, on_first=on_first)
             if key in self.pending:
                 self.pending.remove(key)
             self._capture(key, inp)
@@ -150,6 +157,33 @@ class PrefillGraphs:
             for layer in range(self.runner.num_target_layers):
                 on_layer(layer, None)
         return out
+
+    def _eager(self, key: PrefillKey, chunks: list[PrefillChunk], on_layer: LayerReady | None,
+               on_first: FirstHook | None, masks: torch.Tensor | None, words: int) -> PrefillResult:
+        """The step at its own buckets with no graph (`last_eager`)."""
+        self._eager_runs[key] = self._eager_runs.get(key, 0) + 1
+        self.last_eager = True
+        inp = self._inputs(key)
+        inp.fill_no_sync(chunks)
+        if key.constrained:
+            inp.fill_mask_no_sync(masks, words)
+        hook = (lambda i: on_layer(i, None)) if on_layer is not None else None
+        with self._kernel_mode():
+            return prefill_forward(self.runner, inp, key, hook, on_first=on_first)
+
+    def cover(self, key: PrefillKey) -> PrefillKey | None:
+        """The smallest captured key whose graph runs a step of `key` padded: buckets at least as
+        large (padding tokens write the trash block, padding rows have no tokens), the same
+        sampling flags, freshness and grammar, logprobs where the step has them. Its rows get their
+        own tokens, up to the bits another bucket's kernels may round differently, as in any other
+        batch; so never with batch-invariant kernels, whose steps keep their own bucket's bits."""
+        if self.runner.deterministic:
+            return None
+        fits = [k for k in self.graphs if k.tokens >= key.tokens and k.rows >= key.rows and k.max_q >= key.max_q
+                and (k.all_greedy, k.needs_filter, k.fresh, k.constrained)
+                == (key.all_greedy, key.needs_filter, key.fresh, key.constrained)
+                and (key.top_logprobs is None or k.top_logprobs == key.top_logprobs)]
+        return min(fits, key=lambda k: (k.tokens, k.rows, k.max_q, k.top_logprobs is not None), default=None)
 
     def capture_deferred(self, max_model_len: int) -> bool:
         """Capture one key a deferred step ran eagerly (`capture_key`); False when none is pending."""

@@ -17,6 +17,7 @@ head of the backlog. Holds integers only; never touches a device.
 
 from __future__ import annotations
 
+import logging
 from collections import Counter
 
 from engine.request import PrefillChunk
@@ -24,6 +25,8 @@ from engine.runner.cuda_graphs import bucket_sizes, width_for
 from engine.runner.dummy_prompts import chunks_for_key
 from engine.runner.prefill_graphs import step_buckets
 from engine.runner.prefill_step import PrefillKey
+
+log = logging.getLogger(__name__)
 
 PrefillShape = tuple[int, int, int, bool]  # (tokens, rows, longest chunk) buckets, fresh
 DecodeShape = tuple[int, int]  # (batch bucket, block-table width)
@@ -110,13 +113,17 @@ class ShapeLog:
                 return shape
         return None
 
-    def note(self, shape: PrefillShape | DecodeShape | None) -> None:
-        """A step met `shape`; a cold one goes to the head of the backlog (if it is listed there)."""
+    def note(self, shape: PrefillShape | DecodeShape | None, eager: bool = True) -> None:
+        """A step met `shape`; one with no graph of its own goes to the head of the backlog (if it is
+        listed there), and is counted cold when it ran `eager` (not held by a larger shape's graph)."""
         if shape is None:
             return
         self.met[shape] += 1
         if shape not in self.warm and self.planned:
-            self.cold += 1
+            if eager:
+                self.cold += 1
+                if self.met[shape] == 1:  # what warm-up missed, once a shape (a node's log: where a slow step came from)
+                    log.info("a step met shape %s with no graph yet: it runs eagerly", shape)
             if shape in self.backlog and self.backlog[0] != shape:
                 self.backlog.remove(shape)
                 self.backlog.insert(0, shape)

@@ -13,18 +13,21 @@ before `ready` without slowing start-up, so a node (`model.warmup`, on by defaul
     sampled (no top-k/top-p filter), with and without logprobs (the greedy ones without logprobs
     are captured by `build_runner` already);
   - prefill: every token bucket at the fewest rows whose rows fit `max_model_len`, greedy and
-    sampled, with and without logprobs, fresh prompts; two equal prompts in every token bucket
-    (greedy with logprobs, sampled without); then every row bucket once at the largest token
-    bucket (greedy with logprobs), which compiles the kernels' row-count specializations;
+    sampled, with and without logprobs, fresh prompts; two prompts in every token bucket, the
+    longer up to the whole bucket, and where prompts resume (chunked past the token budget, or
+    after a cached prefix) a resumed chunk beside another too (greedy and sampled, with logprobs);
+    then every row bucket once at the largest token bucket (greedy with logprobs), which compiles
+    the kernels' row-count specializations. A later step of a shape with no graph replays the
+    smallest of these that holds it padded (`PrefillGraphs.cover`) rather than run eagerly;
 - after, when its loop is idle (`IdleCaptures`; `capture_deferred`, one graph a call, so a request
   arriving meanwhile waits at most one capture): after `QUIET_S` with no work, the keys and shapes
   requests' steps ran eagerly (`PrefillGraphs.pending`, `ShapeLog.met`); after `BACKLOG_QUIET_S`,
   every other prefill shape, greedy, likeliest first (`ShapeLog.backlog`), then the decode graphs
   with a top-k/top-p filter (`DecodeGraphs.deferred`).
 
-A prefill step whose shape has no graph yet runs eagerly (tens of ms of launches) and never
-captures on its path; its shape moves to the head of the backlog and `ModelRunner.shapes` counts
-it (`cold`). A new sampling variant of a shape that has a graph runs eagerly too, and is captured on
+A prefill step whose shape has no graph yet, and that no larger graph holds, runs eagerly (tens of ms
+of launches) and never captures on its path; its shape moves to the head of the backlog and
+`ModelRunner.shapes` counts it (`cold`). A new sampling variant of a shape that has a graph runs eagerly too, and is captured on
 its path only once it came back `EAGER_RUNS_BEFORE_CAPTURE` times (a saturated node never idles;
 the shape's kernels are compiled by then, so that capture is launches, not compilation). Decode keys
 with penalties or grammars are captured on first use; prefill steps with penalties, prompt
@@ -43,8 +46,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 from engine.request import PrefillChunk
-from engine.runner.dummy_prompts import dummy_chunks
-from engine.runner.prefill_graphs import PrefillGraphs
+from engine.runner.dummy_prompts import chunks_for_key, dummy_chunks
+from engine.runner.prefill_graphs import MAX_TOP_LOGPROBS, PrefillGraphs
 from engine.runner.prefill_step import PrefillKey
 from engine.runner.shapes import DecodeShape, PrefillShape, ShapeLog
 from engine.sampling.sampling_params import SamplingParams
@@ -136,7 +139,8 @@ def _warm_prefill(runner, shapes: ShapeLog | None, max_model_len: int) -> int:
     if buckets is None:
         return 0
     before = len(graphs.graphs) if graphs is not None else 0
-    for chunks in warm_steps(buckets.token_buckets, buckets.row_buckets, max_model_len):
+    resumes = shapes is not None and shapes.resumes
+    for chunks in warm_steps(buckets.token_buckets, buckets.row_buckets, max_model_len, resumes):
         if graphs is not None:
             graphs.run(chunks)
         if shapes is not None:
@@ -144,21 +148,37 @@ def _warm_prefill(runner, shapes: ShapeLog | None, max_model_len: int) -> int:
     return len(graphs.graphs) - before if graphs is not None else 0
 
 
-def warm_steps(token_buckets: list[int], row_buckets: list[int], max_model_len: int) -> list[list[PrefillChunk]]:
+def warm_steps(token_buckets: list[int], row_buckets: list[int], max_model_len: int,
+               resumes: bool = False) -> list[list[PrefillChunk]]:
     """The warm-up's prefill steps (module docstring), as dummy prompts."""
     steps = []
     for tokens in token_buckets:
         rows = rows_for(tokens, row_buckets, max_model_len)
         if rows is not None:
             steps += [dummy_chunks(tokens, rows, params, lp) for params, lp in VARIANTS]
-    if len(row_buckets) > 1:  # two prompts in one step (a prefill node at a few requests/s)
-        for tokens in token_buckets[1:]:
-            if tokens // 2 <= max_model_len:
-                steps += [dummy_chunks(tokens, 2, params, lp) for params, lp in ((GREEDY, 0), (SAMPLED, None))]
+    if len(row_buckets) > 1:
+        steps += _two_rows(token_buckets, row_buckets, max_model_len, resumes)
     tokens = token_buckets[-1]
     for rows in row_buckets:
         if tokens >= rows and (tokens // rows) <= max_model_len:
             steps.append(dummy_chunks(tokens, rows, GREEDY, 0))
+    return steps
+
+
+def _two_rows(token_buckets: list[int], row_buckets: list[int], max_model_len: int,
+              resumes: bool) -> list[list[PrefillChunk]]:
+    """Two prompts in a step, the longer up to the whole bucket (a node at a few requests per
+    second); where prompts resume, also a resumed chunk beside another. Greedy and sampled, with
+    logprobs: a later step of fewer tokens, rows or logprobs replays these graphs padded
+    (`PrefillGraphs.cover`)."""
+    steps = []
+    for fresh in (True, False) if resumes else (True,):
+        for tokens in token_buckets[1:]:
+            for greedy in (True, False):
+                key = PrefillKey(tokens, 2, tokens, greedy, False, MAX_TOP_LOGPROBS, fresh)
+                chunks = chunks_for_key(key, token_buckets, row_buckets, max_model_len - 1)
+                if chunks is not None:
+                    steps.append(chunks)
     return steps
 
 

@@ -128,3 +128,19 @@ def test_the_share_of_steps_at_each_k_counts_the_timed_steps_only():
     ran = [n - b for n, b in zip(engine.batch.k_steps, before, strict=True)]
     assert out["spec_k_policy"] == "adaptive" and set(out["k_share"]) == {"0", "3"}
     assert out["k_share"]["0"] == pytest.approx(ran[0] / sum(ran), abs=1e-3) and out["k_share"]["0"] > 0.5
+
+
+def test_requests_held_to_the_tools_grammar_are_timed_under_it(capfd):
+    """`--structured-tools N` holds every request to tool_choice "required" over the first N
+    functions of the 50 schemas; the rows say so; a bad N or two grammars are clear errors."""
+    from bench.structured import tools_spec
+
+    assert tools_spec(3).kind == "json_schema" and '"minItems":1' in tools_spec(3).value
+    assert run(_args("--model", "tiny", "--batch", "2", "--spec-tokens", "2", "--max-tokens", "6",
+                     "--prompt-len", "8", "--structured-tools", "3")) == 0
+    rows = [json.loads(line) for line in capfd.readouterr().out.splitlines() if line.startswith("{")]
+    assert [(r["spec_tokens"], r["structured_tools"]) for r in rows] == [(0, 3), (2, 3)]
+    with pytest.raises(ValueError, match="--structured-tools takes 1 to 50 functions, not 51"):
+        tools_spec(51)
+    with pytest.raises(ValueError, match="not both"):
+        run(_args("--model", "tiny", "--structured-tools", "2", "--structured-regex", "[a-z]+"))

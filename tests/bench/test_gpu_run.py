@@ -113,14 +113,20 @@ def test_the_ttft_table_lists_each_runs_parts(tmp_path):
     router did not report them."""
     server = {"router_ttft_mean_ms": 13.22, "ttft_parse_mean_ms": 0.758, "ttft_write_mean_ms": 1.152,
               "prefill_ms_per_request": 5.48, "kv_transfer_ms_per_request": 0.0}
-    runs = [{"request_rate": 8.0, "ttft": {"p50_ms": 14.7}, "server": server},
+    server["ttft_prefill_p99_ms"], server["cold_shape_steps"] = 120.5, 2.0
+    runs = [{"request_rate": 8.0, "ttft": {"p50_ms": 14.7, "p99_ms": 130.0}, "server": server},
             {"request_rate": 1.0, "ttft": {"p50_ms": 17.24}}]
     (tmp_path / "service_colocated_ipc.json").write_text(json.dumps({"runs": runs}))
     out = subprocess.run([sys.executable, "bench/gpu/table.py", "ttft", str(tmp_path / "service_colocated_ipc.json")],
                          capture_output=True, text=True, check=True, cwd=ROOT).stdout.splitlines()
     head = [c.strip() for c in out[0].split("|")]
-    assert head[:5] == ["run", "rate", "client p50", "router mean", "parse"] and head[-2:] == ["prefill on node", "KV"]
+    assert head[:5] == ["run", "rate", "client p50", "router mean", "parse"] and head[-3:] == ["prefill on node", "KV", "cold"]
     first = dict(zip(head, (c.strip() for c in out[1].split("|")), strict=True))
     assert first["rate"] == "8.0" and first["parse"] == "0.758" and first["write"] == "1.152"
-    assert first["reserve"] == "-" and first["prefill on node"] == "5.480"
+    assert first["reserve"] == "-" and first["prefill on node"] == "5.480" and first["cold"] == "2"
     assert all(c.strip() == "-" for c in out[2].split("|")[3:])
+    out = subprocess.run([sys.executable, "bench/gpu/table.py", "ttft-p99", str(tmp_path / "service_colocated_ipc.json")],
+                         capture_output=True, text=True, check=True, cwd=ROOT).stdout.splitlines()
+    head = [c.strip() for c in out[0].split("|")]
+    first = dict(zip(head, (c.strip() for c in out[1].split("|")), strict=True))
+    assert first["client p99"] == "130.000" and first["prefill"] == "120.500" and first["parse"] == "-"

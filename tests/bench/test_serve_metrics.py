@@ -44,6 +44,12 @@ def test_breakdown_is_per_request_over_the_run():
     got = breakdown(before, after, completed=4)
     assert got["ttft_reserve_mean_ms"] == 1.5 and got["ttft_prefill_mean_ms"] == 12.5 and got["ttft_write_mean_ms"] == 0
     assert list(got).index("ttft_parse_mean_ms") < list(got).index("ttft_write_mean_ms")  # request order
+    assert "ttft_prefill_p99_ms" not in got and "cold_shape_steps" not in got  # not exposed: not made up
+    for le, n in (("0.005", 3.0), ("0.2", 4.0), ("+Inf", 4.0)):  # one of four prefills waited 5-200 ms
+        after[f"pdserve:request_prefill_time_seconds_bucket|{le}"] = n
+    before["pdserve:cold_shape_steps"], after["pdserve:cold_shape_steps"] = 2.0, 3.0
+    got = breakdown(before, after, completed=4)
+    assert got["ttft_prefill_p99_ms"] == pytest.approx(5 + 195 * (3.96 - 3) / 1) and got["cold_shape_steps"] == 1
     assert breakdown({}, after, 4) == {} and breakdown(before, after, 0) == {}
 
 

@@ -270,3 +270,25 @@ def test_k_policy_reaches_the_engine_config():
     assert {engine_config(cfg, role).spec_k_policy for role in ("decode", "colocated")} == {"adaptive"}
     with pytest.raises(ValueError, match="k_policy"):
         ServiceConfig.load(None, {"spec.k_policy": "sometimes"})
+
+
+def test_a_node_process_writes_its_own_info_lines_once(capfd):
+    """deploy/actors.py node_logging: pdserve's loggers at INFO on stderr (Ray keeps it in the
+    worker's .err log), one handler however often it is called; other libraries' loggers untouched."""
+    import logging
+
+    from deploy.actors import NODE_LOGGERS, node_logging
+
+    before = {name: list(logging.getLogger(name).handlers) for name in NODE_LOGGERS}
+    try:
+        node_logging()
+        node_logging()
+        logging.getLogger("engine.runner.shapes").info("a step met shape %s", (4096, 2, 2048, True))
+        logging.getLogger("urllib3").info("not ours")
+        err = capfd.readouterr().err
+        assert err.count("INFO engine.runner.shapes: a step met shape (4096, 2, 2048, True)") == 1
+        assert "not ours" not in err
+    finally:
+        for name, handlers in before.items():
+            logging.getLogger(name).handlers = handlers
+            logging.getLogger(name).setLevel(logging.NOTSET)

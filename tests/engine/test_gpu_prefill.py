@@ -138,8 +138,8 @@ def test_warmed_up_node_captures_nothing_for_single_prompts(k):
 
 def test_warmed_up_node_captures_no_new_shape_on_a_requests_path_and_none_is_cold_after_idling():
     """Right after the warm-up, greedy requests of varied lengths (some chunked past the token budget)
-    in batches of varied sizes meet shapes with no graph: those steps run eagerly, and no graph is
-    captured on their path. After an idle pause (the node's `capture_deferred` rounds) every listed
+    in batches of varied sizes meet shapes with no graph: those steps run eagerly or in a larger
+    shape's graph, and no graph is captured on their path. After an idle pause (the node's `capture_deferred` rounds) every listed
     shape has its graph, and the same requests meet no cold shape, capture nothing and give the
     eager steps' tokens (fp32)."""
     from engine.runner.warmup import capture_deferred, warm_up
@@ -151,7 +151,7 @@ def test_warmed_up_node_captures_no_new_shape_on_a_requests_path_and_none_is_col
     prompts = [[7 + i] * n for i, n in enumerate([5, 17, 40, 100, 3, 9, 150, 2])]
     params = [SamplingParams(max_tokens=2 + 3 * i, ignore_eos=True) for i in range(len(prompts))]
     first = eng.generate(prompts, params)
-    assert shapes.cold > 0 and pg.pending and len(pg.graphs) == before
+    assert any(s not in shapes.warm for s in shapes.met) and pg.pending and len(pg.graphs) == before
     while capture_deferred(eng.runner, eng.max_model_len):  # the node idles
         pass
     assert shapes.status()["graph_shapes_pending"] == 0 and not pg.pending and not dg.deferred
@@ -275,3 +275,20 @@ def test_constrained_first_tokens_replay_a_graph_and_equal_eager():
         assert capture_deferred(node.runner, node.max_model_len)
     assert any(key.constrained for key in pg.graphs)
     assert node.generate([PROMPTS[1]], params[0])[0].output_ids == first
+
+
+def test_a_step_with_no_graph_of_its_own_replays_a_larger_one_and_gives_its_tokens():
+    """After the warm-up, a resumed chunk beside a new prompt whose buckets no graph has exactly
+    replays the smallest larger graph (`PrefillGraphs.cover`): not eager, nothing captured on its
+    path, its key waits for the idle captures, and the tokens are eager's (fp32)."""
+    from engine.runner.warmup import warm_up
+
+    eng = engine(3, max_num_seqs=8, max_num_batched_tokens=64, max_model_len=256)
+    warm_up(eng.runner, decode=True, prefill=True, max_model_len=eng.max_model_len)
+    pg, shapes = eng.runner.prefill_graphs, eng.runner.shapes
+    captured = set(pg.graphs)
+    prompts, params = [[7] * 94, [8] * 20], SamplingParams(max_tokens=8, ignore_eos=True)
+    got = [r.output_ids for r in eng.generate(prompts, params)]
+    held = [s for s in shapes.met if len(s) == 4 and s not in shapes.warm]
+    assert held and shapes.cold == 0 and set(pg.graphs) == captured and pg.pending
+    assert got == [r.output_ids for r in engine(3, enforce_eager=True).generate(prompts, params)]
