@@ -90,16 +90,20 @@ RowNorm = tuple[float, torch.Tensor]  # (eps, x's partial row sums of squares [M
 Config = tuple[int, int, int, int, int]  # (BN, BK, SPLIT, WARPS, STAGES): tile_config's, or a sweep's instead
 
 
-def tile_config(n: int, k: int) -> Config:
+def tile_config(n: int, k: int, interpreted: bool = False) -> Config:
     """(BN, BK, SPLIT, WARPS, STAGES) for a weight [n, k], from sweeps on an H100
     (bench/gpu/gpu_gemv.py): narrow tiles keep enough programs in flight for the small weights,
     wide ones suit the large; long rows are split in four so that a short N still fills the GPU.
     Mid-sized weights (8-48 MB: Llama-1B's q/k/v, o and down) take 32-column tiles and deeper
-    pipelines. Shape only: the batch-invariant mode relies on it not depending on M."""
+    pipelines. `interpreted` (CPU tensors, Triton's interpreter): tiles up to 128 columns wide, as
+    the interpreter runs programs one after another at a fixed cost per op. Shape only: the
+    batch-invariant mode relies on it not depending on M."""
     size = 2 * n * k
     if 8 * 2**20 <= size <= 48 * 2**20:
         return (32, 128, 1, 4, 6) if n > k else (32, 128, 4, 4, 4)
     bn = 64 if n >= 8192 else 16
+    if interpreted:
+        bn = max(bn, min(128, triton.next_power_of_2(n)))
     bk = 256 if k >= 256 else max(16, triton.next_power_of_2(k))
     split = 4 if k >= 4096 else 1
     return bn, bk, split, 4, 3
@@ -238,7 +242,9 @@ def _launch(x2, w, b, residual, y, argmax_out=None, config: Config | None = None
     gemv = None if argmax_out is not None or config is not None or invariant() else gemv_config(m, w, glu)
     if gemv is not None:  # one row over a small weight (kernels/gemv.py)
         return launch_gemv(x2, w, b, residual, y, gemv, glu, norm, sumsq)
-    bn, bk, _, warps, stages = config or tile_config(n, k)
+    # not the argmax's: numpy's matmul (the interpreter's tl.dot) may round a column by its place in
+    # the tile, and equal columns in two tiles must tie there as on the GPU
+    bn, bk, _, warps, stages = config or tile_config(n, k, interpreted=not x2.is_cuda and argmax_out is None)
     split = _split(w, config, argmax_out is not None or glu)
     assert norm is None or split == 1, "a norm in the GEMM needs the whole of K in one program"
     bm, n_out = _block_m(m), n
