@@ -305,21 +305,14 @@ class ModelRunner:
         """The rows whose prompt finished this step, out of a step's per-row results."""
         last = [r for r, c in enumerate(chunks) if c.is_last]
         lp_rows = [i for i, r in enumerate(last) if chunks[r].logprobs is not None]
-        pick = self._picker(last)
+        pick = _picker(last, self.device)
         lps = None
         if res.logprobs is not None and lp_rows:
-            sel = self._picker([last[i] for i in lp_rows])
+            sel = _picker([last[i] for i in lp_rows], self.device)
             lps = LogprobsTensors(*(sel(t) for t in astuple_lp(res.logprobs)))
         return PrefillOutput(last, pick(res.first_token), lps, lp_rows,
                              pick(res.drafts) if res.drafts is not None else None,
                              pick(res.draft_probs) if res.draft_probs is not None else None)
-
-    def _picker(self, rows: list[int]) -> Callable[[torch.Tensor], torch.Tensor]:
-        """x -> x[rows]: a view when the rows are 0..n-1 (the usual case), else one gather."""
-        if rows == list(range(len(rows))):
-            return lambda x: x[: len(rows)]
-        idx = to_device_no_sync(rows, torch.long, self.device)
-        return lambda x: x.index_select(0, idx)
 
     # ---- insert ---------------------------------------------------------------------
     def insert_many_no_sync(self, inits: list[tuple[int, SlotInit]]) -> None:
@@ -560,3 +553,11 @@ def unpack_logprobs(lp: LogprobsTensors, num_top: dict[int, int], rows: list[int
             entries.append((vals[j], ranks[j], list(zip(top_ids[j][:n], top_lps[j][:n], strict=True))))
         out[row] = entries
     return out
+
+
+def _picker(rows: list[int], device: torch.device) -> Callable[[torch.Tensor], torch.Tensor]:
+    """x -> x[rows]: a view when the rows are 0..n-1 (the usual case), else one gather."""
+    if rows == list(range(len(rows))):
+        return lambda x: x[: len(rows)]
+    idx = to_device_no_sync(rows, torch.long, device)
+    return lambda x: x.index_select(0, idx)
