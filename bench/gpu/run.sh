@@ -163,15 +163,17 @@ serve() {  # NAME MODE KV GPUS [bench serve flags]: one `bench serve --launch` o
   local name=$1 mode=$2 kv=$3 gpus=$4 flags; shift 4
   flags=$(shape "$mode" "$kv" "$gpus") || exit 2
   rm -f "$OUT/$name.json"
+  touch "$OUT/.$name.start"
   # shellcheck disable=SC2086
   python3 -m deploy.cli bench serve --launch --protocol http --model smollm2 --spec-tokens 3 --device cuda $flags \
     --dataset builtin --num-prompts 64 --output-len 128 --request-rate 1,8,inf --slo-ttft-ms 50 --slo-itl-ms 20 \
     "$@" --json "$OUT/$name.json" > "$OUT/$name.log" 2>&1 || tail -n 20 "$OUT/$name.log"
-  node_logs > "$OUT/$name.nodes.log"
+  node_logs "$OUT/.$name.start" > "$OUT/$name.nodes.log"
 }
-node_logs() {  # the node processes' own log lines (deploy/actors.py node_logging) from the last local Ray session
-  grep -hE " (INFO|WARNING|ERROR|CRITICAL) (engine|prefill_node|decode_node|kvtransfer|deploy)[.:]" \
-    "$(python3 -c 'import tempfile; print(tempfile.gettempdir())')"/ray/session_latest/logs/worker-*.err 2> /dev/null | sort
+node_logs() {  # STAMP: the node processes' own log lines (deploy/actors.py node_logging) from the Ray workers
+  # that wrote since the file STAMP was made, wherever this machine's Ray keeps its sessions
+  find / -xdev -name 'worker-*.err' -newer "$1" -print0 2> /dev/null \
+    | xargs -0 -r grep -hE " (INFO|WARNING|ERROR|CRITICAL) (engine|prefill_node|decode_node|kvtransfer|deploy)[.:]" | sort
 }
 stage_service() {
   local modes=${1:-pd,colocated} kv=${2:-tcp} mode
