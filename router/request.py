@@ -7,7 +7,8 @@ calls are no-ops, and nothing is emitted after the terminal message.
 
 Who owns what: the request's driver (router.py) is the only writer of the placement fields
 (`decode`, `prefill`, `node_rid`, `decode_live`, `lost`), through holds.py; the NodePool's
-output reader only appends to `events`; anyone may `interrupt` (client abort, router stop) or
+output reader only appends to `events`, or hands an item to `sink` (the stream's, set while the
+driver waits for one: the same handling, in the reader's task); anyone may `interrupt` (client abort, router stop) or
 `lose` the decode node (it failed: the driver moves the request elsewhere, migration.py).
 
 Batching: a request's messages wait in its `Outbox` until its door takes them; tokens that arrive
@@ -31,6 +32,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -99,6 +101,14 @@ class Outbox:
         return not self._msgs
 
 
+@dataclass(frozen=True)
+class Wake:
+    """Wakes a request's driver waiting on `events` once its `sink` took an item that ended the
+    request (`error` None) or raised `error` (raised in the driver, as if it had read the item)."""
+
+    error: Exception | None = None
+
+
 @dataclass
 class Choice:
     """One choice's router-side state (n > 1 requests have several)."""
@@ -120,7 +130,10 @@ class RequestState:
     tokenizer: Any
     out: Outbox = field(default_factory=Outbox)
     # the decode node's items; `lose` queues the placement's `lost` behind them (router/stream.py)
-    events: asyncio.Queue[OutputItem | asyncio.Future[str]] = field(default_factory=asyncio.Queue)
+    events: asyncio.Queue[OutputItem | asyncio.Future[str] | Wake] = field(default_factory=asyncio.Queue)
+    # set while the driver waits on `events` with none queued: the node's items go straight to it
+    # (router/stream.py), not through the queue and a wake-up of the driver per item
+    sink: Callable[[OutputItem], None] | None = None
     task: asyncio.Task[None] | None = None
     interrupt_reason: Interrupt | None = None
     # placement (written by the lifecycle only)
