@@ -4,6 +4,7 @@ encoded (`sse(Format.chunk(...))`): byte for byte, over the chunks a stream send
 from __future__ import annotations
 
 import itertools
+import json
 
 import pytest
 
@@ -35,3 +36,9 @@ def test_frames_are_the_chunks_encoded(chat: bool, logprobs: int | None) -> None
     for first, msg in itertools.product((True, False), MESSAGES):
         assert written.frame(msg, first) == sse(encoded.chunk(msg, first))
     assert written.text_offset == encoded.text_offset
+
+
+@pytest.mark.parametrize("obj", [{"a": [1, -0.1, float("nan"), float("-inf"), None, True]},
+                                 {"t": "h\u00e9llo \"w\"\n\U0001f642\u2028\x00", "k": {}, "l": [], "n": {"x": [{}]}}])
+def test_sse_is_compact_json(obj: dict) -> None:
+    assert sse(obj) == f"data: {json.dumps(obj, separators=(',', ':'))}\n\n"
