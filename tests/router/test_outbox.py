@@ -6,11 +6,11 @@ from __future__ import annotations
 
 import asyncio
 
-from prometheus_client import CollectorRegistry, Histogram
+from prometheus_client import CollectorRegistry, Counter, Histogram
 
 from protos import node_pb2
 from protos.messages import TokenLogprobs
-from router.metrics import LATENCY_BUCKETS, observe_n
+from router.metrics import LATENCY_BUCKETS, TokenTally, observe_n
 from router.request import RequestState, is_terminal
 from router.validate import Prepared
 from tests.router.conftest import TINY
@@ -69,6 +69,24 @@ def test_observe_n_is_n_observes():
         observe_n(many, value, 3)
     count = lambda h: [b.get() for b in h._buckets]  # noqa: E731
     assert count(one) == count(many) and abs(one._sum.get() - many._sum.get()) < 1e-9
+
+
+def test_a_token_tally_read_out_is_its_observes():
+    registry = CollectorRegistry()
+    one, many = (Histogram(f"x{i}", "x", buckets=LATENCY_BUCKETS, registry=registry) for i in range(2))
+    counted, tallied = (Counter(f"c{i}", "c", registry=registry) for i in range(2))
+    tally = TokenTally(tallied, many)
+    for n, gap in ((4, None), (1, None), (3, 0.0), (2, 0.001), (4, 0.0010001), (1, 5.0), (2, 900.0)):
+        counted.inc(n)
+        for _ in range(n if gap is not None else 0):
+            one.observe(gap)
+        tally.add(n, gap)
+        if n == 4:
+            tally.flush()  # read out between adds too
+    tally.flush()
+    count = lambda h: [b.get() for b in h._buckets]  # noqa: E731
+    assert count(one) == count(many) and abs(one._sum.get() - many._sum.get()) < 1e-9
+    assert counted._value.get() == tallied._value.get() == 17
 
 
 async def test_choices_of_an_n_request_never_share_a_message_and_the_first_carries_prompt_logprobs():
