@@ -29,6 +29,7 @@ from protos import pdserve_pb2 as pb
 from router.client import build_request
 from router.openai_prompt import Entry, PromptInfo
 from router.openai_surface import surface_kwargs
+from router.request import PlainLogprobs
 from router.structured_api import ResponseFormat, StructuredOutputs
 from router.tool_api import (
     Tool,
@@ -246,10 +247,14 @@ class Format:
         return self._object("text_completion", [{"index": msg.index, "text": text, "logprobs": lps,
                                                   "finish_reason": reason}])
 
-    def frame(self, msg: pb.GenerateResponse, first: bool = False) -> str:
-        """`sse(self.chunk(msg, first))`, the same bytes. A chunk after its choice's first, without
+    def frame(self, msg: pb.GenerateResponse, first: bool = False, plain: PlainLogprobs | None = None) -> str:
+        """`sse(self.chunk(msg, first))`, the same bytes, `plain` (its plain logprobs, taken out of
+        it: router/request.py's Outbox) put back in first. A chunk after its choice's first, without
         tools or top-N logprobs (most of a stream), is written as JSON text around the request's
         constant head instead of as dicts to encode."""
+        if plain is not None and (first or self.chat or self.tools is not None or self.logprobs is None):
+            plain.into(msg)  # the dict's path reads them from the message
+            plain = None
         if first or self.tools is not None:
             return sse(self.chunk(msg, first))
         if self.chat:
@@ -259,29 +264,37 @@ class Format:
             delta = '{"content":' + _ENCODE_STR(msg.text) + "}" if msg.text else "{}"
             return f'{self._head()}{msg.index},"delta":{delta},"logprobs":null,"finish_reason":{_reason(msg)}}}]}}\n\n'
         lps: str | None = "null"
-        if self.logprobs is not None and (lps := self._logprobs_text(msg)) is None:
-            return sse(self.chunk(msg, first))
+        if self.logprobs is not None:
+            lps = self._logprobs_text(msg.index, plain) if plain is not None else self._protos_text(msg)
+            if lps is None:
+                return sse(self.chunk(msg, first))
         self._see(msg)
         return (f'{self._head()}{msg.index},"text":{_ENCODE_STR(msg.text)},"logprobs":{lps},'
                 f'"finish_reason":{_reason(msg)}}}]}}\n\n')
 
-    def _logprobs_text(self, msg: pb.GenerateResponse) -> str | None:
-        """A completions chunk's `logprobs` as JSON text, as `_logprobs` makes them (text offsets
-        moved on alike); None when a token has top-N alternatives (the dict path writes those)."""
-        token, tokens, values = self._token, [], []
+    def _protos_text(self, msg: pb.GenerateResponse) -> str | None:
+        """`_logprobs_text` of `msg`'s own TokenLogprobs; None when one has top-N alternatives."""
+        plain = PlainLogprobs()
         for lp in msg.logprobs:  # one pass: each element read is a new wrapper
             if lp.top_ids:
                 return None
-            tokens.append(token(lp.token_id))
-            values.append(lp.logprob)
-        offset, offsets = self.text_offset.get(msg.index, 0), []
+            plain.token_ids.append(lp.token_id)
+            plain.logprobs.append(lp.logprob)
+        return self._logprobs_text(msg.index, plain)
+
+    def _logprobs_text(self, index: int, plain: PlainLogprobs) -> str:
+        """Choice `index`'s chunk's `logprobs` for tokens without top-N alternatives, as JSON text,
+        as `_logprobs` makes them (text offsets moved on alike)."""
+        token = self._token
+        tokens = [token(t) for t in plain.token_ids]
+        offset, offsets = self.text_offset.get(index, 0), []
         for t in tokens:
             offsets.append(offset)
             offset += len(t)
         if tokens:
-            self.text_offset[msg.index] = offset
-        return (f'{{"tokens":{_encode(tokens)},"token_logprobs":{_encode(values)},"text_offset":{_encode(offsets)},'
-                f'"top_logprobs":[{",".join(["{}"] * len(tokens))}]}}')
+            self.text_offset[index] = offset
+        return (f'{{"tokens":{_encode(tokens)},"token_logprobs":{_encode(plain.logprobs)},'
+                f'"text_offset":{_encode(offsets)},"top_logprobs":[{",".join(["{}"] * len(tokens))}]}}')
 
     def _head(self) -> str:
         """A chunk's SSE text up to its choice's index (the same in every chunk of the request)."""
