@@ -32,7 +32,7 @@ class Stream:
         if first is not None:
             ch = st.choices[0]
             ch.node_done = first.finished is not None  # D sends no terminal for it
-            st.decode_live = not all(c.node_done for c in st.choices)
+            st.decode_live = _node_runs_any(st)
             st.set_prompt_logprobs(first.prompt_logprobs)
             st.cached_tokens = first.cached_tokens
             complete = self._add_tokens(st, [first.token], first.logprobs)
@@ -57,10 +57,11 @@ class Stream:
             for c in st.choices:  # (an item refused here: the node may still hold it, Abort goes)
                 c.node_done = True
         ch.node_done = ch.node_done or item.finish_reason is not None
-        st.decode_live = not all(c.node_done for c in st.choices)
+        st.decode_live = _node_runs_any(st)
         if ch.finish_reason is not None and item.error is None:
             return  # the router ended this choice already: late tokens
-        st.set_prompt_logprobs(item.prompt_logprobs)  # a colocated node's first item
+        if item.prompt_logprobs is not None:  # a colocated node's first item
+            st.set_prompt_logprobs(item.prompt_logprobs)
         if item.tokens and not st.num_tokens:  # since its Submit: the node's queue and compute, then the way back
             st.timeline.prefill_window(item.queue_s, item.compute_s)
         complete = self._add_tokens(st, item.tokens, item.logprobs, item.index)
@@ -85,7 +86,7 @@ class Stream:
         if len(st.choices) == 1 or ch.finish_reason is None or ch.node_done or st.done or st.decode is None:
             return
         ch.node_done = True
-        st.decode_live = not all(c.node_done for c in st.choices)
+        st.decode_live = _node_runs_any(st)
         self.holds.spawn_abort(st.decode, f"{st.node_rid}#{index}", "the choice ended at the router")
 
     async def _next_item(self, st: RequestState, sink: Callable[[OutputItem], None]) -> OutputItem | None:
@@ -132,7 +133,14 @@ class Stream:
 
     def _add_tokens(self, st: RequestState, tokens: list[int], logprobs: TokenLogprobs | None,
                     index: int = 0) -> bool:
-        before = st.num_tokens
+        sent = st.choices[index].tokens
+        before = len(sent)
         complete = st.add_tokens(tokens, logprobs, index)
-        self.metrics.tokens(st, st.num_tokens - before)
+        self.metrics.tokens(st, len(sent) - before)
         return complete
+
+
+def _node_runs_any(st: RequestState) -> bool:
+    """Whether the node may still run some choice of `st` (it has not ended them all)."""
+    choices = st.choices
+    return not choices[0].node_done if len(choices) == 1 else not all(c.node_done for c in choices)
