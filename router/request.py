@@ -8,8 +8,8 @@ calls are no-ops, and nothing is emitted after the terminal message.
 Who owns what: the request's driver (router.py) is the only writer of the placement fields
 (`decode`, `prefill`, `node_rid`, `decode_live`, `lost`), through holds.py; the NodePool's
 output reader only appends to `events`, or hands an item to `sink` (the stream's, set while the
-driver waits for one: the same handling, in the reader's task); anyone may `interrupt` (client abort, router stop) or
-`lose` the decode node (it failed: the driver moves the request elsewhere, migration.py).
+driver waits for one: the same handling, in the reader's task); anyone may `interrupt` (client
+abort, router stop) or `lose` the decode node (it failed: the driver moves the request elsewhere, migration.py).
 
 Batching: a request's messages wait in its `Outbox` until its door takes them; tokens that arrive
 while a token message still waits there join that message, so a client that falls behind (the
@@ -115,7 +115,7 @@ class Outbox:
         return self._msgs[-1] if self._open and self._msgs else None
 
     def plain_of(self, msg: pb.GenerateResponse, create: bool = False) -> PlainLogprobs | None:
-        """`msg`'s plain logprobs (a message about to be put, or waiting); `create`: new ones if none."""
+        """`msg`'s plain logprobs (a message waiting here); `create`: new ones if none."""
         plain = self._plain.get(id(msg))
         if plain is None and create:
             plain = self._plain[id(msg)] = PlainLogprobs()
@@ -300,10 +300,10 @@ class RequestState:
         ch.tokens += tokens
         msg.token_ids.extend(tokens)
         msg.text += text
+        if msg is not tail:  # put first: the outbox keeps plain logprobs only for its own messages
+            self._emit(msg, open_=True)
         if logprobs is not None:
             _add_logprobs(self.out, msg, tokens, logprobs)
-        if msg is not tail:
-            self._emit(msg, open_=True)
         return ch.text.stopped or len(ch.tokens) >= self.prep.max_tokens
 
     @property
