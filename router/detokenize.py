@@ -82,8 +82,8 @@ class TextStream:
     def __init__(self, tokenizer: Any, stop: tuple[str, ...] = ()) -> None:
         self.detok = Detokenizer(tokenizer)
         self.stop = stop
-        self.text = ""  # all text known so far (cut at a stop string once one is found)
-        self.sent = 0  # characters of `text` released
+        self.text = ""  # with stop strings: all text known so far (cut at a stop string once one is found)
+        self.sent = 0  # characters released
         self.stopped = False
 
     def add(self, token: int) -> str:
@@ -104,9 +104,8 @@ class TextStream:
         return self._append(self.detok.flush(), final=True)
 
     def _append(self, piece: str, final: bool) -> str:
-        if not self.stop:  # nothing to hold back or cut: every piece goes out whole
-            self.text += piece
-            self.sent = len(self.text)
+        if not self.stop:  # nothing to hold back or cut: every piece goes out whole, and no text is
+            self.sent += len(piece)  # kept (appending to it copied the whole stream's text per message)
             return piece
         start = max(0, len(self.text) - max((len(s) for s in self.stop), default=0) + 1)
         self.text += piece

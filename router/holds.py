@@ -33,11 +33,17 @@ class Holds:
         self._by_node_rid: dict[str, RequestState] = {}
 
     def deliver(self, node: Node, items: list[OutputItem]) -> None:
-        """A decode node's output items, each to its request's events (the NodePool's callback)."""
+        """A decode node's output items, each to its request's stream: to its `sink` while its driver
+        waits for one, else to its events (the NodePool's callback)."""
+        by_rid = self._by_node_rid
         for item in items:
-            st = self._by_node_rid.get(item.request_id)
+            st = by_rid.get(item.request_id)
             if st is not None and st.decode is node and not st.done:
-                st.events.put_nowait(item)
+                sink = st.sink
+                if sink is not None:
+                    sink(item)
+                else:
+                    st.events.put_nowait(item)
 
     def hold_decode(self, st: RequestState, node: Node, node_rid: str) -> None:
         if st.node_rid != node_rid:  # a new attempt: nothing of an older one may be read

@@ -37,7 +37,7 @@ from router.auth import authorized
 from router.detokenize import TokenPieces
 from router.lifecycle import Lifecycle
 from router.openai_protocol import ChatCompletionRequest, CompletionRequest, Format, sse
-from router.request import RequestError, is_terminal
+from router.request import Outbox, RequestError, is_terminal
 from router.tokenize_api import TokenizeDoor, add_tokenize_routes
 from router.tool_api import ToolSettings
 from router.ttft import Timeline
@@ -140,7 +140,9 @@ async def _generate(router: Lifecycle, raw: Request, model: type[BaseModel], pie
         return _from_error(first)
     if req.stream:
         opts = req.stream_options
-        return EventStream(fmt.frame(first, first=True), _events(fmt, first, msgs, bool(opts and opts.include_usage)),
+        st.out.keeps_plain = True  # `_events` writes the plain logprobs of the messages after the first
+        return EventStream(fmt.frame(first, first=True),
+                           _events(fmt, first, msgs, bool(opts and opts.include_usage), st.out),
                            written=partial(router.metrics.first_token_written, st))
     rest = await _unless_disconnected(raw, _rest(first, msgs))
     if rest is None or rest[-1].HasField("error"):
@@ -271,9 +273,10 @@ class EventStream(StreamingResponse):
 
 
 async def _events(fmt: Format, first: pb.GenerateResponse, msgs: AsyncGenerator[pb.GenerateResponse, None],
-                  include_usage: bool) -> AsyncGenerator[str, None]:
-    """Server-sent events after the first message's (`EventStream` wrote that one); Starlette cancels
-    this when the client goes, which closes `msgs`."""
+                  include_usage: bool, out: Outbox) -> AsyncGenerator[str, None]:
+    """Server-sent events after the first message's (`EventStream` wrote that one), each message's
+    plain logprobs from `out` (which keeps them out of the message); Starlette cancels this when the
+    client goes, which closes `msgs`."""
     async with aclosing(msgs):
         msg, started = first, {first.index}  # choices that had their first chunk
         while not is_terminal(msg):
@@ -283,7 +286,7 @@ async def _events(fmt: Format, first: pb.GenerateResponse, msgs: AsyncGenerator[
                 break
             start = msg.index not in started
             if msg.token_ids or msg.text or start or msg.finish_reason or is_terminal(msg):
-                yield fmt.frame(msg, first=start)
+                yield fmt.frame(msg, first=start, plain=out.taken_plain)
                 started.add(msg.index)
         else:
             await anext(msgs, None)  # ends `msgs` now: it learns the terminal message was written

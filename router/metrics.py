@@ -74,8 +74,9 @@ class RouterMetrics:
                                [*labels, "code"], registry=r)
         self.prompt_tokens = Counter("pdserve:prompt_tokens", "Prompt tokens of started requests",
                                      labels, registry=r).labels(model_name)
-        self.generation_tokens = Counter("pdserve:generation_tokens", "Output tokens sent to clients",
-                                         labels, registry=r).labels(model_name)
+        generation_tokens = Counter("pdserve:generation_tokens", "Output tokens sent to clients",
+                                    labels, registry=r).labels(model_name)
+        self.tally = TokenTally(generation_tokens, self.itl)  # read into both at every exposition
         self.migrations = Counter("pdserve:request_migrations", "Requests moved to another decode node "
                                   "(each move counts)", labels, registry=r).labels(model_name)
         Gauge("pdserve:num_requests_waiting", "Requests queued for a decode node", registry=r).set_function(
@@ -86,6 +87,7 @@ class RouterMetrics:
         r.register(NodeCollector(nodes, node_downs))
 
     def exposition(self) -> tuple[bytes, str]:
+        self.tally.flush()
         return generate_latest(self.registry), CONTENT_TYPE_LATEST
 
     # ---- lifecycle events ---------------------------------------------------------------
@@ -97,12 +99,9 @@ class RouterMetrics:
         if n <= 0:
             return
         now = time.monotonic()
-        self.generation_tokens.inc(n)
-        if st.last_token_at is None:
-            n -= 1  # its TTFT is observed once it is written (`first_token_written`)
-        else:
-            observe_n(self.itl, (now - st.last_token_at) / n, n)
-        st.last_token_at = now
+        last, st.last_token_at = st.last_token_at, now
+        # the first token's TTFT is observed once it is written (`first_token_written`)
+        self.tally.add(n, None if last is None else (now - last) / n)
 
     def first_token_written(self, st: RequestState) -> None:
         """`st`'s first token was written to its client now: its TTFT and the TTFT's parts."""
@@ -164,6 +163,44 @@ class _Families:
 
     def collect(self) -> list[Any]:
         return self.families
+
+
+class TokenTally:
+    """Output tokens and their inter-token latencies counted in plain numbers, added to the
+    Prometheus counter and histogram in one step when they are read (`flush`): the per-token path
+    takes none of their locks. A histogram that does not keep its buckets as `observe_n` reads them
+    is observed at once instead."""
+
+    def __init__(self, counter: Any, histogram: Any) -> None:
+        self.counter, self.histogram = counter, histogram
+        bounds, buckets = getattr(histogram, "_upper_bounds", None), getattr(histogram, "_buckets", None)
+        self.bounds = list(bounds) if bounds is not None and buckets is not None and len(bounds) == len(buckets) else None
+        self.tokens, self.sum = 0, 0.0
+        self.counts = [0] * len(self.bounds or ())
+
+    def add(self, n: int, gap: float | None) -> None:
+        """`n` tokens sent together; `gap`: each one's inter-token latency (observed n times), or
+        None for a request's first message (no latency observed)."""
+        self.tokens += n
+        if gap is None:
+            return
+        bounds = self.bounds
+        if bounds is None:
+            observe_n(self.histogram, gap, n)
+            return
+        self.sum += gap * n
+        self.counts[min(bisect.bisect_left(bounds, gap), len(bounds) - 1)] += n
+
+    def flush(self) -> None:
+        if self.tokens:
+            self.counter.inc(self.tokens)
+            self.tokens = 0
+        if self.sum or any(self.counts):
+            self.histogram._sum.inc(self.sum)
+            for bucket, count in zip(self.histogram._buckets, self.counts, strict=True):
+                if count:
+                    bucket.inc(count)
+            self.sum, self.counts = 0.0, [0] * len(self.counts)
 
 
 def observe_n(histogram: Any, value: float, n: int) -> None:

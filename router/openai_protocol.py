@@ -29,6 +29,7 @@ from protos import pdserve_pb2 as pb
 from router.client import build_request
 from router.openai_prompt import Entry, PromptInfo
 from router.openai_surface import surface_kwargs
+from router.request import PlainLogprobs
 from router.structured_api import ResponseFormat, StructuredOutputs
 from router.tool_api import (
     Tool,
@@ -246,21 +247,60 @@ class Format:
         return self._object("text_completion", [{"index": msg.index, "text": text, "logprobs": lps,
                                                   "finish_reason": reason}])
 
-    def frame(self, msg: pb.GenerateResponse, first: bool = False) -> str:
-        """`sse(self.chunk(msg, first))`, the same bytes. A chat chunk after its choice's first,
-        without tools or logprobs (most of a chat stream), is written as JSON text around the
-        request's constant head instead of as dicts to encode."""
-        if first or not self.chat or self.tools is not None or self.logprobs is not None:
+    def frame(self, msg: pb.GenerateResponse, first: bool = False, plain: PlainLogprobs | None = None) -> str:
+        """`sse(self.chunk(msg, first))`, the same bytes, `plain` (its plain logprobs, taken out of
+        it: router/request.py's Outbox) put back in first. A chunk after its choice's first, without
+        tools or top-N logprobs (most of a stream), is written as JSON text around the request's
+        constant head instead of as dicts to encode."""
+        if plain is not None and (first or self.chat or self.tools is not None or self.logprobs is None):
+            plain.into(msg)  # the dict's path reads them from the message
+            plain = None
+        if first or self.tools is not None:
             return sse(self.chunk(msg, first))
+        if self.chat:
+            if self.logprobs is not None:
+                return sse(self.chunk(msg, first))
+            self._see(msg)
+            delta = '{"content":' + _ENCODE_STR(msg.text) + "}" if msg.text else "{}"
+            return f'{self._head()}{msg.index},"delta":{delta},"logprobs":null,"finish_reason":{_reason(msg)}}}]}}\n\n'
+        lps: str | None = "null"
+        if self.logprobs is not None:
+            lps = self._logprobs_text(msg.index, plain) if plain is not None else self._protos_text(msg)
+            if lps is None:
+                return sse(self.chunk(msg, first))
         self._see(msg)
-        reason = _ENCODE_STR(msg.finish_reason) if msg.finish_reason else "null"
-        delta = '{"content":' + _ENCODE_STR(msg.text) + "}" if msg.text else "{}"
-        return f'{self._head()}{msg.index},"delta":{delta},"logprobs":null,"finish_reason":{reason}}}]}}\n\n'
+        return (f'{self._head()}{msg.index},"text":{_ENCODE_STR(msg.text)},"logprobs":{lps},'
+                f'"finish_reason":{_reason(msg)}}}]}}\n\n')
+
+    def _protos_text(self, msg: pb.GenerateResponse) -> str | None:
+        """`_logprobs_text` of `msg`'s own TokenLogprobs; None when one has top-N alternatives."""
+        plain = PlainLogprobs()
+        for lp in msg.logprobs:  # one pass: each element read is a new wrapper
+            if lp.top_ids:
+                return None
+            plain.token_ids.append(lp.token_id)
+            plain.logprobs.append(lp.logprob)
+        return self._logprobs_text(msg.index, plain)
+
+    def _logprobs_text(self, index: int, plain: PlainLogprobs) -> str:
+        """Choice `index`'s chunk's `logprobs` for tokens without top-N alternatives, as JSON text,
+        as `_logprobs` makes them (text offsets moved on alike)."""
+        token = self._token
+        tokens = [token(t) for t in plain.token_ids]
+        offset, offsets = self.text_offset.get(index, 0), []
+        for t in tokens:
+            offsets.append(offset)
+            offset += len(t)
+        if tokens:
+            self.text_offset[index] = offset
+        return (f'{{"tokens":{_encode(tokens)},"token_logprobs":{_encode(plain.logprobs)},'
+                f'"text_offset":{_encode(offsets)},"top_logprobs":[{",".join(["{}"] * len(tokens))}]}}')
 
     def _head(self) -> str:
-        """A chat chunk's SSE text up to its choice's index (the same in every chunk of the request)."""
+        """A chunk's SSE text up to its choice's index (the same in every chunk of the request)."""
         if self._frame_head is None:
-            self._frame_head = (f'data: {{"id":{_ENCODE_STR(self.request_id)},"object":"chat.completion.chunk",'
+            kind = "chat.completion.chunk" if self.chat else "text_completion"
+            self._frame_head = (f'data: {{"id":{_ENCODE_STR(self.request_id)},"object":"{kind}",'
                                 f'"created":{self.created},"model":{_ENCODE_STR(self.model)},"choices":[{{"index":')
         return self._frame_head
 
@@ -331,11 +371,26 @@ class Format:
 
 _JSON = json.JSONEncoder(separators=(",", ":"))  # json.dumps with options builds an encoder per call
 _ENCODE_STR: Any = json.encoder.encode_basestring_ascii  # a str as the encoder writes it (ensure_ascii)
+# _JSON's own C encoder, made once: `encode` makes one per call (without the circular-reference check:
+# what goes out is built here, never circular)
+_MAKE_C_ENCODER = getattr(json.encoder, "c_make_encoder", None)  # None without CPython's _json
+_C_ENCODER: Any = _MAKE_C_ENCODER and _MAKE_C_ENCODER(
+    None, _JSON.default, json.encoder.encode_basestring_ascii, None, ":", ",", False, False, True)
+
+
+def _encode(obj: Any) -> str:
+    """`obj` as compact JSON, `_JSON.encode(obj)`'s text."""
+    return "".join(_C_ENCODER(obj, 0)) if _C_ENCODER is not None else _JSON.encode(obj)
 
 
 def sse(obj: dict) -> str:
     """A server-sent event carrying `obj` as compact JSON."""
-    return f"data: {_JSON.encode(obj)}\n\n"
+    return f"data: {_encode(obj)}\n\n"
+
+
+def _reason(msg: pb.GenerateResponse) -> str:
+    """A chunk's `finish_reason` as JSON."""
+    return _ENCODE_STR(msg.finish_reason) if msg.finish_reason else "null"
 
 
 def _entries(lps: Any) -> list[Entry]:

@@ -7,8 +7,9 @@ calls are no-ops, and nothing is emitted after the terminal message.
 
 Who owns what: the request's driver (router.py) is the only writer of the placement fields
 (`decode`, `prefill`, `node_rid`, `decode_live`, `lost`), through holds.py; the NodePool's
-output reader only appends to `events`; anyone may `interrupt` (client abort, router stop) or
-`lose` the decode node (it failed: the driver moves the request elsewhere, migration.py).
+output reader only appends to `events`, or hands an item to `sink` (the stream's, set while the
+driver waits for one: the same handling, in the reader's task); anyone may `interrupt` (client
+abort, router stop) or `lose` the decode node (it failed: the driver moves the request elsewhere, migration.py).
 
 Batching: a request's messages wait in its `Outbox` until its door takes them; tokens that arrive
 while a token message still waits there join that message, so a client that falls behind (the
@@ -30,7 +31,9 @@ from __future__ import annotations
 
 import asyncio
 import time
+from array import array
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -62,15 +65,45 @@ class Interrupt:
     message: str = ""
 
 
+class PlainLogprobs:
+    """A message's tokens' logprobs while none has top-N alternatives (what most streams carry),
+    as columns beside the message rather than one TokenLogprob each in it: building and reading
+    those protos was a large part of a streamed token's cost. `into` writes them into the message,
+    as `add_tokens` would have (a proto's logprob is a float32: `logprobs` hold them as such)."""
+
+    __slots__ = ("token_ids", "logprobs", "ranks")
+
+    def __init__(self) -> None:
+        self.token_ids: list[int] = []
+        self.logprobs: list[float] = []
+        self.ranks: list[int] = []
+
+    def extend(self, tokens: list[int], logprobs: TokenLogprobs) -> None:
+        n = min(len(tokens), len(logprobs.logprob), len(logprobs.rank))  # as zip pairs them
+        self.token_ids += tokens[:n]
+        self.logprobs += array("f", logprobs.logprob[:n]).tolist()
+        self.ranks += logprobs.rank[:n]
+
+    def into(self, msg: pb.GenerateResponse) -> None:
+        add = msg.logprobs.add
+        for tok, lp, rank in zip(self.token_ids, self.logprobs, self.ranks, strict=True):
+            add(token_id=tok, logprob=lp, rank=rank)
+
+
 class Outbox:
     """A request's messages to its client, in order, for one reader (`get`). `open_tail` hands the
     last waiting message when it may still grow: a token message put `open` (not the first one,
-    whose arrival is the time to first token; never a terminal one)."""
+    whose arrival is the time to first token; never a terminal one). A waiting message's plain
+    logprobs (`plain_of`) go into it when it is taken, unless the reader `keeps_plain`: then the
+    last message taken leaves them in `taken_plain` (router/http.py's event stream writes them)."""
 
     def __init__(self) -> None:
         self._msgs: deque[pb.GenerateResponse] = deque()
         self._open = False  # the last message in _msgs may take more tokens
         self._waiter: asyncio.Future[None] | None = None
+        self._plain: dict[int, PlainLogprobs] = {}  # by id() of a message in _msgs (alive while there)
+        self.keeps_plain = False
+        self.taken_plain: PlainLogprobs | None = None
 
     def put(self, msg: pb.GenerateResponse, open_: bool = False) -> None:
         self._msgs.append(msg)
@@ -81,6 +114,16 @@ class Outbox:
     def open_tail(self) -> pb.GenerateResponse | None:
         return self._msgs[-1] if self._open and self._msgs else None
 
+    def plain_of(self, msg: pb.GenerateResponse, create: bool = False) -> PlainLogprobs | None:
+        """`msg`'s plain logprobs (a message waiting here); `create`: new ones if none."""
+        plain = self._plain.get(id(msg))
+        if plain is None and create:
+            plain = self._plain[id(msg)] = PlainLogprobs()
+        return plain
+
+    def pop_plain(self, msg: pb.GenerateResponse) -> PlainLogprobs | None:
+        return self._plain.pop(id(msg), None) if self._plain else None
+
     async def get(self) -> pb.GenerateResponse:
         while not self._msgs:
             self._waiter = asyncio.get_running_loop().create_future()
@@ -90,13 +133,27 @@ class Outbox:
                 self._waiter = None
         if len(self._msgs) == 1:
             self._open = False  # taken: it can no longer grow
-        return self._msgs.popleft()
+        msg = self._msgs.popleft()
+        plain = self.pop_plain(msg)
+        if self.keeps_plain:
+            self.taken_plain = plain
+        elif plain is not None:
+            plain.into(msg)
+        return msg
 
     def qsize(self) -> int:
         return len(self._msgs)
 
     def empty(self) -> bool:
         return not self._msgs
+
+
+@dataclass(frozen=True)
+class Wake:
+    """Wakes a request's driver waiting on `events` once its `sink` took an item that ended the
+    request (`error` None) or raised `error` (raised in the driver, as if it had read the item)."""
+
+    error: Exception | None = None
 
 
 @dataclass
@@ -120,7 +177,10 @@ class RequestState:
     tokenizer: Any
     out: Outbox = field(default_factory=Outbox)
     # the decode node's items; `lose` queues the placement's `lost` behind them (router/stream.py)
-    events: asyncio.Queue[OutputItem | asyncio.Future[str]] = field(default_factory=asyncio.Queue)
+    events: asyncio.Queue[OutputItem | asyncio.Future[str] | Wake] = field(default_factory=asyncio.Queue)
+    # set while the driver waits on `events` with none queued: the node's items go straight to it
+    # (router/stream.py), not through the queue and a wake-up of the driver per item
+    sink: Callable[[OutputItem], None] | None = None
     task: asyncio.Task[None] | None = None
     interrupt_reason: Interrupt | None = None
     # placement (written by the lifecycle only)
@@ -240,10 +300,10 @@ class RequestState:
         ch.tokens += tokens
         msg.token_ids.extend(tokens)
         msg.text += text
-        if logprobs is not None:
-            _add_logprobs(msg, tokens, logprobs)
-        if msg is not tail:
+        if msg is not tail:  # put first: the outbox keeps plain logprobs only for its own messages
             self._emit(msg, open_=True)
+        if logprobs is not None:
+            _add_logprobs(self.out, msg, tokens, logprobs)
         return ch.text.stopped or len(ch.tokens) >= self.prep.max_tokens
 
     @property
@@ -299,12 +359,19 @@ class RequestState:
         self.out.put(msg, open_=open_ and not first)
 
 
-def _add_logprobs(msg: pb.GenerateResponse, tokens: list[int], logprobs: TokenLogprobs) -> None:
-    """One TokenLogprob per token of `tokens` (the first len(tokens) of `logprobs`' rows). Without
-    top-N alternatives (`logprobs=0`, what most streams ask) the empty repeated fields are not
-    passed: protobuf's keyword path costs per field, even an empty one."""
-    add = msg.logprobs.add
+def _add_logprobs(out: Outbox, msg: pb.GenerateResponse, tokens: list[int], logprobs: TokenLogprobs) -> None:
+    """`tokens`' logprobs (the first len(tokens) of `logprobs`' rows): without top-N alternatives
+    (`logprobs=0`, what most streams ask), as `msg`'s plain columns while it has no TokenLogprob
+    (Outbox.plain_of); else one TokenLogprob per token, after the plain ones put in first."""
     if not any(logprobs.top_ids):
+        plain = out.plain_of(msg, create=not msg.logprobs)
+        if plain is not None:
+            plain.extend(tokens, logprobs)
+            return
+    elif (plain := out.pop_plain(msg)) is not None:
+        plain.into(msg)
+    add = msg.logprobs.add
+    if not any(logprobs.top_ids):  # protobuf's keyword path costs per field, even an empty one
         for tok, lp, rank in zip(tokens, logprobs.logprob, logprobs.rank, strict=False):
             add(token_id=tok, logprob=lp, rank=rank)
         return

@@ -59,6 +59,7 @@ from router.validate import InvalidRequest, Limits, prepare
 log = logging.getLogger(__name__)
 
 SHUTDOWN_GRACE_S = 2.0
+YOUNG_GC_THRESHOLD = 10_000  # the router process's (`freeze_heap`); Python's default is 700
 PEER_METRICS_TIMEOUT_S = 2.0
 
 
@@ -314,7 +315,11 @@ def freeze_heap() -> None:
     thousands of objects) from the garbage collector's full passes, as vLLM's API server does.
     Call once in a router's own process when it serves: each full collection otherwise walks that
     heap (~100 ms with SmolLM2's tokenizer), stalling every stream, and at saturation full
-    collections come every few seconds."""
+    collections come every few seconds. The youngest generation is collected after YOUNG_GC_THRESHOLD
+    net new container objects, not 700: every output item and SSE event makes and drops some, and
+    with 700 a collection came every few steps, each walking the requests' live state (objects that
+    die young cost no collection; those are nearly all of a stream's)."""
     gc.collect()
     gc.freeze()
+    gc.set_threshold(YOUNG_GC_THRESHOLD, *gc.get_threshold()[1:])
 

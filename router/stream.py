@@ -11,12 +11,15 @@ before is read first: those tokens count and are not computed again). Never plac
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
+from functools import partial
+from typing import Any
 
 from protos.messages import FirstToken, OutputItem, TokenLogprobs
 from router.holds import Holds
 from router.metrics import RouterMetrics
 from router.migration import AttemptLost
-from router.request import RequestError, RequestState
+from router.request import RequestError, RequestState, Wake
 
 
 class Stream:
@@ -29,15 +32,18 @@ class Stream:
         if first is not None:
             ch = st.choices[0]
             ch.node_done = first.finished is not None  # D sends no terminal for it
-            st.decode_live = not all(c.node_done for c in st.choices)
+            st.decode_live = _node_runs_any(st)
             st.set_prompt_logprobs(first.prompt_logprobs)
             st.cached_tokens = first.cached_tokens
             complete = self._add_tokens(st, [first.token], first.logprobs)
             if first.finished or complete:
                 st.finish_choice(0, "stop" if ch.text.stopped else first.finished or ch.stop_reason)
                 self._stop_choice(st, 0)
+        sink = partial(self._take, st, asyncio.current_task())
         while not st.done:
-            self._on_item(st, await self._next_item(st))
+            item = await self._next_item(st, sink)
+            if item is not None:
+                self._on_item(st, item)
 
     def _on_item(self, st: RequestState, item: OutputItem) -> None:
         """One output item of choice `item.index`; AttemptLost when the node gave up the attempt."""
@@ -51,10 +57,11 @@ class Stream:
             for c in st.choices:  # (an item refused here: the node may still hold it, Abort goes)
                 c.node_done = True
         ch.node_done = ch.node_done or item.finish_reason is not None
-        st.decode_live = not all(c.node_done for c in st.choices)
+        st.decode_live = _node_runs_any(st)
         if ch.finish_reason is not None and item.error is None:
             return  # the router ended this choice already: late tokens
-        st.set_prompt_logprobs(item.prompt_logprobs)  # a colocated node's first item
+        if item.prompt_logprobs is not None:  # a colocated node's first item
+            st.set_prompt_logprobs(item.prompt_logprobs)
         if item.tokens and not st.num_tokens:  # since its Submit: the node's queue and compute, then the way back
             st.timeline.prefill_window(item.queue_s, item.compute_s)
         complete = self._add_tokens(st, item.tokens, item.logprobs, item.index)
@@ -79,24 +86,61 @@ class Stream:
         if len(st.choices) == 1 or ch.finish_reason is None or ch.node_done or st.done or st.decode is None:
             return
         ch.node_done = True
-        st.decode_live = not all(c.node_done for c in st.choices)
+        st.decode_live = _node_runs_any(st)
         self.holds.spawn_abort(st.decode, f"{st.node_rid}#{index}", "the choice ended at the router")
 
-    async def _next_item(self, st: RequestState) -> OutputItem:
-        """The next output item from the decode node; AttemptLost once it failed and every item it
-        sent before is read (those tokens count: they are not computed again). The loss comes as
-        the placement's `lost` future in the same queue (`RequestState.lose`), so a wait is one
-        queue get, not a task raced against the loss; an older placement's is passed over."""
+    async def _next_item(self, st: RequestState, sink: Callable[[OutputItem], None]) -> OutputItem | None:
+        """The next output item from the decode node, or None once `sink` ended the request;
+        AttemptLost once the node failed and every item it sent before is read (those tokens count:
+        they are not computed again). The loss comes as the placement's `lost` future in the same
+        queue (`RequestState.lose`), so a wait is one queue get, not a task raced against the loss;
+        an older placement's is passed over. While the queue is empty, `sink` takes the items."""
         while True:
-            item = st.events.get_nowait() if not st.events.empty() else await st.events.get()
+            if st.events.empty():
+                st.sink = sink
+                try:
+                    item = await st.events.get()
+                finally:
+                    st.sink = None
+            else:
+                item = st.events.get_nowait()
+            if isinstance(item, Wake):
+                if item.error is not None:
+                    raise item.error
+                return None
             if not isinstance(item, asyncio.Future):
                 return item
             if item is st.lost:
                 raise AttemptLost(item.result())
 
+    def _take(self, st: RequestState, driver: asyncio.Task[Any] | None, item: OutputItem) -> None:
+        """`st`'s sink: `item` handled at once in the output reader's task, as the driver would have
+        after a wake-up (that wake-up per item was most of the router's per-token cost). The driver
+        is woken only when the request ended or the item raised (it raises it). A driver already
+        cancelled (an interrupt, its deadline) never reads the item: it is queued, as before."""
+        if not st.events.empty() or driver is None or driver.cancelling():
+            st.events.put_nowait(item)
+            return
+        try:
+            self._on_item(st, item)
+        except Exception as e:  # noqa: BLE001 - raised in the driver, which handles it
+            st.sink = None
+            st.events.put_nowait(Wake(e))
+            return
+        if st.done:
+            st.sink = None
+            st.events.put_nowait(Wake())
+
     def _add_tokens(self, st: RequestState, tokens: list[int], logprobs: TokenLogprobs | None,
                     index: int = 0) -> bool:
-        before = st.num_tokens
+        sent = st.choices[index].tokens
+        before = len(sent)
         complete = st.add_tokens(tokens, logprobs, index)
-        self.metrics.tokens(st, st.num_tokens - before)
+        self.metrics.tokens(st, len(sent) - before)
         return complete
+
+
+def _node_runs_any(st: RequestState) -> bool:
+    """Whether the node may still run some choice of `st` (it has not ended them all)."""
+    choices = st.choices
+    return not choices[0].node_done if len(choices) == 1 else not all(c.node_done for c in choices)

@@ -1,9 +1,11 @@
 """The stream's SSE frames written as text (`Format.frame`) against the same chunk as a dict
-encoded (`sse(Format.chunk(...))`): byte for byte, over the chunks a stream sends."""
+encoded (`sse(Format.chunk(...))`): byte for byte, over the chunks a stream sends, and with the
+plain logprobs an event stream keeps out of its messages (router/request.py's Outbox)."""
 
 from __future__ import annotations
 
 import itertools
+import json
 
 import pytest
 
@@ -11,6 +13,7 @@ from engine.model.tiny import ByteTokenizer
 from protos import pdserve_pb2 as pb
 from router.detokenize import TokenPieces
 from router.openai_protocol import Format, sse
+from tests.router.test_outbox import BATCHES, batch_logprobs, state
 
 
 def message(text: str, ids: list[int], index: int = 0, reason: str = "", top: int = 0,
@@ -35,3 +38,27 @@ def test_frames_are_the_chunks_encoded(chat: bool, logprobs: int | None) -> None
     for first, msg in itertools.product((True, False), MESSAGES):
         assert written.frame(msg, first) == sse(encoded.chunk(msg, first))
     assert written.text_offset == encoded.text_offset
+
+
+@pytest.mark.parametrize("obj", [{"a": [1, -0.1, float("nan"), float("-inf"), None, True]},
+                                 {"t": "h\u00e9llo \"w\"\n\U0001f642\u2028\x00", "k": {}, "l": [], "n": {"x": [{}]}}])
+def test_sse_is_compact_json(obj: dict) -> None:
+    assert sse(obj) == f"data: {json.dumps(obj, separators=(',', ':'))}\n\n"
+
+
+@pytest.mark.parametrize(("chat", "logprobs"), [(False, None), (False, 0), (False, 2), (True, None), (True, 0)])
+async def test_frames_of_plain_logprobs_kept_out_are_the_whole_messages_chunks(chat: bool, logprobs: int | None) -> None:
+    pieces = TokenPieces(ByteTokenizer())
+    written, encoded = (Format(chat, "m", pieces, logprobs, id="abc", created=7) for _ in range(2))
+    kept, whole = state(), state()
+    kept.out.keeps_plain = True
+    taken = []
+    for i, (toks, values, ranks, top) in enumerate([*BATCHES, *BATCHES]):
+        for st in (kept, whole):
+            st.add_tokens(toks, batch_logprobs(values, ranks, top))
+        if i % 3 != 1:  # messages of one batch and of several
+            msg, plain = await kept.out.get(), kept.out.taken_plain
+            taken.append(plain is not None and not msg.logprobs)
+            assert written.frame(msg, i == 0, plain) == sse(encoded.chunk(await whole.out.get(), i == 0))
+    assert written.text_offset == encoded.text_offset
+    assert sum(taken) >= 4  # messages whose logprobs were all kept out

@@ -1,16 +1,18 @@
 """A request's outbox: steps that come while a token message still waits join it (the first
-message, the time to first token, stays alone; a terminal never takes tokens), in order, and the
-ITL histogram moves by n in one step as it would by n observes."""
+message, the time to first token, stays alone; a terminal never takes tokens), in order; plain
+logprobs kept beside a message go into it as they would have been added; and the ITL histogram
+moves by n in one step as it would by n observes."""
 
 from __future__ import annotations
 
 import asyncio
 
-from prometheus_client import CollectorRegistry, Histogram
+from prometheus_client import CollectorRegistry, Counter, Histogram
 
 from protos import node_pb2
+from protos import pdserve_pb2 as pb
 from protos.messages import TokenLogprobs
-from router.metrics import LATENCY_BUCKETS, observe_n
+from router.metrics import LATENCY_BUCKETS, TokenTally, observe_n
 from router.request import RequestState, is_terminal
 from router.validate import Prepared
 from tests.router.conftest import TINY
@@ -61,6 +63,34 @@ async def test_a_stop_string_inside_a_batch_cuts_it_at_the_token_that_ends_it():
     assert list(msg.token_ids) == [ord(c) for c in "bcd"] and msg.text == "b"
 
 
+BATCHES = [  # (tokens, logprobs, ranks, top-N alternatives or not)
+    ([97], [-0.1], [1], False), ([98, 99], [-1e300, float("-inf")], [2, 3], False), ([100], [-1e-46], [1], False),
+    ([101, 102], [-0.123456789, -2.0], [1, 4], True), ([103], [-3.5e38], [7], False), ([104, 105], [0.0, -0.5], [1, 1], False),
+]
+
+
+def batch_logprobs(values: list[float], ranks: list[int], top: bool) -> TokenLogprobs:
+    return TokenLogprobs(values, ranks, [[5, 6] if top else [] for _ in values], [[-1.0, -2.0] if top else [] for _ in values])
+
+
+def expected(tokens: list[int], values: list[float], ranks: list[int], top: bool) -> list[pb.TokenLogprob]:
+    return [pb.TokenLogprob(token_id=t, logprob=v, rank=r, top_ids=[5, 6] if top else [],
+                            top_logprobs=[-1.0, -2.0] if top else []) for t, v, r in zip(tokens, values, ranks, strict=True)]
+
+
+async def test_plain_logprobs_go_into_a_message_taken_as_they_would_have_been_added():
+    st = state()
+    for i, (toks, values, ranks, top) in enumerate(BATCHES):
+        st.add_tokens(toks, batch_logprobs(values, ranks, top))
+        if i in (0, 4):  # the first message; then a message with plain, top-N and plain batches in it
+            msg = await st.out.get()
+            want = [lp for b in (BATCHES[:1] if i == 0 else BATCHES[1:5]) for lp in expected(*b)]
+            assert list(msg.logprobs) == want
+    st.add_tokens([106, 107, 108], batch_logprobs([-0.25, -0.75], [1, 2], False))  # zip's pairing: 2 logprobs
+    msg = await st.out.get()
+    assert list(msg.logprobs) == expected(*BATCHES[5]) + expected([106, 107], [-0.25, -0.75], [1, 2], False)
+
+
 def test_observe_n_is_n_observes():
     one, many = (Histogram("x", "x", buckets=LATENCY_BUCKETS, registry=CollectorRegistry()) for _ in range(2))
     for value in (0.0, 0.001, 0.0010001, 0.03, 5.0, 640.0, 900.0):
@@ -69,6 +99,24 @@ def test_observe_n_is_n_observes():
         observe_n(many, value, 3)
     count = lambda h: [b.get() for b in h._buckets]  # noqa: E731
     assert count(one) == count(many) and abs(one._sum.get() - many._sum.get()) < 1e-9
+
+
+def test_a_token_tally_read_out_is_its_observes():
+    registry = CollectorRegistry()
+    one, many = (Histogram(f"x{i}", "x", buckets=LATENCY_BUCKETS, registry=registry) for i in range(2))
+    counted, tallied = (Counter(f"c{i}", "c", registry=registry) for i in range(2))
+    tally = TokenTally(tallied, many)
+    for n, gap in ((4, None), (1, None), (3, 0.0), (2, 0.001), (4, 0.0010001), (1, 5.0), (2, 900.0)):
+        counted.inc(n)
+        for _ in range(n if gap is not None else 0):
+            one.observe(gap)
+        tally.add(n, gap)
+        if n == 4:
+            tally.flush()  # read out between adds too
+    tally.flush()
+    count = lambda h: [b.get() for b in h._buckets]  # noqa: E731
+    assert count(one) == count(many) and abs(one._sum.get() - many._sum.get()) < 1e-9
+    assert counted._value.get() == tallied._value.get() == 17
 
 
 async def test_choices_of_an_n_request_never_share_a_message_and_the_first_carries_prompt_logprobs():
