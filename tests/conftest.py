@@ -30,20 +30,18 @@ if os.environ.get("TRITON_INTERPRET") == "1":
 # loopback instead of swapping in the host's outward address (tests/deploy/test_multinode.py).
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 
-# The tests that share the e2e session cluster (tests/e2e's `ray_cluster`): one work unit, in one
-# process. The multi-raylet cluster of tests/deploy/test_multinode.py is a unit of its own: a
-# process drives one cluster at a time, and its module starts and stops its own (free ports, its
-# own temp dir), so it may run beside the e2e cluster in the other worker.
-RAY_DRIVER_TESTS = ("tests/e2e/",)
+# The tests that run a Ray driver in the test process: the e2e session cluster (tests/e2e) and
+# the multi-raylet cluster (tests/deploy/test_multinode.py) take turns in one process (beside each
+# other, two clusters' actors would share the two cores).
+RAY_DRIVER_TESTS = ("tests/e2e/", "tests/deploy/test_multinode.py")
 # Work units that take minutes on 2 cores whatever their test count (xdist orders by count).
-LONG_UNITS = ("ray", "tests/kernels/test_engine_path.py", "tests/deploy/test_multinode.py",
-              "tests/engine/test_tensor_parallel.py", "tests/bench/test_host.py", "tests/decode_node/test_pd_nodes.py",
-              "tests/decode_node/test_tp_nodes.py")
+LONG_UNITS = ("ray", "tests/kernels/test_engine_path.py", "tests/engine/test_tensor_parallel.py",
+              "tests/bench/test_host.py", "tests/decode_node/test_pd_nodes.py", "tests/decode_node/test_tp_nodes.py")
 
 
 @pytest.hookimpl(optionalhook=True)
 def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
-    """Under pytest-xdist (`make test` runs `-n 2`): every e2e test in one work unit, kept
+    """Under pytest-xdist (`make test` runs `-n 2`): every Ray driver test in one work unit, kept
     in order and scheduled first (the largest unit; it mostly waits on actors), and one unit
     per test module otherwise (module fixtures load once), handed out as workers free up, the
     `LONG_UNITS` first."""

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 
+import pytest
 import torch
 
 from bench import acceptance as bench_acceptance
@@ -23,4 +24,7 @@ def test_bench_acceptance_reports_exactness_and_coverage(tiny, tmp_path):
     assert result["same_tokens_as_plain"] and result["draft_vocab"] == 300
     assert 0.0 <= result["draft_vocab_coverage"] <= 1.0
     assert result["decode_tokens_per_s_plain"] > 0 and result["decode_tokens_per_s_mtp"] > 0
-    assert result["decode_speedup"] == round(result["decode_tokens_per_s_mtp"] / result["decode_tokens_per_s_plain"], 3)
+    # the ratio of the unrounded rates, to 3 places: the reported rates are rounded to 2, so their own
+    # ratio may land on the other side of a rounding boundary (seen: 0.406 against 0.405)
+    ratio = result["decode_tokens_per_s_mtp"] / result["decode_tokens_per_s_plain"]
+    assert result["decode_speedup"] == pytest.approx(ratio, abs=1e-3)
