@@ -100,6 +100,7 @@ class PrefillGraphs:
         self.pending: list[PrefillKey] = []
         self._eager_runs: dict[PrefillKey, int] = {}  # deferred keys' eager steps so far
         self.last_eager = False  # whether the last `run` ran eagerly (no graph held it)
+        self._covers: dict[PrefillKey, PrefillKey | None] = {}  # `cover`'s answers until the next capture
 
     def fits(self, num_tokens: int, num_rows: int) -> bool:
         return num_tokens <= self.token_buckets[-1] and num_rows <= self.row_buckets[-1]
@@ -134,10 +135,7 @@ class PrefillGraphs:
                 if cover is None:
                     return self._eager(key, chunks, on_layer, on_first, masks, words)
                 key = cover
-        inp = self._inputs(key)
-        inp.fill_no_sync(chunks)
-        if key.constrained:
-            inp.fill_mask_no_sync(masks, words)
+        inp = self._filled(key, chunks, masks, words)
         # No per-layer events in graphs: an event a graph's node records cannot be waited on from outside
         # before that node runs (the wait, or a host sync, sees the previous replay's record), so a KV
         # sender that waited on layer i's event could read layer i before this replay wrote it (wrong
@@ -163,13 +161,19 @@ class PrefillGraphs:
         """The step at its own buckets with no graph (`last_eager`)."""
         self._eager_runs[key] = self._eager_runs.get(key, 0) + 1
         self.last_eager = True
+        inp = self._filled(key, chunks, masks, words)
+        hook = (lambda i: on_layer(i, None)) if on_layer is not None else None
+        with self._kernel_mode():
+            return prefill_forward(self.runner, inp, key, hook, on_first=on_first)
+
+    def _filled(self, key: PrefillKey, chunks: list[PrefillChunk], masks: torch.Tensor | None,
+                words: int) -> PrefillInputs:
+        """`key`'s bucket inputs holding `chunks` (and, constrained, their first tokens' masks)."""
         inp = self._inputs(key)
         inp.fill_no_sync(chunks)
         if key.constrained:
             inp.fill_mask_no_sync(masks, words)
-        hook = (lambda i: on_layer(i, None)) if on_layer is not None else None
-        with self._kernel_mode():
-            return prefill_forward(self.runner, inp, key, hook, on_first=on_first)
+        return inp
 
     def cover(self, key: PrefillKey) -> PrefillKey | None:
         """The smallest captured key whose graph runs a step of `key` padded: buckets at least as
@@ -179,11 +183,15 @@ class PrefillGraphs:
         batch; so never with batch-invariant kernels, whose steps keep their own bucket's bits."""
         if self.runner.deterministic:
             return None
+        if key in self._covers:  # a busy node meets the same keys step after step
+            return self._covers[key]
         fits = [k for k in self.graphs if k.tokens >= key.tokens and k.rows >= key.rows and k.max_q >= key.max_q
                 and (k.all_greedy, k.needs_filter, k.fresh, k.constrained)
                 == (key.all_greedy, key.needs_filter, key.fresh, key.constrained)
                 and (key.top_logprobs is None or k.top_logprobs == key.top_logprobs)]
-        return min(fits, key=lambda k: (k.tokens, k.rows, k.max_q, k.top_logprobs is not None), default=None)
+        found = min(fits, key=lambda k: (k.tokens, k.rows, k.max_q, k.top_logprobs is not None), default=None)
+        self._covers[key] = found
+        return found
 
     def capture_deferred(self, max_model_len: int) -> bool:
         """Capture one key a deferred step ran eagerly (`capture_key`); False when none is pending."""
@@ -237,6 +245,7 @@ class PrefillGraphs:
                 prefill_tail(r, inp, key, head, out)
         self.graphs[key] = (graph, tail, out, events)
         self.shapes.add(key.shape)
+        self._covers.clear()  # a smaller graph may hold some keys now
 
     def _kernel_mode(self) -> AbstractContextManager[None]:
         """The runner's kernel mode (batch-invariant with `--deterministic`). The runner's own
