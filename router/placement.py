@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -43,10 +43,13 @@ MAX_DRAFTS = 64  # bound on drafts in a first-token message (the router ignores 
 @dataclass(frozen=True)
 class Prefilled:
     """A Prefill call's end on `node`: its first token, or None when the node was unavailable
-    (the caller tries another)."""
+    (the caller tries another). `confirm`: with an overlapped reservation, the check that P took
+    D's descriptor (Attach), awaited once the first token is on its way to the client (its
+    failure, AttemptLost, moves the request on after that token, as a decode node's loss does)."""
 
     node: Node
     first: FirstToken | None
+    confirm: Callable[[], Awaitable[None]] | None = None
 
 
 @dataclass(frozen=True)
@@ -75,8 +78,9 @@ class Placement:
         st.attempt += 1
         await self.admission.reserve(st, st.attempt, st.resume_prompt(), st.resume_sampling(), "colocated")
 
-    async def place(self, st: RequestState) -> FirstToken:
-        """Reserve on D and prefill on P (retrying another P when one is unavailable); P's first token."""
+    async def place(self, st: RequestState) -> Prefilled:
+        """Reserve on D and prefill on P (retrying another P when one is unavailable): P's first
+        token (never None here) and what must be confirmed after it (`Prefilled.confirm`)."""
         tried: dict[str, str] = {}
         prompt, sampling = st.resume_prompt(), st.resume_sampling()
         for _ in range(self.config.prefill_retries + 1):
@@ -86,7 +90,7 @@ class Placement:
             if isinstance(done, ReserveFirst):  # others wait in the queue, no node admitted, or a TP P
                 done = await self._place_in_turn(st, prompt, sampling, tried, asked=done.asked)
             if done.first is not None:
-                return done.first
+                return done
             st.timeline.lap("prefill_queue")  # a failed call: the request waited for a prefill it did not get
             tried[done.node.address] = done.node.last_error or "unavailable"
             await self.holds.abort_decode(st, "the prefill node failed; retrying elsewhere")
@@ -117,8 +121,8 @@ class Placement:
         """Prefill without a descriptor while reserving on a decode node, then hand P the descriptor
         (Attach). When no decode node admitted at once, P's job is given up and the caller reserves
         first (queueing), without asking them again unless capacity news came since; so too when
-        the prefill node takes no Attach (tensor parallel). AttemptLost when P could not take the
-        descriptor."""
+        the prefill node takes no Attach (tensor parallel). Whether P took the descriptor is learnt
+        after the first token went out (`Prefilled.confirm`: AttemptLost when it did not)."""
         prefill, work = self._choose_prefill(prompt, exclude=tried)
         if prefill.status is None or not prefill.status.takes_attach:  # a TP prefill node: reserve first
             return ReserveFirst(None)
@@ -150,12 +154,11 @@ class Placement:
         except BaseException:
             attach.cancel()
             raise
-        if first is not None:
-            await self._attached(prefill, rid, attach)
-            st.timeline.lap("reserve")  # what the call did not hide of the reservation, the descriptor's hand-off
-        else:
+        if first is None:
             attach.cancel()
-        return Prefilled(prefill, first)
+            return Prefilled(prefill, None)
+        st.timeline.lap("reserve")  # where the first token came before the reservation: its wait for it
+        return Prefilled(prefill, first, lambda: self._attached(prefill, rid, attach))
 
     async def _attached(self, prefill: Node, rid: str, attach: asyncio.Future) -> None:
         """The Attach call's end; AttemptLost when P did not take the descriptor (its KV and first

@@ -216,14 +216,14 @@ class Router:
             async with asyncio.timeout(st.prep.timeout_s):
                 while True:
                     try:
-                        first = None
                         if not await self.admission.await_listed():
                             raise RequestError("UNAVAILABLE", "the service lists no node (is it starting?)")
                         if self.placement.colocated:
                             await self.placement.place_colocated(st)
+                            await self.stream.run(st, None)
                         else:
-                            first = await self.placement.place(st)
-                        await self.stream.run(st, first)
+                            placed = await self.placement.place(st)
+                            await self.stream.run(st, placed.first, placed.confirm)
                         return
                     except AttemptLost as e:
                         self.migration.move(st, str(e))

@@ -11,7 +11,7 @@ before is read first: those tokens count and are not computed again). Never plac
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from functools import partial
 from typing import Any
 
@@ -26,9 +26,12 @@ class Stream:
     def __init__(self, metrics: RouterMetrics, holds: Holds) -> None:
         self.metrics, self.holds = metrics, holds
 
-    async def run(self, st: RequestState, first: FirstToken | None) -> None:
+    async def run(self, st: RequestState, first: FirstToken | None,
+                  confirm: Callable[[], Awaitable[None]] | None = None) -> None:
         """Stream the first token (from P; None on a colocated node, where it is an output item
-        too), then the node's output items until every choice has ended (router/request.py)."""
+        too), then the node's output items until every choice has ended (router/request.py).
+        `confirm` (placement.py's `Prefilled.confirm`) runs once the first token is out: the decode
+        node sends nothing before it holds the KV, so no later token waits for it."""
         if first is not None:
             ch = st.choices[0]
             ch.node_done = first.finished is not None  # D sends no terminal for it
@@ -39,6 +42,12 @@ class Stream:
             if first.finished or complete:
                 st.finish_choice(0, "stop" if ch.text.stopped else first.finished or ch.stop_reason)
                 self._stop_choice(st, 0)
+        if confirm is not None:
+            try:
+                await confirm()
+            except AttemptLost:
+                if not st.done:  # a request that ended with its first token needs nothing more of P
+                    raise
         sink = partial(self._take, st, asyncio.current_task())
         while not st.done:
             item = await self._next_item(st, sink)

@@ -10,7 +10,7 @@ clock readings of another host) with its first token; `split_window` fits them i
 own measurement of the call that carried them, so a bad or late figure from the network can move
 time between parts but never change their sum. Where two things ran at once (with
 `overlap_reserve`, the Reserve alongside the Prefill call), the part on the critical path is the
-call, and the reservation counts only for what the call did not hide. Never blocks, never talks
+call: the first token does not wait for the reservation's hand-off to the prefill node. Never blocks, never talks
 to a node.
 """
 

@@ -24,6 +24,10 @@
 #               nodes; on four GPUs e.g. LAYOUTS="prefill=1,decode=3,kv_transfer.backend=ipc colocated=4")
 #               on the same requests. ARGS: some of tp kv service (default all), then `--` and bench serve
 #               flags for service (default: real SmolLM2, k = 3, 1536 in / 128 out)
+#   chaos       the chaos suite (`bench chaos`) on the GPU service: ARGS: GPUS (1: the default, every node
+#               shares GPU 0; 2: prefill on one, decode on the other), KV (ipc: the default, tcp or ucx),
+#               then flags for bench chaos (default: tiny, --deterministic, 2,000 requests at twice what
+#               the decode nodes hold, node kills every 4 s, a router kill every 60 s, 8 minutes at most)
 #   bundle      here, not on a device: the wheels and the GGUF the stages need, as .bundle/
 #
 # The GPU machines lack some of what the stages import; each stage takes the pieces of the bundle
@@ -232,6 +236,26 @@ multi_pieces() {  # PARTS...: the bundle's pieces they need (the real model's GG
   [[ " $* " == *" kv "* && " ${KV_BACKENDS:-} " == *" ucx "* || ${KV:-} == ucx ]] && pieces+=(ucx)
   echo "${pieces[@]}"
 }
+stage_chaos() {
+  local gpus=${1:-1} kv=${2:-ipc} share=0.5 flags
+  shift $(($# < 2 ? $# : 2))
+  [[ $gpus =~ ^[12]$ && $kv =~ ^(tcp|ucx|ipc)$ ]] || { echo "chaos takes GPUS 1 or 2, then KV tcp, ucx or ipc" >&2; exit 2; }
+  [[ $gpus == 1 ]] && share=0.25  # two prefill and two decode nodes on one GPU
+  flags=(--model tiny --deterministic --requests 2000 --max-output 128 --kill-every 4 --router-restart-every 60
+         --progress-s 10 --timeout-s 480)
+  [[ $# -gt 0 ]] && flags=("$@")
+  if [[ $kv == ucx ]]; then device base service ucx; else device base service; fi
+  [[ $(nvidia-smi -L | wc -l) -ge $gpus ]] || { echo "chaos on $gpus GPUs needs $gpus" >&2; exit 1; }
+  touch "$OUT/.chaos.start"
+  timeout 560 python3 -m deploy.cli bench chaos --device cuda --prefill 2 --decode 2 --set prefill.num_gpus=$share \
+    --set decode.num_gpus=$share --set kv_transfer.backend="$kv" "${flags[@]}" --json "$OUT/chaos.json" \
+    > "$OUT/chaos.log" 2>&1
+  local rc=$?
+  node_logs "$OUT/.chaos.start" > "$OUT/chaos.nodes.log"
+  grep -c "ended (" "$OUT/chaos.log" | sed 's/^/progress lines: /'
+  tail -n 30 "$OUT/chaos.log"
+  return $rc
+}
 stage_multi_gpu() {
   local parts=() part
   while [[ $# -gt 0 && $1 != -- ]]; do parts+=("$1"); shift; done
@@ -262,6 +286,7 @@ case $stage in
   real-model) stage_real_model "$@" ;;
   service) stage_service "$@" ;;
   multi-gpu) stage_multi_gpu "$@" ;;
+  chaos) stage_chaos "$@" ;;
   bundle) bundle_make ;;
   *) [[ -n $stage ]] && echo "unknown stage: $stage" >&2; usage ;;
 esac

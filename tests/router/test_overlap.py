@@ -48,12 +48,15 @@ async def test_no_room_on_a_decode_node_gives_the_prefill_up_and_queues_without_
         await c.settled()
 
 
-async def test_a_refused_attach_moves_the_request():
+async def test_a_refused_attach_moves_the_request_after_its_first_token():
+    """The first token goes out before the Attach is confirmed; a refused one moves the request on
+    from that token (the second prefill's prompt holds it), as a decode node's loss would."""
     async with cluster() as c:
         p, d = c.prefill[0], c.decode[0]
         p.refuse_attaches = 1
         msgs = await collect(c, prompt="ab", max_tokens=5)
-        assert text(msgs) == "chell" and msgs[-1].finished.reason == "length"
+        assert text(msgs) == "c" + "dhel" and msgs[-1].finished.reason == "length"
+        assert [len(q) for q, _ in p.prompts] == [3, 4]
         first, second = p.attaches
         await p.until(lambda: first in p.aborts)  # P drops the job it would hold until the KV timeout
         await d.until(lambda: first in d.aborts)  # and the first reservation went back

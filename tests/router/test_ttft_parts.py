@@ -122,5 +122,9 @@ def test_each_requests_parts_add_up_to_its_ttft(service, door):
     assert sum(parts.values()) == pytest.approx(ttft, abs=1e-6)
     assert 0 < ttft < waited  # inside the client's own wait for the whole answer
     assert parts["prefill"] > 0, parts  # the node's compute came back with the first token
-    assert parts["reserve"] > 0 and parts["write"] > 0, parts
+    assert parts["write"] > 0, parts
+    if not (service.mode == "pd" and service.router.config.overlap_reserve):
+        # reserved alongside the prefill call, the reservation shows only where it outlasted the
+        # call: the first token does not wait for P to take the descriptor (`Prefilled.confirm`)
+        assert parts["reserve"] > 0, parts
     assert service.blocks_back()
