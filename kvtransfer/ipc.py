@@ -100,6 +100,15 @@ class _Copier:
                 warm_up_kernel(torch.zeros(2 * nbytes, dtype=torch.uint8, device=self.device), nbytes)
         self.stream.synchronize()
 
+    def warm_tables(self, pool: peer_pool.PeerPool, local: KVLayout) -> None:
+        """A new pool's address tables for the layer sets a prefill pushes most: each layer alone
+        (queued as it is computed) and all of them (queued together)."""
+        if self.stream is None:
+            return
+        every = list(range(local.num_layers))
+        for layers in [[layer] for layer in every] + [every]:
+            self._table(pool, local, layers)
+
     def blocks_for(self, src_blocks: list[int], dst_blocks: list[int]) -> Any:
         """The two block lists as ``copy`` takes them: on CUDA one device tensor."""
         if self.stream is None:
@@ -152,9 +161,13 @@ class IpcSender(TcpSender):
         if link.pool.done():
             return
         try:
-            link.pool.set_result(peer_pool.PeerPool.open(msg, self.layout))
+            pool = peer_pool.PeerPool.open(msg, self.layout)
         except peer_pool.PoolError as exc:
             link.pool.set_exception(exc)
+            return
+        assert self._copier is not None
+        self._copier.warm_tables(pool, self.layout)
+        link.pool.set_result(pool)
 
     async def _send_layers(self, out: _Out, group: list[tuple[Any, ...]]) -> None:
         """The group's layers in one batched copy into the receiver's blocks."""
@@ -162,6 +175,8 @@ class IpcSender(TcpSender):
         assert isinstance(out.link, _PoolConn) and self.layout is not None and self._copier is not None
         pool = await asyncio.wait_for(asyncio.shield(out.link.pool), POOL_WAIT_S)
         dst = out.desc["blocks"]
+        if not dst:  # nothing to copy (a priming transfer: it came for the pool, open now)
+            return
         blocks = self._blocks.get(out.rid)
         if blocks is None or blocks[0] is not src:  # once a request: its block lists
             pool.check_blocks(dst)
