@@ -16,6 +16,9 @@ import msgpack
 from decode_node.colocated import ColocatedNode
 from decode_node.node import DecodeNode
 from decode_node.synthetic import SyntheticNode
+from engine.tp.channel import Lockstep
+from kvtransfer import TransferError
+from kvtransfer.prime import expect_prime
 from protos import node_pb2, node_pb2_grpc
 from protos.convert import check_request_id, sampling_from_proto, unpack_token_ids
 from protos.messages import FirstToken, MessageError, pack_outputs
@@ -47,6 +50,17 @@ class DecodeServicer(node_pb2_grpc.DecodeControlServicer):
             context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, res.reason)
         data = msgpack.packb(res.descriptor, use_bin_type=True) if res.admitted else b""
         return node_pb2.ReserveReply(admitted=res.admitted, reason=res.reason, descriptor_msgpack=data)
+
+    def Prime(self, request, context):
+        refuse_if_failed(self.node, context)
+        if isinstance(self.node, Lockstep):  # each rank would need its own: their first request opens them
+            context.abort(grpc.StatusCode.UNIMPLEMENTED, "this decode node (tensor parallel) takes no priming transfer")
+        try:  # no block reserved, so not the loop's business: the receiver takes `expect` from any thread
+            layers = list(range(self.node.num_layers))
+            descriptor = expect_prime(self.node.receiver, check_request_id(request.request_id), layers)
+        except (ValueError, TransferError) as e:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        return node_pb2.ReserveReply(admitted=True, descriptor_msgpack=msgpack.packb(descriptor, use_bin_type=True))
 
     def FirstToken(self, request, context):
         try:

@@ -124,5 +124,6 @@ class RouterActor:
                 "colocated_nodes": h.colocated_nodes,
                 "running_requests": h.running_requests, "queued_requests": self.router.num_queued,
                 "migrations": self.router.migrations, "terminals": dict(self.router.counts), **process_memory(),
+                "primed_pairs": self.router.pool.primer.primed, "prime_failures": self.router.pool.primer.failed,
                 "nodes": nodes, "node_failures": list(self.router.pool.recent_downs),
                 "ray_node_id": ray.get_runtime_context().get_node_id()}

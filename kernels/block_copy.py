@@ -49,6 +49,20 @@ def copy_blocks(src_ptrs: torch.Tensor, dst_ptrs: torch.Tensor, src_blocks: torc
         _block_copy_kernel[grid](src_ptrs, dst_ptrs, src_blocks, dst_blocks, words, CHUNK=CHUNK)
 
 
+def warm_up(scratch: torch.Tensor, block_bytes: int) -> None:
+    """Compile and load the kernel for blocks of ``block_bytes`` before a transfer needs it: copies
+    block 0 of ``scratch`` (two blocks, flat uint8) onto its block 1, once per alignment
+    of the arguments. Triton compiles one kernel per 16-byte alignment of each pointer argument,
+    and a transfer's table or block list sliced after an odd count is 8 bytes off. Queued on the
+    current stream; ``scratch`` must live until it ran."""
+    base = scratch.data_ptr()
+    for planes, blocks in ((1, 1), (1, 2), (2, 1), (2, 2)):
+        table = torch.tensor([base] * planes + [base + block_bytes] * planes, dtype=torch.int64,
+                             device=scratch.device)
+        ids = torch.zeros(2 * blocks, dtype=torch.int64, device=scratch.device)  # block 0 of either plane
+        copy_blocks(table[:planes], table[planes:], ids[:blocks], ids[blocks:], block_bytes)
+
+
 def copy_blocks_reference(src: list[torch.Tensor], dst: list[torch.Tensor], src_blocks: list[int],
                           dst_blocks: list[int], block_bytes: int) -> None:
     """``copy_blocks`` over flat uint8 planes given as tensors (what the tables point at)."""

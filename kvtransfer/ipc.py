@@ -11,6 +11,9 @@ grow with its layer or block count.
 Control is tcp's (one connection per receiver, the same framed messages): ``begin``, then at
 ``finish`` (once the last copy completed) the receiver acknowledges. On the first
 authenticated ``begin`` of a connection the receiver answers ``pool``: how to open its memory.
+The router primes each pair of nodes before it chooses them (``prime.py``: a transfer of no
+blocks), so that opening and the connection are paid before the first request; the copy kernel
+is compiled and loaded at ``register``.
 
 Trust: the receiver opens its whole cache to a sender that presents one introduced transfer's
 token, so a sender could write blocks beyond its descriptor's. Use it between nodes of one
@@ -28,6 +31,7 @@ from typing import Any
 import torch
 
 from kernels.block_copy import WORD, copy_blocks, copy_blocks_reference
+from kernels.block_copy import warm_up as warm_up_kernel
 from kvtransfer import peer_pool, wire
 from kvtransfer.base import TransferError, TransferState
 from kvtransfer.layout import KVLayout
@@ -83,6 +87,28 @@ class _Copier:
             done.record(self.stream)
         return done
 
+    def warm_up(self, local: KVLayout) -> None:
+        """Before the first transfer: the copy kernel compiled and loaded for every block size of
+        ``local`` (a first transfer would wait for it), and the pinned staging of block lists
+        started. Scratch blocks only: nothing of the cache or of a peer is touched."""
+        if self.stream is None:
+            return
+        sizes = sorted({n for i in range(local.num_layers) for n in local.block_bytes(i)})
+        with torch.cuda.device(self.device), torch.cuda.stream(self.stream):
+            self.blocks_for([0], [0])
+            for nbytes in sizes:
+                warm_up_kernel(torch.zeros(2 * nbytes, dtype=torch.uint8, device=self.device), nbytes)
+        self.stream.synchronize()
+
+    def warm_tables(self, pool: peer_pool.PeerPool, local: KVLayout) -> None:
+        """A new pool's address tables for the layer sets a prefill pushes most: each layer alone
+        (queued as it is computed) and all of them (queued together)."""
+        if self.stream is None:
+            return
+        every = list(range(local.num_layers))
+        for layers in [[layer] for layer in every] + [every]:
+            self._table(pool, local, layers)
+
     def blocks_for(self, src_blocks: list[int], dst_blocks: list[int]) -> Any:
         """The two block lists as ``copy`` takes them: on CUDA one device tensor."""
         if self.stream is None:
@@ -126,6 +152,7 @@ class IpcSender(TcpSender):
             raise TransferError(f"ipc on CUDA copies 16-byte words; blocks of {odd[0]} bytes are not")
         super().register(layout)
         self._copier = _Copier(layout.device)
+        self._copier.warm_up(layout)  # the pool, the other first-use cost, opens at priming (prime.py)
 
     def _on_link_message(self, link: _Conn, msg: dict[str, Any]) -> None:
         if msg["t"] != "pool":
@@ -134,9 +161,13 @@ class IpcSender(TcpSender):
         if link.pool.done():
             return
         try:
-            link.pool.set_result(peer_pool.PeerPool.open(msg, self.layout))
+            pool = peer_pool.PeerPool.open(msg, self.layout)
         except peer_pool.PoolError as exc:
             link.pool.set_exception(exc)
+            return
+        assert self._copier is not None
+        self._copier.warm_tables(pool, self.layout)
+        link.pool.set_result(pool)
 
     async def _send_layers(self, out: _Out, group: list[tuple[Any, ...]]) -> None:
         """The group's layers in one batched copy into the receiver's blocks."""
@@ -144,6 +175,8 @@ class IpcSender(TcpSender):
         assert isinstance(out.link, _PoolConn) and self.layout is not None and self._copier is not None
         pool = await asyncio.wait_for(asyncio.shield(out.link.pool), POOL_WAIT_S)
         dst = out.desc["blocks"]
+        if not dst:  # nothing to copy (a priming transfer: it came for the pool, open now)
+            return
         blocks = self._blocks.get(out.rid)
         if blocks is None or blocks[0] is not src:  # once a request: its block lists
             pool.check_blocks(dst)

@@ -11,6 +11,9 @@ from typing import Any
 import grpc
 import msgpack
 
+from engine.tp.channel import Lockstep
+from kvtransfer import TransferError, TransferState
+from kvtransfer.prime import prime
 from prefill_node.node import NeverFits, PrefillJob, PrefillNode
 from protos import node_pb2, node_pb2_grpc
 from protos.convert import check_request_id, sampling_from_proto, unpack_token_ids
@@ -51,6 +54,7 @@ class DecodeClients:
 # attaches the descriptor when the job comes; a failure then (a bad descriptor, an abort, no job
 # within the KV timeout) ends the job, which its Prefill call or the decode node's KV timeout reports.
 ATTACH_WAIT_S = 0.25
+PRIME_WAIT_S = 60.0  # the most a Prime call holds a server thread, whatever its caller's deadline
 
 
 class PrefillServicer(node_pb2_grpc.PrefillControlServicer):
@@ -116,6 +120,21 @@ class PrefillServicer(node_pb2_grpc.PrefillControlServicer):
         except futures.TimeoutError:
             pass  # queued: its job has not come in yet, or the node is mid-step (ATTACH_WAIT_S)
         return node_pb2.Ack(ok=True)
+
+    def Prime(self, request, context):
+        refuse_if_failed(self.node, context)
+        if isinstance(self.node, Lockstep):  # each rank would need its own: their first request opens them
+            context.abort(grpc.StatusCode.UNIMPLEMENTED, "this prefill node (tensor parallel) takes no priming transfer")
+        try:  # on this thread, not the loop's: the transfer holds no block, its lease's end frees nothing
+            rid = check_request_id(request.request_id)
+            descriptor = _descriptor(request.descriptor_msgpack, request.decode_address)
+            remaining = context.time_remaining()
+            timeout = remaining if remaining is not None and remaining < PRIME_WAIT_S else PRIME_WAIT_S
+            status = prime(self.node.sender, rid, descriptor, timeout)
+        except (ValueError, TransferError, msgpack.UnpackException) as e:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        ok = status.state is TransferState.DONE
+        return node_pb2.Ack(ok=ok, reason="" if ok else status.reason or f"still {status.state.value} at the deadline")
 
     def Abort(self, request, context):
         self.node.abort(request.request_id, request.reason or "aborted by router")

@@ -125,6 +125,12 @@ class StatusRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
+class PrimeRequest(_message.Message):
+    __slots__ = ("request_id",)
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    def __init__(self, request_id: _Optional[str] = ...) -> None: ...
+
 class NodeStatus(_message.Message):
     __slots__ = ("node_id", "kind", "healthy", "free_blocks", "total_blocks", "running", "queued_tokens", "num_speculative_tokens", "prefill_tokens", "prefill_seconds", "kv_bytes", "kv_seconds", "draft_tokens", "accepted_per_pos", "prefix_requests", "prefix_hit_requests", "prefix_query_tokens", "prefix_hit_tokens", "cached_blocks", "evicted_blocks", "kv_skipped_bytes", "shared_blocks", "takes_attach", "kv_seconds_buckets", "cold_shape_steps", "graph_shapes_pending", "spec_decode_steps")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]

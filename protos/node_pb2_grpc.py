@@ -59,6 +59,11 @@ class DecodeControlStub:
                 request_serializer=protos_dot_node__pb2.StatusRequest.SerializeToString,
                 response_deserializer=protos_dot_node__pb2.NodeStatus.FromString,
                 _registered_method=True)
+        self.Prime = channel.unary_unary(
+                '/pdserve.node.v1.DecodeControl/Prime',
+                request_serializer=protos_dot_node__pb2.PrimeRequest.SerializeToString,
+                response_deserializer=protos_dot_node__pb2.ReserveReply.FromString,
+                _registered_method=True)
 
 
 class DecodeControlServicer:
@@ -97,6 +102,14 @@ class DecodeControlServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Prime(self, request, context):
+        """A priming transfer's descriptor: no blocks, every layer (kvtransfer/prime.py). The router
+        hands it to each prefill node's Prime before choosing the two for a request.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_DecodeControlServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -124,6 +137,11 @@ def add_DecodeControlServicer_to_server(servicer, server):
                     servicer.Status,
                     request_deserializer=protos_dot_node__pb2.StatusRequest.FromString,
                     response_serializer=protos_dot_node__pb2.NodeStatus.SerializeToString,
+            ),
+            'Prime': grpc.unary_unary_rpc_method_handler(
+                    servicer.Prime,
+                    request_deserializer=protos_dot_node__pb2.PrimeRequest.FromString,
+                    response_serializer=protos_dot_node__pb2.ReserveReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -271,6 +289,33 @@ class DecodeControl:
             metadata,
             _registered_method=True)
 
+    @staticmethod
+    def Prime(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdserve.node.v1.DecodeControl/Prime',
+            protos_dot_node__pb2.PrimeRequest.SerializeToString,
+            protos_dot_node__pb2.ReserveReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
 
 class PrefillControlStub:
     """Missing associated documentation comment in .proto file."""
@@ -300,6 +345,11 @@ class PrefillControlStub:
                 '/pdserve.node.v1.PrefillControl/Status',
                 request_serializer=protos_dot_node__pb2.StatusRequest.SerializeToString,
                 response_deserializer=protos_dot_node__pb2.NodeStatus.FromString,
+                _registered_method=True)
+        self.Prime = channel.unary_unary(
+                '/pdserve.node.v1.PrefillControl/Prime',
+                request_serializer=protos_dot_node__pb2.AttachRequest.SerializeToString,
+                response_deserializer=protos_dot_node__pb2.Ack.FromString,
                 _registered_method=True)
 
 
@@ -335,6 +385,15 @@ class PrefillControlServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Prime(self, request, context):
+        """Run a priming transfer to the decode node (the descriptor from its Prime): its connection,
+        and with ipc its KV memory mapped here, are then ready for the first request. Answers once
+        the transfer ended (`ok` false with the reason when it failed).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_PrefillControlServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -357,6 +416,11 @@ def add_PrefillControlServicer_to_server(servicer, server):
                     servicer.Status,
                     request_deserializer=protos_dot_node__pb2.StatusRequest.FromString,
                     response_serializer=protos_dot_node__pb2.NodeStatus.SerializeToString,
+            ),
+            'Prime': grpc.unary_unary_rpc_method_handler(
+                    servicer.Prime,
+                    request_deserializer=protos_dot_node__pb2.AttachRequest.FromString,
+                    response_serializer=protos_dot_node__pb2.Ack.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -467,6 +531,33 @@ class PrefillControl:
             '/pdserve.node.v1.PrefillControl/Status',
             protos_dot_node__pb2.StatusRequest.SerializeToString,
             protos_dot_node__pb2.NodeStatus.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Prime(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdserve.node.v1.PrefillControl/Prime',
+            protos_dot_node__pb2.AttachRequest.SerializeToString,
+            protos_dot_node__pb2.Ack.FromString,
             options,
             channel_credentials,
             insecure,

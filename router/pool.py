@@ -19,6 +19,8 @@ Health rules:
   on it, and it is re-subscribed once a `Status` succeeds again.
 - A colocated node (prefill and decode of its own requests, one process) streams its outputs
   as a decode node does, and is treated as one by every rule above.
+- A prefill or decode node that came up is selectable once its pairs with every node of the other
+  kind that is up were primed (router/priming.py: their KV path opened before a request needs it).
 Never blocks the event loop; every RPC here has a deadline.
 """
 
@@ -41,6 +43,7 @@ from protos.serving import with_secret
 from protos.tls import NodeTls, node_aio_channel
 from router.directory import KINDS, Kind, NodeDirectory
 from router.policy import NodeLoad
+from router.priming import Primer
 
 log = logging.getLogger(__name__)
 
@@ -65,6 +68,7 @@ class Node:
     heard_at: float = float("-inf")  # the event loop's time of the node's latest answer of any kind
     status_failures: Counter[str] = field(default_factory=Counter)  # failed Status calls by gRPC code name
     downs: int = 0  # times this router took the node out of service
+    primed: bool = False  # prefill, decode: its pairs with the nodes up of the other kind were primed
     removed: bool = False
     subscription: asyncio.Task[None] | None = field(default=None, repr=False)
 
@@ -112,6 +116,7 @@ class NodePool:
         self.downs: Counter[str] = Counter()  # nodes taken out of service, by kind (/metrics)
         # the latest of them, newest last: {"at": unix time, "kind", "address", "reason"} (`pdserve status`)
         self.recent_downs: deque[dict[str, Any]] = deque(maxlen=RECENT_DOWNS)
+        self.primer = Primer(rpc_timeout_s, self.spawn)
 
     # ---- lifecycle ----------------------------------------------------------------------
     async def start(self) -> None:
@@ -143,10 +148,27 @@ class NodePool:
         self._round += 1
         self._reconcile()
         await asyncio.gather(*(self._probe(n) for n in list(self.nodes.values())))
+        await self._prime()
         self.on_capacity()
 
     def healthy(self, kind: Kind) -> list[Node]:
+        """The selectable nodes of `kind`: up and (prefill, decode) primed."""
+        return [n for n in self._up(kind) if n.primed or kind == "colocated"]
+
+    def _up(self, kind: Kind) -> list[Node]:
         return [n for (k, _), n in self.nodes.items() if k == kind and n.healthy and not n.removed]
+
+    async def _prime(self) -> None:
+        """Prime the pairs of prefill and decode nodes that are up; each of them is selectable once
+        its pairs were (a node that is down now is primed again when it is back)."""
+        prefill, decode = self._up("prefill"), self._up("decode")
+        for node in self.nodes.values():
+            if node.kind != "colocated" and node not in prefill and node not in decode:
+                node.primed = False
+                self.primer.forget(node)
+        await self.primer.prime(prefill, decode)
+        for node in prefill + decode:
+            node.primed = node.healthy and not node.removed
 
     def find(self, kind: Kind, address: str) -> Node | None:
         return self.nodes.get((kind, address))
@@ -173,7 +195,8 @@ class NodePool:
         """A node answered UNAVAILABLE or its stream broke: not selectable until a Status
         succeeds; a decode node's requests all end (UNAVAILABLE)."""
         was_up = node.healthy or node.subscription is not None
-        node.healthy, node.last_error = False, reason
+        node.healthy, node.last_error, node.primed = False, reason, False
+        self.primer.forget(node)
         if was_up:
             self._down(node, reason)
         if node.kind != "prefill":  # decode or colocated: its requests' outputs came from it

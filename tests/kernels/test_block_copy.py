@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from kernels import block_copy
 from kernels.block_copy import copy_blocks, copy_blocks_reference
 from tests.kernels.bounds import reachable
 
@@ -37,3 +38,23 @@ def test_a_block_size_not_in_whole_words_is_refused() -> None:
     with pytest.raises(ValueError, match="multiple of 16"):
         copy_blocks(torch.zeros(1, dtype=torch.int64), torch.zeros(1, dtype=torch.int64),
                     torch.zeros(1, dtype=torch.int64), torch.zeros(1, dtype=torch.int64), 40)
+
+
+def test_warm_up_launches_every_alignment_of_the_arguments_on_scratch_only(
+        device: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A transfer's tables and block lists are slices, 8 bytes off after an odd count: Triton compiles
+    a kernel per alignment, so the warm-up launches each (destination table, destination ids)."""
+    seen = set()
+
+    def spy(src_ptrs, dst_ptrs, src_blocks, dst_blocks, nbytes):
+        seen.add((dst_ptrs.data_ptr() % 16, dst_blocks.data_ptr() % 16, src_ptrs.data_ptr() % 16,
+                  src_blocks.data_ptr() % 16))
+        copy_blocks(src_ptrs, dst_ptrs, src_blocks, dst_blocks, nbytes)
+
+    monkeypatch.setattr(block_copy, "copy_blocks", spy)
+    scratch = torch.zeros(2 * 96, dtype=torch.uint8, device=device)
+    scratch[:96] = torch.arange(96, dtype=torch.uint8)
+    with reachable(scratch):
+        block_copy.warm_up(scratch, 96)
+    assert seen == {(a, b, 0, 0) for a in (0, 8) for b in (0, 8)}
+    assert torch.equal(scratch[96:].cpu(), torch.arange(96, dtype=torch.uint8))

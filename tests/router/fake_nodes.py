@@ -12,7 +12,8 @@ FakePrefill.Prefill(request):
   Knobs: `fail` (answer UNAVAILABLE), `fail_after_first_token` (UNAVAILABLE after D got
   the first token), `hold` (an asyncio.Event the call waits on, to keep a
   prefill outstanding), `queued_tokens` (reported by Status), `status_delay_s` (Status answers
-  that late: a busy node).
+  that late: a busy node). Prime records (request id, decode address) in `primes` and answers
+  ok, after `prime_hold` is set when there is one, or not ok when `refuse_primes`.
 
 FakeDecode:
   - Reserve admits while `refuse` is False and `free_blocks` (blocks = ceil((prompt_len +
@@ -27,6 +28,7 @@ FakeDecode:
     as a real D does when the KV transfer fails (its prefill node died mid-transfer).
   - `corrupt=n`: in each of the next n steps, the first request's item carries a token id
     outside the vocabulary (a broken or hostile node), the step's other items are intact.
+  - Prime answers a priming descriptor msgpack {v, node, rid, prime} (recorded in `primes`).
   - `die()` stops the server at once (streams break); `start(port)` can bring a new one up
     at the same address. Status can be told to report `free_blocks_report` instead of the
     real count (least-load tests) and `report_unhealthy`.
@@ -144,6 +146,7 @@ class FakeDecode(_Server, node_pb2_grpc.DecodeControlServicer):
         self.aborts: list[str] = []
         self.finished: dict[str, str] = {}  # rid -> terminal reason sent
         self.subscribers: list[asyncio.Queue[bytes]] = []
+        self.primes: list[str] = []
         self._resumed = asyncio.Event()
         self._work = asyncio.Event()
         self._batches = itertools.cycle((1, 2, 3))
@@ -193,6 +196,12 @@ class FakeDecode(_Server, node_pb2_grpc.DecodeControlServicer):
             return node_pb2.ReserveReply(admitted=True, descriptor_msgpack=desc)
         finally:
             self.changed()
+
+    async def Prime(self, request, context):  # noqa: N802
+        self.primes.append(request.request_id)
+        self.changed()
+        desc = msgpack.packb({"v": 1, "node": self.name, "rid": request.request_id, "prime": True})
+        return node_pb2.ReserveReply(admitted=True, descriptor_msgpack=desc)
 
     async def FirstToken(self, request, context):  # noqa: N802
         first = FirstToken.unpack(request.msgpack, VOCAB, max_drafts=8)
@@ -307,6 +316,9 @@ class FakePrefill(_Server, node_pb2_grpc.PrefillControlServicer):
         self.attaches: list[str] = []  # request ids whose descriptor came by Attach
         self.refuse_attaches = 0  # the next this many Attach calls answer NOT_FOUND (D never hears)
         self.takes_attach = True  # False: its Status says it needs the descriptor with the call (TP)
+        self.primes: list[tuple[str, str]] = []  # (request id, decode address) of each Prime call
+        self.prime_hold: asyncio.Event | None = None
+        self.refuse_primes = False
         self._attached: dict[str, asyncio.Future[str | None]] = {}  # request id -> its decode address
         self._decode_stubs: dict[str, node_pb2_grpc.DecodeControlStub] = {}
         self._channels: list[grpc.aio.Channel] = []
@@ -373,6 +385,13 @@ class FakePrefill(_Server, node_pb2_grpc.PrefillControlServicer):
         if refuse:
             await context.abort(grpc.StatusCode.NOT_FOUND, f"{request.request_id}: no such prefill job (test)")
         return node_pb2.Ack(ok=True)
+
+    async def Prime(self, request, context):  # noqa: N802
+        self.primes.append((request.request_id, request.decode_address))
+        self.changed()
+        if self.prime_hold is not None:
+            await self.prime_hold.wait()
+        return node_pb2.Ack(ok=not self.refuse_primes, reason="refusing (test)" if self.refuse_primes else "")
 
     @staticmethod
     def _first(request) -> tuple:

@@ -1,5 +1,6 @@
 """A router serving HTTP on 127.0.0.1 in front of real nodes in this process (the tiny model, or
-a given (LoadedModel, ModelInfo) pair): a prefill and a decode node (KV over tcp), or one colocated node. The router runs on its own loop
+a given (LoadedModel, ModelInfo) pair): a prefill and a decode node (KV over `kv_backend`: tcp, or
+ipc through shared memory), or one colocated node. The router runs on its own loop
 thread, so tests drive it with blocking clients (the `openai` client, httpx2)."""
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from router import NodeDirectory, Router
 class RealService:
     def __init__(self, mode: str = "pd", k: int = 2, max_model_len: int = 128, model: tuple[Any, Any] | None = None,
                  engine: dict[str, Any] | None = None, decode_engine: dict[str, Any] | None = None,
-                 prefix_cache: bool = False, **router: Any) -> None:
+                 prefix_cache: bool = False, kv_backend: str = "tcp", **router: Any) -> None:
         """`engine`: more EngineConfig fields of every node (num_blocks, ...), `decode_engine` the
         decode node's own; `router`: RouterConfig's."""
         loaded, info = model or (load_model("tiny"), load_model_info("tiny"))
@@ -37,7 +38,7 @@ class RealService:
         self.nodes: list[Any] = []
         self.servers: list[Any] = []
         if mode == "pd":
-            directory = self._pd(loaded)
+            directory = self._pd(loaded, kv_backend)
         else:
             node = ColocatedNode(loaded, self.config)
             node.start()
@@ -53,10 +54,11 @@ class RealService:
         self.base = f"http://127.0.0.1:{self.router.http_port}"
         self.client = openai.OpenAI(base_url=f"{self.base}/v1", api_key="none", max_retries=0)
 
-    def _pd(self, loaded: Any) -> NodeDirectory:
-        decode = DecodeNode(loaded, self.decode_config, kv_backend="tcp", kv_timeout_s=5, kv_quarantine_s=0.2)
+    def _pd(self, loaded: Any, kv_backend: str) -> NodeDirectory:
+        decode = DecodeNode(loaded, self.decode_config, kv_backend=kv_backend, kv_timeout_s=5, kv_quarantine_s=0.2)
         self.clients = DecodeClients()
-        prefill = PrefillNode(loaded, self.config, self.clients.send_first_token, kv_backend="tcp", kv_timeout_s=5)
+        prefill = PrefillNode(loaded, self.config, self.clients.send_first_token, kv_backend=kv_backend,
+                              kv_timeout_s=5)
         self.nodes += [prefill, decode]
         for node in self.nodes:
             node.start()
