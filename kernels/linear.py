@@ -3,7 +3,8 @@
     linear(x, w, b=None, norm=None, residual=None) = residual + F.linear(pre(x), w, b)
         pre(x) = rms_norm(x, *norm)   with norm = (weight [K], eps), else x
     linear_argmax(x, w, norm=None)  = argmax over n of linear(x, w, norm=norm)   (first on ties),
-                                      mapped through id_map [N] when given
+                                      mapped through id_map [N] when given; with mask = (rows, bitmask),
+                                      of the grammar-masked logits (kernels/token_mask.py mask_rows)
     linear_glu(x, w, norm=None)     = silu(g) * u,  [g | u] = linear(x, w, norm=norm)  (w = [gate; up])
 
     x [M, K] (rows contiguous in K), w [N, K] (an nn.Linear weight), b [N]; residual [M, N]
@@ -18,10 +19,14 @@ tile over a fixed share of K (split-K: SPLIT shares, summed in order by a second
 the bias, residual add, silu(gate) * up (the program reads a block of gate rows and the
 matching up rows into two accumulators) or a per-tile argmax in its epilogue: at decode sizes
 (M <= FUSED_MAX_M) one launch where cuBLAS + an elementwise op takes two, and no logits
-written for an argmax. A weighted norm stays its own kernel (`kernels.norm.rms_norm`): applied
-to the A operand as it is loaded, it keeps Triton from pipelining the weight loads (several
-times slower), as silu * up does on the down projection's A, and so does summing A's squares in
-the K loop (BENCHMARKS.md). A weightless norm (its
+written for an argmax. A grammar-constrained greedy step's argmax reads its tokens' bits in the
+same epilogue (`MASK`: a disallowed column is -inf before the tile's argmax): no logits are
+written, masked in a pass of their own, then read again by an argmax. It runs up to
+MASKED_MAX_M rows whatever the weight: where a plain argmax leaves a large weight to cuBLAS,
+the masked composition would add the mask's pass over the logits to that. A weighted norm
+stays its own kernel (`kernels.norm.rms_norm`): applied to the A operand as it is loaded, it
+keeps Triton from pipelining the weight loads (several times slower), as silu * up does on the
+down projection's A, and so does summing A's squares in the K loop (BENCHMARKS.md). A weightless norm (its
 weight folded into w: `engine.model.llama.fold_norms`) runs in the epilogue instead, as a row scale on
 the sums, from x's row sums of squares that the GEMM which wrote x (a residual add: this kernel,
 or its split-K sum) stored per column tile (`kernels.norm.store_partial_sumsq`, carried on the
@@ -69,6 +74,7 @@ from kernels.norm import (
     rstd_of_partials,
 )
 from kernels.pdl import pdl_args, prefetch_l2, wait_for_previous
+from kernels.token_mask import allowed_tile, mask_rows
 
 FUSED_MAX_M = 64  # rows up to which the kernel runs by default (decode sizes)
 SMALL_MAX_M = 128  # and up to this many rows for weights
@@ -82,9 +88,13 @@ PREFETCH_MAX = 8 * 2**20
 # PRELOAD_MAX and launches of up to PRELOAD_MAX_M rows (see the module's text)
 PRELOAD_MAX = 4 * 2**20
 PRELOAD_MAX_M = 32
+MASKED_MAX_M = 128  # rows up to which a masked argmax runs the kernel whatever the weight (batch 32 at k = 3)
 
 Norm = tuple[torch.Tensor | None, float]  # (weight, or None where it is folded into the GEMM's; eps)
 RowNorm = tuple[float, torch.Tensor]  # (eps, x's partial row sums of squares [M, tiles]): the kernel's own norm
+# a grammar mask for an argmax over x [R * K1, K]: (rows [R], the state row of each request row;
+# bitmask [S, K1, W] int32, xgrammar's layout); flat row r * K1 + i takes bitmask[rows[r], i]
+TokenMask = tuple[torch.Tensor, torch.Tensor]
 
 
 Config = tuple[int, int, int, int, int]  # (BN, BK, SPLIT, WARPS, STAGES): tile_config's, or a sweep's instead
@@ -111,9 +121,12 @@ def tile_config(n: int, k: int, interpreted: bool = False) -> Config:
 
 @triton.jit
 def _skinny_kernel(x_ptr, w_ptr, b_ptr, r_ptr, y_ptr, ws_ptr, val_ptr, idx_ptr, ssi_ptr, sso_ptr,
+                   rows_ptr, bits_ptr,
                    M, N, K, stride_x, stride_w, stride_r, stride_y, k_per_split, eps, NTI,
+                   K1, stride_bs, stride_bi,
                    HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr,
-                   ARGMAX: tl.constexpr, SPLIT: tl.constexpr, PRECISION: tl.constexpr, GLU: tl.constexpr,
+                   ARGMAX: tl.constexpr, MASK: tl.constexpr, SPLIT: tl.constexpr, PRECISION: tl.constexpr,
+                   GLU: tl.constexpr,
                    NORM: tl.constexpr, NTP: tl.constexpr, SS_OUT: tl.constexpr,
                    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, PDL: tl.constexpr,
                    PREFETCH: tl.constexpr = False, LINES: tl.constexpr = 1, PER_LINE: tl.constexpr = 64,
@@ -157,7 +170,10 @@ def _skinny_kernel(x_ptr, w_ptr, b_ptr, r_ptr, y_ptr, ws_ptr, val_ptr, idx_ptr, 
         acc *= rstd
         acc_up *= rstd
     if ARGMAX:  # this tile's best column per row, of the logits rounded as torch would
-        logit = tl.where(rn[None, :] < N, acc.to(y_ptr.dtype.element_ty).to(tl.float32), float("-inf"))
+        keep = rn[None, :] < N
+        if MASK:  # the grammar's: -inf where mask_rows would put it, the kept logits unchanged
+            keep &= allowed_tile(rows_ptr, bits_ptr, rm, rn, M, N, K1, stride_bs, stride_bi)
+        logit = tl.where(keep, acc.to(y_ptr.dtype.element_ty).to(tl.float32), float("-inf"))
         best, at = tl.max(logit, axis=1, return_indices=True, return_indices_tie_break_left=True)
         n_tiles = tl.num_programs(1)
         tl.store(val_ptr + rm * n_tiles + pid_n, best, mask=rm < M)
@@ -228,12 +244,13 @@ def _split(w: torch.Tensor, config: Config | None, whole: bool) -> int:
 
 
 def _launch(x2, w, b, residual, y, argmax_out=None, config: Config | None = None,
-            glu: bool = False, id_map=None, norm: RowNorm | None = None, sumsq: bool = False) -> torch.Tensor | None:
+            glu: bool = False, id_map=None, norm: RowNorm | None = None, sumsq: bool = False,
+            mask: TokenMask | None = None) -> torch.Tensor | None:
     """One GEMM launch (and its split-K sum or argmax pass). `glu`: y = silu(x @ gate.T) * (x @ up.T)
     with w = [gate; up] stacked by rows, one output column per gate/up row pair. `id_map`: the
-    argmax pass writes id_map[argmax]. `norm`: x is normalized (a weightless RMSNorm) by the
-    kernel, from its rows' partial sums of squares, the row scale applied to the sums (the launch
-    must not split K). With a residual add (or `sumsq`), returns y's rows' partial sums of squares
+    argmax pass writes id_map[argmax]; `mask`, the grammar mask it applies. `norm`: x is normalized
+    (a weightless RMSNorm) by the kernel, from its rows' partial sums of squares, the row scale
+    applied to the sums (the launch must not split K). With a residual add (or `sumsq`), returns y's rows' partial sums of squares
     [M, tiles] (for the next GEMM's norm)."""
     m, (n, k) = x2.shape[0], w.shape
     assert w.stride(-1) == 1 and x2.shape[1] == k, f"weight {tuple(w.shape)} does not take {x2.shape[1]} inputs"
@@ -264,16 +281,18 @@ def _launch(x2, w, b, residual, y, argmax_out=None, config: Config | None = None
     sso = torch.empty(m, grid[1], dtype=torch.float32, device=x2.device) if residual is not None or sumsq else None
     eps, ssi = norm if norm is not None else (0.0, None)
     nti = ssi.shape[1] if ssi is not None else 1
+    rows, bits, k1, stride_bs, stride_bi = _mask_args(mask, m, n_out, y)
     pdl = pdl_args(x2)
     size = w.numel() * w.element_size()
     pf = _prefetch_args(w, k_per, split) if pdl["PDL"] and size <= PREFETCH_MAX else {}
     preload = m <= PRELOAD_MAX_M and size <= PRELOAD_MAX
     _skinny_kernel[grid](
         x2, w, b if b is not None else w, r, y, ws, val, idx, ssi if ssi is not None else y,
-        sso if sso is not None else y,
-        m, n_out, k, x2.stride(0), w.stride(0), r.stride(0), y.stride(0), k_per, eps, nti,
+        sso if sso is not None else y, rows, bits,
+        m, n_out, k, x2.stride(0), w.stride(0), r.stride(0), y.stride(0), k_per, eps, nti, k1, stride_bs, stride_bi,
         HAS_BIAS=b is not None, HAS_RES=residual is not None,
-        ARGMAX=argmax_out is not None, SPLIT=split, PRECISION="ieee" if x2.dtype == torch.float32 else "tf32",
+        ARGMAX=argmax_out is not None, MASK=mask is not None, SPLIT=split,
+        PRECISION="ieee" if x2.dtype == torch.float32 else "tf32",
         GLU=glu, NORM=ssi is not None, NTP=triton.next_power_of_2(nti), SS_OUT=sso is not None and split == 1,
         BM=bm, BN=bn, BK=bk, num_warps=warps, num_stages=stages, PRELOAD=preload, **pdl, **pf)
     if argmax_out is not None:
@@ -285,6 +304,18 @@ def _launch(x2, w, b, residual, y, argmax_out=None, config: Config | None = None
             HAS_BIAS=b is not None, HAS_RES=residual is not None, SPLIT=split, SS_OUT=sso is not None,
             BM=bm, BN=bn, **pdl)
     return sso
+
+
+def _mask_args(mask: TokenMask | None, m: int, n: int, unused: torch.Tensor) -> tuple:
+    """The kernel's grammar-mask arguments: (rows, bitmask, K1, the bitmask's state-row and
+    position strides); `unused` in place of the tensors without a mask."""
+    if mask is None:
+        return unused, unused, 1, 0, 0
+    rows, bits = mask
+    k1 = m // max(rows.shape[0], 1)
+    assert rows.shape[0] * k1 == m and bits.shape[1] == k1, f"{m} rows do not take {rows.shape[0]} x {bits.shape[1]}"
+    assert bits.dtype == torch.int32 and bits.stride(2) == 1 and 32 * bits.shape[2] >= n
+    return rows, bits, k1, bits.stride(0), bits.stride(1)
 
 
 def _prefetch_args(w: torch.Tensor, k_per: int, split: int) -> dict:
@@ -326,15 +357,17 @@ def linear_glu_triton(x: torch.Tensor, w: torch.Tensor, norm: Norm | None = None
 
 
 def linear_argmax_triton(x: torch.Tensor, w: torch.Tensor, norm: Norm | None = None, id_map: torch.Tensor | None = None,
-                         out: torch.Tensor | None = None, config: Config | None = None) -> torch.Tensor:
+                         out: torch.Tensor | None = None, config: Config | None = None,
+                         mask: TokenMask | None = None) -> torch.Tensor:
     """`out`: a contiguous int64 tensor of x's rows to write into (made when None)."""
+    assert mask is None or id_map is None, "a grammar mask is in the full vocabulary, not a draft vocabulary's"
     x2, row_norm = _pre(x, norm, 1)
     if out is None:
         out = torch.empty(x.shape[:-1], dtype=torch.int64, device=x.device)
     assert out.is_contiguous() and out.dtype == torch.int64 and out.numel() == x2.shape[0]
     if x2.shape[0]:
         _launch(x2, w, None, None, torch.empty(0, 1, dtype=x.dtype, device=x.device), out, config=config,
-                id_map=id_map, norm=row_norm)
+                id_map=id_map, norm=row_norm, mask=mask)
     return out
 
 
@@ -435,12 +468,19 @@ def linear_glu_ref(x: torch.Tensor, w: torch.Tensor, norm: Norm | None = None) -
 
 
 def linear_argmax(x: torch.Tensor, w: torch.Tensor, norm: Norm | None = None, id_map: torch.Tensor | None = None,
-                  out: torch.Tensor | None = None) -> torch.Tensor:
+                  out: torch.Tensor | None = None, mask: TokenMask | None = None) -> torch.Tensor:
     """The argmax row ids of linear(x, w, norm=norm) [..., N] (first on ties), without
     writing the logits where the kernel runs; id_map[argmax] with `id_map` [N] int64 (a draft
-    vocabulary's ids), written into `out` when given (one launch fewer each)."""
-    if _fused(x, w):
-        return linear_argmax_triton(x, w, norm, id_map, out)
-    ids = linear(x, w, norm=norm).argmax(dim=-1)
+    vocabulary's ids), written into `out` when given (one launch fewer each). `mask`: of the
+    logits `mask_rows` masks with it (a row that allows nothing gets id 0, as torch's argmax of
+    all -inf gives), x's rows [R * K1] read as R requests of K1 verify positions."""
+    masked = mask is not None and use_triton(x, w, *mask) and x.numel() // x.shape[-1] <= MASKED_MAX_M
+    if _fused(x, w) or masked:
+        return linear_argmax_triton(x, w, norm, id_map, out, mask=mask)
+    logits = linear(x, w, norm=norm)
+    if mask is not None:
+        rows, bits = mask
+        logits = mask_rows(logits.reshape(rows.shape[0], -1, logits.shape[-1]), rows, bits).view(logits.shape)
+    ids = logits.argmax(dim=-1)
     ids = id_map[ids] if id_map is not None else ids
     return out.copy_(ids) if out is not None else ids

@@ -5,6 +5,8 @@
     mask_rows(logits [R, K1, V], rows [R], bitmask [S, K1, W]) -> [R, K1, V]
         verify position i of row r masked with state row rows[r]'s bitmask i
         (`mask_logits(logits, bitmask[rows])`, without the [R, K1, W] gather)
+    allowed_tile: the same bits for a tile of flat rows r * K1 + i and tokens, inside another
+        kernel (kernels/linear.py's masked argmax, where no logits are written at all)
 
 The torch version unpacks the bits with shifts and ands (an arithmetic shift of a word with bit
 31 set smears the sign in, and `& 1` keeps the one bit asked for either way); the kernel is one
@@ -51,6 +53,19 @@ def _mask_kernel(logits_ptr, rows_ptr, mask_ptr, out_ptr, V, W, stride_l, K1: tl
     keep = ((words >> (v % 32)) & 1) != 0
     x = tl.load(logits_ptr + pid.to(tl.int64) * stride_l + v, mask=ok, other=0.0)
     tl.store(out_ptr + pid.to(tl.int64) * V + v, tl.where(keep, x, float("-inf")), mask=ok)
+
+
+@triton.jit
+def allowed_tile(rows_ptr, mask_ptr, rm, rn, M, N, K1, stride_s, stride_i):
+    """[BM, BN] bool: whether flat row rm (verify position rm % K1 of request row rm // K1, whose
+    state row is rows[rm // K1]) may take token rn, from `mask` [S, >= K1, W] (strides stride_s,
+    stride_i, 1). Rows past M and tokens past N read nothing (and come back allowed: the caller
+    masks them itself)."""
+    live = rm < M
+    state = tl.load(rows_ptr + rm // K1, mask=live, other=0).to(tl.int64)
+    at = state * stride_s + (rm % K1) * stride_i
+    words = tl.load(mask_ptr + at[:, None] + rn[None, :] // 32, mask=live[:, None] & (rn[None, :] < N), other=-1)
+    return ((words >> (rn[None, :] % 32)) & 1) != 0
 
 
 def mask_rows_triton(logits: Tensor, rows: Tensor, bitmask: Tensor) -> Tensor:

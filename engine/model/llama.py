@@ -26,7 +26,7 @@ from torch import nn
 from engine.model.attention import AttentionBackend, AttentionMetadata
 from engine.model.config import ArchConfig
 from kernels._dispatch import use_triton
-from kernels.linear import linear, linear_argmax, linear_glu
+from kernels.linear import TokenMask, linear, linear_argmax, linear_glu
 from kernels.norm import embed_with_sumsq, mtp_input, rms_norm
 
 
@@ -264,9 +264,11 @@ class CausalLM(nn.Module):
         logits = self.lm_head(hidden[..., : self.config.hidden_size])
         return logits.float() if float32 else logits
 
-    def greedy_ids(self, hidden: torch.Tensor) -> torch.Tensor:
-        """compute_logits(hidden).argmax(-1), without the logits where the fused kernel runs."""
-        return linear_argmax(hidden[..., : self.config.hidden_size], self.lm_head.weight)
+    def greedy_ids(self, hidden: torch.Tensor, mask: TokenMask | None = None) -> torch.Tensor:
+        """compute_logits(hidden).argmax(-1), without the logits where the fused kernel runs.
+        `mask` (rows, bitmask): of the logits grammar-masked as `kernels.token_mask.mask_rows` does,
+        hidden's rows read as [R, K1] (kernels/linear.py `TokenMask`)."""
+        return linear_argmax(hidden[..., : self.config.hidden_size], self.lm_head.weight, mask=mask)
 
     def mtp_forward(self, next_ids, positions, h_prev, kv_cache, meta, backend) -> torch.Tensor:
         """MTP at each position: (target hidden there, the token after it) -> pre-norm hidden.

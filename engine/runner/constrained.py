@@ -18,7 +18,9 @@ What this costs: the host must know step N's emitted tokens and drafts before th
 N + 1, so while a constrained request runs DecodeBatch runs each step in two halves: the
 forward of N + 1 (which needs no mask) is queued, step N is read and the masks are filled
 while it runs, then the rest of N + 1 is queued (engine/sched/decode_batch.py), so the other requests
-of the batch do not wait for the masks. The forward has read the drafts by then, so a forbidden
+of the batch do not wait for the masks. An all-greedy step with no logprobs or penalties leaves its
+LM head to the second half, where the masks apply inside the head's argmax (kernels/linear.py): no
+logits are written, masked and read again. The forward has read the drafts by then, so a forbidden
 draft cannot be replaced by the one token the grammar allows there. The host work per step is
 O(constrained rows x (k + 1)) matcher calls (each a few to tens of µs).
 

@@ -70,7 +70,8 @@ class DecodeRunner(Protocol):
     def decode_step(self, rows: torch.Tensor, flags: StepFlags, lp_sel: Any, num_top: int,
                     num_kv_blocks: int, k: int) -> StepOutputs: ...
 
-    def decode_forward(self, rows: torch.Tensor, flags: StepFlags, num_kv_blocks: int, k: int) -> Any: ...
+    def decode_forward(self, rows: torch.Tensor, flags: StepFlags, num_kv_blocks: int, k: int,
+                       logprobs: bool = False) -> Any: ...
 
     def decode_finish(self, fwd: Any, rows: torch.Tensor, flags: StepFlags, lp_sel: Any, num_top: int,
                       num_kv_blocks: int) -> StepOutputs: ...
@@ -261,7 +262,7 @@ class DecodeGraphs:
 
         def forward() -> Any:
             self._stamp(end=False)
-            return r.decode_forward(rows, f, width, r.k)  # type: ignore[arg-type]
+            return r.decode_forward(rows, f, width, r.k, logprobs)  # type: ignore[arg-type]
 
         def finish(fwd: Any) -> StepOutputs:
             out = r.decode_finish(fwd, rows, f, lp_sel, MAX_TOP_LOGPROBS, width)  # type: ignore[arg-type]

@@ -86,6 +86,14 @@ def _in_mode(method):
     return run
 
 
+def head_argmax(flags: StepFlags, logprobs: bool) -> bool:
+    """Whether a decode step's target ids come out of the LM head's GEMM, with no logits written:
+    all greedy, no logprobs, no penalties. A grammar-constrained step's masks then apply inside
+    that GEMM too (kernels/linear.py `linear_argmax`), so its forward half computes no logits."""
+    all_greedy, _, penalized, _ = flags
+    return all_greedy and not logprobs and not penalized
+
+
 def kv_room_needed(num_tokens: int, k: int) -> int:
     """KV positions a request of `num_tokens` may write in its next step (verify + MTP chain)."""
     return num_tokens + 2 * k + 1
@@ -142,7 +150,7 @@ class DecodeForward:
     sampling: SamplingTensors
     meta: AttentionMetadata
     hidden: torch.Tensor
-    logits: torch.Tensor | None  # [R, k+1, V] (a constrained step's), else None
+    logits: torch.Tensor | None  # [R, k+1, V] (a constrained step's that needs them: `head_argmax`), else None
     k: int  # the drafts this step verifies per row
 
 
@@ -372,8 +380,8 @@ class ModelRunner:
             self.graphs.replay_forward(slots, flags, bool(logprobs), num_kv_blocks)  # type: ignore[union-attr]
             return ForwardHandle(slots, flags, logprobs, num_kv_blocks, None)
         rows = to_device_no_sync(slots, torch.long, self.device)
-        return ForwardHandle(slots, flags, logprobs, num_kv_blocks, self.decode_forward(rows, flags, num_kv_blocks, self.k),
-                             rows)
+        fwd = self.decode_forward(rows, flags, num_kv_blocks, self.k, bool(logprobs))
+        return ForwardHandle(slots, flags, logprobs, num_kv_blocks, fwd, rows)
 
     def launch_finish(self, h: ForwardHandle) -> DecodeHandle:
         """Queue the second half of the step `h` began, and the one copy of its outputs."""
@@ -397,20 +405,22 @@ class ModelRunner:
         A constrained step may run as its two halves, `decode_forward` then `decode_finish`,
         with the host writing the grammar masks between them (engine/runner/constrained.py).
         """
-        fwd = self.decode_forward(rows, flags, num_kv_blocks, k)
+        fwd = self.decode_forward(rows, flags, num_kv_blocks, k, lp_sel is not None)
         return self.decode_finish(fwd, rows, flags, lp_sel, num_top, num_kv_blocks)
 
     @_in_mode
     def decode_forward(self, rows: torch.Tensor, flags: StepFlags, num_kv_blocks: int,
-                       k: int | None = None) -> DecodeForward:
+                       k: int | None = None, logprobs: bool = False) -> DecodeForward:
         """The step's first half: its inputs, the target forward over [last, d1..dk], and the logits
-        a constrained step masks (None where the LM head's GEMM takes the argmax itself)."""
+        a constrained step masks (None where the LM head's GEMM takes the argmax itself, masked:
+        `head_argmax`; `logprobs`: whether the step computes logprobs)."""
         r, k = rows.shape[0], self.k if k is None else k
         x = step_inputs(rows, self.state.step_state(k), k + 1, self.block_size)
         sampling = SamplingTensors(x.temperature, x.top_k, x.top_p, x.seed, flags[0], flags[1])
         meta = self._attn_meta(x.meta, x.tables, k + 1, num_kv_blocks)
         hidden = self.model(x.input_ids, meta.positions, self.kv.layers, meta, self.backend)
-        logits = self._logits(hidden, flags, r, k) if flags[3] else None  # constrained: masked in the second half
+        # constrained: masked in the second half, inside the head's GEMM or on the logits made here
+        logits = self._logits(hidden, flags, r, k) if flags[3] and not head_argmax(flags, logprobs) else None
         return DecodeForward(x, sampling, meta, hidden, logits, k)
 
     def _logits(self, hidden: torch.Tensor, flags: StepFlags, rows: int, k: int) -> torch.Tensor:
@@ -453,14 +463,15 @@ class ModelRunner:
     def _verify_step(self, hidden: torch.Tensor, rows: torch.Tensor, drafts: torch.Tensor, sampling: SamplingTensors,
                      seq: torch.Tensor, flags: StepFlags, logprobs: bool, logits: torch.Tensor | None = None):
         """(logits [R, k+1, V] or None, target ids [R, k+1], verified counts or None when all
-        greedy): the argmax inside the LM head's GEMM when no logits are needed (`logits`: the
-        forward half's, when it computed them). Grammar masks
+        greedy): the argmax (and the grammar masks) inside the LM head's GEMM when no logits are
+        needed (`head_argmax`; `logits`: the forward half's, when it computed them). Grammar masks
         (verify position i of row r: `grammar_mask[rows[r], i]`) apply before penalties; the
         logits returned (logprobs) are the raw ones."""
-        all_greedy, _, penalized, constrained = flags
+        _, _, penalized, constrained = flags
         r, k1 = drafts.shape[0], drafts.shape[1] + 1
-        if all_greedy and not logprobs and not penalized and not constrained:
-            return None, self.model.greedy_ids(hidden).view(r, k1), None
+        if head_argmax(flags, logprobs):
+            mask = (rows, self.state.ensure_grammar_mask()) if constrained else None
+            return None, self.model.greedy_ids(hidden, mask).view(r, k1), None
         if logits is None:
             logits = self._logits(hidden, flags, r, k1 - 1)
         scored = mask_rows(logits, rows, self.state.ensure_grammar_mask()) if constrained else logits

@@ -44,8 +44,9 @@ from engine.model.config import ArchConfig
 from engine.model.llama import MLP, Attention, CausalLM, DecoderLayer, RMSNorm, fuse_projections
 from engine.tp.allreduce import SymmAllReduce
 from engine.tp.allreduce import make as make_all_reduce
-from kernels.linear import Norm, linear, linear_glu
+from kernels.linear import Norm, TokenMask, linear, linear_glu
 from kernels.norm import forget_row_sumsq
+from kernels.token_mask import mask_rows
 
 
 @dataclass(frozen=True)
@@ -216,7 +217,12 @@ class TPCausalLM(CausalLM):
     full_config: ArchConfig  # before sharding (`config` is this rank's view)
     lm_head: ParallelLMHead  # type: ignore[assignment]
 
-    def greedy_ids(self, hidden: torch.Tensor) -> torch.Tensor:
+    def greedy_ids(self, hidden: torch.Tensor, mask: TokenMask | None = None) -> torch.Tensor:
+        if mask is not None:  # the grammar's bits cover the whole vocabulary: the gathered logits, masked
+            rows, bits = mask
+            logits = self.compute_logits(hidden, float32=False)
+            masked = mask_rows(logits.view(rows.shape[0], -1, logits.shape[-1]), rows, bits)
+            return masked.argmax(-1).view(hidden.shape[:-1])
         return self.lm_head.argmax(hidden[..., : self.config.hidden_size])
 
     def mtp_greedy_ids(self, mtp_hidden: torch.Tensor, head_weight: torch.Tensor | None = None,

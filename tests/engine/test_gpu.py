@@ -86,15 +86,19 @@ def test_decode_launch_never_syncs(k, features, draft_vocab, eager, tmp_path):
 
 @pytest.mark.parametrize("eager", [False, True])
 @pytest.mark.parametrize("k", [0, 3])
-def test_constrained_steps_in_halves_never_sync(k, eager):
-    """A batch with grammar-constrained rows (greedy and sampled) beside a free one: each step's
-    forward half, its masks' fill and copy, and its second half are queued without a sync (the
-    read of the previous step between them is the loop's one read point)."""
+@pytest.mark.parametrize("sampled", [True, False], ids=["mixed", "greedy"])
+def test_constrained_steps_in_halves_never_sync(k, eager, sampled):
+    """A batch with grammar-constrained rows (greedy and sampled, or greedy alone: the masks inside
+    the LM head's argmax) beside a free one: each step's forward half, its masks' fill and copy, and
+    its second half are queued without a sync (the read of the previous step between them is the
+    loop's one read point)."""
     eng = LLMEngine(load_model("tiny", device="cuda", dtype="bfloat16"),
                     EngineConfig(num_speculative_tokens=k, device="cuda", enforce_eager=eager))
     regex = StructuredSpec("regex", "[a-z ]{60}")
     params = [SamplingParams(max_tokens=40, structured=regex),
               SamplingParams(max_tokens=40, structured=regex, temperature=0.9, seed=4, logprobs=2), PARAMS[0]]
+    if not sampled:
+        del params[1]
     calls = ("runner.launch_forward", "runner.launch_finish", "batch.constrained.write_masks_no_sync")
     _run(eng, checked=False, params=params, calls=calls)  # captures the graphs
     assert _run(eng, checked=True, params=params, calls=calls) > 5

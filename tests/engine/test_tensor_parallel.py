@@ -116,11 +116,13 @@ def test_tiny_tp4_replicates_kv_heads_and_equals_tp1():
 
 def test_tiny_tp2_equals_tp1_under_a_grammar():
     """Constrained steps (in halves around the masks, engine/sched/decode_batch.py) on every rank: the
-    same masks, so the same tokens as TP=1."""
+    same masks, so the same tokens as TP=1; without logprobs too (TP=1 through the LM head's
+    argmax's mask, TP the gathered logits)."""
     from engine.grammar.structured import StructuredSpec
 
     spec = StructuredSpec("regex", "[a-z]{4,9}@[a-z]{3}")
     cases = [(k, SamplingParams(max_tokens=16, structured=spec, logprobs=2)) for k in (0, 3)]
+    cases.append((3, SamplingParams(max_tokens=16, structured=spec)))
     lengths = [5, 23, 9]
     _, tp1 = run_cases("tiny", lengths, cases, None)
     (_, out0), (_, out1) = spawn_ranks(2, rank_cases, ("tiny", lengths, cases))

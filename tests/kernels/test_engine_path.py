@@ -115,6 +115,11 @@ def test_the_mtp_input_takes_one_launch_and_its_block_norm_none(monkeypatch):
     assert out[0].output_ids == want_ids
 
 
+def reference(k: int) -> LLMEngine:
+    """The torch reference engine (fp32, CPU)."""
+    return LLMEngine(load_model("tiny", dtype="float32"), EngineConfig(num_speculative_tokens=k, block_size=8))
+
+
 class EagerGraphs(DecodeGraphs):
     """engine/runner/cuda_graphs.py's DecodeGraphs with each replay run eagerly (no CUDA on the CPU): the
     same buckets, block-table widths and spare-slot padding rows, so the graph path's steps run
@@ -131,7 +136,7 @@ class EagerGraphs(DecodeGraphs):
 
     def replay_forward(self, slots, flags, logprobs, num_kv_blocks):
         rows, width = self._padded(slots, flags, logprobs, num_kv_blocks)
-        self._fwd = (rows, width, self.runner.decode_forward(rows, flags, width))
+        self._fwd = (rows, width, self.runner.decode_forward(rows, flags, width, None, logprobs))
 
     def replay_finish(self, n, flags, logprobs, num_kv_blocks):
         rows, width, fwd = self._fwd
@@ -152,15 +157,16 @@ LENGTHS = [(3, 12), (10, 10), (12, 6), (40, 4), (35, 2)]  # (prompt tokens, max_
 
 
 def padded_run(k: int, prompts: list[list[int]], params: SamplingParams | list[SamplingParams], monkeypatch,
-               policy=None):
+               policy=None, want=None):
     """`prompts` through the graphs' steps run eagerly at their buckets' sizes (rope in attention,
     narrow table width 5 blocks): prefill packs the prompts into a token x row bucket (padding rows
     have no tokens and no keys; PrefillGraphs deferring, never capturing), decode pads a batch to its
     bucket with the spare slot (EagerGraphs). Checks the reference's tokens and logprobs and that
     every block comes back; returns the decode graphs' (rows, key) list and the prefill keys. `policy`:
-    adaptive k's (engine/spec_decode/adaptive_k.py) for the fast engine, which then steps at k and 0."""
-    want = LLMEngine(load_model("tiny", dtype="float32"), EngineConfig(num_speculative_tokens=k, block_size=8)).generate(
-        prompts, params)
+    adaptive k's (engine/spec_decode/adaptive_k.py) for the fast engine, which then steps at k and 0. `want`: the
+    reference's requests, when the caller ran it."""
+    if want is None:
+        want = reference(k).generate(prompts, params)
     loaded = load_model("tiny", dtype="float32")
     fuse_projections(loaded.model)
     with triton_on_cpu():
@@ -198,6 +204,41 @@ def test_the_graph_path_with_padding_rows_equals_reference(k, middle, monkeypatc
     keys, prefill_keys, max_blocks = padded_run(k, prompts, params, monkeypatch)
     assert any(key.rows == 8 for key in prefill_keys), "the five prompts prefilled in the 8-row bucket"
     assert {key[-1] for n, key in keys if n < key[0]} == {5, max_blocks}, "padding rows ran at both widths"
+
+
+@pytest.mark.parametrize("k", [0, 3])
+def test_constrained_greedy_steps_mask_inside_the_head_gemm(k, monkeypatch):
+    """A constrained all-greedy step with no logprobs or penalties (one constrained request beside
+    plain ones, through the graphs' padded halves): the grammar masks apply inside the LM head's
+    argmax (kernels/linear.py), the forward half computes no logits and the runner's mask_rows
+    never runs; the tokens are the reference's before issue 53 (the logits masked, then argmax)."""
+    import engine.runner.model_runner as runner_mod
+    from kernels import linear as L
+
+    prompts = [[7 + (i * 13 + j) % 50 for j in range(n)] for i, (n, _) in enumerate(LENGTHS)]
+    params = [SamplingParams(max_tokens=m, ignore_eos=True) for _, m in LENGTHS]
+    params[1] = SamplingParams(max_tokens=LENGTHS[1][1], structured=CONSTRAINED.structured)
+    with monkeypatch.context() as before:  # the runner's masks on the logits, as they were
+        before.setattr(runner_mod, "head_argmax",
+                       lambda flags, logprobs: flags[0] and not (logprobs or flags[2] or flags[3]))
+        want = reference(k).generate(prompts, params)
+    masked: list[bool] = []
+    real = L.linear_argmax_triton
+    monkeypatch.setattr(L, "linear_argmax_triton",
+                        lambda *a, **kw: masked.append(kw.get("mask") is not None) or real(*a, **kw))
+    monkeypatch.setattr(runner_mod, "mask_rows", lambda *a: pytest.fail("the logits were masked"))
+    real_forward = runner_mod.ModelRunner.decode_forward
+    logits: list[bool] = []
+
+    def forward(self, *a, **kw):
+        out = real_forward(self, *a, **kw)
+        logits.append(out.logits is not None)
+        return out
+
+    monkeypatch.setattr(runner_mod.ModelRunner, "decode_forward", forward)
+    keys, _, _ = padded_run(k, prompts, params, monkeypatch, want=want)
+    assert any(key[4] for _, key in keys), "constrained steps ran"
+    assert any(masked) and not any(logits)
 
 
 def test_the_graph_path_switching_k_equals_fixed_k(monkeypatch):
