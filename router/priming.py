@@ -20,17 +20,25 @@ from __future__ import annotations
 import asyncio
 import logging
 import secrets
-from collections.abc import Callable, Coroutine
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Coroutine, Sequence
+from typing import Any, Protocol
 
 import grpc
 
 from protos import node_pb2
 
-if TYPE_CHECKING:
-    from router.pool import Node
-
 log = logging.getLogger(__name__)
+
+
+class Node(Protocol):
+    """What priming needs of a node (router/pool.py's Node, which imports this module)."""
+
+    @property
+    def address(self) -> str: ...
+    @property
+    def kind(self) -> str: ...
+    @property
+    def stub(self) -> Any: ...
 
 
 class Primer:
@@ -42,7 +50,7 @@ class Primer:
         self.primed = 0  # pairs primed (for tests and `pdserve status`)
         self.failed = 0  # primes that failed: those pairs' first transfers pay as before
 
-    async def prime(self, prefill: list[Node], decode: list[Node]) -> None:
+    async def prime(self, prefill: Sequence[Node], decode: Sequence[Node]) -> None:
         """Prime every pair not primed yet; returns once each one's prime ended."""
         tasks = [self._pair(p, d) for p in prefill for d in decode]
         if tasks:  # shielded: a refresh cancelled mid-wait leaves the primes to the others waiting
