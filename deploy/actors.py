@@ -115,13 +115,17 @@ class NodeActor:
         node_logging()
         import torch
 
+        from engine.cuda_init import start_cuda_init
+
+        device = cfg.model.resolved_device()
+        start_cuda_init(device)  # the context is made while the engine's modules import and the weights are read
         from engine.model.loader import load_model
 
         clock.mark("imports")
         threads = max(1, int(cfg.section(role).num_cpus))
         torch.set_num_threads(threads)
         tls = node_tls(cfg)  # before the model: a bad file fails the actor at once
-        loaded = load_model(cfg.model.resolved_name(), device=cfg.model.resolved_device(), dtype=cfg.model.dtype,
+        loaded = load_model(cfg.model.resolved_name(), device=device, dtype=cfg.model.dtype,
                             mtp_path=cfg.model.mtp_path, load_format=cfg.model.load_format)
         clock.mark("model_load")
         self.role, self.node_id, self.host = role, node_id, host

@@ -11,7 +11,6 @@ import argparse
 import importlib
 import json
 import sys
-import threading
 import time
 from typing import Any
 
@@ -199,21 +198,12 @@ def generate_rank(tp: Any, args: argparse.Namespace) -> int:
 
 
 def start_cuda_init(device: str, rank: int) -> None:
-    """On CUDA, create the device's context in a background thread (torch releases the GIL for
-    the driver's work), so it overlaps the engine's imports and the GGUF read; the main thread's
-    first CUDA call waits for it (torch's lazy init holds a lock). An error is left for the main
-    thread to meet with its own message."""
-    if not device.startswith("cuda"):
-        return
-    import torch
+    """On CUDA, create rank `rank`'s context (cuda:rank, as engine.tp.launch.rank_device) in a
+    background thread, overlapping the engine's imports and the GGUF read (engine/cuda_init.py)."""
+    from engine.cuda_init import start_cuda_init as start
 
-    def init() -> None:
-        try:
-            torch.empty(1, device=f"cuda:{rank}")  # the rank's device, as engine.tp.launch.rank_device
-        except Exception:
-            pass
-
-    threading.Thread(target=init, name="cuda-init", daemon=True).start()
+    if device.startswith("cuda"):
+        start(f"cuda:{rank}")
 
 
 def batch_for(num_prompts: int, most: int) -> int:

@@ -120,22 +120,46 @@ def start_service(cfg: Any) -> tuple[Any, str]:
     from deploy.actors import node_tls
     from deploy.service import Service, init_ray
 
+    started = time.perf_counter()
     node_tls(cfg)  # unusable node TLS files: one clear error before Ray starts
     check_tp_fits(cfg)
+    probe = probe_device(cfg)
     t0 = time.perf_counter()
     init_ray(cfg, temp_dir=tempfile.mkdtemp(prefix="pdserve-ray-") if cfg.cluster.address is None else None)
     ray_s = time.perf_counter() - t0
+    if probe is not None:
+        probe.join()
     service = Service(cfg)
     address = service.start(timeout_s=cfg.cluster.start_timeout_s)
     service.startup["ray_init"] = round(ray_s, 2)
+    service.startup["total"] = round(time.perf_counter() - started, 2)
     return service, address
 
 
+def probe_device(cfg: Any) -> threading.Thread | None:
+    """With `model.device: auto`, the service asks torch which device the nodes get (deploy/service.py:
+    whether they take GPUs): torch's import and CUDA probe then run in a thread while Ray starts,
+    rather than after it, where they would hold back every actor's creation."""
+    if cfg.model.device != "auto":
+        return None
+
+    def probe() -> None:
+        try:
+            cfg.model.resolved_device()
+        except Exception:
+            pass  # the service's own call meets the error with its message
+
+    thread = threading.Thread(target=probe, name="device-probe", daemon=True)
+    thread.start()
+    return thread
+
+
 def startup_line(service: Any) -> str:
-    """Where `pdserve up`'s start went: Ray, the router, and the slowest node's phases (its worker
-    process, imports, model load, node build with CUDA graph capture, serve)."""
+    """Where `pdserve up`'s start went: in all (from the start of `start_service`), Ray, the router,
+    and the slowest node's phases (its worker process, imports, model load, node build with CUDA
+    graph capture, serve)."""
     s = service.startup
-    total = s.get("ray_init", 0.0) + s.get("nodes_serving", 0.0)
+    total = s.get("total", s.get("ray_init", 0.0) + s.get("nodes_serving", 0.0))
     line = (f"ready in {total:.1f} s: Ray {s.get('ray_init', 0.0):.1f} s, router serving at "
             f"{s.get('router_serving', 0.0):.1f} s, nodes at {s.get('nodes_serving', 0.0):.1f} s")
     try:

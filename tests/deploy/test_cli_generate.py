@@ -125,8 +125,8 @@ def test_batch_is_the_bucket_the_prompts_run_in():
 
 def test_early_cuda_init_is_for_cuda_only(monkeypatch):
     started = []
-    monkeypatch.setattr("threading.Thread.start", lambda self: started.append(self.name))
+    monkeypatch.setattr("engine.cuda_init.start_cuda_init", started.append)
     start_cuda_init("cpu", 0)
     assert started == []
     start_cuda_init("cuda", 1)
-    assert started == ["cuda-init"]
+    assert started == ["cuda:1"]  # the rank's device

@@ -1,0 +1,84 @@
+"""`pdserve up`'s start, without Ray: what runs beside Ray's start, and the line that says where the time went."""
+
+from __future__ import annotations
+
+import threading
+from types import SimpleNamespace
+
+import pytest
+
+from deploy.actors import NodeActor
+from deploy.cli_service import probe_device, startup_line
+from deploy.config import ServiceConfig
+
+
+def _model(device: str, resolve) -> SimpleNamespace:
+    return SimpleNamespace(model=SimpleNamespace(device=device, resolved_device=resolve))
+
+
+def test_auto_device_is_probed_in_a_thread():
+    asked = []
+    thread = probe_device(_model("auto", lambda: asked.append(threading.current_thread().name)))
+    assert thread is not None
+    thread.join(timeout=10)
+    assert asked == ["device-probe"]
+
+
+def test_a_named_device_needs_no_probe():
+    assert probe_device(_model("cuda", lambda: pytest.fail("probed"))) is None
+
+
+def test_a_failed_probe_is_left_to_the_service():
+    def fail():
+        raise RuntimeError("torch is broken")
+
+    errors = []
+    hook, threading.excepthook = threading.excepthook, lambda args: errors.append(args.exc_value)
+    try:
+        thread = probe_device(_model("auto", fail))
+        assert thread is not None
+        thread.join(timeout=10)
+    finally:
+        threading.excepthook = hook
+    assert errors == []
+
+
+class _Service:
+    def __init__(self, startup: dict[str, float]) -> None:
+        self.startup = startup
+
+    def node_info(self):
+        return {("decode", 0): {"startup": {"imports": 2.0, "model_load": 1.0}}}
+
+
+def test_ready_counts_the_whole_start():
+    line = startup_line(_Service({"ray_init": 3.0, "router_serving": 1.0, "nodes_serving": 5.0, "total": 9.5}))
+    assert line.startswith("ready in 9.5 s: Ray 3.0 s, router serving at 1.0 s, nodes at 5.0 s; slowest node "
+                           "decode-0: imports 2.0 s, model_load 1.0 s"), line
+
+
+def test_ready_without_a_total_adds_ray_and_nodes():
+    line = startup_line(_Service({"ray_init": 3.0, "nodes_serving": 5.0}))
+    assert line.startswith("ready in 8.0 s:"), line
+
+
+class _Loaded(Exception):
+    pass
+
+
+def test_a_node_makes_its_cuda_context_before_it_loads_the_model(monkeypatch):
+    """The node's device goes to the early CUDA context, before the model loads on it."""
+    calls = []
+    monkeypatch.setattr("deploy.actors.node_logging", lambda: None)
+    monkeypatch.setattr("torch.set_num_threads", lambda n: None)
+    monkeypatch.setattr("engine.cuda_init.start_cuda_init", lambda device: calls.append(("context", device)))
+
+    def load_model(name, device, **kw):
+        calls.append(("load", device))
+        raise _Loaded
+
+    monkeypatch.setattr("engine.model.loader.load_model", load_model)
+    cfg = ServiceConfig.load(None, {"model.name": "tiny", "model.device": "cuda:3"})
+    with pytest.raises(_Loaded):
+        NodeActor("decode", "decode-0", cfg.model_dump_json())
+    assert calls == [("context", "cuda:3"), ("load", "cuda:3")]
