@@ -17,17 +17,16 @@
 #               exactness across batches, `pdserve generate` end to end with a cold and a warm cache
 #   service     the real service through its HTTP API (`bench serve --launch`) on one GPU:
 #               ARGS: MODES (pd,colocated: the default), KV (tcp: the default, ucx or ipc), then
-#               flags for bench serve (--num-prompts 1024 --request-rate inf ...)
+#               flags for bench serve (--num-prompts 1024 --request-rate inf ...). MODES chaos: the
+#               chaos suite (`bench chaos`, 2P2D on the machine's GPUs), then flags for bench chaos
+#               (default: tiny, --deterministic, 2,000 requests at twice what the decode nodes hold,
+#               node kills every 4 s, a router kill every 60 s, 8 minutes at most)
 #   multi-gpu   two GPUs: tp, the TP tests and TP = 1 against 2; kv, KV transfer cuda:0 -> cuda:1
 #               (`python3 -m bench.kv`, backends $KV_BACKENDS: ipc tcp, add ucx to carry UCX too); service, the goodput of
 #               the layouts $LAYOUTS (default: P on GPU 0 and D on GPU 1, KV $KV: ipc, against two colocated
 #               nodes; on four GPUs e.g. LAYOUTS="prefill=1,decode=3,kv_transfer.backend=ipc colocated=4")
 #               on the same requests. ARGS: some of tp kv service (default all), then `--` and bench serve
 #               flags for service (default: real SmolLM2, k = 3, 1536 in / 128 out)
-#   chaos       the chaos suite (`bench chaos`) on the GPU service: ARGS: GPUS (1: the default, every node
-#               shares GPU 0; 2: prefill on one, decode on the other), KV (ipc: the default, tcp or ucx),
-#               then flags for bench chaos (default: tiny, --deterministic, 2,000 requests at twice what
-#               the decode nodes hold, node kills every 4 s, a router kill every 60 s, 8 minutes at most)
 #   bundle      here, not on a device: the wheels and the GGUF the stages need, as .bundle/
 #
 # The GPU machines lack some of what the stages import; each stage takes the pieces of the bundle
@@ -179,10 +178,32 @@ node_logs() {  # STAMP: the node processes' own log lines (deploy/actors.py node
   find / -xdev -name 'worker-*.err' -newer "$1" -print0 2> /dev/null \
     | xargs -0 -r grep -hE " (INFO|WARNING|ERROR|CRITICAL) (engine|prefill_node|decode_node|kvtransfer|deploy)[.:]" | sort
 }
+service_chaos() {  # KV [bench chaos flags]: two prefill and two decode nodes sharing the machine's GPUs
+  local kv=$1 gpus share flags rc; shift
+  gpus=$(nvidia-smi -L | wc -l)
+  share=$([[ $gpus -ge 2 ]] && echo 0.5 || echo 0.25)
+  flags=(--model tiny --deterministic --requests 2000 --max-output 128 --kill-every 4 --router-restart-every 60
+         --progress-s 10 --timeout-s 480)
+  [[ $# -gt 0 ]] && flags=("$@")
+  touch "$OUT/.chaos.start"
+  timeout 560 python3 -m deploy.cli bench chaos --device cuda --prefill 2 --decode 2 --set prefill.num_gpus=$share \
+    --set decode.num_gpus=$share --set kv_transfer.backend="$kv" "${flags[@]}" --json "$OUT/chaos.json" \
+    > "$OUT/chaos.log" 2>&1
+  rc=$?
+  node_logs "$OUT/.chaos.start" > "$OUT/chaos.nodes.log"
+  grep -c "ended (" "$OUT/chaos.log" | sed 's/^/progress lines: /'
+  tail -n 30 "$OUT/chaos.log"
+  return $rc
+}
 stage_service() {
   local modes=${1:-pd,colocated} kv=${2:-tcp} mode
   shift $(($# < 2 ? $# : 2))
   [[ $kv =~ ^(tcp|ucx|ipc)$ ]] || { echo "KV is tcp, ucx or ipc, not $kv" >&2; exit 2; }
+  if [[ $modes == chaos ]]; then
+    if [[ $kv == ucx ]]; then device base service ucx; else device base service; fi
+    service_chaos "$kv" "$@"
+    return
+  fi
   for mode in ${modes//,/ }; do shape "$mode" "$kv" 1 > /dev/null || exit 2; done
   if [[ $kv == ucx ]]; then device base service gguf ucx; else device base service gguf; fi
   for mode in ${modes//,/ }; do serve "service_${mode}_$kv" "$mode" "$kv" 1 "$@"; done
@@ -236,26 +257,6 @@ multi_pieces() {  # PARTS...: the bundle's pieces they need (the real model's GG
   [[ " $* " == *" kv "* && " ${KV_BACKENDS:-} " == *" ucx "* || ${KV:-} == ucx ]] && pieces+=(ucx)
   echo "${pieces[@]}"
 }
-stage_chaos() {
-  local gpus=${1:-1} kv=${2:-ipc} share=0.5 flags
-  shift $(($# < 2 ? $# : 2))
-  [[ $gpus =~ ^[12]$ && $kv =~ ^(tcp|ucx|ipc)$ ]] || { echo "chaos takes GPUS 1 or 2, then KV tcp, ucx or ipc" >&2; exit 2; }
-  [[ $gpus == 1 ]] && share=0.25  # two prefill and two decode nodes on one GPU
-  flags=(--model tiny --deterministic --requests 2000 --max-output 128 --kill-every 4 --router-restart-every 60
-         --progress-s 10 --timeout-s 480)
-  [[ $# -gt 0 ]] && flags=("$@")
-  if [[ $kv == ucx ]]; then device base service ucx; else device base service; fi
-  [[ $(nvidia-smi -L | wc -l) -ge $gpus ]] || { echo "chaos on $gpus GPUs needs $gpus" >&2; exit 1; }
-  touch "$OUT/.chaos.start"
-  timeout 560 python3 -m deploy.cli bench chaos --device cuda --prefill 2 --decode 2 --set prefill.num_gpus=$share \
-    --set decode.num_gpus=$share --set kv_transfer.backend="$kv" "${flags[@]}" --json "$OUT/chaos.json" \
-    > "$OUT/chaos.log" 2>&1
-  local rc=$?
-  node_logs "$OUT/.chaos.start" > "$OUT/chaos.nodes.log"
-  grep -c "ended (" "$OUT/chaos.log" | sed 's/^/progress lines: /'
-  tail -n 30 "$OUT/chaos.log"
-  return $rc
-}
 stage_multi_gpu() {
   local parts=() part
   while [[ $# -gt 0 && $1 != -- ]]; do parts+=("$1"); shift; done
@@ -286,7 +287,6 @@ case $stage in
   real-model) stage_real_model "$@" ;;
   service) stage_service "$@" ;;
   multi-gpu) stage_multi_gpu "$@" ;;
-  chaos) stage_chaos "$@" ;;
   bundle) bundle_make ;;
   *) [[ -n $stage ]] && echo "unknown stage: $stage" >&2; usage ;;
 esac
