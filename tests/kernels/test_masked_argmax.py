@@ -7,6 +7,8 @@ none allowed (torch's argmax of a row of -inf is 0, and so is the kernel's)."""
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 
@@ -77,23 +79,25 @@ def test_masked_argmax_reads_the_state_rows_of_a_wider_bitmask_slice(device):
     assert torch.equal(L.linear_argmax_triton(x, w, mask=(rows, bits)), composition(x, w, rows, bits))
 
 
-def test_linear_argmax_masks_in_the_kernel_up_to_its_rows_and_in_the_composition_above(monkeypatch):
+def test_linear_argmax_masks_in_the_kernel_up_to_its_rows_and_in_the_composition_above(monkeypatch, device):
     """The public function: the kernel (with the mask) up to MASKED_MAX_M rows whatever the weight,
-    mask_rows then torch's argmax above, and the same ids either way (CPU tensors, Triton's
-    interpreter within triton_on_cpu)."""
+    mask_rows then torch's argmax above, and the same ids either way (on the CPU also the torch
+    composition outside `triton_on_cpu`, and the kernel under Triton's interpreter within it)."""
     launched: list[int] = []
     real = L.linear_argmax_triton
     monkeypatch.setattr(L, "linear_argmax_triton", lambda x, *a, **kw: launched.append(x.shape[0]) or real(x, *a, **kw))
     monkeypatch.setattr(L, "MASKED_MAX_M", 8)
     monkeypatch.setattr(L, "FUSED_MAX_M", 4)
     monkeypatch.setattr(L, "SMALL_MAX_M", 4)  # this small weight's rows too: unmasked, 8 rows take the composition
-    k1, w = 4, weights("cpu")
-    bits = bitmasks(k1, "cpu")
-    for rows in (torch.tensor([5, TIED]), torch.tensor([5, TIED, ONE])):  # 8 rows: the kernel; 12: the composition
-        x = small_ints(rows.shape[0] * k1, HIDDEN, seed=4, device="cpu")
+    k1, w = 4, weights(device)
+    bits = bitmasks(k1, device)
+    for ids in ([5, TIED], [5, TIED, ONE]):  # 8 rows: the kernel; 12: the composition
+        rows = torch.tensor(ids, device=device)
+        x = small_ints(rows.shape[0] * k1, HIDDEN, seed=4, device=device)
         want = composition(x, w, rows, bits)
-        assert torch.equal(L.linear_argmax(x, w, mask=(rows, bits)), want)  # CPU: the torch composition
-        with triton_on_cpu():
+        if device == "cpu":
+            assert torch.equal(L.linear_argmax(x, w, mask=(rows, bits)), want)  # the torch composition
+        with triton_on_cpu() if device == "cpu" else contextlib.nullcontext():
             assert torch.equal(L.linear_argmax(x, w, mask=(rows, bits)), want)
     assert launched == [8]
 
