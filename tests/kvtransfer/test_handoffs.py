@@ -8,7 +8,9 @@ import asyncio
 import threading
 from typing import Any
 
-from kvtransfer import create_receiver, wire
+import torch
+
+from kvtransfer import KVLayout, TransferState, create_receiver, wire
 from kvtransfer.ipc import completed
 
 
@@ -100,3 +102,24 @@ def test_the_tcp_receiver_writes_its_ack_before_giving_the_loop_back() -> None:
             assert wire.decode(quick.writer.frames[0][wire.HEADER.size:])["t"] == "ack"
         finally:
             receiver.close()
+
+
+def test_on_end_calls_back_once_the_transfer_ended_and_at_once_after() -> None:
+    receiver = create_receiver("tcp", timeout_s=10)
+    try:
+        receiver.register(KVLayout([torch.zeros(2, 4, 64, dtype=torch.uint8)], 1))
+        receiver.expect("r", [1], [0])
+        ended, calls = threading.Event(), list[str]()
+
+        def first() -> None:
+            calls.append(receiver.poll("r").state.value)
+            ended.set()
+
+        receiver.on_end("r", first)
+        assert not calls
+        receiver.abort("r", "gone")
+        assert ended.wait(10) and calls == [TransferState.FAILED.value]
+        receiver.on_end("r", lambda: calls.append("late"))
+        assert calls == [TransferState.FAILED.value, "late"]
+    finally:
+        receiver.close()
