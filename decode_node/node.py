@@ -195,7 +195,9 @@ class DecodeNode(StepLoop):
         self.streams.close()
 
     def idle_wait_s(self) -> float:
-        return 0.002 if self.pending else 0.02  # poll KV transfers of pending requests often
+        # A transfer's end wakes the loop (``on_end``); the poll is for admission deadlines and a
+        # receiver that cannot tell.
+        return 0.002 if self.pending else 0.02
 
     def step(self) -> bool:
         """Commands, admissions of completed transfers, one decode step. Loop thread only."""
@@ -267,6 +269,7 @@ class DecodeNode(StepLoop):
             self._end(req, "abort")
             return Reservation(False, f"kv receiver refused: {e}")
         self.pending[rid] = Pending(req, time.monotonic() + self.admission_timeout_s, skip=skip)
+        self.receiver.on_end(rid, self.wake)  # KV landing after the first token: admitted now, not at a poll
         return Reservation(True, "", descriptor)
 
     def never_fits(self, need: int) -> Reservation:
@@ -364,7 +367,7 @@ class DecodeNode(StepLoop):
         if p.kv_done:
             return
         p.kv_done, req = True, p.request
-        self._mark(req.request_id, "kv_done")  # as seen here: a pending request is polled every ~2 ms
+        self._mark(req.request_id, "kv_done")  # as seen here: the step after it ended (which wakes an idle loop)
         self.kv_bytes += (self.blocks.blocks_for(req.num_prompt_tokens) - p.skip) * self._kv_block_bytes
         self.kv_skipped_bytes += p.skip * self._kv_block_bytes
         self.prefix.register(req.block_ids, req.block_hashes, req.num_prompt_tokens)

@@ -183,5 +183,10 @@ class KVReceiver(ABC):
         """Stop expecting the request (FAILED); tell the sender when connected."""
 
     @abstractmethod
+    def on_end(self, request_id: str, fn: Callable[[], None]) -> None:
+        """Call ``fn()`` once the request is terminal: at once if it is, else on the transport's
+        thread, so ``fn`` must be quick and never block (wake the caller's loop, not poll)."""
+
+    @abstractmethod
     def close(self) -> None:
         """Fail every open transfer and stop the transport."""

@@ -25,6 +25,7 @@ in the decode node's quarantine before reuse, so a copy still in flight lands no
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -40,6 +41,21 @@ from kvtransfer.sender import _Out
 from kvtransfer.tcp import TcpReceiver, TcpSender, _Conn
 
 POOL_WAIT_S = 30.0  # opening a receiver's cache the first time maps every storage
+SPIN_S = 100e-6  # how long ``_flush`` polls a copy's event before it waits in a thread
+
+
+async def completed(event: Any, spin_s: float = SPIN_S) -> None:
+    """Return once ``event`` (a CUDA event) completed. A small copy completes within tens of
+    microseconds of its launch: polled on the loop for up to ``spin_s`` (each pass lets the
+    loop's other work run), it costs no thread hand-over; a longer wait (a copy still queued
+    behind prefill compute) blocks a pool thread, not the loop. Polling can't use a timer:
+    the loop's ``epoll`` rounds any timeout up to a millisecond."""
+    end = time.perf_counter() + spin_s
+    while not event.query():
+        if time.perf_counter() > end:
+            await asyncio.get_running_loop().run_in_executor(None, event.synchronize)
+            return
+        await asyncio.sleep(0)
 
 
 class _PoolConn(_Conn):
@@ -173,7 +189,8 @@ class IpcSender(TcpSender):
         """The group's layers in one batched copy into the receiver's blocks."""
         layers, src = self._take_group(out, group)
         assert isinstance(out.link, _PoolConn) and self.layout is not None and self._copier is not None
-        pool = await asyncio.wait_for(asyncio.shield(out.link.pool), POOL_WAIT_S)
+        opened = out.link.pool  # open since priming: no ``wait_for`` (two loop passes)
+        pool = opened.result() if opened.done() else await asyncio.wait_for(asyncio.shield(opened), POOL_WAIT_S)
         dst = out.desc["blocks"]
         if not dst:  # nothing to copy (a priming transfer: it came for the pool, open now)
             return
@@ -192,7 +209,7 @@ class IpcSender(TcpSender):
         """``finish`` goes once every copy completed: then the receiver may read the blocks."""
         event = self._copied.pop(out.rid, None)
         if event is not None:
-            await asyncio.get_running_loop().run_in_executor(None, event.synchronize)
+            await completed(event)
 
     def _end(self, out: _Out, state: TransferState, reason: str, tell_peer: bool) -> None:
         self._copied.pop(out.rid, None)

@@ -1,6 +1,6 @@
 """The receiver's protocol, shared by every transport (decode side).
 
-Receives: ``expect`` / ``poll`` / ``wait`` / ``abort`` from any thread, and from the
+Receives: ``expect`` / ``poll`` / ``wait`` / ``on_end`` / ``abort`` from any thread, and from the
 transport (on the loop thread) validated control messages with the ``Link`` they
 came on, plus data for runs announced by a ``layers`` message (or, for a transport that
 pre-posts, ucx, for the destination's own runs, prepared at ``expect``).
@@ -22,7 +22,7 @@ import logging
 import threading
 import time
 from abc import abstractmethod
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -178,6 +178,9 @@ class StreamingReceiver(KVReceiver):
 
     def abort(self, request_id: str, reason: str = "aborted by receiver") -> None:
         self._thread.call(self._fail, self._get(request_id), reason)
+
+    def on_end(self, request_id: str, fn: Callable[[], None]) -> None:
+        self._get(request_id).done.add_done_callback(lambda _: fn())
 
     def close(self) -> None:
         if self._thread.loop.is_running():

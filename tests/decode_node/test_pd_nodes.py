@@ -164,6 +164,22 @@ def test_abort_on_decode_frees_blocks_and_ends_once(tiny):
     assert pair.prefill.blocks.num_free == pair.prefill.blocks.capacity
 
 
+def test_a_transfer_that_ends_wakes_an_idle_decode_loop(tiny):
+    """A pending request's KV usually lands after its first-token message (which woke the loop):
+    the transfer's end wakes the loop itself, so an idle node admits it then, not at a poll."""
+    pair = Pair(tiny, 0)
+    try:
+        pair.decode.idle_wait_s = lambda: 3600.0  # no poll: only a wake ends the loop's wait
+        params = SamplingParams(max_tokens=4)
+        assert pair.decode.reserve("r", 5, params, 1, ()).result(timeout=10).admitted
+        time.sleep(0.1)  # the loop back in its wait: without the wake, this test fails
+        pair.decode.receiver.abort("r", "sender gone")  # the receiver ends it; nothing tells the node
+        pair.wait_terminal(["r"], timeout=30)
+        assert "sender gone" in pair.outputs["r"][-1].error
+    finally:
+        pair.close()
+
+
 def test_an_undelivered_first_token_fails_the_attempt_on_decode_and_frees_both(tiny):
     """P answers its caller with the first token while D's copy is sent from another thread: when
     D cannot be reached, P aborts the transfer, D fails the attempt (one terminal error; the router
