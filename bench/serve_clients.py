@@ -4,7 +4,7 @@ One Python process that parses server-sent events with the `openai` client tops 
 thousand chunks a second: at saturation it, not the service, would be measured. With
 `--client-processes N` each rate's requests are split over N processes (request i goes to process
 i mod N, each offering rate / N: N Poisson streams of rate / N make one of rate, and
-`--max-concurrency` is split alike); every process is started and connected before the clock
+`--max-concurrency` is split alike); every process is started and its client warmed (serve_load.py) before the clock
 starts, all are released together, and their results are merged as one client's.
 
 `CpuWatch` reads the CPU seconds (user + system, every thread) that named processes spent during
@@ -90,13 +90,14 @@ def _client_main(target: dict[str, Any], items: list[Item], rate: float, conn: A
             pass
 
     async def main() -> list[Any]:
-        send, close = serve_load.sender(ns)
-        conn.send("ready")
-        await asyncio.to_thread(conn.recv)
+        client = serve_load.sender(ns)
         try:
-            return await serve_load.offer(ns, items, rate, send, _NoBar())
+            await client.warm()
+            conn.send("ready")
+            await asyncio.to_thread(conn.recv)
+            return await serve_load.offer(ns, items, rate, client.send, _NoBar())
         finally:
-            await close()
+            await client.close()
 
     results = asyncio.run(main())
     conn.send([asdict(r) for r in results])

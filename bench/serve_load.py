@@ -1,6 +1,11 @@
 """`bench serve`'s client: one request sent and timed (`sender`), and a rate's requests offered
 (`offer`: Poisson arrivals, bounded concurrency), from this process.
 
+Each sender also warms its client (`Sender.warm`: one `GET /v1/models`, or the gRPC health call)
+before the clock starts: the client's connection and its HTTP stack's lazy imports (tens of ms in
+httpx's first request) are not the service's time to first token; the service's completions path
+stays cold, as a pool's or a load balancer's first request leaves it.
+
 A request's tokens are counted as its messages bring them: gRPC stream messages carry token ids,
 SSE events of the `openai` client one logprob entry per token (`logprobs=0` is asked for that).
 `Result.chunks` counts the messages that carried tokens.
@@ -39,16 +44,27 @@ class Result:
     itl: list[float] = field(default_factory=list)
 
 
+@dataclass(frozen=True)
+class Sender:
+    """`send(item)` makes one request to the target and times it; `warm()` makes the client's
+    first request (module docstring); `close()` ends the client."""
+
+    send: Any
+    close: Any
+    warm: Any
+
+
 async def load(args: argparse.Namespace, items: list[Item], rate: float, bar: Any) -> list[Result]:
-    send, close = sender(args)
+    client = sender(args)
     try:
-        return await offer(args, items, rate, send, bar)
+        await client.warm()
+        return await offer(args, items, rate, client.send, bar)
     finally:
-        await close()
+        await client.close()
 
 
-def sender(args: argparse.Namespace) -> tuple[Any, Any]:
-    """(send, close): `send(item)` makes one request to the target and times it."""
+def sender(args: argparse.Namespace) -> Sender:
+    """The target's client (`Sender`)."""
     key = getattr(args, "api_key", None) or settings.API_KEY
     ca = args.tls_ca
     if not args.base_url:
@@ -97,7 +113,10 @@ def _grpc_sender(address: str, api_key: str | None, tls_ca: str | None) -> Any:
         res.e2e = clock.now()
         return res
 
-    return send, client.close
+    async def warm() -> None:
+        await client.health()
+
+    return Sender(send, client.close, warm)
 
 
 def _http_sender(base_url: str, api_key: str | None, tls_ca: str | None) -> Any:
@@ -119,7 +138,10 @@ def _http_sender(base_url: str, api_key: str | None, tls_ca: str | None) -> Any:
             lps = chunk.choices[0].logprobs if chunk.choices else None
             yield len(lps.tokens or []) if lps else 0  # one logprob entry per token
 
-    return partial(_timed, counts), client.close
+    async def warm() -> None:
+        await client.models.list()
+
+    return Sender(partial(_timed, counts), client.close, warm)
 
 
 def _raw_http_sender(base_url: str, api_key: str | None, tls_ca: str | None) -> Any:
@@ -153,7 +175,10 @@ def _raw_http_sender(base_url: str, api_key: str | None, tls_ca: str | None) -> 
                 lps = event["choices"][0].get("logprobs") if event.get("choices") else None
                 yield len(lps.get("tokens") or []) if lps else 0
 
-    return partial(_timed, counts), client.aclose
+    async def warm() -> None:
+        (await client.get("/v1/models")).raise_for_status()
+
+    return Sender(partial(_timed, counts), client.aclose, warm)
 
 
 async def _timed(counts: Any, item: Item) -> Result:

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import argparse
 
+import pytest
+
 from bench import serve
 from tests.router.conftest import cluster
 
@@ -68,4 +70,28 @@ async def test_bench_serve_sends_rate_times_duration_at_a_high_rate(tmp_path):
         report = await serve.sweep(args, items, [300.0, float("inf")])
         assert [run["completed"] for run in report["runs"]] == [30, 12]
         assert all(run["failed"] == 0 for run in report["runs"])
+        await c.settled()
+
+
+async def test_each_client_is_warmed_by_a_request_that_is_not_timed(tmp_path):
+    """The sender's warm-up (`Sender.warm`) reaches the router through each client kind, and fails
+    loudly where nothing answers."""
+    from bench import serve_load
+
+    async with cluster(http_port=0) as c:
+        http = f"http://127.0.0.1:{c.router.http_port}"
+        targets = [{"router": f"127.0.0.1:{c.router.grpc_port}"}, {"base_url": http},
+                   {"base_url": http, "http_client": "raw"}]
+        for target in targets:
+            client = serve_load.sender(bench_args(tmp_path, **target))
+            try:
+                await client.warm()
+            finally:
+                await client.close()
+        client = serve_load.sender(bench_args(tmp_path, base_url="http://127.0.0.1:9", http_client="raw"))
+        try:
+            with pytest.raises(Exception):  # noqa: B017 (httpx's connect error)
+                await client.warm()
+        finally:
+            await client.close()
         await c.settled()
