@@ -5,9 +5,10 @@ from __future__ import annotations
 
 import pytest
 
-from kvtransfer import KVLayout, TransferError, TransferState, create_sender, peer_pool
+from kvtransfer import KVLayout, TransferError, TransferState, create_sender
 from kvtransfer.prime import prime
 from tests.kvtransfer.peer import Peer, block_bytes, make_cache
+from tests.kvtransfer.pool_opens import count_pool_opens
 
 NUM_BLOCKS = 16
 LAYERS = [0, 1, 2, 3]
@@ -37,14 +38,7 @@ def test_a_priming_transfer_ends_done_on_both_ends_and_holds_nothing(backend: st
 
 
 def test_after_priming_the_first_ipc_transfer_opens_no_pool(monkeypatch: pytest.MonkeyPatch) -> None:
-    opened = []
-    real_open = peer_pool.PeerPool.open.__func__
-
-    def counted(cls, pool, local):
-        opened.append(pool["pid"])
-        return real_open(cls, pool, local)
-
-    monkeypatch.setattr(peer_pool.PeerPool, "open", classmethod(counted))
+    opened = count_pool_opens(monkeypatch)
     receiver, sender, src, dims = _pair("ipc")
     try:
         desc = receiver.call("expect", request_id="prime-1", dst_block_ids=[], layers=LAYERS)

@@ -6,19 +6,12 @@ from __future__ import annotations
 
 import pytest
 
-from kvtransfer import peer_pool
+from tests.kvtransfer.pool_opens import count_pool_opens
 from tests.router.real_service import RealService
 
 
 def test_the_first_request_finds_the_decode_nodes_memory_open(monkeypatch: pytest.MonkeyPatch) -> None:
-    opened = []
-    real_open = peer_pool.PeerPool.open.__func__
-
-    def counted(cls, pool, local):
-        opened.append(pool["pid"])
-        return real_open(cls, pool, local)
-
-    monkeypatch.setattr(peer_pool.PeerPool, "open", classmethod(counted))
+    opened = count_pool_opens(monkeypatch)
     service = RealService("pd", k=2, kv_backend="ipc")
     try:
         assert service.router.health().serving
