@@ -5,7 +5,8 @@ pyproject.toml names it in the `pdserve.bench` entry-point group, where the CLI 
 Each kind's module has `add_arguments(parser)` and `run(args)`; it is imported only when run,
 so one benchmark's dependencies (ucxx for kv; the `bench` extra's, bench/extras.py) never stop
 the others. bench/gpu/run.sh drives these on a device machine (bench/cpu/: the many-core CPU
-one), and bench/results/ holds the reports and plots that BENCHMARKS.md cites.
+one, and the masked argmax's machine code compiled here), and bench/results/ holds the reports
+and plots that BENCHMARKS.md cites.
 """
 
 # (name, module, one line for `pdserve bench --help`)

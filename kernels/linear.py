@@ -21,7 +21,9 @@ matching up rows into two accumulators) or a per-tile argmax in its epilogue: at
 (M <= FUSED_MAX_M) one launch where cuBLAS + an elementwise op takes two, and no logits
 written for an argmax. A grammar-constrained greedy step's argmax reads its tokens' bits in the
 same epilogue (`MASK`: a disallowed column is -inf before the tile's argmax): no logits are
-written, masked in a pass of their own, then read again by an argmax. It runs up to
+written, masked in a pass of their own, then read again by an argmax. Its rows' words of the
+bitmask are asked for before the K loop (their state rows before the PDL wait: kernels/pdl.py), a
+[BM] vector per 32 columns, so the tile's argmax stays in the GEMM's register layout. It runs up to
 MASKED_MAX_M rows whatever the weight: where a plain argmax leaves a large weight to cuBLAS,
 the masked composition would add the mask's pass over the logits to that. A weighted norm
 stays its own kernel (`kernels.norm.rms_norm`): applied to the A operand as it is loaded, it
@@ -74,7 +76,7 @@ from kernels.norm import (
     rstd_of_partials,
 )
 from kernels.pdl import pdl_args, prefetch_l2, wait_for_previous
-from kernels.token_mask import allowed_tile, mask_rows
+from kernels.token_mask import mask_rows, state_rows, tile_allowed, tile_words
 
 FUSED_MAX_M = 64  # rows up to which the kernel runs by default (decode sizes)
 SMALL_MAX_M = 128  # and up to this many rows for weights
@@ -93,7 +95,8 @@ MASKED_MAX_M = 128  # rows up to which a masked argmax runs the kernel whatever 
 Norm = tuple[torch.Tensor | None, float]  # (weight, or None where it is folded into the GEMM's; eps)
 RowNorm = tuple[float, torch.Tensor]  # (eps, x's partial row sums of squares [M, tiles]): the kernel's own norm
 # a grammar mask for an argmax over x [R * K1, K]: (rows [R], the state row of each request row;
-# bitmask [S, K1, W] int32, xgrammar's layout); flat row r * K1 + i takes bitmask[rows[r], i]
+# bitmask [S, K1, W] int32, xgrammar's layout); flat row r * K1 + i takes bitmask[rows[r], i]. Under PDL
+# rows are read before the wait: they must not come from the kernel launched just before (kernels/pdl.py)
 TokenMask = tuple[torch.Tensor, torch.Tensor]
 
 
@@ -144,7 +147,11 @@ def _skinny_kernel(x_ptr, w_ptr, b_ptr, r_ptr, y_ptr, ws_ptr, val_ptr, idx_ptr, 
         w_rows0 = w_ptr + rn[:, None].to(tl.int64) * stride_w + k_lo + rk[None, :]
         w0 = tl.load(w_rows0, mask=w_mask0, other=0.0)
         u0 = tl.load(w_rows0 + N * stride_w, mask=w_mask0 & GLU, other=0.0)
+    if MASK:  # the grammar's state rows: written before the step began (kernels/pdl.py)
+        state = state_rows(rows_ptr, rm, M, K1)
     wait_for_previous(PDL)
+    if MASK:  # this tile's words of the bitmask, asked for ahead of the K loop, which hides their latency
+        words = tile_words(state, bits_ptr, rm, pid_n * BN, M, N, K1, stride_bs, stride_bi, BN)
     acc = tl.zeros([BM, BN], dtype=tl.float32)
     acc_up = tl.zeros([BM, BN], dtype=tl.float32)  # GLU: the up half's columns (weight rows N + rn)
     k_first = k_lo
@@ -172,7 +179,7 @@ def _skinny_kernel(x_ptr, w_ptr, b_ptr, r_ptr, y_ptr, ws_ptr, val_ptr, idx_ptr, 
     if ARGMAX:  # this tile's best column per row, of the logits rounded as torch would
         keep = rn[None, :] < N
         if MASK:  # the grammar's: -inf where mask_rows would put it, the kept logits unchanged
-            keep &= allowed_tile(rows_ptr, bits_ptr, rm, rn, M, N, K1, stride_bs, stride_bi)
+            keep &= tile_allowed(words, rn, pid_n * BN, BN)
         logit = tl.where(keep, acc.to(y_ptr.dtype.element_ty).to(tl.float32), float("-inf"))
         best, at = tl.max(logit, axis=1, return_indices=True, return_indices_tie_break_left=True)
         n_tiles = tl.num_programs(1)

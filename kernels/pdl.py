@@ -18,7 +18,12 @@ decode attention with rotary inside (kernels/paged_attention.py, `PRELOAD_KV_MAX
 metadata (with the positions' rotary rows and the step's cache slots) and the keys older than the
 step, of its first and last key tiles, before its wait. Those were written before the kernel
 ahead of it started, and that kernel has itself waited for the one before it, so nothing still
-running writes them. `prefetch_l2`
+running writes them. The masked argmax of the LM head (kernels/linear.py, `MASK`) reads its rows'
+state rows before its wait on the same ground (the step's rows, copied in before its first kernel),
+but the grammar bitmask only after it: an eager constrained step may scatter its masks into the
+bitmask with a torch kernel right before the head, and a kernel that never signals its dependents
+gives them no view of its writes before their wait (the graphed step's head opens its graph, after
+the masks' copy: there nothing runs before it to overlap with). `prefetch_l2`
 asks for such lines in L2 while the kernel before still runs: a decode GEMM launched early under
 PDL starts its weight reads there instead of after the previous kernel ends (kernels/linear.py).
 """

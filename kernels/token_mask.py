@@ -5,8 +5,9 @@
     mask_rows(logits [R, K1, V], rows [R], bitmask [S, K1, W]) -> [R, K1, V]
         verify position i of row r masked with state row rows[r]'s bitmask i
         (`mask_logits(logits, bitmask[rows])`, without the [R, K1, W] gather)
-    allowed_tile: the same bits for a tile of flat rows r * K1 + i and tokens, inside another
-        kernel (kernels/linear.py's masked argmax, where no logits are written at all)
+    state_rows, tile_words, tile_allowed: the same bits for a tile of flat rows r * K1 + i and
+        tokens, inside another kernel (kernels/linear.py's masked argmax, where no logits are
+        written at all)
 
 The torch version unpacks the bits with shifts and ands (an arithmetic shift of a word with bit
 31 set smears the sign in, and `& 1` keeps the one bit asked for either way); the kernel is one
@@ -56,16 +57,37 @@ def _mask_kernel(logits_ptr, rows_ptr, mask_ptr, out_ptr, V, W, stride_l, K1: tl
 
 
 @triton.jit
-def allowed_tile(rows_ptr, mask_ptr, rm, rn, M, N, K1, stride_s, stride_i):
-    """[BM, BN] bool: whether flat row rm (verify position rm % K1 of request row rm // K1, whose
-    state row is rows[rm // K1]) may take token rn, from `mask` [S, >= K1, W] (strides stride_s,
-    stride_i, 1). Rows past M and tokens past N read nothing (and come back allowed: the caller
-    masks them itself)."""
+def state_rows(rows_ptr, rm, M, K1):
+    """[BM] int64: the state row of each flat row rm (verify position rm % K1 of request row
+    rm // K1, whose state row is rows[rm // K1]); 0 past M."""
+    return tl.load(rows_ptr + rm // K1, mask=rm < M, other=0).to(tl.int64)
+
+
+@triton.jit
+def tile_words(state, mask_ptr, rm, n0, M, N, K1, stride_s, stride_i, BN: tl.constexpr):
+    """The words of `mask` [S, >= K1, W] (strides stride_s, stride_i, 1) that hold the bits of
+    tokens n0 .. n0 + BN - 1 for flat rows rm (`state_rows`'s state rows): a tuple of [BM] int32,
+    one per 32 tokens (one when BN <= 32: such a tile lies within a word). Rows past M and words
+    past N read nothing (-1: the caller masks those tokens itself). A row's words, not a [BM, BN]
+    gather of them: the gather's layout is not the GEMM's, and Triton then reduced the whole tile
+    in its layout."""
     live = rm < M
-    state = tl.load(rows_ptr + rm // K1, mask=live, other=0).to(tl.int64)
-    at = state * stride_s + (rm % K1) * stride_i
-    words = tl.load(mask_ptr + at[:, None] + rn[None, :] // 32, mask=live[:, None] & (rn[None, :] < N), other=-1)
-    return ((words >> (rn[None, :] % 32)) & 1) != 0
+    at = mask_ptr + state * stride_s + (rm % K1) * stride_i + n0 // 32
+    words = ()
+    for w in tl.static_range(0, BN, 32):  # a where, not `&`: Triton's interpreter refuses a scalar & a tensor mask
+        words = words + (tl.load(at + w // 32, mask=tl.where(n0 + w < N, live, False), other=-1),)  # type: ignore[assignment]
+    return words
+
+
+@triton.jit
+def tile_allowed(words, rn, n0, BN: tl.constexpr):
+    """[BM, BN] bool: whether each row of `tile_words(..., n0, ..., BN)` may take token rn (rn
+    from n0 on)."""
+    at = (rn // 32 - n0 // 32)[None, :]  # which of the row's words holds token rn
+    word = tl.where(at == 0, words[0][:, None], -1)
+    for w in tl.static_range(32, BN, 32):
+        word = tl.where(at == w // 32, words[w // 32][:, None], word)
+    return ((word >> (rn[None, :] % 32)) & 1) != 0
 
 
 def mask_rows_triton(logits: Tensor, rows: Tensor, bitmask: Tensor) -> Tensor:

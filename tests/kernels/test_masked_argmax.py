@@ -68,6 +68,20 @@ def test_masked_argmax_in_the_gemm_equals_mask_then_argmax(device, k1):
     assert torch.equal(per_row[4], L.linear_argmax_triton(x, w).view(-1, k1)[4]), "everything allowed: unmasked"
 
 
+@pytest.mark.parametrize("bn", [32, 64, 128])
+def test_masked_argmax_of_tiles_over_several_words(device, bn):
+    """Tiles of one, two and four bitmask words a row (the default tiles of this small weight are
+    16 columns, within a word), the last tile running past the vocabulary's partial last word."""
+    k1 = 4
+    rows = torch.tensor([TIED, ONE, 5, NONE, ALL, 6], device=device)
+    x = small_ints(rows.shape[0] * k1, HIDDEN, seed=6, device=device)
+    x[:k1] = 1.0
+    w, bits = weights(device), bitmasks(k1, device)
+    got = L.linear_argmax_triton(x, w, mask=(rows, bits), config=(bn, HIDDEN, 1, 4, 3))
+    assert torch.equal(got, composition(x, w, rows, bits))
+    assert (got.view(rows.shape[0], k1)[0] == 500).all(), "the first allowed of the tied columns"
+
+
 def test_masked_argmax_reads_the_state_rows_of_a_wider_bitmask_slice(device):
     """The bitmask as the batch state holds it (a spare state row, rows in any order, the same
     state row twice) and the grid's padding rows: only the rows named are read."""
