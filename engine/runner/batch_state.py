@@ -152,9 +152,13 @@ class BatchState:
                                            device=self.device)
         return self.grammar_mask
 
-    def write_grammar_masks_no_sync(self, slots: torch.Tensor, masks: torch.Tensor) -> None:
-        """Slots `slots` [n] (device) get `masks` [n, k+1, W] (device); stream-ordered."""
-        self.ensure_grammar_mask().index_copy_(0, slots, masks)
+    def write_grammar_masks_no_sync(self, slots: torch.Tensor | int, masks: torch.Tensor) -> None:
+        """Slots `slots` [n] (device) get `masks` [n, k+1, W] (device): a scatter; or the n slots
+        from `slots` (an int) get them, from pinned host memory too: one copy. Stream-ordered."""
+        if isinstance(slots, int):
+            self.ensure_grammar_mask()[slots : slots + masks.shape[0]].copy_(masks, non_blocking=True)
+        else:
+            self.ensure_grammar_mask().index_copy_(0, slots, masks)
 
     def clear_grammar_mask(self, slot: int) -> None:
         """A slot whose constrained request left allows every token again (stream-ordered)."""

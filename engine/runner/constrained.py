@@ -36,7 +36,7 @@ import torch
 
 from engine.grammar.compiler import GrammarCompiler, MaskFiller, Matcher
 from engine.request import PrefillChunk, Request
-from engine.runner.batch_state import BatchState, to_device_no_sync
+from engine.runner.batch_state import BatchState
 from engine.sampling.sampling_params import SamplingParams
 
 
@@ -83,7 +83,7 @@ class ConstrainedRows:
         self.runner, self.k = runner, runner.k
         self.matchers: dict[int, Matcher] = {}
         self.drafts: dict[int, list[int]] = {}  # slot -> the drafts its next launch verifies
-        self._host: torch.Tensor | None = None  # [capacity * (k+1), W] int32, pinned on CUDA
+        self._host: torch.Tensor | None = None  # flat int32: a step's masks, then its slots as int64; pinned on CUDA
         self._copied: torch.cuda.Event | None = None
         self._filler: MaskFiller | None = None
 
@@ -122,21 +122,35 @@ class ConstrainedRows:
 
     def write_masks_no_sync(self, slots: list[int]) -> None:
         """The masks of the constrained slots among `slots` (module docstring) into the device's
-        `grammar_mask`: one pinned buffer, one copy, one scatter; stream-ordered, before the
-        launch's second half."""
+        `grammar_mask`, from one pinned buffer by one copy (`_copy_no_sync`); stream-ordered, before
+        the launch's second half."""
         mine = [s for s in slots if s in self.matchers]
         if not mine:
             return
-        k1 = self.k + 1
-        host = self._buffer(len(mine) * k1)
-        self._fill_levels([self.matchers[s] for s in mine], [self.drafts.get(s, []) for s in mine], host)
-        state = self.runner.state
-        dev = host[: len(mine) * k1].view(len(mine), k1, -1)
+        k1, words = self.k + 1, self.runner.state.ensure_grammar_mask().shape[-1]
+        n_mask = len(mine) * k1 * words
+        at = n_mask + n_mask % 2  # where the slots go, as int64 (8-byte aligned), after the masks
+        flat = self._buffer(at + 2 * len(mine))
+        self._fill_levels([self.matchers[s] for s in mine], [self.drafts.get(s, []) for s in mine],
+                          flat[:n_mask].view(-1, words))
+        self._copy_no_sync(mine, flat, at)
+
+    def _copy_no_sync(self, mine: list[int], flat: torch.Tensor, at: int) -> None:
+        """The masks at the start of `flat` into the state rows `mine`: consecutive slots (a batch
+        of constrained requests admitted together) by one copy straight into their rows; others by
+        one copy of the masks with the slot ids behind them (from `at`), then one scatter."""
+        state, n = self.runner.state, len(mine)
+        shape = (n, *state.ensure_grammar_mask().shape[1:])
+        n_mask = shape[0] * shape[1] * shape[2]
+        if mine == list(range(mine[0], mine[0] + n)):
+            state.write_grammar_masks_no_sync(mine[0], flat[:n_mask].view(shape))
+        else:
+            flat[at : at + 2 * n].view(torch.int64).copy_(torch.tensor(mine, dtype=torch.int64))
+            staged = flat[: at + 2 * n].to(state.device, non_blocking=True)
+            state.write_grammar_masks_no_sync(staged[at:].view(torch.int64), staged[:n_mask].view(shape))
         if state.device.type == "cuda":
-            dev = dev.to(state.device, non_blocking=True)
             self._copied = self._copied or torch.cuda.Event()
             self._copied.record()
-        state.write_grammar_masks_no_sync(to_device_no_sync(mine, torch.long, state.device), dev)
 
     def _fill_levels(self, matchers: list[Matcher], drafts: list[list[int]], host: torch.Tensor) -> None:
         """Row j*(k+1) + i of `host` := matcher j's mask after its first i drafts, for the drafts
@@ -155,14 +169,15 @@ class ConstrainedRows:
         for m, n in zip(matchers, taken, strict=True):
             m.rollback(n)
 
-    def _buffer(self, rows: int) -> torch.Tensor:
-        """The host rows, reused once their last copy has run (in constrained mode it has: the
-        step that read them was collected before the next masks are filled)."""
-        words = self.runner.state.ensure_grammar_mask().shape[-1]
-        if self._host is None or self._host.shape[0] < rows:
-            cap = (self.runner.state.capacity + 1) * (self.k + 1)
-            self._host = torch.empty(max(rows, cap), words, dtype=torch.int32,
-                                     pin_memory=self.runner.state.device.type == "cuda")
+    def _buffer(self, size: int) -> torch.Tensor:
+        """The host buffer (flat int32, at least `size`), reused once its last copy has run (in
+        constrained mode it has: the step that read it was collected before the next masks are
+        filled)."""
+        if self._host is None or self._host.shape[0] < size:
+            state = self.runner.state
+            words = state.ensure_grammar_mask().shape[-1]
+            cap = (state.capacity + 1) * ((self.k + 1) * words + 2) + 1  # every slot's masks and id
+            self._host = torch.empty(max(size, cap), dtype=torch.int32, pin_memory=state.device.type == "cuda")
         elif self._copied is not None:
             self._copied.synchronize()
         return self._host

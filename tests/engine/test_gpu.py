@@ -84,25 +84,65 @@ def test_decode_launch_never_syncs(k, features, draft_vocab, eager, tmp_path):
     assert eng.runner.outputs.num_buffers == 2  # launch N+1 before reading N: double buffered
 
 
+REGEX = SamplingParams(max_tokens=40, structured=StructuredSpec("regex", "[a-z ]{60}"))
+CONSTRAINED = {  # constrained rows beside a free one; "apart": their slots not consecutive (their masks scattered)
+    "mixed": [REGEX, dataclasses.replace(REGEX, temperature=0.9, seed=4, logprobs=2), PARAMS[0]],
+    "greedy": [REGEX, PARAMS[0]],
+    "apart": [REGEX, PARAMS[0], REGEX],
+}
+
+
 @pytest.mark.parametrize("eager", [False, True])
 @pytest.mark.parametrize("k", [0, 3])
-@pytest.mark.parametrize("sampled", [True, False], ids=["mixed", "greedy"])
-def test_constrained_steps_in_halves_never_sync(k, eager, sampled):
+@pytest.mark.parametrize("rows", ["mixed", "greedy", "apart"])
+def test_constrained_steps_in_halves_never_sync(k, eager, rows):
     """A batch with grammar-constrained rows (greedy and sampled, or greedy alone: the masks inside
     the LM head's argmax) beside a free one: each step's forward half, its masks' fill and copy, and
     its second half are queued without a sync (the read of the previous step between them is the
     loop's one read point)."""
     eng = LLMEngine(load_model("tiny", device="cuda", dtype="bfloat16"),
                     EngineConfig(num_speculative_tokens=k, device="cuda", enforce_eager=eager))
-    regex = StructuredSpec("regex", "[a-z ]{60}")
-    params = [SamplingParams(max_tokens=40, structured=regex),
-              SamplingParams(max_tokens=40, structured=regex, temperature=0.9, seed=4, logprobs=2), PARAMS[0]]
-    if not sampled:
-        del params[1]
+    params = CONSTRAINED[rows]
     calls = ("runner.launch_forward", "runner.launch_finish", "batch.constrained.write_masks_no_sync")
     _run(eng, checked=False, params=params, calls=calls)  # captures the graphs
     assert _run(eng, checked=True, params=params, calls=calls) > 5
     assert all(len(r.output_ids) == 40 for r in eng.requests.values())
+    assert eng.num_free_blocks == eng.blocks.capacity
+
+
+@pytest.mark.parametrize("rows", ["greedy", "apart"])
+def test_a_constrained_step_copies_its_masks_to_the_device_once(rows):
+    """A steady constrained batch (graphs, no insert, no finish): each step's masks come in one
+    host-to-device copy, with the slot ids behind them where the slots are not consecutive."""
+    from torch.profiler import ProfilerActivity, profile
+
+    eng = LLMEngine(load_model("tiny", device="cuda", dtype="bfloat16"),
+                    EngineConfig(num_speculative_tokens=0, device="cuda"))
+    params = CONSTRAINED[rows]
+    _run(eng, checked=False, params=params)  # captures the graphs
+    for i, p in enumerate(params):
+        eng.add_request(list(range(5, 12 + 7 * i)), p)
+    for _ in range(5):  # the prefill, the inserts and their copies stay out of the count
+        eng.step()
+    torch.cuda.synchronize()
+    constrained, writes = eng.batch.constrained, 0
+    real = constrained.write_masks_no_sync
+
+    def write(slots):
+        nonlocal writes
+        writes += 1
+        return real(slots)
+
+    constrained.write_masks_no_sync = write  # type: ignore[method-assign]
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(5):
+            eng.step()
+        torch.cuda.synchronize()
+    constrained.write_masks_no_sync = real  # type: ignore[method-assign]
+    gpu = [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    assert writes == 5 and sum("HtoD" in n for n in gpu) == writes, gpu
+    while eng.has_unfinished():
+        eng.step()
     assert eng.num_free_blocks == eng.blocks.capacity
 
 

@@ -455,3 +455,34 @@ def test_a_structural_tag_call_is_exact_under_mtp_and_matches_its_schema(tiny):
     eng = engine(tiny, 3)
     assert eng.generate([PROMPT], params)[0].output_ids == want.output_ids
     assert eng.num_free_blocks == eng.blocks.capacity
+
+
+@pytest.mark.parametrize(("k", "vocab"), [(0, 96), (1, 128)])
+def test_masks_and_their_slots_staged_together_reach_their_state_rows(monkeypatch, k, vocab):
+    """write_masks_no_sync stages a step's masks and then their slot ids in one host buffer (one
+    copy on a GPU; consecutive slots need no ids): each constrained slot's state row gets its rows,
+    every other row keeps all ones, whether the masks fill an odd number of words (the ids then
+    start one word later) or not, and with the buffer reused by steps of other slots."""
+    from engine.runner.batch_state import BatchState
+    from engine.runner.constrained import ConstrainedRows
+
+    # (0, 96): 3 words a row, one row a slot, so 1 and 3 slots' masks fill an odd number of words
+    state = BatchState(capacity=6, k=k, max_blocks=4, vocab=vocab, device=torch.device("cpu"))
+    runner = type("Runner", (), {"k": k, "grammar": None, "state": state})()
+    rows = ConstrainedRows(runner)
+
+    def fill(matchers, drafts, host):  # row j * (k + 1) + i: matcher j's slot, position i, in every word
+        for j, slot in enumerate(matchers):
+            for i in range(k + 1):
+                host[j * (k + 1) + i] = 100 * slot + i
+
+    monkeypatch.setattr(rows, "_fill_levels", fill)
+    words = -(-vocab // 32)
+    for constrained, launch in (([5], [2, 5, 0]), ([1, 4, 5], [4, 1, 3, 5]), ([2, 3, 4], [2, 3, 4, 5])):
+        for s in set(rows.matchers) - set(constrained):
+            rows.remove(s)  # its row allows everything again
+        rows.matchers.update({s: s for s in constrained})  # the fill above reads a slot as its matcher
+        rows.write_masks_no_sync(launch)
+        for s in launch:
+            want = 100 * s + torch.arange(k + 1).view(-1, 1) if s in constrained else torch.full((k + 1, 1), -1)
+            assert torch.equal(state.grammar_mask[s], want.int().expand(k + 1, words)), s
