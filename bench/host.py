@@ -231,7 +231,9 @@ def _node_main(options: dict, conn: Any) -> None:
 
 
 def _router_main(options: dict, conn: Any) -> None:
-    asyncio.run(_serve_router(options, conn))
+    import uvloop
+
+    uvloop.run(_serve_router(options, conn))  # the loop Ray gives the router actor (deploy/router_actor.py)
 
 
 async def _serve_router(options: dict, conn: Any) -> None:

@@ -1,5 +1,8 @@
 """Thin async Ray actor around the plain Router (its gRPC server runs on the actor's loop).
 
+The loop is uvloop's: Ray runs an async actor on it when uvloop is importable (a dependency for
+this process's sake: the doors' per-event socket work; `RAY_USE_UVLOOP=0` turns it off).
+
 Restarts: the actor restarts forever (deploy/service.py). Ray re-runs only `__init__` in the new
 process, so a restarted actor serves nothing and knows no node until the service's watcher gives
 it the node list (`set_nodes`) and calls `ensure_serving` with the ports its predecessor bound:

@@ -21,7 +21,10 @@ log = logging.getLogger(__name__)
 
 class LoopThread:
     def __init__(self, name: str) -> None:
-        self.loop = asyncio.new_event_loop()
+        # The stock loop by name, not the policy's: a Ray worker installs uvloop's policy wherever
+        # uvloop is importable (it is, for the router's sake), and the transports are built and
+        # tested on this one.
+        self.loop = asyncio.SelectorEventLoop()
         self._calls: collections.deque[tuple[Callable[..., Any], tuple[Any, ...]]] = collections.deque()
         self._calls_lock = threading.Lock()
         self._drain_scheduled = False

@@ -65,7 +65,10 @@ class Node:
     inflight_tokens: int = 0  # P: prompt tokens those prefills compute (less a cached prefix: Policy.routed)
     last_error: str = ""
     late_status: int = 0  # Status calls in a row past their deadline, with no other answer meanwhile
-    heard_at: float = float("-inf")  # the event loop's time of the node's latest answer of any kind
+    # time.monotonic() of the node's latest answer of any kind: not the loop's time, which uvloop
+    # reads once per loop turn in whole milliseconds (an answer just before a Status's send would
+    # tie with it and count as heard meanwhile)
+    heard_at: float = float("-inf")
     status_failures: Counter[str] = field(default_factory=Counter)  # failed Status calls by gRPC code name
     downs: int = 0  # times this router took the node out of service
     primed: bool = False  # prefill, decode: its pairs with the nodes up of the other kind were primed
@@ -176,7 +179,7 @@ class NodePool:
     @staticmethod
     def heard_from(node: Node) -> None:
         """`node` answered a call or sent an output batch: it is alive, however late its Status."""
-        node.heard_at = asyncio.get_running_loop().time()
+        node.heard_at = time.monotonic()
 
     def spawn(self, coro: Any) -> asyncio.Task[Any]:
         """Run `coro` in the background, tracked so stop() can end it."""
@@ -273,7 +276,7 @@ class NodePool:
                 log.exception("node status poll failed")
 
     async def _probe(self, node: Node) -> None:
-        sent = asyncio.get_running_loop().time()
+        sent = time.monotonic()
         try:
             status = await node.stub.Status(node_pb2.StatusRequest(), timeout=self.rpc_timeout_s)
         except grpc.aio.AioRpcError as e:

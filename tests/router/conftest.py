@@ -1,5 +1,6 @@
-"""Runs `async def` tests in a fresh event loop (no plugin needed), and the `cluster` harness:
-a Router on 127.0.0.1 in front of fake prefill and decode nodes (tests/router/fake_nodes.py)."""
+"""Runs `async def` tests in a fresh event loop, uvloop's as in the router process (no plugin
+needed), and the `cluster` harness: a Router on 127.0.0.1 in front of fake prefill and decode
+nodes (tests/router/fake_nodes.py)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass
 
 import pytest
+import uvloop
 
 from deploy.config import RouterConfig
 from engine.model.info import load_model_info
@@ -25,7 +27,8 @@ def pytest_pyfunc_call(pyfuncitem: pytest.Function) -> bool | None:
     if not inspect.iscoroutinefunction(pyfuncitem.obj):
         return None
     args = {name: pyfuncitem.funcargs[name] for name in pyfuncitem._fixtureinfo.argnames}
-    asyncio.run(asyncio.wait_for(pyfuncitem.obj(**args), TEST_TIMEOUT_S))
+    with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:  # the router process's loop
+        runner.run(asyncio.wait_for(pyfuncitem.obj(**args), TEST_TIMEOUT_S))
     return True
 
 
