@@ -369,7 +369,7 @@ async def inject(service: Any, client: Any, inflight: dict[str, Outcome], args: 
         if max_router_kills is not None and faults["killed_router"] >= max_router_kills:
             next_restart = math.inf
         if args.kill_every > 0 and now >= next_kill:
-            await node_fault(service, victims[turn % len(victims)], turn, args, faults)
+            await node_fault(service, *fault_for(turn, victims, getattr(args, "step_error_every", 0)), faults)
             turn, next_kill = turn + 1, now + args.kill_every
         if next_restart is None and service.router_restarts - restarts_before >= faults["killed_router"]:  # back
             next_restart = now + restart_every
@@ -385,12 +385,20 @@ async def inject(service: Any, client: Any, inflight: dict[str, Outcome], args: 
             pass
 
 
-async def node_fault(service: Any, victim: tuple[str, int], turn: int, args: argparse.Namespace,
-                     faults: Counter[str]) -> None:
-    """The `turn`-th node fault: a process kill, or every `--step-error-every`-th a step error."""
+def fault_for(turn: int, victims: list[tuple[str, int]], error_every: int) -> tuple[str, tuple[str, int]]:
+    """The `turn`-th node fault: ("error", victim) every `error_every`-th turn (a CUDA error in the
+    node's next step), else ("kill", victim). Kills and errors each go round the victims on their own
+    count, so every node meets both whatever `error_every` and the number of nodes are."""
+    if error_every > 0 and (turn + 1) % error_every == 0:
+        return "error", victims[((turn + 1) // error_every - 1) % len(victims)]
+    kills = turn - (turn + 1) // error_every if error_every > 0 else turn
+    return "kill", victims[kills % len(victims)]
+
+
+async def node_fault(service: Any, kind: str, victim: tuple[str, int], faults: Counter[str]) -> None:
+    """A node fault (`fault_for`): a process kill, or a step error."""
     role, index = victim
-    every = getattr(args, "step_error_every", 0)
-    if every > 0 and (turn + 1) % every == 0:
+    if kind == "error":
         await asyncio.to_thread(service.fail_step, role, index)
         faults[f"step_error_{role}"] += 1
     else:
