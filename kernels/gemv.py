@@ -4,9 +4,11 @@ registers before the programmatic-dependent-launch wait (kernels/pdl.py).
 A program owns BN whole rows of the weight (both halves' rows with silu * up), padded to a
 power of two of K, and there are at most as many programs as SMs. It loads that tile first,
 while the kernel before it still runs (weights are never written by a step), then waits, reads
-x's rows (M <= GEMV_MAX_M) and sums each output in fp32 across K. The epilogue is the split-K
-kernel's (kernels/epilogue.py): bias, silu * up, the residual add, the partial sums of squares
-for the next norm, and a weightless norm's row scale from x's.
+x's rows (M <= GEMV_MAX_M) and sums each output in fp32 across K, in one of the ways of
+kernels/gemv_rows.py (GEMV_SUMS), which share each weight read across the rows. The epilogue is
+the split-K kernel's (kernels/epilogue.py), over all the rows' tile at once: bias, silu * up, the
+residual add, the partial sums of squares for the next norm, and a weightless norm's row scale
+from x's.
 
 Why: a small model's batch-1 step (SmolLM2's: ~150 dependent launches of 0.7-3.5 MB weights)
 is bound by each launch's latency, not by bandwidth. Holding the whole tile in registers before
@@ -27,12 +29,26 @@ import triton
 import triton.language as tl
 
 from kernels.epilogue import gemm_epilogue
+from kernels.gemv_rows import (
+    SUMS_CODES,
+    bcast_sums,
+    chunk_sums,
+    chunk_width,
+    lanes_sums,
+    lanes_width,
+    rows_sums,
+    tile_for,
+)
 from kernels.norm import rstd_of_partials
-from kernels.pdl import pdl_args, wait_for_previous
+from kernels.pdl import pdl_args
 
-# rows: one, as a batch-1 step without drafts has; a verify of a few rows runs correctly here (the
-# tests take 4) but is faster through the split-K kernel, whose tiles share each weight read
+# rows: one, as a batch-1 step without drafts has; up to 4 (a batch-1 verify) run correctly here in
+# every GEMV_SUMS way, the split-K kernel taking them until one is timed faster (issue 50)
 GEMV_MAX_M = 1
+# how a launch's rows take their sums from the tile (kernels/gemv_rows.py: rows, bcast, chunk,
+# lanes), at every M so that a verify row sums as a plain step's row; issue 50's experiment
+GEMV_SUMS = "rows"
+GEMV_CHUNK = 512  # chunk's K columns a step
 GEMV_MAX_TILE = 32768  # weight elements a program holds (64 KB of bf16 over 4-8 warps)
 # weights above this many bytes keep the split-K kernel (Llama-1B's o projection, 8 MB, would fit a tile)
 GEMV_MAX_BYTES = 4 * 2**20
@@ -48,11 +64,13 @@ def _programs(device_index: int | None) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
-def gemv_config(m: int, w: torch.Tensor, glu: bool, sms: int | None = None) -> GemvConfig | None:
+def gemv_config(m: int, w: torch.Tensor, glu: bool, sms: int | None = None,
+                max_bytes: int | None = None) -> GemvConfig | None:
     """(BN, KP, WARPS) when the kernel takes a launch of m rows over w, else None: BN the smallest
     power of two that leaves at most one tile per SM (`sms`: w's device's count), while its tile
-    fits GEMV_MAX_TILE."""
-    if m > GEMV_MAX_M or m < 1 or w.numel() * w.element_size() > GEMV_MAX_BYTES:
+    (a chunk's, with GEMV_SUMS "chunk") fits GEMV_MAX_TILE. `max_bytes`: instead of GEMV_MAX_BYTES."""
+    limit = GEMV_MAX_BYTES if max_bytes is None else max_bytes
+    if m > GEMV_MAX_M or m < 1 or w.numel() * w.element_size() > limit:
         return None
     n_out, k, device = w.shape[0] // (2 if glu else 1), w.shape[1], w.device
     sms = sms or _programs(device.index if device.type == "cuda" else None)
@@ -60,10 +78,12 @@ def gemv_config(m: int, w: torch.Tensor, glu: bool, sms: int | None = None) -> G
     bn = 1
     while triton.cdiv(n_out, bn) > sms:
         bn *= 2
-    elems = bn * kp * (2 if glu else 1)
+    held = chunk_width(kp, GEMV_CHUNK) if GEMV_SUMS == "chunk" else kp
+    elems = bn * held * (2 if glu else 1)
     if elems > GEMV_MAX_TILE:
         return None
-    return bn, kp, 8 if elems >= 16384 else 4
+    bn, warps = tile_for(GEMV_SUMS, bn, held, 8 if elems >= 16384 else 4, glu, w.element_size())
+    return bn, kp, warps
 
 
 @triton.jit
@@ -71,30 +91,23 @@ def _gemv_kernel(x_ptr, w_ptr, b_ptr, r_ptr, y_ptr, ssi_ptr, sso_ptr,
                  M, N, K, stride_x, stride_w, stride_r, stride_y, eps, NTI,
                  HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr, GLU: tl.constexpr, NORM: tl.constexpr,
                  NTP: tl.constexpr, SS_OUT: tl.constexpr, MP: tl.constexpr, BN: tl.constexpr, KP: tl.constexpr,
-                 PDL: tl.constexpr):
+                 SUMS: tl.constexpr, BK: tl.constexpr, C: tl.constexpr, PDL: tl.constexpr):
     rn = tl.program_id(1) * BN + tl.arange(0, BN)  # grid axis 1 tiles the columns (store_partial_sumsq)
-    rk = tl.arange(0, KP)
-    w_mask = (rn[:, None] < N) & (rk[None, :] < K)
-    w_rows = w_ptr + rn[:, None].to(tl.int64) * stride_w + rk[None, :]
-    w = tl.load(w_rows, mask=w_mask, other=0.0)  # before the wait: weights are never written
-    if GLU:
-        u = tl.load(w_rows + N * stride_w, mask=w_mask, other=0.0)
+    if SUMS == 1:
+        acc, acc_up = bcast_sums(x_ptr, w_ptr, rn, M, N, K, stride_x, stride_w, GLU, MP, BN, KP, PDL)
+    elif SUMS == 2:
+        acc, acc_up = chunk_sums(x_ptr, w_ptr, rn, M, N, K, stride_x, stride_w, GLU, MP, BN, BK, PDL)
+    elif SUMS == 3:
+        acc, acc_up = lanes_sums(x_ptr, w_ptr, rn, M, N, K, stride_x, stride_w, GLU, MP, BN, KP, C, PDL)
     else:
-        u = w
-    wait_for_previous(PDL)
-    for m in tl.static_range(MP):
-        rm = m + tl.zeros([1], dtype=tl.int32)
-        x = tl.load(x_ptr + m * stride_x + rk, mask=(rk < K) & (rm < M), other=0.0).to(tl.float32)
-        acc = tl.sum(w.to(tl.float32) * x[None, :], axis=1)[None, :]
-        acc_up = acc
-        if GLU:
-            acc_up = tl.sum(u.to(tl.float32) * x[None, :], axis=1)[None, :]
-        if NORM:  # a weightless RMSNorm of x, applied to the sums
-            rstd = rstd_of_partials(ssi_ptr, rm, M, NTI, K, eps, NTP)[:, None]
-            acc *= rstd
-            acc_up *= rstd
-        gemm_epilogue(acc, acc_up, rm, rn, M, N, b_ptr, r_ptr, stride_r, y_ptr, stride_y, sso_ptr,
-                      HAS_BIAS, HAS_RES, GLU, SS_OUT)
+        acc, acc_up = rows_sums(x_ptr, w_ptr, rn, M, N, K, stride_x, stride_w, GLU, MP, BN, KP, PDL)
+    rm = tl.arange(0, MP)
+    if NORM:  # a weightless RMSNorm of x, applied to the sums
+        rstd = rstd_of_partials(ssi_ptr, rm, M, NTI, K, eps, NTP)[:, None]
+        acc *= rstd
+        acc_up *= rstd
+    gemm_epilogue(acc, acc_up, rm, rn, M, N, b_ptr, r_ptr, stride_r, y_ptr, stride_y, sso_ptr,
+                  HAS_BIAS, HAS_RES, GLU, SS_OUT)
 
 
 def launch_gemv(x2: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, residual: torch.Tensor | None,
@@ -115,5 +128,6 @@ def launch_gemv(x2: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, resid
         m, n_out, k, x2.stride(0), w.stride(0), r.stride(0), y.stride(0), eps, nti,
         HAS_BIAS=b is not None, HAS_RES=residual is not None, GLU=glu, NORM=ssi is not None,
         NTP=triton.next_power_of_2(nti), SS_OUT=sso is not None, MP=triton.next_power_of_2(m), BN=bn, KP=kp,
+        SUMS=SUMS_CODES[GEMV_SUMS], BK=chunk_width(kp, GEMV_CHUNK), C=lanes_width(kp, w.element_size()),
         num_warps=warps, num_stages=1, **pdl_args(x2))
     return sso
