@@ -2,13 +2,14 @@
 registers before the programmatic-dependent-launch wait (kernels/pdl.py).
 
 A program owns BN whole rows of the weight (both halves' rows with silu * up), padded to a
-power of two of K, and there are at most as many programs as SMs. It loads that tile first,
-while the kernel before it still runs (weights are never written by a step), then waits, reads
-x's rows (M <= GEMV_MAX_M) and sums each output in fp32 across K, in one of the ways of
-kernels/gemv_rows.py (GEMV_SUMS), which share each weight read across the rows. The epilogue is
-the split-K kernel's (kernels/epilogue.py), over all the rows' tile at once: bias, silu * up, the
-residual add, the partial sums of squares for the next norm, and a weightless norm's row scale
-from x's.
+power of two of K, and there are at most as many programs as SMs. It loads that tile [1, BN, KP]
+first, while the kernel before it still runs (weights are never written by a step), then waits,
+reads x's rows [MP, 1, KP] and sums their product with the tile once over K in fp32: every warp
+lies along K, so x's load has the weights' layout and the tile is never moved through shared
+memory. The epilogue is the split-K kernel's (kernels/epilogue.py), over all the rows at once:
+bias, silu * up, the residual add, the partial sums of squares for the next norm, and a
+weightless norm's row scale from x's. A row's sum runs in one order whatever M is, so row 0 of a
+launch of several rows has the bits of the same row launched alone.
 
 Why: a small model's batch-1 step (SmolLM2's: ~150 dependent launches of 0.7-3.5 MB weights)
 is bound by each launch's latency, not by bandwidth. Holding the whole tile in registers before
@@ -17,7 +18,7 @@ does only in part; a persistent kernel with a grid barrier between stages lost t
 barrier alone costing about a launch (docs/history/benchmarks-history.md).
 
 Not in the batch-invariant mode (the kernel is chosen by M); not for an argmax or a split-K
-launch.
+launch. bench/gpu/gpu_gemv_rows.py times it against the split-K kernel at 1 and 4 rows.
 """
 
 from __future__ import annotations
@@ -29,26 +30,14 @@ import triton
 import triton.language as tl
 
 from kernels.epilogue import gemm_epilogue
-from kernels.gemv_rows import (
-    SUMS_CODES,
-    bcast_sums,
-    chunk_sums,
-    chunk_width,
-    lanes_sums,
-    lanes_width,
-    rows_sums,
-    tile_for,
-)
 from kernels.norm import rstd_of_partials
-from kernels.pdl import pdl_args
+from kernels.pdl import pdl_args, wait_for_previous
 
-# rows: one, as a batch-1 step without drafts has; up to 4 (a batch-1 verify) run correctly here in
-# every GEMV_SUMS way, the split-K kernel taking them until one is timed faster (issue 50)
+# rows: one, as a batch-1 step without drafts has. Up to 4 run correctly here (the tests take
+# them), but a batch-1 verify keeps the split-K kernel: a step with drafts ran slower with its
+# GEMMs here, though some of them alone are faster (bench/gpu/gpu_gemv_rows.py). Through here a
+# verify row would have a plain step's bits (see above), which an exact verify (issue 50) may want.
 GEMV_MAX_M = 1
-# how a launch's rows take their sums from the tile (kernels/gemv_rows.py: rows, bcast, chunk,
-# lanes), at every M so that a verify row sums as a plain step's row; issue 50's experiment
-GEMV_SUMS = "rows"
-GEMV_CHUNK = 512  # chunk's K columns a step
 GEMV_MAX_TILE = 32768  # weight elements a program holds (64 KB of bf16 over 4-8 warps)
 # weights above this many bytes keep the split-K kernel (Llama-1B's o projection, 8 MB, would fit a tile)
 GEMV_MAX_BYTES = 4 * 2**20
@@ -64,25 +53,27 @@ def _programs(device_index: int | None) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
-def gemv_config(m: int, w: torch.Tensor, glu: bool, sms: int | None = None,
-                max_bytes: int | None = None) -> GemvConfig | None:
-    """(BN, KP, WARPS) when the kernel takes a launch of m rows over w, else None: BN the smallest
-    power of two that leaves at most one tile per SM (`sms`: w's device's count), while its tile
-    (a chunk's, with GEMV_SUMS "chunk") fits GEMV_MAX_TILE. `max_bytes`: instead of GEMV_MAX_BYTES."""
-    limit = GEMV_MAX_BYTES if max_bytes is None else max_bytes
-    if m > GEMV_MAX_M or m < 1 or w.numel() * w.element_size() > limit:
+def gemv_config(m: int, w: torch.Tensor, glu: bool, sms: int | None = None) -> GemvConfig | None:
+    """(BN, KP, WARPS) when the kernel takes a launch of m rows over w, else None. It takes w when
+    a tile of the smallest power of two of rows that leaves at most one tile per SM (`sms`: w's
+    device's count) fits GEMV_MAX_TILE. WARPS: as many along K as a warp's 16-byte loads fill, up
+    to 8; then BN halves (more programs than SMs, as many bytes on the busiest SM) until a thread
+    holds at most 128 weight elements."""
+    if m > GEMV_MAX_M or m < 1 or w.numel() * w.element_size() > GEMV_MAX_BYTES:
         return None
-    n_out, k, device = w.shape[0] // (2 if glu else 1), w.shape[1], w.device
+    halves = 2 if glu else 1
+    n_out, k, device = w.shape[0] // halves, w.shape[1], w.device
     sms = sms or _programs(device.index if device.type == "cuda" else None)
     kp = triton.next_power_of_2(k)
     bn = 1
     while triton.cdiv(n_out, bn) > sms:
         bn *= 2
-    held = chunk_width(kp, GEMV_CHUNK) if GEMV_SUMS == "chunk" else kp
-    elems = bn * held * (2 if glu else 1)
-    if elems > GEMV_MAX_TILE:
+    if bn * kp * halves > GEMV_MAX_TILE:
         return None
-    bn, warps = tile_for(GEMV_SUMS, bn, held, 8 if elems >= 16384 else 4, glu, w.element_size())
+    warp_width = min(kp, 32 * max(1, 16 // w.element_size()))
+    warps = max(1, min(8, kp // warp_width))
+    while bn > 1 and bn * kp * halves > 128 * 32 * warps:
+        bn //= 2
     return bn, kp, warps
 
 
@@ -91,17 +82,20 @@ def _gemv_kernel(x_ptr, w_ptr, b_ptr, r_ptr, y_ptr, ssi_ptr, sso_ptr,
                  M, N, K, stride_x, stride_w, stride_r, stride_y, eps, NTI,
                  HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr, GLU: tl.constexpr, NORM: tl.constexpr,
                  NTP: tl.constexpr, SS_OUT: tl.constexpr, MP: tl.constexpr, BN: tl.constexpr, KP: tl.constexpr,
-                 SUMS: tl.constexpr, BK: tl.constexpr, C: tl.constexpr, PDL: tl.constexpr):
+                 PDL: tl.constexpr):
     rn = tl.program_id(1) * BN + tl.arange(0, BN)  # grid axis 1 tiles the columns (store_partial_sumsq)
-    if SUMS == 1:
-        acc, acc_up = bcast_sums(x_ptr, w_ptr, rn, M, N, K, stride_x, stride_w, GLU, MP, BN, KP, PDL)
-    elif SUMS == 2:
-        acc, acc_up = chunk_sums(x_ptr, w_ptr, rn, M, N, K, stride_x, stride_w, GLU, MP, BN, BK, PDL)
-    elif SUMS == 3:
-        acc, acc_up = lanes_sums(x_ptr, w_ptr, rn, M, N, K, stride_x, stride_w, GLU, MP, BN, KP, C, PDL)
-    else:
-        acc, acc_up = rows_sums(x_ptr, w_ptr, rn, M, N, K, stride_x, stride_w, GLU, MP, BN, KP, PDL)
     rm = tl.arange(0, MP)
+    n3, m3, k3 = rn[None, :, None], rm[:, None, None], tl.arange(0, KP)[None, None, :]
+    w_mask = (n3 < N) & (k3 < K)
+    w_rows = w_ptr + n3.to(tl.int64) * stride_w + k3
+    w = tl.load(w_rows, mask=w_mask, other=0.0)  # [1, BN, KP], before the wait: weights are never written
+    u = tl.load(w_rows + N * stride_w, mask=w_mask & GLU, other=0.0)
+    wait_for_previous(PDL)
+    x = tl.load(x_ptr + m3.to(tl.int64) * stride_x + k3, mask=(m3 < M) & (k3 < K), other=0.0).to(tl.float32)
+    acc = tl.sum(w.to(tl.float32) * x, axis=2)  # [MP, BN]
+    acc_up = acc
+    if GLU:
+        acc_up = tl.sum(u.to(tl.float32) * x, axis=2)
     if NORM:  # a weightless RMSNorm of x, applied to the sums
         rstd = rstd_of_partials(ssi_ptr, rm, M, NTI, K, eps, NTP)[:, None]
         acc *= rstd
@@ -128,6 +122,5 @@ def launch_gemv(x2: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, resid
         m, n_out, k, x2.stride(0), w.stride(0), r.stride(0), y.stride(0), eps, nti,
         HAS_BIAS=b is not None, HAS_RES=residual is not None, GLU=glu, NORM=ssi is not None,
         NTP=triton.next_power_of_2(nti), SS_OUT=sso is not None, MP=triton.next_power_of_2(m), BN=bn, KP=kp,
-        SUMS=SUMS_CODES[GEMV_SUMS], BK=chunk_width(kp, GEMV_CHUNK), C=lanes_width(kp, w.element_size()),
         num_warps=warps, num_stages=1, **pdl_args(x2))
     return sso

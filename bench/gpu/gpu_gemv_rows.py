@@ -1,31 +1,32 @@
-"""A batch-1 verify's decode GEMMs (M = 4 rows) through each way of summing the register-tile
-GEMV's rows (kernels/gemv_rows.py), against what runs today: the one-row GEMV at M = 1 and the
-split-K kernel at M = 4 (issue 50: a four-row GEMV that costs what a one-row one costs).
+"""The register-tile GEMV (kernels/gemv.py) against the split-K kernel (kernels/linear.py) at
+M = 1 and 4 rows: a batch-1 step's decode GEMMs and a batch-1 verify's (k = 3 drafts). Today the
+GEMV takes M = 1 over small weights and the split-K kernel the rest (kernels.gemv.GEMV_MAX_M).
 
 SmolLM2's and Llama-3.2-1B's decode GEMMs as a step runs them: q/k/v with the folded input norm,
 o and down with the residual add (and the sums of squares for the next norm), gate/up with
 silu * up and the folded norm. Each case is a chain of launches over enough weight copies to miss
 L2, captured in a CUDA graph, with programmatic dependent launch as the step has it (on Hopper),
-timed with events: us per launch. A variant runs only where its tile fits (GEMV_MAX_TILE; the
-weight-size limit is lifted, so Llama-1B's o takes it): "-" elsewhere.
+timed with events: us per launch. The GEMV runs only where its tile fits (GEMV_MAX_TILE; the
+weight-size limit is lifted, so Llama-1B's o takes it): "-" elsewhere; "*" marks what a step
+runs today.
 
 Each output is checked against the fp32 torch composition (max abs error), and row 0 of each
-variant's M = 4 launch against the one-row GEMV of today (`=today`) and against the variant's own
-M = 1 launch (`=own`): bit for bit, as an exact verify needs.
+kernel's M = 4 launch against its own M = 1 launch (`row 0 =M1`): bit for bit, as an exact verify
+needs.
 
-    python bench/gpu/gpu_gemv_rows.py [--variants rows,bcast,chunk,lanes] [--cpu-check]
+    python bench/gpu/gpu_gemv_rows.py [--cpu-check | --sm90]
 
 `--cpu-check`: tiny shapes under Triton's interpreter on the CPU, in fp32 (the interpreter's
 `tl.dot` over bf16, the split-K kernel's, gives wrong sums), errors and bits only (no times).
-`--sm90`: no GPU needed: each variant's kernel at SmolLM2's shapes compiled here for sm_90a (this
-Triton's ptxas), with its static counts: registers, spilled bytes, barriers, shuffles, layout
-conversions (a weight tile converted through shared memory shows as one), shared memory.
+`--sm90`: no GPU needed: the GEMV at SmolLM2's shapes compiled here for sm_90a (this Triton's
+ptxas), with its static counts: registers, spilled bytes, barriers, shuffles, layout conversions
+(a weight tile converted through shared memory shows as one), shared memory.
 
-The engine's decode with a variant (here lanes) for a `bench engine` comparison:
+The engine with a batch-1 verify through the GEMV, for a `bench engine` comparison:
 
-    python3 -c "import sys, kernels.gemv as g; g.GEMV_MAX_M, g.GEMV_SUMS = 4, 'lanes'; \
+    python3 -c "import sys, kernels.gemv as g; g.GEMV_MAX_M = 4; \
       from deploy.cli import main; sys.exit(main(sys.argv[1:]))" bench engine --device cuda \
-      --arch smollm2 --batch 1 --spec-tokens 3 --max-tokens 96
+      --arch smollm2 --batch 1 --max-model-len 4096 --spec-tokens 3 --max-tokens 96
 """
 
 from __future__ import annotations
@@ -55,15 +56,16 @@ SHAPES = {  # name: (K, N, op); gate_up's N is the gate's (the weight has 2N row
 }
 TINY = {"tiny qkv": (64, 96, "norm"), "tiny o": (64, 64, "res"), "tiny gate_up": (64, 80, "glu"),
         "tiny down": (80, 64, "res")}
-DEFAULTS = {name: getattr(G, name) for name in ("GEMV_MAX_M", "GEMV_SUMS", "GEMV_MAX_BYTES")}
+DEFAULTS = {name: getattr(G, name) for name in ("GEMV_MAX_M", "GEMV_MAX_BYTES")}
+KERNELS = {"today": None, "GEMV": (4, 2**40), "split-K": (0, 0)}  # (GEMV_MAX_M, GEMV_MAX_BYTES)
 
 
-def settings(sums: str | None) -> None:
-    """kernels.gemv as today (None), or taking launches of up to 4 rows summed the `sums` way."""
+def settings(kernel: str) -> None:
+    """kernels.gemv as today, or the GEMV taking every launch of up to 4 rows whose tile fits, or none."""
     for name, value in DEFAULTS.items():
         setattr(G, name, value)
-    if sums is not None:
-        G.GEMV_MAX_M, G.GEMV_SUMS, G.GEMV_MAX_BYTES = 4, sums, 2**40
+    if KERNELS[kernel] is not None:
+        G.GEMV_MAX_M, G.GEMV_MAX_BYTES = KERNELS[kernel]
 
 
 class Case:
@@ -111,26 +113,25 @@ def measure(case: Case, m: int, timer) -> dict:
     return {"y": y, "err": err, "us": us}
 
 
-def shape_rows(name: str, spec: tuple[int, int, str], variants: list[str], device: str, timer) -> list[dict]:
+def shape_rows(name: str, spec: tuple[int, int, str], device: str, timer) -> list[dict]:
     k, n, op = spec
     size = (2 if op == "glu" else 1) * n * k * 2
     copies = max(2, -(-(160 << 20) // size)) if timer else 1
     case = Case(k, n, op, device, torch.bfloat16 if device == "cuda" else torch.float32, copies)
-    settings(None)
-    today = {m: measure(case, m, timer) for m in (1, 4)}
-    rows = [{"shape": name, "kernel": f"today ({'GEMV' if case.takes_gemv(1) else 'skinny'})", "M": 1, **today[1]},
-            {"shape": name, "kernel": "today (skinny)", "M": 4, **today[4]}]
-    for v in variants:
-        settings(v)
-        if not case.takes_gemv(4):
-            rows.append({"shape": name, "kernel": v, "M": 4, "us": math.nan, "err": math.nan})
+    settings("today")
+    today = {1: case.takes_gemv(1), 4: case.takes_gemv(4)}
+    rows = []
+    for kernel in ("GEMV", "split-K"):
+        settings(kernel)
+        if kernel == "GEMV" and not case.takes_gemv(4):
+            rows.append({"shape": name, "kernel": kernel, "M": 4, "us": math.nan, "err": math.nan})
             continue
         one, four = measure(case, 1, timer), measure(case, 4, timer)
-        same_today = torch.equal(four["y"][:1], today[1]["y"]) if "GEMV" in rows[0]["kernel"] else None
-        rows += [{"shape": name, "kernel": v, "M": 1, **one},
-                 {"shape": name, "kernel": v, "M": 4, **four, "=today": same_today,
-                  "=own": torch.equal(four["y"][:1], one["y"])}]
-    settings(None)
+        is_gemv = kernel == "GEMV"
+        rows += [{"shape": name, "kernel": kernel, "M": 1, "today": today[1] == is_gemv, **one},
+                 {"shape": name, "kernel": kernel, "M": 4, "today": today[4] == is_gemv, **four,
+                  "=M1": torch.equal(four["y"][:1], one["y"])}]
+    settings("today")
     for row in rows:
         print({key: val for key, val in row.items() if key != "y"}, flush=True)
     return rows
@@ -140,17 +141,17 @@ def print_table(rows: list[dict]) -> None:
     def bits(v) -> str:
         return "-" if v is None else "yes" if v else "NO"
 
-    print(f"\n{'shape':14} | {'kernel':16} | M | us/launch | max abs err | row 0 =today | =own")
+    print(f"\n{'shape':14} | {'kernel':9} | M | us/launch | max abs err | row 0 =M1")
     for r in rows:
         us = "-" if math.isnan(r["us"]) else f"{r['us']:.2f}"
         err = "-" if math.isnan(r["err"]) else f"{r['err']:.2e}"
-        print(f"{r['shape']:14} | {r['kernel']:16} | {r['M']} | {us:>9} | {err:>11} | {bits(r.get('=today')):>12} "
-              f"| {bits(r.get('=own'))}")
+        kernel = r["kernel"] + ("*" if r.get("today") else "")
+        print(f"{r['shape']:14} | {kernel:9} | {r['M']} | {us:>9} | {err:>11} | {bits(r.get('=M1')):>9}")
 
 
-def sm90_counts(name: str, spec: tuple[int, int, str], sums: str, m: int) -> dict:
-    """The kernel of `sums` at m rows over the shape, compiled for sm_90a as launch_gemv would
-    launch it (16-byte aligned pointers, strides and sizes divisible by 16 as the JIT sees them)."""
+def sm90_counts(name: str, spec: tuple[int, int, str], m: int) -> dict:
+    """The GEMV at m rows over the shape, compiled for sm_90a as launch_gemv would launch it
+    (16-byte aligned pointers, strides and sizes divisible by 16 as the JIT sees them)."""
     import re
     import subprocess
     import tempfile
@@ -160,17 +161,15 @@ def sm90_counts(name: str, spec: tuple[int, int, str], sums: str, m: int) -> dic
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    from kernels.gemv_rows import SUMS_CODES, chunk_width, lanes_width
-
     k, n, op = spec
-    settings(sums)
-    bn, kp, warps = G.gemv_config(m, torch.empty((2 if op == "glu" else 1) * n, k, dtype=torch.bfloat16, device="meta"), op == "glu", 132)
-    settings(None)
+    settings("GEMV")
+    w = torch.empty((2 if op == "glu" else 1) * n, k, dtype=torch.bfloat16, device="meta")
+    bn, kp, warps = G.gemv_config(m, w, op == "glu", 132) or (0, 0, 0)
+    settings("today")
     names = G._gemv_kernel.arg_names[:16]
     sig = dict(zip(names, ["*bf16"] * 5 + ["*fp32"] * 2 + ["i32"] * 7 + ["fp32", "i32"], strict=True))
     consts = dict(HAS_BIAS=False, HAS_RES=op == "res", GLU=op == "glu", NORM=op != "res", NTP=1, SS_OUT=op == "res",
-                  MP=triton.next_power_of_2(m), BN=bn, KP=kp, SUMS=SUMS_CODES[sums], BK=chunk_width(kp, G.GEMV_CHUNK),
-                  C=lanes_width(kp, 2), PDL=True)
+                  MP=triton.next_power_of_2(m), BN=bn, KP=kp, PDL=True)
     sig.update(dict.fromkeys(consts, "constexpr"))
     attrs = {(i,): [["tt.divisibility", 16]] for i, a in enumerate(names) if a.endswith("_ptr") or a[0] in "sNK"}
     kern = triton.compile(ASTSource(G._gemv_kernel, sig, constexprs=consts, attrs=attrs),
@@ -184,41 +183,37 @@ def sm90_counts(name: str, spec: tuple[int, int, str], sums: str, m: int) -> dic
     def num(pattern: str) -> int:
         found = re.search(pattern, info)
         return int(found.group(1)) if found else -1
-    return {"shape": name, "kernel": sums, "M": m, "BN": bn, "warps": warps, "regs": num(r"Used (\d+) registers"),
+    return {"shape": name, "M": m, "BN": bn, "warps": warps, "regs": num(r"Used (\d+) registers"),
             "spill": num(r"(\d+) bytes spill stores"), "bar": ptx.count("bar.sync") + ptx.count("barrier.sync"),
             "shfl": ptx.count("shfl.sync"), "cvt": kern.asm["ttgir"].count("ttg.convert_layout"), "smem": kern.metadata.shared}
 
 
 def print_sm90(rows: list[dict]) -> None:
     keys = ["BN", "warps", "regs", "spill", "bar", "shfl", "cvt", "smem"]
-    print(f"\n{'shape':14} | {'kernel':6} | M | " + " | ".join(f"{k:>5}" for k in keys))
+    print(f"\n{'shape':14} | M | " + " | ".join(f"{k:>5}" for k in keys))
     for r in rows:
-        print(f"{r['shape']:14} | {r['kernel']:6} | {r['M']} | " + " | ".join(f"{r[k]:>5}" for k in keys))
+        print(f"{r['shape']:14} | {r['M']} | " + " | ".join(f"{r[k]:>5}" for k in keys))
 
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--variants", default="rows,bcast,chunk,lanes")
     p.add_argument("--cpu-check", action="store_true")
     p.add_argument("--sm90", action="store_true")
     args = p.parse_args()
-    variants = args.variants.split(",")
     rows = []
     if args.sm90:
-        smol = [name for name in SHAPES if name.startswith("smol")]
-        print_sm90([sm90_counts(name, SHAPES[name], v, m) for v in variants for name in smol for m in (1, 4)])
+        print_sm90([sm90_counts(name, SHAPES[name], m) for name in SHAPES if name.startswith("smol") for m in (1, 4)])
         return 0
     if args.cpu_check:
-        G.GEMV_CHUNK = 32  # chunk's loop runs over the tiny shapes' K too
         with triton_on_cpu():
             for name, spec in TINY.items():
-                rows += shape_rows(name, spec, variants, "cpu", None)
+                rows += shape_rows(name, spec, "cpu", None)
     else:
         from bench.gpu.gpu_gemv import graph_us
 
         print(torch.cuda.get_device_name(), "PDL:", L.pdl_args(torch.empty(1, device="cuda"))["PDL"])
         for name, spec in SHAPES.items():
-            rows += shape_rows(name, spec, variants, "cuda", graph_us)
+            rows += shape_rows(name, spec, "cuda", graph_us)
     print_table(rows)
     return 0
 

@@ -12,7 +12,7 @@
 #               floor; ARGS go to every `bench prefill` (--hf, --profile, --cases ...)
 #   kernels     the kernels' tile sweeps against cuBLAS at SmolLM2 and Llama-1B shapes, where the
 #               kernels' tile tables come from; ARGS: some of gemv glu qkv-rope attn-prefill, or
-#               gemv-rows (the four-row GEMV's ways of summing against today's kernels, issue 50)
+#               gemv-rows (the register-tile GEMV against the split-K kernel at 1 and 4 rows)
 #   real-model  the embedded SmolLM2 GGUF with its shipped MTP head: acceptance and tokens/s (k = 3
 #               against plain decoding, full and FR-Spec draft vocabularies), bf16 greedy
 #               exactness across batches, `pdserve generate` end to end with a cold and a warm cache

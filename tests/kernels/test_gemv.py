@@ -1,8 +1,7 @@
 """The register-tile GEMV (kernels/gemv.py), which kernels/linear.py's launches of a few rows over
 small weights take: its choice of tiles, when `linear` takes it, and its results against the
-torch composition with each epilogue (bias, residual add, silu * up, folded norm, sums of squares),
-in each way of summing the rows (kernels/gemv_rows.py). tests/kernels/test_linear.py runs the
-split-K kernel's cases with this one off."""
+torch composition with each epilogue (bias, residual add, silu * up, folded norm, sums of squares)
+at 1-4 rows. tests/kernels/test_linear.py runs the split-K kernel's cases with this one off."""
 
 from __future__ import annotations
 
@@ -12,10 +11,7 @@ import torch
 from kernels import gemv as G
 from kernels import linear as L
 from kernels._dispatch import batch_invariant, triton_on_cpu
-from kernels.gemv_rows import SUMS_CODES
 from kernels.norm import attach_row_sumsq, row_sumsq_of
-
-SUMS = list(SUMS_CODES)
 
 
 def randn(*shape, device="cpu", seed=0, scale=1.0) -> torch.Tensor:
@@ -24,12 +20,15 @@ def randn(*shape, device="cpu", seed=0, scale=1.0) -> torch.Tensor:
 
 
 def test_tiles_leave_one_per_sm_and_large_tiles_or_rows_keep_the_split_k_kernel(monkeypatch):
-    """SmolLM2's weights at an H100's 132 SMs."""
+    """SmolLM2's weights at an H100's 132 SMs, bf16: every warp along K (a warp's 16-byte loads
+    cover 256 columns), at most 128 weight elements a thread."""
     monkeypatch.setattr(G, "GEMV_MAX_M", 4)
     bf = torch.bfloat16
     assert G.gemv_config(1, torch.empty(960, 576, dtype=bf), False, 132) == (8, 1024, 4)  # q/k/v: 120 programs
     assert G.gemv_config(4, torch.empty(576, 1536, dtype=bf), False, 132) == (8, 2048, 8)  # down: 72 programs
-    assert G.gemv_config(1, torch.empty(3072, 576, dtype=bf), True, 132) == (16, 1024, 8)  # gate/up: 96 programs
+    # gate/up: 16 rows (96 programs) fit the tile, but 8 a program keep 128 elements a thread: 192 programs
+    assert G.gemv_config(1, torch.empty(3072, 576, dtype=bf), True, 132) == (8, 1024, 4)
+    assert G.gemv_config(1, torch.empty(64, 48, dtype=torch.float32), False, 132) == (1, 64, 1)  # K below a warp's width
     assert G.gemv_config(G.GEMV_MAX_M + 1, torch.empty(960, 576, dtype=bf), False) is None  # too many rows
     assert G.gemv_config(1, torch.empty(576, 8192, dtype=bf), False) is None  # 8 x 8192: too large a tile
     assert G.gemv_config(1, torch.empty(2048, 2048, dtype=bf), False) is None  # 8 MB: over GEMV_MAX_BYTES
@@ -53,31 +52,13 @@ def test_linear_takes_it_for_a_few_rows_but_not_in_the_invariant_mode_or_for_an_
     assert calls == [3, 2]
 
 
-def test_each_way_of_summing_takes_its_tiles_at_smollm2_shapes(monkeypatch):
-    """bcast and chunk put every warp on K (x's load then has the weights' layout), lanes one warp
-    a row; each thread holds at most 128 weight elements (an H100's 132 SMs, bf16)."""
-    monkeypatch.setattr(G, "GEMV_MAX_M", 4)
-    bf = torch.bfloat16
-    qkv, gate_up, down = torch.empty(960, 576, dtype=bf), torch.empty(3072, 576, dtype=bf), torch.empty(576, 1536, dtype=bf)
-    want = {"rows": [(8, 1024, 4), (16, 1024, 8), (8, 2048, 8)],
-            "bcast": [(8, 1024, 4), (8, 1024, 4), (8, 2048, 8)],
-            "chunk": [(8, 1024, 2), (8, 1024, 2), (8, 2048, 2)],  # chunks of 512 columns
-            "lanes": [(8, 1024, 8), (8, 1024, 8), (8, 2048, 8)]}
-    for sums, tiles in want.items():
-        monkeypatch.setattr(G, "GEMV_SUMS", sums)
-        got = [G.gemv_config(4, qkv, False, 132), G.gemv_config(4, gate_up, True, 132), G.gemv_config(4, down, False, 132)]
-        assert got == tiles, sums
-
-
-@pytest.mark.parametrize("sums", SUMS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("m", [1, 2, 3, 4])
-def test_each_epilogue_matches_the_torch_composition(device, monkeypatch, m, dtype, sums):
+def test_each_epilogue_matches_the_torch_composition(device, monkeypatch, m, dtype):
     """A decoder layer's four GEMMs in a row, each through the kernel: q/k/v with a bias and the
     folded input norm, o with the residual add, gate/up with silu * up and the folded norm, down
     with the residual add (each residual GEMM leaving the sums of squares the next norm reads)."""
     monkeypatch.setattr(G, "GEMV_MAX_M", 4)
-    monkeypatch.setattr(G, "GEMV_SUMS", sums)
     tol = {"atol": 5e-5, "rtol": 1e-5} if dtype == torch.float32 else {"atol": 3e-2, "rtol": 2e-2}
     h, q, inter = 96, 48, 72
     x = L.linear_triton(randn(m, 40, device=device).to(dtype), randn(h, 40, device=device, seed=9).to(dtype),
@@ -117,13 +98,10 @@ def _layer_outputs(x: torch.Tensor, w: torch.Tensor, w_glu: torch.Tensor, r: tor
             L.linear_glu_triton(x, w_glu, (None, 1e-5))]
 
 
-@pytest.mark.parametrize("sums", SUMS)
-def test_long_rows_over_several_chunks_and_warp_widths(device, monkeypatch, sums):
-    """K = 300 (padded to 512): chunk's loop runs four chunks of 128, lanes' tile has two or four
-    warp widths of K (bf16, fp32); M = 1..4 against the torch composition."""
+def test_long_rows_over_several_warp_widths(device, monkeypatch):
+    """K = 300 (padded to 512, masked past 300): two or four warp widths of K (bf16, fp32); M = 1..4
+    against the torch composition."""
     monkeypatch.setattr(G, "GEMV_MAX_M", 4)
-    monkeypatch.setattr(G, "GEMV_SUMS", sums)
-    monkeypatch.setattr(G, "GEMV_CHUNK", 128)
     for dtype, tol in ((torch.float32, {"atol": 1e-4, "rtol": 1e-5}), (torch.bfloat16, {"atol": 3e-2, "rtol": 2e-2})):
         w, w_glu = (randn(*s, device=device, seed=i, scale=0.05).to(dtype) for i, s in enumerate([(24, 300), (48, 300)]))
         for m in (1, 2, 3, 4):
@@ -138,13 +116,10 @@ def test_long_rows_over_several_chunks_and_warp_widths(device, monkeypatch, sums
             torch.testing.assert_close(act, L.linear_glu_ref(x, w_glu, (None, 1e-5)), **tol)
 
 
-@pytest.mark.parametrize("sums", SUMS)
-def test_a_verify_row_gives_the_bits_of_a_one_row_launch(device, monkeypatch, sums):
-    """Within a way of summing, row 0 of a 4-row launch (its other rows different) has the bits
-    of the same row launched alone: each row's sum runs in one order whatever M is."""
+def test_a_verify_row_gives_the_bits_of_a_one_row_launch(device, monkeypatch):
+    """Row 0 of a 4-row launch (its other rows different) has the bits of the same row launched
+    alone: each row's sum runs in one order whatever M is."""
     monkeypatch.setattr(G, "GEMV_MAX_M", 4)
-    monkeypatch.setattr(G, "GEMV_SUMS", sums)
-    monkeypatch.setattr(G, "GEMV_CHUNK", 128)
     w, w_glu = randn(24, 300, device=device, seed=1, scale=0.05), randn(48, 300, device=device, seed=2, scale=0.05)
     x4, r4 = randn(4, 300, device=device, seed=3), randn(4, 24, device=device, seed=4)
     attach_row_sumsq(x4, x4.pow(2).sum(dim=1, keepdim=True))
