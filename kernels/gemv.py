@@ -2,11 +2,14 @@
 registers before the programmatic-dependent-launch wait (kernels/pdl.py).
 
 A program owns BN whole rows of the weight (both halves' rows with silu * up), padded to a
-power of two of K, and there are at most as many programs as SMs. It loads that tile first,
-while the kernel before it still runs (weights are never written by a step), then waits, reads
-x's rows (M <= GEMV_MAX_M) and sums each output in fp32 across K. The epilogue is the split-K
-kernel's (kernels/epilogue.py): bias, silu * up, the residual add, the partial sums of squares
-for the next norm, and a weightless norm's row scale from x's.
+power of two of K, and there are at most as many programs as SMs. It loads that tile [1, BN, KP]
+first, while the kernel before it still runs (weights are never written by a step), then waits,
+reads x's rows [MP, 1, KP] and sums their product with the tile once over K in fp32: every warp
+lies along K, so x's load has the weights' layout and the tile is never moved through shared
+memory. The epilogue is the split-K kernel's (kernels/epilogue.py), over all the rows at once:
+bias, silu * up, the residual add, the partial sums of squares for the next norm, and a
+weightless norm's row scale from x's. A row's sum runs in one order whatever M is, so row 0 of a
+launch of several rows has the bits of the same row launched alone.
 
 Why: a small model's batch-1 step (SmolLM2's: ~150 dependent launches of 0.7-3.5 MB weights)
 is bound by each launch's latency, not by bandwidth. Holding the whole tile in registers before
@@ -15,7 +18,7 @@ does only in part; a persistent kernel with a grid barrier between stages lost t
 barrier alone costing about a launch (docs/history/benchmarks-history.md).
 
 Not in the batch-invariant mode (the kernel is chosen by M); not for an argmax or a split-K
-launch.
+launch. bench/gpu/gpu_gemv_rows.py times it against the split-K kernel at 1 and 4 rows.
 """
 
 from __future__ import annotations
@@ -30,8 +33,10 @@ from kernels.epilogue import gemm_epilogue
 from kernels.norm import rstd_of_partials
 from kernels.pdl import pdl_args, wait_for_previous
 
-# rows: one, as a batch-1 step without drafts has; a verify of a few rows runs correctly here (the
-# tests take 4) but is faster through the split-K kernel, whose tiles share each weight read
+# rows: one, as a batch-1 step without drafts has. Up to 4 run correctly here (the tests take
+# them), but a batch-1 verify keeps the split-K kernel: a step with drafts ran slower with its
+# GEMMs here, though some of them alone are faster (bench/gpu/gpu_gemv_rows.py). Through here a
+# verify row would have a plain step's bits (see above), which an exact verify (issue 50) may want.
 GEMV_MAX_M = 1
 GEMV_MAX_TILE = 32768  # weight elements a program holds (64 KB of bf16 over 4-8 warps)
 # weights above this many bytes keep the split-K kernel (Llama-1B's o projection, 8 MB, would fit a tile)
@@ -49,21 +54,27 @@ def _programs(device_index: int | None) -> int:
 
 
 def gemv_config(m: int, w: torch.Tensor, glu: bool, sms: int | None = None) -> GemvConfig | None:
-    """(BN, KP, WARPS) when the kernel takes a launch of m rows over w, else None: BN the smallest
-    power of two that leaves at most one tile per SM (`sms`: w's device's count), while its tile
-    fits GEMV_MAX_TILE."""
+    """(BN, KP, WARPS) when the kernel takes a launch of m rows over w, else None. It takes w when
+    a tile of the smallest power of two of rows that leaves at most one tile per SM (`sms`: w's
+    device's count) fits GEMV_MAX_TILE. WARPS: as many along K as a warp's 16-byte loads fill, up
+    to 8; then BN halves (more programs than SMs, as many bytes on the busiest SM) until a thread
+    holds at most 128 weight elements."""
     if m > GEMV_MAX_M or m < 1 or w.numel() * w.element_size() > GEMV_MAX_BYTES:
         return None
-    n_out, k, device = w.shape[0] // (2 if glu else 1), w.shape[1], w.device
+    halves = 2 if glu else 1
+    n_out, k, device = w.shape[0] // halves, w.shape[1], w.device
     sms = sms or _programs(device.index if device.type == "cuda" else None)
     kp = triton.next_power_of_2(k)
     bn = 1
     while triton.cdiv(n_out, bn) > sms:
         bn *= 2
-    elems = bn * kp * (2 if glu else 1)
-    if elems > GEMV_MAX_TILE:
+    if bn * kp * halves > GEMV_MAX_TILE:
         return None
-    return bn, kp, 8 if elems >= 16384 else 4
+    warp_width = min(kp, 32 * max(1, 16 // w.element_size()))
+    warps = max(1, min(8, kp // warp_width))
+    while bn > 1 and bn * kp * halves > 128 * 32 * warps:
+        bn //= 2
+    return bn, kp, warps
 
 
 @triton.jit
@@ -73,28 +84,24 @@ def _gemv_kernel(x_ptr, w_ptr, b_ptr, r_ptr, y_ptr, ssi_ptr, sso_ptr,
                  NTP: tl.constexpr, SS_OUT: tl.constexpr, MP: tl.constexpr, BN: tl.constexpr, KP: tl.constexpr,
                  PDL: tl.constexpr):
     rn = tl.program_id(1) * BN + tl.arange(0, BN)  # grid axis 1 tiles the columns (store_partial_sumsq)
-    rk = tl.arange(0, KP)
-    w_mask = (rn[:, None] < N) & (rk[None, :] < K)
-    w_rows = w_ptr + rn[:, None].to(tl.int64) * stride_w + rk[None, :]
-    w = tl.load(w_rows, mask=w_mask, other=0.0)  # before the wait: weights are never written
-    if GLU:
-        u = tl.load(w_rows + N * stride_w, mask=w_mask, other=0.0)
-    else:
-        u = w
+    rm = tl.arange(0, MP)
+    n3, m3, k3 = rn[None, :, None], rm[:, None, None], tl.arange(0, KP)[None, None, :]
+    w_mask = (n3 < N) & (k3 < K)
+    w_rows = w_ptr + n3.to(tl.int64) * stride_w + k3
+    w = tl.load(w_rows, mask=w_mask, other=0.0)  # [1, BN, KP], before the wait: weights are never written
+    u = tl.load(w_rows + N * stride_w, mask=w_mask & GLU, other=0.0)
     wait_for_previous(PDL)
-    for m in tl.static_range(MP):
-        rm = m + tl.zeros([1], dtype=tl.int32)
-        x = tl.load(x_ptr + m * stride_x + rk, mask=(rk < K) & (rm < M), other=0.0).to(tl.float32)
-        acc = tl.sum(w.to(tl.float32) * x[None, :], axis=1)[None, :]
-        acc_up = acc
-        if GLU:
-            acc_up = tl.sum(u.to(tl.float32) * x[None, :], axis=1)[None, :]
-        if NORM:  # a weightless RMSNorm of x, applied to the sums
-            rstd = rstd_of_partials(ssi_ptr, rm, M, NTI, K, eps, NTP)[:, None]
-            acc *= rstd
-            acc_up *= rstd
-        gemm_epilogue(acc, acc_up, rm, rn, M, N, b_ptr, r_ptr, stride_r, y_ptr, stride_y, sso_ptr,
-                      HAS_BIAS, HAS_RES, GLU, SS_OUT)
+    x = tl.load(x_ptr + m3.to(tl.int64) * stride_x + k3, mask=(m3 < M) & (k3 < K), other=0.0).to(tl.float32)
+    acc = tl.sum(w.to(tl.float32) * x, axis=2)  # [MP, BN]
+    acc_up = acc
+    if GLU:
+        acc_up = tl.sum(u.to(tl.float32) * x, axis=2)
+    if NORM:  # a weightless RMSNorm of x, applied to the sums
+        rstd = rstd_of_partials(ssi_ptr, rm, M, NTI, K, eps, NTP)[:, None]
+        acc *= rstd
+        acc_up *= rstd
+    gemm_epilogue(acc, acc_up, rm, rn, M, N, b_ptr, r_ptr, stride_r, y_ptr, stride_y, sso_ptr,
+                  HAS_BIAS, HAS_RES, GLU, SS_OUT)
 
 
 def launch_gemv(x2: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, residual: torch.Tensor | None,

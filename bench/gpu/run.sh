@@ -11,7 +11,8 @@
 #   prefill     time to first token from 1 x 128 to 4 x 4096 tokens, k = 0 and 3, beside the FLOP
 #               floor; ARGS go to every `bench prefill` (--hf, --profile, --cases ...)
 #   kernels     the kernels' tile sweeps against cuBLAS at SmolLM2 and Llama-1B shapes, where the
-#               kernels' tile tables come from; ARGS: some of gemv glu qkv-rope attn-prefill
+#               kernels' tile tables come from; ARGS: some of gemv glu qkv-rope attn-prefill, or
+#               gemv-rows (the register-tile GEMV against the split-K kernel at 1 and 4 rows)
 #   real-model  the embedded SmolLM2 GGUF with its shipped MTP head: acceptance and tokens/s (k = 3
 #               against plain decoding, full and FR-Spec draft vocabularies), bf16 greedy
 #               exactness across batches, `pdserve generate` end to end with a cold and a warm cache
@@ -113,7 +114,7 @@ stage_prefill() {
 }
 
 declare -A SWEEPS=([gemv]="gpu_gemv.py --sweep" [glu]="gpu_glu.py" [qkv-rope]="gpu_qkv_rope.py"
-                   [attn-prefill]="gpu_attn_prefill.py")
+                   [attn-prefill]="gpu_attn_prefill.py" [gemv-rows]="gpu_gemv_rows.py")
 stage_kernels() {
   local names=("$@") name status=()
   [[ ${#names[@]} == 0 ]] && names=(gemv glu qkv-rope attn-prefill)

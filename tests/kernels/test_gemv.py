@@ -1,7 +1,7 @@
 """The register-tile GEMV (kernels/gemv.py), which kernels/linear.py's launches of a few rows over
 small weights take: its choice of tiles, when `linear` takes it, and its results against the
-torch composition with each epilogue (bias, residual add, silu * up, folded norm, sums of squares).
-tests/kernels/test_linear.py runs the split-K kernel's cases with this one off."""
+torch composition with each epilogue (bias, residual add, silu * up, folded norm, sums of squares)
+at 1-4 rows. tests/kernels/test_linear.py runs the split-K kernel's cases with this one off."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import torch
 from kernels import gemv as G
 from kernels import linear as L
 from kernels._dispatch import batch_invariant, triton_on_cpu
-from kernels.norm import row_sumsq_of
+from kernels.norm import attach_row_sumsq, row_sumsq_of
 
 
 def randn(*shape, device="cpu", seed=0, scale=1.0) -> torch.Tensor:
@@ -20,12 +20,15 @@ def randn(*shape, device="cpu", seed=0, scale=1.0) -> torch.Tensor:
 
 
 def test_tiles_leave_one_per_sm_and_large_tiles_or_rows_keep_the_split_k_kernel(monkeypatch):
-    """SmolLM2's weights at an H100's 132 SMs."""
+    """SmolLM2's weights at an H100's 132 SMs, bf16: every warp along K (a warp's 16-byte loads
+    cover 256 columns), at most 128 weight elements a thread."""
     monkeypatch.setattr(G, "GEMV_MAX_M", 4)
     bf = torch.bfloat16
     assert G.gemv_config(1, torch.empty(960, 576, dtype=bf), False, 132) == (8, 1024, 4)  # q/k/v: 120 programs
     assert G.gemv_config(4, torch.empty(576, 1536, dtype=bf), False, 132) == (8, 2048, 8)  # down: 72 programs
-    assert G.gemv_config(1, torch.empty(3072, 576, dtype=bf), True, 132) == (16, 1024, 8)  # gate/up: 96 programs
+    # gate/up: 16 rows (96 programs) fit the tile, but 8 a program keep 128 elements a thread: 192 programs
+    assert G.gemv_config(1, torch.empty(3072, 576, dtype=bf), True, 132) == (8, 1024, 4)
+    assert G.gemv_config(1, torch.empty(64, 48, dtype=torch.float32), False, 132) == (1, 64, 1)  # K below a warp's width
     assert G.gemv_config(G.GEMV_MAX_M + 1, torch.empty(960, 576, dtype=bf), False) is None  # too many rows
     assert G.gemv_config(1, torch.empty(576, 8192, dtype=bf), False) is None  # 8 x 8192: too large a tile
     assert G.gemv_config(1, torch.empty(2048, 2048, dtype=bf), False) is None  # 8 MB: over GEMV_MAX_BYTES
@@ -84,3 +87,43 @@ def test_a_plain_gemm_asked_for_sums_of_squares_leaves_them(device):
     partials = row_sumsq_of(y)
     assert partials is not None
     torch.testing.assert_close(partials.sum(dim=1), y.float().pow(2).sum(dim=1), rtol=1e-5, atol=1e-4)
+
+
+def _layer_outputs(x: torch.Tensor, w: torch.Tensor, w_glu: torch.Tensor, r: torch.Tensor) -> list[torch.Tensor]:
+    """The kernel's plain, folded-norm, residual (with sums of squares) and silu * up launches."""
+    y_res = L.linear_triton(x, w, residual=r)
+    sums = row_sumsq_of(y_res)
+    assert sums is not None
+    return [L.linear_triton(x, w), L.linear_triton(x, w, norm=(None, 1e-5)), y_res, sums.sum(dim=1),
+            L.linear_glu_triton(x, w_glu, (None, 1e-5))]
+
+
+def test_long_rows_over_several_warp_widths(device, monkeypatch):
+    """K = 300 (padded to 512, masked past 300): two or four warp widths of K (bf16, fp32); M = 1..4
+    against the torch composition."""
+    monkeypatch.setattr(G, "GEMV_MAX_M", 4)
+    for dtype, tol in ((torch.float32, {"atol": 1e-4, "rtol": 1e-5}), (torch.bfloat16, {"atol": 3e-2, "rtol": 2e-2})):
+        w, w_glu = (randn(*s, device=device, seed=i, scale=0.05).to(dtype) for i, s in enumerate([(24, 300), (48, 300)]))
+        for m in (1, 2, 3, 4):
+            x = randn(m, 300, device=device, seed=10 + m).to(dtype)
+            attach_row_sumsq(x, x.float().pow(2).sum(dim=1, keepdim=True))
+            r = randn(m, 24, device=device, seed=20 + m).to(dtype)
+            y, y_norm, y_res, y_sums, act = _layer_outputs(x, w, w_glu, r)
+            torch.testing.assert_close(y, L.linear_ref(x, w), **tol)
+            torch.testing.assert_close(y_norm, L.linear_ref(x, w, norm=(None, 1e-5)), **tol)
+            torch.testing.assert_close(y_res, L.linear_ref(x, w, residual=r), **tol)
+            torch.testing.assert_close(y_sums, y_res.float().pow(2).sum(dim=1), rtol=1e-4, atol=1e-3)
+            torch.testing.assert_close(act, L.linear_glu_ref(x, w_glu, (None, 1e-5)), **tol)
+
+
+def test_a_verify_row_gives_the_bits_of_a_one_row_launch(device, monkeypatch):
+    """Row 0 of a 4-row launch (its other rows different) has the bits of the same row launched
+    alone: each row's sum runs in one order whatever M is."""
+    monkeypatch.setattr(G, "GEMV_MAX_M", 4)
+    w, w_glu = randn(24, 300, device=device, seed=1, scale=0.05), randn(48, 300, device=device, seed=2, scale=0.05)
+    x4, r4 = randn(4, 300, device=device, seed=3), randn(4, 24, device=device, seed=4)
+    attach_row_sumsq(x4, x4.pow(2).sum(dim=1, keepdim=True))
+    x1, r1 = x4[:1].clone(), r4[:1].clone()
+    attach_row_sumsq(x1, x4.pow(2).sum(dim=1, keepdim=True)[:1])
+    for four, one in zip(_layer_outputs(x4, w, w_glu, r4), _layer_outputs(x1, w, w_glu, r1), strict=True):
+        assert torch.equal(four[:1], one)
