@@ -9,10 +9,10 @@ validation, queueing, abort and the one-terminal rule are shared, not re-impleme
 OpenAI's JSON (non-streaming) or server-sent events (`stream: true`), and errors as OpenAI's
 `{"error": {...}}` with a status from the lifecycle's code (400, 404, 429, 503, ...).
 
-Careful: a client that goes away must cancel its request. A streaming response is cancelled
-by Starlette when the client disconnects (closing `responses` interrupts the request); a
-non-streaming one, and the wait for a stream's first message, race the work against
-`http.disconnect` (`_unless_disconnected`). Never block the loop: it also serves gRPC.
+Careful: a client that goes away must cancel its request. Every wait on the work races it against
+`http.disconnect` (`_unless_disconnected`): a non-streaming response, the wait for a stream's first
+message, and a stream's later events (`EventStream`; cancelling them closes `responses`, which
+interrupts the request). Never block the loop: it also serves gRPC.
 """
 
 from __future__ import annotations
