@@ -265,7 +265,7 @@ class EventStream(StreamingResponse):
 
     def __init__(self, first: str, rest: AsyncGenerator[str, None], written: Callable[[], None]) -> None:
         super().__init__(rest, media_type="text/event-stream")
-        self.first, self.written = first.encode(), written
+        self.first, self.rest, self.written = first.encode(), rest, written
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
         await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
@@ -274,7 +274,7 @@ class EventStream(StreamingResponse):
         await _unless_gone(receive, self._rest(scope.get(RAW_SEND, send)))
 
     async def _rest(self, send: Any) -> None:
-        async for chunk in self.body_iterator:
+        async for chunk in self.rest:
             await send({"type": "http.response.body", "body": chunk.encode(), "more_body": True})
         await send({"type": "http.response.body", "body": b"", "more_body": False})
 
