@@ -9,10 +9,10 @@ validation, queueing, abort and the one-terminal rule are shared, not re-impleme
 OpenAI's JSON (non-streaming) or server-sent events (`stream: true`), and errors as OpenAI's
 `{"error": {...}}` with a status from the lifecycle's code (400, 404, 429, 503, ...).
 
-Careful: a client that goes away must cancel its request. A streaming response is cancelled
-by Starlette when the client disconnects (closing `responses` interrupts the request); a
-non-streaming one, and the wait for a stream's first message, race the work against
-`http.disconnect` (`_unless_disconnected`). Never block the loop: it also serves gRPC.
+Careful: a client that goes away must cancel its request. Every wait on the work races it against
+`http.disconnect` (`_unless_disconnected`): a non-streaming response, the wait for a stream's first
+message, and a stream's later events (`EventStream`; cancelling them closes `responses`, which
+interrupts the request). Never block the loop: it also serves gRPC.
 """
 
 from __future__ import annotations
@@ -50,6 +50,7 @@ STATUS = {"INVALID_ARGUMENT": 400, "NOT_FOUND": 404, "RESOURCE_EXHAUSTED": 429, 
 ERROR_TYPE = {400: "invalid_request_error", 404: "invalid_request_error", 429: "rate_limit_error",
               503: "service_unavailable_error"}
 TOKENIZE_IN_THREAD_BYTES = 8192
+RAW_SEND = "pdserve.raw_send"  # the scope key of the server's own `send` (EventStream)
 
 
 def error_body(code: str, message: str) -> dict:
@@ -228,8 +229,12 @@ async def _rest(first: pb.GenerateResponse, msgs: AsyncGenerator[pb.GenerateResp
 
 async def _unless_disconnected(raw: Request, work: Awaitable[T]) -> T | None:
     """`work`'s result, or None (and `work` cancelled) if the client disconnects first."""
+    return await _unless_gone(raw.receive, work)
+
+
+async def _unless_gone(receive: Callable[[], Awaitable[Any]], work: Awaitable[T]) -> T | None:
     task = asyncio.ensure_future(work)
-    gone = asyncio.ensure_future(_disconnected(raw))
+    gone = asyncio.ensure_future(_disconnected(receive))
     try:
         await asyncio.wait([task, gone], return_when=asyncio.FIRST_COMPLETED)
     finally:
@@ -243,32 +248,34 @@ async def _unless_disconnected(raw: Request, work: Awaitable[T]) -> T | None:
     return task.result()
 
 
-async def _disconnected(raw: Request) -> None:
-    while (await raw.receive())["type"] != "http.disconnect":
+async def _disconnected(receive: Callable[[], Awaitable[Any]]) -> None:
+    while (await receive())["type"] != "http.disconnect":
         pass
 
 
 class EventStream(StreamingResponse):
     """A server-sent event stream whose first event (the first token's) goes out with the headers,
-    from the handler's own task, then `written` is called; the events after it come from `rest` as
-    StreamingResponse sends them. Careful: Starlette (ASGI < 2.4) writes a body from a task it
-    starts beside its disconnect listener, a loop turn and a task group later, and that wait would
-    sit inside every request's time to first token."""
+    from the handler's own task, then `written` is called; the events after it come from `rest`,
+    written by a task raced against the client's disconnect (which cancels it, closing `rest`).
+    Careful: Starlette (ASGI < 2.4) writes a body from a task it starts beside its disconnect
+    listener, a loop turn and a task group later, and that wait would sit inside every request's
+    time to first token. The events after the first go to the server's own `send` (`RAW_SEND`, put
+    in the scope by `HttpServer`) past Starlette's and FastAPI's `send` wrappers, which only note
+    that a response started (the start went through them) and cost a coroutine each per event."""
 
     def __init__(self, first: str, rest: AsyncGenerator[str, None], written: Callable[[], None]) -> None:
         super().__init__(rest, media_type="text/event-stream")
-        self.first, self.written = first.encode(), written
+        self.first, self.rest, self.written = first.encode(), rest, written
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
         await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
         await send({"type": "http.response.body", "body": self.first, "more_body": True})
         self.written()
-        await super().__call__(scope, receive, send)
+        await _unless_gone(receive, self._rest(scope.get(RAW_SEND, send)))
 
-    async def stream_response(self, send: Any) -> None:
-        async for chunk in self.body_iterator:  # the start went out with the first event
-            await send({"type": "http.response.body", "body": chunk.encode() if isinstance(chunk, str) else chunk,
-                        "more_body": True})
+    async def _rest(self, send: Any) -> None:
+        async for chunk in self.rest:
+            await send({"type": "http.response.body", "body": chunk.encode(), "more_body": True})
         await send({"type": "http.response.body", "body": b"", "more_body": False})
 
 
@@ -301,6 +308,18 @@ class _Server(uvicorn.Server):
         yield
 
 
+def _with_raw_send(app: FastAPI) -> Callable[[dict[str, Any], Any, Any], Awaitable[None]]:
+    """`app` with the server's own `send` in the scope (`RAW_SEND`: EventStream writes with it)."""
+
+    async def serve(scope: dict[str, Any], receive: Any, send: Any) -> None:
+        scope[RAW_SEND] = send
+        try:
+            await app(scope, receive, send)
+        finally:
+            del scope[RAW_SEND]  # the scope's server cycle would otherwise outlive the request, held in a ref cycle
+    return serve
+
+
 class HttpServer:
     """uvicorn serving `app` as a task on the running loop (HTTPS with a certificate and key)."""
 
@@ -325,7 +344,7 @@ class HttpServer:
         sock.bind((host, port))
         # httptools named (uvicorn's "auto" falls back to h11 silently): h11 parses and frames each
         # event in Python, a large share of the router's CPU per streamed token
-        config = uvicorn.Config(self.app, log_level="warning", access_log=False, lifespan="off", http="httptools",
+        config = uvicorn.Config(_with_raw_send(self.app), log_level="warning", access_log=False, lifespan="off", http="httptools",
                                 timeout_graceful_shutdown=2, **self.tls)  # type: ignore[arg-type]
         await anyio.lowlevel.checkpoint()  # loads anyio's asyncio backend now, not in the first streamed request (~16 ms)
         self._server = _Server(config)

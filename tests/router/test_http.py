@@ -13,7 +13,7 @@ import openai
 import pytest
 
 from router.client import build_request
-from router.http import EventStream
+from router.http import RAW_SEND, EventStream
 from tests.router.conftest import TINY, cluster
 
 
@@ -168,3 +168,36 @@ async def test_an_event_streams_first_event_goes_out_with_its_headers():
     assert [m.get("body") for m in sent[1:]] == [b"data: 1\n\n", b"data: 2\n\n", b""]
     assert [m.get("more_body") for m in sent[1:]] == [True, True, False]
     assert (b"content-type", b"text/event-stream; charset=utf-8") in sent[0]["headers"]
+
+
+async def test_an_event_streams_later_events_go_to_the_servers_own_send_until_the_client_leaves():
+    """The start and first event go through the app's `send` (Starlette's wrappers see the response
+    start); the later events to the server's own (`RAW_SEND`). A disconnect cancels the rest: its
+    generator is closed, and no end of body is sent."""
+    wrapped, raw, order = [], [], []
+    left = asyncio.Event()
+
+    async def rest():
+        try:
+            yield "data: 2\n\n"
+            await asyncio.sleep(60)  # the node is slow: the client leaves meanwhile
+            yield "data: 3\n\n"
+        finally:
+            order.append("rest closed")
+
+    async def send(msg):
+        wrapped.append(msg)
+
+    async def raw_send(msg):
+        raw.append(msg)
+        left.set()
+
+    async def receive():
+        await left.wait()
+        return {"type": "http.disconnect"}
+
+    stream = EventStream("data: 1\n\n", rest(), written=lambda: order.append("written"))
+    await stream({"type": "http", RAW_SEND: raw_send}, receive, send)
+    assert [m["type"] for m in wrapped] == ["http.response.start", "http.response.body"]
+    assert [(m["body"], m["more_body"]) for m in raw] == [(b"data: 2\n\n", True)]
+    assert order == ["written", "rest closed"]
