@@ -28,8 +28,9 @@ def _add_generate(sub: Any) -> None:
                    help="a HF safetensors dir, a .gguf file, 'smollm2' or 'tiny' (default: smollm2 if installed, else tiny)")
     add_load_format(p)
     p.add_argument("--spec-tokens", type=int, default=0, help="MTP draft tokens per step (k); 0 = off")
-    p.add_argument("--draft-vocab", type=int, default=0, metavar="N",
-                   help="MTP drafts score the model's N most frequent tokens (FR-Spec); 0 = all")
+    p.add_argument("--draft-vocab", type=int, default=None, metavar="N",
+                   help="MTP drafts score the model's N most frequent tokens (FR-Spec); 0 = all; "
+                        "default 32768 where the vocabulary is larger and the model ships a ranking")
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--top-k", type=int, default=0)

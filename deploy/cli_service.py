@@ -80,7 +80,8 @@ def add_service_arguments(p: argparse.ArgumentParser) -> None:
                    help="router processes sharing its ports (vLLM's --api-server-count; default 1)")
     p.add_argument("--spec-tokens", type=int, default=None, help="MTP draft tokens per step (k)")
     p.add_argument("--draft-vocab", type=int, default=None, metavar="N",
-                   help="MTP drafts score the model's N most frequent tokens (FR-Spec); 0 = all")
+                   help="MTP drafts score the model's N most frequent tokens (FR-Spec); 0 = all; "
+                        "default 32768 where the vocabulary is larger and the model ships a ranking")
     p.add_argument("--spec-k-policy", choices=("fixed", "adaptive"), default=None,
                    help="fixed: every decode step verifies k drafts; adaptive: k or 0 per step, whichever pays "
                         "(docs/configuration.md)")

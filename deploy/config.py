@@ -89,7 +89,8 @@ class ModelConfig(_Section):
 
 class SpecConfig(_Section):
     num_speculative_tokens: int = Field(default=0, ge=0)  # k MTP draft tokens per step
-    draft_vocab_size: int = Field(default=0, ge=0)  # drafts score the N most frequent tokens (FR-Spec); 0: all
+    # drafts score the N most frequent tokens (FR-Spec); 0: all; None: 32768 where V is larger and a ranking ships
+    draft_vocab_size: int | None = Field(default=None, ge=0)
     # fixed: every decode step verifies k drafts; adaptive: k or 0 per step (engine/spec_decode/adaptive_k.py)
     k_policy: Literal["fixed", "adaptive"] = "fixed"
 

@@ -56,12 +56,14 @@ from engine.tp.tensor_parallel import (
 log = logging.getLogger(__name__)
 
 K_POLICIES = ("fixed", "adaptive")
+AUTO_DRAFT_VOCAB = 32768  # the default draft vocabulary of a model with a ranking (`auto_draft_vocab`)
 
 
 @dataclass(frozen=True)
 class EngineConfig:
     num_speculative_tokens: int = 0
-    draft_vocab_size: int = 0  # MTP drafts score the N most frequent tokens (FR-Spec); 0 or >= V: all
+    # MTP drafts score the N most frequent tokens (FR-Spec); 0 or >= V: all; None: `auto_draft_vocab`
+    draft_vocab_size: int | None = None
     # "fixed": every decode step verifies k drafts; "adaptive": k or 0 per step, from measured
     # acceptance and step costs (engine/spec_decode/adaptive_k.py)
     spec_k_policy: str = "fixed"
@@ -85,7 +87,7 @@ class EngineConfig:
             raise ValueError(f"num_speculative_tokens (k) must be >= 0, got {self.num_speculative_tokens}")
         if self.spec_k_policy not in K_POLICIES:
             raise ValueError(f"spec_k_policy must be one of {K_POLICIES}, got {self.spec_k_policy!r}")
-        if self.draft_vocab_size < 0:
+        if self.draft_vocab_size is not None and self.draft_vocab_size < 0:
             raise ValueError(f"draft_vocab_size must be >= 0 (0: the full vocabulary), got {self.draft_vocab_size}")
         if self.block_size <= 0 or self.max_num_seqs <= 0 or self.max_num_batched_tokens <= 0:
             raise ValueError("block_size, max_num_seqs and max_num_batched_tokens must be > 0")
@@ -172,10 +174,22 @@ def prefix_cache_for(loaded: LoadedModel, config: EngineConfig, blocks: BlockMan
     return PrefixCache(blocks, f"{loaded.name}|{dtype}|mtp={k > 0}", 1 if k else 0, config.enable_prefix_caching)
 
 
+def auto_draft_vocab(vocab: int, ranked: bool) -> int:
+    """The default draft vocabulary: FR-Spec's AUTO_DRAFT_VOCAB most frequent tokens where the
+    vocabulary is larger and the model has a ranking beside its MTP head, else all of it (0).
+    Verification always scores the full vocabulary, so this moves acceptance, never the output;
+    a large vocabulary's draft heads cost a share of the k > 0 step that grows with V (Llama-3's
+    128k), and the tokens past the top 32k are rarely drafted right."""
+    return AUTO_DRAFT_VOCAB if ranked and vocab > AUTO_DRAFT_VOCAB else 0
+
+
 def draft_vocab_for(loaded: LoadedModel, config: EngineConfig) -> DraftVocab | None:
-    """The draft vocabulary `config` asks for; None when drafts score the full vocabulary
-    (size 0 or >= V, or no MTP: k = 0)."""
-    n, vocab = config.draft_vocab_size, loaded.model.config.vocab_size
+    """The draft vocabulary `config` asks for (by default `auto_draft_vocab`'s); None when drafts
+    score the full vocabulary (size 0 or >= V, or no MTP: k = 0)."""
+    vocab = loaded.model.config.vocab_size
+    n = config.draft_vocab_size
+    if n is None:
+        n = auto_draft_vocab(vocab, loaded.vocab_rank_path is not None)
     if config.num_speculative_tokens == 0 or n == 0 or n >= vocab:
         return None
     if loaded.vocab_rank_path is None:

@@ -43,8 +43,9 @@ def test_draft_vocab_size_reaches_the_engine_config():
     from deploy.actors import engine_config
 
     cfg = ServiceConfig.load(None, {"spec.num_speculative_tokens": 3, "spec.draft_vocab_size": "4096"})
-    assert cfg.spec.draft_vocab_size == 4096 and ServiceConfig().spec.draft_vocab_size == 0
+    assert cfg.spec.draft_vocab_size == 4096 and ServiceConfig().spec.draft_vocab_size is None  # None: the engine's auto
     assert engine_config(cfg, "decode").draft_vocab_size == 4096
+    assert engine_config(ServiceConfig(), "decode").draft_vocab_size is None
 
 
 def test_empty_yaml_file_is_defaults(tmp_path):

@@ -12,7 +12,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from engine.engine import EngineConfig
+from engine.engine import AUTO_DRAFT_VOCAB, EngineConfig, auto_draft_vocab
 from engine.model.llama import CausalLM
 from engine.runner import model_runner
 from engine.sampling.sampler import STREAM_DRAFT, processed_probs, sample
@@ -241,6 +241,7 @@ def test_draft_vocabulary_off_and_errors(tiny, tmp_path):
         engine_for(tiny, 2, draft_vocab_size=16)
     with pytest.raises(ValueError, match="draft_vocab_size must be >= 0"):
         EngineConfig(num_speculative_tokens=2, draft_vocab_size=-1)
+    assert engine_for(tiny, 2).runner.draft_vocab is None  # the default: tiny's vocabulary is under 32k
     path = tmp_path / "short.safetensors"
     save_file({"ids": torch.arange(8, dtype=torch.int32)}, str(path))
     with pytest.raises(ValueError, match="of 16 tokens from a ranking of 8"):
@@ -248,6 +249,21 @@ def test_draft_vocabulary_off_and_errors(tiny, tmp_path):
 
 
 # ---------------------------------------------------------------- SmolLM2's shipped ranking
+
+
+def test_auto_draft_vocab_is_32k_for_a_larger_ranked_vocabulary_else_full():
+    assert auto_draft_vocab(AUTO_DRAFT_VOCAB + 1, ranked=True) == AUTO_DRAFT_VOCAB == 32768
+    assert auto_draft_vocab(128256, ranked=False) == 0  # no ranking: no way to know the frequent tokens
+    assert auto_draft_vocab(AUTO_DRAFT_VOCAB, ranked=True) == 0  # the set would be the whole vocabulary
+
+
+@pytest.mark.smollm2
+def test_smollm2_drafts_over_32k_tokens_by_default(smollm2):
+    """SmolLM2's 49k vocabulary and shipped ranking: with no draft_vocab_size its drafts score the
+    top 32k (FR-Spec), and 0 asks for all of them."""
+    auto = engine_for(smollm2, 3, max_model_len=64).runner.draft_vocab
+    assert auto is not None and auto.size == AUTO_DRAFT_VOCAB
+    assert engine_for(smollm2, 3, max_model_len=64, draft_vocab_size=0).runner.draft_vocab is None
 
 
 @pytest.mark.smollm2
