@@ -108,10 +108,13 @@ class DecodeNode(StepLoop):
         self.k = config.num_speculative_tokens
         self.runner, self.blocks, self.max_model_len = build_runner(loaded, config, tp=tp)
         # graphs captured before serving (their seconds), the rest when idle (engine/runner/warmup.py)
-        self.warmup_s, self.captures = 0.0, IdleCaptures(self.runner, self.max_model_len)
+        self.warmup_s = 0.0
         if config.warmup and (tp is None or tp.size == 1):  # TP ranks capture in lockstep: not warmed yet
             self.warmup_s = warm_up(self.runner, decode=True, prefill=self.prefills,
                                     max_model_len=self.max_model_len).seconds
+        # the quiet spells that let idle captures run count from here: a backlog captured right at
+        # `ready` would hold the first requests (each waits for the capture in flight)
+        self.captures = IdleCaptures(self.runner, self.max_model_len)
         self.prefix = prefix_cache_for(loaded, config, self.blocks)
         self.batch = DecodeBatch(self.runner, self.blocks, config.max_num_seqs)
         self.batch.keep_logprobs = False  # the output items carry them; nothing here reads them back

@@ -217,7 +217,8 @@ class IdleCaptures:
     """The deferred captures of one node's loop (loop thread only): the loop calls `busy()` after a
     round with work and `idle()` after one without; `idle` captures one graph (`capture_deferred`)
     once the loop has been idle `quiet_s` (what requests met) or `backlog_quiet_s` (the rest), and
-    says whether it did (the loop then comes straight back for the next)."""
+    says whether it did (the loop then comes straight back for the next). The quiet clock starts at
+    construction: a node makes it after its warm-up, so a long warm-up is not taken for a lull."""
 
     def __init__(self, runner, max_model_len: int, quiet_s: float = QUIET_S,
                  backlog_quiet_s: float = BACKLOG_QUIET_S) -> None:

@@ -9,6 +9,7 @@ warm-up means to cover. tests/engine/test_gpu_prefill.py checks the captured gra
 from __future__ import annotations
 
 import time
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -20,6 +21,7 @@ from engine.runner.prefill_graphs import EAGER_RUNS_BEFORE_CAPTURE, PrefillGraph
 from engine.runner.prefill_step import PrefillKey, key_for
 from engine.runner.shapes import ShapeLog, backlog_order, decode_shapes, prefill_shapes
 from engine.runner.warmup import (
+    BACKLOG_QUIET_S,
     GREEDY,
     SAMPLED,
     VARIANTS,
@@ -329,3 +331,35 @@ def test_a_step_with_no_graph_of_its_own_takes_the_smallest_captured_graph_that_
         assert pg.cover(alone) is None, alone
     eng.runner.deterministic = True
     assert pg.cover(key(32, 1, 16)) is None
+
+
+@pytest.mark.parametrize("kind", ["prefill", "colocated"])
+def test_a_nodes_quiet_clock_starts_after_its_warm_up(tiny, monkeypatch, kind):
+    """The backlog is captured after BACKLOG_QUIET_S with no work: counted from the end of the
+    warm-up, not from before it, so a node whose warm-up took longer than that does not start
+    capturing its backlog at `ready`, under its first requests."""
+    from decode_node import node as decode_module
+    from decode_node.colocated import ColocatedNode
+    from engine.runner import warmup
+    from prefill_node import node as prefill_module
+    from prefill_node.node import PrefillNode
+
+    module = prefill_module if kind == "prefill" else decode_module
+    real = module.warm_up
+    ended: list[float] = []
+
+    def slow_warm_up(*args, **kwargs):
+        report = real(*args, **kwargs)
+        ended.append(time.monotonic() + BACKLOG_QUIET_S)  # as if the warm-up took longer than the quiet spell
+        monkeypatch.setattr(warmup, "time", SimpleNamespace(monotonic=lambda: ended[0], perf_counter=time.perf_counter))
+        return report
+
+    monkeypatch.setattr(module, "warm_up", slow_warm_up)
+    cfg = EngineConfig(num_speculative_tokens=2, device=DEVICE, warmup=True, **LIMITS)
+    node = PrefillNode(tiny, cfg, lambda *a: None, kv_backend="tcp") if kind == "prefill" else ColocatedNode(tiny, cfg)
+    try:
+        assert ended and node.captures.since == ended[0]
+        assert not node.captures.idle()  # no quiet spell yet: nothing is captured at `ready`
+    finally:
+        if kind == "prefill":
+            node.sender.close()
