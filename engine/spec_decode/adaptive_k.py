@@ -31,9 +31,10 @@ The rule (`KPolicy`, integers and floats only). A row gains E tokens per K step 
 bucket costs cost(K), a plain one cost(0). K pays when E / cost(K) > 1 / cost(0), that is when
 gain = E * cost(0) / cost(K) exceeds 1. The policy switches to K above 1 + margin and back to 0
 below 1 + margin - hysteresis, so a gain near the threshold does not flip every step. At k = 0
-nothing measures acceptance, so after `probe_every` plain steps it runs `probe_steps` K steps
-(the first verifies stale drafts and is not counted) and the first counted one replaces the
-average: acceptance is re-measured rather than remembered. A probe costs K steps where drafts
+nothing measures acceptance, so after `probe_every` plain steps it runs a probe of K steps: the
+first verifies stale drafts and is not counted, then as many as give `probe_rows` rows' worth of
+measure (one step at a large batch, up to `probe_steps` - 1 at a small one), and the first counted
+one replaces the average: acceptance is re-measured rather than remembered. A probe costs K steps where drafts
 did not pay, so each probe that ends in plain decoding doubles the wait for the next (up to
 `max_probe_every`), and choosing K again resets it: where drafts never pay, probes soon cost
 under 1% of the time.
@@ -59,7 +60,8 @@ class KPolicy:
     hysteresis: float = 0.05  # ... and is kept until it beats it by margin - hysteresis
     probe_every: int = 64  # plain steps before the first re-measurement of acceptance
     max_probe_every: int = 2048  # ... doubling after each one that ends plain, up to this
-    probe_steps: int = 4  # K steps a re-measurement runs (the first is not counted)
+    probe_steps: int = 4  # K steps a re-measurement runs at most (the first is not counted)
+    probe_rows: int = 32  # ... and no more counted steps than give this many rows' tokens
     alpha: float = 0.125  # weight of a new step in the average of tokens per K step
     tokens_per_step: float | None = None  # the average E (None: not measured yet)
     at_k: bool = True  # the last decision (not counting probes)
@@ -73,9 +75,9 @@ class KPolicy:
         self._interval = self.probe_every
         if self.k < 0 or self.margin < 0 or self.hysteresis < 0 or not 0 < self.alpha <= 1:
             raise ValueError("KPolicy: k, margin and hysteresis must be >= 0 and alpha in (0, 1]")
-        if self.probe_every < 1 or self.max_probe_every < self.probe_every or self.probe_steps < 2:
-            raise ValueError("KPolicy: 1 <= probe_every <= max_probe_every, and probe_steps >= 2 "
-                             "(the first is not counted)")
+        if self.probe_every < 1 or self.max_probe_every < self.probe_every or self.probe_steps < 2 or self.probe_rows < 1:
+            raise ValueError("KPolicy: 1 <= probe_every <= max_probe_every, probe_steps >= 2 "
+                             "(the first is not counted) and probe_rows >= 1")
         if any(c0 <= 0 or ck <= 0 for c0, ck in self.costs.values()):
             raise ValueError("KPolicy: step costs must be > 0")
 
@@ -109,9 +111,13 @@ class KPolicy:
             self._interval = min(2 * self._interval, self.max_probe_every)
         self._plain_run += 1
         if self._plain_run > self._interval:
-            self._plain_run, self._probe_left, self._remeasure, self._probing = 0, self.probe_steps - 1, True, True
+            self._plain_run, self._probe_left, self._remeasure, self._probing = 0, self._counted(batch), True, True
             return self.k
         return 0
+
+    def _counted(self, batch: int) -> int:
+        """The counted steps of a probe of `batch` rows (after its stale first step)."""
+        return min(self.probe_steps - 1, -(-self.probe_rows // max(batch, 1)))
 
     def observe(self, k: int, rows: int, tokens: int, stale: bool = False) -> None:
         """A read step ran at `k` over `rows` rows that emitted `tokens` in all; `stale`: it verified

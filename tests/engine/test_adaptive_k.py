@@ -94,7 +94,7 @@ def test_average_moves_by_alpha():
     assert p.tokens_per_step == pytest.approx(2.0 + 0.25 * (4.0 - 2.0))
 
 
-@pytest.mark.parametrize("bad", [dict(alpha=0.0), dict(margin=-1.0), dict(probe_steps=1), dict(max_probe_every=1), dict(costs={1: (0.0, 1.0)})])
+@pytest.mark.parametrize("bad", [dict(alpha=0.0), dict(margin=-1.0), dict(probe_steps=1), dict(probe_rows=0), dict(max_probe_every=1), dict(costs={1: (0.0, 1.0)})])
 def test_bad_policy_settings_are_errors(bad):
     with pytest.raises(ValueError):
         KPolicy(K, **bad)
@@ -176,3 +176,14 @@ def test_mixed_batch_with_switching_keeps_greedy_rows_and_logprobs_exact(tiny):
         assert a.token_id == b.token_id and a.logprob == pytest.approx(b.logprob, abs=1e-4)
     assert all(len(r.output_ids) == 24 and r.finish_reason == "length" for r in out)
     assert eng.num_free_blocks == eng.blocks.capacity
+
+
+@pytest.mark.parametrize(("batch", "probe"), [(1, 4), (8, 4), (16, 3), (32, 2), (128, 2)])
+def test_a_probe_counts_enough_rows_and_no_more(batch, probe):
+    """A probe is its stale step plus the counted steps that give `probe_rows` rows' tokens (at most
+    probe_steps - 1): a large batch measures its acceptance in one step, a small one in several."""
+    p = KPolicy(K, {128: (1.0, 2.0)}, probe_every=4, probe_steps=4, probe_rows=32)
+    measured(p, 1.0)
+    ks = [p.choose(batch) for _ in range(4)]
+    assert ks == [0] * 4
+    assert [p.choose(batch) for _ in range(probe + 1)] == [K] * probe + [0]
