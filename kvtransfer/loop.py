@@ -50,14 +50,19 @@ class LoopThread:
         self.loop.call_soon_threadsafe(self._drain)
 
     def _drain(self) -> None:
-        with self._calls_lock:
-            self._drain_scheduled = False
-        while self._calls:
-            fn, args = self._calls.popleft()
-            try:
-                fn(*args)
-            except Exception:  # as the loop does for a failing callback: log, go on
-                log.exception("kvtransfer loop call %r failed", fn)
+        """Run the queued calls, and those queued while they run: the drain counts as scheduled
+        until it finds the queue empty, so a caller queueing meanwhile wakes no one."""
+        while True:
+            with self._calls_lock:
+                if not self._calls:
+                    self._drain_scheduled = False
+                    return
+                batch, self._calls = self._calls, collections.deque()
+            for fn, args in batch:
+                try:
+                    fn(*args)
+                except Exception:  # as the loop does for a failing callback: log, go on
+                    log.exception("kvtransfer loop call %r failed", fn)
 
     def on_loop(self) -> bool:
         return threading.current_thread() is self._thread

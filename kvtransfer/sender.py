@@ -81,6 +81,7 @@ class _Out:
     rid: str
     desc: Descriptor
     deadline: float
+    layers: frozenset[int] = frozenset()  # the descriptor's layers, for a cheap check per call
     queue: asyncio.Queue[tuple[Any, ...]] = field(default_factory=asyncio.Queue)
     state: TransferState = TransferState.WAITING
     reason: str = ""
@@ -137,7 +138,7 @@ class StreamingSender(KVSender):
 
     def start(self, request_id: str, descriptor: Descriptor) -> None:
         desc = self._check_descriptor(descriptor)
-        out = _Out(request_id, desc, time.monotonic() + self.timeout_s)
+        out = _Out(request_id, desc, time.monotonic() + self.timeout_s, frozenset(desc["layers"]))
         with self._lock:
             if request_id in self._out:
                 raise TransferError(f"request {request_id!r} already started")
@@ -167,7 +168,7 @@ class StreamingSender(KVSender):
         self, request_id: str, layer: int, src_block_ids: Sequence[int], ready: Any = None
     ) -> None:
         out = self._get(request_id)
-        if layer not in out.desc["layers"]:
+        if layer not in out.layers:
             raise TransferError(f"{request_id}: layer {layer} not in {out.desc['layers']}")
         assert self.layout is not None
         checked = out.checked  # the blocks of the previous layer, already validated
