@@ -104,6 +104,11 @@ class StreamingSender(KVSender):
     backend = ""
     _owns_loop = True  # False when the transport shares one loop per process
     _preposted = False  # the receiver posts every layer's destination runs at ``expect``
+    # The receiver prepares for data at ``begin`` (ucx heats its lanes), so ``start`` sends it at
+    # once. Else ``begin`` goes with the transfer's first layer (or ``finish``/``abort``): the
+    # caller's burst of calls then wakes the loop once, and the loop does not take the GIL from
+    # the caller between them.
+    _early_begin = True
 
     def __init__(
         self, timeout_s: float = 10.0, on_release: ReleaseCallback | None = None
@@ -143,6 +148,9 @@ class StreamingSender(KVSender):
             if request_id in self._out:
                 raise TransferError(f"request {request_id!r} already started")
             self._out[request_id] = out
+        if not self._early_begin:
+            self._thread.defer(self._launch, out)  # sent at the latest on the watchdog's next tick
+            return
         self._thread.call(self._launch, out)
         time.sleep(0)  # hand the GIL to the loop thread: connect and send ``begin`` now
 
@@ -220,6 +228,8 @@ class StreamingSender(KVSender):
 
     # -- loop side -----------------------------------------------------------------------
     def _launch(self, out: _Out) -> None:
+        if out.state.terminal:  # a deferred start that ended first (lease expired, sender closed)
+            return
         out.sent_cb = lambda exc: self._data_sent(out, exc)
         out.task = asyncio.ensure_future(self._drive(out))
         out.task.add_done_callback(lambda t: self._task_done(out, t))
@@ -388,6 +398,7 @@ class StreamingSender(KVSender):
         tick = min(0.1, self.timeout_s / 10)
         while True:
             await asyncio.sleep(tick)
+            self._thread.run_deferred()
             now = time.monotonic()
             with self._lock:
                 late = [o for o in self._out.values() if not o.state.terminal and now > o.deadline]
