@@ -47,6 +47,13 @@ from kvtransfer.loop import LoopThread
 log = logging.getLogger(__name__)
 
 
+def _synchronize(events: list[Any]) -> None:
+    """Off the loop: return once every event (CUDA, recorded after a layer's write) has passed;
+    an event handed with several layers is waited on once."""
+    for event in {id(e): e for e in events}.values():
+        event.synchronize()
+
+
 class Link:
     """One connection from this sender to one receiver, shared by its requests."""
 
@@ -296,8 +303,9 @@ class StreamingSender(KVSender):
     async def _send_layers(self, out: _Out, group: list[tuple[Any, ...]]) -> None:
         """One announce for the group's layers, then every run's data, posted at once."""
         layers, src = self._take_group(out, group)
-        for ready in [op[3] for op in group if op[3] is not None]:
-            await asyncio.get_running_loop().run_in_executor(None, ready.synchronize)
+        ready = [op[3] for op in group if op[3] is not None]
+        if ready:  # one thread hop for the group: a replayed prefill hands every layer an event
+            await asyncio.get_running_loop().run_in_executor(None, _synchronize, ready)
         if out.runs_of is None or out.runs_of[0] != src:
             out.runs_of = (src, coalesce(src, out.desc["blocks"]))
         runs = out.runs_of[1]

@@ -177,3 +177,36 @@ def test_a_start_with_no_call_after_it_still_begins() -> None:
     finally:
         sender.close()
         receiver.close()
+
+
+def test_a_groups_ready_events_are_waited_on_in_one_thread_hop() -> None:
+    """Four layers queued together, each with its own event (and one shared): one executor call
+    waits on each event once, off the loop, before the data leaves."""
+    receiver = create_receiver("tcp", timeout_s=30)
+    sender: Any = create_sender("tcp", timeout_s=30)  # its loop is read below
+    layout = KVLayout([torch.zeros(2, 4, 64, dtype=torch.uint8) for _ in range(4)], 1)
+    hops, gate = [0], threading.Event()
+    loop = sender._thread.loop
+    run_in_executor = loop.run_in_executor
+
+    def counted(executor: Any, fn: Any, *args: Any) -> Any:
+        hops[0] += 1
+        return run_in_executor(executor, fn, *args)
+
+    loop.run_in_executor = counted  # type: ignore[method-assign]
+    try:
+        receiver.register(layout)
+        sender.register(layout)
+        sender.start("r", receiver.expect("r", [1, 2], [0, 1, 2, 3]))
+        sender._thread.call(gate.wait, 10)  # holds the loop: the layers below form one group
+        events = [_Event(0), _Event(0), _Event(0)]
+        for layer, event in enumerate([events[0], events[1], events[2], events[2]]):
+            sender.send_layer("r", layer, [0, 3], ready=event)
+        sender.finish("r")
+        gate.set()
+        assert sender.wait("r", 10).state is TransferState.DONE
+        assert hops[0] == 1
+        assert all(len(e.synced_on) == 1 and e.synced_on[0] is not sender._thread._thread for e in events)
+    finally:
+        sender.close()
+        receiver.close()
