@@ -1,8 +1,9 @@
 """The transport thread: one asyncio event loop running in a daemon thread.
 
 Public sender/receiver methods run on the caller's thread and hand work to this
-loop with ``call`` (fire and forget) or ``submit`` (a concurrent Future). All
-transfer state is changed on the loop thread only.
+loop with ``call`` (fire and forget), ``defer`` (fire and forget, no wake-up: it goes with
+the next ``call``) or ``submit`` (a concurrent Future). All transfer state is changed on the
+loop thread only.
 """
 
 from __future__ import annotations
@@ -49,15 +50,31 @@ class LoopThread:
             self._drain_scheduled = True
         self.loop.call_soon_threadsafe(self._drain)
 
-    def _drain(self) -> None:
+    def defer(self, fn: Callable[..., Any], *args: Any) -> None:
+        """Queue ``fn(*args)`` like ``call`` but wake no one: it runs in order with the next
+        ``call``'s drain, or at the latest at the owner's next ``run_deferred`` (its tick)."""
         with self._calls_lock:
-            self._drain_scheduled = False
-        while self._calls:
-            fn, args = self._calls.popleft()
-            try:
-                fn(*args)
-            except Exception:  # as the loop does for a failing callback: log, go on
-                log.exception("kvtransfer loop call %r failed", fn)
+            self._calls.append((fn, args))
+
+    def run_deferred(self) -> None:
+        """On the loop: run what ``defer`` queued and no ``call`` has drained yet."""
+        if self._calls:
+            self._drain()
+
+    def _drain(self) -> None:
+        """Run the queued calls, and those queued while they run: the drain counts as scheduled
+        until it finds the queue empty, so a caller queueing meanwhile wakes no one."""
+        while True:
+            with self._calls_lock:
+                if not self._calls:
+                    self._drain_scheduled = False
+                    return
+                batch, self._calls = self._calls, collections.deque()
+            for fn, args in batch:
+                try:
+                    fn(*args)
+                except Exception:  # as the loop does for a failing callback: log, go on
+                    log.exception("kvtransfer loop call %r failed", fn)
 
     def on_loop(self) -> bool:
         return threading.current_thread() is self._thread

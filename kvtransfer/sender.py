@@ -47,6 +47,13 @@ from kvtransfer.loop import LoopThread
 log = logging.getLogger(__name__)
 
 
+def _synchronize(events: list[Any]) -> None:
+    """Off the loop: return once every event (CUDA, recorded after a layer's write) has passed;
+    an event handed with several layers is waited on once."""
+    for event in {id(e): e for e in events}.values():
+        event.synchronize()
+
+
 class Link:
     """One connection from this sender to one receiver, shared by its requests."""
 
@@ -81,6 +88,7 @@ class _Out:
     rid: str
     desc: Descriptor
     deadline: float
+    layers: frozenset[int] = frozenset()  # the descriptor's layers, for a cheap check per call
     queue: asyncio.Queue[tuple[Any, ...]] = field(default_factory=asyncio.Queue)
     state: TransferState = TransferState.WAITING
     reason: str = ""
@@ -103,6 +111,11 @@ class StreamingSender(KVSender):
     backend = ""
     _owns_loop = True  # False when the transport shares one loop per process
     _preposted = False  # the receiver posts every layer's destination runs at ``expect``
+    # The receiver prepares for data at ``begin`` (ucx heats its lanes), so ``start`` sends it at
+    # once. Else ``begin`` goes with the transfer's first layer (or ``finish``/``abort``): the
+    # caller's burst of calls then wakes the loop once, and the loop does not take the GIL from
+    # the caller between them.
+    _early_begin = True
 
     def __init__(
         self, timeout_s: float = 10.0, on_release: ReleaseCallback | None = None
@@ -137,11 +150,14 @@ class StreamingSender(KVSender):
 
     def start(self, request_id: str, descriptor: Descriptor) -> None:
         desc = self._check_descriptor(descriptor)
-        out = _Out(request_id, desc, time.monotonic() + self.timeout_s)
+        out = _Out(request_id, desc, time.monotonic() + self.timeout_s, frozenset(desc["layers"]))
         with self._lock:
             if request_id in self._out:
                 raise TransferError(f"request {request_id!r} already started")
             self._out[request_id] = out
+        if not self._early_begin:
+            self._thread.defer(self._launch, out)  # sent at the latest on the watchdog's next tick
+            return
         self._thread.call(self._launch, out)
         time.sleep(0)  # hand the GIL to the loop thread: connect and send ``begin`` now
 
@@ -167,7 +183,7 @@ class StreamingSender(KVSender):
         self, request_id: str, layer: int, src_block_ids: Sequence[int], ready: Any = None
     ) -> None:
         out = self._get(request_id)
-        if layer not in out.desc["layers"]:
+        if layer not in out.layers:
             raise TransferError(f"{request_id}: layer {layer} not in {out.desc['layers']}")
         assert self.layout is not None
         checked = out.checked  # the blocks of the previous layer, already validated
@@ -219,6 +235,8 @@ class StreamingSender(KVSender):
 
     # -- loop side -----------------------------------------------------------------------
     def _launch(self, out: _Out) -> None:
+        if out.state.terminal:  # a deferred start that ended first (lease expired, sender closed)
+            return
         out.sent_cb = lambda exc: self._data_sent(out, exc)
         out.task = asyncio.ensure_future(self._drive(out))
         out.task.add_done_callback(lambda t: self._task_done(out, t))
@@ -285,8 +303,9 @@ class StreamingSender(KVSender):
     async def _send_layers(self, out: _Out, group: list[tuple[Any, ...]]) -> None:
         """One announce for the group's layers, then every run's data, posted at once."""
         layers, src = self._take_group(out, group)
-        for ready in [op[3] for op in group if op[3] is not None]:
-            await asyncio.get_running_loop().run_in_executor(None, ready.synchronize)
+        ready = [op[3] for op in group if op[3] is not None]
+        if ready:  # one thread hop for the group: a replayed prefill hands every layer an event
+            await asyncio.get_running_loop().run_in_executor(None, _synchronize, ready)
         if out.runs_of is None or out.runs_of[0] != src:
             out.runs_of = (src, coalesce(src, out.desc["blocks"]))
         runs = out.runs_of[1]
@@ -387,6 +406,7 @@ class StreamingSender(KVSender):
         tick = min(0.1, self.timeout_s / 10)
         while True:
             await asyncio.sleep(tick)
+            self._thread.run_deferred()
             now = time.monotonic()
             with self._lock:
                 late = [o for o in self._out.values() if not o.state.terminal and now > o.deadline]

@@ -174,6 +174,7 @@ async def _try_send(link: _Conn, msg: dict[str, Any]) -> None:
 class TcpSender(StreamingSender):
     backend = "tcp"
     _link_cls = _Conn
+    _early_begin = False  # ``begin`` only binds the connection: it goes with the first layer
 
     def __init__(self, **kwargs: Any) -> None:
         super().__init__(**kwargs)

@@ -1,6 +1,7 @@
 """A transfer's fixed cost is its hand-overs (issue 48): the receiver's ack is written by the
-handler that decided it, and the ipc sender's ``finish`` waits for the copy's event on the loop
-unless the copy takes long. No timing is asserted: what ran, and in what order."""
+handler that decided it, the ipc sender's ``finish`` waits for the copy's event on the loop
+unless the copy takes long, and a caller's burst of calls wakes the sender's loop once. No timing
+is asserted: what ran, and in what order."""
 
 from __future__ import annotations
 
@@ -10,8 +11,9 @@ from typing import Any
 
 import torch
 
-from kvtransfer import KVLayout, TransferState, create_receiver, wire
+from kvtransfer import KVLayout, TransferState, create_receiver, create_sender, wire
 from kvtransfer.ipc import completed
+from kvtransfer.loop import LoopThread
 
 
 class _Event:
@@ -122,4 +124,89 @@ def test_on_end_calls_back_once_the_transfer_ended_and_at_once_after() -> None:
         receiver.on_end("r", lambda: calls.append("late"))
         assert calls == [TransferState.FAILED.value, "late"]
     finally:
+        receiver.close()
+
+
+def test_calls_queued_while_a_drain_runs_wake_no_one() -> None:
+    """The first call wakes the loop; the ones queued while its drain runs go with that drain."""
+    thread = LoopThread("test-drain")
+    wakes, ran, gate, inside = [0], list[int](), threading.Event(), threading.Event()
+    schedule = thread.loop.call_soon_threadsafe
+
+    def counted(fn: Any, *args: Any) -> Any:
+        wakes[0] += fn == thread._drain
+        return schedule(fn, *args)
+
+    thread.loop.call_soon_threadsafe = counted  # type: ignore[method-assign,assignment]
+    try:
+        def first() -> None:
+            inside.set()
+            gate.wait(10)
+            ran.append(0)
+
+        thread.call(first)
+        assert inside.wait(10)
+        for i in range(1, 6):
+            thread.call(ran.append, i)
+        gate.set()
+        thread.submit(asyncio.sleep(0)).result(timeout=10)  # behind every queued call
+        assert ran == [0, 1, 2, 3, 4, 5] and wakes[0] == 1
+    finally:
+        thread.stop()
+
+
+def test_a_start_with_no_call_after_it_still_begins() -> None:
+    """tcp defers ``begin`` to the transfer's next call; with none, the watchdog's tick sends it."""
+    receiver = create_receiver("tcp", timeout_s=30)
+    sender = create_sender("tcp", timeout_s=30)
+    layout = KVLayout([torch.zeros(2, 4, 64, dtype=torch.uint8)], 1)
+    try:
+        receiver.register(layout)
+        sender.register(layout)
+        sender.start("r", receiver.expect("r", [1], [0]))
+        begun = threading.Event()
+        for _ in range(200):  # up to 10 s; the tick is 0.1 s
+            if receiver.poll("r").state is TransferState.TRANSFERRING:
+                begun.set()
+                break
+            threading.Event().wait(0.05)
+        assert begun.is_set() and sender.poll("r").state is TransferState.TRANSFERRING
+        sender.abort("r")
+        assert sender.wait("r", 10).state is TransferState.FAILED
+        assert receiver.wait("r", 10).state is TransferState.FAILED
+    finally:
+        sender.close()
+        receiver.close()
+
+
+def test_a_groups_ready_events_are_waited_on_in_one_thread_hop() -> None:
+    """Four layers queued together, each with its own event (and one shared): one executor call
+    waits on each event once, off the loop, before the data leaves."""
+    receiver = create_receiver("tcp", timeout_s=30)
+    sender: Any = create_sender("tcp", timeout_s=30)  # its loop is read below
+    layout = KVLayout([torch.zeros(2, 4, 64, dtype=torch.uint8) for _ in range(4)], 1)
+    hops, gate = [0], threading.Event()
+    loop = sender._thread.loop
+    run_in_executor = loop.run_in_executor
+
+    def counted(executor: Any, fn: Any, *args: Any) -> Any:
+        hops[0] += 1
+        return run_in_executor(executor, fn, *args)
+
+    loop.run_in_executor = counted  # type: ignore[method-assign]
+    try:
+        receiver.register(layout)
+        sender.register(layout)
+        sender.start("r", receiver.expect("r", [1, 2], [0, 1, 2, 3]))
+        sender._thread.call(gate.wait, 10)  # holds the loop: the layers below form one group
+        events = [_Event(0), _Event(0), _Event(0)]
+        for layer, event in enumerate([events[0], events[1], events[2], events[2]]):
+            sender.send_layer("r", layer, [0, 3], ready=event)
+        sender.finish("r")
+        gate.set()
+        assert sender.wait("r", 10).state is TransferState.DONE
+        assert hops[0] == 1
+        assert all(len(e.synced_on) == 1 and e.synced_on[0] is not sender._thread._thread for e in events)
+    finally:
+        sender.close()
         receiver.close()

@@ -56,3 +56,11 @@ def test_descriptor_skip_is_a_required_non_negative_int() -> None:
             wire.check({**desc, **bad})
     with pytest.raises(wire.WireError, match="fields"):
         wire.check({k: v for k, v in desc.items() if k != "skip"})
+
+
+@pytest.mark.parametrize("layout", [[[1], [True]], [[1], (2,)], [[1], [-1]], [[1.0]], [[1 << 64]], [1], "11"])
+def test_a_descriptor_layout_of_anything_but_int_lists_is_refused(layout: object) -> None:
+    desc = wire.make("desc", rid="r", tok=TOK, backend="tcp", addr="127.0.0.1:1", tag=0, lanes=[],
+                     layers=[0, 1], blocks=[5], layout=[[1, 2], []], skip=0)
+    with pytest.raises(wire.WireError, match="bad value for 'layout'"):
+        wire.check({**desc, "layout": layout})
