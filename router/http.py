@@ -1,6 +1,6 @@
 """The router's HTTP front door: OpenAI-compatible `/v1/completions`, `/v1/chat/completions`,
 `/v1/models`, plus `/health` and Prometheus `/metrics` (FastAPI on uvicorn, on the router's
-own event loop).
+own event loop; the two generate routes are served past FastAPI's middleware: `_serving`).
 
 Receives HTTP requests; turns each body into a `GenerateRequest` (openai_protocol.py) and
 hands it to the same lifecycle as the gRPC door (`Router.submit` / `Router.responses`, seen
@@ -108,6 +108,8 @@ def build_app(router: Lifecycle) -> FastAPI:
     @app.post("/v1/chat/completions")
     async def chat_completions(raw: Request) -> Response:
         return await _generate(router, raw, ChatCompletionRequest, pieces, chat=True)
+
+    app.state.direct_posts = {"/v1/completions": completions, "/v1/chat/completions": chat_completions}
 
     add_tokenize_routes(app, TokenizeDoor(router, _parse, partial(_denied, router)))
     return app
@@ -260,8 +262,8 @@ class EventStream(StreamingResponse):
     Careful: Starlette (ASGI < 2.4) writes a body from a task it starts beside its disconnect
     listener, a loop turn and a task group later, and that wait would sit inside every request's
     time to first token. The events after the first go to the server's own `send` (`RAW_SEND`, put
-    in the scope by `HttpServer`) past Starlette's and FastAPI's `send` wrappers, which only note
-    that a response started (the start went through them) and cost a coroutine each per event."""
+    in the scope by `HttpServer`) past any `send` wrappers of Starlette's and FastAPI's, which only
+    note that a response started (the start went through them) and cost a coroutine each per event."""
 
     def __init__(self, first: str, rest: AsyncGenerator[str, None], written: Callable[[], None]) -> None:
         super().__init__(rest, media_type="text/event-stream")
@@ -308,13 +310,24 @@ class _Server(uvicorn.Server):
         yield
 
 
-def _with_raw_send(app: FastAPI) -> Callable[[dict[str, Any], Any, Any], Awaitable[None]]:
-    """`app` with the server's own `send` in the scope (`RAW_SEND`: EventStream writes with it)."""
+def _serving(app: FastAPI) -> Callable[[dict[str, Any], Any, Any], Awaitable[None]]:
+    """`app` with the server's own `send` in the scope (`RAW_SEND`: EventStream writes with it), and
+    the generate routes (`app.state.direct_posts`: a POST to exactly their path) served past FastAPI's
+    and Starlette's middleware and routing: a dozen layers per request (a coroutine each, most with
+    a `send` wrapper) that these routes need none of. They read the raw request and answer every
+    error themselves; an exception escaping them is uvicorn's to answer (a 500 if nothing was sent
+    yet, as ServerErrorMiddleware's). Every other request goes through `app`."""
+    posts: dict[str, Callable[[Request], Awaitable[Response]]] = getattr(app.state, "direct_posts", {})
 
     async def serve(scope: dict[str, Any], receive: Any, send: Any) -> None:
         scope[RAW_SEND] = send
         try:
-            await app(scope, receive, send)
+            endpoint = posts.get(scope["path"]) if scope["type"] == "http" and scope["method"] == "POST" else None
+            if endpoint is None:
+                await app(scope, receive, send)
+            else:
+                response = await endpoint(Request(scope, receive))
+                await response(scope, receive, send)
         finally:
             del scope[RAW_SEND]  # the scope's server cycle would otherwise outlive the request, held in a ref cycle
     return serve
@@ -344,7 +357,7 @@ class HttpServer:
         sock.bind((host, port))
         # httptools named (uvicorn's "auto" falls back to h11 silently): h11 parses and frames each
         # event in Python, a large share of the router's CPU per streamed token
-        config = uvicorn.Config(_with_raw_send(self.app), log_level="warning", access_log=False, lifespan="off", http="httptools",
+        config = uvicorn.Config(_serving(self.app), log_level="warning", access_log=False, lifespan="off", http="httptools",
                                 timeout_graceful_shutdown=2, **self.tls)  # type: ignore[arg-type]
         await anyio.lowlevel.checkpoint()  # loads anyio's asyncio backend now, not in the first streamed request (~16 ms)
         self._server = _Server(config)

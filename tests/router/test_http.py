@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import urllib.error
 import urllib.request
 
@@ -201,3 +202,41 @@ async def test_an_event_streams_later_events_go_to_the_servers_own_send_until_th
     assert [m["type"] for m in wrapped] == ["http.response.start", "http.response.body"]
     assert [(m["body"], m["more_body"]) for m in raw] == [(b"data: 2\n\n", True)]
     assert order == ["written", "rest closed"]
+
+
+async def test_a_stream_whose_connection_is_paused_gets_its_later_tokens_merged_in_order():
+    """While the server may not write to a connection (its transport paused it: the client reads
+    slowly), a stream's events are neither written by the node's output reader nor lost: the
+    tokens that come meanwhile join the waiting message, and once the connection drains the
+    client gets them all, in order, in a few events, then one [DONE]."""
+    async with cluster(http_port=0, decode={"pause_after": 3}) as c:
+        reader, writer = await asyncio.open_connection("127.0.0.1", c.router.http_port)
+        body = json.dumps({"model": "tiny", "prompt": "ab", "max_tokens": 30, "temperature": 0, "stream": True})
+        writer.write(f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     f"Content-Length: {len(body)}\r\n\r\n{body}".encode())
+        await writer.drain()
+        got = b""
+        while len("".join(_texts(got))) < 3:  # every token the node sent before it paused was written
+            got += await reader.read(65536)
+        before = len(_events(got))
+        (conn,) = c.router.http._server.server_state.connections
+        conn.pause_writing()  # as the transport does when its buffer fills
+        c.decode[0].resume()
+        await c.until(lambda: c.router.counts["finished:length"] == 1)
+        conn.resume_writing()
+        while b"data: [DONE]" not in got:
+            got += await reader.read(65536)
+        writer.close()
+        want = await c.client.generate(build_request("ab", max_tokens=30))
+        assert "".join(_texts(got)) == want["text"] and len(want["text"]) == 30
+        assert len(_events(got)) - before <= 4  # waited, merged, the terminal, [DONE]
+        assert _events(got)[-1] == "[DONE]" and _events(got).count("[DONE]") == 1
+        await c.settled()
+
+
+def _events(raw: bytes) -> list[str]:
+    return re.findall(r"data: (.*?)\n\n", raw.decode())
+
+
+def _texts(raw: bytes) -> list[str]:
+    return [json.loads(e)["choices"][0]["text"] for e in _events(raw) if e != "[DONE]"]
