@@ -189,12 +189,13 @@ class NodeActor:
         self.node.stop()
 
 
-def node_logging() -> None:
-    """A node process's own log lines at INFO on its stderr, which Ray keeps in the session's logs
-    (`worker-*.err`; `pdserve up` starts Ray with its logging configuration off). Once per process."""
+def node_logging(names: tuple[str, ...] = NODE_LOGGERS) -> None:
+    """A node (or router) process's own log lines at INFO on its stderr, which Ray keeps in the
+    session's logs (`worker-*.err`; `pdserve up` starts Ray with its logging configuration off).
+    Once per process."""
     handler = logging.StreamHandler()
     handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
-    for name in NODE_LOGGERS:
+    for name in names:
         logger = logging.getLogger(name)
         if not logger.handlers:
             logger.addHandler(handler)

@@ -24,8 +24,10 @@ from deploy.procmem import process_memory
 
 class RouterActor:
     def __init__(self, config_json: str) -> None:
+        from deploy.actors import node_logging
         from router.directory import NodeDirectory
 
+        node_logging(("router.metrics",))  # its first requests' TTFT parts (router/metrics.py)
         self.cfg = ServiceConfig.model_validate_json(config_json)
         self.directory = NodeDirectory()
         self.router: Any = None

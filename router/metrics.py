@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import bisect
 import itertools
+import logging
 import time
 from collections.abc import Callable, Iterator, Mapping
 from typing import TYPE_CHECKING, Any
@@ -28,6 +29,9 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from prometheus_client.parser import text_string_to_metric_families
 
 from protos.messages import KV_TRANSFER_BUCKETS
+
+log = logging.getLogger(__name__)
+LOGGED_FIRST = 8  # the first requests of a router process whose TTFT parts it logs (`first_token_written`)
 
 if TYPE_CHECKING:
     from router.pool import Node
@@ -77,6 +81,7 @@ class RouterMetrics:
         generation_tokens = Counter("pdserve:generation_tokens", "Output tokens sent to clients",
                                     labels, registry=r).labels(model_name)
         self.tally = TokenTally(generation_tokens, self.itl)  # read into both at every exposition
+        self.first_seen = 0  # requests whose first token was written, up to LOGGED_FIRST
         self.migrations = Counter("pdserve:request_migrations", "Requests moved to another decode node "
                                   "(each move counts)", labels, registry=r).labels(model_name)
         Gauge("pdserve:num_requests_waiting", "Requests queued for a decode node", registry=r).set_function(
@@ -113,6 +118,10 @@ class RouterMetrics:
         self.ttft.observe(timeline.total)
         for part, seconds in timeline.parts.items():
             self.ttft_parts[part].observe(seconds)
+        if self.first_seen < LOGGED_FIRST:  # the first requests after a start meet what the histograms blur
+            self.first_seen += 1
+            log.info("request %d's TTFT %.2f ms: %s", self.first_seen, 1e3 * timeline.total,
+                     ", ".join(f"{part} {1e3 * s:.2f}" for part, s in timeline.parts.items()))
 
     def ended(self, st: RequestState) -> None:
         terminal = st.terminal or "error:INTERNAL"

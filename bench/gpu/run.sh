@@ -176,10 +176,10 @@ serve() {  # NAME MODE KV GPUS [bench serve flags]: one `bench serve --launch` o
     "$@" --json "$OUT/$name.json" > "$OUT/$name.log" 2>&1 || tail -n 20 "$OUT/$name.log"
   node_logs "$OUT/.$name.start" > "$OUT/$name.nodes.log"
 }
-node_logs() {  # STAMP: the node processes' own log lines (deploy/actors.py node_logging) from the Ray workers
+node_logs() {  # STAMP: the node and router processes' own log lines (deploy/actors.py node_logging) from the Ray workers
   # that wrote since the file STAMP was made, wherever this machine's Ray keeps its sessions
   find / -xdev -name 'worker-*.err' -newer "$1" -print0 2> /dev/null \
-    | xargs -0 -r grep -hE " (INFO|WARNING|ERROR|CRITICAL) (engine|prefill_node|decode_node|kvtransfer|deploy)[.:]" | sort
+    | xargs -0 -r grep -hE " (INFO|WARNING|ERROR|CRITICAL) (engine|prefill_node|decode_node|kvtransfer|deploy|router)[.:]" | sort
 }
 service_chaos() {  # KV [bench chaos flags]: two prefill and two decode nodes sharing the machine's GPUs
   local kv=$1 gpus share flags rc; shift
