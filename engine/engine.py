@@ -188,8 +188,9 @@ def draft_vocab_for(loaded: LoadedModel, config: EngineConfig) -> DraftVocab | N
     score the full vocabulary (size 0 or >= V, or no MTP: k = 0)."""
     vocab = loaded.model.config.vocab_size
     n = config.draft_vocab_size
-    if n is None:
-        n = auto_draft_vocab(vocab, loaded.vocab_rank_path is not None)
+    if n is None:  # the default; a model already sharded for TP (a second engine over it) keeps all tokens
+        sharded = isinstance(loaded.model, TPCausalLM)
+        n = 0 if sharded else auto_draft_vocab(vocab, loaded.vocab_rank_path is not None)
     if config.num_speculative_tokens == 0 or n == 0 or n >= vocab:
         return None
     if loaded.vocab_rank_path is None:
