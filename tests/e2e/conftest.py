@@ -84,17 +84,19 @@ def run_async(coro):
     return asyncio.run(coro)
 
 
-async def router_health_settled(address: str, timeout: float = 30.0, **client_kwargs):
-    """The router's Health once every node is healthy with all its blocks free (or the last
-    one at `timeout`): its view is the nodes' last Status, polled every status_interval_s, and
-    a restarted node joins it at the service's next watcher round, so it follows the nodes late."""
+async def router_health_settled(address: str, timeout: float = 30.0, nodes: int = 0, **client_kwargs):
+    """The router's Health once it lists at least `nodes` nodes, every one healthy with all its
+    blocks free (or the last one at `timeout`): its view is the nodes' last Status, polled every
+    status_interval_s, and a restarted node joins it at the service's next watcher round (its old
+    address may be gone from the view before the new one is in), so it follows the nodes late."""
     from router.client import RouterClient
 
     async with RouterClient(address, **client_kwargs) as client:
         deadline = asyncio.get_running_loop().time() + timeout
         while True:
             health = await client.health()
-            settled = all(n.healthy and n.free_kv_blocks == n.total_kv_blocks > 0 for n in health.nodes)
+            settled = len(health.nodes) >= nodes and all(
+                n.healthy and n.free_kv_blocks == n.total_kv_blocks > 0 for n in health.nodes)
             if settled or asyncio.get_running_loop().time() > deadline:
                 return health
             await asyncio.sleep(0.1)

@@ -70,8 +70,9 @@ def test_1p_tp2_1d_tp2_equals_single_process_and_only_rank0_emits(tiny_reference
         assert {terminals[0][0] for terminals, _ in results} == {"UNAVAILABLE"}
         wait_serving_again(svc, ("decode", 0), old)
         assert (svc.actors[("decode", 0)].launches, svc.actors[("prefill", 0)].launches) == (2, 1)
-        health = run_async(router_health_settled(svc.router_address))
-        assert all(n.healthy for n in health.nodes), "the router never saw the restarted node healthy"
+        health = run_async(router_health_settled(svc.router_address, nodes=2))
+        assert len(health.nodes) == 2 and all(n.healthy for n in health.nodes), \
+            "the router never saw the restarted node healthy"
         greedy_matches(svc.router_address, tiny_reference, seed=6)
         wait_every_rank_free(svc)
     finally:
