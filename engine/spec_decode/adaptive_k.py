@@ -34,10 +34,10 @@ below 1 + margin - hysteresis, so a gain near the threshold does not flip every 
 nothing measures acceptance, so after `probe_every` plain steps it runs a probe of K steps: the
 first verifies stale drafts and is not counted, then as many as give `probe_rows` rows' worth of
 measure (one step at a large batch, up to `probe_steps` - 1 at a small one), and the first counted
-one replaces the average: acceptance is re-measured rather than remembered. A probe costs K steps where drafts
-did not pay, so each probe that ends in plain decoding doubles the wait for the next (up to
-`max_probe_every`), and choosing K again resets it: where drafts never pay, probes soon cost
-under 1% of the time.
+one replaces the average: acceptance is re-measured rather than remembered. A probe costs K steps
+where drafts did not pay, so each probe that ends in plain decoding doubles the wait for the next
+(up to `max_probe_every`), and choosing K again resets it: where drafts never pay, probes soon
+cost under 1% of the time.
 """
 
 from __future__ import annotations
@@ -75,7 +75,8 @@ class KPolicy:
         self._interval = self.probe_every
         if self.k < 0 or self.margin < 0 or self.hysteresis < 0 or not 0 < self.alpha <= 1:
             raise ValueError("KPolicy: k, margin and hysteresis must be >= 0 and alpha in (0, 1]")
-        if self.probe_every < 1 or self.max_probe_every < self.probe_every or self.probe_steps < 2 or self.probe_rows < 1:
+        if (self.probe_every < 1 or self.max_probe_every < self.probe_every or self.probe_steps < 2
+                or self.probe_rows < 1):
             raise ValueError("KPolicy: 1 <= probe_every <= max_probe_every, probe_steps >= 2 "
                              "(the first is not counted) and probe_rows >= 1")
         if any(c0 <= 0 or ck <= 0 for c0, ck in self.costs.values()):
