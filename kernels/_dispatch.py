@@ -66,3 +66,29 @@ def batch_invariant(on: bool = True) -> Iterator[None]:
         yield
     finally:
         _mode.invariant = before
+
+
+def rows_per_sequence() -> int | None:
+    """Rows of a launch that belong to one sequence within `rows_a_sequence` (a decode step's target
+    forward: 1 in a plain step, k + 1 in a verify); None outside one."""
+    return getattr(_mode, "per_sequence", None)
+
+
+def sequences(m: int) -> int:
+    """The sequences behind a launch of m rows: what a launch's kernel configuration follows, so
+    that a verify row of a batch runs the configuration (and gets the bits) of the plain step of
+    the same batch."""
+    q = rows_per_sequence()
+    return m if q is None else max(1, m // q)
+
+
+@contextmanager
+def rows_a_sequence(q: int) -> Iterator[None]:
+    """Within it (this thread only), a launch's rows come q to a sequence: a decode step's target
+    forward (q = 1 in a plain step, k + 1 in a verify of k drafts). Kernels then take their
+    configuration by sequences, so that greedy MTP gives plain decoding's answers in bf16 too."""
+    before, _mode.per_sequence = getattr(_mode, "per_sequence", None), max(1, q)
+    try:
+        yield
+    finally:
+        _mode.per_sequence = before

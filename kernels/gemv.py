@@ -1,4 +1,4 @@
-"""Decode GEMMs of one row (up to GEMV_MAX_M) over small weights: the weight tile is read into
+"""Decode GEMMs of one sequence (GEMV_MAX_M; its verify's rows too) over small weights: the weight tile is read into
 registers before the programmatic-dependent-launch wait (kernels/pdl.py).
 
 A program owns BN whole rows of the weight (both halves' rows with silu * up), padded to a
@@ -33,11 +33,12 @@ from kernels.epilogue import gemm_epilogue
 from kernels.norm import rstd_of_partials
 from kernels.pdl import pdl_args, wait_for_previous
 
-# rows: one, as a batch-1 step without drafts has. Up to 4 run correctly here (the tests take
-# them), but a batch-1 verify keeps the split-K kernel: a step with drafts ran slower with its
-# GEMMs here, though some of them alone are faster (bench/gpu/gpu_gemv_rows.py). Through here a
-# verify row would have a plain step's bits (see above), which an exact verify (issue 50) may want.
+# Sequences: one, as a batch-1 step has. Its verify (`kernels._dispatch.rows_a_sequence`: up to
+# GEMV_MAX_ROWS rows) takes the kernel too, though the split-K kernel ran that step faster: here a
+# verify row has the plain step's bits, so greedy MTP gives plain decoding's answers (BENCHMARKS.md).
+# Outside a decode step, a launch's rows are its sequences (one row).
 GEMV_MAX_M = 1
+GEMV_MAX_ROWS = 4
 GEMV_MAX_TILE = 32768  # weight elements a program holds (64 KB of bf16 over 4-8 warps)
 # weights above this many bytes keep the split-K kernel (Llama-1B's o projection, 8 MB, would fit a tile)
 GEMV_MAX_BYTES = 4 * 2**20
@@ -53,13 +54,16 @@ def _programs(device_index: int | None) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
-def gemv_config(m: int, w: torch.Tensor, glu: bool, sms: int | None = None) -> GemvConfig | None:
-    """(BN, KP, WARPS) when the kernel takes a launch of m rows over w, else None. It takes w when
+def gemv_config(m: int, w: torch.Tensor, glu: bool, sms: int | None = None,
+                seqs: int | None = None) -> GemvConfig | None:
+    """(BN, KP, WARPS) when the kernel takes a launch of m rows of `seqs` sequences (m when None)
+    over w, else None. It takes w when
     a tile of the smallest power of two of rows that leaves at most one tile per SM (`sms`: w's
     device's count) fits GEMV_MAX_TILE. WARPS: as many along K as a warp's 16-byte loads fill, up
     to 8; then BN halves (more programs than SMs, as many bytes on the busiest SM) until a thread
     holds at most 128 weight elements."""
-    if m > GEMV_MAX_M or m < 1 or w.numel() * w.element_size() > GEMV_MAX_BYTES:
+    seqs = m if seqs is None else seqs
+    if seqs > GEMV_MAX_M or m < 1 or m > GEMV_MAX_ROWS or w.numel() * w.element_size() > GEMV_MAX_BYTES:
         return None
     halves = 2 if glu else 1
     n_out, k, device = w.shape[0] // halves, w.shape[1], w.device

@@ -35,16 +35,24 @@ or its split-K sum) stored per column tile (`kernels.norm.store_partial_sumsq`, 
 output tensor: `row_sumsq_of`); the main loop is untouched. Where x has none (cuBLAS wrote it, or
 it changed in place since), the norm runs as its own kernel.
 
-Launches of one row (kernels.gemv.GEMV_MAX_M) over small weights (SmolLM2's layers at batch 1)
-take the register-tile GEMV of kernels/gemv.py instead, with the same epilogue
+Launches of one sequence (kernels.gemv.GEMV_MAX_M) over small weights (SmolLM2's layers at batch
+1) take the register-tile GEMV of kernels/gemv.py instead, with the same epilogue
 (kernels/epilogue.py), outside the batch-invariant mode.
+
+Exact MTP: within a decode step's target forward (`kernels._dispatch.rows_a_sequence`), what a
+launch's configuration depends on is its sequences, not its rows: the GEMV, the row tile (a
+plain step's rows take the tile a verify of VERIFY_ROWS rows a sequence takes: `_block_m`) and
+the preload, and the argmax's kernel up to MASKED_MAX_M rows. A verify row then runs the compiled
+kernel of the plain step of its batch, and greedy decoding with drafts gives the answers of
+greedy decoding without, in bf16 too. Where they may differ still: a verify past the fused
+kernel's rows (`_fused`: 64, 128 for small weights), where cuBLAS picks its kernels by M.
 
 Under programmatic dependent launch (kernels/pdl.py) the kernel starts while the one before it
 still runs; before its wait it asks for its share of the weights in L2 (`_prefetch_rows`, whole
 rows up to PREFETCH_BYTES a launch), for weights of at most PREFETCH_MAX bytes: a small model's
 step is a chain of latency-bound launches, and the prefetch hides part of each one's weight
 read; larger weights gain nothing and evict each other from L2. For weights up to PRELOAD_MAX
-and up to PRELOAD_MAX_M rows, each program also reads its first K block into registers before
+and up to PRELOAD_MAX_M sequences, each program also reads its first K block into registers before
 the wait (`PRELOAD`), and takes that block's product ahead of the loop, in the loop's order;
 with larger weights or more rows the held registers cost more than the early read saves.
 
@@ -64,7 +72,7 @@ import triton
 import triton.language as tl
 
 from kernels import gemm_glu
-from kernels._dispatch import invariant, use_triton
+from kernels._dispatch import invariant, rows_per_sequence, sequences, use_triton
 from kernels.activation import silu_and_mul, silu_and_mul_ref
 from kernels.epilogue import gemm_epilogue
 from kernels.gemv import gemv_config, launch_gemv
@@ -83,14 +91,17 @@ SMALL_MAX_M = 128  # and up to this many rows for weights
 SMALL_WEIGHT = 2**21  # of at most this many elements
 MAX_BM = 64  # the kernel's row tile: rows above it take more tiles
 INVARIANT_BM = 16
+VERIFY_ROWS = 4  # a decode step's row tile: that of k = 3 verify rows a sequence (more take more tiles)
 PREFETCH_BYTES = 4 * 2**20  # L2 prefetch per launch, at most: more evicts what the step reads next
 # weights above PREFETCH_MAX get none: their own reads already keep the memory busy
 PREFETCH_MAX = 8 * 2**20
 # a program's first K block of weights read into registers before the PDL wait, for weights up to
-# PRELOAD_MAX and launches of up to PRELOAD_MAX_M rows (see the module's text)
+# PRELOAD_MAX and launches of up to PRELOAD_MAX_M sequences (see the module's text)
 PRELOAD_MAX = 4 * 2**20
 PRELOAD_MAX_M = 32
-MASKED_MAX_M = 128  # rows up to which a masked argmax runs the kernel whatever the weight (batch 32 at k = 3)
+# rows up to which a masked argmax, or a verify's whose plain step takes the kernel, runs the kernel
+# whatever the weight (batch 32 at k = 3)
+MASKED_MAX_M = 128
 
 Norm = tuple[torch.Tensor | None, float]  # (weight, or None where it is folded into the GEMM's; eps)
 RowNorm = tuple[float, torch.Tensor]  # (eps, x's partial row sums of squares [M, tiles]): the kernel's own norm
@@ -242,7 +253,15 @@ def _rows(x: torch.Tensor) -> torch.Tensor:
 
 
 def _block_m(m: int) -> int:
-    return INVARIANT_BM if invariant() else min(MAX_BM, max(16, triton.next_power_of_2(m)))
+    """The row tile of a launch of m rows. Within a decode step's target forward it follows the
+    step's sequences: a plain step's rows take the tile of a verify of VERIFY_ROWS rows a
+    sequence over the same batch, so a verify row and a plain step's row run the same compiled
+    kernel (another tile is another MMA shape, whose fp32 sums may round differently)."""
+    if invariant():
+        return INVARIANT_BM
+    if rows_per_sequence() is not None:
+        m = VERIFY_ROWS * sequences(m)
+    return min(MAX_BM, max(16, triton.next_power_of_2(m)))
 
 
 def _split(w: torch.Tensor, config: Config | None, whole: bool) -> int:
@@ -263,7 +282,8 @@ def _launch(x2, w, b, residual, y, argmax_out=None, config: Config | None = None
     assert w.stride(-1) == 1 and x2.shape[1] == k, f"weight {tuple(w.shape)} does not take {x2.shape[1]} inputs"
     if glu:
         assert n % 2 == 0 and b is None and residual is None, "gate/up GEMM: an even weight, no bias or add"
-    gemv = None if argmax_out is not None or config is not None or invariant() else gemv_config(m, w, glu)
+    seqs = sequences(m)
+    gemv = None if argmax_out is not None or config is not None or invariant() else gemv_config(m, w, glu, seqs=seqs)
     if gemv is not None:  # one row over a small weight (kernels/gemv.py)
         return launch_gemv(x2, w, b, residual, y, gemv, glu, norm, sumsq)
     # not the argmax's: numpy's matmul (the interpreter's tl.dot) may round a column by its place in
@@ -292,7 +312,7 @@ def _launch(x2, w, b, residual, y, argmax_out=None, config: Config | None = None
     pdl = pdl_args(x2)
     size = w.numel() * w.element_size()
     pf = _prefetch_args(w, k_per, split) if pdl["PDL"] and size <= PREFETCH_MAX else {}
-    preload = m <= PRELOAD_MAX_M and size <= PRELOAD_MAX
+    preload = seqs <= PRELOAD_MAX_M and size <= PRELOAD_MAX
     _skinny_kernel[grid](
         x2, w, b if b is not None else w, r, y, ws, val, idx, ssi if ssi is not None else y,
         sso if sso is not None else y, rows, bits,
@@ -481,8 +501,11 @@ def linear_argmax(x: torch.Tensor, w: torch.Tensor, norm: Norm | None = None, id
     vocabulary's ids), written into `out` when given (one launch fewer each). `mask`: of the
     logits `mask_rows` masks with it (a row that allows nothing gets id 0, as torch's argmax of
     all -inf gives), x's rows [R * K1] read as R requests of K1 verify positions."""
-    masked = mask is not None and use_triton(x, w, *mask) and x.numel() // x.shape[-1] <= MASKED_MAX_M
-    if _fused(x, w) or masked:
+    m = x.numel() // x.shape[-1]
+    masked = mask is not None and use_triton(x, w, *mask) and m <= MASKED_MAX_M
+    # a verify's rows past FUSED_MAX_M whose plain step runs the kernel: the kernel, for its bits
+    verify = m <= MASKED_MAX_M and sequences(m) <= FUSED_MAX_M and use_triton(x, w) and not invariant()
+    if _fused(x, w) or masked or verify:
         return linear_argmax_triton(x, w, norm, id_map, out, mask=mask)
     logits = linear(x, w, norm=norm)
     if mask is not None:

@@ -55,11 +55,13 @@ PRELOAD_KV_MAX_ROWS = 32
 # ... and the last tile too, where a tile's K and V are at most 64 x 64 (at D = 128 the two tiles
 # would hold 128 registers a thread); the step's own keys then come from registers.
 PRELOAD_LAST_ELEMS = 64 * 64
-# Keys per tile for those launches. One query a row (plain decode): 128, so a 128-token context is
-# one tile and a long one takes half the loop trips. More queries a row (verify): 64, where 128
-# was a little slower (BENCHMARKS.md).
-PRELOAD_BLOCK_N = 64
-PRELOAD_BLOCK_N_Q1 = 128
+# Keys per tile for those launches: 128, one width for one query a row (plain decode) and for a
+# verify's k + 1, so that a verify row sums its keys in a plain step's order (greedy MTP equals
+# plain decoding); a 128-token context is one tile, and a long one takes half the loop trips.
+PRELOAD_BLOCK_N = 128
+# A decode step's query tile (tl.dot's M) is sized for this many queries a row whatever the step
+# has, for the same reason: another M is another compiled kernel
+DECODE_QUERIES = 4
 _LOG2E = math.log2(math.e)
 _TL_DTYPES = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}
 
@@ -225,13 +227,15 @@ def _paged_attention_kernel(
     m_ok = (offs_m < BLOCK_Q * G) & (q_idx < q_len)
     q_row = tokens[:, None] * stride_qt + heads[:, None] * stride_qh
 
-    # Keys the tile's last query sees, in BLOCK_N tiles; this split takes one share of them.
+    # Keys the tile's last query sees, in BLOCK_N tiles; this split takes one share of them. The
+    # shares are cut from the first query's tiles, the last split taking any after them: a verify's
+    # first row then sums its keys in the shares of a plain step at its position.
     new_lo = seq_len - q_len  # the step's own keys start here
     kv_end = new_lo + tl.minimum(q_tile_start + BLOCK_Q, q_len)
     num_tiles = tl.cdiv(kv_end, BLOCK_N)
-    per_split = tl.cdiv(num_tiles, NUM_SPLITS)
+    per_split = tl.cdiv(tl.cdiv(new_lo + q_tile_start + 1, BLOCK_N), NUM_SPLITS)
     tile_lo = split * per_split
-    tile_hi = tl.minimum(tile_lo + per_split, num_tiles)
+    tile_hi = tl.where(split == NUM_SPLITS - 1, num_tiles, tl.minimum(tile_lo + per_split, num_tiles))
     # ROPE: the step's keys in this split's share, rotated and written here with their values
     i = q_tile_start + tl.arange(0, Q_POW2)
     t_new = q_begin + i
@@ -342,9 +346,15 @@ def _tiles(max_q: int, group: int, head_dim: int, block_size: int, same_for_any_
     return _Tiles(block_q, block_m, block_n, num_warps)
 
 
-def _preload_block_n(max_q: int) -> int:
-    """Keys per tile for a launch that preloads."""
-    return PRELOAD_BLOCK_N_Q1 if max_q == 1 else PRELOAD_BLOCK_N
+
+
+
+def _launch_tiles(max_q: int, group: int, head_dim: int, block_size: int, rope: bool, pre: bool) -> _Tiles:
+    """A launch's tiles; `rope`: a decode step's (keys written in the kernel), whose tiles are the
+    same for one query a row and for a verify's up to DECODE_QUERIES; `pre`: it preloads."""
+    tile_q = max(max_q, DECODE_QUERIES) if rope else max_q
+    return _tiles(tile_q, group, head_dim, block_size, same_for_any_q=invariant(),
+                  min_block_n=PRELOAD_BLOCK_N if pre else 64)
 
 
 def _dot_dtype(q: torch.Tensor, kv_cache: torch.Tensor) -> tl.dtype:
@@ -399,8 +409,7 @@ def paged_attention_triton(
         return out
     group = num_q_heads // num_kv_heads
     pre = new is not None and rows <= PRELOAD_KV_MAX_ROWS
-    tiles = _tiles(max_q, group, head_dim, block_size, same_for_any_q=invariant(),
-                   min_block_n=_preload_block_n(max_q) if pre else 64)
+    tiles = _launch_tiles(max_q, group, head_dim, block_size, new is not None, pre)
     dtype = _dot_dtype(q, kv_cache)
     if num_splits == 1:
         ws_acc = ws_max = ws_sum = out  # unused by the kernel

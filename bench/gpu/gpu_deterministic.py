@@ -76,16 +76,19 @@ def main() -> int:
     p.add_argument("--max-tokens", type=int, default=96)
     p.add_argument("--device", default="cuda")
     p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--modes", default="default,deterministic", help="the kernel modes to run, comma-separated")
     args = p.parse_args()
     loaded = load_model(args.model, device=args.device, dtype=args.dtype, mtp_path=args.mtp)
     prompts = [chat_ids(loaded.tokenizer, t) for t in read_prompts(HELDOUT_PROMPTS)[: args.num_prompts]]
     with torch.no_grad():
-        modes = {det: run_mode(loaded, prompts, det, args.max_tokens) for det in (False, True)}
+        dets = [m == "deterministic" for m in args.modes.split(",")]
+        modes = {det: run_mode(loaded, prompts, det, args.max_tokens) for det in dets}
     n = len(prompts)
     print(f"\n{'run':8} | default: as k0-b1 | as k0, same batch | deterministic: as k0-b1 | default s | "
           "deterministic s | cost")
     for name, _, _ in RUNS:
-        a, b = modes[False][name], modes[True][name]
+        a, b = modes.get(False, modes.get(True)), modes.get(True, modes.get(False))
+        a, b = a[name], b[name]
         print(f"{name:8} | {a['same']:>8}/{n:<8} | {a['same_k0']:>8}/{n:<8} | {b['same']:>12}/{n:<10} | "
               f"{a['seconds']:9.3f} | {b['seconds']:15.3f} | {b['seconds'] / a['seconds']:.2f}x")
     return 0

@@ -1,7 +1,9 @@
 """Which decode-step op gives a sequence's first verify row other bits than a plain step does
 (issue 50, exact MTP in bf16 by default): each op at SmolLM2 and Llama-1B shapes, run once as a
 k = 0 step (B rows, one query a sequence) and once as a k = 3 verify (4B rows, the same first
-query of each sequence followed by three others), and the first rows compared bit for bit.
+query of each sequence followed by three others), and the first rows compared bit for bit. Each
+call runs inside `kernels._dispatch.rows_a_sequence` as the runner's step does. An op can agree here
+and the engine's answers still differ (BENCHMARKS.md): gpu_deterministic.py is the check that counts.
 
     python bench/gpu/gpu_verify_rows.py [--variants default,...]
 
@@ -9,9 +11,8 @@ Variants (module constants patched for both calls, to find what would make the b
   default   the code as it is
   bm        the linear kernels' row tile of the plain step for the verify too
   gemv4     the one-row GEMV kernel for up to 4 rows (batch 1's verify)
-  bn        attention takes the same key tile for one query and for four
-  bn-nopre  and no key tile read before the PDL wait
-  bn-norope and the step's keys written by rope_and_cache before the attention kernel
+  nopre     attention reads no key tile before the PDL wait
+  norope    the step's keys written by rope_and_cache before the attention kernel
   invariant the batch-invariant mode (`--deterministic`) for both calls
 Prints a line per (variant, op, shape, batch): rows whose bits differ, out of B.
 """
@@ -27,7 +28,7 @@ import kernels.gemv as gemv
 import kernels.linear as lin
 import kernels.paged_attention as pa
 from engine.runner.model_runner import decode_splits
-from kernels._dispatch import batch_invariant
+from kernels._dispatch import batch_invariant, rows_a_sequence
 from kernels.norm import rms_norm
 from kernels.rotary import rope_and_cache
 
@@ -41,21 +42,19 @@ BLOCK = 16
 
 @contextlib.contextmanager
 def patched(variant: str, plain_rows: int):
-    saved = (lin._block_m, gemv.GEMV_MAX_M, pa.PRELOAD_BLOCK_N_Q1, pa.PRELOAD_KV_MAX_ROWS)
+    saved = (lin._block_m, gemv.GEMV_MAX_M, pa.PRELOAD_KV_MAX_ROWS)
     if variant == "bm":
         bm = saved[0](plain_rows)
         lin._block_m = lambda m: bm
     elif variant == "gemv4":
         gemv.GEMV_MAX_M = K + 1
-    elif variant in ("bn", "bn-nopre", "bn-norope"):
-        pa.PRELOAD_BLOCK_N_Q1 = pa.PRELOAD_BLOCK_N
-    if variant == "bn-nopre":
+    elif variant == "nopre":
         pa.PRELOAD_KV_MAX_ROWS = 0
     try:
         with batch_invariant(variant == "invariant"):
             yield
     finally:
-        lin._block_m, gemv.GEMV_MAX_M, pa.PRELOAD_BLOCK_N_Q1, pa.PRELOAD_KV_MAX_ROWS = saved
+        lin._block_m, gemv.GEMV_MAX_M, pa.PRELOAD_KV_MAX_ROWS = saved
 
 
 def first_rows(y: torch.Tensor, b: int) -> torch.Tensor:
@@ -91,9 +90,9 @@ def run_linear(variant: str, name: str, shape, batches, gen) -> list[tuple]:
         r = torch.randn(b * (K + 1), h, generator=gen).cuda().bfloat16()
         plain_x, plain_r = first_rows(x, b).contiguous(), first_rows(r, b).contiguous()
         for op, fn in ops.items():
-            with patched(variant, b):
+            with patched(variant, b), rows_a_sequence(1):  # as the runner runs a step's target forward
                 want = fn(plain_x, plain_r)
-            with patched(variant, b):
+            with patched(variant, b), rows_a_sequence(K + 1):
                 got = first_rows(fn(x, r), b)
             rows.append((variant, op, name, b, differing(want, got)))
     return rows
@@ -137,7 +136,7 @@ def run_attention(variant: str, name: str, shape, batches, contexts, gen) -> lis
     for b in batches:
         for ctx in contexts:
             seed = int(torch.randint(0, 2**31, (1,), generator=gen))
-            rope = variant != "bn-norope"
+            rope = variant != "norope"
             with patched(variant, b):
                 want = attention_case(shape, b, ctx, 1, torch.Generator().manual_seed(seed), rope)()
             with patched(variant, b):
@@ -148,7 +147,7 @@ def run_attention(variant: str, name: str, shape, batches, contexts, gen) -> lis
 
 def main() -> int:
     p = argparse.ArgumentParser()
-    p.add_argument("--variants", default="default,bm,gemv4,bn,bn-nopre,bn-norope,invariant")
+    p.add_argument("--variants", default="default,bm,gemv4,nopre,norope,invariant")
     p.add_argument("--batches", default="1,4,16,32")
     p.add_argument("--contexts", default="100,700,2500")
     args = p.parse_args()

@@ -44,7 +44,7 @@ from engine.sampling.penalties import PenaltyInit, prefill_penalties
 from engine.sampling.sampler import LogprobsTensors, SamplingTensors, compute_logprobs
 from engine.spec_decode.draft_vocab import DraftVocab, draft_tokens
 from engine.spec_decode.verify import verify
-from kernels._dispatch import batch_invariant
+from kernels._dispatch import batch_invariant, rows_a_sequence
 from kernels.decode_tail import accept_and_advance
 from kernels.step_meta import Meta, StepInputs, step_inputs, uniform_meta
 from kernels.token_mask import mask_rows
@@ -418,14 +418,16 @@ class ModelRunner:
         x = step_inputs(rows, self.state.step_state(k), k + 1, self.block_size)
         sampling = SamplingTensors(x.temperature, x.top_k, x.top_p, x.seed, flags[0], flags[1])
         meta = self._attn_meta(x.meta, x.tables, k + 1, num_kv_blocks)
-        hidden = self.model(x.input_ids, meta.positions, self.kv.layers, meta, self.backend)
+        with rows_a_sequence(k + 1):  # a verify row runs its plain step's kernels, for its bits (kernels/linear.py)
+            hidden = self.model(x.input_ids, meta.positions, self.kv.layers, meta, self.backend)
         # constrained: masked in the second half, inside the head's GEMM or on the logits made here
         logits = self._logits(hidden, flags, r, k) if flags[3] and not head_argmax(flags, logprobs) else None
         return DecodeForward(x, sampling, meta, hidden, logits, k)
 
     def _logits(self, hidden: torch.Tensor, flags: StepFlags, rows: int, k: int) -> torch.Tensor:
         """[R, k+1, V] verify logits: fp32 where a row samples or is penalized."""
-        return self.model.compute_logits(hidden, float32=not flags[0] or flags[2]).view(rows, k + 1, -1)
+        with rows_a_sequence(k + 1):
+            return self.model.compute_logits(hidden, float32=not flags[0] or flags[2]).view(rows, k + 1, -1)
 
     @_in_mode
     def decode_finish(self, fwd: DecodeForward, rows: torch.Tensor, flags: StepFlags,
@@ -462,18 +464,17 @@ class ModelRunner:
 
     def _verify_step(self, hidden: torch.Tensor, rows: torch.Tensor, drafts: torch.Tensor, sampling: SamplingTensors,
                      seq: torch.Tensor, flags: StepFlags, logprobs: bool, logits: torch.Tensor | None = None):
-        """(logits [R, k+1, V] or None, target ids [R, k+1], verified counts or None when all
-        greedy): the argmax (and the grammar masks) inside the LM head's GEMM when no logits are
-        needed (`head_argmax`; `logits`: the forward half's, when it computed them). Grammar masks
-        (verify position i of row r: `grammar_mask[rows[r], i]`) apply before penalties; the
-        logits returned (logprobs) are the raw ones."""
+        """(logits [R, k+1, V] or None, target ids [R, k+1], verified counts or None when all greedy):
+        the argmax (and the grammar masks) inside the LM head's GEMM when no logits are needed
+        (`head_argmax`; `logits`: the forward half's, when it computed them). Grammar masks (verify
+        position i of row r: `grammar_mask[rows[r], i]`) apply before penalties; logprobs are raw."""
         _, _, penalized, constrained = flags
         r, k1 = drafts.shape[0], drafts.shape[1] + 1
         if head_argmax(flags, logprobs):
             mask = (rows, self.state.ensure_grammar_mask()) if constrained else None
-            return None, self.model.greedy_ids(hidden, mask).view(r, k1), None
-        if logits is None:
-            logits = self._logits(hidden, flags, r, k1 - 1)
+            with rows_a_sequence(k1):
+                return None, self.model.greedy_ids(hidden, mask).view(r, k1), None
+        logits = self._logits(hidden, flags, r, k1 - 1) if logits is None else logits
         scored = mask_rows(logits, rows, self.state.ensure_grammar_mask()) if constrained else logits
         scored = self.state.penalties.penalize_rows(scored, rows, drafts) if penalized else scored
         return (logits, *self._verify(scored, rows, drafts, sampling, seq))

@@ -141,7 +141,8 @@ def test_rows_without_queries_produce_nothing():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_split_kv_matches_reference(num_splits, dtype):
     # 16 splits exceed every row's key tiles: most splits write neutral partials
-    seq_lens, q_lens = [1, 15, 16, 17, 70, 99, 30], [1, 1, 2, 3, 5, 1, 20]
+    # 66 / 4: the last query's keys open a tile the first query's do not (shares follow the first)
+    seq_lens, q_lens = [1, 15, 16, 17, 70, 99, 30, 66], [1, 1, 2, 3, 5, 1, 20, 4]
     batch = make_batch(seq_lens, q_lens, group=4, num_kv_heads=1, head_dim=16, dtype=dtype)
     assert_kernel_matches_reference(batch, num_splits)
 
@@ -281,6 +282,7 @@ def rope_case(batch: Batch, done_row: int | None = None, seed: int = 5):
 @pytest.mark.parametrize(("group", "q_lens", "lens"), [
     (1, [1, 1, 1], [130, 47, 65]), (3, [4, 2, 3], [130, 47, 65]), (4, [4, 4, 1], [130, 47, 65]),
     (2, [1, 1, 1], [300, 47, 257]),  # one query a row takes 128-key tiles: 3 tiles, a key just past an edge
+    (2, [4, 4, 4], [130, 47, 258]),  # a verify whose last queries' keys open a tile its first query's do not
     (2, [1, 1, 0], [47, 65, 0]), (3, [4, 3, 0], [130, 65, 0]),  # a bucket's padding row: no queries, no keys
 ])
 def test_rotary_and_kv_write_inside_the_kernel_equal_the_two_launches(group, q_lens, lens, num_splits):
@@ -329,3 +331,14 @@ def test_rotary_inside_the_kernel_falls_back_to_two_launches_for_prefill_chunks(
     assert calls == [False]  # the rotary kernel, then the attention kernel over the cache
     torch.testing.assert_close(batch.kv_cache, want_cache, atol=0, rtol=0)
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("group", [1, 3, 4, 8])
+@pytest.mark.parametrize("rows", [1, 16, 64])
+def test_a_decode_steps_tiles_are_the_same_for_one_query_a_row_and_a_verify(group, rows):
+    """Greedy MTP gives plain decoding's answers only if a verify row sums its keys as a plain step
+    does: the same tile shapes (another M or key tile is another compiled kernel)."""
+    pre = rows <= pa.PRELOAD_KV_MAX_ROWS
+    plain = pa._launch_tiles(1, group, 64, 16, True, pre)
+    for k in (1, 2, 3):
+        assert pa._launch_tiles(k + 1, group, 64, 16, True, pre) == plain
