@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import threading
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -10,6 +13,22 @@ import pytest
 from deploy.actors import NodeActor
 from deploy.cli_service import probe_device, startup_line
 from deploy.config import ServiceConfig
+
+ROOT = Path(__file__).resolve().parents[2]
+ROUTER_PROBE = """
+import asyncio, sys
+from deploy.config import ServiceConfig
+from deploy.router_actor import RouterActor
+
+async def serve_once():
+    cfg = ServiceConfig.load(None, {"router.host": "127.0.0.1", "router.port": 0, "router.http_port": 0})
+    router = RouterActor(cfg.model_dump_json())
+    print(await router.start())
+    await router.stop()
+
+asyncio.run(serve_once())
+print(sorted({m.split(".")[0] for m in sys.modules} & {"torch", "triton"}))
+"""
 
 
 def _model(device: str, resolve) -> SimpleNamespace:
@@ -82,3 +101,12 @@ def test_a_node_makes_its_cuda_context_before_it_loads_the_model(monkeypatch):
     with pytest.raises(_Loaded):
         NodeActor("decode", "decode-0", cfg.model_dump_json())
     assert calls == [("context", "cuda:3"), ("load", "cuda:3")]
+
+
+def test_the_router_starts_without_torch():
+    """The router process serves its default model (resolved by name, read by engine/model/info.py)
+    without importing torch or triton: a node's imports, not the router's, are on the way to ready."""
+    out = subprocess.run([sys.executable, "-c", ROUTER_PROBE], capture_output=True, text=True, check=True, cwd=ROOT,
+                         env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"}, timeout=120).stdout.splitlines()
+    assert out[0].startswith("127.0.0.1:"), out
+    assert out[-1] == "[]"
