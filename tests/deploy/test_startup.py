@@ -13,6 +13,7 @@ import pytest
 from deploy.actors import NodeActor
 from deploy.cli_service import probe_device, startup_line
 from deploy.config import ServiceConfig
+from deploy.service import init_ray
 
 ROOT = Path(__file__).resolve().parents[2]
 ROUTER_PROBE = """
@@ -110,3 +111,18 @@ def test_the_router_starts_without_torch():
                          env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"}, timeout=120).stdout.splitlines()
     assert out[0].startswith("127.0.0.1:"), out
     assert out[-1] == "[]"
+
+
+@pytest.mark.parametrize(("overrides", "cpus"), [({}, 4), ({"colocated.num_nodes": 3, "colocated.num_cpus": 0.5}, 4),
+                                                 ({"decode.num_nodes": 4}, 7)])
+def test_a_local_cluster_has_the_cpus_its_nodes_take_not_the_hosts(monkeypatch, overrides, cpus):
+    """Ray starts a worker process per logical CPU as the driver connects: a local cluster as large as
+    a many-core host would start dozens beside the nodes."""
+    for name in ("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "RAY_gcs_server_port_wait_time_s"):
+        monkeypatch.setenv(name, "0" if "WINDOWS" in name else "120")
+    seen: dict = {}
+    monkeypatch.setattr("os.cpu_count", lambda: 192)
+    monkeypatch.setattr("ray.is_initialized", lambda: False)
+    monkeypatch.setattr("ray.init", lambda **kw: seen.update(kw))
+    init_ray(ServiceConfig.load(None, overrides))
+    assert seen["address"] == "local" and seen["num_cpus"] == cpus
