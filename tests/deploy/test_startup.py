@@ -92,6 +92,7 @@ def test_a_node_makes_its_cuda_context_before_it_loads_the_model(monkeypatch):
     monkeypatch.setattr("deploy.actors.node_logging", lambda: None)
     monkeypatch.setattr("torch.set_num_threads", lambda n: None)
     monkeypatch.setattr("engine.cuda_init.start_cuda_init", lambda device: calls.append(("context", device)))
+    monkeypatch.setattr("gc.freeze", lambda: None)  # not this test process's heap
 
     def load_model(name, device, **kw):
         calls.append(("load", device))
@@ -126,3 +127,21 @@ def test_a_local_cluster_has_the_cpus_its_nodes_take_not_the_hosts(monkeypatch, 
     monkeypatch.setattr("ray.init", lambda **kw: seen.update(kw))
     init_ray(ServiceConfig.load(None, overrides))
     assert seen["address"] == "local" and seen["num_cpus"] == cpus
+
+
+def test_a_node_freezes_its_imported_modules_before_it_loads_the_model(monkeypatch):
+    """The modules' objects are frozen once imported, so the collection before serving walks only the node's."""
+    calls = []
+    monkeypatch.setattr("deploy.actors.node_logging", lambda: None)
+    monkeypatch.setattr("torch.set_num_threads", lambda n: None)
+    monkeypatch.setattr("gc.freeze", lambda: calls.append("freeze"))
+
+    def load_model(name, device, **kw):
+        calls.append("load")
+        raise _Loaded
+
+    monkeypatch.setattr("engine.model.loader.load_model", load_model)
+    cfg = ServiceConfig.load(None, {"model.name": "tiny", "model.device": "cpu"})
+    with pytest.raises(_Loaded):
+        NodeActor("decode", "decode-0", cfg.model_dump_json())
+    assert calls == ["freeze", "load"]
