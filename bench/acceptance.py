@@ -9,7 +9,8 @@ from __future__ import annotations
 import argparse
 import json
 
-from engine.model.loader import default_model, load_model
+from engine.model.loader import load_model
+from engine.model.paths import default_model
 from mtp.acceptance import measure
 from mtp.prompts import HELDOUT_PROMPTS
 

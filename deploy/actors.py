@@ -122,6 +122,7 @@ class NodeActor:
         from engine.model.loader import load_model
 
         clock.mark("imports")
+        gc.freeze()  # the modules' objects, long-lived: freeze_node_heap's collection then walks only the node's own
         threads = max(1, int(cfg.section(role).num_cpus))
         torch.set_num_threads(threads)
         tls = node_tls(cfg)  # before the model: a bad file fails the actor at once
@@ -217,7 +218,9 @@ def freeze_node_heap() -> None:
     """Exclude everything alive once the node is built (modules, the model, the runner, Triton's and
     the CUDA graphs' objects) from the garbage collector's full passes, as the router does
     (router.router.freeze_heap): the step loop makes objects every step, and each full collection
-    would otherwise walk that whole heap on the loop thread. Once per node process."""
+    would otherwise walk that whole heap on the loop thread. The imported modules' objects were frozen
+    after the imports (NodeActor._serve), uncollected: this collection, on the way to ready, walks only
+    what the node built. Once per node process."""
     gc.collect()
     gc.freeze()
 

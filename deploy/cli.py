@@ -167,7 +167,8 @@ def generate_rank(tp: Any, args: argparse.Namespace) -> int:
     t_imports = time.perf_counter()
     start_cuda_init(args.device, tp.rank if tp is not None else 0)
     from engine.engine import EngineConfig, LLMEngine
-    from engine.model.loader import default_model, load_model
+    from engine.model.loader import load_model
+    from engine.model.paths import default_model
     from engine.sampling.sampling_params import SamplingParams
     from engine.tp.launch import rank_device
 

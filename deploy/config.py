@@ -75,7 +75,7 @@ class ModelConfig(_Section):
         return v
 
     def resolved_name(self) -> str:
-        from engine.model.loader import default_model
+        from engine.model.paths import default_model
 
         return self.name or default_model()
 

@@ -24,6 +24,7 @@ requests in flight die with it (clients see UNAVAILABLE; nodes drop them: deploy
 from __future__ import annotations
 
 import logging
+import math
 import os
 import threading
 import time
@@ -53,10 +54,7 @@ def init_ray(cfg: ServiceConfig, temp_dir: str | None = None, num_cpus: int | No
     kwargs: dict[str, Any] = {"namespace": cfg.cluster.namespace, "include_dashboard": False,
                               "log_to_driver": False, "configure_logging": False}
     if cfg.cluster.address is None:
-        needed = sum(n * getattr(cfg.section(role), "tp", 1) * cfg.section(role).num_cpus
-                     for role, n in cfg.node_counts.items()) + 1
-        kwargs.update(address="local", num_cpus=num_cpus or max(int(needed) + 1, os.cpu_count() or 1),
-                      _temp_dir=temp_dir)
+        kwargs.update(address="local", num_cpus=num_cpus or local_cpus(cfg), _temp_dir=temp_dir)
     else:
         kwargs["address"] = cfg.cluster.address
         ray.init(**kwargs)
@@ -73,6 +71,15 @@ def init_ray(cfg: ServiceConfig, temp_dir: str | None = None, num_cpus: int | No
                 raise
             log.warning("local Ray cluster did not start (%s); starting it again", exc)
             ray.shutdown()
+
+
+def local_cpus(cfg: ServiceConfig) -> int:
+    """The logical CPUs of a local cluster: what its node actors take, and two spare. Not the host's
+    cores: Ray starts one worker process per logical CPU as the driver connects, and on a host of
+    many cores those dozens of processes start beside the nodes' own, on the way to ready."""
+    needed = sum(n * getattr(cfg.section(role), "tp", 1) * cfg.section(role).num_cpus
+                 for role, n in cfg.node_counts.items())
+    return math.ceil(needed) + 2
 
 
 def gpus_needed(cfg: ServiceConfig) -> float:

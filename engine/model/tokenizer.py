@@ -9,7 +9,9 @@ Never touches tensors, devices or the network.
 Chat templates are rendered with jinja2 the way transformers does (sandboxed environment,
 trim_blocks + lstrip_blocks, `raise_exception`, `tojson`, `strftime_now`), so prompts match
 what the model was trained on. Templates emit BOS themselves where they need it: encode a
-rendered prompt with `add_special_tokens=False` (the default).
+rendered prompt with `add_special_tokens=False` (the default). jinja2 is imported where a template
+is compiled: a node never renders one, and a router compiles its template before it serves
+(`prepare_chat_template`).
 """
 
 from __future__ import annotations
@@ -18,15 +20,15 @@ import json
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import jinja2
-import jinja2.ext
-from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, processors
 from tokenizers import Tokenizer as HFTokenizer
 
 from engine.model.gguf_meta import gguf_eos_token_ids, read_field
+
+if TYPE_CHECKING:
+    import jinja2
 
 # llama.cpp token types (tokenizer.ggml.token_type)
 CONTROL_TOKEN = 3
@@ -173,14 +175,20 @@ class Tokenizer:
         tools section) into the prompt text."""
         if not self.chat_template:
             raise ValueError("this tokenizer has no chat template; send a plain prompt instead")
-        if self._compiled is None:
-            self._compiled = compile_chat_template(self.chat_template)
-        return self._compiled.render(
+        return self.prepare_chat_template().render(
             messages=messages,
             add_generation_prompt=add_generation_prompt,
             tools=tools,
             **self._template_tokens(),
         )
+
+    def prepare_chat_template(self) -> jinja2.Template:
+        """The chat template compiled (once); a router calls it before serving, so its first chat
+        request renders at once. Only with a chat template (`has_chat_template`)."""
+        if self._compiled is None:
+            assert self.chat_template is not None
+            self._compiled = compile_chat_template(self.chat_template)
+        return self._compiled
 
     def _template_tokens(self) -> dict[str, str]:
         """`bos_token` / `eos_token` strings, which many templates print."""
@@ -192,6 +200,9 @@ class Tokenizer:
 
 def compile_chat_template(template: str) -> jinja2.Template:
     """Compile a chat template in the environment transformers renders them in."""
+    import jinja2.ext
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
     env = ImmutableSandboxedEnvironment(
         trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols]
     )
@@ -214,6 +225,8 @@ def _tojson(
 
 
 def _raise_exception(message: str) -> None:
+    import jinja2
+
     raise jinja2.exceptions.TemplateError(message)
 
 

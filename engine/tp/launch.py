@@ -27,7 +27,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from engine.model.loader import default_model, load_model_info
+from engine.model.loader import load_model_info
+from engine.model.paths import default_model
 from engine.tp.tensor_parallel import TPGroup, check_tp_size
 
 COLLECTIVE_TIMEOUT_S = 120

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import threading
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -10,6 +13,23 @@ import pytest
 from deploy.actors import NodeActor
 from deploy.cli_service import probe_device, startup_line
 from deploy.config import ServiceConfig
+from deploy.service import init_ray
+
+ROOT = Path(__file__).resolve().parents[2]
+ROUTER_PROBE = """
+import asyncio, sys
+from deploy.config import ServiceConfig
+from deploy.router_actor import RouterActor
+
+async def serve_once():
+    cfg = ServiceConfig.load(None, {"router.host": "127.0.0.1", "router.port": 0, "router.http_port": 0})
+    router = RouterActor(cfg.model_dump_json())
+    print(await router.start())
+    await router.stop()
+
+asyncio.run(serve_once())
+print(sorted({m.split(".")[0] for m in sys.modules} & {"torch", "triton"}))
+"""
 
 
 def _model(device: str, resolve) -> SimpleNamespace:
@@ -72,6 +92,7 @@ def test_a_node_makes_its_cuda_context_before_it_loads_the_model(monkeypatch):
     monkeypatch.setattr("deploy.actors.node_logging", lambda: None)
     monkeypatch.setattr("torch.set_num_threads", lambda n: None)
     monkeypatch.setattr("engine.cuda_init.start_cuda_init", lambda device: calls.append(("context", device)))
+    monkeypatch.setattr("gc.freeze", lambda: None)  # not this test process's heap
 
     def load_model(name, device, **kw):
         calls.append(("load", device))
@@ -82,3 +103,45 @@ def test_a_node_makes_its_cuda_context_before_it_loads_the_model(monkeypatch):
     with pytest.raises(_Loaded):
         NodeActor("decode", "decode-0", cfg.model_dump_json())
     assert calls == [("context", "cuda:3"), ("load", "cuda:3")]
+
+
+def test_the_router_starts_without_torch():
+    """The router process serves its default model (resolved by name, read by engine/model/info.py)
+    without importing torch or triton: a node's imports, not the router's, are on the way to ready."""
+    out = subprocess.run([sys.executable, "-c", ROUTER_PROBE], capture_output=True, text=True, check=True, cwd=ROOT,
+                         env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"}, timeout=120).stdout.splitlines()
+    assert out[0].startswith("127.0.0.1:"), out
+    assert out[-1] == "[]"
+
+
+@pytest.mark.parametrize(("overrides", "cpus"), [({}, 4), ({"colocated.num_nodes": 3, "colocated.num_cpus": 0.5}, 4),
+                                                 ({"decode.num_nodes": 4}, 7)])
+def test_a_local_cluster_has_the_cpus_its_nodes_take_not_the_hosts(monkeypatch, overrides, cpus):
+    """Ray starts a worker process per logical CPU as the driver connects: a local cluster as large as
+    a many-core host would start dozens beside the nodes."""
+    for name in ("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "RAY_gcs_server_port_wait_time_s"):
+        monkeypatch.setenv(name, "0" if "WINDOWS" in name else "120")
+    seen: dict = {}
+    monkeypatch.setattr("os.cpu_count", lambda: 192)
+    monkeypatch.setattr("ray.is_initialized", lambda: False)
+    monkeypatch.setattr("ray.init", lambda **kw: seen.update(kw))
+    init_ray(ServiceConfig.load(None, overrides))
+    assert seen["address"] == "local" and seen["num_cpus"] == cpus
+
+
+def test_a_node_freezes_its_imported_modules_before_it_loads_the_model(monkeypatch):
+    """The modules' objects are frozen once imported, so the collection before serving walks only the node's."""
+    calls = []
+    monkeypatch.setattr("deploy.actors.node_logging", lambda: None)
+    monkeypatch.setattr("torch.set_num_threads", lambda n: None)
+    monkeypatch.setattr("gc.freeze", lambda: calls.append("freeze"))
+
+    def load_model(name, device, **kw):
+        calls.append("load")
+        raise _Loaded
+
+    monkeypatch.setattr("engine.model.loader.load_model", load_model)
+    cfg = ServiceConfig.load(None, {"model.name": "tiny", "model.device": "cpu"})
+    with pytest.raises(_Loaded):
+        NodeActor("decode", "decode-0", cfg.model_dump_json())
+    assert calls == ["freeze", "load"]

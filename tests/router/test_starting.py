@@ -7,6 +7,7 @@ within the wait it ends UNAVAILABLE."""
 from __future__ import annotations
 
 import asyncio
+from dataclasses import replace
 
 from decode_node.server import serve_colocated
 from decode_node.synthetic import SyntheticNode
@@ -25,6 +26,34 @@ def _router(directory: NodeDirectory, **config: object) -> Router:
 
 async def _collect(client: RouterClient, prompt: str, max_tokens: int) -> list:
     return [m async for m in client.stream(build_request(prompt, max_tokens=max_tokens))]
+
+
+class _TemplatedTokenizer:
+    """TINY's tokenizer with a chat template that counts its compilations."""
+
+    has_chat_template = True
+
+    def __init__(self, inner: object) -> None:
+        self.inner, self.compiled = inner, 0
+
+    def prepare_chat_template(self) -> None:
+        self.compiled += 1
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self.inner, name)
+
+
+async def test_a_router_compiles_its_chat_template_before_it_serves():
+    """jinja2's import and the template's compilation come before the router serves, not on its first
+    chat request (a node never imports jinja2: tests/engine/test_model_info.py)."""
+    tokenizer = _TemplatedTokenizer(TINY.tokenizer)
+    router = Router(replace(TINY, tokenizer=tokenizer), NodeDirectory(),
+                    RouterConfig(host="127.0.0.1", port=0, http_port=None), max_model_len=MAX_MODEL_LEN)
+    await router.start()
+    try:
+        assert tokenizer.compiled == 1
+    finally:
+        await router.stop()
 
 
 def test_node_wait_s_defaults_to_riding_out_a_restart():
