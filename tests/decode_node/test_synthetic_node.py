@@ -81,7 +81,8 @@ async def _abort_once() -> None:
 
 
 def test_synthetic_node_refuses_past_max_num_seqs_and_unknown_owners():
-    node = SyntheticNode(TINY.config.vocab_size, max_num_seqs=1)
+    # one step and no more: the first request holds the one slot however late the second comes
+    node = SyntheticNode(TINY.config.vocab_size, max_num_seqs=1, step_s=3600.0)
     node.start()
     try:
         params = SamplingParams(max_tokens=4)
