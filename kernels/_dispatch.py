@@ -68,6 +68,12 @@ def batch_invariant(on: bool = True) -> Iterator[None]:
         _mode.invariant = before
 
 
+VERIFY_ROWS = 4
+"""Rows a sequence a decode step's tiles are sized for, whatever the step has: those of a verify of
+k = 3 drafts, so that a plain step and a verify run the same compiled kernels (a verify of more
+rows takes more tiles of that size)."""
+
+
 def rows_per_sequence() -> int | None:
     """Rows of a launch that belong to one sequence within `rows_a_sequence` (a decode step's target
     forward: 1 in a plain step, k + 1 in a verify); None outside one."""

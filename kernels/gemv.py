@@ -1,5 +1,5 @@
-"""Decode GEMMs of one sequence (GEMV_MAX_M; its verify's rows too) over small weights: the weight tile is read into
-registers before the programmatic-dependent-launch wait (kernels/pdl.py).
+"""Decode GEMMs of one sequence (GEMV_MAX_M; its verify's rows too) over small weights: the weight
+tile is read into registers before the programmatic-dependent-launch wait (kernels/pdl.py).
 
 A program owns BN whole rows of the weight (both halves' rows with silu * up), padded to a
 power of two of K, and there are at most as many programs as SMs. It loads that tile [1, BN, KP]
@@ -29,6 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels._dispatch import sequences
 from kernels.epilogue import gemm_epilogue
 from kernels.norm import rstd_of_partials
 from kernels.pdl import pdl_args, wait_for_previous
@@ -54,16 +55,14 @@ def _programs(device_index: int | None) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
-def gemv_config(m: int, w: torch.Tensor, glu: bool, sms: int | None = None,
-                seqs: int | None = None) -> GemvConfig | None:
-    """(BN, KP, WARPS) when the kernel takes a launch of m rows of `seqs` sequences (m when None)
-    over w, else None. It takes w when
+def gemv_config(m: int, w: torch.Tensor, glu: bool, sms: int | None = None) -> GemvConfig | None:
+    """(BN, KP, WARPS) when the kernel takes a launch of m rows (`kernels._dispatch.sequences` of
+    them) over w, else None. It takes w when
     a tile of the smallest power of two of rows that leaves at most one tile per SM (`sms`: w's
     device's count) fits GEMV_MAX_TILE. WARPS: as many along K as a warp's 16-byte loads fill, up
     to 8; then BN halves (more programs than SMs, as many bytes on the busiest SM) until a thread
     holds at most 128 weight elements."""
-    seqs = m if seqs is None else seqs
-    if seqs > GEMV_MAX_M or m < 1 or m > GEMV_MAX_ROWS or w.numel() * w.element_size() > GEMV_MAX_BYTES:
+    if sequences(m) > GEMV_MAX_M or m < 1 or m > GEMV_MAX_ROWS or w.numel() * w.element_size() > GEMV_MAX_BYTES:
         return None
     halves = 2 if glu else 1
     n_out, k, device = w.shape[0] // halves, w.shape[1], w.device

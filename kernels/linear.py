@@ -72,7 +72,7 @@ import triton
 import triton.language as tl
 
 from kernels import gemm_glu
-from kernels._dispatch import invariant, rows_per_sequence, sequences, use_triton
+from kernels._dispatch import VERIFY_ROWS, invariant, rows_per_sequence, sequences, use_triton
 from kernels.activation import silu_and_mul, silu_and_mul_ref
 from kernels.epilogue import gemm_epilogue
 from kernels.gemv import gemv_config, launch_gemv
@@ -91,7 +91,6 @@ SMALL_MAX_M = 128  # and up to this many rows for weights
 SMALL_WEIGHT = 2**21  # of at most this many elements
 MAX_BM = 64  # the kernel's row tile: rows above it take more tiles
 INVARIANT_BM = 16
-VERIFY_ROWS = 4  # a decode step's row tile: that of k = 3 verify rows a sequence (more take more tiles)
 PREFETCH_BYTES = 4 * 2**20  # L2 prefetch per launch, at most: more evicts what the step reads next
 # weights above PREFETCH_MAX get none: their own reads already keep the memory busy
 PREFETCH_MAX = 8 * 2**20
@@ -282,8 +281,7 @@ def _launch(x2, w, b, residual, y, argmax_out=None, config: Config | None = None
     assert w.stride(-1) == 1 and x2.shape[1] == k, f"weight {tuple(w.shape)} does not take {x2.shape[1]} inputs"
     if glu:
         assert n % 2 == 0 and b is None and residual is None, "gate/up GEMM: an even weight, no bias or add"
-    seqs = sequences(m)
-    gemv = None if argmax_out is not None or config is not None or invariant() else gemv_config(m, w, glu, seqs=seqs)
+    gemv = None if argmax_out is not None or config is not None or invariant() else gemv_config(m, w, glu)
     if gemv is not None:  # one row over a small weight (kernels/gemv.py)
         return launch_gemv(x2, w, b, residual, y, gemv, glu, norm, sumsq)
     # not the argmax's: numpy's matmul (the interpreter's tl.dot) may round a column by its place in
@@ -312,7 +310,7 @@ def _launch(x2, w, b, residual, y, argmax_out=None, config: Config | None = None
     pdl = pdl_args(x2)
     size = w.numel() * w.element_size()
     pf = _prefetch_args(w, k_per, split) if pdl["PDL"] and size <= PREFETCH_MAX else {}
-    preload = seqs <= PRELOAD_MAX_M and size <= PRELOAD_MAX
+    preload = sequences(m) <= PRELOAD_MAX_M and size <= PRELOAD_MAX
     _skinny_kernel[grid](
         x2, w, b if b is not None else w, r, y, ws, val, idx, ssi if ssi is not None else y,
         sso if sso is not None else y, rows, bits,
@@ -504,7 +502,7 @@ def linear_argmax(x: torch.Tensor, w: torch.Tensor, norm: Norm | None = None, id
     m = x.numel() // x.shape[-1]
     masked = mask is not None and use_triton(x, w, *mask) and m <= MASKED_MAX_M
     # a verify's rows past FUSED_MAX_M whose plain step runs the kernel: the kernel, for its bits
-    verify = m <= MASKED_MAX_M and sequences(m) <= FUSED_MAX_M and use_triton(x, w) and not invariant()
+    verify = m <= MASKED_MAX_M and sequences(m) <= FUSED_MAX_M and use_triton(x, w)
     if _fused(x, w) or masked or verify:
         return linear_argmax_triton(x, w, norm, id_map, out, mask=mask)
     logits = linear(x, w, norm=norm)

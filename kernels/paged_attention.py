@@ -42,7 +42,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels._dispatch import invariant, use_triton
+from kernels._dispatch import VERIFY_ROWS, invariant, use_triton
 from kernels.pdl import pdl_args, wait_for_previous
 from kernels.rotary import rope_and_cache
 
@@ -59,9 +59,6 @@ PRELOAD_LAST_ELEMS = 64 * 64
 # verify's k + 1, so that a verify row sums its keys in a plain step's order (greedy MTP equals
 # plain decoding); a 128-token context is one tile, and a long one takes half the loop trips.
 PRELOAD_BLOCK_N = 128
-# A decode step's query tile (tl.dot's M) is sized for this many queries a row whatever the step
-# has, for the same reason: another M is another compiled kernel
-DECODE_QUERIES = 4
 _LOG2E = math.log2(math.e)
 _TL_DTYPES = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}
 
@@ -346,13 +343,11 @@ def _tiles(max_q: int, group: int, head_dim: int, block_size: int, same_for_any_
     return _Tiles(block_q, block_m, block_n, num_warps)
 
 
-
-
-
 def _launch_tiles(max_q: int, group: int, head_dim: int, block_size: int, rope: bool, pre: bool) -> _Tiles:
     """A launch's tiles; `rope`: a decode step's (keys written in the kernel), whose tiles are the
-    same for one query a row and for a verify's up to DECODE_QUERIES; `pre`: it preloads."""
-    tile_q = max(max_q, DECODE_QUERIES) if rope else max_q
+    same for one query a row and for a verify's up to VERIFY_ROWS (tl.dot's M sized for those:
+    another M is another compiled kernel); `pre`: it preloads."""
+    tile_q = max(max_q, VERIFY_ROWS) if rope else max_q
     return _tiles(tile_q, group, head_dim, block_size, same_for_any_q=invariant(),
                   min_block_n=PRELOAD_BLOCK_N if pre else 64)
 
