@@ -89,16 +89,10 @@ def sequences(m: int) -> int:
 
 
 @contextmanager
-def rows_a_sequence(q: int, verifies: bool = True) -> Iterator[None]:
+def rows_a_sequence(q: int) -> Iterator[None]:
     """Within it (this thread only), a launch's rows come q to a sequence: a decode step's target
     forward (q = 1 in a plain step, k + 1 in a verify of k drafts). Kernels then take their
-    configuration by sequences, so that greedy MTP gives plain decoding's answers in bf16 too.
-    `verifies` False (an engine that never verifies drafts): nothing changes, each launch keeps the
-    configuration of its own rows, as no verify's bits need to agree with it (a plain step sized
-    for a verify's rows is slower: a larger row tile over the same rows)."""
-    if not verifies:
-        yield
-        return
+    configuration by sequences, so that greedy MTP gives plain decoding's answers in bf16 too."""
     before, _mode.per_sequence = getattr(_mode, "per_sequence", None), max(1, q)
     try:
         yield

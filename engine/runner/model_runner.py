@@ -418,7 +418,7 @@ class ModelRunner:
         x = step_inputs(rows, self.state.step_state(k), k + 1, self.block_size)
         sampling = SamplingTensors(x.temperature, x.top_k, x.top_p, x.seed, flags[0], flags[1])
         meta = self._attn_meta(x.meta, x.tables, k + 1, num_kv_blocks)
-        with rows_a_sequence(k + 1, self.k > 0):  # a verify row runs its plain step's kernels, for its bits (kernels/linear.py)
+        with rows_a_sequence(k + 1):  # a verify row runs its plain step's kernels, for its bits (kernels/linear.py)
             hidden = self.model(x.input_ids, meta.positions, self.kv.layers, meta, self.backend)
         # constrained: masked in the second half, inside the head's GEMM or on the logits made here
         logits = self._logits(hidden, flags, r, k) if flags[3] and not head_argmax(flags, logprobs) else None
@@ -426,7 +426,7 @@ class ModelRunner:
 
     def _logits(self, hidden: torch.Tensor, flags: StepFlags, rows: int, k: int) -> torch.Tensor:
         """[R, k+1, V] verify logits: fp32 where a row samples or is penalized."""
-        with rows_a_sequence(k + 1, self.k > 0):
+        with rows_a_sequence(k + 1):
             return self.model.compute_logits(hidden, float32=not flags[0] or flags[2]).view(rows, k + 1, -1)
 
     @_in_mode
@@ -472,7 +472,7 @@ class ModelRunner:
         r, k1 = drafts.shape[0], drafts.shape[1] + 1
         if head_argmax(flags, logprobs):
             mask = (rows, self.state.ensure_grammar_mask()) if constrained else None
-            with rows_a_sequence(k1, self.k > 0):
+            with rows_a_sequence(k1):
                 return None, self.model.greedy_ids(hidden, mask).view(r, k1), None
         logits = self._logits(hidden, flags, r, k1 - 1) if logits is None else logits
         scored = mask_rows(logits, rows, self.state.ensure_grammar_mask()) if constrained else logits

@@ -121,19 +121,3 @@ def test_smollm2_bf16_bits_depend_on_batching_only_without_the_mode(monkeypatch)
     assert plain_batched[1] != mtp_alone[1]  # the check below can fail: without the mode it would
     det_batched, det_alone = answers(deterministic=True)
     assert det_batched == det_alone
-
-
-def test_only_an_engine_that_verifies_runs_its_steps_by_sequences(tiny_bf16, monkeypatch):
-    """A k = 3 engine's target forward runs by sequences (a plain step sized as its verify, for
-    the same bits: kernels/linear.py); a k = 0 engine's by its own rows, which is faster."""
-    from kernels._dispatch import rows_per_sequence
-
-    seen: dict[int, set] = {}
-    for k in (0, 3):
-        eng = LLMEngine(tiny_bf16, EngineConfig(num_speculative_tokens=k, max_num_seqs=4))
-        model, per = eng.runner.model, seen.setdefault(k, set())
-        forward = model.forward
-        monkeypatch.setattr(model, "forward", lambda *a, f=forward, s=per, **kw: (s.add(rows_per_sequence()), f(*a, **kw))[1])
-        eng.generate(PROMPTS[:3], SamplingParams(max_tokens=4, ignore_eos=True))
-        monkeypatch.undo()
-    assert seen[0] == {None} and 4 in seen[3] and None in seen[3]  # None: prefill, outside a step

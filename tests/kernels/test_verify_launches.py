@@ -92,11 +92,3 @@ def test_the_batch_invariant_mode_keeps_its_own_tile(launches):
     with triton_on_cpu(), batch_invariant(), rows_a_sequence(4):
         L.linear(torch.zeros(64, 576, dtype=torch.bfloat16), torch.empty(960, 576, dtype=torch.bfloat16), sumsq=True)
     assert dict(launches[0][1])["BM"] == L.INVARIANT_BM
-
-
-def test_a_step_of_an_engine_that_never_verifies_keeps_its_rows_tile(launches):
-    """A k = 0 engine has no verify to agree with: its steps take the tile of their own rows."""
-    w = torch.empty(960, 576, dtype=torch.bfloat16)
-    with triton_on_cpu(), rows_a_sequence(1, verifies=False):
-        L.linear(torch.zeros(8, 576, dtype=torch.bfloat16), w, sumsq=True)
-    assert dict(launches[0][1])["BM"] == 16
