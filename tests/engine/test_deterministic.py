@@ -121,3 +121,25 @@ def test_smollm2_bf16_bits_depend_on_batching_only_without_the_mode(monkeypatch)
     assert plain_batched[1] != mtp_alone[1]  # the check below can fail: without the mode it would
     det_batched, det_alone = answers(deterministic=True)
     assert det_batched == det_alone
+
+
+def test_a_plain_engine_runs_its_steps_by_sequences_as_an_mtp_engine_does(tiny_bf16, monkeypatch):
+    """Greedy MTP must give plain decoding's answers (a k = 0 engine's, the default), so a k = 0
+    engine's decode steps take their kernels by sequences too, sized as a verify's (kernels/linear.py):
+    by its own rows, a plain step at 8-32 rows would be faster but round other bits."""
+    from kernels._dispatch import rows_per_sequence
+
+    seen: dict[int, set] = {}
+    for k in (0, 3):
+        eng = LLMEngine(tiny_bf16, EngineConfig(num_speculative_tokens=k, max_num_seqs=4))
+        model, per = eng.runner.model, seen.setdefault(k, set())
+        forward = model.forward
+
+        def recording(*a, f=forward, s=per, **kw):
+            s.add(rows_per_sequence())
+            return f(*a, **kw)
+
+        monkeypatch.setattr(model, "forward", recording)
+        eng.generate(PROMPTS[:3], SamplingParams(max_tokens=4, ignore_eos=True))
+        monkeypatch.undo()
+    assert seen[0] == {None, 1} and seen[3] == {None, 4}  # None: prefill, outside a decode step
