@@ -42,9 +42,10 @@ Launches of one sequence (kernels.gemv.GEMV_MAX_M) over small weights (SmolLM2's
 Exact MTP: within a decode step's target forward (`kernels._dispatch.rows_a_sequence`), what a
 launch's configuration depends on is its sequences, not its rows: the GEMV, the row tile (a
 plain step's rows take the tile a verify of VERIFY_ROWS rows a sequence takes: `_block_m`) and
-the preload, and the argmax's kernel up to MASKED_MAX_M rows. A verify row then runs the compiled
-kernel of the plain step of its batch, and greedy decoding with drafts gives the answers of
-greedy decoding without, in bf16 too. Where they may differ still: a verify past the fused
+the argmax's kernel up to MASKED_MAX_M rows. A verify row then runs the sums of the plain step of
+its batch, and greedy decoding with drafts gives the answers of greedy decoding without, in bf16
+too. The preload (below) follows the rows: it changes when a block is read, not the order of the
+sums, and a verify of more than PRELOAD_MAX_M rows is faster without it. Where they may differ still: a verify past the fused
 kernel's rows (`_fused`: 64, 128 for small weights), where cuBLAS picks its kernels by M.
 
 Under programmatic dependent launch (kernels/pdl.py) the kernel starts while the one before it
@@ -52,7 +53,7 @@ still runs; before its wait it asks for its share of the weights in L2 (`_prefet
 rows up to PREFETCH_BYTES a launch), for weights of at most PREFETCH_MAX bytes: a small model's
 step is a chain of latency-bound launches, and the prefetch hides part of each one's weight
 read; larger weights gain nothing and evict each other from L2. For weights up to PRELOAD_MAX
-and up to PRELOAD_MAX_M sequences, each program also reads its first K block into registers before
+and up to PRELOAD_MAX_M rows, each program also reads its first K block into registers before
 the wait (`PRELOAD`), and takes that block's product ahead of the loop, in the loop's order;
 with larger weights or more rows the held registers cost more than the early read saves.
 
@@ -95,7 +96,7 @@ PREFETCH_BYTES = 4 * 2**20  # L2 prefetch per launch, at most: more evicts what 
 # weights above PREFETCH_MAX get none: their own reads already keep the memory busy
 PREFETCH_MAX = 8 * 2**20
 # a program's first K block of weights read into registers before the PDL wait, for weights up to
-# PRELOAD_MAX and launches of up to PRELOAD_MAX_M sequences (see the module's text)
+# PRELOAD_MAX and launches of up to PRELOAD_MAX_M rows (see the module's text)
 PRELOAD_MAX = 4 * 2**20
 PRELOAD_MAX_M = 32
 # rows up to which a masked argmax, or a verify's whose plain step takes the kernel, runs the kernel
@@ -310,7 +311,7 @@ def _launch(x2, w, b, residual, y, argmax_out=None, config: Config | None = None
     pdl = pdl_args(x2)
     size = w.numel() * w.element_size()
     pf = _prefetch_args(w, k_per, split) if pdl["PDL"] and size <= PREFETCH_MAX else {}
-    preload = sequences(m) <= PRELOAD_MAX_M and size <= PRELOAD_MAX
+    preload = m <= PRELOAD_MAX_M and size <= PRELOAD_MAX
     _skinny_kernel[grid](
         x2, w, b if b is not None else w, r, y, ws, val, idx, ssi if ssi is not None else y,
         sso if sso is not None else y, rows, bits,

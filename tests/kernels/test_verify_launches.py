@@ -1,6 +1,7 @@
 """Exact greedy MTP in bf16 (kernels/linear.py, "Exact MTP"): within a decode step's target forward,
-a verify of k drafts launches each GEMM with the compiled kernel (the same path and constexprs)
-that the plain step of the same batch launches, so its rows get the plain step's bits. The
+a verify of k drafts launches each GEMM with the compiled kernel (the same path and constexprs,
+but for the preload, which reorders no sum) that the plain step of the same batch launches, so
+its rows get the plain step's bits. The
 launches are recorded here, not run: which kernel and configuration a launch takes is decided on
 the host, the same on any CPU; the bits themselves are checked on the GPU
 (bench/gpu/gpu_deterministic.py, BENCHMARKS.md)."""
@@ -28,6 +29,8 @@ class _Recorder:
 
     def __getitem__(self, grid):
         def launch(*args, **kwargs):
+            # the preload follows the rows (kernels/linear.py): when a block is read, not the sums
+            kwargs.pop("PRELOAD", None)
             self.launches.append((self.name, tuple(sorted(kwargs.items()))))
         return launch
 
@@ -68,10 +71,11 @@ def test_a_verify_runs_the_kernels_of_the_plain_step_of_its_batch(launches, batc
     assert len(plain) >= 5 and verify == plain
 
 
-@pytest.mark.parametrize("batch", [1, 16, 32])
+@pytest.mark.parametrize("batch", [1, 32])
 def test_launched_by_rows_a_verify_would_run_other_kernels(launches, batch):
-    """What the step's context changes: by rows alone, a verify's launches differ (another row
-    tile, the split-K kernel for the GEMV, cuBLAS for the head), and so may its bits."""
+    """What the step's context changes: by rows alone, a verify's launches differ (the split-K
+    kernel for the GEMV at batch 1, cuBLAS for the head past the fused kernel's 64 rows at batch
+    32), and so may its bits. (Its row tile would not: a plain step's is sized as its verify's.)"""
     assert step_launches(launches, batch * 4, None) != step_launches(launches, batch, 1)
 
 
