@@ -5,7 +5,7 @@ probabilities) goes to the decode node that holds the request from a small pool 
 threads, so neither the loop nor the router's call waits on the network. Undelivered, the
 request's KV transfer is aborted: the decode node then fails the request's attempt, and the
 router, which has streamed the first token, moves the request on (its migration resumes after
-that token).
+that token). Before any of that, the router's own answer goes (`let_answer`).
 """
 
 from __future__ import annotations

@@ -5,8 +5,9 @@ descriptor). Each step batches prompt chunks under a token budget (FIFO, chunked
 target; as each target layer finishes for a prompt that completes in this step, its blocks
 are handed to the KV sender (never blocking). Then the first token is sampled (with
 logprobs), the MTP module drafts k tokens and its layer is pushed too, and the first-token
-message goes back to the caller and, from a small pool of sender threads (off the loop and the
-caller's path; prefill_node/first_token.py), to the decode node (through `first_token_sink`).
+message goes back to the caller (who answers with it before the loop goes on, when no job waits:
+`let_answer`) and, from a small pool of sender threads (off the loop and the caller's path;
+prefill_node/first_token.py), to the decode node (through `first_token_sink`).
 If the decode node cannot be reached, the transfer is aborted: the decode node fails the attempt
 and the router moves the request on (after the first token it has streamed).
 
