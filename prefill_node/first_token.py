@@ -5,13 +5,15 @@ probabilities) goes to the decode node that holds the request from a small pool 
 threads, so neither the loop nor the router's call waits on the network. Undelivered, the
 request's KV transfer is aborted: the decode node then fails the request's attempt, and the
 router, which has streamed the first token, moves the request on (its migration resumes after
-that token).
+that token). Before any of that, the router's own answer goes (`let_answer`).
 """
 
 from __future__ import annotations
 
 import concurrent.futures
 import logging
+import threading
+import time
 from collections.abc import Callable
 
 from kvtransfer import KVSender
@@ -20,6 +22,25 @@ from protos.messages import FirstToken
 FirstTokenSink = Callable[[str, FirstToken], None]  # (decode address, message)
 
 log = logging.getLogger(__name__)
+
+# The most a step's follow-up work waits for its first tokens' answers (`let_answer`): about what
+# a handler takes to wake and answer, far less than a prefill step.
+ANSWER_WAIT_S = 0.002
+
+
+def let_answer(answered: list[threading.Event], busy: bool = False) -> None:
+    """Wait, at most ANSWER_WAIT_S, until the callers waiting on a step's first tokens (the Prefill
+    handlers) have answered with them; not when `busy` (jobs wait for the next step). What the loop
+    thread does next (the drafts' messages, KV held for a descriptor that came meanwhile, the next
+    commands) and what that wakes (KV sends, an Attach call's answer, the decode node's first-token
+    message) takes the GIL and the host's cores: an answer left to wait behind it waits on every
+    request's time to first token, while the follow-up work is on none."""
+    if busy:
+        return
+    deadline = time.monotonic() + ANSWER_WAIT_S
+    for event in answered:
+        if not event.wait(max(0.0, deadline - time.monotonic())):
+            return
 
 
 class FirstTokenSends:

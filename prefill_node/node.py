@@ -5,8 +5,9 @@ descriptor). Each step batches prompt chunks under a token budget (FIFO, chunked
 target; as each target layer finishes for a prompt that completes in this step, its blocks
 are handed to the KV sender (never blocking). Then the first token is sampled (with
 logprobs), the MTP module drafts k tokens and its layer is pushed too, and the first-token
-message goes back to the caller and, from a small pool of sender threads (off the loop and the
-caller's path; prefill_node/first_token.py), to the decode node (through `first_token_sink`).
+message goes back to the caller (who answers with it before the loop goes on, when no job waits:
+`let_answer`) and, from a small pool of sender threads (off the loop and the caller's path;
+prefill_node/first_token.py), to the decode node (through `first_token_sink`).
 If the decode node cannot be reached, the transfer is aborted: the decode node fails the attempt
 and the router moves the request on (after the first token it has streamed).
 
@@ -38,6 +39,7 @@ import bisect
 import concurrent.futures
 import logging
 import queue
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any, assert_never
@@ -55,7 +57,7 @@ from engine.sched.chunked_prefill import EarlyFirst, HostFirst
 from engine.sched.step_loop import StepLoop
 from engine.tp.tensor_parallel import TPGroup
 from kvtransfer import KVLayout, TransferState, TransferStatus, create_sender
-from prefill_node.first_token import FirstTokenSends, FirstTokenSink
+from prefill_node.first_token import FirstTokenSends, FirstTokenSink, let_answer
 from protos.messages import KV_TRANSFER_BUCKETS, FirstToken, TokenLogprobs, token_logprobs
 
 log = logging.getLogger(__name__)
@@ -87,6 +89,7 @@ class PrefillJob:
     attach_by: float = 0.0  # monotonic deadline for a job without its descriptor
     received: float = field(default_factory=time.monotonic)  # its Prefill call came in (the server sets it)
     started: float | None = None  # its first chunk's step began: the end of its queue time
+    answered: threading.Event | None = None  # a caller answers with its first token: set once it has (`let_answer`)
 
     @property
     def attached(self) -> bool:
@@ -402,6 +405,7 @@ class PrefillNode(StepLoop):
         for i, j in enumerate(jobs):  # the router streams the first token while the drafts run
             j.future.set_result(j.timed(j.first_token(firsts[i], [], None, lps.get(i)), computed))
             self._mark(j.request_id, "first_sent")
+        let_answer([j.answered for j in jobs if j.answered is not None], busy=bool(self.waiting))
         drafts = out.drafts.tolist() if out.drafts is not None else [[] for _ in jobs]  # the drafts' read point
         probs = out.draft_probs.float().cpu() if out.draft_probs is not None else None
         for i, j in enumerate(jobs):

@@ -75,13 +75,16 @@ class PrefillServicer(node_pb2_grpc.PrefillControlServicer):
             if later and not self.node.takes_attach:
                 raise ValueError("this prefill node (tensor parallel) needs the KV descriptor with the request")
             descriptor = None if later else _descriptor(request.descriptor_msgpack, request.decode_address)
-            job = PrefillJob(rid, prompt, params, seed, stops, descriptor, request.decode_address, received=received)
+            answered = threading.Event()
+            job = PrefillJob(rid, prompt, params, seed, stops, descriptor, request.decode_address, received=received,
+                             answered=answered)
             future = self.node.submit(job)
         except NeverFits as e:
             context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
         except (ValueError, msgpack.UnpackException) as e:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
-        def on_done() -> None:  # the caller went away (or the RPC ended): drop unfinished work
+        def on_done() -> None:  # the RPC ended (answered, or the caller went away): drop unfinished work
+            answered.set()  # the node's loop goes on with the step's follow-up work (prefill_node/first_token.py)
             if not future.done():
                 self.node.abort(rid, "prefill cancelled by caller")
 

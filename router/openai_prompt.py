@@ -11,7 +11,8 @@ router/openai_protocol.py's `Format` plain lists. Holds no request state besides
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Any
 
 from protos import pdserve_pb2 as pb
@@ -21,15 +22,21 @@ Entry = tuple[int, float | None, list[tuple[int, float]] | None]  # (token id, l
 
 @dataclass
 class PromptInfo:
-    text: str  # what `echo` puts before each choice's text
     token_ids: list[int]
     logprobs: list[pb.TokenLogprob]  # one per prompt token after the first (when asked)
+    sent: str | None = None  # the prompt as the client sent it (None: token ids)
+    decode: Callable[[list[int]], str] = field(default=lambda ids: "", repr=False)
 
     @classmethod
     def of(cls, msg: pb.GenerateResponse, text: str | None, decode: Callable[[list[int]], str]) -> PromptInfo:
         """From a request's first message; `text` is the prompt as the client sent it (None: ids)."""
-        ids = list(msg.prompt_token_ids)
-        return cls(decode(ids) if text is None else text, ids, list(msg.prompt_logprobs))
+        return cls(list(msg.prompt_token_ids), list(msg.prompt_logprobs), text, decode)
+
+    @cached_property
+    def text(self) -> str:
+        """What `echo` puts before each choice's text. Decoded from the ids only when read: the first
+        chunk is built before its token goes out, and most requests never echo."""
+        return self.decode(self.token_ids) if self.sent is None else self.sent
 
     def echo_entries(self, num_top: int) -> list[Entry]:
         """Completions' logprob entries for the prompt: the first token has none."""

@@ -91,7 +91,9 @@ class _Sampling(BaseModel):
 
 
 class CompletionRequest(_Sampling):
-    prompt: str | list[str] | list[int] | list[list[int]]
+    # token ids before texts: pydantic's smart union tries its members in this order, and a long prompt of
+    # ids tried as list[str] first fails once per id (~10x the time of the whole body's parse)
+    prompt: str | list[int] | list[str] | list[list[int]]
     logprobs: int | None = None
     echo: bool = False
     suffix: str | None = None
@@ -105,7 +107,7 @@ class CompletionRequest(_Sampling):
                 raise InvalidRequest(f"one prompt per request (batches are not supported), got {len(prompt)}")
             prompt = prompt[0]
         if isinstance(prompt, list):
-            prompt = [_int32(t) for t in prompt]
+            prompt = _int32s(prompt)
         kwargs = self.sampling_kwargs(self.max_tokens, max_model_len)
         if self.echo and self.logprobs is not None:  # the prompt's logprobs too, OpenAI's echo
             kwargs["prompt_logprobs"] = max(kwargs["prompt_logprobs"] or 0, self.logprobs)
@@ -186,6 +188,14 @@ def _int32(v: int) -> int:
     if not -(2**31) <= v <= INT32_MAX:
         raise InvalidRequest(f"token id {v} is out of range")
     return v
+
+
+def _int32s(ids: list[int]) -> list[int]:
+    """`ids` when each is an int32 (`_int32`): a prompt's thousands of ids checked by their bounds."""
+    if ids and (min(ids) < -(2**31) or max(ids) > INT32_MAX):
+        for v in ids:
+            _int32(v)
+    return ids
 
 
 # ---- responses ------------------------------------------------------------------------------

@@ -135,8 +135,9 @@ class Placement:
             request_id=rid, prompt_token_ids_packed=reserve.prompt_token_ids_packed, sampling=sampling)))
         arrived: list[float] = []  # when the first token came: the reservation may still have run then
         call.add_done_callback(lambda _: arrived.append(time.monotonic()))
-        seen = self.admission.queue.epoch
         try:
+            await asyncio.sleep(0)  # the call sends on the loop's next turn: let it go before the reservation's work
+            seen = self.admission.queue.epoch
             found = await self.admission.try_reserve(st, reserve, "decode")
         except BaseException:
             self._give_up_prefill(st, prefill, rid, call, "the reservation failed")

@@ -63,12 +63,12 @@ class Prepared:
 async def prepare(req: pdserve_pb2.GenerateRequest, tokenizer: Any, eos_ids: tuple[int, ...],
                   limits: Limits, rng: random.Random) -> Prepared:
     """Validate and tokenize `req`; raises InvalidRequest."""
-    check_cheap(req, tokenizer, limits)
+    ids = check_cheap(req, tokenizer, limits)
     if req.sampling.structured:
         if req.sampling.ignore_eos:
             raise InvalidRequest(NEEDS_EOS)
         await check_structured(req.sampling.structured)
-    prompt_ids = list(req.prompt_token_ids) if req.prompt_token_ids else await tokenize(req, tokenizer)
+    prompt_ids = ids if ids is not None else await tokenize(req, tokenizer)
     if not prompt_ids:
         raise InvalidRequest("the prompt tokenizes to no tokens")
     if len(prompt_ids) >= limits.max_model_len:
@@ -96,8 +96,10 @@ async def check_structured(wire: str) -> None:
         raise InvalidRequest(str(e)) from None
 
 
-def check_cheap(req: pdserve_pb2.GenerateRequest, tokenizer: Any, limits: Limits) -> None:
-    """Everything that needs no tokenization."""
+def check_cheap(req: pdserve_pb2.GenerateRequest, tokenizer: Any, limits: Limits) -> list[int] | None:
+    """Everything that needs no tokenization; the prompt's ids when it came as ids (read from the
+    message once: each read of a repeated field makes its ints anew), else None."""
+    ids = None
     if len(req.request_id) > MAX_REQUEST_ID_CHARS:
         raise InvalidRequest(f"request_id is over {MAX_REQUEST_ID_CHARS} characters")
     if req.model and req.model != limits.model_name:
@@ -119,10 +121,12 @@ def check_cheap(req: pdserve_pb2.GenerateRequest, tokenizer: Any, limits: Limits
         if n >= limits.max_model_len:
             raise InvalidRequest(f"prompt is {n} tokens; the context is {limits.max_model_len} "
                                  f"(room for >= 1 output token needed)")
-        _check_ids(req.prompt_token_ids, limits.vocab_size, "prompt_token_ids")
+        ids = list(req.prompt_token_ids)
+        _check_ids(ids, limits.vocab_size, "prompt_token_ids")
     if not (req.timeout_s >= 0 and math.isfinite(req.timeout_s)):
         raise InvalidRequest(f"timeout_s must be >= 0 (0 = the router's default), got {req.timeout_s}")
     check_sampling(req.sampling, tokenizer, limits)
+    return ids
 
 
 def check_sampling(s: pdserve_pb2.SamplingOptions, tokenizer: Any, limits: Limits) -> None:
@@ -152,6 +156,8 @@ def check_sampling(s: pdserve_pb2.SamplingOptions, tokenizer: Any, limits: Limit
 
 
 def _check_ids(ids: Any, vocab: int, what: str) -> None:
+    if isinstance(ids, list) and (not ids or (min(ids) >= 0 and max(ids) < vocab)):  # a prompt's: by its bounds
+        return
     bad = next((t for t in ids if not 0 <= t < vocab), None)
     if bad is not None:
         raise InvalidRequest(f"{what} has token id {bad} outside the vocabulary (0..{vocab - 1})")

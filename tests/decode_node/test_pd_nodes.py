@@ -317,3 +317,39 @@ def test_pd_deterministic_bf16_equals_the_engine_alone_bit_for_bit(smollm2_bf16,
     finally:
         pair.close()
     assert all(same) if deterministic else not all(same)
+
+
+def test_the_first_tokens_answer_goes_before_the_steps_follow_up_work(tiny, monkeypatch):
+    """A caller that answers with a job's first token (the Prefill handler, `answered`) goes first:
+    the decode node's first-token message, like the rest of the step's follow-up work, waits until it
+    has answered (at most first_token.ANSWER_WAIT_S); a caller that never answers holds it no longer."""
+    monkeypatch.setattr("prefill_node.first_token.ANSWER_WAIT_S", 30.0)
+    pair = Pair(tiny, 3)
+    order: list[str] = []
+    to_decode = pair.prefill.sink
+    pair.prefill.sink = lambda addr, msg: (order.append("decode"), to_decode(addr, msg))[1]
+    vocab, params = tiny.model.config.vocab_size, SamplingParams(max_tokens=4, ignore_eos=True)
+    prompt = [5, 17, 99, 3, 8]
+    try:
+        req = resolve_request("a0", prompt, params, pair.eos, pair.max_model_len, random.Random(0), vocab)
+        res = pair.decode.reserve("a0", len(prompt), params, req.seed, req.stop_ids, prompt).result(timeout=30)
+        answered = threading.Event()
+        job = PrefillJob("a0", prompt, params, req.seed, req.stop_ids, res.descriptor, "d0", answered=answered)
+        first = pair.prefill.submit(job).result(timeout=60)
+        time.sleep(0.3)
+        assert order == []  # the loop waits for the answer
+        order.append("answered")
+        answered.set()
+        pair.wait_terminal(["a0"])
+        assert order == ["answered", "decode"]
+        assert pair.tokens("a0", first) == reference(tiny, [prompt], params)[0]
+        monkeypatch.setattr("prefill_node.first_token.ANSWER_WAIT_S", 0.05)
+        pair.prefill.sink = to_decode
+        req = resolve_request("a1", prompt, params, pair.eos, pair.max_model_len, random.Random(0), vocab)
+        res = pair.decode.reserve("a1", len(prompt), params, req.seed, req.stop_ids, prompt).result(timeout=30)
+        job = PrefillJob("a1", prompt, params, req.seed, req.stop_ids, res.descriptor, "d0", answered=threading.Event())
+        first = pair.prefill.submit(job).result(timeout=60)  # never answered: the loop goes on after the bound
+        pair.wait_terminal(["a1"])
+        assert pair.tokens("a1", first) == reference(tiny, [prompt], params)[0]
+    finally:
+        pair.close()

@@ -62,3 +62,19 @@ async def test_frames_of_plain_logprobs_kept_out_are_the_whole_messages_chunks(c
             assert written.frame(msg, i == 0, plain) == sse(encoded.chunk(await whole.out.get(), i == 0))
     assert written.text_offset == encoded.text_offset
     assert sum(taken) >= 4  # messages whose logprobs were all kept out
+
+
+def test_a_prompt_of_token_ids_is_decoded_only_when_echoed() -> None:
+    """The first chunk is built on the way to the first token's write: a prompt sent as token ids is
+    decoded for `echo` alone, not for every request."""
+    pieces = TokenPieces(ByteTokenizer())
+    decoded: list[int] = []
+    real = pieces.decode
+    pieces.decode = lambda ids, **kw: decoded.append(len(ids)) or real(ids, **kw)  # type: ignore[method-assign]
+    first = message("x", [120])
+    first.prompt_token_ids.extend(b"prompt")
+    plain, echo = Format(False, "m", pieces, None), Format(False, "m", pieces, None, echo=True)
+    assert json.loads(plain.frame(first, first=True)[6:])["choices"][0]["text"] == "x"
+    assert decoded == []
+    assert json.loads(echo.frame(first, first=True)[6:])["choices"][0]["text"] == "promptx"
+    assert decoded == [6]

@@ -63,3 +63,43 @@ async def test_a_refused_attach_moves_the_request_after_its_first_token():
         assert d.first_tokens == [second]
         assert c.router.migrations == 1
         await c.settled()
+
+
+class _SendOrder:
+    """A node stub that notes in `order` when its `method`'s request would go out (a gRPC call
+    sends from a task of its own, on the loop's next turn) or, with `made`, when the call is made
+    (after the work that decided it)."""
+
+    def __init__(self, stub: object, method: str, order: list[str], made: bool = False) -> None:
+        self._stub, self._method, self._order, self._made = stub, method, order, made
+
+    def __getattr__(self, name: str) -> object:
+        real = getattr(self._stub, name)
+        if name != self._method:
+            return real
+
+        def call(*args: object, **kwargs: object) -> asyncio.Task:
+            async def sent() -> object:
+                if not self._made:
+                    self._order.append(name)
+                return await real(*args, **kwargs)
+            if self._made:
+                self._order.append(name)
+            return asyncio.ensure_future(sent())
+        return call
+
+
+async def test_the_prefill_request_goes_out_before_the_reservation_is_made():
+    """With the reservation alongside, the Prefill call is on the first token's path and the Reserve
+    is not: the prefill request leaves before the reservation's own work (the policy's order, the
+    Reserve call), not after it."""
+    async with cluster() as c:
+        order: list[str] = []
+        prefill = c.router.pool.find("prefill", c.prefill[0].address)
+        decode = c.router.pool.find("decode", c.decode[0].address)
+        assert prefill is not None and decode is not None
+        prefill.stub = _SendOrder(prefill.stub, "Prefill", order)
+        decode.stub = _SendOrder(decode.stub, "Reserve", order, made=True)
+        assert text(await collect(c, prompt="ab", max_tokens=3)) == "che"
+        assert order == ["Prefill", "Reserve"]
+        await c.settled()

@@ -18,7 +18,7 @@ def test_the_first_request_finds_the_decode_nodes_memory_open(monkeypatch: pytes
         assert len(opened) == 1  # primed before the router served
         assert service.router.pool.primer.primed == 1
         for _ in range(2):
-            got = service.client.completions.create(model="tiny", prompt="the quick brown fox", max_tokens=4)
+            got = service.client.completions.create(model="tiny", prompt="the quick brown fox", max_tokens=4, temperature=0)
             assert got.choices[0].text
         assert len(opened) == 1
         assert service.blocks_back()

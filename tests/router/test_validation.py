@@ -3,10 +3,14 @@ serving; nothing reaches the nodes."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from protos import pdserve_pb2 as pb
 from router.client import RouterError, build_request
+from router.openai_protocol import CompletionRequest
+from router.validate import InvalidRequest
 from tests.router.conftest import MAX_MODEL_LEN, cluster
 
 
@@ -69,3 +73,17 @@ async def test_prompt_at_the_limits_is_accepted_and_max_tokens_is_clipped():
         out = await c.client.generate(build_request("x" * 100, top_p=0.0, max_tokens=2, request_id="r" * 200))
         assert out["finish_reason"] == "length"
         await c.settled()
+
+
+@pytest.mark.parametrize(("prompt", "read"), [([5, 7], [5, 7]), (["12"], ["12"]), (["12", "ab"], ["12", "ab"]),
+                                             ([1.0, 2], [1, 2]), ([[1, 2]], [[1, 2]]), ("x", "x")])
+def test_a_completions_prompt_is_read_as_its_json_gives_it(prompt, read):
+    """Ids and texts alike, whatever order the prompt's union tries them in (ids first: fast)."""
+    assert CompletionRequest.model_validate_json(json.dumps({"prompt": prompt})).prompt == read
+
+
+@pytest.mark.parametrize("bad", [2**31, -(2**31) - 1])
+def test_a_completions_prompt_id_outside_int32_is_named(bad):
+    req = CompletionRequest.model_validate_json(json.dumps({"prompt": [1, bad, 2]}))
+    with pytest.raises(InvalidRequest, match=f"token id {bad} is out of range"):
+        req.to_generate("cmpl-x", None, MAX_MODEL_LEN)
