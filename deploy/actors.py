@@ -15,7 +15,7 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from deploy.config import ServiceConfig
-from deploy.procmem import process_age_s, process_memory
+from deploy.procmem import gc_paused, process_age_s, process_memory
 
 EXIT_STEP_FAILED = 70  # a node process's exit status after its step loop failed (EX_SOFTWARE)
 # The packages whose INFO lines a node process writes (warm-up phases, slow idle captures, a failed step)
@@ -113,16 +113,17 @@ class NodeActor:
         `startup` records how long each phase took (seconds; `pdserve up` prints the slowest node's)."""
         clock = _Phases()
         node_logging()
-        import torch
+        with gc_paused():
+            import torch
 
-        from engine.cuda_init import start_cuda_init
+            from engine.cuda_init import start_cuda_init
 
-        device = cfg.model.resolved_device()
-        start_cuda_init(device)  # the context is made while the engine's modules import and the weights are read
-        from engine.model.loader import load_model
+            device = cfg.model.resolved_device()
+            start_cuda_init(device)  # the context is made while the engine's modules import and the weights are read
+            from engine.model.loader import load_model
 
+            gc.freeze()  # the modules' objects, long-lived: freeze_node_heap's collection then walks only the node's own
         clock.mark("imports")
-        gc.freeze()  # the modules' objects, long-lived: freeze_node_heap's collection then walks only the node's own
         threads = max(1, int(cfg.section(role).num_cpus))
         torch.set_num_threads(threads)
         tls = node_tls(cfg)  # before the model: a bad file fails the actor at once

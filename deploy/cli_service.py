@@ -119,6 +119,7 @@ def add_load_format(p: argparse.ArgumentParser) -> None:
 
 def start_service(cfg: Any) -> tuple[Any, str]:
     from deploy.actors import node_tls
+    from deploy.procmem import gc_paused
     from deploy.service import Service, init_ray
 
     started = time.perf_counter()
@@ -126,7 +127,8 @@ def start_service(cfg: Any) -> tuple[Any, str]:
     check_tp_fits(cfg)
     probe = probe_device(cfg)
     t0 = time.perf_counter()
-    init_ray(cfg, temp_dir=tempfile.mkdtemp(prefix="pdserve-ray-") if cfg.cluster.address is None else None)
+    with gc_paused():  # no full collections through Ray's imports and start, on the way to ready
+        init_ray(cfg, temp_dir=tempfile.mkdtemp(prefix="pdserve-ray-") if cfg.cluster.address is None else None)
     ray_s = time.perf_counter() - t0
     if probe is not None:
         probe.join()

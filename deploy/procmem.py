@@ -1,4 +1,5 @@
-"""This process's memory, for reports (`pdserve status`, `bench chaos`): Linux /proc only.
+"""This process's memory: its figures for reports (`pdserve status`, `bench chaos`), and the
+garbage collector held off while a process starts.
 
 psutil is not a dependency; /proc/self/status gives the resident set now (VmRSS) and its peak
 over the process's life (VmHWM). Elsewhere the figures are -1. Never raises.
@@ -6,7 +7,24 @@ over the process's life (VmHWM). Elsewhere the figures are -1. Never raises.
 
 from __future__ import annotations
 
+import gc
 import os
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+
+@contextmanager
+def gc_paused() -> Iterator[None]:
+    """The garbage collector off inside, as it was after. For a start-up's imports (torch, ray): they
+    make hundreds of thousands of objects that live as long as the process, and each full collection
+    on the way walks all of them made so far; the little cyclic garbage they leave is left once."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
 
 
 def process_memory() -> dict[str, float]:

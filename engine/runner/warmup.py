@@ -160,7 +160,8 @@ def warm_steps(token_buckets: list[int], row_buckets: list[int], max_model_len: 
         steps += _two_rows(token_buckets, row_buckets, max_model_len, resumes)
     tokens = token_buckets[-1]
     for rows in row_buckets:
-        if tokens >= rows and (tokens // rows) <= max_model_len:
+        # its fewest rows ran above among the variants (greedy with logprobs too): that step again only replays a graph
+        if tokens >= rows and (tokens // rows) <= max_model_len and rows != rows_for(tokens, row_buckets, max_model_len):
             steps.append(dummy_chunks(tokens, rows, GREEDY, 0))
     return steps
 

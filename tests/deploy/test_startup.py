@@ -11,8 +11,9 @@ from types import SimpleNamespace
 import pytest
 
 from deploy.actors import NodeActor
-from deploy.cli_service import probe_device, startup_line
+from deploy.cli_service import probe_device, start_service, startup_line
 from deploy.config import ServiceConfig
+from deploy.procmem import gc_paused
 from deploy.service import init_ray
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -145,3 +146,54 @@ def test_a_node_freezes_its_imported_modules_before_it_loads_the_model(monkeypat
     with pytest.raises(_Loaded):
         NodeActor("decode", "decode-0", cfg.model_dump_json())
     assert calls == ["freeze", "load"]
+
+
+def test_a_node_imports_with_the_garbage_collector_off(monkeypatch):
+    """No full collections through the node's imports; the collector is back on (the modules frozen)
+    before the model loads, and after a start that failed."""
+    import gc
+
+    calls = []
+    monkeypatch.setattr("deploy.actors.node_logging", lambda: None)
+    monkeypatch.setattr("torch.set_num_threads", lambda n: None)
+    monkeypatch.setattr("engine.cuda_init.start_cuda_init", lambda device: calls.append(("imports", gc.isenabled())))
+    monkeypatch.setattr("gc.freeze", lambda: calls.append(("freeze", gc.isenabled())))
+
+    def load_model(name, device, **kw):
+        calls.append(("load", gc.isenabled()))
+        raise _Loaded
+
+    monkeypatch.setattr("engine.model.loader.load_model", load_model)
+    cfg = ServiceConfig.load(None, {"model.name": "tiny", "model.device": "cpu"})
+    assert gc.isenabled()
+    with pytest.raises(_Loaded):
+        NodeActor("decode", "decode-0", cfg.model_dump_json())
+    assert calls == [("imports", False), ("freeze", False), ("load", True)] and gc.isenabled()
+
+
+def test_ray_starts_with_the_garbage_collector_off(monkeypatch):
+    import gc
+
+    seen = []
+    monkeypatch.setattr("deploy.service.init_ray", lambda cfg, temp_dir=None: seen.append(gc.isenabled()))
+    monkeypatch.setattr("deploy.service.Service", lambda cfg: (_ for _ in ()).throw(_Loaded()))
+    cfg = ServiceConfig.load(None, {"model.name": "tiny", "model.device": "cpu", "cluster.address": "auto"})
+    with pytest.raises(_Loaded):
+        start_service(cfg)
+    assert seen == [False] and gc.isenabled()
+
+
+def test_gc_paused_restores_the_collectors_state():
+    import gc
+
+    with pytest.raises(_Loaded), gc_paused():
+        assert not gc.isenabled()
+        raise _Loaded
+    assert gc.isenabled()
+    gc.disable()
+    try:
+        with gc_paused():
+            pass
+        assert not gc.isenabled()  # off before: off after
+    finally:
+        gc.enable()

@@ -97,6 +97,20 @@ def test_rows_fit_the_context():
     assert rows_for(16, [1, 2], 4) is None
 
 
+@pytest.mark.parametrize("max_tokens", [512, 2048])  # a colocated node's step budget, a prefill node's
+def test_every_warm_up_step_has_a_graph_key_of_its_own(tiny, max_tokens):
+    """No two warm-up steps share a graph key (the second would only replay the first one's graph),
+    and the largest token bucket still runs at every row bucket, greedy with logprobs."""
+    eng = LLMEngine(tiny, EngineConfig(device=DEVICE, enforce_eager=True))
+    graphs = PrefillGraphs(eng.runner, max_tokens, 32)
+    steps = warm_steps(graphs.token_buckets, graphs.row_buckets, 4096, resumes=True)
+    keys = [graphs.key(chunks) for chunks in steps]
+    assert len(keys) == len(set(keys))
+    top = graphs.token_buckets[-1]
+    assert {k.rows for k in keys if k.tokens == top and k.all_greedy and k.top_logprobs is not None} == set(
+        graphs.row_buckets)
+
+
 def test_nothing_to_warm_without_graphs(tiny):
     eng = LLMEngine(tiny, EngineConfig(num_speculative_tokens=2, device=DEVICE, enforce_eager=True))
     report = warm_up(eng.runner, decode=True, prefill=True, max_model_len=eng.max_model_len)
