@@ -109,6 +109,9 @@ def build_runner(loaded: LoadedModel, config: EngineConfig, decodes: bool = True
         raise ValueError("this model has no MTP module; use num_speculative_tokens=0")
     arch = loaded.model.config
     max_model_len = config.max_model_len or min(arch.max_position_embeddings, 4096)
+    if max_model_len > arch.max_position_embeddings:  # rotary tables end there: a longer request would fail mid-prefill
+        raise ValueError(f"max_model_len {max_model_len} is longer than the model's {arch.max_position_embeddings} "
+                         "positions")
     num_blocks = _num_blocks(loaded, config, max_model_len, tp.size if tp is not None else 1)
     blocks = BlockManager(num_blocks, config.block_size, config.block_shuffle_seed)
     draft_vocab = draft_vocab_for(loaded, config)  # from the whole LM head: replicated under TP

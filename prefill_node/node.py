@@ -148,6 +148,14 @@ class Attach:
 Command = Submit | Abort | Attach
 
 
+def _warm_up(runner: Any, config: EngineConfig, tp: TPGroup | None, max_model_len: int) -> float:
+    """Seconds of the prefill graphs captured before serving; the rest are captured when idle
+    (engine/runner/warmup.py). TP ranks capture in lockstep, later: none here."""
+    if not config.warmup or (tp is not None and tp.size > 1):
+        return 0.0
+    return warm_up(runner, decode=False, prefill=True, max_model_len=max_model_len).seconds
+
+
 class PrefillNode(StepLoop):
     loop_name = "prefill-loop"
     takes_attach = True  # a job may come without its descriptor (`attach`)
@@ -159,11 +167,7 @@ class PrefillNode(StepLoop):
         self.loaded, self.config, self.sink = loaded, config, first_token_sink
         self.k = config.num_speculative_tokens
         self.runner, self.blocks, self.max_model_len = build_runner(loaded, config, decodes=False, tp=tp)
-        # graphs captured before serving (their seconds), the rest when idle (engine/runner/warmup.py)
-        self.warmup_s = 0.0
-        if config.warmup and (tp is None or tp.size == 1):  # TP ranks capture in lockstep: not warmed yet
-            self.warmup_s = warm_up(self.runner, decode=False, prefill=True,
-                                    max_model_len=self.max_model_len).seconds
+        self.warmup_s = _warm_up(self.runner, config, tp, self.max_model_len)
         # the quiet spells that let idle captures run count from here: a backlog captured right at
         # `ready` would hold the first requests (each waits for the capture in flight)
         self.captures = IdleCaptures(self.runner, self.max_model_len)

@@ -353,3 +353,28 @@ def test_the_first_tokens_answer_goes_before_the_steps_follow_up_work(tiny, monk
         assert pair.tokens("a1", first) == reference(tiny, [prompt], params)[0]
     finally:
         pair.close()
+
+
+def test_a_prefill_step_that_raises_fails_its_job_and_frees_both_nodes_blocks(tiny, monkeypatch):
+    """A step that raises (not a CUDA error, which ends the process) fails its jobs and the node
+    goes on serving; no block stays held on either node, once the decode node's reservation ends."""
+    vocab = tiny.model.config.vocab_size
+    pair = Pair(tiny, 2)
+    try:
+        pair.decode.admission_timeout_s = 1.0
+        params = SamplingParams(max_tokens=8, ignore_eos=True)
+        prefill = pair.prefill.runner.prefill
+
+        def broken(*a, **kw):
+            raise IndexError("index 1088 is out of bounds")
+        monkeypatch.setattr(pair.prefill.runner, "prefill", broken)
+        with pytest.raises(RuntimeError, match="prefill failed: index 1088"):
+            pair.run("bad", list(range(1, 40)), params, vocab)
+        monkeypatch.setattr(pair.prefill.runner, "prefill", prefill)
+        first = pair.run("good", [1, 2, 3], params, vocab)  # the node still serves
+        pair.wait_terminal(["good", "bad"])
+        assert pair.tokens("good", first) == reference(tiny, [[1, 2, 3]], params)[0]
+        wait_until(lambda: pair.decode.status()["free_blocks"] == pair.decode.blocks.capacity)
+        wait_until(lambda: pair.prefill.blocks.num_free == pair.prefill.blocks.capacity)
+    finally:
+        pair.close()

@@ -206,3 +206,12 @@ def test_smollm2_greedy_mtp_matches_plain(smollm2, k):
     plain = run_schedule(engine_for(smollm2, 0, max_model_len=256), joins, params)
     spec = run_schedule(engine_for(smollm2, k, max_model_len=256), joins, params)
     assert [r.output_ids for r in spec] == [r.output_ids for r in plain]
+
+
+def test_a_max_model_len_past_the_models_positions_is_refused(tiny):
+    """Past its positions a model has no rotary rows: a request that long would fail in its
+    prefill (holding its KV blocks until then), so the engine refuses to be built."""
+    limit = tiny.model.config.max_position_embeddings
+    with pytest.raises(ValueError, match=f"max_model_len {2 * limit} is longer than the model's {limit} positions"):
+        LLMEngine(tiny, EngineConfig(max_model_len=2 * limit))
+    assert LLMEngine(tiny, EngineConfig(max_model_len=limit)).max_model_len == limit
