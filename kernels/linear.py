@@ -45,8 +45,9 @@ plain step's rows take the tile a verify of VERIFY_ROWS rows a sequence takes: `
 the argmax's kernel up to MASKED_MAX_M rows. A verify row then runs the sums of the plain step of
 its batch, and greedy decoding with drafts gives the answers of greedy decoding without, in bf16
 too. The preload (below) follows the rows: it changes when a block is read, not the order of the
-sums, and a verify of more than PRELOAD_MAX_M rows is faster without it. Where they may differ still: a verify past the fused
-kernel's rows (`_fused`: 64, 128 for small weights), where cuBLAS picks its kernels by M.
+sums, and a verify of more than PRELOAD_MAX_M rows is faster without it. Where they may differ
+still: a verify past the fused kernel's rows (`_fused`: 64, 128 for small weights), where cuBLAS
+picks its kernels by M.
 
 Under programmatic dependent launch (kernels/pdl.py) the kernel starts while the one before it
 still runs; before its wait it asks for its share of the weights in L2 (`_prefetch_rows`, whole

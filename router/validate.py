@@ -156,11 +156,10 @@ def check_sampling(s: pdserve_pb2.SamplingOptions, tokenizer: Any, limits: Limit
 
 
 def _check_ids(ids: Any, vocab: int, what: str) -> None:
-    if isinstance(ids, list) and (not ids or (min(ids) >= 0 and max(ids) < vocab)):  # a prompt's: by its bounds
+    if not ids or (min(ids) >= 0 and max(ids) < vocab):  # by the bounds: a prompt's thousands of ids at C speed
         return
-    bad = next((t for t in ids if not 0 <= t < vocab), None)
-    if bad is not None:
-        raise InvalidRequest(f"{what} has token id {bad} outside the vocabulary (0..{vocab - 1})")
+    bad = next(t for t in ids if not 0 <= t < vocab)
+    raise InvalidRequest(f"{what} has token id {bad} outside the vocabulary (0..{vocab - 1})")
 
 
 async def tokenize(req: pdserve_pb2.GenerateRequest, tokenizer: Any) -> list[int]:
