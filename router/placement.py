@@ -63,9 +63,10 @@ class ReserveFirst:
 
 class Placement:
     def __init__(self, config: RouterConfig, vocab_size: int, pool: NodePool, policy: Policy,
-                 admission: Admission, holds: Holds) -> None:
+                 admission: Admission, holds: Holds, abandoned: Callable[[int, str], None] = lambda n, why: None) -> None:
         self.config, self.vocab_size, self.pool, self.policy = config, vocab_size, pool, policy
         self.admission, self.holds = admission, holds
+        self.abandoned = abandoned  # (prompt tokens, reason) of a Prefill call given up: it may run twice
 
     @property
     def colocated(self) -> bool:
@@ -93,6 +94,7 @@ class Placement:
                 return done
             st.timeline.lap("prefill_queue")  # a failed call: the request waited for a prefill it did not get
             tried[done.node.address] = done.node.last_error or "unavailable"
+            self.abandoned(len(prompt), "prefill_failed")
             await self.holds.abort_decode(st, "the prefill node failed; retrying elsewhere")
         raise RequestError("UNAVAILABLE", _no_prefill_message(tried))
 
@@ -141,9 +143,11 @@ class Placement:
             found = await self.admission.try_reserve(st, reserve, "decode")
         except BaseException:
             self._give_up_prefill(st, prefill, rid, call, "the reservation failed")
+            self.abandoned(len(prompt), "reservation_failed")
             raise
         if found is None:
             self._give_up_prefill(st, prefill, rid, call, "no decode node admitted the request at once")
+            self.abandoned(len(prompt), "no_decode_at_once")
             st.timeline.lap("reserve")
             return ReserveFirst(seen)
         attach = asyncio.ensure_future(prefill.stub.Attach(node_pb2.AttachRequest(

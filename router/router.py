@@ -94,7 +94,8 @@ class Router:
         self.holds = Holds(self.pool, self.config.rpc_timeout_s)
         self.admission = Admission(self.router_id, self.config, self.pool, self.policy, self.holds)
         self.placement = Placement(self.config, model.config.vocab_size, self.pool, self.policy,
-                                   self.admission, self.holds)
+                                   self.admission, self.holds,
+                                   lambda n, why: self.metrics.prefill_abandoned.labels(model.name, why).inc(n))
         self.migration = Migration(self.config, self.metrics, self.holds)
         self.stream = Stream(self.metrics, self.holds)
         self._rng = random.Random(int.from_bytes(os.urandom(8), "little"))

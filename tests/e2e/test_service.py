@@ -62,7 +62,7 @@ def test_load_reaches_every_node(service, tiny_reference):
     svc, address, k = service
     rng = random.Random(0)
     prompts = [[rng.randrange(256) for _ in range(rng.choice([5, 17, 40]))] for _ in range(12)]
-    before = svc.node_info()
+    before, scraped = svc.node_info(), scrape(svc)
     results = run_async(generate_all(address, prompts, max_tokens=6, ignore_eos=True))
     ref = tiny_reference(prompts, SamplingParams(max_tokens=6, ignore_eos=True))
     assert [r["token_ids"] for r in results] == [r.output_ids for r in ref]
@@ -75,7 +75,14 @@ def test_load_reaches_every_node(service, tiny_reference):
     prefilled = {key: i["prefill_tokens"] - before[key]["prefill_tokens"] for key, i in info.items()
                  if key[0] == "prefill"}
     assert all(t > 0 for t in prefilled.values()), prefilled
-    assert sum(prefilled.values()) == sum(len(p) for p in prompts)
+    # a Prefill call the router gave up on (a loaded host: a Reserve past its deadline) may have run
+    # before the retry: the router counts its tokens; a moved request is prefilled again with its tokens
+    after = scrape(svc)
+    abandoned, moved = (total(after, name) - total(scraped, name) for name in
+                        ("pdserve:prefill_abandoned_tokens_total", "pdserve:request_migrations_total"))
+    assert sum(len(p) for p in prompts) <= sum(prefilled.values())
+    if not moved:
+        assert sum(prefilled.values()) <= sum(len(p) for p in prompts) + abandoned, (prefilled, abandoned)
 
 
 def test_i2_logprobs_and_seeded_sampling_equal_single_process(service, tiny_reference):

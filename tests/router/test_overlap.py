@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import asyncio
 
+from prometheus_client.parser import text_string_to_metric_families
+
 from tests.router.conftest import cluster
 from tests.router.test_lifecycle import collect, text
 
@@ -18,6 +20,7 @@ async def test_the_prefill_starts_without_a_descriptor_and_gets_it_by_attach():
         assert text(msgs) == "chello" and msgs[-1].finished.reason == "length"
         (rid,) = d.admitted
         assert p.calls == p.deferred == p.attaches == d.first_tokens == [rid]
+        assert abandoned(c) == {}
         await c.settled()
     async with cluster(overlap_reserve=False) as c:
         msgs = await collect(c, prompt="ab", max_tokens=6)
@@ -45,6 +48,7 @@ async def test_no_room_on_a_decode_node_gives_the_prefill_up_and_queues_without_
         msgs = await asyncio.wait_for(waiting, 50)
         assert text(msgs) == "chel" and msgs[-1].finished.reason == "length"
         assert len(p.calls) == 2 and len(p.deferred) == 1 and not p.attaches  # the second came with its descriptor
+        assert abandoned(c) == {"no_decode_at_once": len(p.prompts[0][0])}  # counted once, by its tokens
         await c.settled()
 
 
@@ -103,3 +107,10 @@ async def test_the_prefill_request_goes_out_before_the_reservation_is_made():
         assert text(await collect(c, prompt="ab", max_tokens=3)) == "che"
         assert order == ["Prefill", "Reserve"]
         await c.settled()
+
+
+def abandoned(c) -> dict[str, float]:
+    """The router's prompt tokens of given-up Prefill calls, by reason (/metrics)."""
+    text = c.router.metrics.exposition()[0].decode()
+    return {s.labels["reason"]: s.value for fam in text_string_to_metric_families(text) for s in fam.samples
+            if s.name == "pdserve:prefill_abandoned_tokens_total"}
