@@ -202,6 +202,7 @@ def launch(args: argparse.Namespace) -> tuple[Any, Any]:
     args.service_pids = service_pids(service)
     args.metrics_url = f"{scheme(cfg)}://{service.http_address}" if service.http_address else None
     args.status_interval_s = cfg.router.status_interval_s  # how fresh the router's view of the nodes is
+    args.kv_timeout_s = cfg.kv_transfer.timeout_s  # a failed transfer's blocks come back this long after (settle)
     if args.protocol == "http":
         args.base_url, args.router = args.metrics_url, None
     return service, cfg
@@ -328,7 +329,8 @@ async def sweep(args: argparse.Namespace, items: list[Item], rates: list[float])
             results, wall, cpu = await measured_load(args, batch, rate, bar)
             run = {**summarize(results, rate, wall, args), "cpu": cpu}
             interval = getattr(args, "status_interval_s", 1.0)
-            settled, after = await asyncio.to_thread(settle, url, before, key, interval)
+            settled, after = await asyncio.to_thread(settle, url, before, key, interval,
+                                                     getattr(args, "kv_timeout_s", 0.0))
             run["server"] = {**breakdown(before, after, run["completed"]), **settled}
             runs.append(run)
     held = []  # rates, lowest first, up to the first that misses the p99 SLO

@@ -131,15 +131,20 @@ NODE_VIEW = ("pdserve:prefill_tokens", "pdserve:kv_transfer_seconds_count", "pds
 
 
 def settle(base_url: str | None, before: dict[str, float], api_key: str | None = None,
-           status_interval_s: float = 1.0) -> tuple[dict[str, float], dict[str, float]]:
+           status_interval_s: float = 1.0, kv_timeout_s: float = 0.0) -> tuple[dict[str, float], dict[str, float]]:
     """Once a run is over: the nodes' KV blocks in use before it and now, and the scrape to take the
     run's figures from. The router's view of a node is its last Status poll (every
     `status_interval_s`), so scrapes repeat, each past the next poll, until two in a row agree on
-    the nodes' figures with the blocks back to the run's start, or SETTLE_S passes. Blocks still
-    used then are held by the run's requests: a leak (issue 27's check)."""
+    the nodes' figures with the blocks back to the run's start, or SETTLE_S passes, or longer with
+    the service's `kv_transfer.timeout_s` (`kv_timeout_s`, when known): a decode node keeps the
+    blocks of a request whose transfer failed in quarantine that long after the failure (late
+    bytes must land nowhere live: decode_node/node.py), so a run whose last requests failed gets
+    them back only then. Blocks still used after that are held by the run's requests: a leak
+    (issue 27's check)."""
     if not before or "pdserve:kv_blocks_used" not in before:
         return {}, scrape(base_url, api_key) if before else {}
-    deadline, last = time.monotonic() + SETTLE_S, scrape(base_url, api_key) or before
+    wait_s = max(SETTLE_S, kv_timeout_s + 3 * status_interval_s)
+    deadline, last = time.monotonic() + wait_s, scrape(base_url, api_key) or before
     while time.monotonic() < deadline:
         time.sleep(1.5 * status_interval_s)
         now = scrape(base_url, api_key) or last

@@ -29,8 +29,10 @@ through the server's threads; the server answers the Attach call meanwhile: `ATT
 its blocks freed.
 
 Source blocks stay leased until the decode node acknowledges, the job is aborted, or the
-lease expires; only then are they freed (a cached block stays cached, evictable). One thread (the loop) owns the scheduler, the
-runner and the block manager; other threads only enqueue (`submit`, `abort`).
+lease expires; only then are they freed (a cached block stays cached, evictable). A lease that
+ends while its job still computes ends the job first (`TransferLost`), so no later chunk writes
+blocks already freed. One thread (the loop) owns the scheduler, the runner and the block manager;
+other threads only enqueue (`submit`, `abort`).
 """
 
 from __future__ import annotations
@@ -65,6 +67,12 @@ log = logging.getLogger(__name__)
 
 class NeverFits(ValueError):
     """A prompt that needs more KV blocks than the node has in all."""
+
+
+class TransferLost(ConnectionError):
+    """A job's KV transfer ended before its prefill did: the decode node gave it up (a timeout, an
+    abort) or the lease expired. A ConnectionError, as an unreachable decode node is: the Prefill
+    call answers FAILED_PRECONDITION and the router moves the request (prefill_node/server.py)."""
 
 
 @dataclass
@@ -504,8 +512,22 @@ class PrefillNode(StepLoop):
             self.counters["kv_seconds"] += took
             self.kv_buckets[bisect.bisect_left(KV_TRANSFER_BUCKETS, took)] += 1
         blocks = self.leased.pop(rid, None)
+        self._end_computing(rid)
         if blocks is not None:
             self.blocks.free(blocks)
+
+    def _end_computing(self, rid: str) -> None:
+        """A lease that ended while its job still computes (the decode node gave the transfer up,
+        or the lease expired during a long prefill): the job ends too, before its blocks are freed,
+        since its later chunks would write blocks that another job may take, and its KV can no
+        longer reach the decode node. Runs between steps (no chunk of it is in flight)."""
+        job = next((j for j in self.waiting if j.request_id == rid), None)
+        if job is None:
+            return
+        self.waiting.remove(job)
+        self.queued_tokens -= job.remaining
+        if not job.future.done():  # the decode node is the one that gave up: the router moves the request
+            job.future.set_exception(TransferLost(f"{rid}: its KV transfer ended before its prefill did"))
 
 
 def mark_started(jobs: list[PrefillJob], now: float) -> None:

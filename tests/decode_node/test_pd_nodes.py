@@ -378,3 +378,43 @@ def test_a_prefill_step_that_raises_fails_its_job_and_frees_both_nodes_blocks(ti
         wait_until(lambda: pair.prefill.blocks.num_free == pair.prefill.blocks.capacity)
     finally:
         pair.close()
+
+
+def test_a_lease_that_ends_mid_prefill_ends_the_job_before_its_blocks_are_freed(tiny, monkeypatch):
+    """A prefill that outlasts the KV timeout (a long prompt on a slow CPU): the sender's lease
+    expires while the job still has chunks to compute. The job ends then (TransferLost: the router
+    moves the request), its blocks freed with it and not under its later chunks, and the decode
+    node's reservation ends with one error; both nodes' blocks come back. The first chunk is held
+    by a hook until the lease has expired, so no timing decides the order."""
+    vocab = tiny.model.config.vocab_size
+    pair = Pair(tiny, 2, backend="tcp", max_num_batched_tokens=16)  # 64 prompt tokens: 4 chunks
+    try:
+        pair.prefill.sender.timeout_s = 0.3
+        held, go, released, chunks = threading.Event(), threading.Event(), threading.Event(), []
+        on_release = pair.prefill.sender.on_release
+        pair.prefill.sender.on_release = lambda rid, status: (on_release(rid, status), released.set())
+        prefill = pair.prefill.runner.prefill
+
+        def slow(*a, **kw):
+            chunks.append(1)
+            held.set()
+            assert go.wait(60)
+            return prefill(*a, **kw)
+        monkeypatch.setattr(pair.prefill.runner, "prefill", slow)
+        params = SamplingParams(max_tokens=8, ignore_eos=True)
+        req = resolve_request("late", list(range(1, 65)), params, pair.eos, pair.max_model_len, random.Random(0), vocab)
+        res = pair.decode.reserve("late", 64, params, req.seed, req.stop_ids).result(timeout=30)
+        job = PrefillJob("late", list(range(1, 65)), params, req.seed, req.stop_ids, res.descriptor, "d0")
+        ends = pair.prefill.submit(job)
+        assert held.wait(60)  # the first chunk computes
+        assert released.wait(30)  # its lease expired meanwhile (the node learns of it between steps)
+        go.set()
+        assert "KV transfer ended" in str(ends.exception(timeout=60))
+        assert len(chunks) == 1  # no chunk computed after the lease ended
+        wait_until(lambda: pair.prefill.blocks.num_free == pair.prefill.blocks.capacity)
+        pair.wait_terminal(["late"])
+        assert [it.error is not None for it in pair.outputs["late"]] == [True]
+        wait_until(lambda: pair.decode.status()["free_blocks"] == pair.decode.blocks.capacity)
+    finally:
+        go.set()
+        pair.close()

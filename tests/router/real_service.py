@@ -27,9 +27,12 @@ from router import NodeDirectory, Router
 class RealService:
     def __init__(self, mode: str = "pd", k: int = 2, max_model_len: int = 128, model: tuple[Any, Any] | None = None,
                  engine: dict[str, Any] | None = None, decode_engine: dict[str, Any] | None = None,
-                 prefix_cache: bool = False, kv_backend: str = "tcp", **router: Any) -> None:
+                 prefix_cache: bool = False, kv_backend: str = "tcp", kv_timeout_s: float = 5.0,
+                 kv_quarantine_s: float | None = 0.2, **router: Any) -> None:
         """`engine`: more EngineConfig fields of every node (num_blocks, ...), `decode_engine` the
-        decode node's own; `router`: RouterConfig's."""
+        decode node's own; `router`: RouterConfig's. `kv_quarantine_s` None: the KV timeout, as
+        in a deployed service (deploy/actors.py)."""
+        self.kv_timeout_s, self.kv_quarantine_s = kv_timeout_s, kv_quarantine_s
         loaded, info = model or (load_model("tiny"), load_model_info("tiny"))
         self.mode = mode
         self.config = EngineConfig(num_speculative_tokens=k, max_model_len=max_model_len,
@@ -55,10 +58,11 @@ class RealService:
         self.client = openai.OpenAI(base_url=f"{self.base}/v1", api_key="none", max_retries=0)
 
     def _pd(self, loaded: Any, kv_backend: str) -> NodeDirectory:
-        decode = DecodeNode(loaded, self.decode_config, kv_backend=kv_backend, kv_timeout_s=5, kv_quarantine_s=0.2)
+        decode = DecodeNode(loaded, self.decode_config, kv_backend=kv_backend, kv_timeout_s=self.kv_timeout_s,
+                            kv_quarantine_s=self.kv_quarantine_s)
         self.clients = DecodeClients()
         prefill = PrefillNode(loaded, self.config, self.clients.send_first_token, kv_backend=kv_backend,
-                              kv_timeout_s=5)
+                              kv_timeout_s=self.kv_timeout_s)
         self.nodes += [prefill, decode]
         for node in self.nodes:
             node.start()
