@@ -43,8 +43,9 @@ import logging
 import queue
 import threading
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Any, assert_never
+from typing import Any, TypeVar, assert_never
 
 import torch
 
@@ -63,6 +64,7 @@ from prefill_node.first_token import FirstTokenSends, FirstTokenSink, let_answer
 from protos.messages import KV_TRANSFER_BUCKETS, FirstToken, TokenLogprobs, token_logprobs
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
 class NeverFits(ValueError):
@@ -279,11 +281,7 @@ class PrefillNode(StepLoop):
         return True
 
     def _drain_inbox(self) -> None:
-        while True:
-            try:
-                cmd = self._inbox.get_nowait()
-            except queue.Empty:
-                return
+        for cmd in drained(self._inbox):
             match cmd:
                 case Submit():
                     self._queue_job(cmd.job)
@@ -495,11 +493,7 @@ class PrefillNode(StepLoop):
             self.timings.setdefault(request_id, {})[event] = time.monotonic() if at is None else at
 
     def _free_released(self) -> None:
-        while True:
-            try:
-                rid, done, at = self._released.get_nowait()
-            except queue.Empty:
-                return
+        for rid, done, at in drained(self._released):
             self._release(rid, done, at)
 
     def _release(self, rid: str, done: bool, at: float) -> None:
@@ -512,22 +506,32 @@ class PrefillNode(StepLoop):
             self.counters["kv_seconds"] += took
             self.kv_buckets[bisect.bisect_left(KV_TRANSFER_BUCKETS, took)] += 1
         blocks = self.leased.pop(rid, None)
-        self._end_computing(rid)
+        self.queued_tokens -= end_computing(self.waiting, rid)
         if blocks is not None:
             self.blocks.free(blocks)
 
-    def _end_computing(self, rid: str) -> None:
-        """A lease that ended while its job still computes (the decode node gave the transfer up,
-        or the lease expired during a long prefill): the job ends too, before its blocks are freed,
-        since its later chunks would write blocks that another job may take, and its KV can no
-        longer reach the decode node. Runs between steps (no chunk of it is in flight)."""
-        job = next((j for j in self.waiting if j.request_id == rid), None)
-        if job is None:
+
+def drained(q: queue.SimpleQueue[T]) -> Iterator[T]:
+    """What `q` holds now, without waiting."""
+    while True:
+        try:
+            yield q.get_nowait()
+        except queue.Empty:
             return
-        self.waiting.remove(job)
-        self.queued_tokens -= job.remaining
-        if not job.future.done():  # the decode node is the one that gave up: the router moves the request
-            job.future.set_exception(TransferLost(f"{rid}: its KV transfer ended before its prefill did"))
+
+
+def end_computing(waiting: list[PrefillJob], rid: str) -> int:
+    """A lease that ended while its job still computes (the decode node gave the transfer up, or
+    the lease expired during a long prefill): the job ends too, before its blocks are freed, since
+    its later chunks would write blocks that another job may take, and its KV can no longer reach
+    the decode node. Runs between steps (no chunk of it is in flight). The tokens it had left."""
+    job = next((j for j in waiting if j.request_id == rid), None)
+    if job is None:
+        return 0
+    waiting.remove(job)
+    if not job.future.done():  # the decode node is the one that gave up: the router moves the request
+        job.future.set_exception(TransferLost(f"{rid}: its KV transfer ended before its prefill did"))
+    return job.remaining
 
 
 def mark_started(jobs: list[PrefillJob], now: float) -> None:
