@@ -24,6 +24,7 @@ launch. bench/gpu/gpu_gemv_rows.py times it against the split-K kernel at 1 and 
 from __future__ import annotations
 
 import functools
+import os
 
 import torch
 import triton
@@ -44,6 +45,17 @@ GEMV_MAX_TILE = 32768  # weight elements a program holds (64 KB of bf16 over 4-8
 # weights above this many bytes keep the split-K kernel (Llama-1B's o projection, 8 MB, would fit a tile)
 GEMV_MAX_BYTES = 4 * 2**20
 GemvConfig = tuple[int, int, int]  # (BN, KP, WARPS)
+
+# TEMPORARY (issue 50): which way the kernel sums a tile, for one comparison on a GPU; the losers and
+# the switch go once it is decided. "default": the tile [1, BN, KP] over 4-8 warps along K (every
+# value of [MP, BN] shuffled over 32 lanes and exchanged between warps: the shuffles grow with MP);
+# "slots": one warp a program over 3 of K = 576's 256-column slots, not 4 (`_slot_sums`), a thread
+# holding at most 48 weight elements; "slots-wide": the same, at most 96 (half the programs);
+# "warp1": the default's tile over one warp (no exchange between warps), at most 64.
+GEMV_VARIANTS = {"default": 0, "slots": 48, "slots-wide": 96, "warp1": 64}  # name: elements a thread
+GEMV_VARIANT = os.environ.get("PDSERVE_GEMV_VARIANT", "default")
+if GEMV_VARIANT not in GEMV_VARIANTS:
+    raise ValueError(f"PDSERVE_GEMV_VARIANT must be one of {sorted(GEMV_VARIANTS)}, got {GEMV_VARIANT!r}")
 
 
 @functools.cache
@@ -75,19 +87,32 @@ def gemv_config(m: int, w: torch.Tensor, glu: bool, sms: int | None = None) -> G
         return None
     warp_width = min(kp, 32 * max(1, 16 // w.element_size()))
     warps = max(1, min(8, kp // warp_width))
+    if GEMV_VARIANT != "default":  # one warp; K as the slots it reads (`slots`) or padded (warp1)
+        width = sum(slots(k, w.element_size())[:2]) * warp_width if GEMV_VARIANT != "warp1" else kp
+        warps, per_thread = 1, GEMV_VARIANTS[GEMV_VARIANT]
+        while bn > 1 and bn * halves * width > per_thread * 32:
+            bn //= 2
+        return bn, kp, warps
     while bn > 1 and bn * kp * halves > 128 * 32 * warps:
         bn //= 2
     return bn, kp, warps
 
 
+def slots(k: int, element_size: int) -> tuple[int, int, int]:
+    """(S1, S2, C) of `_slot_sums` for rows of k elements: C a warp's 16-byte loads side by side
+    (at most k's power of two), S1 the largest power of two of C-column slots within k's, S2 the
+    power of two that covers the rest (K = 576 in bf16: 2 + 1 slots of 256; 1536: 4 + 2)."""
+    c = min(triton.next_power_of_2(k), 32 * max(1, 16 // element_size))
+    n = triton.cdiv(k, c)
+    s1 = 1 << (n.bit_length() - 1)
+    return s1, triton.next_power_of_2(n - s1) if n > s1 else 0, c
+
+
 @triton.jit
-def _gemv_kernel(x_ptr, w_ptr, b_ptr, r_ptr, y_ptr, ssi_ptr, sso_ptr,
-                 M, N, K, stride_x, stride_w, stride_r, stride_y, eps, NTI,
-                 HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr, GLU: tl.constexpr, NORM: tl.constexpr,
-                 NTP: tl.constexpr, SS_OUT: tl.constexpr, MP: tl.constexpr, BN: tl.constexpr, KP: tl.constexpr,
-                 PDL: tl.constexpr):
-    rn = tl.program_id(1) * BN + tl.arange(0, BN)  # grid axis 1 tiles the columns (store_partial_sumsq)
-    rm = tl.arange(0, MP)
+def _tile_sums(x_ptr, w_ptr, rn, rm, M, N, K, stride_x, stride_w, GLU: tl.constexpr, KP: tl.constexpr,
+               PDL: tl.constexpr):
+    """The sums [MP, BN] (and the up half's) of the tile [1, BN, KP] with x [MP, 1, KP], summed
+    once over K; the tile is read before the wait."""
     n3, m3, k3 = rn[None, :, None], rm[:, None, None], tl.arange(0, KP)[None, None, :]
     w_mask = (n3 < N) & (k3 < K)
     w_rows = w_ptr + n3.to(tl.int64) * stride_w + k3
@@ -99,6 +124,68 @@ def _gemv_kernel(x_ptr, w_ptr, b_ptr, r_ptr, y_ptr, ssi_ptr, sso_ptr,
     acc_up = acc
     if GLU:
         acc_up = tl.sum(u.to(tl.float32) * x, axis=2)
+    return acc, acc_up
+
+
+@triton.jit
+def _slot_tile(w_ptr, n3, s0, N, K, stride_w, GLU: tl.constexpr, S: tl.constexpr, C: tl.constexpr):
+    """Slots s0 .. s0 + S of the tile: [S, BN, C] (and the up half's), column (s0 + s) * C + c."""
+    kk = (s0 + tl.arange(0, S))[:, None, None] * C + tl.arange(0, C)[None, None, :]
+    mask = (n3 < N) & (kk < K)
+    at = w_ptr + n3.to(tl.int64) * stride_w + kk
+    return tl.load(at, mask=mask, other=0.0), tl.load(at + N * stride_w, mask=mask & GLU, other=0.0)
+
+
+@triton.jit
+def _slot_products(x_ptr, w, u, m4, s0, M, K, stride_x, GLU: tl.constexpr, S: tl.constexpr, C: tl.constexpr):
+    """x's slots s0 .. s0 + S times the tile's, summed over the slots: [MP, BN, C] (and up's)."""
+    kk = ((s0 + tl.arange(0, S))[:, None, None] * C + tl.arange(0, C)[None, None, :])[None]
+    x = tl.load(x_ptr + m4.to(tl.int64) * stride_x + kk, mask=(m4 < M) & (kk < K), other=0.0).to(tl.float32)
+    p = tl.sum(w.to(tl.float32)[None] * x, axis=1)
+    p_up = p
+    if GLU:
+        p_up = tl.sum(u.to(tl.float32)[None] * x, axis=1)
+    return p, p_up
+
+
+@triton.jit
+def _slot_sums(x_ptr, w_ptr, rn, rm, M, N, K, stride_x, stride_w, GLU: tl.constexpr, S1: tl.constexpr,
+               S2: tl.constexpr, C: tl.constexpr, PDL: tl.constexpr):
+    """TEMPORARY (issue 50, PDSERVE_GEMV_VARIANT=slots): one warp a program, K in slots of C
+    columns (a warp's 16-byte loads), S1 + S2 of them (two powers of two, so that K = 576 reads
+    3 slots, not a padded 4). Each lane sums its columns over the slots in registers, then once
+    over its 8 and the warp's lanes: 5 shuffle levels a value, no exchange between warps. MP only
+    adds registers, so a row's order is the same whatever MP is."""
+    n3 = rn[None, :, None]
+    w, u = _slot_tile(w_ptr, n3, 0, N, K, stride_w, GLU, S1, C)  # before the wait
+    if S2 > 0:
+        w2, u2 = _slot_tile(w_ptr, n3, S1, N, K, stride_w, GLU, S2, C)
+    wait_for_previous(PDL)
+    m4 = rm[:, None, None, None]
+    p, p_up = _slot_products(x_ptr, w, u, m4, 0, M, K, stride_x, GLU, S1, C)
+    if S2 > 0:
+        p2, p2_up = _slot_products(x_ptr, w2, u2, m4, S1, M, K, stride_x, GLU, S2, C)
+        p += p2
+        p_up += p2_up
+    acc = tl.sum(p, axis=2)
+    acc_up = acc
+    if GLU:
+        acc_up = tl.sum(p_up, axis=2)
+    return acc, acc_up
+
+
+@triton.jit
+def _gemv_kernel(x_ptr, w_ptr, b_ptr, r_ptr, y_ptr, ssi_ptr, sso_ptr,
+                 M, N, K, stride_x, stride_w, stride_r, stride_y, eps, NTI,
+                 HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr, GLU: tl.constexpr, NORM: tl.constexpr,
+                 NTP: tl.constexpr, SS_OUT: tl.constexpr, MP: tl.constexpr, BN: tl.constexpr, KP: tl.constexpr,
+                 S1: tl.constexpr, S2: tl.constexpr, C: tl.constexpr, PDL: tl.constexpr):
+    rn = tl.program_id(1) * BN + tl.arange(0, BN)  # grid axis 1 tiles the columns (store_partial_sumsq)
+    rm = tl.arange(0, MP)
+    if S1 == 0:
+        acc, acc_up = _tile_sums(x_ptr, w_ptr, rn, rm, M, N, K, stride_x, stride_w, GLU, KP, PDL)
+    else:
+        acc, acc_up = _slot_sums(x_ptr, w_ptr, rn, rm, M, N, K, stride_x, stride_w, GLU, S1, S2, C, PDL)
     if NORM:  # a weightless RMSNorm of x, applied to the sums
         rstd = rstd_of_partials(ssi_ptr, rm, M, NTI, K, eps, NTP)[:, None]
         acc *= rstd
@@ -116,6 +203,7 @@ def launch_gemv(x2: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, resid
     n_out = w.shape[0] // 2 if glu else w.shape[0]
     bn, kp, warps = config
     tiles = triton.cdiv(n_out, bn)
+    s1, s2, c = slots(k, w.element_size()) if GEMV_VARIANT.startswith("slots") else (0, 0, 0)
     r = residual if residual is not None else y
     sso = torch.empty(m, tiles, dtype=torch.float32, device=x2.device) if residual is not None or sumsq else None
     eps, ssi = norm if norm is not None else (0.0, None)
@@ -125,5 +213,5 @@ def launch_gemv(x2: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, resid
         m, n_out, k, x2.stride(0), w.stride(0), r.stride(0), y.stride(0), eps, nti,
         HAS_BIAS=b is not None, HAS_RES=residual is not None, GLU=glu, NORM=ssi is not None,
         NTP=triton.next_power_of_2(nti), SS_OUT=sso is not None, MP=triton.next_power_of_2(m), BN=bn, KP=kp,
-        num_warps=warps, num_stages=1, **pdl_args(x2))
+        S1=s1, S2=s2, C=c, num_warps=warps, num_stages=1, **pdl_args(x2))
     return sso

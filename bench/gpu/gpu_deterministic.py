@@ -50,10 +50,11 @@ def fillers(vocab: int, n: int, length: int = 40) -> list[list[int]]:
     return [torch.randint(0, vocab, (length,), generator=g).tolist() for _ in range(n)]
 
 
-def run_mode(loaded, prompts: list[list[int]], deterministic: bool, max_tokens: int) -> dict[str, dict]:
+def run_mode(loaded, prompts: list[list[int]], deterministic: bool, max_tokens: int,
+             runs: list[str]) -> dict[str, dict]:
     extra = fillers(loaded.model.config.vocab_size, 64 - len(prompts))
     out: dict[str, dict] = {}
-    for name, k, batch in RUNS:
+    for name, k, batch in (run for run in RUNS if run[0] in runs):
         batch_prompts = prompts + extra if batch == 64 else prompts
         ids, seconds = decode(loaded, batch_prompts, k, batch, deterministic, max_tokens)
         ids = ids[: len(prompts)]
@@ -77,16 +78,18 @@ def main() -> int:
     p.add_argument("--device", default="cuda")
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--modes", default="default,deterministic", help="the kernel modes to run, comma-separated")
+    p.add_argument("--runs", default=",".join(r[0] for r in RUNS),
+                   help="the runs, comma-separated, k0-b1 first (what the others are compared with)")
     args = p.parse_args()
     loaded = load_model(args.model, device=args.device, dtype=args.dtype, mtp_path=args.mtp)
     prompts = [chat_ids(loaded.tokenizer, t) for t in read_prompts(HELDOUT_PROMPTS)[: args.num_prompts]]
     with torch.no_grad():
         dets = [m == "deterministic" for m in args.modes.split(",")]
-        modes = {det: run_mode(loaded, prompts, det, args.max_tokens) for det in dets}
+        modes = {det: run_mode(loaded, prompts, det, args.max_tokens, args.runs.split(",")) for det in dets}
     n = len(prompts)
     print(f"\n{'run':8} | default: as k0-b1 | as k0, same batch | deterministic: as k0-b1 | default s | "
           "deterministic s | cost")
-    for name, _, _ in RUNS:
+    for name in args.runs.split(","):
         a, b = modes.get(False, modes.get(True)), modes.get(True, modes.get(False))
         a, b = a[name], b[name]
         print(f"{name:8} | {a['same']:>8}/{n:<8} | {a['same_k0']:>8}/{n:<8} | {b['same']:>12}/{n:<10} | "

@@ -14,13 +14,13 @@ Each output is checked against the fp32 torch composition (max abs error), and r
 kernel's M = 4 launch against its own M = 1 launch (`row 0 =M1`): bit for bit, as an exact verify
 needs.
 
-    python bench/gpu/gpu_gemv_rows.py [--cpu-check | --sm90]
+    python bench/gpu/gpu_gemv_rows.py [--cpu-check | --sm90] [--shapes smol|llama]
 
 `--cpu-check`: tiny shapes under Triton's interpreter on the CPU, in fp32 (the interpreter's
 `tl.dot` over bf16, the split-K kernel's, gives wrong sums), errors and bits only (no times).
 `--sm90`: no GPU needed: the GEMV at SmolLM2's shapes compiled here for sm_90a (this Triton's
-ptxas), with its static counts: registers, spilled bytes, barriers, shuffles, layout conversions
-(a weight tile converted through shared memory shows as one), shared memory.
+ptxas and nvdisasm), with its static counts: registers, spilled bytes, shared memory, and a warp's
+SASS instructions (all, shuffles, barriers, fp32 adds and multiplies), with an SM's share of them.
 
 The engine with a batch-1 verify through the GEMV, for a `bench engine` comparison:
 
@@ -151,7 +151,9 @@ def print_table(rows: list[dict]) -> None:
 
 def sm90_counts(name: str, spec: tuple[int, int, str], m: int) -> dict:
     """The GEMV at m rows over the shape, compiled for sm_90a as launch_gemv would launch it
-    (16-byte aligned pointers, strides and sizes divisible by 16 as the JIT sees them)."""
+    (16-byte aligned pointers, strides and sizes divisible by 16 as the JIT sees them), its way of
+    summing as PDSERVE_GEMV_VARIANT says; static counts from ptxas and the SASS (nvdisasm) a warp runs."""
+    import collections
     import re
     import subprocess
     import tempfile
@@ -166,31 +168,41 @@ def sm90_counts(name: str, spec: tuple[int, int, str], m: int) -> dict:
     w = torch.empty((2 if op == "glu" else 1) * n, k, dtype=torch.bfloat16, device="meta")
     bn, kp, warps = G.gemv_config(m, w, op == "glu", 132) or (0, 0, 0)
     settings("today")
+    s1, s2, c = G.slots(k, 2) if G.GEMV_VARIANT.startswith("slots") else (0, 0, 0)
     names = G._gemv_kernel.arg_names[:16]
     sig = dict(zip(names, ["*bf16"] * 5 + ["*fp32"] * 2 + ["i32"] * 7 + ["fp32", "i32"], strict=True))
     consts = dict(HAS_BIAS=False, HAS_RES=op == "res", GLU=op == "glu", NORM=op != "res", NTP=1, SS_OUT=op == "res",
-                  MP=triton.next_power_of_2(m), BN=bn, KP=kp, PDL=True)
+                  MP=triton.next_power_of_2(m), BN=bn, KP=kp, S1=s1, S2=s2, C=c, PDL=True)
     sig.update(dict.fromkeys(consts, "constexpr"))
     attrs = {(i,): [["tt.divisibility", 16]] for i, a in enumerate(names) if a.endswith("_ptr") or a[0] in "sNK"}
     kern = triton.compile(ASTSource(G._gemv_kernel, sig, constexprs=consts, attrs=attrs),
                           target=GPUTarget("cuda", 90, 32), options=dict(num_warps=warps, num_stages=1, launch_pdl=True))
-    ptx = kern.asm["ptx"]
-    with tempfile.NamedTemporaryFile("w", suffix=".ptx") as f:
-        f.write(ptx)
-        f.flush()
-        ptxas = os.path.join(os.path.dirname(nv.__file__), "bin", "ptxas-blackwell")
-        info = subprocess.run([ptxas, "-arch=sm_90a", "-v", f.name, "-o", os.devnull], capture_output=True, text=True).stderr
+    bin_dir = os.path.join(os.path.dirname(nv.__file__), "bin")
+    with tempfile.TemporaryDirectory() as tmp:
+        ptx, cubin = os.path.join(tmp, "k.ptx"), os.path.join(tmp, "k.cubin")
+        with open(ptx, "w") as f:
+            f.write(kern.asm["ptx"])
+        with open(cubin, "wb") as f:
+            f.write(kern.asm["cubin"])
+        info = subprocess.run([os.path.join(bin_dir, "ptxas-blackwell"), "-arch=sm_90a", "-v", ptx, "-o", os.devnull],
+                              capture_output=True, text=True).stderr
+        sass = subprocess.run([os.path.join(bin_dir, "nvdisasm"), "-c", cubin], capture_output=True, text=True).stdout
+    ops = collections.Counter(found.group(1) for found in re.finditer(r"\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)", sass))
+
     def num(pattern: str) -> int:
         found = re.search(pattern, info)
         return int(found.group(1)) if found else -1
-    return {"shape": name, "M": m, "BN": bn, "warps": warps, "regs": num(r"Used (\d+) registers"),
-            "spill": num(r"(\d+) bytes spill stores"), "bar": ptx.count("bar.sync") + ptx.count("barrier.sync"),
-            "shfl": ptx.count("shfl.sync"), "cvt": kern.asm["ttgir"].count("ttg.convert_layout"), "smem": kern.metadata.shared}
+    programs = -(-n // bn)
+    return {"shape": name, "M": m, "BN": bn, "warps": warps, "programs": programs, "regs": num(r"Used (\d+) registers"),
+            "spill": num(r"(\d+) bytes spill stores"), "smem": kern.metadata.shared, "sass": sum(ops.values()),
+            "SHFL": ops["SHFL"], "BAR": ops["BAR"], "fp32": ops["FFMA"] + ops["FMUL"] + ops["FADD"],
+            "SM_instr": round(sum(ops.values()) * warps * programs / 132)}
 
 
 def print_sm90(rows: list[dict]) -> None:
-    keys = ["BN", "warps", "regs", "spill", "bar", "shfl", "cvt", "smem"]
-    print(f"\n{'shape':14} | M | " + " | ".join(f"{k:>5}" for k in keys))
+    """SM_instr: warp instructions an SM issues, at the shape's programs spread over 132 SMs."""
+    keys = ["BN", "warps", "programs", "regs", "spill", "smem", "sass", "SHFL", "BAR", "fp32", "SM_instr"]
+    print(f"\n{G.GEMV_VARIANT}\n{'shape':14} | M | " + " | ".join(f"{k:>5}" for k in keys))
     for r in rows:
         print(f"{r['shape']:14} | {r['M']} | " + " | ".join(f"{r[k]:>5}" for k in keys))
 
@@ -199,6 +211,7 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--cpu-check", action="store_true")
     p.add_argument("--sm90", action="store_true")
+    p.add_argument("--shapes", default="", help="only the shapes whose names start so (smol, llama)")
     args = p.parse_args()
     rows = []
     if args.sm90:
@@ -213,7 +226,8 @@ def main() -> int:
 
         print(torch.cuda.get_device_name(), "PDL:", L.pdl_args(torch.empty(1, device="cuda"))["PDL"])
         for name, spec in SHAPES.items():
-            rows += shape_rows(name, spec, "cuda", graph_us)
+            if name.startswith(args.shapes):
+                rows += shape_rows(name, spec, "cuda", graph_us)
     print_table(rows)
     return 0
 

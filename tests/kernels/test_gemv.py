@@ -22,6 +22,7 @@ def randn(*shape, device="cpu", seed=0, scale=1.0) -> torch.Tensor:
 def test_tiles_leave_one_per_sm_and_large_tiles_or_rows_keep_the_split_k_kernel(monkeypatch):
     """SmolLM2's weights at an H100's 132 SMs, bf16: every warp along K (a warp's 16-byte loads
     cover 256 columns), at most 128 weight elements a thread."""
+    monkeypatch.setattr(G, "GEMV_VARIANT", "default")  # the other ways (issue 50) take one warp
     monkeypatch.setattr(G, "GEMV_MAX_M", 4)
     bf = torch.bfloat16
     assert G.gemv_config(1, torch.empty(960, 576, dtype=bf), False, 132) == (8, 1024, 4)  # q/k/v: 120 programs
@@ -116,9 +117,11 @@ def test_long_rows_over_several_warp_widths(device, monkeypatch):
             torch.testing.assert_close(act, L.linear_glu_ref(x, w_glu, (None, 1e-5)), **tol)
 
 
-def test_a_verify_row_gives_the_bits_of_a_one_row_launch(device, monkeypatch):
+@pytest.mark.parametrize("variant", sorted(G.GEMV_VARIANTS))
+def test_a_verify_row_gives_the_bits_of_a_one_row_launch(device, monkeypatch, variant):
     """Row 0 of a 4-row launch (its other rows different) has the bits of the same row launched
-    alone: each row's sum runs in one order whatever M is."""
+    alone: each row's sum runs in one order whatever M is (in each way of summing, issue 50)."""
+    monkeypatch.setattr(G, "GEMV_VARIANT", variant)
     monkeypatch.setattr(G, "GEMV_MAX_M", 4)
     w, w_glu = randn(24, 300, device=device, seed=1, scale=0.05), randn(48, 300, device=device, seed=2, scale=0.05)
     x4, r4 = randn(4, 300, device=device, seed=3), randn(4, 24, device=device, seed=4)
