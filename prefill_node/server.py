@@ -14,9 +14,11 @@ import msgpack
 from engine.tp.channel import Lockstep
 from kvtransfer import TransferError, TransferState
 from kvtransfer.prime import prime
-from prefill_node.node import NeverFits, PrefillJob, PrefillNode
+from prefill_node.intake import Refused, failure_status, read_descriptor, submit
+from prefill_node.node import PrefillNode
+from prefill_node.stream import PrefillSession
 from protos import node_pb2, node_pb2_grpc
-from protos.convert import check_request_id, sampling_from_proto, unpack_token_ids
+from protos.convert import check_request_id
 from protos.messages import FirstToken
 from protos.serving import GRPC_OPTIONS, KEEPALIVE_S, refuse_if_failed, start_server, with_secret
 from protos.tls import NodeTls, node_channel
@@ -63,26 +65,12 @@ class PrefillServicer(node_pb2_grpc.PrefillControlServicer):
 
     def Prefill(self, request, context):
         received = time.monotonic()  # the job's queue time starts (a TTFT part the first token carries back)
-        refuse_if_failed(self.node, context)
-        vocab = self.node.loaded.model.config.vocab_size
+        answered = threading.Event()
         try:
-            rid = check_request_id(request.request_id)
-            prompt = unpack_token_ids(request.prompt_token_ids_packed, vocab)
-            if not prompt:
-                raise ValueError("the prompt (prompt_token_ids_packed) is empty")
-            params, seed, stops = sampling_from_proto(request.sampling, vocab)
-            later = not request.descriptor_msgpack and not request.decode_address  # from Attach
-            if later and not self.node.takes_attach:
-                raise ValueError("this prefill node (tensor parallel) needs the KV descriptor with the request")
-            descriptor = None if later else _descriptor(request.descriptor_msgpack, request.decode_address)
-            answered = threading.Event()
-            job = PrefillJob(rid, prompt, params, seed, stops, descriptor, request.decode_address, received=received,
-                             answered=answered)
-            future = self.node.submit(job)
-        except NeverFits as e:
-            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
-        except (ValueError, msgpack.UnpackException) as e:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+            rid, future = submit(self.node, request, received, answered)
+        except Refused as e:
+            context.abort(e.code, e.details)
+
         def on_done() -> None:  # the RPC ended (answered, or the caller went away): drop unfinished work
             answered.set()  # the node's loop goes on with the step's follow-up work (prefill_node/first_token.py)
             if not future.done():
@@ -95,21 +83,24 @@ class PrefillServicer(node_pb2_grpc.PrefillControlServicer):
         except futures.TimeoutError:
             self.node.abort(rid, "deadline exceeded")
             context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, "prefill did not finish in time")
-        except ValueError as e:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
-        except ConnectionError as e:  # the decode node, not this one: the router moves the request
-            context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e))
-        except Exception as e:  # the node's loop failed (a device error): the router tries another node
-            code = grpc.StatusCode.UNAVAILABLE if self.node.loop_error is not None else grpc.StatusCode.ABORTED
-            context.abort(code, str(e))
+        except Exception as e:
+            context.abort(*failure_status(self.node, e))
         return node_pb2.Payload(msgpack=msg.pack())
+
+    def PrefillStream(self, request_iterator, context):
+        """The Prefill requests of one router process's channel, and their answers (PrefillSession)."""
+        refuse_if_failed(self.node, context)
+        session = PrefillSession(self.node)
+        context.add_callback(session.close)  # the stream ended: what it left unfinished is dropped
+        session.read_from(request_iterator)
+        yield from session.replies()
 
     def Attach(self, request, context):
         if not self.node.takes_attach:
             context.abort(grpc.StatusCode.FAILED_PRECONDITION, "this prefill node (tensor parallel) takes no Attach")
         try:
             rid = check_request_id(request.request_id)
-            descriptor = _descriptor(request.descriptor_msgpack, request.decode_address)
+            descriptor = read_descriptor(request.descriptor_msgpack, request.decode_address)
         except (ValueError, msgpack.UnpackException) as e:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         try:
@@ -130,7 +121,7 @@ class PrefillServicer(node_pb2_grpc.PrefillControlServicer):
             context.abort(grpc.StatusCode.UNIMPLEMENTED, "this prefill node (tensor parallel) takes no priming transfer")
         try:  # on this thread, not the loop's: the transfer holds no block, its lease's end frees nothing
             rid = check_request_id(request.request_id)
-            descriptor = _descriptor(request.descriptor_msgpack, request.decode_address)
+            descriptor = read_descriptor(request.descriptor_msgpack, request.decode_address)
             remaining = context.time_remaining()
             timeout = remaining if remaining is not None and remaining < PRIME_WAIT_S else PRIME_WAIT_S
             status = prime(self.node.sender, rid, descriptor, timeout)
@@ -148,15 +139,6 @@ class PrefillServicer(node_pb2_grpc.PrefillControlServicer):
         s = self.node.status()
         return node_pb2.NodeStatus(node_id=self.node_id, kind="prefill", healthy=self.node.loop_error is None,
                                    num_speculative_tokens=self.node.k, **s)
-
-
-def _descriptor(data: bytes, decode_address: str) -> dict[str, Any]:
-    """A KV descriptor map and the decode node it belongs to, both required (checked further by
-    the node and its KV sender)."""
-    descriptor = msgpack.unpackb(data, raw=False)
-    if not isinstance(descriptor, dict) or not decode_address:
-        raise ValueError("a KV descriptor map and a decode_address are required")
-    return descriptor
 
 
 def serve_prefill(node: PrefillNode, node_id: str, host: str = "127.0.0.1", port: int = 0,

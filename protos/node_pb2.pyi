@@ -83,6 +83,26 @@ class PrefillRequest(_message.Message):
     decode_address: str
     def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids_packed: _Optional[bytes] = ..., sampling: _Optional[_Union[Sampling, _Mapping]] = ..., descriptor_msgpack: _Optional[bytes] = ..., decode_address: _Optional[str] = ...) -> None: ...
 
+class PrefillStreamRequest(_message.Message):
+    __slots__ = ("prefill", "cancel")
+    PREFILL_FIELD_NUMBER: _ClassVar[int]
+    CANCEL_FIELD_NUMBER: _ClassVar[int]
+    prefill: PrefillRequest
+    cancel: AbortRequest
+    def __init__(self, prefill: _Optional[_Union[PrefillRequest, _Mapping]] = ..., cancel: _Optional[_Union[AbortRequest, _Mapping]] = ...) -> None: ...
+
+class PrefillStreamReply(_message.Message):
+    __slots__ = ("request_id", "code", "details", "first_token_msgpack")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    CODE_FIELD_NUMBER: _ClassVar[int]
+    DETAILS_FIELD_NUMBER: _ClassVar[int]
+    FIRST_TOKEN_MSGPACK_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    code: int
+    details: str
+    first_token_msgpack: bytes
+    def __init__(self, request_id: _Optional[str] = ..., code: _Optional[int] = ..., details: _Optional[str] = ..., first_token_msgpack: _Optional[bytes] = ...) -> None: ...
+
 class AttachRequest(_message.Message):
     __slots__ = ("request_id", "descriptor_msgpack", "decode_address")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]

@@ -331,6 +331,11 @@ class PrefillControlStub:
                 request_serializer=protos_dot_node__pb2.PrefillRequest.SerializeToString,
                 response_deserializer=protos_dot_node__pb2.Payload.FromString,
                 _registered_method=True)
+        self.PrefillStream = channel.stream_stream(
+                '/pdserve.node.v1.PrefillControl/PrefillStream',
+                request_serializer=protos_dot_node__pb2.PrefillStreamRequest.SerializeToString,
+                response_deserializer=protos_dot_node__pb2.PrefillStreamReply.FromString,
+                _registered_method=True)
         self.Attach = channel.unary_unary(
                 '/pdserve.node.v1.PrefillControl/Attach',
                 request_serializer=protos_dot_node__pb2.AttachRequest.SerializeToString,
@@ -361,6 +366,16 @@ class PrefillControlServicer:
         first-token message there, and answer with the same first-token message. A request with
         neither descriptor nor decode address gets them from Attach (the router reserves on the
         decode node meanwhile): its KV and D's first-token message wait for it, its answer does not.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def PrefillStream(self, request_iterator, context):
+        """Prefill calls without a call's set-up each: one long-lived stream per router process and
+        prefill node carries Prefill requests (and cancellations) one way and their answers the other,
+        each answer naming its request. A request's error travels in its answer with the status code
+        the Prefill call would have ended with; the stream's end fails every request still on it.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -401,6 +416,11 @@ def add_PrefillControlServicer_to_server(servicer, server):
                     servicer.Prefill,
                     request_deserializer=protos_dot_node__pb2.PrefillRequest.FromString,
                     response_serializer=protos_dot_node__pb2.Payload.SerializeToString,
+            ),
+            'PrefillStream': grpc.stream_stream_rpc_method_handler(
+                    servicer.PrefillStream,
+                    request_deserializer=protos_dot_node__pb2.PrefillStreamRequest.FromString,
+                    response_serializer=protos_dot_node__pb2.PrefillStreamReply.SerializeToString,
             ),
             'Attach': grpc.unary_unary_rpc_method_handler(
                     servicer.Attach,
@@ -450,6 +470,33 @@ class PrefillControl:
             '/pdserve.node.v1.PrefillControl/Prefill',
             protos_dot_node__pb2.PrefillRequest.SerializeToString,
             protos_dot_node__pb2.Payload.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PrefillStream(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/pdserve.node.v1.PrefillControl/PrefillStream',
+            protos_dot_node__pb2.PrefillStreamRequest.SerializeToString,
+            protos_dot_node__pb2.PrefillStreamReply.FromString,
             options,
             channel_credentials,
             insecure,

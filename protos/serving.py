@@ -96,14 +96,16 @@ def _refuse_stream(request: Any, context: grpc.ServicerContext) -> Any:
 
 def refusing(handler: Any, refuse: Callable[..., Any], refuse_stream: Callable[..., Any]) -> Any:
     """A handler of `handler`'s kind and (de)serializers that answers with `refuse` (unary) or
-    `refuse_stream` (server-streaming): what an auth interceptor hands back instead. The node
-    services and the client API have no client-streaming methods."""
+    `refuse_stream` (server-streaming, and bidirectional: PrefillStream): what an auth interceptor
+    hands back instead. No client-streaming method with a single answer is served."""
     io = (handler.request_deserializer, handler.response_serializer)
     if handler.unary_unary is not None:
         return grpc.unary_unary_rpc_method_handler(refuse, *io)
     if handler.unary_stream is not None:
         return grpc.unary_stream_rpc_method_handler(refuse_stream, *io)
-    raise ValueError("no client-streaming method is served")
+    if handler.stream_stream is not None:
+        return grpc.stream_stream_rpc_method_handler(refuse_stream, *io)
+    raise ValueError("no client-streaming method with a single answer is served")
 
 
 def start_server(register: Callable[[Any, grpc.Server], None], servicer: Any, host: str, port: int,

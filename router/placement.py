@@ -26,6 +26,7 @@ from typing import Any
 
 import grpc
 
+import settings
 from protos import node_pb2
 from protos.convert import pack_token_ids
 from protos.messages import FirstToken, MessageError
@@ -35,6 +36,7 @@ from router.holds import Holds
 from router.migration import AttemptLost, unless_lost
 from router.policy import Policy
 from router.pool import Node, NodePool
+from router.prefill_stream import PrefillStreams
 from router.request import RequestError, RequestState
 
 MAX_DRAFTS = 64  # bound on drafts in a first-token message (the router ignores them)
@@ -67,6 +69,7 @@ class Placement:
         self.config, self.vocab_size, self.pool, self.policy = config, vocab_size, pool, policy
         self.admission, self.holds = admission, holds
         self.abandoned = abandoned  # (prompt tokens, reason) of a Prefill call given up: it may run twice
+        self.streams = PrefillStreams()
 
     @property
     def colocated(self) -> bool:
@@ -115,7 +118,7 @@ class Placement:
             request_id=st.node_rid, prompt_token_ids_packed=pack_token_ids(prompt), sampling=sampling,
             descriptor_msgpack=decode.descriptor, decode_address=decode.node.address)
         self.holds.hold_prefill(st, prefill, work)  # still held if the driver is cancelled: release aborts P
-        payload = await self._await_prefill(st, prefill, prefill.stub.Prefill(req))
+        payload = await self._await_prefill(st, prefill, self._prefill_call(prefill, req))
         return Prefilled(prefill, self._first_of(st, prefill, payload))
 
     async def _place_overlapped(self, st: RequestState, prompt: list[int], sampling: node_pb2.Sampling,
@@ -133,12 +136,12 @@ class Placement:
         rid = reserve.request_id
         self.holds.hold_prefill(st, prefill, work)
         st.timeline.lap("queue")
-        call = asyncio.ensure_future(prefill.stub.Prefill(node_pb2.PrefillRequest(
-            request_id=rid, prompt_token_ids_packed=reserve.prompt_token_ids_packed, sampling=sampling)))
+        call = self._prefill_call(prefill, node_pb2.PrefillRequest(
+            request_id=rid, prompt_token_ids_packed=reserve.prompt_token_ids_packed, sampling=sampling))
         arrived: list[float] = []  # when the first token came: the reservation may still have run then
         call.add_done_callback(lambda _: arrived.append(time.monotonic()))
         try:
-            await asyncio.sleep(0)  # the call sends on the loop's next turn: let it go before the reservation's work
+            await asyncio.sleep(0)  # the request is sent on the loop's next turn: let it go before the reservation's work
             seen = self.admission.queue.epoch
             found = await self.admission.try_reserve(st, reserve, "decode")
         except BaseException:
@@ -178,6 +181,14 @@ class Placement:
             self.pool.rpc_failed(prefill, e, "Attach")
             self.holds.spawn_abort(prefill, rid, "its KV descriptor was not taken")
             raise AttemptLost(f"prefill node {prefill.address} did not take the KV descriptor: {e.details()}") from None
+
+    def _prefill_call(self, prefill: Node, req: node_pb2.PrefillRequest) -> asyncio.Future[node_pb2.Payload]:
+        """P's answer to `req`, from P's stream (router/prefill_stream.py); cancelling it drops the job on P."""
+        # TODO(stream): PDSERVE_PREFILL_STREAM=0 (a unary Prefill call each) is for the GPU comparison
+        # only; delete it and the unary way (settings.PREFILL_STREAM says where) once decided.
+        if settings.PREFILL_STREAM:
+            return self.streams.prefill(prefill, req)
+        return asyncio.ensure_future(prefill.stub.Prefill(req))
 
     def _give_up_prefill(self, st: RequestState, prefill: Node, rid: str, call: asyncio.Future, reason: str) -> None:
         call.cancel()

@@ -142,6 +142,7 @@ class Router:
         if self.http is not None:
             await self.http.stop()
         await self.pool.drain(self.config.rpc_timeout_s)  # the Aborts just sent
+        await self.placement.streams.close()
         await self.pool.stop()
 
     async def refresh(self) -> None:

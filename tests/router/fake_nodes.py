@@ -3,7 +3,7 @@
 the real nodes exist. Vocabulary: the `tiny` model's (320 ids; bytes are 0..255, BOS 256,
 EOS 257).
 
-FakePrefill.Prefill(request):
+FakePrefill.Prefill(request) (and each request on a PrefillStream, as a call of its own):
   - first token = (prompt[-1] + 1) % 320 (a prompt ending in BOS 256 gives EOS 257), logprob
     -0.5, rank 1, top-N ids first + j;
   - `finished` is "stop" when that token is a stop id, "length" when max_tokens == 1;
@@ -298,6 +298,20 @@ class FakeDecode(_Server, node_pb2_grpc.DecodeControlServicer):
 
 
 # ---- prefill ----------------------------------------------------------------------------
+class _Refused(Exception):
+    def __init__(self, code: grpc.StatusCode, details: str) -> None:
+        super().__init__(details)
+        self.code, self.details = code, details
+
+
+class _StreamContext:
+    """What Prefill needs of its context, for a request that came on a PrefillStream: its abort
+    becomes the request's answer."""
+
+    async def abort(self, code: grpc.StatusCode, details: str) -> None:
+        raise _Refused(code, details)
+
+
 class FakePrefill(_Server, node_pb2_grpc.PrefillControlServicer):
     def __init__(self, name: str, queued_tokens: int = 0) -> None:
         super().__init__()
@@ -319,6 +333,8 @@ class FakePrefill(_Server, node_pb2_grpc.PrefillControlServicer):
         self.primes: list[tuple[str, str]] = []  # (request id, decode address) of each Prime call
         self.prime_hold: asyncio.Event | None = None
         self.refuse_primes = False
+        self.streams = 0  # PrefillStream calls opened
+        self.cancels: list[str] = []  # request ids cancelled on a PrefillStream
         self._attached: dict[str, asyncio.Future[str | None]] = {}  # request id -> its decode address
         self._decode_stubs: dict[str, node_pb2_grpc.DecodeControlStub] = {}
         self._channels: list[grpc.aio.Channel] = []
@@ -368,6 +384,48 @@ class FakePrefill(_Server, node_pb2_grpc.PrefillControlServicer):
             self.active.discard(request.request_id)
             self._attached.pop(request.request_id, None)  # a client may reuse its request id later
             self.changed()
+
+    async def PrefillStream(self, request_iterator, context):  # noqa: N802
+        """Each request runs as a Prefill call (a task of its own); a cancellation cancels its task
+        (as a cancelled call's handler is) and is recorded in `cancels`; the stream's end cancels them all."""
+        self.streams += 1
+        self.changed()
+        replies: asyncio.Queue[node_pb2.PrefillStreamReply | None] = asyncio.Queue()
+        tasks: dict[str, asyncio.Task] = {}
+        reader = asyncio.create_task(self._read_stream(request_iterator, tasks, replies))
+        try:
+            while (reply := await replies.get()) is not None:
+                yield reply
+        finally:
+            reader.cancel()
+            for task in tasks.values():
+                task.cancel()
+
+    async def _read_stream(self, requests, tasks: dict[str, asyncio.Task], replies: asyncio.Queue) -> None:
+        try:
+            async for msg in requests:
+                if msg.WhichOneof("kind") == "prefill":
+                    rid = msg.prefill.request_id
+                    tasks[rid] = asyncio.create_task(self._stream_one(msg.prefill, replies))
+                    tasks[rid].add_done_callback(lambda t, rid=rid: tasks.pop(rid, None) if tasks.get(rid) is t else None)
+                elif msg.WhichOneof("kind") == "cancel":
+                    self.cancels.append(msg.cancel.request_id)
+                    task = tasks.pop(msg.cancel.request_id, None)
+                    if task is not None:
+                        task.cancel()
+                    self.changed()
+        finally:
+            replies.put_nowait(None)
+
+    async def _stream_one(self, request, replies: asyncio.Queue) -> None:
+        try:
+            payload = await self.Prefill(request, _StreamContext())
+        except _Refused as e:
+            replies.put_nowait(node_pb2.PrefillStreamReply(request_id=request.request_id, code=e.code.value[0],
+                                                           details=e.details))
+            return
+        replies.put_nowait(node_pb2.PrefillStreamReply(request_id=request.request_id,
+                                                       first_token_msgpack=payload.msgpack))
 
     def _attach_future(self, rid: str) -> asyncio.Future[str | None]:
         if rid not in self._attached:

@@ -7,8 +7,10 @@ from __future__ import annotations
 
 import asyncio
 
+import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+import settings
 from tests.router.conftest import cluster
 from tests.router.test_lifecycle import collect, text
 
@@ -93,16 +95,45 @@ class _SendOrder:
         return call
 
 
-async def test_the_prefill_request_goes_out_before_the_reservation_is_made():
-    """With the reservation alongside, the Prefill call is on the first token's path and the Reserve
+class _StreamSendOrder:
+    """A prefill node stub whose PrefillStream notes in `order` when a Prefill request is written."""
+
+    def __init__(self, stub: object, order: list[str]) -> None:
+        self._stub, self._order = stub, order
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self._stub, name)
+
+    def PrefillStream(self, *args: object, **kwargs: object) -> object:  # noqa: N802
+        return _WriteOrder(self._stub.PrefillStream(*args, **kwargs), self._order)  # type: ignore[attr-defined]
+
+
+class _WriteOrder:
+    def __init__(self, call: object, order: list[str]) -> None:
+        self._call, self._order = call, order
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self._call, name)
+
+    async def write(self, msg: object) -> None:
+        if msg.WhichOneof("kind") == "prefill":  # type: ignore[attr-defined]
+            self._order.append("Prefill")
+        await self._call.write(msg)  # type: ignore[attr-defined]
+
+
+# TODO(stream): the unary case goes with the PDSERVE_PREFILL_STREAM switch
+@pytest.mark.parametrize("stream", [True, False])
+async def test_the_prefill_request_goes_out_before_the_reservation_is_made(stream, monkeypatch):
+    """With the reservation alongside, the Prefill request is on the first token's path and the Reserve
     is not: the prefill request leaves before the reservation's own work (the policy's order, the
     Reserve call), not after it."""
+    monkeypatch.setattr(settings, "PREFILL_STREAM", stream)
     async with cluster() as c:
         order: list[str] = []
         prefill = c.router.pool.find("prefill", c.prefill[0].address)
         decode = c.router.pool.find("decode", c.decode[0].address)
         assert prefill is not None and decode is not None
-        prefill.stub = _SendOrder(prefill.stub, "Prefill", order)
+        prefill.stub = _StreamSendOrder(prefill.stub, order) if stream else _SendOrder(prefill.stub, "Prefill", order)
         decode.stub = _SendOrder(decode.stub, "Reserve", order, made=True)
         assert text(await collect(c, prompt="ab", max_tokens=3)) == "che"
         assert order == ["Prefill", "Reserve"]

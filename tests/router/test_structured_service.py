@@ -18,7 +18,7 @@ import pytest
 from pydantic import BaseModel, Field
 
 import decode_node.server as decode_server
-import prefill_node.server as prefill_server
+import prefill_node.intake as prefill_server  # where the prefill node reads a request
 from engine.grammar.structured import StructuredSpec
 from protos import node_pb2, node_pb2_grpc
 from protos.convert import pack_token_ids
