@@ -7,10 +7,12 @@ pre-posts, ucx, for the destination's own runs, prepared at ``expect``).
 Hands on: one ``ack`` per request on its link (ok once every layer landed and the
 sender said ``finish``; not ok with a reason on failure).
 Never: writes outside the request's own destination blocks: every run is checked
-against the block list given to ``expect``. Careful: state changes only on the
-loop thread; callers read it under ``_lock``. A transport subclass provides
-``_address``, ``_reply`` and, when the transport pulls data (ucx), ``_prepost`` and
-``_announce``.
+against the block list given to ``expect``; nor closes a connection over a well-formed
+message of a transfer it does not know (never expected, or ended and forgotten
+``retain_s`` later: a late sender): that transfer alone fails (``_on_stray``).
+Careful: state changes only on the loop thread; callers read it under ``_lock``. A
+transport subclass provides ``_address``, ``_reply`` and, when the transport pulls data
+(ucx), ``_prepost`` and ``_announce``.
 """
 
 from __future__ import annotations
@@ -36,6 +38,8 @@ from kvtransfer.loop import LoopThread
 log = logging.getLogger(__name__)
 
 RECENT_SERIALS = 1 << 16
+ERRORS_KEPT = 256  # protocol errors kept for operators: strangers cannot grow the list
+STRAY = "unknown or expired transfer"  # the reason a sender of a transfer the receiver does not know hears
 _serials_lock = threading.Lock()
 _serials_recent: collections.deque[int] = collections.deque()
 _serials_taken: set[int] = set()
@@ -97,7 +101,9 @@ class StreamingReceiver(KVReceiver):
         self.timeout_s = timeout_s
         self.retain_s = retain_s
         self.layout: KVLayout | None = None
-        self.errors: list[str] = []  # protocol errors seen, newest last (for operators)
+        self.errors: collections.deque[str] = collections.deque(maxlen=ERRORS_KEPT)  # newest last
+        self.strays = 0  # well-formed messages for transfers this receiver did not know (``_on_stray``)
+        self._largest_run = 0  # bytes of the longest run a ``data`` message can name (``register``)
         self._lock = threading.Lock()
         self._in: dict[str, _In] = {}
         self._thread = self._make_loop()
@@ -137,6 +143,9 @@ class StreamingReceiver(KVReceiver):
     # -- caller side ---------------------------------------------------------------
     def register(self, layout: KVLayout) -> None:
         self.layout = layout
+        self._largest_run = max(
+            (layout.num_blocks(x) * sum(layout.block_bytes(x)) for x in range(layout.num_layers)), default=0
+        )
 
     def expect(
         self, request_id: str, dst_block_ids: Sequence[int], layers: Sequence[int], skip: int = 0
@@ -206,6 +215,9 @@ class StreamingReceiver(KVReceiver):
         if handler is None:
             raise wire.WireError(f"receiver does not accept {kind!r} messages")
         rec = self.authenticate(msg)
+        if rec is None:
+            self._on_stray(msg, link)
+            return
         if rec.state.terminal:  # late message: tell a sender that begins too late
             if kind == "begin" and link is not None and rec.link is None:
                 rec.link = link
@@ -217,11 +229,13 @@ class StreamingReceiver(KVReceiver):
         rec.deadline = time.monotonic() + self.timeout_s
         handler(rec, msg, link)
 
-    def authenticate(self, msg: dict[str, Any]) -> _In:
-        """The request a sender's message names, if the message carries its token; else
-        AuthError, before anything else is done with the message."""
-        rec = self._lookup(msg["rid"])
-        if not wire.authentic(msg, rec.tok):
+    def authenticate(self, msg: dict[str, Any]) -> _In | None:
+        """The request a sender's message names, if the message carries its token; None if this
+        receiver does not know the request; else AuthError, before anything else is done with the
+        message."""
+        with self._lock:
+            rec = self._in.get(msg["rid"])
+        if rec is not None and not wire.authentic(msg, rec.tok):
             raise wire.AuthError(f"{rec.rid}: {msg['t']} without the transfer's token: not a sender the "
                                  "router introduced")
         return rec
@@ -229,12 +243,23 @@ class StreamingReceiver(KVReceiver):
     def _ack(self, rec: _In, ok: bool, reason: str) -> dict[str, Any]:
         return wire.make("ack", rid=rec.rid, tok=rec.tok, ok=ok, reason=reason[: wire.MAX_STR])
 
-    def _lookup(self, rid: str) -> _In:
-        with self._lock:
-            rec = self._in.get(rid)
-        if rec is None:
-            raise ProtocolError(rid, "unknown request")
-        return rec
+    def _on_stray(self, msg: dict[str, Any], link: Any) -> None:
+        """A well-formed message for a transfer this receiver does not know: never expected here,
+        or ended and forgotten ``retain_s`` later (a prefill job that queued past the KV timeout
+        sends just that, on the connection its node's healthy transfers share). It concerns that
+        transfer alone, so the connection stays up: the message is dropped, and a sender that
+        waits for an answer (after ``begin`` or ``finish``) is told its transfer failed, under the
+        message's own token (it learns nothing; only that sender takes it). Nothing is remembered
+        of the request: memory stays bounded whatever ids a peer sends."""
+        self.strays += 1
+        if msg["t"] == "begin":
+            log.info("kvtransfer %s receiver: %s for %s", self.backend, STRAY, msg["rid"][:80])
+        if link is not None and msg["t"] in ("begin", "finish"):
+            self._tell_stray(link, wire.make("ack", rid=msg["rid"], tok=msg["tok"], ok=False, reason=STRAY))
+
+    def _tell_stray(self, link: Any, nack: dict[str, Any]) -> None:
+        """Send ``_on_stray``'s answer; a transport may drop it when the peer does not read."""
+        self._send(link, nack)
 
     def _on_begin(self, rec: _In, msg: dict[str, Any], link: Any) -> None:
         if rec.link is not None:
@@ -282,9 +307,16 @@ class StreamingReceiver(KVReceiver):
         """Destination views of an announced, not yet landed run of ``nbytes`` bytes, for data
         arriving on ``link``: only the link an authenticated ``begin`` bound may write.
 
-        None when the request already ended (late data: the caller discards it).
+        None when the request already ended or is unknown here (late data: the caller discards
+        it, so the stream stays in frame); WireError for more bytes than any run can hold.
         """
-        rec = self._lookup(rid)
+        if nbytes > self._largest_run:
+            raise wire.WireError(f"{rid}: data run of {nbytes} bytes, longer than any here ({self._largest_run})")
+        with self._lock:
+            rec = self._in.get(rid)
+        if rec is None:
+            self.strays += 1
+            return None
         if rec.state.terminal:
             return None
         if rec.link is not link:

@@ -7,7 +7,9 @@ whatever the number of planes. The receiver reads into the run's destination vie
 
 Faults: any bad frame (malformed, oversized, wrong version, unannounced data)
 makes the receiver answer ``error``, close that connection and fail the requests
-bound to it; its other connections keep serving. A closed connection fails the
+bound to it; its other connections keep serving. A well-formed message for a transfer
+the receiver does not know (late: ended and forgotten) fails that transfer alone: it
+is dropped (a ``data`` header's bytes read and discarded), the connection stays up. A closed connection fails the
 open requests on both ends at once; a silent peer fails them after ``timeout_s``.
 CUDA tensors are staged through host memory.
 """
@@ -27,6 +29,7 @@ from kvtransfer.receiver import StreamingReceiver, _log_failure
 from kvtransfer.sender import Link, StreamingSender
 
 log = logging.getLogger(__name__)
+STRAY_BUFFER = 1 << 16  # unsent bytes past which a receiver stops answering stray messages
 
 
 async def read_msg(reader: asyncio.StreamReader) -> dict[str, Any] | None:
@@ -117,6 +120,15 @@ class TcpReceiver(StreamingReceiver):
         if link.writer.transport.get_write_buffer_size():
             fut = asyncio.ensure_future(asyncio.wait_for(link.writer.drain(), self.timeout_s))
             fut.add_done_callback(_log_failure)
+
+    def _tell_stray(self, link: Any, nack: dict[str, Any]) -> None:
+        """Written at once, as an ack is, unless the peer leaves our earlier writes unread: a flood
+        of stray messages must not grow the buffer (a real late sender's own lease ends it)."""
+        try:
+            if link.writer.transport.get_write_buffer_size() < STRAY_BUFFER:
+                link.writer.write(wire.frame(nack))
+        except Exception as exc:  # the peer may be gone: that closes the connection elsewhere
+            log.debug("kvtransfer reply not written: %r", exc)
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         link = _Conn(reader, writer)

@@ -74,8 +74,10 @@ class UcxReceiver(StreamingReceiver):
 
     def _dispatch(self, msg: dict[str, Any]) -> None:
         if msg["t"] == "begin":
-            self.authenticate(msg)  # before an endpoint is made to the address it names
-            link: Any = self._peer(msg)
+            # Authenticated before an endpoint is made to the address it names; a transfer this
+            # receiver does not know is answered only through a peer it already has.
+            known = self.authenticate(msg) is not None
+            link: Any = self._peer(msg) if known else self._peers.get((msg["reply"], msg["ack_tag"]))
         else:
             with self._lock:
                 rec = self._in.get(msg.get("rid", ""))
