@@ -1,21 +1,25 @@
 """Decode GEMMs of one sequence (GEMV_MAX_M; its verify's rows too) over small weights: the weight
 tile is read into registers before the programmatic-dependent-launch wait (kernels/pdl.py).
 
-A program owns BN whole rows of the weight (both halves' rows with silu * up), padded to a
-power of two of K, and there are at most as many programs as SMs. It loads that tile [1, BN, KP]
-first, while the kernel before it still runs (weights are never written by a step), then waits,
-reads x's rows [MP, 1, KP] and sums their product with the tile once over K in fp32: every warp
-lies along K, so x's load has the weights' layout and the tile is never moved through shared
-memory. The epilogue is the split-K kernel's (kernels/epilogue.py), over all the rows at once:
-bias, silu * up, the residual add, the partial sums of squares for the next norm, and a
-weightless norm's row scale from x's. A row's sum runs in one order whatever M is, so row 0 of a
-launch of several rows has the bits of the same row launched alone.
+A program is one warp and owns BN whole rows of the weight (both halves' rows with silu * up). K
+is read in slots of C columns (a warp's 16-byte loads side by side), S1 + S2 of them, two powers
+of two, so K = 576 reads 3 slots of 256 rather than a padded 4. The program loads its slots of the
+tile first, while the kernel before it still runs (weights are never written by a step), then
+waits, reads x's rows and sums: each lane adds its columns' products over the slots in registers,
+then the warp sums them once (5 shuffle levels a value, no exchange between warps), in fp32. The
+rows only add registers, so a row's sum runs in one order whatever M is: row 0 of a launch of
+several rows has the bits of the same row launched alone. The epilogue is the split-K kernel's
+(kernels/epilogue.py), over all the rows at once: bias, silu * up, the residual add, the partial
+sums of squares for the next norm, and a weightless norm's row scale from x's.
 
 Why: a small model's batch-1 step (SmolLM2's: ~150 dependent launches of 0.7-3.5 MB weights)
 is bound by each launch's latency, not by bandwidth. Holding the whole tile in registers before
 the wait lets the weight read overlap the kernel before, which the split-K kernel's L2 prefetch
 does only in part; a persistent kernel with a grid barrier between stages lost to both, the
-barrier alone costing about a launch (docs/history/benchmarks-history.md).
+barrier alone costing about a launch. One warp a program, because a tile spread over several
+warps along K sums every output of every row across the warps too: its shuffles and shared-memory
+exchanges grow with the rows, so a verify's four rows cost far more than one row; here they add
+registers (docs/history/benchmarks-history.md has the comparison).
 
 Not in the batch-invariant mode (the kernel is chosen by M); not for an argmax or a split-K
 launch. bench/gpu/gpu_gemv_rows.py times it against the split-K kernel at 1 and 4 rows.
@@ -24,7 +28,6 @@ launch. bench/gpu/gpu_gemv_rows.py times it against the split-K kernel at 1 and 
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
 import triton
@@ -41,22 +44,10 @@ from kernels.pdl import pdl_args, wait_for_previous
 # Outside a decode step, a launch's rows are its sequences (one row).
 GEMV_MAX_M = 1
 GEMV_MAX_ROWS = 4
-GEMV_MAX_TILE = 32768  # weight elements a program holds (64 KB of bf16 over 4-8 warps)
+GEMV_MAX_TILE = 32768  # weight elements of a tile padded to a power of two of K
 # weights above this many bytes keep the split-K kernel (Llama-1B's o projection, 8 MB, would fit a tile)
 GEMV_MAX_BYTES = 4 * 2**20
-GemvConfig = tuple[int, int, int]  # (BN, KP, WARPS)
-
-# TEMPORARY (issue 50): which way the kernel sums a tile, for one comparison on a GPU; the losers and
-# the switch go once it is decided. "default": the tile [1, BN, KP] over 4-8 warps along K (every
-# value of [MP, BN] shuffled over 32 lanes and exchanged between warps: the shuffles grow with MP);
-# "slots": one warp a program over 3 of K = 576's 256-column slots, not 4 (`_slot_sums`), a thread
-# holding at most 48 weight elements; "slots-wide": the same, at most 96 (half the programs);
-# "warp1": the default's tile over one warp (no exchange between warps), at most 64.
-GEMV_VARIANTS = {"default": 0, "slots": 48, "slots-wide": 96, "warp1": 64}  # name: elements a thread
-GEMV_VARIANT = os.environ.get("PDSERVE_GEMV_VARIANT", "default")
-if GEMV_VARIANT not in GEMV_VARIANTS:
-    raise ValueError(f"PDSERVE_GEMV_VARIANT must be one of {sorted(GEMV_VARIANTS)}, got {GEMV_VARIANT!r}")
-
+GemvConfig = tuple[int, int, int]  # (BN, KP, WARPS); WARPS is 1
 
 @functools.cache
 def _programs(device_index: int | None) -> int:
@@ -68,12 +59,11 @@ def _programs(device_index: int | None) -> int:
 
 
 def gemv_config(m: int, w: torch.Tensor, glu: bool, sms: int | None = None) -> GemvConfig | None:
-    """(BN, KP, WARPS) when the kernel takes a launch of m rows (`kernels._dispatch.sequences` of
-    them) over w, else None. It takes w when
-    a tile of the smallest power of two of rows that leaves at most one tile per SM (`sms`: w's
-    device's count) fits GEMV_MAX_TILE. WARPS: as many along K as a warp's 16-byte loads fill, up
-    to 8; then BN halves (more programs than SMs, as many bytes on the busiest SM) until a thread
-    holds at most 128 weight elements."""
+    """(BN, KP, 1) when the kernel takes a launch of m rows (`kernels._dispatch.sequences` of them)
+    over w, else None. It takes w when a tile of the smallest power of two of rows that leaves at
+    most one tile per SM (`sms`: w's device's count) fits GEMV_MAX_TILE. Then BN halves (more
+    programs, as many bytes on the busiest SM) until a lane holds at most `_lane_elements` of the
+    weight's slots."""
     if sequences(m) > GEMV_MAX_M or m < 1 or m > GEMV_MAX_ROWS or w.numel() * w.element_size() > GEMV_MAX_BYTES:
         return None
     halves = 2 if glu else 1
@@ -85,17 +75,18 @@ def gemv_config(m: int, w: torch.Tensor, glu: bool, sms: int | None = None) -> G
         bn *= 2
     if bn * kp * halves > GEMV_MAX_TILE:
         return None
-    warp_width = min(kp, 32 * max(1, 16 // w.element_size()))
-    warps = max(1, min(8, kp // warp_width))
-    if GEMV_VARIANT != "default":  # one warp; K as the slots it reads (`slots`) or padded (warp1)
-        width = sum(slots(k, w.element_size())[:2]) * warp_width if GEMV_VARIANT != "warp1" else kp
-        warps, per_thread = 1, GEMV_VARIANTS[GEMV_VARIANT]
-        while bn > 1 and bn * halves * width > per_thread * 32:
-            bn //= 2
-        return bn, kp, warps
-    while bn > 1 and bn * kp * halves > 128 * 32 * warps:
+    s1, s2, c = slots(k, w.element_size())
+    while bn > 1 and bn * halves * (s1 + s2) * c > _lane_elements(k, n_out, glu) * 32:
         bn //= 2
-    return bn, kp, warps
+    return bn, kp, 1
+
+
+def _lane_elements(k: int, n_out: int, glu: bool) -> int:
+    """The weight elements a lane holds at most: 96 (half the programs) for silu * up's two halves
+    and for more outputs than K (q/k/v), else 48. Neither bound was fastest for every projection
+    inside a decode step's graph; this split was, at one row and at a verify's four
+    (docs/history/benchmarks-history.md)."""
+    return 96 if glu or n_out > k else 48
 
 
 def slots(k: int, element_size: int) -> tuple[int, int, int]:
@@ -106,25 +97,6 @@ def slots(k: int, element_size: int) -> tuple[int, int, int]:
     n = triton.cdiv(k, c)
     s1 = 1 << (n.bit_length() - 1)
     return s1, triton.next_power_of_2(n - s1) if n > s1 else 0, c
-
-
-@triton.jit
-def _tile_sums(x_ptr, w_ptr, rn, rm, M, N, K, stride_x, stride_w, GLU: tl.constexpr, KP: tl.constexpr,
-               PDL: tl.constexpr):
-    """The sums [MP, BN] (and the up half's) of the tile [1, BN, KP] with x [MP, 1, KP], summed
-    once over K; the tile is read before the wait."""
-    n3, m3, k3 = rn[None, :, None], rm[:, None, None], tl.arange(0, KP)[None, None, :]
-    w_mask = (n3 < N) & (k3 < K)
-    w_rows = w_ptr + n3.to(tl.int64) * stride_w + k3
-    w = tl.load(w_rows, mask=w_mask, other=0.0)  # [1, BN, KP], before the wait: weights are never written
-    u = tl.load(w_rows + N * stride_w, mask=w_mask & GLU, other=0.0)
-    wait_for_previous(PDL)
-    x = tl.load(x_ptr + m3.to(tl.int64) * stride_x + k3, mask=(m3 < M) & (k3 < K), other=0.0).to(tl.float32)
-    acc = tl.sum(w.to(tl.float32) * x, axis=2)  # [MP, BN]
-    acc_up = acc
-    if GLU:
-        acc_up = tl.sum(u.to(tl.float32) * x, axis=2)
-    return acc, acc_up
 
 
 @triton.jit
@@ -151,11 +123,8 @@ def _slot_products(x_ptr, w, u, m4, s0, M, K, stride_x, GLU: tl.constexpr, S: tl
 @triton.jit
 def _slot_sums(x_ptr, w_ptr, rn, rm, M, N, K, stride_x, stride_w, GLU: tl.constexpr, S1: tl.constexpr,
                S2: tl.constexpr, C: tl.constexpr, PDL: tl.constexpr):
-    """TEMPORARY (issue 50, PDSERVE_GEMV_VARIANT=slots): one warp a program, K in slots of C
-    columns (a warp's 16-byte loads), S1 + S2 of them (two powers of two, so that K = 576 reads
-    3 slots, not a padded 4). Each lane sums its columns over the slots in registers, then once
-    over its 8 and the warp's lanes: 5 shuffle levels a value, no exchange between warps. MP only
-    adds registers, so a row's order is the same whatever MP is."""
+    """The sums [MP, BN] (and the up half's) of the tile's S1 + S2 slots with x's rows (the module's
+    docstring): the tile is read before the wait."""
     n3 = rn[None, :, None]
     w, u = _slot_tile(w_ptr, n3, 0, N, K, stride_w, GLU, S1, C)  # before the wait
     if S2 > 0:
@@ -178,14 +147,11 @@ def _slot_sums(x_ptr, w_ptr, rn, rm, M, N, K, stride_x, stride_w, GLU: tl.conste
 def _gemv_kernel(x_ptr, w_ptr, b_ptr, r_ptr, y_ptr, ssi_ptr, sso_ptr,
                  M, N, K, stride_x, stride_w, stride_r, stride_y, eps, NTI,
                  HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr, GLU: tl.constexpr, NORM: tl.constexpr,
-                 NTP: tl.constexpr, SS_OUT: tl.constexpr, MP: tl.constexpr, BN: tl.constexpr, KP: tl.constexpr,
+                 NTP: tl.constexpr, SS_OUT: tl.constexpr, MP: tl.constexpr, BN: tl.constexpr,
                  S1: tl.constexpr, S2: tl.constexpr, C: tl.constexpr, PDL: tl.constexpr):
     rn = tl.program_id(1) * BN + tl.arange(0, BN)  # grid axis 1 tiles the columns (store_partial_sumsq)
     rm = tl.arange(0, MP)
-    if S1 == 0:
-        acc, acc_up = _tile_sums(x_ptr, w_ptr, rn, rm, M, N, K, stride_x, stride_w, GLU, KP, PDL)
-    else:
-        acc, acc_up = _slot_sums(x_ptr, w_ptr, rn, rm, M, N, K, stride_x, stride_w, GLU, S1, S2, C, PDL)
+    acc, acc_up = _slot_sums(x_ptr, w_ptr, rn, rm, M, N, K, stride_x, stride_w, GLU, S1, S2, C, PDL)
     if NORM:  # a weightless RMSNorm of x, applied to the sums
         rstd = rstd_of_partials(ssi_ptr, rm, M, NTI, K, eps, NTP)[:, None]
         acc *= rstd
@@ -201,9 +167,9 @@ def launch_gemv(x2: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, resid
     or `sumsq`."""
     m, k = x2.shape
     n_out = w.shape[0] // 2 if glu else w.shape[0]
-    bn, kp, warps = config
+    bn, _, warps = config
     tiles = triton.cdiv(n_out, bn)
-    s1, s2, c = slots(k, w.element_size()) if GEMV_VARIANT.startswith("slots") else (0, 0, 0)
+    s1, s2, c = slots(k, w.element_size())
     r = residual if residual is not None else y
     sso = torch.empty(m, tiles, dtype=torch.float32, device=x2.device) if residual is not None or sumsq else None
     eps, ssi = norm if norm is not None else (0.0, None)
@@ -212,6 +178,6 @@ def launch_gemv(x2: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, resid
         x2, w, b if b is not None else w, r, y, ssi if ssi is not None else y, sso if sso is not None else y,
         m, n_out, k, x2.stride(0), w.stride(0), r.stride(0), y.stride(0), eps, nti,
         HAS_BIAS=b is not None, HAS_RES=residual is not None, GLU=glu, NORM=ssi is not None,
-        NTP=triton.next_power_of_2(nti), SS_OUT=sso is not None, MP=triton.next_power_of_2(m), BN=bn, KP=kp,
+        NTP=triton.next_power_of_2(nti), SS_OUT=sso is not None, MP=triton.next_power_of_2(m), BN=bn,
         S1=s1, S2=s2, C=c, num_warps=warps, num_stages=1, **pdl_args(x2))
     return sso

@@ -151,8 +151,8 @@ def print_table(rows: list[dict]) -> None:
 
 def sm90_counts(name: str, spec: tuple[int, int, str], m: int) -> dict:
     """The GEMV at m rows over the shape, compiled for sm_90a as launch_gemv would launch it
-    (16-byte aligned pointers, strides and sizes divisible by 16 as the JIT sees them), its way of
-    summing as PDSERVE_GEMV_VARIANT says; static counts from ptxas and the SASS (nvdisasm) a warp runs."""
+    (16-byte aligned pointers, strides and sizes divisible by 16 as the JIT sees them); static counts
+    from ptxas and the SASS (nvdisasm) a warp runs."""
     import collections
     import re
     import subprocess
@@ -168,11 +168,11 @@ def sm90_counts(name: str, spec: tuple[int, int, str], m: int) -> dict:
     w = torch.empty((2 if op == "glu" else 1) * n, k, dtype=torch.bfloat16, device="meta")
     bn, kp, warps = G.gemv_config(m, w, op == "glu", 132) or (0, 0, 0)
     settings("today")
-    s1, s2, c = G.slots(k, 2) if G.GEMV_VARIANT.startswith("slots") else (0, 0, 0)
+    s1, s2, c = G.slots(k, 2)
     names = G._gemv_kernel.arg_names[:16]
     sig = dict(zip(names, ["*bf16"] * 5 + ["*fp32"] * 2 + ["i32"] * 7 + ["fp32", "i32"], strict=True))
     consts = dict(HAS_BIAS=False, HAS_RES=op == "res", GLU=op == "glu", NORM=op != "res", NTP=1, SS_OUT=op == "res",
-                  MP=triton.next_power_of_2(m), BN=bn, KP=kp, S1=s1, S2=s2, C=c, PDL=True)
+                  MP=triton.next_power_of_2(m), BN=bn, S1=s1, S2=s2, C=c, PDL=True)
     sig.update(dict.fromkeys(consts, "constexpr"))
     attrs = {(i,): [["tt.divisibility", 16]] for i, a in enumerate(names) if a.endswith("_ptr") or a[0] in "sNK"}
     kern = triton.compile(ASTSource(G._gemv_kernel, sig, constexprs=consts, attrs=attrs),
@@ -202,7 +202,7 @@ def sm90_counts(name: str, spec: tuple[int, int, str], m: int) -> dict:
 def print_sm90(rows: list[dict]) -> None:
     """SM_instr: warp instructions an SM issues, at the shape's programs spread over 132 SMs."""
     keys = ["BN", "warps", "programs", "regs", "spill", "smem", "sass", "SHFL", "BAR", "fp32", "SM_instr"]
-    print(f"\n{G.GEMV_VARIANT}\n{'shape':14} | M | " + " | ".join(f"{k:>5}" for k in keys))
+    print(f"\n{'shape':14} | M | " + " | ".join(f"{k:>5}" for k in keys))
     for r in rows:
         print(f"{r['shape']:14} | {r['M']} | " + " | ".join(f"{r[k]:>5}" for k in keys))
 
