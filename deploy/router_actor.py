@@ -7,9 +7,9 @@ Restarts: the actor restarts forever (deploy/service.py). Ray re-runs only `__in
 process, so a restarted actor serves nothing and knows no node until the service's watcher gives
 it the node list (`set_nodes`) and calls `ensure_serving` with the ports its predecessor bound:
 clients keep the same address. The new Router has a new instance id; the dead one's requests are
-dropped by the decode nodes once its Outputs streams end (decode_node/node.py, "Owners"), and
-prefill nodes drop a Prefill whose caller went away. Requests in flight at the death end at the
-client with a broken stream (gRPC UNAVAILABLE); none is carried over.
+dropped by the decode nodes once its Outputs streams end (decode_node/node.py, "Owners"), and by
+the prefill nodes once its PrefillStreams end. Requests in flight at the death end at the client
+with a broken stream (gRPC UNAVAILABLE); none is carried over.
 """
 
 from __future__ import annotations

@@ -1,10 +1,10 @@
 """A Prefill request as the node takes it, and a job's end as the router reads it.
 
-Receives a PrefillRequest from the network (either the Prefill call or the PrefillStream), checks
-every field (id, packed ids against the vocabulary, sampling, the descriptor) and submits a
-PrefillJob; maps what the job's future raised to the gRPC status code and message the router
-acts on (retry elsewhere, move the request, or end it). Both ways in share these, so the router
-meets the same codes whichever way the request came. Never waits for the job.
+Receives a PrefillRequest from the network (a router's PrefillStream, prefill_node/stream.py),
+checks every field (id, packed ids against the vocabulary, sampling, the descriptor) and submits a
+PrefillJob; maps what the job's future raised to the gRPC status code and message the router acts
+on (retry elsewhere, move the request, or end it), carried in the request's answer. Never waits
+for the job.
 """
 
 from __future__ import annotations

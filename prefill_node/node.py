@@ -97,7 +97,7 @@ class PrefillJob:
     held_layers: list[tuple[int, Any]] = field(default_factory=list)  # (layer, ready) computed before the descriptor
     held_first: FirstToken | None = None  # done before the descriptor: D's first-token message waits
     attach_by: float = 0.0  # monotonic deadline for a job without its descriptor
-    received: float = field(default_factory=time.monotonic)  # its Prefill call came in (the server sets it)
+    received: float = field(default_factory=time.monotonic)  # its Prefill request came in (the server sets it)
     started: float | None = None  # its first chunk's step began: the end of its queue time
     answered: threading.Event | None = None  # a caller answers with its first token: set once it has (`let_answer`)
 
@@ -436,7 +436,7 @@ class PrefillNode(StepLoop):
                     future: concurrent.futures.Future) -> None:
         """The descriptor of a job submitted without one: start its transfer and send what waited."""
         job = self.detached.get(rid) or next((j for j in self.waiting if j.request_id == rid), None)
-        if job is None:  # its Prefill call has not come through yet (or the job is gone: it expires)
+        if job is None:  # its Prefill request has not come through yet (or the job is gone: it expires)
             self._early[rid] = (descriptor, address, future, time.monotonic() + self.kv_timeout_s)
             return
         if job.attached:

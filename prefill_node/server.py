@@ -1,10 +1,10 @@
-"""The prefill node's gRPC face (PrefillControl): validates, submits, answers with the
-first-token message. Also the client that delivers first-token messages to decode nodes."""
+"""The prefill node's gRPC face (PrefillControl): each router's Prefill requests on its
+PrefillStream (prefill_node/stream.py), and Attach, Abort, Status and Prime. Also the client that
+delivers first-token messages to decode nodes."""
 
 from __future__ import annotations
 
 import threading
-import time
 from concurrent import futures
 from typing import Any
 
@@ -14,7 +14,7 @@ import msgpack
 from engine.tp.channel import Lockstep
 from kvtransfer import TransferError, TransferState
 from kvtransfer.prime import prime
-from prefill_node.intake import Refused, failure_status, read_descriptor, submit
+from prefill_node.intake import read_descriptor
 from prefill_node.node import PrefillNode
 from prefill_node.stream import PrefillSession
 from protos import node_pb2, node_pb2_grpc
@@ -50,11 +50,12 @@ class DecodeClients:
 
 
 # How long an Attach call holds its server thread for the node to take the descriptor. An Attach
-# that overtook its Prefill call must not wait for the job: with the server's threads all held
-# by such waits, the Prefill calls they wait for could not be served (a deadlock until their
-# deadlines; a fresh-clone CI run, 32 requests at once). Past this the call answers ok and the node
-# attaches the descriptor when the job comes; a failure then (a bad descriptor, an abort, no job
-# within the KV timeout) ends the job, which its Prefill call or the decode node's KV timeout reports.
+# that overtook its Prefill request must not wait for the job: with the server's threads all held
+# by such waits, the PrefillStream carrying the requests they wait for could not be opened (a
+# deadlock until their deadlines; a fresh-clone CI run, 32 requests at once). Past this the call
+# answers ok and the node attaches the descriptor when the job comes; a failure then (a bad
+# descriptor, an abort, no job within the KV timeout) ends the job, which its answer on the stream
+# or the decode node's KV timeout reports.
 ATTACH_WAIT_S = 0.25
 PRIME_WAIT_S = 60.0  # the most a Prime call holds a server thread, whatever its caller's deadline
 
@@ -62,30 +63,6 @@ PRIME_WAIT_S = 60.0  # the most a Prime call holds a server thread, whatever its
 class PrefillServicer(node_pb2_grpc.PrefillControlServicer):
     def __init__(self, node: PrefillNode, node_id: str) -> None:
         self.node, self.node_id = node, node_id
-
-    def Prefill(self, request, context):
-        received = time.monotonic()  # the job's queue time starts (a TTFT part the first token carries back)
-        answered = threading.Event()
-        try:
-            rid, future = submit(self.node, request, received, answered)
-        except Refused as e:
-            context.abort(e.code, e.details)
-
-        def on_done() -> None:  # the RPC ended (answered, or the caller went away): drop unfinished work
-            answered.set()  # the node's loop goes on with the step's follow-up work (prefill_node/first_token.py)
-            if not future.done():
-                self.node.abort(rid, "prefill cancelled by caller")
-
-        context.add_callback(on_done)
-        try:
-            remaining = context.time_remaining()  # None or huge when the caller set no deadline
-            msg = future.result(timeout=remaining if remaining is not None and remaining < 1e6 else None)
-        except futures.TimeoutError:
-            self.node.abort(rid, "deadline exceeded")
-            context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, "prefill did not finish in time")
-        except Exception as e:
-            context.abort(*failure_status(self.node, e))
-        return node_pb2.Payload(msgpack=msg.pack())
 
     def PrefillStream(self, request_iterator, context):
         """The Prefill requests of one router process's channel, and their answers (PrefillSession)."""

@@ -1,14 +1,14 @@
 """PrefillSession: one router channel's PrefillStream on the prefill node.
 
 Receives, in order, the channel's Prefill requests and cancellations (PrefillStreamRequest); hands
-back one PrefillStreamReply per request, in the order the jobs end: the first-token message, or the
-status code and message the Prefill call would have ended with (prefill_node/intake.py). A
-cancellation, or the stream's end (the router went away, the connection broke), drops the
-request's unfinished job as a cancelled Prefill call does ("prefill cancelled by caller").
+back one PrefillStreamReply per request, in the order the jobs end: the first-token message, or a
+gRPC status code and message (prefill_node/intake.py). A cancellation, or the stream's end (the
+router went away, the connection broke), drops the request's unfinished job ("prefill cancelled
+by caller").
 
 Threads: the gRPC handler thread runs `replies` (it blocks on the outbox); a reader thread of its
 own reads the requests (`read_from`); the node's loop thread ends the jobs (their futures' callbacks
-only queue them: the answer is packed on the handler's thread, as the Prefill call's is). Careful:
+only queue them: the answer is packed on the handler's thread, off the loop's). Careful:
 `close` must run when the RPC ends, or the handler thread waits on the outbox for ever.
 """
 
@@ -30,7 +30,7 @@ from protos import node_pb2
 
 log = logging.getLogger(__name__)
 
-CANCELLED = "prefill cancelled by caller"  # as the Prefill call's cancellation says it
+CANCELLED = "prefill cancelled by caller"  # the abort reason of a job whose router stopped waiting
 
 
 @dataclass(eq=False)

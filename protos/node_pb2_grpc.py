@@ -326,11 +326,6 @@ class PrefillControlStub:
         Args:
             channel: A grpc.Channel.
         """
-        self.Prefill = channel.unary_unary(
-                '/pdserve.node.v1.PrefillControl/Prefill',
-                request_serializer=protos_dot_node__pb2.PrefillRequest.SerializeToString,
-                response_deserializer=protos_dot_node__pb2.Payload.FromString,
-                _registered_method=True)
         self.PrefillStream = channel.stream_stream(
                 '/pdserve.node.v1.PrefillControl/PrefillStream',
                 request_serializer=protos_dot_node__pb2.PrefillStreamRequest.SerializeToString,
@@ -361,28 +356,22 @@ class PrefillControlStub:
 class PrefillControlServicer:
     """Missing associated documentation comment in .proto file."""
 
-    def Prefill(self, request, context):
-        """Prefill a prompt, push its KV to the decode node named in the request, send the
-        first-token message there, and answer with the same first-token message. A request with
+    def PrefillStream(self, request_iterator, context):
+        """One long-lived stream per router process and prefill node carries Prefill requests (and
+        cancellations) one way and their answers the other, each answer naming its request, in the
+        order the jobs end. For each request: prefill the prompt, push its KV to the decode node
+        named in the request, send the first-token message there, and answer with the same
+        first-token message, or with the gRPC status code and message of its failure. A request with
         neither descriptor nor decode address gets them from Attach (the router reserves on the
         decode node meanwhile): its KV and D's first-token message wait for it, its answer does not.
-        """
-        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
-        context.set_details('Method not implemented!')
-        raise NotImplementedError('Method not implemented!')
-
-    def PrefillStream(self, request_iterator, context):
-        """Prefill calls without a call's set-up each: one long-lived stream per router process and
-        prefill node carries Prefill requests (and cancellations) one way and their answers the other,
-        each answer naming its request. A request's error travels in its answer with the status code
-        the Prefill call would have ended with; the stream's end fails every request still on it.
+        The stream's end fails every request still on it (the router) and drops their jobs (the node).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def Attach(self, request, context):
-        """The descriptor and decode node of a Prefill call made without them.
+        """The descriptor and decode node of a Prefill request made without them.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -412,11 +401,6 @@ class PrefillControlServicer:
 
 def add_PrefillControlServicer_to_server(servicer, server):
     rpc_method_handlers = {
-            'Prefill': grpc.unary_unary_rpc_method_handler(
-                    servicer.Prefill,
-                    request_deserializer=protos_dot_node__pb2.PrefillRequest.FromString,
-                    response_serializer=protos_dot_node__pb2.Payload.SerializeToString,
-            ),
             'PrefillStream': grpc.stream_stream_rpc_method_handler(
                     servicer.PrefillStream,
                     request_deserializer=protos_dot_node__pb2.PrefillStreamRequest.FromString,
@@ -452,33 +436,6 @@ def add_PrefillControlServicer_to_server(servicer, server):
  # This class is part of an EXPERIMENTAL API.
 class PrefillControl:
     """Missing associated documentation comment in .proto file."""
-
-    @staticmethod
-    def Prefill(request,
-            target,
-            options=(),
-            channel_credentials=None,
-            call_credentials=None,
-            insecure=False,
-            compression=None,
-            wait_for_ready=None,
-            timeout=None,
-            metadata=None):
-        return grpc.experimental.unary_unary(
-            request,
-            target,
-            '/pdserve.node.v1.PrefillControl/Prefill',
-            protos_dot_node__pb2.PrefillRequest.SerializeToString,
-            protos_dot_node__pb2.Payload.FromString,
-            options,
-            channel_credentials,
-            insecure,
-            call_credentials,
-            compression,
-            wait_for_ready,
-            timeout,
-            metadata,
-            _registered_method=True)
 
     @staticmethod
     def PrefillStream(request_iterator,

@@ -44,7 +44,7 @@ class RouterConfig(BaseModel):
     # failureThreshold is 3 as well). A refused connection (UNAVAILABLE) takes it out at once.
     status_failure_threshold: int = Field(default=3, ge=1)
     prefill_retries: int = Field(default=2, ge=0)  # other prefill nodes tried after UNAVAILABLE
-    # PD: reserve on the decode node while the prefill node computes (its Prefill call carries no
+    # PD: reserve on the decode node while the prefill node computes (its Prefill request carries no
     # KV descriptor; an Attach call brings it), so the first token does not wait for the
     # reservation (~2 ms of gRPC). Only while no request waits in the router's queue; when no
     # decode node admits, the prefill is given up and the request reserves first, as with False.

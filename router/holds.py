@@ -2,7 +2,7 @@
 
 Receives, from a request's driver, the node it placed an attempt on (`hold_decode`: a decode or
 colocated node, by the attempt's node-side id; `hold_prefill`: a prefill node with an outstanding
-Prefill call) and their ends (`drop_*`); from the NodePool, every decode node's output items,
+Prefill request) and their ends (`drop_*`); from the NodePool, every decode node's output items,
 which it hands to the request whose current attempt they belong to (`deliver`). Keeps each
 node's in-flight counts (what the policy reads) equal to what is held. Sends Abort to a node that
 may still hold a request (`release`, `spawn_abort_decode`), in the background, never blocking.
@@ -85,7 +85,7 @@ class Holds:
             self.spawn_abort(node, rid, reason)
 
     def release(self, st: RequestState, reason: str) -> None:
-        """The request ended: free what the nodes still hold (Abort to P if a Prefill call was
+        """The request ended: free what the nodes still hold (Abort to P if a Prefill request was
         outstanding, to D unless D already ended it)."""
         prefill = st.prefill
         if prefill is not None:

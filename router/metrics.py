@@ -85,8 +85,8 @@ class RouterMetrics:
         self.migrations = Counter("pdserve:request_migrations", "Requests moved to another decode node "
                                   "(each move counts)", labels, registry=r).labels(model_name)
         self.prefill_abandoned = Counter(
-            "pdserve:prefill_abandoned_tokens", "Prompt tokens of Prefill calls the router gave up on (no decode "
-            "node admitted at once, a failed reservation or Prefill call): the prefill node may have computed them",
+            "pdserve:prefill_abandoned_tokens", "Prompt tokens of Prefill requests the router gave up on (no decode "
+            "node admitted at once, a failed reservation or Prefill request): the prefill node may have computed them",
             [*labels, "reason"], registry=r)
         Gauge("pdserve:num_requests_waiting", "Requests queued for a decode node", registry=r).set_function(
             lambda: float(queue_depth()))

@@ -26,7 +26,6 @@ from typing import Any
 
 import grpc
 
-import settings
 from protos import node_pb2
 from protos.convert import pack_token_ids
 from protos.messages import FirstToken, MessageError
@@ -44,7 +43,7 @@ MAX_DRAFTS = 64  # bound on drafts in a first-token message (the router ignores 
 
 @dataclass(frozen=True)
 class Prefilled:
-    """A Prefill call's end on `node`: its first token, or None when the node was unavailable
+    """A Prefill request's end on `node`: its first token, or None when the node was unavailable
     (the caller tries another). `confirm`: with an overlapped reservation, the check that P took
     D's descriptor (Attach), awaited once the first token is on its way to the client (its
     failure, AttemptLost, moves the request on after that token, as a decode node's loss does)."""
@@ -68,8 +67,8 @@ class Placement:
                  admission: Admission, holds: Holds, abandoned: Callable[[int, str], None] = lambda n, why: None) -> None:
         self.config, self.vocab_size, self.pool, self.policy = config, vocab_size, pool, policy
         self.admission, self.holds = admission, holds
-        self.abandoned = abandoned  # (prompt tokens, reason) of a Prefill call given up: it may run twice
-        self.streams = PrefillStreams()
+        self.abandoned = abandoned  # (prompt tokens, reason) of a Prefill request given up: it may run twice
+        self.streams = PrefillStreams()  # a stream per prefill node; cancelling an answer's future drops P's job
 
     @property
     def colocated(self) -> bool:
@@ -118,7 +117,7 @@ class Placement:
             request_id=st.node_rid, prompt_token_ids_packed=pack_token_ids(prompt), sampling=sampling,
             descriptor_msgpack=decode.descriptor, decode_address=decode.node.address)
         self.holds.hold_prefill(st, prefill, work)  # still held if the driver is cancelled: release aborts P
-        payload = await self._await_prefill(st, prefill, self._prefill_call(prefill, req))
+        payload = await self._await_prefill(st, prefill, self.streams.prefill(prefill, req))
         return Prefilled(prefill, self._first_of(st, prefill, payload))
 
     async def _place_overlapped(self, st: RequestState, prompt: list[int], sampling: node_pb2.Sampling,
@@ -136,7 +135,7 @@ class Placement:
         rid = reserve.request_id
         self.holds.hold_prefill(st, prefill, work)
         st.timeline.lap("queue")
-        call = self._prefill_call(prefill, node_pb2.PrefillRequest(
+        call = self.streams.prefill(prefill, node_pb2.PrefillRequest(
             request_id=rid, prompt_token_ids_packed=reserve.prompt_token_ids_packed, sampling=sampling))
         arrived: list[float] = []  # when the first token came: the reservation may still have run then
         call.add_done_callback(lambda _: arrived.append(time.monotonic()))
@@ -182,14 +181,6 @@ class Placement:
             self.holds.spawn_abort(prefill, rid, "its KV descriptor was not taken")
             raise AttemptLost(f"prefill node {prefill.address} did not take the KV descriptor: {e.details()}") from None
 
-    def _prefill_call(self, prefill: Node, req: node_pb2.PrefillRequest) -> asyncio.Future[node_pb2.Payload]:
-        """P's answer to `req`, from P's stream (router/prefill_stream.py); cancelling it drops the job on P."""
-        # TODO(stream): PDSERVE_PREFILL_STREAM=0 (a unary Prefill call each) is for the GPU comparison
-        # only; delete it and the unary way (settings.PREFILL_STREAM says where) once decided.
-        if settings.PREFILL_STREAM:
-            return self.streams.prefill(prefill, req)
-        return asyncio.ensure_future(prefill.stub.Prefill(req))
-
     def _give_up_prefill(self, st: RequestState, prefill: Node, rid: str, call: asyncio.Future, reason: str) -> None:
         call.cancel()
         self.holds.drop_prefill(st)
@@ -215,8 +206,8 @@ class Placement:
             return decode, prefill, work
 
     async def _await_prefill(self, st: RequestState, prefill: Node, call: Awaitable[Any]) -> node_pb2.Payload | None:
-        """The Prefill call's answer (the caller held the prefill node); None when the prefill node is
-        unavailable (try another). AttemptLost when the decode node fails meanwhile (the call is
+        """The Prefill request's answer (the caller held the prefill node); None when the prefill node is
+        unavailable (try another). AttemptLost when the decode node fails meanwhile (the request is
         cancelled and P told to drop it), or P could not reach it (FAILED_PRECONDITION)."""
         try:
             payload: node_pb2.Payload = await unless_lost(st, call)
@@ -246,7 +237,7 @@ class Placement:
 
     def _first_of(self, st: RequestState, prefill: Node, payload: node_pb2.Payload | None,
                   arrived: float | None = None) -> FirstToken | None:
-        """The first token of a Prefill call opened at the request's last TTFT lap, come at `arrived`
+        """The first token of a Prefill request sent at the request's last TTFT lap, come at `arrived`
         (default: now), with its queue and compute (as the node measured them) laid on the TTFT's
         timeline; None when the node was unavailable."""
         if payload is None:

@@ -1,20 +1,20 @@
 """PrefillStreams: this router process's Prefill requests to each prefill node, on one long-lived
-PrefillStream call per node (protos/node.proto) instead of a Prefill call each.
+PrefillStream call per node (protos/node.proto), a request and its answer matched by request id.
 
-Receives a PrefillRequest for a node (`prefill`) and hands back an asyncio future that ends as the
-Prefill call would have: with the first-token Payload, or with a grpc.aio.AioRpcError carrying the
-status code and message the node put in its answer, so placement.py's retry and migration read it
-unchanged. The call goes over the node's channel (its TLS) with the stub's metadata (the cluster
-secret), as every other node call does.
+Receives a PrefillRequest for a node (`prefill`) and hands back an asyncio future that ends with
+the first-token Payload, or with a grpc.aio.AioRpcError carrying the status code and message the
+node put in its answer, so placement.py's retry and migration read it as any node call's failure.
+The call goes over the node's channel (its TLS) with the stub's metadata (the cluster secret), as
+every other node call does.
 
 - A future cancelled (the request ended, its decode node was lost, its driver's deadline) sends a
-  cancellation on the stream: the node drops the job as it does a cancelled Prefill call's.
+  cancellation on the stream: the node drops the job.
 - The stream's end (the node died, the connection broke, the router is stopping) fails every
   request still waiting on it, once each, with the stream's status (UNAVAILABLE when it has none of
-  its own), as their calls would have failed; the next request opens a new stream.
+  its own); the next request opens a new stream.
 - An answer is read only for an id this router is waiting for on that stream; its status code must
   be one gRPC knows (else INTERNAL), and its message is bounded. The first token itself is checked
-  by its reader (placement.py), as a Prefill call's answer is.
+  by its reader (placement.py).
 Never blocks the event loop; the writes go through one writer task per stream (a write cancelled
 midway would cancel the whole call, and with it every request on it).
 """
@@ -38,7 +38,7 @@ Spawn = Callable[[Coroutine[Any, Any, Any]], "asyncio.Task[Any]"]
 
 
 def rpc_error(code: grpc.StatusCode, details: str) -> grpc.aio.AioRpcError:
-    """The error a Prefill call ending with `code` would have raised."""
+    """The error a request whose answer carries `code` fails with."""
     return grpc.aio.AioRpcError(code, grpc.aio.Metadata(), grpc.aio.Metadata(), details=details)
 
 
@@ -100,7 +100,7 @@ class _Stream:
         return future
 
     def _done(self, rid: str, future: asyncio.Future[node_pb2.Payload]) -> None:
-        """A cancelled future's job is dropped on the node (as a cancelled call's is)."""
+        """A cancelled future's job is dropped on the node."""
         if self.waiting.get(rid) is future:
             del self.waiting[rid]
             if future.cancelled() and not self.ended:

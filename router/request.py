@@ -187,7 +187,7 @@ class RequestState:
     node_rid: str = ""  # the id P and D know this attempt by
     decode: Node | None = None  # holds a reservation for this request
     decode_live: bool = False  # D may still hold it (no terminal from D yet)
-    prefill: Node | None = None  # a Prefill call is outstanding there
+    prefill: Node | None = None  # a Prefill request is outstanding there
     prefill_work: int = 0  # prompt tokens the policy expects it to compute (its inflight_tokens share)
     lost: asyncio.Future[str] | None = None  # set (a reason) when `decode` fails; one per placement
     attempt: int = 0  # placements tried (node-side ids carry it)

@@ -9,9 +9,9 @@ the previous lap. The prefill node's queue and compute come from that node as du
 clock readings of another host) with its first token; `split_window` fits them into the router's
 own measurement of the call that carried them, so a bad or late figure from the network can move
 time between parts but never change their sum. Where two things ran at once (with
-`overlap_reserve`, the Reserve alongside the Prefill call), the part on the critical path is the
-call: the first token does not wait for the reservation's hand-off to the prefill node. Never blocks, never talks
-to a node.
+`overlap_reserve`, the Reserve alongside the Prefill request), the part on the critical path is the
+request: the first token does not wait for the reservation's hand-off to the prefill node. Never
+blocks, never talks to a node.
 """
 
 from __future__ import annotations

@@ -128,14 +128,6 @@ UCX_SPIN: bool = _value(_register(
     "PDSERVE_UCX_SPIN", "bool", "1", _bool,
     "UCX workers busy-poll while KV receives are pending (0: they sleep on the worker's event)."))
 
-# -- router -> prefill node ---------------------------------------------------------------------
-# TODO(stream): an experiment's switch, for the GPU comparison of the two ways only; once decided,
-# delete it with the losing way (the unary Prefill call: router/placement.py `_prefill_call`,
-# PrefillServicer.Prefill and the rpc in protos/node.proto).
-PREFILL_STREAM: bool = _value(_register(
-    "PDSERVE_PREFILL_STREAM", "bool", "1", _bool,
-    "Router: Prefill requests on one open stream per prefill node (0: a unary call each; temporary, branch `stream`)."))
-
 # -- structured outputs -------------------------------------------------------------------------
 MASK_THREADS: int = _value(_register(
     "PDSERVE_MASK_THREADS", "int", "1", _int_at_least(0),

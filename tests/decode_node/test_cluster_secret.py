@@ -21,6 +21,7 @@ from protos.convert import pack_token_ids
 from protos.serving import with_secret
 from router import NodeDirectory, Router
 from router.client import RouterClient, RouterError, build_request
+from tests.prefill_stream import send_prefill
 
 SECRET = "cluster-secret-for-tests-0123456789"
 
@@ -50,7 +51,7 @@ CALLS = {
     "Abort": lambda d, p: d.Abort(node_pb2.AbortRequest(request_id="r")),
     "Status": lambda d, p: d.Status(node_pb2.StatusRequest()),
     "Outputs": lambda d, p: next(iter(d.Outputs(node_pb2.OutputsRequest(subscriber="x")))),
-    "Prefill": lambda d, p: p.Prefill(node_pb2.PrefillRequest(request_id="r", prompt_token_ids_packed=pack_token_ids([1, 2]))),
+    "PrefillStream": lambda d, p: send_prefill(p, node_pb2.PrefillRequest(request_id="r", prompt_token_ids_packed=pack_token_ids([1, 2]))),
     "Prefill.Status": lambda d, p: p.Status(node_pb2.StatusRequest()),
 }
 

@@ -25,6 +25,7 @@ from prefill_node.server import DecodeClients, serve_prefill
 from protos import node_pb2, node_pb2_grpc
 from protos.convert import pack_token_ids, sampling_to_proto
 from protos.messages import FirstToken, unpack_outputs
+from tests.prefill_stream import send_prefill
 
 
 @pytest.fixture(scope="module")
@@ -64,8 +65,9 @@ def generate(d, p, daddr, outputs, rid, prompt, params, seed=1):
     sampling = sampling_to_proto(params, seed, ())
     res = d.Reserve(node_pb2.ReserveRequest(request_id=rid, prompt_len=len(prompt), sampling=sampling))
     assert res.admitted, res.reason
-    reply = p.Prefill(node_pb2.PrefillRequest(request_id=rid, prompt_token_ids_packed=pack_token_ids(prompt), sampling=sampling,
-                                              descriptor_msgpack=res.descriptor_msgpack, decode_address=daddr))
+    reply = send_prefill(p, node_pb2.PrefillRequest(
+        request_id=rid, prompt_token_ids_packed=pack_token_ids(prompt), sampling=sampling,
+        descriptor_msgpack=res.descriptor_msgpack, decode_address=daddr))
     first = FirstToken.unpack(reply.msgpack, 10**6, 8)
     tokens = [first.token]
     while True:
@@ -94,13 +96,13 @@ def test_round_trip_over_grpc_equals_engine(cluster):
         (lambda d, p: d.Reserve(node_pb2.ReserveRequest(request_id="", prompt_len=3)), grpc.StatusCode.INVALID_ARGUMENT),
         (lambda d, p: d.Reserve(node_pb2.ReserveRequest(
             request_id="x", prompt_len=3, sampling=node_pb2.Sampling(max_tokens=0))), grpc.StatusCode.INVALID_ARGUMENT),
-        (lambda d, p: p.Prefill(node_pb2.PrefillRequest(
+        (lambda d, p: send_prefill(p, node_pb2.PrefillRequest(
             request_id="y", prompt_token_ids_packed=pack_token_ids([10**7]), sampling=node_pb2.Sampling(max_tokens=3))),
          grpc.StatusCode.INVALID_ARGUMENT),
-        (lambda d, p: p.Prefill(node_pb2.PrefillRequest(
+        (lambda d, p: send_prefill(p, node_pb2.PrefillRequest(
             request_id="z", prompt_token_ids_packed=pack_token_ids([1, 2]), sampling=node_pb2.Sampling(max_tokens=3),
             descriptor_msgpack=b"\xc1", decode_address="127.0.0.1:1")), grpc.StatusCode.INVALID_ARGUMENT),
-        (lambda d, p: p.Prefill(node_pb2.PrefillRequest(  # a packed prompt cut mid-id
+        (lambda d, p: send_prefill(p, node_pb2.PrefillRequest(  # a packed prompt cut mid-id
             request_id="w", prompt_token_ids_packed=b"\x01\x00\x00", sampling=node_pb2.Sampling(max_tokens=3))),
          grpc.StatusCode.INVALID_ARGUMENT),
         (lambda d, p: d.Reserve(node_pb2.ReserveRequest(
@@ -194,10 +196,10 @@ def test_a_router_that_stops_answering_loses_its_stream_to_keepalive_and_its_req
 
 
 def test_attaches_ahead_of_their_jobs_do_not_hold_the_server(cluster):
-    """More Attach calls than the server has threads, each ahead of its job (its Prefill call not
-    yet served): each answers ok within ATTACH_WAIT_S, queued in the node, instead of holding a
-    thread until its job comes, so the server still answers (a Status call here, a Prefill call
-    in the service) and aborts clear them."""
+    """More Attach calls than the server has threads, each ahead of its job (its Prefill request
+    not yet served): each answers ok within ATTACH_WAIT_S, queued in the node, instead of holding a
+    thread until its job comes, so the server still answers (a Status call here, a PrefillStream
+    opening in the service) and aborts clear them."""
     loaded, d, p, daddr, outputs, decode, prefill = cluster
     desc = node_pb2.AttachRequest(descriptor_msgpack=msgpack.packb({"backend": "ucx"}), decode_address=daddr)
     rids = [f"early-{i}" for i in range(40)]

@@ -42,7 +42,7 @@ def test_a_late_descriptor_gives_the_engines_tokens(tiny, backend, when):
     pair = Pair(tiny, 2, backend=backend)
     try:
         req, descriptor = reserve(pair, "a", vocab)
-        if when == "before_the_job":  # the Attach call overtook the Prefill call
+        if when == "before_the_job":  # the Attach call overtook the Prefill request
             attached = pair.prefill.attach("a", descriptor, "d0")
             first = pair.prefill.submit(job("a", req)).result(timeout=60)
         else:

@@ -61,7 +61,7 @@ def test_a_device_error_in_a_prefill_step_takes_the_node_out_and_frees_the_reser
             return [m async for m in client.stream(build_request("ab", max_tokens=8))]
 
     code, message = _error(asyncio.run(main()))
-    # the Prefill call refused, or the node's Status said unhealthy before the request came
+    # the Prefill request refused, or the node's Status said unhealthy before the request came
     assert code == "UNAVAILABLE" and "prefill" in message
     [node] = [n for (kind, _), n in svc.router.pool.nodes.items() if kind == "prefill"]
     assert not node.healthy and node.downs == 1

@@ -27,6 +27,7 @@ from engine.tp.launch import free_port, init_group
 from protos import node_pb2, node_pb2_grpc
 from protos.convert import pack_token_ids, sampling_to_proto
 from protos.messages import FirstToken, unpack_outputs
+from tests.prefill_stream import send_prefill
 
 VOCAB = 320  # tiny
 PARAMS = SamplingParams(max_tokens=10, ignore_eos=True)
@@ -97,8 +98,9 @@ def generate(d, p, daddr, outputs: Outputs, rid: str, prompt: list[int], params=
     res = d.Reserve(node_pb2.ReserveRequest(request_id=rid, prompt_len=len(prompt), sampling=sampling,
                                             prompt_token_ids_packed=pack_token_ids(prompt)))
     assert res.admitted, res.reason
-    reply = p.Prefill(node_pb2.PrefillRequest(request_id=rid, prompt_token_ids_packed=pack_token_ids(prompt), sampling=sampling,
-                                              descriptor_msgpack=res.descriptor_msgpack, decode_address=daddr))
+    reply = send_prefill(p, node_pb2.PrefillRequest(
+        request_id=rid, prompt_token_ids_packed=pack_token_ids(prompt), sampling=sampling,
+        descriptor_msgpack=res.descriptor_msgpack, decode_address=daddr))
     tokens = [FirstToken.unpack(reply.msgpack, VOCAB, k).token]
     if abort:
         d.Abort(node_pb2.AbortRequest(request_id=rid, reason="client went away"))
@@ -118,8 +120,9 @@ def refused_by_rank1(d, p, daddr, outputs: Outputs) -> None:
     desc = msgpack.unpackb(res.descriptor_msgpack, raw=False)
     desc["tp_ranks"] = [{}]
     with pytest.raises(grpc.RpcError) as err:
-        p.Prefill(node_pb2.PrefillRequest(request_id="bad", prompt_token_ids_packed=pack_token_ids([1, 2, 3, 4, 5]), sampling=sampling,
-                                          descriptor_msgpack=msgpack.packb(desc), decode_address=daddr))
+        send_prefill(p, node_pb2.PrefillRequest(
+            request_id="bad", prompt_token_ids_packed=pack_token_ids([1, 2, 3, 4, 5]), sampling=sampling,
+            descriptor_msgpack=msgpack.packb(desc), decode_address=daddr))
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert "another tensor-parallel rank refused" in err.value.details()
     d.Abort(node_pb2.AbortRequest(request_id="bad", reason="prefill refused"))

@@ -1,6 +1,6 @@
 """The router actor killed mid-stream on a live local Ray cluster: every open stream ends once, with
 an error (the broken stream: UNAVAILABLE); the decode node drops the dead router's requests (its
-Outputs stream ended) and the prefill node its Prefill calls, so every KV block comes back; Ray
+Outputs stream ended) and the prefill node its Prefill requests (their PrefillStream ended), so every KV block comes back; Ray
 restarts the router, which finds its nodes again and serves at the same address: a new request's
 greedy tokens equal the single-process engine's."""
 

@@ -75,7 +75,7 @@ def test_load_reaches_every_node(service, tiny_reference):
     prefilled = {key: i["prefill_tokens"] - before[key]["prefill_tokens"] for key, i in info.items()
                  if key[0] == "prefill"}
     assert all(t > 0 for t in prefilled.values()), prefilled
-    # a Prefill call the router gave up on (a loaded host: a Reserve past its deadline) may have run
+    # a Prefill request the router gave up on (a loaded host: a Reserve past its deadline) may have run
     # before the retry: the router counts its tokens; a moved request is prefilled again with its tokens
     after = scrape(svc)
     abandoned, moved = (total(after, name) - total(scraped, name) for name in

@@ -1,6 +1,6 @@
 """The prefill node's side of PrefillStream (prefill_node/stream.py) over a node stand-in (I6: the
 session is a plain object): every request gets one answer naming it, a refused or failed one with
-the status code the Prefill call gives; a cancellation and the stream's end abort the jobs left;
+its status code and message; a cancellation and the stream's end abort the jobs left;
 and over a real gRPC server with the cluster secret, a stream without it is refused."""
 
 from __future__ import annotations

@@ -3,14 +3,14 @@
 the real nodes exist. Vocabulary: the `tiny` model's (320 ids; bytes are 0..255, BOS 256,
 EOS 257).
 
-FakePrefill.Prefill(request) (and each request on a PrefillStream, as a call of its own):
+FakePrefill, each request on a PrefillStream (a task of its own, `_prefill`):
   - first token = (prompt[-1] + 1) % 320 (a prompt ending in BOS 256 gives EOS 257), logprob
     -0.5, rank 1, top-N ids first + j;
   - `finished` is "stop" when that token is a stop id, "length" when max_tokens == 1;
   - sends the FirstToken message to the decode node named in the request (over gRPC, as the
     real P does), then answers the router with the same message.
   Knobs: `fail` (answer UNAVAILABLE), `fail_after_first_token` (UNAVAILABLE after D got
-  the first token), `hold` (an asyncio.Event the call waits on, to keep a
+  the first token), `hold` (an asyncio.Event the request waits on, to keep a
   prefill outstanding), `queued_tokens` (reported by Status), `status_delay_s` (Status answers
   that late: a busy node). Prime records (request id, decode address) in `primes` and answers
   ok, after `prime_hold` is set when there is one, or not ok when `refuse_primes`.
@@ -299,17 +299,11 @@ class FakeDecode(_Server, node_pb2_grpc.DecodeControlServicer):
 
 # ---- prefill ----------------------------------------------------------------------------
 class _Refused(Exception):
+    """A request's failure: its answer on the stream carries the code and message."""
+
     def __init__(self, code: grpc.StatusCode, details: str) -> None:
         super().__init__(details)
         self.code, self.details = code, details
-
-
-class _StreamContext:
-    """What Prefill needs of its context, for a request that came on a PrefillStream: its abort
-    becomes the request's answer."""
-
-    async def abort(self, code: grpc.StatusCode, details: str) -> None:
-        raise _Refused(code, details)
 
 
 class FakePrefill(_Server, node_pb2_grpc.PrefillControlServicer):
@@ -326,7 +320,7 @@ class FakePrefill(_Server, node_pb2_grpc.PrefillControlServicer):
         self.prompts: list[tuple[list[int], int]] = []  # per call: prompt ids, max_tokens
         self.aborts: list[str] = []
         self.active: set[str] = set()
-        self.deferred: list[str] = []  # Prefill calls made without a descriptor (it comes by Attach)
+        self.deferred: list[str] = []  # Prefill requests made without a descriptor (it comes by Attach)
         self.attaches: list[str] = []  # request ids whose descriptor came by Attach
         self.refuse_attaches = 0  # the next this many Attach calls answer NOT_FOUND (D never hears)
         self.takes_attach = True  # False: its Status says it needs the descriptor with the call (TP)
@@ -351,12 +345,13 @@ class FakePrefill(_Server, node_pb2_grpc.PrefillControlServicer):
         for channel in self._channels:
             await channel.close()
 
-    async def Prefill(self, request, context):  # noqa: N802
+    async def _prefill(self, request) -> FirstToken:
+        """One request's first token, sent to its decode node first; _Refused when it fails."""
         self.calls.append(request.request_id)
         self.prompts.append((unpack_token_ids(request.prompt_token_ids_packed, VOCAB), request.sampling.max_tokens))
         if self.fail:
             self.changed()
-            await context.abort(grpc.StatusCode.UNAVAILABLE, f"prefill node {self.name} is down (test)")
+            raise _Refused(grpc.StatusCode.UNAVAILABLE, f"prefill node {self.name} is down (test)")
         self.active.add(request.request_id)
         self.changed()
         try:
@@ -368,7 +363,7 @@ class FakePrefill(_Server, node_pb2_grpc.PrefillControlServicer):
                 self.deferred.append(request.request_id)
                 address = await self._attach_future(request.request_id)
                 if address is None:  # the Attach was refused: answer, D never hears of it
-                    return node_pb2.Payload(msgpack=first.pack())
+                    return first
             stub = self._decode_stubs.get(address)
             if stub is None:
                 channel = grpc.aio.insecure_channel(address)
@@ -378,16 +373,16 @@ class FakePrefill(_Server, node_pb2_grpc.PrefillControlServicer):
             if self.fail_after_first_token:  # D already decodes; the router never hears back
                 if self.hold_failure is not None:
                     await self.hold_failure.wait()
-                await context.abort(grpc.StatusCode.UNAVAILABLE, f"prefill node {self.name} crashed (test)")
-            return node_pb2.Payload(msgpack=first.pack())
+                raise _Refused(grpc.StatusCode.UNAVAILABLE, f"prefill node {self.name} crashed (test)")
+            return first
         finally:
             self.active.discard(request.request_id)
             self._attached.pop(request.request_id, None)  # a client may reuse its request id later
             self.changed()
 
     async def PrefillStream(self, request_iterator, context):  # noqa: N802
-        """Each request runs as a Prefill call (a task of its own); a cancellation cancels its task
-        (as a cancelled call's handler is) and is recorded in `cancels`; the stream's end cancels them all."""
+        """Each request runs as a task of its own (`_prefill`); a cancellation cancels its task and is
+        recorded in `cancels`; the stream's end cancels them all."""
         self.streams += 1
         self.changed()
         replies: asyncio.Queue[node_pb2.PrefillStreamReply | None] = asyncio.Queue()
@@ -419,13 +414,13 @@ class FakePrefill(_Server, node_pb2_grpc.PrefillControlServicer):
 
     async def _stream_one(self, request, replies: asyncio.Queue) -> None:
         try:
-            payload = await self.Prefill(request, _StreamContext())
+            first = await self._prefill(request)
         except _Refused as e:
             replies.put_nowait(node_pb2.PrefillStreamReply(request_id=request.request_id, code=e.code.value[0],
                                                            details=e.details))
             return
         replies.put_nowait(node_pb2.PrefillStreamReply(request_id=request.request_id,
-                                                       first_token_msgpack=payload.msgpack))
+                                                       first_token_msgpack=first.pack()))
 
     def _attach_future(self, rid: str) -> asyncio.Future[str | None]:
         if rid not in self._attached:
@@ -463,7 +458,7 @@ class FakePrefill(_Server, node_pb2_grpc.PrefillControlServicer):
     async def Abort(self, request, context):  # noqa: N802
         self.aborts.append(request.request_id)
         waiting = self._attached.pop(request.request_id, None)
-        if waiting is not None and not waiting.done():  # its Prefill call waits for a descriptor: it ends
+        if waiting is not None and not waiting.done():  # its request waits for a descriptor: it ends
             waiting.set_exception(RuntimeError(f"{request.request_id} aborted (test)"))
         self.changed()
         return node_pb2.Ack(ok=True)

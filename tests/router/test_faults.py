@@ -313,7 +313,7 @@ async def test_prefill_nodes_gone_while_a_reservation_waited_make_it_wait_not_fa
     """Every prefill node goes down while a request's Reserve is out (node restarts): the
     reservation is given back and the request waits for a prefill node (`node_wait_s`), then
     finishes, instead of ending UNAVAILABLE "no healthy prefill node". (Reserving first: with
-    `overlap_reserve` the Prefill call is out already and goes on.)"""
+    `overlap_reserve` the Prefill request is out already and goes on.)"""
     async with cluster(node_wait_s=30.0, overlap_reserve=False) as c:
         d = c.decode[0]
         d.reserve_gate = asyncio.Event()

@@ -1,5 +1,5 @@
 """PD placement that reserves on the decode node while the prefill node computes
-(`router.overlap_reserve`): the Prefill call carries no KV descriptor and an Attach call brings
+(`router.overlap_reserve`): the Prefill request carries no KV descriptor and an Attach call brings
 it; with no room on a decode node the prefill is given up and the request queues; a refused
 Attach moves the request. Against the scripted fake nodes."""
 
@@ -7,10 +7,8 @@ from __future__ import annotations
 
 import asyncio
 
-import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-import settings
 from tests.router.conftest import cluster
 from tests.router.test_lifecycle import collect, text
 
@@ -71,27 +69,20 @@ async def test_a_refused_attach_moves_the_request_after_its_first_token():
         await c.settled()
 
 
-class _SendOrder:
-    """A node stub that notes in `order` when its `method`'s request would go out (a gRPC call
-    sends from a task of its own, on the loop's next turn) or, with `made`, when the call is made
-    (after the work that decided it)."""
+class _CallOrder:
+    """A node stub that notes in `order` when its `method` is called (after the work that decided it)."""
 
-    def __init__(self, stub: object, method: str, order: list[str], made: bool = False) -> None:
-        self._stub, self._method, self._order, self._made = stub, method, order, made
+    def __init__(self, stub: object, method: str, order: list[str]) -> None:
+        self._stub, self._method, self._order = stub, method, order
 
     def __getattr__(self, name: str) -> object:
         real = getattr(self._stub, name)
         if name != self._method:
             return real
 
-        def call(*args: object, **kwargs: object) -> asyncio.Task:
-            async def sent() -> object:
-                if not self._made:
-                    self._order.append(name)
-                return await real(*args, **kwargs)
-            if self._made:
-                self._order.append(name)
-            return asyncio.ensure_future(sent())
+        def call(*args: object, **kwargs: object) -> object:
+            self._order.append(name)
+            return real(*args, **kwargs)
         return call
 
 
@@ -121,27 +112,24 @@ class _WriteOrder:
         await self._call.write(msg)  # type: ignore[attr-defined]
 
 
-# TODO(stream): the unary case goes with the PDSERVE_PREFILL_STREAM switch
-@pytest.mark.parametrize("stream", [True, False])
-async def test_the_prefill_request_goes_out_before_the_reservation_is_made(stream, monkeypatch):
+async def test_the_prefill_request_goes_out_before_the_reservation_is_made():
     """With the reservation alongside, the Prefill request is on the first token's path and the Reserve
     is not: the prefill request leaves before the reservation's own work (the policy's order, the
     Reserve call), not after it."""
-    monkeypatch.setattr(settings, "PREFILL_STREAM", stream)
     async with cluster() as c:
         order: list[str] = []
         prefill = c.router.pool.find("prefill", c.prefill[0].address)
         decode = c.router.pool.find("decode", c.decode[0].address)
         assert prefill is not None and decode is not None
-        prefill.stub = _StreamSendOrder(prefill.stub, order) if stream else _SendOrder(prefill.stub, "Prefill", order)
-        decode.stub = _SendOrder(decode.stub, "Reserve", order, made=True)
+        prefill.stub = _StreamSendOrder(prefill.stub, order)
+        decode.stub = _CallOrder(decode.stub, "Reserve", order)
         assert text(await collect(c, prompt="ab", max_tokens=3)) == "che"
         assert order == ["Prefill", "Reserve"]
         await c.settled()
 
 
 def abandoned(c) -> dict[str, float]:
-    """The router's prompt tokens of given-up Prefill calls, by reason (/metrics)."""
+    """The router's prompt tokens of given-up Prefill requests, by reason (/metrics)."""
     text = c.router.metrics.exposition()[0].decode()
     return {s.labels["reason"]: s.value for fam in text_string_to_metric_families(text) for s in fam.samples
             if s.name == "pdserve:prefill_abandoned_tokens_total"}

@@ -4,7 +4,7 @@
   requests' worth of blocks each): requests wait in the router's queue, RESOURCE_EXHAUSTED comes
   only past it, none ends with another error, and every KV block is free again at the end.
 - Busy is not down: nodes whose Status answers come past the router's deadline (the
-  `status_delay_s` test hook) while they stream outputs and answer Prefill calls under full load
+  `status_delay_s` test hook) while they stream outputs and answer Prefill requests under full load
   are never taken out of service; the late answers are counted apart (DEADLINE_EXCEEDED).
 """
 

@@ -23,6 +23,7 @@ from engine.grammar.structured import StructuredSpec
 from protos import node_pb2, node_pb2_grpc
 from protos.convert import pack_token_ids
 from router.client import RouterError, generate_many
+from tests.prefill_stream import send_prefill
 from tests.router.real_service import RealService
 
 MESSAGES = [{"role": "user", "content": "Give me a person as JSON."}]
@@ -143,7 +144,7 @@ def test_the_nodes_refuse_a_malformed_spec_and_keep_serving(service):
                 request_id="bad", prompt_len=2, prompt_token_ids_packed=pack_token_ids([1, 2]), sampling=bad)))
         elif server is service.servers[0][0]:
             stub = node_pb2_grpc.PrefillControlStub(channel)
-            calls.append(lambda stub=stub: stub.Prefill(node_pb2.PrefillRequest(
+            calls.append(lambda stub=stub: send_prefill(stub, node_pb2.PrefillRequest(
                 request_id="bad", prompt_token_ids_packed=pack_token_ids([1, 2]), sampling=bad, descriptor_msgpack=b"\x80",
                 decode_address="127.0.0.1:1")))
         else:
