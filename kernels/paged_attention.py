@@ -35,6 +35,7 @@ kernel to it, on CPU through the Triton interpreter (TRITON_INTERPRET=1).
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -59,6 +60,29 @@ PRELOAD_LAST_ELEMS = 64 * 64
 # verify's k + 1, so that a verify row sums its keys in a plain step's order (greedy MTP equals
 # plain decoding); a 128-token context is one tile, and a long one takes half the loop trips.
 PRELOAD_BLOCK_N = 128
+# TEMPORARY (issue 50, PDSERVE_ATTN_VARIANT): how a preloading launch (decode, verify) walks its key
+# tiles. Each way moves the same values and sums in the same order, so a query's bits are those of
+# today's code whatever the variant; what differs is the work and the registers a tile takes for
+# the step's own keys (k + 1 in a verify), which today grow with them: a select over the whole tile
+# and two layout conversions through shared memory a key, and the preloaded first tile held in
+# registers through the whole loop (254 registers at one query; at four, spills).
+#   default       today: per key, a row of k_new / v_new selected into the tile
+#   peel          the first (preloaded) tile attended before the loop, so it dies after it
+#   peel-gather   peel, and a tile's step keys gathered from k_new / v_new at once (`tl.gather`)
+#   peel-reload   peel, and the step's keys read back from the cache after a barrier (the
+#                 preloaded tile: a masked re-read of the step's positions only)
+ATTN_VARIANTS = {"default": (0, False), "peel": (0, True), "peel-gather": (1, True), "peel-reload": (2, True)}
+ATTN_VARIANT = os.environ.get("PDSERVE_ATTN_VARIANT", "default")
+if ATTN_VARIANT not in ATTN_VARIANTS:
+    raise ValueError(f"PDSERVE_ATTN_VARIANT must be one of {sorted(ATTN_VARIANTS)}, got {ATTN_VARIANT!r}")
+
+
+def _variant_args() -> dict:
+    """The kernel's constexprs for PDSERVE_ATTN_VARIANT (TEMPORARY)."""
+    step_keys, peel = ATTN_VARIANTS[ATTN_VARIANT]
+    return {"STEP_KEYS": step_keys, "PEEL": peel}
+
+
 _LOG2E = math.log2(math.e)
 _TL_DTYPES = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}
 
@@ -72,45 +96,98 @@ def _attend_key_tiles(
     stride_kv, stride_kb, stride_ks, k0, v0, k1, v1, new_lo, k_new, v_new,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     HEAD_DIM: tl.constexpr, DTYPE: tl.constexpr, PRECISION: tl.constexpr, PRE: tl.constexpr,
-    PRE_LAST: tl.constexpr, Q_POW2: tl.constexpr,
+    PRE_LAST: tl.constexpr, Q_POW2: tl.constexpr, STEP_KEYS: tl.constexpr = 0, PEEL: tl.constexpr = False,
 ):
     """Online softmax of q [BLOCK_M, D] over key tiles [tile_lo, tile_hi): (acc, max, sum).
     PRE: the keys and values below position new_lo of the first tile came in k0 / v0, and with
     PRE_LAST those of the last in k1 / v1 (`_old_tile`, read before the PDL wait); and the step's
     own (from new_lo on) come in k_new / v_new [Q_POW2, D] as the program wrote them to the cache,
-    so no tile reads them (one query tile a row: k_new's row j is position new_lo + j)."""
+    so no tile reads them (one query tile a row: k_new's row j is position new_lo + j); how they
+    enter a tile: STEP_KEYS (TEMPORARY, `ATTN_VARIANTS`). PEEL (TEMPORARY): the first tile is
+    attended before the loop, so k0 / v0 are not held in registers through it (the same sums)."""
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
-    for tile in range(tile_lo, tile_hi):
+    first = tile_lo
+    if PRE and PEEL:
+        first = tile_lo + 1
+        if tile_lo < tile_hi:
+            k_pos = tile_lo * BLOCK_N + tl.arange(0, BLOCK_N)
+            k, v = _held_step_keys(k0, v0, k_ptr, table_ptr, tile_lo * BLOCK_N, k_pos, kv_end, new_lo, k_new, v_new,
+                                   stride_kv, stride_kb, stride_ks, BLOCK_N, BLOCK_SIZE, HEAD_DIM, Q_POW2, STEP_KEYS)
+            acc, m_i, l_i = _attend_tile(q, q_pos, k, v, k_pos, qk_scale, acc, m_i, l_i, DTYPE, PRECISION)
+    for tile in range(first, tile_hi):
         k_pos = tile * BLOCK_N + tl.arange(0, BLOCK_N)
         k_ok = k_pos < kv_end
         if PRE:
-            if tile == tile_lo:
+            # STEP_KEYS reload: a tile read after the wait takes the step's keys from the cache (written
+            # before a barrier); `held`: the tile came in registers from before the wait
+            read = k_ok if STEP_KEYS == 2 else k_ok & (k_pos < new_lo)
+            held = (tile == tile_lo) & (not PEEL)
+            if tile == tile_lo and not PEEL:
                 k, v = k0, v0
             elif PRE_LAST:
+                held = tile == tile_hi - 1
                 if tile == tile_hi - 1:
                     k, v = k1, v1
                 else:
-                    k, v = _tile_keys(k_ptr, table_ptr, k_pos, k_ok & (k_pos < new_lo), stride_kv, stride_kb,
+                    k, v = _tile_keys(k_ptr, table_ptr, k_pos, read, stride_kv, stride_kb,
                                       stride_ks, BLOCK_SIZE, HEAD_DIM)
             else:
-                k, v = _tile_keys(k_ptr, table_ptr, k_pos, k_ok & (k_pos < new_lo), stride_kv, stride_kb,
+                k, v = _tile_keys(k_ptr, table_ptr, k_pos, read, stride_kv, stride_kb,
                                   stride_ks, BLOCK_SIZE, HEAD_DIM)
-            if tile * BLOCK_N + BLOCK_N > new_lo:
-                k, v = _with_step_keys(k, v, k_pos, new_lo, k_new, v_new, Q_POW2)
+            if STEP_KEYS != 2:
+                k, v = _step_keys(k, v, tile * BLOCK_N, k_pos, new_lo, k_new, v_new, Q_POW2, BLOCK_N, HEAD_DIM,
+                                  STEP_KEYS)
+            elif held:
+                k, v = _held_step_keys(k, v, k_ptr, table_ptr, tile * BLOCK_N, k_pos, kv_end, new_lo, k_new, v_new,
+                                       stride_kv, stride_kb, stride_ks, BLOCK_N, BLOCK_SIZE, HEAD_DIM, Q_POW2,
+                                       STEP_KEYS)
         else:
             k, v = _tile_keys(k_ptr, table_ptr, k_pos, k_ok, stride_kv, stride_kb, stride_ks, BLOCK_SIZE, HEAD_DIM)
-        s = tl.dot(q, k.to(DTYPE), input_precision=PRECISION) * qk_scale
-        s = tl.where(k_pos[None, :] <= q_pos[:, None], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row that sees nothing yet
-        alpha = tl.exp2(m_i - m_safe)
-        p = tl.exp2(s - m_safe[:, None])
-        acc = acc * alpha[:, None] + tl.dot(p.to(DTYPE), v.to(DTYPE), input_precision=PRECISION)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        m_i = m_new
+        acc, m_i, l_i = _attend_tile(q, q_pos, k, v, k_pos, qk_scale, acc, m_i, l_i, DTYPE, PRECISION)
     return acc, m_i, l_i
+
+
+@triton.jit
+def _attend_tile(q, q_pos, k, v, k_pos, qk_scale, acc, m_i, l_i, DTYPE: tl.constexpr, PRECISION: tl.constexpr):
+    """One key tile's step of the online softmax: (acc, max, sum) updated."""
+    s = tl.dot(q, k.to(DTYPE), input_precision=PRECISION) * qk_scale
+    s = tl.where(k_pos[None, :] <= q_pos[:, None], s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row that sees nothing yet
+    alpha = tl.exp2(m_i - m_safe)
+    p = tl.exp2(s - m_safe[:, None])
+    acc = acc * alpha[:, None] + tl.dot(p.to(DTYPE), v.to(DTYPE), input_precision=PRECISION)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    return acc, m_new, l_i
+
+
+@triton.jit
+def _held_step_keys(k, v, k_ptr, table_ptr, start, k_pos, kv_end, new_lo, k_new, v_new, stride_kv, stride_kb, stride_ks,
+                    BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
+                    Q_POW2: tl.constexpr, STEP_KEYS: tl.constexpr):
+    """A tile read before the wait (older keys only) with the step's keys put in, if it holds any."""
+    if start + BLOCK_N > new_lo:
+        if STEP_KEYS == 2:  # re-read from the cache, where the program wrote them before a barrier
+            new = (k_pos >= new_lo) & (k_pos < kv_end)
+            kr, vr = _tile_keys(k_ptr, table_ptr, k_pos, new, stride_kv, stride_kb, stride_ks, BLOCK_SIZE, HEAD_DIM)
+            k, v = tl.where(new[None, :], kr, k), tl.where(new[:, None], vr, v)
+        else:
+            k, v = _step_keys(k, v, start, k_pos, new_lo, k_new, v_new, Q_POW2, BLOCK_N, HEAD_DIM, STEP_KEYS)
+    return k, v
+
+
+@triton.jit
+def _step_keys(k, v, start, k_pos, new_lo, k_new, v_new, Q_POW2: tl.constexpr, BLOCK_N: tl.constexpr,
+               HEAD_DIM: tl.constexpr, STEP_KEYS: tl.constexpr):
+    """k / v with the step's keys from k_new / v_new, where the tile holds any (STEP_KEYS 0 or 1)."""
+    if start + BLOCK_N > new_lo:
+        if STEP_KEYS == 1:
+            k, v = _gather_step_keys(k, v, k_pos, new_lo, k_new, v_new, Q_POW2, BLOCK_N, HEAD_DIM)
+        else:
+            k, v = _with_step_keys(k, v, k_pos, new_lo, k_new, v_new, Q_POW2)
+    return k, v
 
 
 @triton.jit
@@ -138,6 +215,18 @@ def _with_step_keys(k, v, k_pos, new_lo, k_new, v_new, Q_POW2: tl.constexpr):
         k = tl.where(at[None, :], kj[:, None].to(k.dtype), k)
         v = tl.where(at[:, None], vj[None, :].to(v.dtype), v)
     return k, v
+
+
+@triton.jit
+def _gather_step_keys(k, v, k_pos, new_lo, k_new, v_new, Q_POW2: tl.constexpr, BLOCK_N: tl.constexpr,
+                      HEAD_DIM: tl.constexpr):
+    """`_with_step_keys` in one step for any number of keys (TEMPORARY, STEP_KEYS gather): column n
+    of the tile takes row n - (new_lo - tile start) of k_new / v_new where that is a step key."""
+    j = tl.minimum(tl.maximum(k_pos - new_lo, 0), Q_POW2 - 1)
+    at = (k_pos >= new_lo) & (k_pos < new_lo + Q_POW2)
+    kg = tl.gather(tl.trans(k_new), tl.broadcast_to(j[None, :], [HEAD_DIM, BLOCK_N]), 1)
+    vg = tl.gather(v_new, tl.broadcast_to(j[:, None], [BLOCK_N, HEAD_DIM]), 0)
+    return tl.where(at[None, :], kg.to(k.dtype), k), tl.where(at[:, None], vg.to(v.dtype), v)
 
 
 @triton.jit
@@ -201,6 +290,7 @@ def _paged_attention_kernel(
     BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr,
     DTYPE: tl.constexpr, PRECISION: tl.constexpr, ROPE: tl.constexpr, Q_POW2: tl.constexpr,
     PDL: tl.constexpr, PRE: tl.constexpr = False, PRE_LAST: tl.constexpr = False,
+    STEP_KEYS: tl.constexpr = 0, PEEL: tl.constexpr = False,
 ):
     row = tl.program_id(0)
     q_tile_start = tl.program_id(1) * BLOCK_Q
@@ -267,7 +357,7 @@ def _paged_attention_kernel(
         k_new, v_new = _write_step_keys(
             k_new_ptr, k_row, k_cos, k_sin, v_new_ptr + t_new[:, None] * stride_vnt + kv_head * stride_vnh,
             kv_ptr + slot[:, None] * stride_ks + kv_head * stride_kh, stride_kv, mine[:, None], HEAD_DIM)
-        if not PRE:
+        if not PRE or STEP_KEYS == 2:
             tl.debug_barrier()  # the program's threads see these writes before they read the tiles
     else:
         q = tl.load(q_ptr + q_row + offs_d[None, :], mask=m_ok[:, None], other=0.0).to(DTYPE)
@@ -276,7 +366,7 @@ def _paged_attention_kernel(
     acc, m_i, l_i = _attend_key_tiles(
         q, q_pos, k_base, table, kv_end, tile_lo, tile_hi, qk_scale, stride_kv, stride_kb, stride_ks,
         k0, v0, k1, v1, new_lo, k_new, v_new,
-        BLOCK_M, BLOCK_N, BLOCK_SIZE, HEAD_DIM, DTYPE, PRECISION, PRE, PRE_LAST, Q_POW2,
+        BLOCK_M, BLOCK_N, BLOCK_SIZE, HEAD_DIM, DTYPE, PRECISION, PRE, PRE_LAST, Q_POW2, STEP_KEYS, PEEL,
     )
 
     if NUM_SPLITS == 1:
@@ -428,7 +518,8 @@ def paged_attention_triton(
         PRECISION="ieee" if dtype == tl.float32 else "tf32",  # ieee: fp32 stays fp32, no TF32
         ROPE=new is not None, Q_POW2=triton.next_power_of_2(min(max_q, tiles.block_q)),
         num_warps=tiles.num_warps, num_stages=2, enable_fp_fusion=new is None,
-        PRE=pre, PRE_LAST=pre and head_dim * tiles.block_n <= PRELOAD_LAST_ELEMS, **pdl_args(q),
+        PRE=pre, PRE_LAST=pre and head_dim * tiles.block_n <= PRELOAD_LAST_ELEMS,
+        **_variant_args(), **pdl_args(q),
     )
     if num_splits > 1:
         _combine_splits_kernel[(num_tokens, num_q_heads)](
