@@ -35,7 +35,6 @@ kernel to it, on CPU through the Triton interpreter (TRITON_INTERPRET=1).
 from __future__ import annotations
 
 import math
-import os
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -43,6 +42,7 @@ import torch
 import triton
 import triton.language as tl
 
+import settings
 from kernels._dispatch import VERIFY_ROWS, invariant, use_triton
 from kernels.pdl import pdl_args, wait_for_previous
 from kernels.rotary import rope_and_cache
@@ -72,7 +72,7 @@ PRELOAD_BLOCK_N = 128
 #   peel-reload   peel, and the step's keys read back from the cache after a barrier (the
 #                 preloaded tile: a masked re-read of the step's positions only)
 ATTN_VARIANTS = {"default": (0, False), "peel": (0, True), "peel-gather": (1, True), "peel-reload": (2, True)}
-ATTN_VARIANT = os.environ.get("PDSERVE_ATTN_VARIANT", "default")
+ATTN_VARIANT = settings.ATTN_VARIANT
 if ATTN_VARIANT not in ATTN_VARIANTS:
     raise ValueError(f"PDSERVE_ATTN_VARIANT must be one of {sorted(ATTN_VARIANTS)}, got {ATTN_VARIANT!r}")
 
