@@ -160,9 +160,17 @@ class _Stream:
             log.warning("prefill stream ended with %d requests on it: %s %s", len(waiting), code.name, details)
 
 
+# A stream's own status that says this router may not use the node at all, not that the stream broke:
+# its requests fail with it. Any other end (a node process that died mid-stream ends it INTERNAL or
+# UNKNOWN as often as UNAVAILABLE) is the node's loss, which the router answers by trying another node.
+_REFUSALS = (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED, grpc.StatusCode.UNIMPLEMENTED)
+
+
 def _stream_status(error: BaseException) -> tuple[grpc.StatusCode, str]:
-    """What the requests on a stream that ended with `error` fail with: its own status, else
-    UNAVAILABLE (it closed cleanly, was cancelled, or a write met it finished)."""
-    if isinstance(error, grpc.aio.AioRpcError) and error.code() not in (grpc.StatusCode.OK, grpc.StatusCode.CANCELLED):
-        return error.code(), f"the prefill stream broke: {error.details() or ''}".rstrip()
+    """What the requests on a stream that ended with `error` fail with: a refusal's own status,
+    else UNAVAILABLE (it broke, closed cleanly, was cancelled, or a write met it finished)."""
+    if isinstance(error, grpc.aio.AioRpcError) and error.code() in _REFUSALS:
+        return error.code(), f"the prefill stream was refused: {error.details() or ''}".rstrip()
+    if isinstance(error, grpc.aio.AioRpcError):
+        return grpc.StatusCode.UNAVAILABLE, f"the prefill stream broke ({error.code().name}): {error.details() or ''}".rstrip()
     return grpc.StatusCode.UNAVAILABLE, f"the prefill stream ended: {error!r}"

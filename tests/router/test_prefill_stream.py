@@ -161,3 +161,21 @@ async def test_a_client_cancel_during_prefill_cancels_the_request_on_its_stream(
         await p.until(lambda: p.cancels == p.calls and len(p.aborts) == 1 and not p.active)
         p.hold.set()
         await c.settled()
+
+
+@pytest.mark.parametrize(("ended", "fails"), [
+    (grpc.StatusCode.INTERNAL, grpc.StatusCode.UNAVAILABLE),  # a node process that died mid-stream
+    (grpc.StatusCode.UNKNOWN, grpc.StatusCode.UNAVAILABLE),
+    (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.UNAVAILABLE),
+    (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.UNAUTHENTICATED),  # a refusal: no other node would differ
+    (grpc.StatusCode.UNIMPLEMENTED, grpc.StatusCode.UNIMPLEMENTED),
+])
+def test_a_broken_stream_fails_its_requests_as_the_nodes_loss_unless_it_was_refused(ended, fails):
+    """The router retries a request elsewhere only on UNAVAILABLE (router/pool.py `rpc_failed`), so a
+    stream that broke, whatever status gRPC gave its end, must fail its requests so."""
+    from router.prefill_stream import _stream_status
+
+    error = grpc.aio.AioRpcError(ended, grpc.aio.Metadata(), grpc.aio.Metadata(), "Internal error from Core")
+    code, details = _stream_status(error)
+    assert code == fails and "Internal error from Core" in details
+    assert _stream_status(ConnectionResetError())[0] == grpc.StatusCode.UNAVAILABLE
