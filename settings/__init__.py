@@ -115,8 +115,9 @@ SHORT_KV_BLOCKS: tuple[int, ...] = _value(_register(
     "PDSERVE_SHORT_KV_BLOCKS", "list[int]", "16,32,64,128,192", _widths,
     "Decode graphs' narrower block-table widths, comma-separated (0: one width; fewer: faster warm-up)."))
 
-# TODO(attn4): an experiment's switch (issue 50), for one GPU comparison (bench/gpu/attn_variants.sh);
-# once decided, delete it with the losing ways in kernels/paged_attention.py (`ATTN_VARIANTS`).
+# TODO(attn4): an experiment's switch (issue 50), for one GPU comparison (`git show
+# 0fcafc6:bench/gpu/attn_variants.sh`, run as a scratch script); once decided, delete it with the
+# losing ways in kernels/paged_attention.py (`ATTN_VARIANTS`).
 ATTN_VARIANT: str = _value(_register(
     "PDSERVE_ATTN_VARIANT", "str", "default", str,
     "Decode attention's way of adding a step's keys (default, peel, peel-gather, peel-reload; temporary, issue 50)."))
