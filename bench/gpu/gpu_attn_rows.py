@@ -87,7 +87,10 @@ def check(case: Case) -> dict:
 
 
 def graph_us(case: Case, q_len: int) -> float:
-    """us per call: a CUDA graph of LAYERS calls (each layer's cache), replayed and timed with events."""
+    """us per call: a CUDA graph of LAYERS calls (each layer's cache), timed as bench/gpu/gpu_gemv.py
+    times its launches."""
+    from bench.gpu.gpu_gemv import graph_us as per_copy_us
+
     caches = case.cache.clone()
     calls = [case.args(0, q_len, layer, caches) for layer in range(LAYERS)]
 
@@ -95,26 +98,7 @@ def graph_us(case: Case, q_len: int) -> float:
         for a in calls:
             pa.paged_attention_rope(*a)
 
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        run()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        run()
-    g.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(7):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        for _ in range(10):
-            g.replay()
-        b.record()
-        torch.cuda.synchronize()
-        times.append(a.elapsed_time(b) * 1e3 / 10 / LAYERS)
-    return sorted(times)[3]
+    return per_copy_us(run, LAYERS)
 
 
 def main() -> int:

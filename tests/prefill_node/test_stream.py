@@ -107,12 +107,18 @@ def test_refused_requests_are_answered_with_the_calls_codes_and_their_ids():
     assert s.out.get(timeout=10) is None  # the router's end of writing ends the session
 
 
-def test_jobs_are_answered_as_they_end_failures_with_their_codes():
+def _session_with(*rids: str) -> tuple[_Node, _Session]:
+    """A session whose node took a job for each of `rids`."""
     node = _Node()
     s = _Session(node)
-    for rid in ("a", "b", "c"):
+    for rid in rids:
         s.send(_prefill(rid))
         assert node.submitted.acquire(timeout=10)
+    return node, s
+
+
+def test_jobs_are_answered_as_they_end_failures_with_their_codes():
+    node, s = _session_with("a", "b", "c")
     s.send(_prefill("a"))  # a second request under an id still open on this stream
     dup = s.reply()
     assert (dup.request_id, dup.code) == ("a", grpc.StatusCode.INVALID_ARGUMENT.value[0])
@@ -129,11 +135,7 @@ def test_jobs_are_answered_as_they_end_failures_with_their_codes():
 
 
 def test_a_cancellation_and_the_streams_end_abort_the_jobs_left():
-    node = _Node()
-    s = _Session(node)
-    for rid in ("x", "y", "z"):
-        s.send(_prefill(rid))
-        assert node.submitted.acquire(timeout=10)
+    node, s = _session_with("x", "y", "z")
     s.send(_cancel("x"))
     s.send(_cancel("nobody"))  # not open here: touches nothing
     s.send(_prefill("w"))

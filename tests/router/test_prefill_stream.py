@@ -6,6 +6,8 @@ cancelled request is cancelled on the node; two router channels each have their 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+from collections.abc import AsyncIterator
 
 import grpc
 import pytest
@@ -53,10 +55,21 @@ async def _nodes() -> tuple[FakePrefill, FakeDecode]:
     return p, d
 
 
-async def test_a_broken_stream_fails_each_request_on_it_once_and_the_next_opens_another():
+@contextlib.asynccontextmanager
+async def _pair() -> AsyncIterator[tuple[FakePrefill, FakeDecode, _Channel]]:
+    """A prefill and a decode fake node, and a router channel to the prefill node; all closed after."""
     p, d = await _nodes()
     router = _Channel(p.address)
     try:
+        yield p, d, router
+    finally:
+        await router.close()
+        await p.stop()
+        await d.stop()
+
+
+async def test_a_broken_stream_fails_each_request_on_it_once_and_the_next_opens_another():
+    async with _pair() as (p, d, router):
         p.hold = asyncio.Event()
         waiting = [router.prefill(f"r{i}", d.address) for i in range(3)]
         await p.until(lambda: p.held == 3)
@@ -71,16 +84,10 @@ async def test_a_broken_stream_fails_each_request_on_it_once_and_the_next_opens_
         await p.start(port)
         payload = await router.prefill("r3", d.address)
         assert payload.msgpack and p.streams == 2 and p.calls[-1] == "r3"  # a second stream
-    finally:
-        await router.close()
-        await p.stop()
-        await d.stop()
 
 
 async def test_a_requests_error_travels_in_its_answer_and_the_stream_stays():
-    p, d = await _nodes()
-    router = _Channel(p.address)
-    try:
+    async with _pair() as (p, d, router):
         p.fail = True
         with pytest.raises(grpc.aio.AioRpcError) as e:
             await router.prefill("bad", d.address)
@@ -88,16 +95,10 @@ async def test_a_requests_error_travels_in_its_answer_and_the_stream_stays():
         p.fail = False
         assert (await router.prefill("good", d.address)).msgpack
         assert p.streams == 1 and p.calls == ["bad", "good"]
-    finally:
-        await router.close()
-        await p.stop()
-        await d.stop()
 
 
 async def test_a_cancelled_request_is_cancelled_on_the_node_and_only_it():
-    p, d = await _nodes()
-    router = _Channel(p.address)
-    try:
+    async with _pair() as (p, d, router):
         p.hold = asyncio.Event()
         gone, kept = router.prefill("gone", d.address), router.prefill("kept", d.address)
         await p.until(lambda: p.held == 2)
@@ -105,10 +106,6 @@ async def test_a_cancelled_request_is_cancelled_on_the_node_and_only_it():
         await p.until(lambda: p.cancels == ["gone"] and p.active == {"kept"})
         p.hold.set()
         assert (await kept).msgpack and p.streams == 1
-    finally:
-        await router.close()
-        await p.stop()
-        await d.stop()
 
 
 async def test_two_router_channels_have_a_stream_each_and_get_their_own_answers():
