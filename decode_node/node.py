@@ -63,7 +63,7 @@ from engine.sched.fork import (
     make_children,
     shared_blocks,
 )
-from engine.sched.step_loop import StepLoop
+from engine.sched.step_loop import StepLoop, drained
 from engine.tp.tensor_parallel import TPGroup
 from kvtransfer import KVLayout, KVReceiver, TransferState, create_receiver
 from protos.messages import FirstToken, OutputItem, TokenLogprobs, token_logprobs
@@ -215,11 +215,7 @@ class DecodeNode(StepLoop):
         return self.captures.busy() if busy or items else self.captures.idle()
 
     def _drain_inbox(self, items: list[OutputItem]) -> None:
-        while True:
-            try:
-                cmd = self._inbox.get_nowait()
-            except queue.Empty:
-                return
+        for cmd in drained(self._inbox):
             self._apply(cmd, items)
 
     def _apply(self, cmd: Command, items: list[OutputItem]) -> None:

@@ -27,7 +27,7 @@ from decode_node.commands import Abort, Command, First, OwnerBack, OwnerGone, Re
 from decode_node.node import Reservation
 from decode_node.streams import OutputStreams, Stream, owner_of
 from engine.sampling.sampling_params import SamplingParams
-from engine.sched.step_loop import StepLoop
+from engine.sched.step_loop import StepLoop, drained
 from protos.messages import OutputItem, TokenLogprobs
 
 
@@ -100,11 +100,7 @@ class SyntheticNode(StepLoop):
         return bool(items) and self.step_s == 0
 
     def _drain_inbox(self, items: list[OutputItem]) -> None:
-        while True:
-            try:
-                cmd = self._inbox.get_nowait()
-            except queue.Empty:
-                return
+        for cmd in drained(self._inbox):
             self._apply(cmd, items)
 
     def _apply(self, cmd: Command, items: list[OutputItem]) -> None:

@@ -43,9 +43,8 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Any, TypeVar, assert_never
+from typing import Any, assert_never
 
 import torch
 
@@ -57,14 +56,13 @@ from engine.runner.prompt_logprobs import add_prompt_logprobs
 from engine.runner.warmup import IdleCaptures, shape_status, warm_up
 from engine.sampling.sampling_params import SamplingParams
 from engine.sched.chunked_prefill import EarlyFirst, HostFirst
-from engine.sched.step_loop import StepLoop
+from engine.sched.step_loop import StepLoop, drained
 from engine.tp.tensor_parallel import TPGroup
 from kvtransfer import KVLayout, TransferState, TransferStatus, create_sender
 from prefill_node.first_token import FirstTokenSends, FirstTokenSink, let_answer
 from protos.messages import KV_TRANSFER_BUCKETS, FirstToken, TokenLogprobs, token_logprobs
 
 log = logging.getLogger(__name__)
-T = TypeVar("T")
 
 
 class NeverFits(ValueError):
@@ -509,15 +507,6 @@ class PrefillNode(StepLoop):
         self.queued_tokens -= end_computing(self.waiting, rid)
         if blocks is not None:
             self.blocks.free(blocks)
-
-
-def drained(q: queue.SimpleQueue[T]) -> Iterator[T]:
-    """What `q` holds now, without waiting."""
-    while True:
-        try:
-            yield q.get_nowait()
-        except queue.Empty:
-            return
 
 
 def end_computing(waiting: list[PrefillJob], rid: str) -> int:

@@ -10,8 +10,8 @@ every other node call does.
 - A future cancelled (the request ended, its decode node was lost, its driver's deadline) sends a
   cancellation on the stream: the node drops the job.
 - The stream's end (the node died, the connection broke, the router is stopping) fails every
-  request still waiting on it, once each, with the stream's status (UNAVAILABLE when it has none of
-  its own); the next request opens a new stream.
+  request still waiting on it, once each: UNAVAILABLE (the node's loss: they are tried elsewhere),
+  or the status of a node that refused the stream (`_REFUSALS`); the next request opens a new stream.
 - An answer is read only for an id this router is waiting for on that stream; its status code must
   be one gRPC knows (else INTERNAL), and its message is bounded. The first token itself is checked
   by its reader (placement.py).

@@ -18,12 +18,15 @@ Test hooks, for fault drills (docs/service.md, "Faults"):
 from __future__ import annotations
 
 import logging
+import queue
 import threading
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from typing import TypeVar
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
 class StepLoop(ABC):
@@ -94,3 +97,12 @@ class StepLoop(ABC):
     def _loop_failed(self, error: BaseException) -> None:
         """The loop ended on `error` (loop thread): a node ends what it can no longer serve."""
         return None  # nothing to end here; the nodes override it
+
+
+def drained(q: queue.SimpleQueue[T]) -> Iterator[T]:
+    """What `q` holds now, without waiting: a loop's inbox read between its steps."""
+    while True:
+        try:
+            yield q.get_nowait()
+        except queue.Empty:
+            return
